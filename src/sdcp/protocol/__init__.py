@@ -1,0 +1,1 @@
+"""SDCP protocol core (sans-IO)."""
