@@ -1,1 +1,62 @@
 """SDCP protocol core (sans-IO)."""
+
+from sdcp.protocol.codec import MEDIA_TYPE, decode, decode_deterministic, encode
+from sdcp.protocol.contract import contract_digest
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    Contract,
+    Event,
+    Output,
+    Policy,
+    Proposal,
+    Resume,
+    Role,
+    Sampling,
+    SessionOpen,
+    SessionState,
+    Status,
+    Verdict,
+    parse_session_path_id,
+    session_path_id,
+)
+from sdcp.protocol.problems import (
+    PROBLEM_MEDIA_TYPE,
+    BadContract,
+    BadMessage,
+    ProblemType,
+    ProtocolError,
+    parse_problem_json,
+    problem_json,
+)
+
+__all__ = [
+    "MEDIA_TYPE",
+    "PROBLEM_MEDIA_TYPE",
+    "Action",
+    "Assignment",
+    "BadContract",
+    "BadMessage",
+    "Contract",
+    "Event",
+    "Output",
+    "Policy",
+    "ProblemType",
+    "Proposal",
+    "ProtocolError",
+    "Resume",
+    "Role",
+    "Sampling",
+    "SessionOpen",
+    "SessionState",
+    "Status",
+    "Verdict",
+    "contract_digest",
+    "decode",
+    "decode_deterministic",
+    "encode",
+    "parse_problem_json",
+    "parse_session_path_id",
+    "problem_json",
+    "session_path_id",
+]

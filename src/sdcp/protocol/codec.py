@@ -1,0 +1,183 @@
+"""CBOR codec for SDCP messages (SDCP 5.1): deterministic encoding, bounded decoding.
+
+SDCP's data model is what its CDDL can express: integers, byte strings, text strings, booleans,
+arrays and maps with text keys. The decoder refuses everything else (floats, tags, null,
+undefined, other simple values, non-text keys) so that a decoded message can always be
+re-encoded deterministically, and every decoding failure surfaces as `BadMessage`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+from collections.abc import Iterator
+from typing import NoReturn
+
+import cbor2
+
+from sdcp.protocol.problems import BadMessage
+
+__all__ = [
+    "DEFAULT_MAX_DEPTH",
+    "DEFAULT_MAX_SIZE",
+    "MEDIA_TYPE",
+    "b64url_decode",
+    "b64url_encode",
+    "decode",
+    "decode_deterministic",
+    "encode",
+]
+
+MEDIA_TYPE = "application/sdcp+cbor"
+DEFAULT_MAX_SIZE = 16 * 1024 * 1024
+# The deepest SDCP message (session-open > contract > sampling > value) nests 4 levels.
+DEFAULT_MAX_DEPTH = 16
+
+_INT_MIN = -(2**64)
+_INT_MAX = 2**64 - 1
+_B64URL = re.compile(r"[A-Za-z0-9_-]*")
+
+
+class _RejectEveryTag(dict[int, object]):
+    """A semantic-decoder table that claims every tag, so cbor2 applies none of its own."""
+
+    def __contains__(self, tag: object) -> bool:
+        return True
+
+    def get(self, tag: object, default: object = None) -> object:
+        return self[tag]
+
+    def __getitem__(self, tag: object) -> object:
+        def reject(*_decoder_and_value: object) -> NoReturn:
+            raise BadMessage(f"CBOR tag {tag} is not part of SDCP")
+
+        return reject
+
+
+_NO_TAGS = _RejectEveryTag()
+
+
+def _reject_tag(_decoder: cbor2.CBORDecoder, tag: cbor2.CBORTag) -> NoReturn:
+    raise BadMessage(f"CBOR tag {tag.tag} is not part of SDCP")
+
+
+def _walk(obj: object) -> Iterator[object]:
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        yield item
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+def _outside_data_model(obj: object) -> str | None:
+    """Why `obj` lies outside SDCP's data model, or None when it lies inside."""
+    for item in _walk(obj):
+        if isinstance(item, bool):
+            continue
+        if isinstance(item, int):
+            if not _INT_MIN <= item <= _INT_MAX:
+                return f"integer {item} does not fit CBOR major types 0 and 1"
+        elif isinstance(item, dict):
+            for key in item:
+                if not isinstance(key, str):
+                    return f"map key {key!r} is not a text string"
+        elif not isinstance(item, (str, bytes, list, tuple)):
+            return f"{type(item).__name__} value {item!r} is not part of SDCP"
+    return None
+
+
+def _innermost_bad_message(exc: BaseException) -> BadMessage | None:
+    """Our own rejection (of a tag) when cbor2 wrapped it in its decode error."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, BadMessage):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def encode(obj: object) -> bytes:
+    """RFC 8949 4.2.1 core deterministic encoding of `obj`.
+
+    cbor2's canonical mode sorts map keys length-first; for text keys that order equals the
+    bytewise order of the encoded keys that 4.2.1 requires, which is why keys must be text.
+    """
+    problem = _outside_data_model(obj)
+    if problem is not None:
+        raise ValueError(f"cannot encode: {problem}")
+    return cbor2.dumps(obj, canonical=True)
+
+
+def decode(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_size: int = DEFAULT_MAX_SIZE,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+) -> object:
+    """Decode exactly one CBOR data item of SDCP's data model; anything else raises BadMessage."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"CBOR input must be bytes, not {type(data).__name__}")
+    size = len(data)
+    if size > max_size:
+        raise BadMessage(f"message of {size} bytes exceeds the limit of {max_size} bytes")
+    stream = io.BytesIO(data)
+    decoder = cbor2.CBORDecoder(
+        stream,
+        tag_hook=_reject_tag,
+        semantic_decoders=_NO_TAGS,
+        max_depth=max_depth,
+        allow_duplicate_keys=False,
+        strict_hashable_types=True,
+    )
+    try:
+        obj = decoder.decode()
+    except Exception as exc:  # cbor2 raises several unrelated types; callers must see one.
+        ours = _innermost_bad_message(exc)
+        raise BadMessage(str(ours) if ours is not None else f"malformed CBOR: {exc}") from exc
+    if stream.tell() != size:
+        raise BadMessage(f"{size - stream.tell()} trailing bytes after the CBOR data item")
+    problem = _outside_data_model(obj)
+    if problem is not None:
+        raise BadMessage(problem)
+    return obj
+
+
+def decode_deterministic(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_size: int = DEFAULT_MAX_SIZE,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+) -> object:
+    """Like `decode`, and also reject input that is not in core deterministic encoding.
+
+    cbor2 accepts non-shortest integers, indefinite lengths and unsorted maps; re-encoding and
+    comparing catches all of them at once.
+    """
+    obj = decode(data, max_size=max_size, max_depth=max_depth)
+    if encode(obj) != bytes(data):
+        raise BadMessage("CBOR input is not in core deterministic encoding (RFC 8949 4.2.1)")
+    return obj
+
+
+def b64url_encode(data: bytes) -> str:
+    """Base64url without padding (RFC 4648 section 5)."""
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def b64url_decode(text: str) -> bytes:
+    """Inverse of `b64url_encode`; refuses padding, foreign characters and non-canonical input."""
+    if not isinstance(text, str) or _B64URL.fullmatch(text) is None:
+        raise BadMessage(f"{text!r} is not unpadded base64url")
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError) as exc:
+        raise BadMessage(f"{text!r} is not unpadded base64url: {exc}") from exc
+    if b64url_encode(raw) != text:
+        raise BadMessage(f"{text!r} is not canonical base64url")
+    return raw

@@ -1,0 +1,29 @@
+"""The contract digest (SDCP 4.1)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+__all__ = ["CONTRACT_DOMAIN", "contract_digest", "digest_of_encoded_contract"]
+
+CONTRACT_DOMAIN = b"SDCP-CONTRACT-1\x00"
+
+
+def digest_of_encoded_contract(encoded: bytes) -> bytes:
+    """SHA-256("SDCP-CONTRACT-1" || 0x00 || encoded), `encoded` being deterministic CBOR."""
+    return hashlib.sha256(CONTRACT_DOMAIN + encoded).digest()
+
+
+def contract_digest(contract: Mapping[str, object]) -> bytes:
+    """contract_digest of a contract given in the CBOR data model (SDCP 4.1).
+
+    The contract is validated first, so an invalid one raises BadContract instead of getting a
+    digest that no verifier would ever agree to.
+    """
+    # Imported here because messages.Contract itself uses digest_of_encoded_contract.
+    from sdcp.protocol.messages import Contract
+
+    if not isinstance(contract, Mapping):
+        raise TypeError(f"contract must be a mapping, not {type(contract).__name__}")
+    return Contract.from_obj(dict(contract)).digest

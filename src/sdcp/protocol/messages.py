@@ -1,0 +1,522 @@
+"""SDCP messages (SDCP 4.1, 5.2): one frozen dataclass per CDDL type.
+
+Fields carry the CDDL member names (`Output.from_` stands for the key "from", a Python keyword);
+`None` means "absent". Every instance is validated on construction, whether built from decoded CBOR
+or directly, and every violation raises a `ProtocolError`: `BadContract` for anything inside a
+contract, `BadMessage` elsewhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Self
+
+from sdcp.protocol import codec
+from sdcp.protocol.contract import digest_of_encoded_contract
+from sdcp.protocol.problems import BadContract, BadMessage, ProtocolError
+
+__all__ = [
+    "LADDER_ACTIONS",
+    "TOKEN_MAX",
+    "UINT_MAX",
+    "Action",
+    "Assignment",
+    "Contract",
+    "Event",
+    "Output",
+    "Policy",
+    "Proposal",
+    "Resume",
+    "Role",
+    "Sampling",
+    "SessionOpen",
+    "SessionState",
+    "Status",
+    "Verdict",
+    "parse_session_path_id",
+    "session_path_id",
+]
+
+UINT_MAX = 2**64 - 1
+# Token ids enter the digest chain as uint32 (SDCP 4.2).
+TOKEN_MAX = 2**32 - 1
+HASH_SIZE = 32
+SESSION_ID_SIZE = 16
+SCOPE_SIZE = 16
+
+ErrorFactory = Callable[[str], ProtocolError]
+
+
+class Action(enum.IntEnum):
+    """The action values of SDCP 4.1."""
+
+    CONTINUE = 0
+    REDUCE = 1
+    SWITCH = 2
+    SELF_DECODE = 3
+    FINISH = 4
+    FAIL = 5
+
+    @classmethod
+    def parse(cls, value: int) -> Action:
+        """The action `value` names; an unknown value reads as FAIL (SDCP 5.2)."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.FAIL
+
+
+# SDCP 6.5.2: the fallback list contains only reduce, switch, self_decode and fail.
+LADDER_ACTIONS = frozenset({Action.REDUCE, Action.SWITCH, Action.SELF_DECODE, Action.FAIL})
+
+
+class Role(enum.IntEnum):
+    """The role member of a status message (SDCP 5.2)."""
+
+    DRAFTER = 1
+    VERIFIER = 2
+
+
+@dataclass(frozen=True)
+class _Context:
+    """How a member is judged: which error it raises and whether unknown keys are refused."""
+
+    error: ErrorFactory
+    strict: bool
+
+
+class _Kind(ABC):
+    """The CDDL type of one member: validates a value and renders it in the CBOR data model."""
+
+    @abstractmethod
+    def parse(self, value: object, ctx: _Context, where: str) -> Any: ...
+
+    def dump(self, value: Any) -> object:
+        return value
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass in Python but a distinct CBOR type.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class _UInt(_Kind):
+    low: int = 0
+    high: int = UINT_MAX
+
+    def parse(self, value: object, ctx: _Context, where: str) -> int:
+        if not _is_int(value):
+            raise ctx.error(f"{where} must be an unsigned integer, not {type(value).__name__}")
+        assert isinstance(value, int)
+        if not self.low <= value <= self.high:
+            raise ctx.error(f"{where} = {value} is outside [{self.low}, {self.high}]")
+        return int(value)
+
+    def dump(self, value: Any) -> object:
+        return int(value)
+
+
+@dataclass(frozen=True)
+class _Bytes(_Kind):
+    size: int
+
+    def parse(self, value: object, ctx: _Context, where: str) -> bytes:
+        if not isinstance(value, (bytes, bytearray)):
+            raise ctx.error(f"{where} must be a byte string, not {type(value).__name__}")
+        if len(value) != self.size:
+            raise ctx.error(f"{where} must be {self.size} bytes, not {len(value)}")
+        return bytes(value)
+
+
+class _Text(_Kind):
+    def parse(self, value: object, ctx: _Context, where: str) -> str:
+        if not isinstance(value, str):
+            raise ctx.error(f"{where} must be a text string, not {type(value).__name__}")
+        return value
+
+
+class _Bool(_Kind):
+    def parse(self, value: object, ctx: _Context, where: str) -> bool:
+        if not isinstance(value, bool):
+            raise ctx.error(f"{where} must be a boolean, not {type(value).__name__}")
+        return value
+
+
+@dataclass(frozen=True)
+class _Array(_Kind):
+    item: _Kind
+    non_empty: bool = False
+
+    def parse(self, value: object, ctx: _Context, where: str) -> tuple[Any, ...]:
+        if not isinstance(value, (list, tuple)):
+            raise ctx.error(f"{where} must be an array, not {type(value).__name__}")
+        if self.non_empty and not value:
+            raise ctx.error(f"{where} must not be empty")
+        return tuple(self.item.parse(item, ctx, f"{where}[{i}]") for i, item in enumerate(value))
+
+    def dump(self, value: Any) -> object:
+        return [self.item.dump(item) for item in value]
+
+
+class _ActionKind(_Kind):
+    def parse(self, value: object, ctx: _Context, where: str) -> Action:
+        return Action.parse(_UINT.parse(value, ctx, where))
+
+    def dump(self, value: Any) -> object:
+        return int(value)
+
+
+class _LadderEntry(_Kind):
+    """A fallback entry; an unknown value is kept as given (it reads as fail) for the round trip."""
+
+    def parse(self, value: object, ctx: _Context, where: str) -> Action | int:
+        number = _UINT.parse(value, ctx, where)
+        if number not in Action.__members__.values():
+            return number
+        action = Action(number)
+        if action not in LADDER_ACTIONS:
+            raise ctx.error(f"{where} = {action.name.lower()} is not allowed in the fallback list")
+        return action
+
+    def dump(self, value: Any) -> object:
+        return int(value)
+
+
+@dataclass(frozen=True)
+class _IntEnumKind(_Kind):
+    enum_type: type[enum.IntEnum]
+
+    def parse(self, value: object, ctx: _Context, where: str) -> enum.IntEnum:
+        number = _UINT.parse(value, ctx, where)
+        try:
+            return self.enum_type(number)
+        except ValueError:
+            allowed = ", ".join(str(int(m)) for m in self.enum_type)
+            raise ctx.error(f"{where} = {number} is not one of {allowed}") from None
+
+    def dump(self, value: Any) -> object:
+        return int(value)
+
+
+class _Prompt(_Kind):
+    """`[* uint] / cache-ref`: a token list or the URI of an MLC object."""
+
+    def parse(self, value: object, ctx: _Context, where: str) -> tuple[int, ...] | str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (list, tuple)):
+            return _TOKENS.parse(value, ctx, where)
+        raise ctx.error(f"{where} must be a token array or a cache-ref, not {type(value).__name__}")
+
+    def dump(self, value: Any) -> object:
+        return value if isinstance(value, str) else list(value)
+
+
+@dataclass(frozen=True)
+class _Nested(_Kind):
+    message_type: type[_Message]
+
+    def parse(self, value: object, ctx: _Context, where: str) -> _Message:
+        if isinstance(value, self.message_type):
+            return value
+        return self.message_type._parse(value, ctx, where)
+
+    def dump(self, value: Any) -> object:
+        return value.to_obj()
+
+
+_UINT = _UInt()
+_TOKEN = _UInt(high=TOKEN_MAX)
+_TOKENS = _Array(_TOKEN)
+_TEXT = _Text()
+_HASH = _Bytes(HASH_SIZE)
+_SESSION = _Bytes(SESSION_ID_SIZE)
+_ACTION = _ActionKind()
+
+
+def _required(kind: _Kind, *, key: str | None = None) -> Any:
+    return field(metadata={"kind": kind, "required": True, "key": key})
+
+
+def _optional(kind: _Kind, *, key: str | None = None) -> Any:
+    return field(default=None, metadata={"kind": kind, "required": False, "key": key})
+
+
+class _Message:
+    """Shared behaviour of the message dataclasses: validation, CBOR data model, codec."""
+
+    # The error a violation raises and whether unknown keys are refused, when no enclosing
+    # message decides (a sampling profile inside a contract is judged as part of the contract).
+    _ERROR: ClassVar[ErrorFactory] = BadMessage
+    _STRICT: ClassVar[bool] = False
+    # True where the class always judges itself by its own rules, whatever encloses it.
+    _OWN_RULES: ClassVar[bool] = False
+
+    @classmethod
+    def _members(cls) -> list[tuple[str, str, _Kind, bool]]:
+        """(attribute, CBOR key, kind, required) of each member, in CDDL order."""
+        return [
+            (f.name, f.metadata["key"] or f.name, f.metadata["kind"], f.metadata["required"])
+            for f in fields(cls)  # type: ignore[arg-type]
+            if "kind" in f.metadata
+        ]
+
+    @classmethod
+    def _own_context(cls) -> _Context:
+        return _Context(cls._ERROR, cls._STRICT)
+
+    def __post_init__(self) -> None:
+        ctx = self._own_context()
+        name = type(self).__name__
+        for attribute, key, kind, required in self._members():
+            value = getattr(self, attribute)
+            if value is None:
+                if required:
+                    raise ctx.error(f"{name} lacks the required member '{key}'")
+                continue
+            object.__setattr__(self, attribute, kind.parse(value, ctx, f"{name}.{key}"))
+
+    @classmethod
+    def _parse(cls, obj: object, ctx: _Context, where: str) -> Self:
+        if cls._OWN_RULES:
+            ctx = cls._own_context()
+        if not isinstance(obj, dict):
+            raise ctx.error(f"{where} must be a map, not {type(obj).__name__}")
+        members = cls._members()
+        if ctx.strict:
+            known = {key for _, key, _, _ in members}
+            unknown = sorted(repr(key) for key in obj if key not in known)
+            if unknown:
+                raise ctx.error(f"{where} has unknown members {', '.join(unknown)}")
+        values: dict[str, Any] = {}
+        for attribute, key, kind, required in members:
+            if key in obj:
+                values[attribute] = kind.parse(obj[key], ctx, f"{where}.{key}")
+            elif required:
+                raise ctx.error(f"{where} lacks the required member '{key}'")
+        return cls(**values)
+
+    @classmethod
+    def from_obj(cls, obj: object) -> Self:
+        """Validate a decoded CBOR data item; unknown keys are ignored except in a contract."""
+        return cls._parse(obj, cls._own_context(), cls.__name__)
+
+    def to_obj(self) -> dict[str, object]:
+        """The CBOR data model of this message, absent optional members omitted."""
+        return {
+            key: kind.dump(getattr(self, attribute))
+            for attribute, key, kind, _ in self._members()
+            if getattr(self, attribute) is not None
+        }
+
+    @classmethod
+    def from_cbor(cls, data: bytes) -> Self:
+        return cls.from_obj(codec.decode(data))
+
+    def to_cbor(self) -> bytes:
+        return codec.encode(self.to_obj())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling(_Message):
+    """The sampling profile (SDCP 4.1)."""
+
+    temperature_milli: int | None = _optional(_UINT)
+    top_k: int | None = _optional(_UINT)
+    top_p_milli: int | None = _optional(_UInt(high=1000))
+    seed: int | None = _optional(_UINT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Contract(_Message):
+    """The immutable session contract (SDCP 4.1).
+
+    Its digest is computed over the contract as it was created or received, never over a
+    re-serialisation, so that every party hashes the same bytes.
+    """
+
+    # SDCP 4.1: anything wrong in a contract, an unknown key included, is sdcp-bad-contract.
+    _ERROR: ClassVar[ErrorFactory] = BadContract
+    _STRICT: ClassVar[bool] = True
+    _OWN_RULES: ClassVar[bool] = True
+
+    target: bytes = _required(_HASH)
+    tokenizer: bytes = _required(_HASH)
+    drafters: tuple[bytes, ...] | None = _optional(_Array(_HASH, non_empty=True))
+    rule: int = _required(_UINT)
+    sampling: Sampling | None = _optional(_Nested(Sampling))
+    # SDCP 6.5.1 requires 1 <= m_cap <= m_max, so m_max 0 leaves no valid m_cap.
+    m_max: int = _required(_UInt(low=1, high=64))
+    max_new: int = _required(_UINT)
+    stop: tuple[int, ...] = _required(_TOKENS)
+    low_rounds: int = _required(_UInt(low=1))
+    low_ratio: int | None = _optional(_UInt(high=100))
+    fallback: tuple[Action | int, ...] = _required(_Array(_LadderEntry(), non_empty=True))
+    self_load: int | None = _optional(_UInt(high=100))
+    self_max: int | None = _optional(_UINT)
+    scope: bytes | None = _optional(_Bytes(SCOPE_SIZE))
+    _encoded: bytes = field(init=False, repr=False, compare=False, default=b"")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "_encoded", codec.encode(self.to_obj()))
+
+    @classmethod
+    def _parse(cls, obj: object, ctx: _Context, where: str) -> Self:
+        contract = super()._parse(obj, ctx, where)
+        object.__setattr__(contract, "_encoded", codec.encode(obj))
+        return contract
+
+    @classmethod
+    def from_cbor(cls, data: bytes) -> Self:
+        """Decode a contract that must already be in deterministic encoding."""
+        try:
+            obj = codec.decode_deterministic(data)
+        except BadMessage as exc:
+            raise BadContract(f"contract: {exc.detail}") from exc
+        return cls.from_obj(obj)
+
+    @property
+    def encoded(self) -> bytes:
+        """Deterministic CBOR of the contract as created: the input to its digest."""
+        return self._encoded
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """contract_digest of SDCP 4.1."""
+        return digest_of_encoded_contract(self._encoded)
+
+    @property
+    def ladder(self) -> tuple[Action, ...]:
+        """The fallback list as actions; an unknown value reads as fail (SDCP 5.2)."""
+        return tuple(Action.parse(entry) for entry in self.fallback)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resume(_Message):
+    """The `resume` member of session-open, present on failover (SDCP 5.2, 6.9)."""
+
+    round: int = _required(_UINT)
+    committed: int = _required(_UINT)
+    digest: bytes = _required(_HASH)
+    committed_tokens: str = _required(_TEXT)
+    target_kv: str | None = _optional(_TEXT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionOpen(_Message):
+    session: bytes = _required(_SESSION)
+    epoch: int = _required(_UINT)
+    contract: Contract = _required(_Nested(Contract))
+    prompt: tuple[int, ...] | str = _required(_Prompt())
+    prompt_kv: str | None = _optional(_TEXT)
+    commit_log: str = _required(_TEXT)
+    resume: Resume | None = _optional(_Nested(Resume))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionState(_Message):
+    session: bytes = _required(_SESSION)
+    epoch: int = _required(_UINT)
+    round: int = _required(_UINT)
+    committed: int = _required(_UINT)
+    digest: bytes = _required(_HASH)
+    state: int | None = _optional(_UINT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assignment(_Message):
+    session: bytes = _required(_SESSION)
+    epoch: int = _required(_UINT)
+    contract: Contract = _required(_Nested(Contract))
+    verifier: str = _required(_TEXT)
+    drafter: str = _required(_TEXT)
+    prompt: tuple[int, ...] | str = _required(_Prompt())
+    round: int = _required(_UINT)
+    sampling: Sampling | None = _optional(_Nested(Sampling))
+    committed: int = _required(_UINT)
+    digest: bytes = _required(_HASH)
+    committed_tokens: str | None = _optional(_TEXT)
+    m_init: int = _required(_UINT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Status(_Message):
+    instance: str = _required(_TEXT)
+    role: Role = _required(_IntEnumKind(Role))
+    load: int = _required(_UInt(high=100))
+    queue: int = _required(_UINT)
+    accept_milli: int | None = _optional(_UInt(high=1000))
+    cache_mbps: int | None = _optional(_UINT)
+    ttl_ms: int = _required(_UINT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Proposal(_Message):
+    session: bytes = _required(_SESSION)
+    epoch: int = _required(_UINT)
+    round: int = _required(_UINT)
+    drafter: str = _required(_TEXT)
+    base: int = _required(_UINT)
+    base_digest: bytes = _required(_HASH)
+    tokens: tuple[int, ...] = _required(_Array(_TOKEN, non_empty=True))
+    q_rows: str | None = _optional(_TEXT)
+    draft_kv: str | None = _optional(_TEXT)
+    status: Status = _required(_Nested(Status))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict(_Message):
+    session: bytes = _required(_SESSION)
+    epoch: int = _required(_UINT)
+    round: int = _required(_UINT)
+    accepted: int = _required(_UINT)
+    emitted: tuple[int, ...] = _required(_TOKENS)
+    committed: int = _required(_UINT)
+    digest: bytes = _required(_HASH)
+    action: Action = _required(_ACTION)
+    m_cap: int = _required(_UINT)
+    low: int = _required(_UINT)
+    load: int = _required(_UInt(high=100))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Output(_Message):
+    session: bytes = _required(_SESSION)
+    epoch: int = _required(_UINT)
+    from_: int = _required(_UINT, key="from")
+    tokens: tuple[int, ...] = _required(_TOKENS)
+    final: bool = _required(_Bool())
+    finish: Action | None = _optional(_ACTION)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event(_Message):
+    session: bytes = _required(_SESSION)
+    epoch: int = _required(_UINT)
+    kind: Action = _required(_ACTION)
+    committed: int = _required(_UINT)
+    digest: bytes = _required(_HASH)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy(_Message):
+    session: bytes = _required(_SESSION)
+    from_round: int = _required(_UINT)
+    sampling: Sampling = _required(_Nested(Sampling))
+
+
+def session_path_id(session: bytes) -> str:
+    """The {id} of session paths: unpadded base64url of the session id (SDCP 5.1)."""
+    return codec.b64url_encode(_SESSION.parse(session, _Context(BadMessage, False), "session"))
+
+
+def parse_session_path_id(path_id: str) -> bytes:
+    """The session id a path {id} names; anything but 16 bytes in base64url raises BadMessage."""
+    return _SESSION.parse(codec.b64url_decode(path_id), _Context(BadMessage, False), "session path id")
+
