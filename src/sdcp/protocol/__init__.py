@@ -2,6 +2,7 @@
 
 from sdcp.protocol.codec import MEDIA_TYPE, decode, decode_deterministic, encode
 from sdcp.protocol.contract import contract_digest
+from sdcp.protocol.digest import extend_digest, prefix_digest
 from sdcp.protocol.messages import (
     Action,
     Assignment,
@@ -55,8 +56,10 @@ __all__ = [
     "decode",
     "decode_deterministic",
     "encode",
+    "extend_digest",
     "parse_problem_json",
     "parse_session_path_id",
+    "prefix_digest",
     "problem_json",
     "session_path_id",
 ]
