@@ -1,0 +1,190 @@
+"""Codec: RFC 8949 Appendix A vectors, deterministic encoding, bounded typed decoding (SDCP 5.1)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import cbor2
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdcp.protocol import codec
+from sdcp.protocol.problems import BadMessage
+
+VECTORS = json.loads((Path(__file__).parent / "vectors" / "rfc8949_appendix_a.json").read_text())
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"bstr"}:
+        return bytes.fromhex(value["bstr"])
+    if isinstance(value, dict):
+        return {key: _from_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_from_json(item) for item in value]
+    return value
+
+
+def _ids(cases: list[dict[str, Any]]) -> list[str]:
+    return [case["encoded"][:24] for case in cases]
+
+
+@pytest.mark.parametrize("case", VECTORS["deterministic"], ids=_ids(VECTORS["deterministic"]))
+def test_appendix_a_deterministic_items_decode_and_reencode(case: dict[str, Any]) -> None:
+    encoded = bytes.fromhex(case["encoded"])
+    value = _from_json(case["value"])
+    assert codec.decode(encoded) == value
+    assert codec.decode_deterministic(encoded) == value
+    assert codec.encode(value) == encoded
+
+
+@pytest.mark.parametrize("case", VECTORS["indefinite"], ids=_ids(VECTORS["indefinite"]))
+def test_appendix_a_indefinite_items_decode_but_are_not_deterministic(case: dict[str, Any]) -> None:
+    encoded = bytes.fromhex(case["encoded"])
+    assert codec.decode(encoded) == _from_json(case["value"])
+    with pytest.raises(BadMessage, match="deterministic"):
+        codec.decode_deterministic(encoded)
+
+
+@pytest.mark.parametrize("case", VECTORS["rejected"], ids=[c["diagnostic"] for c in VECTORS["rejected"]])
+def test_appendix_a_items_outside_sdcp_data_model_are_rejected(case: dict[str, Any]) -> None:
+    with pytest.raises(BadMessage):
+        codec.decode(bytes.fromhex(case["encoded"]))
+
+
+def test_media_type() -> None:
+    assert codec.MEDIA_TYPE == "application/sdcp+cbor"
+
+
+@pytest.mark.parametrize(
+    ("hex_input", "reason"),
+    [
+        ("0102", "trailing"),
+        ("", "premature"),
+        ("83 01 02", "premature"),
+        ("62 c3 28", "text string"),
+        ("a2 6161 01 6161 02", "Duplicate"),
+        ("a1 01 02", "key"),
+        ("a1 41 61 02", "key"),
+        ("1c", "malformed"),
+        ("ff", "malformed"),
+    ],
+)
+def test_malformed_input_raises_bad_message(hex_input: str, reason: str) -> None:
+    with pytest.raises(BadMessage, match=reason):
+        codec.decode(bytes.fromhex(hex_input.replace(" ", "")))
+
+
+def test_duplicate_keys_rejected_in_nested_maps() -> None:
+    data = bytes.fromhex("a1 6161 a2 6162 01 6162 02".replace(" ", ""))
+    with pytest.raises(BadMessage, match="Duplicate"):
+        codec.decode(data)
+
+
+def test_size_limit() -> None:
+    data = codec.encode(b"x" * 100)
+    assert codec.decode(data, max_size=len(data)) == b"x" * 100
+    with pytest.raises(BadMessage, match="exceeds"):
+        codec.decode(data, max_size=len(data) - 1)
+
+
+def test_default_size_limit_is_16_mib() -> None:
+    assert codec.DEFAULT_MAX_SIZE == 16 * 1024 * 1024
+    with pytest.raises(BadMessage, match="exceeds"):
+        codec.decode(b"\x00" * (codec.DEFAULT_MAX_SIZE + 1))
+
+
+def test_nesting_depth_limit() -> None:
+    nested: object = 0
+    for _ in range(codec.DEFAULT_MAX_DEPTH + 1):
+        nested = [nested]
+    with pytest.raises(BadMessage, match="depth"):
+        codec.decode(cbor2.dumps(nested))
+    assert codec.decode(cbor2.dumps([[[0]]]), max_depth=3) == [[[0]]]
+    with pytest.raises(BadMessage, match="depth"):
+        codec.decode(cbor2.dumps([[[0]]]), max_depth=2)
+
+
+def test_deeply_nested_hostile_input_is_bad_message() -> None:
+    with pytest.raises(BadMessage):
+        codec.decode(b"\x81" * 100_000 + b"\x00")
+
+
+@pytest.mark.parametrize(
+    "hex_input",
+    ["1801", "190001", "1a00000001", "1b0000000000000001", "5801 61".replace(" ", ""), "a2 6162 01 6161 02"],
+)
+def test_decode_deterministic_rejects_non_shortest_and_unsorted(hex_input: str) -> None:
+    data = bytes.fromhex(hex_input.replace(" ", ""))
+    codec.decode(data)
+    with pytest.raises(BadMessage, match="deterministic"):
+        codec.decode_deterministic(data)
+
+
+def test_decode_accepts_bytearray_and_memoryview_but_not_str() -> None:
+    assert codec.decode(bytearray(b"\x01")) == 1
+    assert codec.decode(memoryview(b"\x01")) == 1
+    with pytest.raises(TypeError):
+        codec.decode("01")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [1.5, None, {1: 2}, {b"k": 1}, 2**64, -(2**64) - 1, {"a": [object()]}])
+def test_encode_refuses_values_outside_data_model(value: object) -> None:
+    with pytest.raises(ValueError):
+        codec.encode(value)
+
+
+def test_encode_tuples_as_arrays() -> None:
+    assert codec.encode((1, 2)) == codec.encode([1, 2]) == bytes.fromhex("820102")
+
+
+def _head(major: int, argument: int) -> bytes:
+    """RFC 8949 3.1 initial byte plus shortest argument, written from the RFC, not from cbor2."""
+    if argument < 24:
+        return bytes([major << 5 | argument])
+    for additional, fmt in ((24, ">B"), (25, ">H"), (26, ">I"), (27, ">Q")):
+        if argument < 1 << (8 * struct.calcsize(fmt)):
+            return bytes([major << 5 | additional]) + struct.pack(fmt, argument)
+    raise AssertionError("argument too large")
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode("utf-8")
+    return _head(3, len(raw)) + raw
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=40), st.integers(min_value=0, max_value=2**64 - 1), max_size=12))
+def test_canonical_order_is_rfc8949_bytewise_order_for_text_keys(mapping: dict[str, int]) -> None:
+    # RFC 8949 4.2.1: keys sorted by the bytewise lexicographic order of their encodings.
+    items = sorted(mapping.items(), key=lambda item: _text(item[0]))
+    expected = _head(5, len(items)) + b"".join(_text(k) + _head(0, v) for k, v in items)
+    assert codec.encode(mapping) == expected
+
+
+_SDCP_VALUES = st.recursive(
+    st.integers(min_value=-(2**64), max_value=2**64 - 1) | st.binary(max_size=20) | st.text(max_size=20) | st.booleans(),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=8), children, max_size=5),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_SDCP_VALUES)
+def test_round_trip_of_data_model_values(value: object) -> None:
+    encoded = codec.encode(value)
+    assert codec.decode(encoded) == value
+    assert codec.decode_deterministic(encoded) == value
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=64))
+def test_random_bytes_decode_or_raise_bad_message(data: bytes) -> None:
+    try:
+        value = codec.decode(data)
+    except BadMessage:
+        return
+    codec.encode(value)
