@@ -75,11 +75,9 @@ def draw_token(probs: np.ndarray, r: float) -> int:
     total = cumulative[-1]
     if total <= 0.0:
         raise InvalidDistribution("probabilities sum to zero")
-    token = int(np.searchsorted(cumulative, r * total, side="right"))
-    if token == row.size:
-        # r * total rounded up to total: the mass belongs to the last token that has any.
-        token = int(np.flatnonzero(row)[-1])
-    return token
+    # For r < 1, round-to-nearest keeps r * total strictly below total, so some cumulative sum
+    # exceeds it; the first one that does is larger than its predecessor, so its token has mass.
+    return int(np.searchsorted(cumulative, r * total, side="right"))
 
 
 def _as_logit_rows(logits: np.ndarray) -> np.ndarray:
