@@ -1,0 +1,44 @@
+"""The multi-level cache (MLC): objects named by `mlc://` URIs, leases and commit logs (SDCP 6.8)."""
+
+from sdcp.cache.commitlog import CommitLog, FileCommitLog, LogSnapshot, MemoryCommitLog
+from sdcp.cache.errors import (
+    CacheError,
+    CacheFull,
+    CorruptRecord,
+    Fenced,
+    InvalidArgument,
+    InvalidRecord,
+    InvalidURI,
+    LeaseNotHeld,
+    ObjectNotFound,
+    ObjectTooLarge,
+    PreconditionFailed,
+)
+from sdcp.cache.etags import content_etag
+from sdcp.cache.mlc import MLC, Lease, ObjectInfo
+from sdcp.cache.uri import ObjectURI, build_uri, parse_uri
+
+__all__ = [
+    "MLC",
+    "CacheError",
+    "CacheFull",
+    "CommitLog",
+    "CorruptRecord",
+    "FileCommitLog",
+    "Fenced",
+    "InvalidArgument",
+    "InvalidRecord",
+    "InvalidURI",
+    "Lease",
+    "LeaseNotHeld",
+    "LogSnapshot",
+    "MemoryCommitLog",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "ObjectTooLarge",
+    "ObjectURI",
+    "PreconditionFailed",
+    "build_uri",
+    "content_etag",
+    "parse_uri",
+]

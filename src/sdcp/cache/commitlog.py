@@ -1,0 +1,269 @@
+"""Commit logs (SDCP 6.8): conditional append on the current entity tag, fence records.
+
+A log is a sequence of CBOR maps. Every record carries the `epoch` of its writer; a record that holds
+nothing but an epoch is a fence record. The rules, identical in every backend:
+
+- `append(record, if_match)` succeeds only if `if_match` is the log's current ETag, so that of
+  concurrent appenders that read the same version exactly one wins (SDCP 6.8).
+- After a fence record with epoch F, an append carrying an epoch lower than F raises `Fenced`; the
+  epoch check and the append are one atomic step, so a writer that raced the fence loses too. When
+  both apply, `Fenced` is reported rather than `PreconditionFailed`: it tells the verifier to stop
+  serving the session instead of re-reading and retrying (SDCP 6.3).
+- `fence(E)` needs no ETag (the router does not race the verifier for a version, it overrules it).
+  It raises `Fenced` if the log already carries a higher epoch, and is a no-op returning the current
+  ETag if a fence with epoch E is already there, so a router can retry it.
+
+This module holds the rules, the record encoding, an in-process backend and the embedded file
+backend; the Redis backend applies the same rules in one Lua script (`sdcp.cache.redis`).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import cbor2
+
+from sdcp.cache.errors import CorruptRecord, Fenced, InvalidRecord, PreconditionFailed
+
+EMPTY_LOG_ETAG = '"0"'
+_FRAME_HEADER = struct.Struct(">II")  # payload length, CRC-32 of the payload
+
+
+@dataclass(frozen=True, slots=True)
+class LogSnapshot:
+    """The records of a log and the ETag of exactly that version."""
+
+    records: list[dict[str, Any]]
+    etag: str
+
+
+def encode_record(record: object) -> tuple[bytes, int, bool]:
+    """Deterministic CBOR of a record, its epoch, and whether it is a fence record."""
+    if not isinstance(record, dict):
+        raise InvalidRecord(f"a record is a map, got {type(record).__name__}")
+    epoch = record.get("epoch")
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise InvalidRecord(f"a record carries a non-negative integer epoch, got {epoch!r}")
+    try:
+        payload = cbor2.dumps(record, canonical=True)
+    except (cbor2.CBOREncodeError, TypeError, ValueError) as exc:
+        raise InvalidRecord(f"record is not CBOR-encodable: {exc}") from exc
+    return payload, epoch, set(record) == {"epoch"}
+
+
+def decode_record(payload: bytes, where: str) -> dict[str, Any]:
+    """Decode a stored record; anything but a map with an integer epoch is `CorruptRecord`."""
+    try:
+        record = cbor2.loads(payload)
+    except (cbor2.CBORDecodeError, ValueError, TypeError, EOFError) as exc:
+        raise CorruptRecord(f"{where}: undecodable CBOR: {exc}") from exc
+    if not isinstance(record, dict) or not isinstance(record.get("epoch"), int):
+        raise CorruptRecord(f"{where}: not a map with an integer epoch")
+    return record
+
+
+def is_fence(record: dict[str, Any]) -> bool:
+    return set(record) == {"epoch"}
+
+
+@dataclass(slots=True)
+class LogState:
+    """Records of a log plus what the rules need: a hash chain for the ETag and epoch bounds."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    chain: bytes = b""
+    fence_epoch: int = -1
+    max_epoch: int = -1
+
+    @property
+    def etag(self) -> str:
+        # The count orders versions; the hash chain over every payload makes a tag of one log's
+        # history useless against a log that was deleted and rewritten to the same length.
+        if not self.records:
+            return EMPTY_LOG_ETAG
+        return f'"{len(self.records)}-{self.chain.hex()[:32]}"'
+
+    def add(self, payload: bytes, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self.chain = hashlib.sha256(self.chain + payload).digest()
+        epoch = record["epoch"]
+        self.max_epoch = max(self.max_epoch, epoch)
+        if is_fence(record):
+            self.fence_epoch = max(self.fence_epoch, epoch)
+
+    def check_append(self, epoch: int, if_match: str) -> None:
+        if epoch < self.fence_epoch:  # SDCP 6.8: appends below the fence epoch MUST fail
+            raise Fenced(f"log is fenced at epoch {self.fence_epoch}; record has epoch {epoch}")
+        if if_match != self.etag:
+            raise PreconditionFailed(f"If-Match {if_match} is not the current ETag {self.etag}")
+
+    def fence_needed(self, epoch: int) -> bool:
+        """False when an identical fence is already the highest one; raises when overruled."""
+        if epoch < self.max_epoch:
+            raise Fenced(f"log already carries epoch {self.max_epoch}; cannot fence at {epoch}")
+        return epoch != self.fence_epoch
+
+
+class CommitLog(abc.ABC):
+    """One session's commit log (SDCP 6.8)."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+
+    @abc.abstractmethod
+    async def read(self) -> LogSnapshot:
+        """All records and the ETag of that version."""
+
+    @abc.abstractmethod
+    async def append(self, record: dict[str, Any], if_match: str) -> str:
+        """Append if `if_match` is the current ETag; returns the new ETag."""
+
+    @abc.abstractmethod
+    async def fence(self, epoch: int) -> str:
+        """Append a fence record `{"epoch": epoch}`; returns the new ETag."""
+
+    async def last_commit(self) -> dict[str, Any] | None:
+        """The last record that is not a fence record, or None."""
+        for record in reversed((await self.read()).records):
+            if not is_fence(record):
+                return record
+        return None
+
+
+def validate_fence_epoch(epoch: int) -> int:
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise InvalidRecord(f"a fence epoch is a non-negative integer, got {epoch!r}")
+    return epoch
+
+
+class MemoryCommitLog(CommitLog):
+    """In-process log for a memory-only MLC: atomic within the process, gone when it exits."""
+
+    def __init__(self, uri: str) -> None:
+        super().__init__(uri)
+        self._state = LogState()
+        self._lock = threading.Lock()
+
+    async def read(self) -> LogSnapshot:
+        with self._lock:
+            return LogSnapshot(list(self._state.records), self._state.etag)
+
+    async def append(self, record: dict[str, Any], if_match: str) -> str:
+        payload, epoch, _ = encode_record(record)
+        with self._lock:
+            self._state.check_append(epoch, if_match)
+            self._state.add(payload, cbor2.loads(payload))
+            return self._state.etag
+
+    async def fence(self, epoch: int) -> str:
+        payload, _, _ = encode_record({"epoch": validate_fence_epoch(epoch)})
+        with self._lock:
+            if self._state.fence_needed(epoch):
+                self._state.add(payload, {"epoch": epoch})
+            return self._state.etag
+
+
+class FileCommitLog(CommitLog):
+    """Embedded backend: an append-only file of frames `uint32 length | uint32 CRC-32 | CBOR`.
+
+    Every operation holds `flock` on the file (shared to read, exclusive to append), which makes
+    check-and-append atomic across threads and processes of one host. An append is acknowledged
+    only after `fsync`, so a frame cut short by a crash was never acknowledged: readers ignore such
+    a torn tail and the next appender truncates it. A complete frame whose checksum or content is
+    wrong is never skipped: it raises `CorruptRecord`, because skipping it could lose a commit.
+    """
+
+    def __init__(self, uri: str, path: Path) -> None:
+        super().__init__(uri)
+        self.path = path
+        self._state = LogState()
+        self._offset = 0
+        self._inode: int | None = None
+        self._mutex = threading.Lock()  # guards the cached state shared by worker threads
+
+    async def read(self) -> LogSnapshot:
+        return await asyncio.to_thread(self._read_sync)
+
+    async def append(self, record: dict[str, Any], if_match: str) -> str:
+        payload, epoch, _ = encode_record(record)
+        return await asyncio.to_thread(self._append_sync, payload, epoch, if_match)
+
+    async def fence(self, epoch: int) -> str:
+        payload, _, _ = encode_record({"epoch": validate_fence_epoch(epoch)})
+        return await asyncio.to_thread(self._fence_sync, payload, epoch)
+
+    def _read_sync(self) -> LogSnapshot:
+        with self._mutex, self._locked(fcntl.LOCK_SH) as handle:
+            self._catch_up(handle, repair=False)
+            return LogSnapshot(list(self._state.records), self._state.etag)
+
+    def _append_sync(self, payload: bytes, epoch: int, if_match: str) -> str:
+        with self._mutex, self._locked(fcntl.LOCK_EX) as handle:
+            self._catch_up(handle, repair=True)
+            self._state.check_append(epoch, if_match)
+            self._write_frame(handle, payload)
+            return self._state.etag
+
+    def _fence_sync(self, payload: bytes, epoch: int) -> str:
+        with self._mutex, self._locked(fcntl.LOCK_EX) as handle:
+            self._catch_up(handle, repair=True)
+            if self._state.fence_needed(epoch):
+                self._write_frame(handle, payload)
+            return self._state.etag
+
+    @contextlib.contextmanager
+    def _locked(self, mode: int) -> Iterator[IO[bytes]]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        with os.fdopen(fd, "r+b") as handle:
+            fcntl.flock(handle.fileno(), mode)
+            try:
+                yield handle
+            finally:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+    def _catch_up(self, handle: IO[bytes], *, repair: bool) -> None:
+        """Read frames appended since the cached offset (by this or any other process)."""
+        info = os.fstat(handle.fileno())
+        if info.st_ino != self._inode or info.st_size < self._offset:
+            self._state, self._offset, self._inode = LogState(), 0, info.st_ino
+        handle.seek(self._offset)
+        tail = handle.read(info.st_size - self._offset)
+        position = 0
+        while position < len(tail):
+            where = f"{self.path} record {len(self._state.records)} at offset {self._offset + position}"
+            if len(tail) - position < _FRAME_HEADER.size:
+                break
+            length, checksum = _FRAME_HEADER.unpack_from(tail, position)
+            end = position + _FRAME_HEADER.size + length
+            if end > len(tail):
+                break
+            payload = tail[position + _FRAME_HEADER.size : end]
+            if zlib.crc32(payload) != checksum:
+                raise CorruptRecord(f"{where}: checksum mismatch")
+            self._state.add(payload, decode_record(payload, where))
+            position = end
+        self._offset += position
+        if repair and self._offset < info.st_size:
+            handle.truncate(self._offset)
+            os.fsync(handle.fileno())
+
+    def _write_frame(self, handle: IO[bytes], payload: bytes) -> None:
+        handle.seek(self._offset)
+        handle.write(_FRAME_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+        self._state.add(payload, cbor2.loads(payload))
+        self._offset = handle.tell()

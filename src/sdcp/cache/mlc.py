@@ -1,0 +1,242 @@
+"""The multi-level cache (SDCP 1.2, 1.4): tiered objects named by URI, leases, commit logs.
+
+Consistency model. The shared store (Redis if configured, else the disk directory, else this
+process's memory) is the source of truth. `put()` returns only after the shared store holds the new
+version, so any process using the same store sees it from then on. Faster tiers (accelerator, host
+memory, a local disk in front of Redis) are per-process or per-host copies: every `get()` first asks
+the shared store for the current ETag and serves a cached copy only if its ETag matches, so a put or
+delete by another process is never hidden by a stale copy (read-your-writes and monotonic reads for
+every reader, at the cost of one metadata round trip per get).
+
+Placement. A put writes through to the shared store and allocates in the fastest cache tier. A hit
+in a slower tier is promoted into every faster tier; an entry evicted from a cache tier by capacity
+pressure (LRU) is demoted to the next slower cache tier, or dropped when there is none, since the
+shared store keeps it. Only eviction in the shared store loses an object, and it never takes a
+leased one: a put that could only make room by evicting leased objects fails with `CacheFull`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from types import TracebackType
+
+from sdcp.cache.bandwidth import BandwidthMeter
+from sdcp.cache.commitlog import CommitLog
+from sdcp.cache.device import DeviceTier, cuda_available
+from sdcp.cache.disk import DiskTier
+from sdcp.cache.errors import InvalidArgument, ObjectNotFound, ObjectTooLarge
+from sdcp.cache.etags import content_etag
+from sdcp.cache.memory import MemoryStore, MemoryTier
+from sdcp.cache.tiers import CachedObject, CacheTier, SharedStore
+from sdcp.cache.uri import canonical
+
+MiB = 1 << 20
+DEFAULT_MAX_OBJECT_BYTES = 64 * MiB
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What an HTTP wrapper needs for headers: the URI, its ETag and the size in bytes."""
+
+    uri: str
+    etag: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    uri: str
+    holder: str
+    expires_at: float  # seconds since the Unix epoch, on the shared store's clock
+
+
+class MLC:
+    """Async facade over one shared store and zero or more cache tiers (fastest first)."""
+
+    def __init__(
+        self,
+        *,
+        authority: str,
+        shared: SharedStore,
+        caches: list[CacheTier],
+        max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+    ) -> None:
+        if max_object_bytes <= 0:
+            raise InvalidArgument(f"max_object_bytes must be positive, got {max_object_bytes}")
+        self.authority = authority
+        self.shared = shared
+        self.caches = caches
+        self.max_object_bytes = max_object_bytes
+        self._meter = BandwidthMeter()
+
+    @classmethod
+    def from_config(
+        cls,
+        *,
+        authority: str = "localhost",
+        memory_bytes: int = 256 * MiB,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int = 4096 * MiB,
+        redis_url: str | None = None,
+        redis_bytes: int | None = None,
+        device_bytes: int = 0,
+        max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+    ) -> MLC:
+        """Build the tiers from configuration.
+
+        The shared store is Redis when `redis_url` is set (then `disk_dir`, if set, is a local
+        cache), else the disk directory, else host memory (visible to this process only). A host
+        memory cache of `memory_bytes` sits in front of a Redis or disk store (0 disables it), and
+        an accelerator tier of `device_bytes` in front of everything when CUDA is present.
+        """
+        shared: SharedStore
+        caches: list[CacheTier] = []
+        if device_bytes > 0 and cuda_available():
+            caches.append(DeviceTier(device_bytes))
+        if redis_url is not None:
+            from sdcp.cache.redis import RedisStore
+
+            shared = RedisStore(redis_url, redis_bytes)
+            if memory_bytes > 0:
+                caches.append(MemoryTier(memory_bytes))
+            if disk_dir is not None:
+                caches.append(DiskTier(disk_dir, disk_bytes, leases_protect=False))
+        elif disk_dir is not None:
+            shared = DiskTier(disk_dir, disk_bytes, leases_protect=True)
+            if memory_bytes > 0:
+                caches.append(MemoryTier(memory_bytes))
+        else:
+            shared = MemoryStore(memory_bytes)
+        return cls(authority=authority, shared=shared, caches=caches, max_object_bytes=max_object_bytes)
+
+    async def __aenter__(self) -> MLC:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.shared.close()
+        for tier in self.caches:
+            if isinstance(tier, DiskTier):
+                await tier.close()
+
+    # -- objects --------------------------------------------------------------------------------
+
+    async def put(self, uri: str, data: bytes, *, if_match: str | None = None) -> ObjectInfo:
+        """Store `data` under `uri`; with `if_match`, only if that is the current ETag."""
+        uri = canonical(uri)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"object data must be bytes, got {type(data).__name__}")
+        data = bytes(data)
+        if len(data) > self.max_object_bytes:
+            raise ObjectTooLarge(f"{len(data)} bytes exceed the maximum object size {self.max_object_bytes}")
+        started = time.perf_counter()
+        obj = CachedObject(uri, data, content_etag(data))
+        await self.shared.store(obj, if_match)
+        if self.caches:
+            await self._install(0, obj)
+        self._meter.record(len(data), time.perf_counter() - started)
+        return ObjectInfo(uri, obj.etag, len(data))
+
+    async def get(self, uri: str) -> bytes:
+        return (await self.fetch(uri))[0]
+
+    async def fetch(self, uri: str) -> tuple[bytes, ObjectInfo]:
+        """The object and its info; raises `ObjectNotFound` when no tier has it."""
+        uri = canonical(uri)
+        started = time.perf_counter()
+        obj = await self._read(uri)
+        self._meter.record(len(obj.data), time.perf_counter() - started)
+        return obj.data, ObjectInfo(uri, obj.etag, len(obj.data))
+
+    async def _read(self, uri: str) -> CachedObject:
+        if self.caches:
+            current = await self.shared.head(uri)
+            if current is None:
+                for tier in self.caches:
+                    await tier.discard(uri)
+                raise ObjectNotFound(uri)
+            for level, tier in enumerate(self.caches):
+                hit = await tier.lookup(uri)
+                if hit is None:
+                    continue
+                if hit.etag == current:
+                    await self._promote(level, hit)
+                    return hit
+                await tier.discard(uri)
+        obj = await self.shared.fetch(uri)
+        if obj is None:
+            raise ObjectNotFound(uri)
+        await self._promote(len(self.caches), obj)
+        return obj
+
+    async def _promote(self, level: int, obj: CachedObject) -> None:
+        for faster in range(level):
+            await self._install(faster, obj)
+
+    async def _install(self, level: int, obj: CachedObject) -> None:
+        evicted = await self.caches[level].install(obj)
+        if level + 1 < len(self.caches):
+            for victim in evicted:
+                await self._install(level + 1, victim)
+
+    async def exists(self, uri: str) -> bool:
+        return await self.shared.head(canonical(uri)) is not None
+
+    async def delete(self, uri: str) -> bool:
+        """Remove from every tier; True if the object existed. Explicit deletes ignore leases."""
+        uri = canonical(uri)
+        existed = await self.shared.remove(uri)
+        for tier in self.caches:
+            await tier.discard(uri)
+        return existed
+
+    async def locate(self, uri: str) -> list[str]:
+        """Names of the tiers holding a copy, fastest first (for tests, metrics and debugging)."""
+        uri = canonical(uri)
+        names = [tier.name for tier in self.caches if tier.holds(uri)]
+        if await self.shared.head(uri) is not None:
+            names.append(self.shared.name)
+        return names
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    async def lease(self, uri: str, holder: str, ttl_s: float) -> Lease:
+        """Protect the object from capacity eviction until released or `ttl_s` seconds pass."""
+        uri = canonical(uri)
+        _check_lease_args(holder, ttl_s)
+        return Lease(uri, holder, await self.shared.lease(uri, holder, ttl_s))
+
+    async def renew(self, uri: str, holder: str, ttl_s: float) -> Lease:
+        uri = canonical(uri)
+        _check_lease_args(holder, ttl_s)
+        return Lease(uri, holder, await self.shared.renew(uri, holder, ttl_s))
+
+    async def release(self, uri: str, holder: str) -> bool:
+        """Drop the holder's lease; True if it was live. Releasing twice is harmless."""
+        uri = canonical(uri)
+        _check_lease_args(holder, 1.0)
+        return await self.shared.release(uri, holder)
+
+    # -- commit logs and telemetry --------------------------------------------------------------
+
+    def commit_log(self, uri: str) -> CommitLog:
+        """The commit log named `uri` (SDCP 6.8), kept in the shared store."""
+        return self.shared.commit_log(canonical(uri))
+
+    def bandwidth_mbps(self) -> float | None:
+        """MB/s achieved by the gets and puts of the last seconds; None before any transfer."""
+        return self._meter.mbps()
+
+
+def _check_lease_args(holder: str, ttl_s: float) -> None:
+    if not isinstance(holder, str) or not holder:
+        raise InvalidArgument(f"a lease holder is a non-empty string, got {holder!r}")
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not (0 < ttl_s < math.inf):
+        raise InvalidArgument(f"a lease TTL is a positive finite number of seconds, got {ttl_s!r}")

@@ -1,0 +1,79 @@
+"""Object names: `mlc://<authority>/<scope-hex>/<kind>/<name>`.
+
+The scope is the contract's 16-byte KVSP scope as 32 lowercase hex characters, or `-` when the
+contract has none (SDCP 4.1, `scope`). Kind and name are restricted to URI unreserved characters so
+that a URI is its own canonical form and can be used verbatim as a storage key and an HTTP path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from sdcp.cache.errors import InvalidURI
+
+SCHEME = "mlc"
+SCOPE_BYTES = 16
+NO_SCOPE = "-"
+
+_AUTHORITY = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5})?")
+_KIND = re.compile(r"[a-z0-9][a-z0-9_-]*")
+_NAME = re.compile(r"[A-Za-z0-9._~-]+")
+_SCOPE = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectURI:
+    """A parsed MLC object name; `str()` gives the canonical URI."""
+
+    authority: str
+    scope: bytes | None
+    kind: str
+    name: str
+
+    def __post_init__(self) -> None:
+        if not _AUTHORITY.fullmatch(self.authority):
+            raise InvalidURI(f"bad authority {self.authority!r}")
+        if self.scope is not None and len(self.scope) != SCOPE_BYTES:
+            raise InvalidURI(f"scope must be {SCOPE_BYTES} bytes, got {len(self.scope)}")
+        if not _KIND.fullmatch(self.kind):
+            raise InvalidURI(f"bad kind {self.kind!r}: lowercase letters, digits, '_' and '-'")
+        if not _NAME.fullmatch(self.name) or self.name in (".", ".."):
+            raise InvalidURI(f"bad name {self.name!r}: URI unreserved characters only")
+
+    def __str__(self) -> str:
+        scope = self.scope.hex() if self.scope is not None else NO_SCOPE
+        return f"{SCHEME}://{self.authority}/{scope}/{self.kind}/{self.name}"
+
+
+def build_uri(authority: str, scope: bytes | None, kind: str, name: str) -> str:
+    """Canonical URI of an object; raises `InvalidURI` for a part outside the grammar."""
+    return str(ObjectURI(authority, scope, kind, name))
+
+
+def parse_uri(uri: str) -> ObjectURI:
+    """Parse a canonical MLC URI; any other scheme or shape raises `InvalidURI`."""
+    if not isinstance(uri, str):
+        raise InvalidURI(f"URI must be a str, got {type(uri).__name__}")
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        raise InvalidURI(f"not a URI: {uri!r}")
+    if scheme != SCHEME:
+        raise InvalidURI(f"unknown URI scheme {scheme!r} (expected {SCHEME!r})")
+    parts = rest.split("/")
+    if len(parts) != 4:
+        raise InvalidURI(f"expected mlc://<authority>/<scope>/<kind>/<name>, got {uri!r}")
+    authority, scope_text, kind, name = parts
+    if scope_text == NO_SCOPE:
+        scope = None
+    elif _SCOPE.fullmatch(scope_text):
+        scope = bytes.fromhex(scope_text)
+    else:
+        raise InvalidURI(f"scope must be 32 lowercase hex characters or '-', got {scope_text!r}")
+    return ObjectURI(authority, scope, kind, name)
+
+
+def canonical(uri: str) -> str:
+    """Validate `uri` and return it unchanged: the grammar admits exactly one spelling per object."""
+    parse_uri(uri)
+    return uri
