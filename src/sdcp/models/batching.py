@@ -1,0 +1,143 @@
+"""A thread-safe batching front for `TargetModel.score` (DESIGN.md section 4).
+
+One worker thread owns the model passes. Callers from any thread `submit` a request and get a
+future; asyncio callers await `score_async`, so model work never runs on an event loop. The worker
+gathers requests for a short window after the first one arrives (or until `max_batch`) and runs
+them as one padded pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import numpy as np
+
+from sdcp.models.errors import ModelError
+from sdcp.models.target import SessionId, TargetModel
+
+_Request = tuple[SessionId, tuple[int, ...], "Future[np.ndarray]"]
+_STOP = object()
+
+
+class ScorerClosed(ModelError):
+    """A request was submitted to a BatchingScorer that has been closed."""
+
+
+class BatchingScorer:
+    def __init__(
+        self, target: TargetModel, *, window_s: float = 0.002, max_batch: int = 16
+    ) -> None:
+        if window_s < 0 or max_batch < 1:
+            raise ValueError(f"need window_s >= 0 and max_batch >= 1, got {window_s}, {max_batch}")
+        self.target = target
+        self.window_s = window_s
+        self.max_batch = max_batch
+        self.batches_run = 0
+        self._inbox: queue.Queue[object] = queue.Queue()
+        self._closed = threading.Event()
+        self._worker = threading.Thread(target=self._run, name="sdcp-scorer", daemon=True)
+        self._worker.start()
+
+    def submit(self, session: SessionId, tokens: Sequence[int]) -> Future[np.ndarray]:
+        """Queue one scoring request; the future gives float32 logits (M + 1, V)."""
+        if self._closed.is_set():
+            raise ScorerClosed("the batching scorer is closed")
+        future: Future[np.ndarray] = Future()
+        self._inbox.put((session, tuple(tokens), future))
+        return future
+
+    async def score_async(self, session: SessionId, tokens: Sequence[int]) -> np.ndarray:
+        return await asyncio.wrap_future(self.submit(session, tokens))
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._inbox.put(_STOP)
+            self._worker.join()
+
+    def __enter__(self) -> BatchingScorer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        deferred: deque[_Request] = deque()
+        stopping = False
+        while not stopping or deferred:
+            batch: list[_Request] = []
+            if deferred:
+                batch.append(deferred.popleft())
+            else:
+                item = self._inbox.get()
+                if item is _STOP:
+                    break
+                batch.append(item)  # type: ignore[arg-type]
+            stopping = self._gather(batch, deferred) or stopping
+            self._score(batch)
+        self._fail_pending()
+
+    def _gather(self, batch: list[_Request], deferred: deque[_Request]) -> bool:
+        """Fill `batch` within the window; a second request of a session waits for a later pass."""
+        sessions = {batch[0][0]}
+        while deferred and len(batch) < self.max_batch and deferred[0][0] not in sessions:
+            request = deferred.popleft()
+            sessions.add(request[0])
+            batch.append(request)
+        deadline = time.monotonic() + self.window_s
+        while len(batch) < self.max_batch:
+            remaining = deadline - time.monotonic()
+            try:
+                item = self._inbox.get(timeout=remaining) if remaining > 0 else self._inbox.get_nowait()
+            except queue.Empty:
+                return False
+            if item is _STOP:
+                return True
+            request: _Request = item  # type: ignore[assignment]
+            if request[0] in sessions:
+                deferred.append(request)
+            else:
+                sessions.add(request[0])
+                batch.append(request)
+        return False
+
+    def _score(self, batch: list[_Request]) -> None:
+        runnable: list[_Request] = []
+        for request in batch:
+            session, tokens, future = request
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                self.target.check_request(session, tokens)
+            except ModelError as exc:
+                future.set_exception(exc)
+                continue
+            runnable.append(request)
+        if not runnable:
+            return
+        try:
+            rows = self.target.score([(session, tokens) for session, tokens, _ in runnable])
+        except Exception as exc:  # noqa: BLE001 - every waiter must learn why its pass failed
+            for _, _, future in runnable:
+                future.set_exception(exc)
+            return
+        self.batches_run += 1
+        for (_, _, future), result in zip(runnable, rows, strict=True):
+            future.set_result(result)
+
+    def _fail_pending(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                _, _, future = item  # type: ignore[misc]
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(ScorerClosed("the batching scorer was closed"))

@@ -1,0 +1,51 @@
+"""SHA-256 digests of model weights and tokenizers, as named in the session contract (SDCP 4.1).
+
+Weights digest: SHA-256 over the model's `state_dict()` as loaded, tensors in ascending order of
+their names; for each tensor, the UTF-8 name, 0x00, the dtype name (e.g. `float32`), 0x00, the
+number of dimensions and each dimension as uint64 big-endian, then the raw element bytes in
+little-endian order, C-contiguous. Tied tensors appear under each of their names.
+
+Tokenizer digest: SHA-256 of the fast tokenizer's definition `backend_tokenizer.to_str()`,
+parsed and re-serialised as canonical JSON (sorted keys, no whitespace, UTF-8), so that files
+that differ only in formatting give the same digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+
+import torch
+
+from sdcp.models.errors import ModelError
+
+
+def weights_digest(model: torch.nn.Module) -> bytes:
+    hasher = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous()
+        hasher.update(name.encode("utf-8") + b"\x00")
+        hasher.update(str(tensor.dtype).removeprefix("torch.").encode("ascii") + b"\x00")
+        hasher.update(struct.pack(">Q", tensor.dim()))
+        hasher.update(b"".join(struct.pack(">Q", size) for size in tensor.shape))
+        hasher.update(_little_endian_bytes(tensor))
+    return hasher.digest()
+
+
+def _little_endian_bytes(tensor: torch.Tensor) -> bytes:
+    # torch keeps CPU tensors in host byte order; the digest is defined over little-endian bytes.
+    if sys.byteorder != "little":
+        raise ModelError("weights digests are only computed on little-endian hosts")
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def tokenizer_digest(tokenizer: object) -> bytes:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ModelError(f"{type(tokenizer).__name__} is not a fast tokenizer; cannot digest it")
+    definition = json.loads(backend.to_str())
+    canonical = json.dumps(definition, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).digest()

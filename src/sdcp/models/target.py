@@ -1,0 +1,286 @@
+"""The verifier's target model: per-session KV caches and batched scoring (SDCP 6.3 Scoring).
+
+Invariant per session: the KV cache holds every committed token but the last. A scoring pass feeds
+[last committed token] + proposed tokens x[1..M] and yields M+1 rows p[1..M+1]; `commit` then crops
+the cache to the committed prefix again. A request with no proposed tokens yields the single row
+that self-decoding needs (SDCP 6.5.2), batched like any other.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from sdcp.models import kvcache
+from sdcp.models.digests import tokenizer_digest, weights_digest
+from sdcp.models.errors import (
+    BadTokens,
+    DigestMismatch,
+    InconsistentCommit,
+    ModelError,
+    SessionExists,
+    UnknownSession,
+)
+from sdcp.models.kvformat import decode_kv, encode_kv
+
+SessionId = bytes
+ScoreRequest = tuple[SessionId, Sequence[int]]
+
+
+@dataclass
+class _Session:
+    tokens: list[int]
+    cache: DynamicCache
+    pending: tuple[int, ...] | None = None
+
+
+class TargetModel:
+    """A Hugging Face causal LM in fp32 inference mode, serving many sessions.
+
+    Methods are thread-safe (one lock); model work must not run on an asyncio event loop, so
+    async callers go through `BatchingScorer.score_async` or `asyncio.to_thread`.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: object | None = None,
+        *,
+        name: str = "model",
+        device: str | torch.device | None = None,
+    ) -> None:
+        # Verification runs in fp32: bf16 changes greedy outputs of SmolLM2 on this machine.
+        self.model = model.to(device=device or "cpu", dtype=torch.float32).eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self._sessions: dict[SessionId, _Session] = {}
+        self._lock = threading.RLock()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @cached_property
+    def weights_digest(self) -> bytes:
+        with self._lock:
+            return weights_digest(self.model)
+
+    @cached_property
+    def tokenizer_digest(self) -> bytes:
+        if self.tokenizer is None:
+            raise ModelError(f"target {self.name} was loaded without a tokenizer")
+        return tokenizer_digest(self.tokenizer)
+
+    def check_digests(self, target: bytes, tokenizer: bytes) -> None:
+        """Refuse a contract naming other weights or another tokenizer (SDCP 6.1)."""
+        # SDCP 6.1: the verifier MUST refuse a contract whose target digest does not match.
+        if target != self.weights_digest:
+            raise DigestMismatch(
+                f"contract target digest {target.hex()} does not match the loaded model "
+                f"{self.name} ({self.weights_digest.hex()})"
+            )
+        if tokenizer != self.tokenizer_digest:
+            raise DigestMismatch(
+                f"contract tokenizer digest {tokenizer.hex()} does not match the loaded "
+                f"tokenizer of {self.name} ({self.tokenizer_digest.hex()})"
+            )
+
+    def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
+        """Prefill the committed prefix (the prompt, or prompt + output when resuming)."""
+        tokens = self._checked_tokens(prompt_tokens)
+        if not tokens:
+            raise BadTokens("a session needs at least one prompt token")
+        with self._lock:
+            if session in self._sessions:
+                raise SessionExists(f"session {session.hex()} is already open")
+            cache = kvcache.new_cache(self.model)
+            if len(tokens) > 1:
+                self._forward(torch.tensor([tokens[:-1]], device=self.device), None, None, cache)
+            self._sessions[session] = _Session(tokens=tokens, cache=cache)
+
+    def close_session(self, session: SessionId) -> None:
+        with self._lock:
+            self._session(session)
+            del self._sessions[session]
+
+    def has_session(self, session: SessionId) -> bool:
+        with self._lock:
+            return session in self._sessions
+
+    def committed_tokens(self, session: SessionId) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(self._session(session).tokens)
+
+    def check_request(self, session: SessionId, tokens: Sequence[int]) -> None:
+        """Raise the error `score` would raise for this request, without running the model."""
+        with self._lock:
+            self._session(session)
+        self._checked_tokens(tokens)
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[np.ndarray]:
+        """Score proposals of many sessions in one padded forward pass.
+
+        Returns per request float32 logits of shape (M_i + 1, V): row j is the target's
+        distribution after the committed prefix and x[1..j]. A session with a scored but
+        uncommitted proposal has it dropped first (its round was abandoned).
+        """
+        if not requests:
+            return []
+        sessions_in_batch = [session for session, _ in requests]
+        if len(set(sessions_in_batch)) != len(sessions_in_batch):
+            raise BadTokens("a scoring batch names the same session twice")
+        proposals = [tuple(self._checked_tokens(tokens)) for _, tokens in requests]
+        with self._lock:
+            states = [self._session(session) for session in sessions_in_batch]
+            for state in states:
+                self._drop_pending(state)
+            if len(states) == 1:
+                rows = [self._score_one(states[0], proposals[0])]
+            else:
+                rows = self._score_batch(states, proposals)
+            for state, proposal in zip(states, proposals, strict=True):
+                state.pending = proposal
+            return rows
+
+    def rollback(self, session: SessionId) -> None:
+        """Forget a scored proposal without committing anything (e.g. sdcp-q-unavailable)."""
+        with self._lock:
+            self._drop_pending(self._session(session))
+
+    def commit(self, session: SessionId, accepted: int, emitted: Sequence[int]) -> None:
+        """Apply a verdict: keep x[1..accepted] and append `emitted`, cropping rejected KV."""
+        emitted_tokens = self._checked_tokens(emitted)
+        with self._lock:
+            state = self._session(session)
+            proposal = state.pending
+            if proposal is None:
+                raise InconsistentCommit(f"session {session.hex()} has no scored proposal")
+            if not 0 <= accepted <= len(proposal):
+                raise InconsistentCommit(f"accepted={accepted} outside 0..{len(proposal)}")
+            if len(emitted_tokens) > accepted + 1:
+                raise InconsistentCommit(
+                    f"{len(emitted_tokens)} emitted tokens for {accepted} accepted ones"
+                )
+            confirmed = min(len(emitted_tokens), accepted)
+            if tuple(emitted_tokens[:confirmed]) != proposal[:confirmed]:
+                raise InconsistentCommit("emitted tokens differ from the accepted proposal")
+            state.tokens.extend(emitted_tokens)
+            kvcache.crop_to(state.cache, len(state.tokens) - 1)
+            state.pending = None
+
+    def session_kv(self, session: SessionId) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the committed KV, per layer (keys, values) of shape (1, H, n - 1, D)."""
+        with self._lock:
+            state = self._session(session)
+            length = len(state.tokens) - 1
+            if length == 0:
+                return []
+            return [
+                (keys[:, :, :length].clone(), values[:, :, :length].clone())
+                for keys, values in kvcache.layer_tensors(state.cache)
+            ]
+
+    def export_kv(self, session: SessionId) -> bytes:
+        """The committed target KV as a versioned blob (docs/models.md), for the MLC."""
+        with self._lock:
+            tokens = self.committed_tokens(session)
+            tensors = self.session_kv(session)
+        return encode_kv(self.weights_digest, tokens, tensors)
+
+    def import_kv(self, session: SessionId, data: bytes, committed_tokens: Sequence[int]) -> None:
+        """Open `session` from an exported blob instead of a prefill (failover, SDCP 6.9)."""
+        tokens = self._checked_tokens(committed_tokens)
+        tensors = decode_kv(data, self.weights_digest, tokens, self._kv_shapes(len(tokens) - 1))
+        with self._lock:
+            if session in self._sessions:
+                raise SessionExists(f"session {session.hex()} is already open")
+            cache = kvcache.cache_from_tensors(
+                self.model, [(k.to(self.device), v.to(self.device)) for k, v in tensors]
+            )
+            self._sessions[session] = _Session(tokens=tokens, cache=cache)
+
+    def _kv_shapes(self, length: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        if length == 0:
+            return []
+        config = self.model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (1, heads, length, head_dim)
+        return [(shape, shape) for _ in range(config.num_hidden_layers)]
+
+    def _score_one(self, state: _Session, proposal: tuple[int, ...]) -> np.ndarray:
+        input_ids = torch.tensor([[state.tokens[-1], *proposal]], device=self.device)
+        logits = self._forward(input_ids, None, None, state.cache)
+        return logits[0].to(torch.float32).cpu().numpy()
+
+    def _score_batch(
+        self, states: list[_Session], proposals: list[tuple[int, ...]]
+    ) -> list[np.ndarray]:
+        # Layout per row: [left padding | cached prefix (L_i) | new tokens (T_i) | right padding].
+        past = [kvcache.cache_length(state.cache) for state in states]
+        widths = [len(proposal) + 1 for proposal in proposals]
+        past_width, new_width = max(past), max(widths)
+        batch = len(states)
+        input_ids = torch.zeros((batch, new_width), dtype=torch.long)
+        attention = torch.zeros((batch, past_width + new_width), dtype=torch.long)
+        positions = torch.zeros((batch, new_width), dtype=torch.long)
+        for row, (state, proposal) in enumerate(zip(states, proposals, strict=True)):
+            fed = [state.tokens[-1], *proposal]
+            input_ids[row, : len(fed)] = torch.tensor(fed)
+            attention[row, past_width - past[row] : past_width + len(fed)] = 1
+            positions[row] = torch.arange(past[row], past[row] + new_width)
+        cache = kvcache.left_padded_batch(self.model, [s.cache for s in states], past_width)
+        logits = self._forward(
+            input_ids.to(self.device), attention.to(self.device), positions.to(self.device), cache
+        )
+        rows = []
+        for row, state in enumerate(states):
+            kvcache.append_from_batch(state.cache, cache, row, past_width, widths[row])
+            rows.append(logits[row, : widths[row]].to(torch.float32).cpu().numpy())
+        return rows
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cache: DynamicCache,
+    ) -> torch.Tensor:
+        with torch.inference_mode():
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+        return output.logits
+
+    def _drop_pending(self, state: _Session) -> None:
+        if state.pending is not None:
+            kvcache.crop_to(state.cache, len(state.tokens) - 1)
+            state.pending = None
+
+    def _session(self, session: SessionId) -> _Session:
+        try:
+            return self._sessions[session]
+        except KeyError:
+            raise UnknownSession(f"session {session.hex()} is not open on {self.name}") from None
+
+    def _checked_tokens(self, tokens: Sequence[int]) -> list[int]:
+        checked = [int(token) for token in tokens]
+        vocab = self.vocab_size
+        bad = [token for token in checked if not 0 <= token < vocab]
+        if bad:
+            raise BadTokens(f"token ids {bad[:5]} outside the vocabulary 0..{vocab - 1}")
+        return checked
