@@ -1,0 +1,284 @@
+"""HTTP/2 client for talking to one SDCP peer over mutual TLS (SDCP 5.1).
+
+One ``SDCPClient`` per peer base URI holds one pooled ``httpx.AsyncClient``; all requests to the
+peer share one HTTP/2 connection. Answers are interpreted as SDCP defines them: 2xx bodies are
+CBOR, problem bodies become ``ProtocolError``, and other statuses are handled by class (RFC 9110).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from cryptography import x509
+
+from sdcp.protocol.codec import DEFAULT_MAX_SIZE, MEDIA_TYPE, decode, encode
+from sdcp.protocol.problems import PROBLEM_MEDIA_TYPE, BadMessage, ProtocolError
+from sdcp.transport.certs import uri_sans
+from sdcp.transport.errors import (
+    ClientCertificateRejected,
+    ConnectionLost,
+    PeerClientError,
+    PeerServerError,
+    PeerTimeout,
+    TLSFailure,
+    TransportError,
+    UnexpectedResponse,
+)
+from sdcp.transport.tls import client_context
+
+__all__ = ["DEFAULT_TIMEOUT", "PeerClients", "RetryPolicy", "SDCPClient"]
+
+DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=10.0, pool=10.0)
+# How long the certificate-refusal probe waits for the server's HTTP/2 preface.
+_PROBE_TIMEOUT_S = 5.0
+
+PathLike = Path | str
+Params = Mapping[str, str | int]
+
+# Failures after which the request may or may not have reached the application.
+_LOST_IN_FLIGHT = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded retries with capped exponential backoff and full jitter."""
+
+    attempts: int = 4
+    backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        if self.backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError("backoff must not be negative")
+
+    def delay(self, retry_number: int) -> float:
+        return random.uniform(0.0, min(self.max_backoff_s, self.backoff_s * 2**retry_number))
+
+
+class SDCPClient:
+    """A client for one peer, identified by its base URI.
+
+    ``server_identity``, when given, is the URI SAN the peer's certificate must carry; without it the
+    peer is authenticated by the CA and host name only.
+    """
+
+    def __init__(
+        self,
+        base_uri: str,
+        cert: PathLike,
+        key: PathLike,
+        ca: PathLike,
+        *,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        retry: RetryPolicy = RetryPolicy(),
+        max_response_size: int = DEFAULT_MAX_SIZE,
+        server_identity: str | None = None,
+    ) -> None:
+        parts = urlsplit(base_uri)
+        if parts.scheme != "https" or not parts.hostname:
+            raise ValueError(f"peer base URI must be https://host[:port][/path], got {base_uri!r}")
+        self.base_uri = base_uri
+        self._host = parts.hostname
+        self._port = parts.port or 443
+        self._ssl_context = client_context(cert, key, ca)
+        self._retry = retry
+        self._max_response_size = max_response_size
+        self._server_identity = server_identity
+        self._peer_answered = False
+        self._http = httpx.AsyncClient(
+            base_url=base_uri, http1=False, http2=True, verify=self._ssl_context, timeout=timeout
+        )
+
+    async def post_cbor(
+        self, path: str, obj: object, *, idempotent: bool = False, timeout: httpx.Timeout | float | None = None
+    ) -> tuple[int, object | None]:
+        """POST ``obj`` as CBOR. Pass ``idempotent=True`` for requests that may be repeated, such as
+        proposals (SDCP 6.9: proposals and verdicts are idempotent per round)."""
+        return await self._exchange("POST", path, body=encode(obj), idempotent=idempotent, timeout=timeout)
+
+    async def put_cbor(
+        self, path: str, obj: object, *, timeout: httpx.Timeout | float | None = None
+    ) -> tuple[int, object | None]:
+        return await self._exchange("PUT", path, body=encode(obj), idempotent=True, timeout=timeout)
+
+    async def get_cbor(
+        self, path: str, params: Params | None = None, *, timeout: httpx.Timeout | float | None = None
+    ) -> tuple[int, object | None]:
+        return await self._exchange("GET", path, params=params, idempotent=True, timeout=timeout)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> SDCPClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def _exchange(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        params: Params | None = None,
+        idempotent: bool,
+        timeout: httpx.Timeout | float | None,
+    ) -> tuple[int, object | None]:
+        headers = {"accept": f"{MEDIA_TYPE}, {PROBLEM_MEDIA_TYPE}"}
+        if body is not None:
+            headers["content-type"] = MEDIA_TYPE
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = await self._http.request(
+                    method, path.lstrip("/"), content=body, params=params, headers=headers, **extra
+                )
+            except httpx.ConnectError as error:
+                if _ssl_error_in(error) is not None:
+                    raise TLSFailure(f"TLS handshake with {self.base_uri} failed: {error}") from error
+                # Nothing was sent on a connection that never opened: retrying is always safe.
+                if attempt >= self._retry.attempts:
+                    raise ConnectionLost(f"cannot connect to {self.base_uri}: {error!r}") from error
+            except _LOST_IN_FLIGHT as error:
+                if not self._peer_answered and await self._client_certificate_refused():
+                    raise ClientCertificateRejected(
+                        f"{self.base_uri} refused our client certificate (closed the connection after the "
+                        "TLS handshake without answering)"
+                    ) from error
+                if not idempotent or attempt >= self._retry.attempts:
+                    raise ConnectionLost(
+                        f"{method} {path} to {self.base_uri}: connection lost ({error!r}) after {attempt} attempt(s)"
+                    ) from error
+            except httpx.TimeoutException as error:
+                raise PeerTimeout(f"{method} {path} to {self.base_uri} timed out: {error!r}") from error
+            except httpx.TransportError as error:
+                raise TransportError(f"{method} {path} to {self.base_uri} failed: {error!r}") from error
+            else:
+                self._check_server_identity(response)
+                self._peer_answered = True
+                return self._interpret(response)
+            await asyncio.sleep(self._retry.delay(attempt - 1))
+
+    async def _client_certificate_refused(self) -> bool:
+        """Whether the peer completes TLS and then closes without its HTTP/2 preface.
+
+        RFC 9113 3.4: a server sends its preface (a SETTINGS frame) first, so a server that accepted
+        our certificate always has something to say; a TLS 1.3 server that refused it just closes.
+        """
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(self._host, self._port, ssl=self._ssl_context), _PROBE_TIMEOUT_S
+            )
+        except (OSError, asyncio.TimeoutError):
+            return False
+        try:
+            first = await asyncio.wait_for(reader.read(1), _PROBE_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError):
+            return False
+        finally:
+            writer.close()
+        return first == b""
+
+    def _check_server_identity(self, response: httpx.Response) -> None:
+        if self._server_identity is None:
+            return
+        stream = response.extensions.get("network_stream")
+        ssl_object = stream.get_extra_info("ssl_object") if stream is not None else None
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        presented = uri_sans(x509.load_der_x509_certificate(der)) if der is not None else []
+        if presented != [self._server_identity]:
+            raise TLSFailure(
+                f"{self.base_uri} presented a certificate for {presented or 'no URI'}, "
+                f"expected {self._server_identity}"
+            )
+
+    def _interpret(self, response: httpx.Response) -> tuple[int, object | None]:
+        status = response.status_code
+        if 200 <= status < 300:
+            return status, self._success_body(response)
+        problem = _problem_body(response)
+        if 400 <= status < 500:
+            if problem is not None:
+                try:
+                    # The HTTP status is authoritative; the body's copy is advisory (RFC 9457 3.1.2).
+                    error = ProtocolError.from_problem({**problem, "status": status})
+                except BadMessage as malformed:
+                    raise PeerClientError(status, problem, f"malformed problem body: {malformed}") from malformed
+                raise error
+            raise PeerClientError(status, None, _excerpt(response))
+        if status >= 500:
+            raise PeerServerError(status, problem, str((problem or {}).get("detail", "")) or _excerpt(response))
+        raise UnexpectedResponse(f"{self.base_uri} answered with unexpected status {status}")
+
+    def _success_body(self, response: httpx.Response) -> object | None:
+        if not response.content:
+            return None
+        media_type = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != MEDIA_TYPE:
+            raise UnexpectedResponse(f"{self.base_uri} answered with {media_type or 'no media type'}, not {MEDIA_TYPE}")
+        try:
+            return decode(response.content, max_size=self._max_response_size)
+        except BadMessage as error:
+            raise UnexpectedResponse(f"{self.base_uri} sent an undecodable body: {error}") from error
+
+
+class PeerClients:
+    """One ``SDCPClient`` per peer base URI, created on first use, all with our own certificate."""
+
+    def __init__(self, cert: PathLike, key: PathLike, ca: PathLike, **client_options: Any) -> None:
+        self._credentials = (cert, key, ca)
+        self._options = client_options
+        self._clients: dict[str, SDCPClient] = {}
+
+    def get(self, base_uri: str) -> SDCPClient:
+        client = self._clients.get(base_uri)
+        if client is None:
+            client = SDCPClient(base_uri, *self._credentials, **self._options)
+            self._clients[base_uri] = client
+        return client
+
+    async def aclose(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*(client.aclose() for client in clients))
+
+
+def _problem_body(response: httpx.Response) -> dict[str, Any] | None:
+    media_type = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != PROBLEM_MEDIA_TYPE:
+        return None
+    try:
+        body = json.loads(response.content)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _excerpt(response: httpx.Response, limit: int = 200) -> str:
+    text = response.content[:limit].decode("utf-8", errors="replace")
+    return text or response.reason_phrase
+
+
+def _ssl_error_in(error: BaseException) -> ssl.SSLError | None:
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None

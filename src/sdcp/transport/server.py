@@ -1,0 +1,248 @@
+"""Serving an ASGI app with hypercorn over HTTP/2 + TLS 1.3 + mutual TLS (SDCP 5.1).
+
+``Listener.mtls`` is the listener every SDCP role uses. ``Listener.front_end`` is for the
+OpenAI-compatible front end, which is not an SDCP role: TLS without client certificates, or plain
+HTTP restricted to loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from sdcp.transport.asgi import DrainRequestBody, RequireHTTP2
+from sdcp.transport.peer import TLSScopeMiddleware, install_hypercorn_tls_hook
+from sdcp.transport.tls import server_context
+
+__all__ = ["Listener", "Server", "ServerStartError"]
+
+# hypercorn's default (1000) ends every connection with GOAWAY after that many requests; SDCP peers
+# keep one connection each and send a request per round, so the limit is set far higher.
+DEFAULT_KEEP_ALIVE_MAX_REQUESTS = 1_000_000
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 75.0
+DEFAULT_MAX_CONCURRENT_STREAMS = 256
+DEFAULT_GRACEFUL_TIMEOUT_S = 5.0
+_STARTUP_TIMEOUT_S = 30.0
+
+
+class ServerStartError(RuntimeError):
+    """The server could not start (bind failure, application startup failure)."""
+
+
+@dataclass(frozen=True)
+class Listener:
+    """Where and how a server listens. Build one with ``mtls`` or ``front_end``."""
+
+    host: str
+    port: int
+    ssl_context: ssl.SSLContext | None
+    require_http2: bool
+    keep_alive_max_requests: int = DEFAULT_KEEP_ALIVE_MAX_REQUESTS
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
+    graceful_timeout_s: float = DEFAULT_GRACEFUL_TIMEOUT_S
+
+    @classmethod
+    def mtls(
+        cls,
+        host: str,
+        port: int,
+        *,
+        cert: Path | str,
+        key: Path | str,
+        ca: Path | str,
+        keep_alive_max_requests: int = DEFAULT_KEEP_ALIVE_MAX_REQUESTS,
+        keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    ) -> Listener:
+        """The SDCP listener: HTTP/2 over TLS 1.3, client certificate required (SDCP 5.1)."""
+        return cls(
+            host,
+            port,
+            server_context(cert, key, ca),
+            require_http2=True,
+            keep_alive_max_requests=keep_alive_max_requests,
+            keep_alive_timeout_s=keep_alive_timeout_s,
+        )
+
+    @classmethod
+    def front_end(
+        cls, host: str, port: int, *, cert: Path | str | None = None, key: Path | str | None = None
+    ) -> Listener:
+        """A listener for non-SDCP clients: TLS 1.3 without client certificates when ``cert`` and
+        ``key`` are given (HTTP/1.1 and HTTP/2), otherwise plain HTTP, allowed on loopback only."""
+        if (cert is None) != (key is None):
+            raise ValueError("give both a certificate and its key, or neither")
+        if cert is not None and key is not None:
+            context = server_context(cert, key, None, require_client_cert=False, allow_http1=True)
+            return cls(host, port, context, require_http2=False)
+        if not _is_loopback(host):
+            raise ValueError(f"plain HTTP is only allowed on a loopback address, not {host!r}")
+        return cls(host, port, None, require_http2=False)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_context is not None else "http"
+
+
+class Server:
+    """One hypercorn server for one listener, started and stopped from asyncio.
+
+    Use ``async with Server(app, listener) as server:`` (``server.port`` is the bound port, also
+    when the listener asked for port 0), or ``await Server(app, listener).run_until(event)``.
+    """
+
+    def __init__(self, app: ASGIApp, listener: Listener) -> None:
+        install_hypercorn_tls_hook()
+        self.listener = listener
+        self._startup = _StartupSignal(_wrap(app, listener))
+        self._shutdown = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._port: int | None = None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("server is not started")
+        return self._port
+
+    @property
+    def base_url(self) -> str:
+        host = self.listener.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{self.listener.scheme}://{host}:{self.port}/"
+
+    async def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("server already started")
+        # We bind ourselves so that port 0 yields a port we can report, and hand hypercorn a
+        # duplicate of the descriptor (``fd://``), which it owns and closes.
+        try:
+            family = socket.AF_INET6 if ":" in self.listener.host else socket.AF_INET
+            sock = socket.create_server((self.listener.host, self.listener.port), family=family)
+        except OSError as error:
+            raise ServerStartError(f"cannot listen on {self.listener.host}:{self.listener.port}: {error}") from error
+        with sock:
+            self._port = sock.getsockname()[1]
+            handed_over = sock.dup()
+        config = _ListenerConfig(self.listener, handed_over.detach())
+        self._task = asyncio.create_task(
+            hypercorn_serve(self._startup, config, shutdown_trigger=self._shutdown.wait, mode="asgi"),
+            name=f"sdcp-server-{self._port}",
+        )
+        await self._wait_started()
+
+    async def stop(self) -> None:
+        """Graceful shutdown: stop accepting, let requests in flight finish (bounded)."""
+        if self._task is None:
+            return
+        self._shutdown.set()
+        try:
+            await asyncio.wait_for(self._task, self.listener.graceful_timeout_s + 5.0)
+        finally:
+            self._task = None
+
+    async def run_until(self, shutdown: asyncio.Event) -> None:
+        async with self:
+            await shutdown.wait()
+
+    async def __aenter__(self) -> Server:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def _wait_started(self) -> None:
+        assert self._task is not None
+        started = asyncio.create_task(self._startup.started.wait())
+        done, _ = await asyncio.wait({started, self._task}, timeout=_STARTUP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+        if started not in done:
+            started.cancel()
+            task, self._task = self._task, None
+            if task.done():
+                raise ServerStartError(f"server stopped during startup: {task.exception()!r}")
+            task.cancel()
+            raise ServerStartError(f"application did not start within {_STARTUP_TIMEOUT_S} s")
+        if self._startup.failed is not None:
+            task, self._task = self._task, None
+            # hypercorn ends serve() with the lifespan failure; it is reported as ServerStartError.
+            await asyncio.gather(task, return_exceptions=True)
+            raise ServerStartError(f"application startup failed: {self._startup.failed}")
+
+
+class _ListenerConfig(Config):
+    """hypercorn configuration with our own TLS 1.3 context instead of hypercorn's TLS 1.2+ one."""
+
+    def __init__(self, listener: Listener, fd: int) -> None:
+        super().__init__()
+        self._listener_ssl_context = listener.ssl_context
+        self.bind = [f"fd://{fd}"]
+        self.keep_alive_max_requests = listener.keep_alive_max_requests
+        self.keep_alive_timeout = listener.keep_alive_timeout_s
+        self.h2_max_concurrent_streams = listener.max_concurrent_streams
+        self.graceful_timeout = listener.graceful_timeout_s
+        self.errorlog = logging.getLogger("sdcp.transport.hypercorn")
+        self.accesslog = None
+
+    @property
+    def ssl_enabled(self) -> bool:
+        return self._listener_ssl_context is not None
+
+    def create_ssl_context(self) -> ssl.SSLContext | None:
+        return self._listener_ssl_context
+
+
+class _StartupSignal:
+    """Passes the app through and notes when its lifespan startup has finished."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.started = asyncio.Event()
+        self.failed: str | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def watching_send(message: dict) -> None:
+            await send(message)
+            if message["type"] == "lifespan.startup.failed":
+                self.failed = str(message.get("message", ""))
+            if message["type"] in ("lifespan.startup.complete", "lifespan.startup.failed"):
+                self.started.set()
+
+        try:
+            await self.app(scope, receive, watching_send)
+        finally:
+            # An app without lifespan support returns or raises at once; it is ready anyway.
+            self.started.set()
+
+
+def _wrap(app: ASGIApp, listener: Listener) -> ASGIApp:
+    wrapped: ASGIApp = DrainRequestBody(app)
+    if listener.require_http2:
+        wrapped = RequireHTTP2(wrapped)
+    return TLSScopeMiddleware(wrapped)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
