@@ -82,6 +82,7 @@ class MLC:
         disk_bytes: int = 4096 * MiB,
         redis_url: str | None = None,
         redis_bytes: int | None = None,
+        redis_prefix: str = "sdcp:mlc:",
         device_bytes: int = 0,
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
     ) -> MLC:
@@ -91,6 +92,7 @@ class MLC:
         cache), else the disk directory, else host memory (visible to this process only). A host
         memory cache of `memory_bytes` sits in front of a Redis or disk store (0 disables it), and
         an accelerator tier of `device_bytes` in front of everything when CUDA is present.
+        `redis_prefix` namespaces the keys, so that several clusters can share one Redis server.
         """
         shared: SharedStore
         caches: list[CacheTier] = []
@@ -99,7 +101,7 @@ class MLC:
         if redis_url is not None:
             from sdcp.cache.redis import RedisStore
 
-            shared = RedisStore(redis_url, redis_bytes)
+            shared = RedisStore(redis_url, redis_bytes, redis_prefix)
             if memory_bytes > 0:
                 caches.append(MemoryTier(memory_bytes))
             if disk_dir is not None:
