@@ -30,6 +30,21 @@ from sdcp.protocol.problems import (
     parse_problem_json,
     problem_json,
 )
+from sdcp.protocol.control import ControlDecision, SpeculationControl, is_low_round, m_cap_ceiling
+from sdcp.protocol.drafter import AcceptanceEstimate, DrafterSession, ProposalNotAllowed, choose_m, expected_tokens
+from sdcp.protocol.rules import (
+    RULES,
+    Acceptance,
+    RandomSource,
+    Rule,
+    SecureRandom,
+    SeededRandom,
+    check_draft_rows,
+    get_rule,
+    parse_q_rows,
+    verifier_random,
+)
+from sdcp.protocol.sampling import InvalidDistribution, draw_token, target_distribution
 
 __all__ = [
     "MEDIA_TYPE",
@@ -62,4 +77,26 @@ __all__ = [
     "prefix_digest",
     "problem_json",
     "session_path_id",
+    "ControlDecision",
+    "SpeculationControl",
+    "is_low_round",
+    "m_cap_ceiling",
+    "AcceptanceEstimate",
+    "DrafterSession",
+    "ProposalNotAllowed",
+    "choose_m",
+    "expected_tokens",
+    "RULES",
+    "Acceptance",
+    "RandomSource",
+    "Rule",
+    "SecureRandom",
+    "SeededRandom",
+    "check_draft_rows",
+    "get_rule",
+    "parse_q_rows",
+    "verifier_random",
+    "InvalidDistribution",
+    "draw_token",
+    "target_distribution",
 ]
