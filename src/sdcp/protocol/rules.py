@@ -105,9 +105,18 @@ class Acceptance:
 
 
 class Rule(Protocol):
-    id: int
-    name: str
-    needs_q: bool
+    """A registered acceptance rule (SDCP 6.4, registry of 10.2.2)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def needs_q(self) -> bool:
+        """Whether the rule needs the draft rows q (then the verifier checks them first, SDCP 6.3)."""
+        ...
 
     def accept(
         self,
