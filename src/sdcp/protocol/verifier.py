@@ -1,0 +1,501 @@
+"""The verifier's session state machine (SDCP 6.3, 6.5.2 self_decode, 6.6, 6.7, 6.8).
+
+The verifier is the sole commit authority. A round goes through three steps, and the service
+around this module does the I/O between them:
+
+1. ``begin_round(proposal, peer)`` runs the checks of SDCP 6.3 in order (authorization, fencing,
+   idempotency, base and round, limits) and answers ``Replay`` (a verdict already exists),
+   ``Wait`` (an identical request is being verified) or a ``RoundTicket`` to verify.
+2. ``decide(ticket, logits, q_rows, load)`` applies the acceptance rule and speculation control and
+   returns a ``PendingCommit``: the commit record to append and the verdict to release after it.
+   Nothing in the session changes yet.
+3. ``apply(pending)`` after the commit-log append succeeded makes the tokens committed and the
+   verdict recorded, in one step; ``stop_serving()`` when the append was fenced; ``abandon(ticket)``
+   when the round could not be verified (no output, no state change).
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from sdcp.protocol.control import SpeculationControl
+from sdcp.protocol.digest import extend_digest, prefix_digest
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    Contract,
+    Event,
+    Output,
+    Policy,
+    Proposal,
+    Resume,
+    Sampling,
+    SessionState,
+    Verdict,
+)
+from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
+from sdcp.protocol.rules import (
+    PURPOSE_EXTRA_TOKEN,
+    GreedyRule,
+    RandomSource,
+    SecureRandom,
+    SeededRandom,
+    check_draft_rows,
+    get_rule,
+)
+from sdcp.protocol.sampling import draw_token, target_distribution
+
+__all__ = [
+    "CommitRecord",
+    "FenceRecord",
+    "PendingCommit",
+    "Replay",
+    "RoundTicket",
+    "ServingState",
+    "VerifierSession",
+    "Wait",
+    "parse_log_record",
+]
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """SDCP 6.8: a commit record carries epoch, round, emitted tokens, n and d[n]."""
+
+    epoch: int
+    round: int
+    emitted: tuple[int, ...]
+    committed: int
+    digest: bytes
+
+    def to_obj(self) -> dict[str, object]:
+        return {
+            "epoch": self.epoch,
+            "round": self.round,
+            "emitted": list(self.emitted),
+            "committed": self.committed,
+            "digest": self.digest,
+        }
+
+
+@dataclass(frozen=True)
+class FenceRecord:
+    """SDCP 6.8: a fence record carries only an epoch."""
+
+    epoch: int
+
+    def to_obj(self) -> dict[str, object]:
+        return {"epoch": self.epoch}
+
+
+def parse_log_record(obj: object) -> CommitRecord | FenceRecord:
+    """A commit-log record from its CBOR data model; anything else raises BadMessage."""
+    if not isinstance(obj, dict) or not _is_uint(obj.get("epoch")):
+        raise BadMessage("a commit-log record is a map with an unsigned 'epoch'")
+    if obj.keys() == {"epoch"}:
+        return FenceRecord(epoch=obj["epoch"])
+    emitted = obj.get("emitted")
+    digest = obj.get("digest")
+    if (
+        not _is_uint(obj.get("round"))
+        or not _is_uint(obj.get("committed"))
+        or not isinstance(emitted, list)
+        or not all(_is_uint(token) for token in emitted)
+        or not isinstance(digest, bytes)
+        or len(digest) != 32
+    ):
+        raise BadMessage(f"malformed commit record: {sorted(obj)}")
+    return CommitRecord(obj["epoch"], obj["round"], tuple(emitted), obj["committed"], digest)
+
+
+def _is_uint(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class ServingState(enum.IntEnum):
+    """The session-state ``state`` member: the action the session is in (docs/interpretations.md)."""
+
+    ACTIVE = Action.CONTINUE
+    SELF_DECODING = Action.SELF_DECODE
+    FINISHED = Action.FINISH
+    FAILED = Action.FAIL
+
+
+class Replay(NamedTuple):
+    """A verdict for this round exists: it is returned unchanged (SDCP 6.3 Idempotency)."""
+
+    verdict: Verdict
+
+
+class Wait(NamedTuple):
+    """An identical request for this round is being verified: wait for its verdict."""
+
+    round: int
+
+
+@dataclass(frozen=True)
+class RoundTicket:
+    """A round admitted for verification. ``proposal`` is None for a self-decoded round."""
+
+    round: int
+    proposal: Proposal | None
+    sampling: Sampling | None
+    rng: RandomSource
+
+
+@dataclass(frozen=True)
+class PendingCommit:
+    """What a decided round will commit, once the commit-log append succeeded."""
+
+    ticket: RoundTicket
+    record: CommitRecord
+    verdict: Verdict
+    event: Event | None
+    control: SpeculationControl = field(repr=False)
+
+
+def _identity(proposal: Proposal) -> tuple[object, ...]:
+    # The status member is a load report that may change between retries of the same proposal;
+    # everything that decides the round is compared (docs/interpretations.md).
+    return (
+        proposal.session,
+        proposal.epoch,
+        proposal.round,
+        proposal.drafter,
+        proposal.base,
+        proposal.base_digest,
+        proposal.tokens,
+        proposal.q_rows,
+        proposal.draft_kv,
+    )
+
+
+class VerifierSession:
+    """One session at the verifier: committed prefix, digest chain, verdicts, control."""
+
+    def __init__(
+        self,
+        *,
+        session: bytes,
+        epoch: int,
+        contract: Contract,
+        prompt: Sequence[int],
+        resume: Resume | None = None,
+        committed_tokens: Sequence[int] = (),
+        m_init: int | None = None,
+    ) -> None:
+        self.rule = get_rule(contract.rule)
+        self.session = session
+        self.epoch = epoch
+        self.contract = contract
+        self.prompt = tuple(prompt)
+        self.tokens: list[int] = []
+        self.digest = prefix_digest(contract.digest, self.prompt)
+        self.round = 0
+        self.drafter: str | None = None
+        self.control = SpeculationControl(contract, m_init if m_init is not None else contract.m_max)
+        self._verdicts: dict[int, Verdict] = {}
+        self._in_flight: RoundTicket | None = None
+        self._policies: list[Policy] = []
+        self.fenced = False
+        if resume is not None:
+            self._resume(resume, committed_tokens)
+        if self._reached_max_new():
+            self.control.finish()
+
+    def _resume(self, resume: Resume, committed_tokens: Sequence[int]) -> None:
+        # SDCP 6.9: the new verifier continues from the last commit record the router read; the
+        # committed tokens must reproduce its length and digest.
+        tokens = tuple(committed_tokens)
+        if len(tokens) != resume.committed:
+            raise BadMessage(f"resume says {resume.committed} committed tokens, the object holds {len(tokens)}")
+        digest = extend_digest(self.digest, tokens)
+        if digest != resume.digest:
+            raise BadMessage("resume digest does not match the committed tokens")
+        self.tokens = list(tokens)
+        self.digest = digest
+        self.round = resume.round
+        if tokens and tokens[-1] in self.contract.stop:
+            self.control.finish()
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def committed(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def serving_state(self) -> ServingState:
+        if self.control.ended is not None:
+            return ServingState.FAILED if self.control.ended == Action.FAIL else ServingState.FINISHED
+        return ServingState.SELF_DECODING if self.control.self_decoding else ServingState.ACTIVE
+
+    @property
+    def ended(self) -> bool:
+        return self.control.ended is not None
+
+    @property
+    def self_decoding(self) -> bool:
+        return self.control.self_decoding and not self.fenced
+
+    @property
+    def verifying(self) -> bool:
+        return self._in_flight is not None
+
+    def state(self) -> SessionState:
+        return SessionState(
+            session=self.session,
+            epoch=self.epoch,
+            round=self.round,
+            committed=self.committed,
+            digest=self.digest,
+            state=int(self.serving_state),
+        )
+
+    def sampling_for(self, round_number: int) -> Sampling | None:
+        """SDCP 6.6: the latest policy whose from_round <= round applies; else the contract's."""
+        applicable = [p for p in self._policies if p.from_round <= round_number]
+        return applicable[-1].sampling if applicable else self.contract.sampling
+
+    # -- router-facing operations --------------------------------------------------------------
+
+    def assign(self, assignment: Assignment) -> None:
+        """PUT sessions/{id}/drafter: the latest assignment names the only drafter allowed."""
+        self._require_serving(assignment.epoch)
+        if assignment.contract.digest != self.contract.digest:
+            raise ProtocolError(ProblemType.BAD_CONTRACT, "the assignment carries another contract")
+        self._require_open()
+        self.drafter = assignment.drafter
+        self.control.assign_drafter(assignment.m_init)
+
+    def apply_policy(self, policy: Policy) -> None:
+        """SDCP 6.6: a new sampling profile for rounds from ``from_round`` on."""
+        self._require_serving(self.epoch)
+        self._require_open()
+        if policy.from_round <= self.round:
+            raise ProtocolError(
+                ProblemType.STALE_BASE,
+                f"from_round {policy.from_round} is not after the current round {self.round}",
+                state=self.state(),
+            )
+        self._policies.append(policy)
+        self._policies.sort(key=lambda p: p.from_round)
+
+    def stop_serving(self) -> None:
+        """SDCP 6.3: the commit-log append was fenced; discard the round, stop serving the session."""
+        self.fenced = True
+        self._in_flight = None
+
+    # -- rounds --------------------------------------------------------------------------------
+
+    def begin_round(self, proposal: Proposal, peer: str | None) -> Replay | Wait | RoundTicket:
+        """Admit a proposal for verification, in the order of checks of SDCP 6.3."""
+        # SDCP 6.3 Authorization: only the drafter named in the latest assignment.
+        if self.drafter is None or peer != self.drafter or proposal.drafter != self.drafter:
+            raise ProtocolError(ProblemType.NOT_ASSIGNED, f"{peer or 'the client'} is not the assigned drafter")
+        self._require_serving(proposal.epoch)
+        # SDCP 6.3 Idempotency: an existing verdict is returned unchanged; an identical request in
+        # flight is waited for.
+        existing = self._verdicts.get(proposal.round)
+        if existing is not None:
+            return Replay(existing)
+        in_flight = self._in_flight
+        if in_flight is not None and in_flight.proposal is not None and in_flight.round == proposal.round:
+            if _identity(in_flight.proposal) == _identity(proposal):
+                return Wait(proposal.round)
+        self._require_open()
+        if in_flight is not None or self.control.self_decoding:
+            raise ProtocolError(
+                ProblemType.STALE_BASE, "another round of this session is being committed", state=self.state()
+            )
+        # SDCP 6.3 Base check.
+        if proposal.base != self.committed or proposal.base_digest != self.digest:
+            raise ProtocolError(
+                ProblemType.STALE_BASE,
+                f"proposal extends {proposal.base} tokens; {self.committed} are committed",
+                state=self.state(),
+            )
+        if proposal.round != self.round + 1:
+            raise ProtocolError(
+                ProblemType.STALE_BASE,
+                f"proposal is for round {proposal.round}; the next round is {self.round + 1}",
+                state=self.state(),
+            )
+        self.control.check_length(len(proposal.tokens))
+        if self.rule.needs_q and proposal.q_rows is None:
+            raise ProtocolError(ProblemType.BAD_PROPOSAL, "the acceptance rule needs q_rows")
+        ticket = self._ticket(proposal.round, proposal)
+        self._in_flight = ticket
+        return ticket
+
+    def begin_self_decode(self) -> RoundTicket:
+        """A self-decoded round: one token from the target, a round of its own (SDCP 6.5.2)."""
+        self._require_serving(self.epoch)
+        self._require_open()
+        if not self.control.self_decoding or self._in_flight is not None:
+            raise ValueError("self-decoding is not in progress or a round is already in flight")
+        ticket = self._ticket(self.round + 1, None)
+        self._in_flight = ticket
+        return ticket
+
+    def abandon(self, ticket: RoundTicket) -> None:
+        """The round could not be verified (e.g. sdcp-q-unavailable): nothing is committed."""
+        if self._in_flight is ticket:
+            self._in_flight = None
+
+    def decide(
+        self,
+        ticket: RoundTicket,
+        logits: np.ndarray,
+        q_rows: np.ndarray | None,
+        verifier_load: int,
+    ) -> PendingCommit:
+        """Apply the acceptance rule (SDCP 6.3 Acceptance, 6.4) and speculation control (6.5)."""
+        proposal = self._require_ticket(ticket)
+        if proposal is None:
+            raise ValueError("a self-decoded round is decided by decide_self_decode")
+        tokens = proposal.tokens
+        if self.rule.needs_q:
+            # SDCP 6.3: every draft row is obtained and checked before any random value is drawn.
+            q_rows = check_draft_rows(q_rows, tokens, logits.shape[-1])
+        acceptance = self.rule.accept(self._target_rows(logits, ticket.sampling), q_rows, tokens, ticket.rng)
+        proposed_emitted = (*tokens[: acceptance.accepted], acceptance.extra_token)
+        control = copy.copy(self.control)
+        emitted, finished = self._truncate(proposed_emitted)
+        if finished:
+            action, m_cap = control.finish()
+        else:
+            action, m_cap = control.after_round(acceptance.accepted, len(tokens), verifier_load)
+        return self._pending(ticket, control, emitted, acceptance.accepted, action, m_cap, verifier_load)
+
+    def decide_self_decode(self, ticket: RoundTicket, logits: np.ndarray, verifier_load: int) -> PendingCommit:
+        """Commit one target token: argmax under rule 1, a draw from p under rule 2."""
+        if self._require_ticket(ticket) is not None:
+            raise ValueError("a proposal round is decided by decide")
+        row = np.asarray(logits).reshape(-1, np.shape(logits)[-1])[0]
+        if isinstance(self.rule, GreedyRule):
+            token = int(np.argmax(row))
+        else:
+            p = target_distribution(row, ticket.sampling)
+            # The self-decoded token is the additional token at position 1 of its round.
+            token = draw_token(p, ticket.rng.uniform(1, PURPOSE_EXTRA_TOKEN))
+        control = copy.copy(self.control)
+        emitted, finished = self._truncate((token,))
+        if finished:
+            action, m_cap = control.finish()
+        else:
+            action, m_cap = control.after_self_decode_token(verifier_load), control.m_cap
+        return self._pending(ticket, control, emitted, 0, action, m_cap, verifier_load)
+
+    def apply(self, pending: PendingCommit) -> Verdict:
+        """The commit record is durable: commit the tokens and record the verdict together."""
+        self._require_ticket(pending.ticket)
+        self.tokens.extend(pending.record.emitted)
+        self.digest = pending.record.digest
+        self.round = pending.record.round
+        self.control = pending.control
+        self._verdicts[pending.record.round] = pending.verdict
+        self._in_flight = None
+        return pending.verdict
+
+    # -- output --------------------------------------------------------------------------------
+
+    def output(self, start: int) -> Output:
+        """SDCP 6.7: tokens committed at output indices ``start`` and later, with the epoch."""
+        self._require_serving(self.epoch)
+        tokens = tuple(self.tokens[start:])
+        final = self.ended and start + len(tokens) >= self.committed
+        return Output(
+            session=self.session,
+            epoch=self.epoch,
+            from_=start,
+            tokens=tokens,
+            final=final,
+            finish=self.control.ended if final else None,
+        )
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _ticket(self, round_number: int, proposal: Proposal | None) -> RoundTicket:
+        sampling = self.sampling_for(round_number)
+        rng: RandomSource
+        if sampling is not None and sampling.seed is not None:
+            rng = SeededRandom(sampling.seed, self.session, round_number)
+        else:
+            rng = SecureRandom()
+        return RoundTicket(round_number, proposal, sampling, rng)
+
+    def _target_rows(self, logits: np.ndarray, sampling: Sampling | None) -> np.ndarray:
+        if isinstance(self.rule, GreedyRule):
+            # argmax p equals argmax of the logits under every sampling profile (temperature is
+            # monotone; top-k and top-p keep the most probable token), so rule 1 skips the softmax.
+            return np.asarray(logits)
+        return target_distribution(logits, sampling)
+
+    def _truncate(self, emitted: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
+        # SDCP 6.3 Acceptance: truncate after the first stop token and at max_new.
+        stop = self.contract.stop
+        for index, token in enumerate(emitted):
+            if token in stop:
+                emitted = emitted[: index + 1]
+                return emitted[: self.contract.max_new - self.committed], True
+        room = self.contract.max_new - self.committed
+        return emitted[:room], len(emitted) >= room
+
+    def _reached_max_new(self) -> bool:
+        return self.committed >= self.contract.max_new and not self.ended
+
+    def _pending(
+        self,
+        ticket: RoundTicket,
+        control: SpeculationControl,
+        emitted: tuple[int, ...],
+        accepted: int,
+        action: Action,
+        m_cap: int,
+        verifier_load: int,
+    ) -> PendingCommit:
+        committed = self.committed + len(emitted)
+        digest = extend_digest(self.digest, emitted)
+        record = CommitRecord(self.epoch, ticket.round, emitted, committed, digest)
+        verdict = Verdict(
+            session=self.session,
+            epoch=self.epoch,
+            round=ticket.round,
+            accepted=accepted,
+            emitted=emitted,
+            committed=committed,
+            digest=digest,
+            action=action,
+            m_cap=m_cap,
+            low=control.low,
+            load=verifier_load,
+        )
+        event = None
+        if action in (Action.SWITCH, Action.FINISH, Action.FAIL):
+            event = Event(session=self.session, epoch=self.epoch, kind=action, committed=committed, digest=digest)
+        return PendingCommit(ticket, record, verdict, event, control)
+
+    def _require_ticket(self, ticket: RoundTicket) -> Proposal | None:
+        if self._in_flight is not ticket:
+            raise ValueError(f"round {ticket.round} is not the round in flight")
+        return ticket.proposal
+
+    def _require_serving(self, epoch: int) -> None:
+        # SDCP 6.3 Fencing; a fenced session has a newer epoch elsewhere (SDCP 6.9).
+        if epoch != self.epoch:
+            raise ProtocolError(ProblemType.STALE_EPOCH, f"epoch {epoch} is not the session epoch {self.epoch}")
+        if self.fenced:
+            raise ProtocolError(ProblemType.STALE_EPOCH, f"epoch {self.epoch} was fenced by a newer epoch")
+
+    def _require_open(self) -> None:
+        if self.control.ended is not None:
+            raise ProtocolError(
+                ProblemType.SESSION_CLOSED, f"session ended with {self.control.ended.name.lower()}"
+            )

@@ -1,0 +1,397 @@
+"""The verifier session state machine (SDCP 6.3, 6.5.2, 6.6, 6.7, 6.8)."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    Contract,
+    Policy,
+    Proposal,
+    Resume,
+    Role,
+    Sampling,
+    Status,
+)
+from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
+from sdcp.protocol.verifier import (
+    CommitRecord,
+    FenceRecord,
+    Replay,
+    RoundTicket,
+    ServingState,
+    VerifierSession,
+    Wait,
+    parse_log_record,
+)
+
+V = 8
+SESSION = bytes(range(16))
+DRAFTER = "https://drafter-a.test"
+OTHER = "https://drafter-b.test"
+PROMPT = (1, 2, 3)
+
+
+def make_contract(**overrides: object) -> Contract:
+    obj: dict[str, object] = {
+        "target": b"\x01" * 32,
+        "tokenizer": b"\x02" * 32,
+        "rule": 1,
+        "m_max": 4,
+        "max_new": 20,
+        "stop": [7],
+        "low_rounds": 2,
+        "fallback": [Action.REDUCE, Action.SWITCH, Action.FAIL],
+    }
+    obj.update(overrides)
+    return Contract.from_obj({k: v for k, v in obj.items() if v is not None})
+
+
+def open_session(contract: Contract | None = None, **kwargs: object) -> VerifierSession:
+    contract = contract or make_contract()
+    session = VerifierSession(session=SESSION, epoch=1, contract=contract, prompt=PROMPT, **kwargs)
+    session.assign(assignment(session, DRAFTER))
+    return session
+
+
+def assignment(session: VerifierSession, drafter: str, epoch: int = 1, m_init: int = 4) -> Assignment:
+    return Assignment(
+        session=SESSION,
+        epoch=epoch,
+        contract=session.contract,
+        verifier="https://verifier.test",
+        drafter=drafter,
+        prompt=PROMPT,
+        round=session.round,
+        committed=session.committed,
+        digest=session.digest,
+        m_init=m_init,
+    )
+
+
+def status() -> Status:
+    return Status(instance=DRAFTER, role=Role.DRAFTER, load=10, queue=0, ttl_ms=1000)
+
+
+def propose(session: VerifierSession, tokens: tuple[int, ...], **overrides: object) -> Proposal:
+    fields: dict[str, object] = {
+        "session": SESSION,
+        "epoch": session.epoch,
+        "round": session.round + 1,
+        "drafter": DRAFTER,
+        "base": session.committed,
+        "base_digest": session.digest,
+        "tokens": tokens,
+        "status": status(),
+    }
+    fields.update(overrides)
+    return Proposal(**fields)  # type: ignore[arg-type]
+
+
+def greedy_logits(targets: list[int]) -> np.ndarray:
+    """Logits whose argmax at each row is the given target token."""
+    rows = np.zeros((len(targets), V), dtype=np.float32)
+    for i, token in enumerate(targets):
+        rows[i, token] = 5.0
+    return rows
+
+
+def chain(prompt: tuple[int, ...], contract: Contract, output: list[int]) -> bytes:
+    """d[n] written from the draft's formula (SDCP 4.2), independently of sdcp.protocol.digest."""
+    d = hashlib.sha256(
+        b"SDCP-PREFIX-1\x00"
+        + contract.digest
+        + struct.pack(">I", len(prompt))
+        + b"".join(struct.pack(">I", t) for t in prompt)
+    ).digest()
+    for token in output:
+        d = hashlib.sha256(d + struct.pack(">I", token)).digest()
+    return d
+
+
+def run_round(session: VerifierSession, tokens: tuple[int, ...], targets: list[int], load: int = 10):
+    ticket = session.begin_round(propose(session, tokens), DRAFTER)
+    assert isinstance(ticket, RoundTicket)
+    pending = session.decide(ticket, greedy_logits(targets), None, load)
+    return pending, session.apply(pending)
+
+
+def test_greedy_round_commits_accepted_and_additional_token() -> None:
+    session = open_session()
+    pending, verdict = run_round(session, (4, 5, 6), [4, 5, 0, 3])
+    assert verdict.accepted == 2
+    assert verdict.emitted == (4, 5, 0)
+    assert verdict.committed == 3 and session.tokens == [4, 5, 0]
+    assert verdict.digest == chain(PROMPT, session.contract, [4, 5, 0]) == session.digest
+    assert verdict.action == Action.CONTINUE and verdict.round == 1
+    assert pending.record == CommitRecord(1, 1, (4, 5, 0), 3, verdict.digest)
+
+
+def test_nothing_changes_before_apply_and_abandon_discards() -> None:
+    session = open_session()
+    before = session.state()
+    ticket = session.begin_round(propose(session, (4,)), DRAFTER)
+    assert isinstance(ticket, RoundTicket)
+    session.decide(ticket, greedy_logits([4, 4]), None, 0)
+    assert session.state() == before
+    session.abandon(ticket)
+    assert session.state() == before and not session.verifying
+
+
+def test_unassigned_drafter_is_refused() -> None:
+    session = open_session()
+    with pytest.raises(ProtocolError) as err:
+        session.begin_round(propose(session, (4,), drafter=OTHER), OTHER)
+    assert err.value.problem is ProblemType.NOT_ASSIGNED
+    # The authenticated peer must be the drafter, whatever the proposal claims.
+    with pytest.raises(ProtocolError) as err:
+        session.begin_round(propose(session, (4,)), OTHER)
+    assert err.value.problem is ProblemType.NOT_ASSIGNED
+
+
+def test_reassignment_revokes_the_previous_drafter() -> None:
+    session = open_session()
+    session.assign(assignment(session, OTHER))
+    with pytest.raises(ProtocolError) as err:
+        session.begin_round(propose(session, (4,)), DRAFTER)
+    assert err.value.problem is ProblemType.NOT_ASSIGNED
+
+
+def test_stale_epoch_is_fenced() -> None:
+    session = open_session()
+    with pytest.raises(ProtocolError) as err:
+        session.begin_round(propose(session, (4,), epoch=2), DRAFTER)
+    assert err.value.problem is ProblemType.STALE_EPOCH and err.value.status == 409
+
+
+def test_duplicate_proposal_returns_identical_verdict() -> None:
+    session = open_session()
+    proposal = propose(session, (4, 5))
+    ticket = session.begin_round(proposal, DRAFTER)
+    assert isinstance(ticket, RoundTicket)
+    assert session.begin_round(proposal, DRAFTER) == Wait(1)
+    verdict = session.apply(session.decide(ticket, greedy_logits([4, 1, 2]), None, 0))
+    assert session.begin_round(proposal, DRAFTER) == Replay(verdict)
+    run_round(session, (1,), [1, 1])
+    assert session.begin_round(proposal, DRAFTER) == Replay(verdict)
+
+
+def test_different_proposal_while_a_round_is_in_flight_is_refused() -> None:
+    session = open_session()
+    session.begin_round(propose(session, (4, 5)), DRAFTER)
+    with pytest.raises(ProtocolError) as err:
+        session.begin_round(propose(session, (4, 6)), DRAFTER)
+    assert err.value.problem is ProblemType.STALE_BASE and err.value.state is not None
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"base": 1}, {"base_digest": b"\x00" * 32}, {"round": 2}, {"round": 0}],
+)
+def test_stale_base_or_round_carries_state(overrides: dict[str, object]) -> None:
+    session = open_session()
+    with pytest.raises(ProtocolError) as err:
+        session.begin_round(propose(session, (4,), **overrides), DRAFTER)
+    assert err.value.problem is ProblemType.STALE_BASE
+    assert err.value.state == session.state()
+
+
+def test_limit_m_cap_and_m_max() -> None:
+    session = open_session(make_contract(m_max=4))
+    with pytest.raises(ProtocolError) as err:
+        session.begin_round(propose(session, (1, 2, 3, 4, 5)), DRAFTER)
+    assert err.value.problem is ProblemType.LIMIT
+    session.assign(assignment(session, DRAFTER, m_init=2))
+    with pytest.raises(ProtocolError) as err:
+        session.begin_round(propose(session, (1, 2, 3)), DRAFTER)
+    assert err.value.problem is ProblemType.LIMIT
+
+
+def test_stop_token_truncates_and_finishes() -> None:
+    session = open_session()
+    pending, verdict = run_round(session, (4, 7, 5), [4, 7, 5, 1])
+    assert verdict.emitted == (4, 7)
+    assert verdict.action == Action.FINISH and pending.event is not None
+    assert pending.event.kind == Action.FINISH
+    out = session.output(0)
+    assert out.tokens == (4, 7) and out.final and out.finish == Action.FINISH
+    with pytest.raises(ProtocolError) as err:
+        session.begin_round(propose(session, (1,)), DRAFTER)
+    assert err.value.problem is ProblemType.SESSION_CLOSED and err.value.status == 410
+
+
+def test_max_new_truncates_and_finishes() -> None:
+    session = open_session(make_contract(max_new=4))
+    run_round(session, (1, 2), [1, 2, 3])
+    _, verdict = run_round(session, (1, 2, 3), [1, 2, 3, 4])
+    assert verdict.emitted == (1,) and verdict.action == Action.FINISH
+    assert session.tokens == [1, 2, 3, 1]
+    assert session.state().state == ServingState.FINISHED
+
+
+def test_max_new_zero_is_finished_at_creation() -> None:
+    session = VerifierSession(session=SESSION, epoch=1, contract=make_contract(max_new=0), prompt=PROMPT)
+    assert session.output(0).final
+
+
+def test_escalation_reduce_then_switch_emits_event() -> None:
+    session = open_session()
+    _, v1 = run_round(session, (1, 1), [2, 2, 2])
+    assert v1.action == Action.CONTINUE and v1.low == 1
+    _, v2 = run_round(session, (1, 1), [2, 2, 2])
+    assert v2.action == Action.REDUCE and v2.m_cap == 2
+    run_round(session, (1,), [2, 2])
+    pending, v4 = run_round(session, (1,), [2, 2])
+    assert v4.action == Action.SWITCH
+    assert pending.event is not None and pending.event.kind == Action.SWITCH
+    assert pending.event.committed == session.committed and pending.event.digest == session.digest
+
+
+def test_self_decode_rounds_are_consecutive_and_end_with_switch_event() -> None:
+    contract = make_contract(fallback=[Action.SELF_DECODE], self_load=50, self_max=2, low_rounds=1)
+    session = open_session(contract)
+    _, verdict = run_round(session, (1,), [2, 2])
+    assert verdict.action == Action.SELF_DECODE and session.self_decoding
+    with pytest.raises(ProtocolError) as err:
+        session.begin_round(propose(session, (1,)), DRAFTER)
+    assert err.value.problem is ProblemType.STALE_BASE
+    rounds, events = [], []
+    while session.self_decoding:
+        ticket = session.begin_self_decode()
+        pending = session.decide_self_decode(ticket, greedy_logits([5]), 10)
+        session.apply(pending)
+        rounds.append(pending.record.round)
+        events.append(pending.event)
+    assert rounds == [2, 3] and session.tokens == [2, 5, 5]
+    assert events[0] is None and events[1] is not None and events[1].kind == Action.SWITCH
+    assert session.state().state == ServingState.ACTIVE
+
+
+def test_self_decode_skipped_when_loaded() -> None:
+    contract = make_contract(fallback=[Action.SELF_DECODE, Action.FAIL], self_load=50, low_rounds=1)
+    session = open_session(contract)
+    pending, verdict = run_round(session, (1,), [2, 2], load=90)
+    assert verdict.action == Action.FAIL
+    assert pending.event is not None and pending.event.kind == Action.FAIL
+    out = session.output(0)
+    assert out.final and out.finish == Action.FAIL and out.tokens == (2,)
+
+
+def test_policy_applies_from_its_round() -> None:
+    contract = make_contract(rule=2, sampling={"temperature_milli": 1000, "seed": 1})
+    session = open_session(contract)
+    new = Sampling(temperature_milli=0, seed=9)
+    session.apply_policy(Policy(session=SESSION, from_round=3, sampling=new))
+    assert session.sampling_for(2) == contract.sampling
+    assert session.sampling_for(3) == new and session.sampling_for(7) == new
+    with pytest.raises(ProtocolError) as err:
+        session.apply_policy(Policy(session=SESSION, from_round=0, sampling=new))
+    assert err.value.problem is ProblemType.STALE_BASE
+
+
+def test_rule2_requires_rows_and_rejects_zero_q_before_drawing() -> None:
+    session = open_session(make_contract(rule=2, sampling={"seed": 3}))
+    with pytest.raises(ProtocolError) as err:
+        session.begin_round(propose(session, (1,)), DRAFTER)
+    assert err.value.problem is ProblemType.BAD_PROPOSAL
+
+    class CountingRandom:
+        draws = 0
+
+        def uniform(self, i: int, purpose: int) -> float:
+            CountingRandom.draws += 1
+            return 0.5
+
+    ticket = session.begin_round(propose(session, (1, 2), q_rows="mlc://x/-/q/1"), DRAFTER)
+    assert isinstance(ticket, RoundTicket)
+    counted = RoundTicket(ticket.round, ticket.proposal, ticket.sampling, CountingRandom())
+    session._in_flight = counted  # the counting source stands in for the seeded one
+    q = np.full((2, V), 1.0 / V, dtype=np.float32)
+    q[1, 2] = 0.0
+    with pytest.raises(ProtocolError) as err:
+        session.decide(counted, np.zeros((3, V), dtype=np.float32), q, 0)
+    assert err.value.problem is ProblemType.BAD_PROPOSAL and CountingRandom.draws == 0
+
+
+def test_rule2_seeded_verdicts_are_reproducible() -> None:
+    def run() -> list[int]:
+        session = open_session(make_contract(rule=2, sampling={"seed": 11}, max_new=12))
+        rng = np.random.default_rng(0)
+        while not session.ended:
+            ticket = session.begin_round(propose(session, (1, 2), q_rows="mlc://x/-/q/r"), DRAFTER)
+            assert isinstance(ticket, RoundTicket)
+            q = np.full((2, V), 1.0 / V, dtype=np.float32)
+            session.apply(session.decide(ticket, rng.normal(size=(3, V)).astype(np.float32), q, 0))
+        return session.tokens
+
+    assert run() == run()
+
+
+def test_fenced_session_stops_serving() -> None:
+    session = open_session()
+    ticket = session.begin_round(propose(session, (4,)), DRAFTER)
+    assert isinstance(ticket, RoundTicket)
+    session.decide(ticket, greedy_logits([4, 4]), None, 0)
+    session.stop_serving()
+    assert session.committed == 0
+    with pytest.raises(ProtocolError) as err:
+        session.output(0)
+    assert err.value.problem is ProblemType.STALE_EPOCH
+    with pytest.raises(ProtocolError):
+        session.begin_round(propose(session, (4,)), DRAFTER)
+
+
+def test_output_slices_are_stable() -> None:
+    session = open_session()
+    run_round(session, (4, 5), [4, 5, 6])
+    run_round(session, (1,), [2, 3])
+    assert session.output(0).tokens == (4, 5, 6, 2)
+    assert session.output(3).tokens == (2,) and session.output(3).from_ == 3
+    assert session.output(9).tokens == () and not session.output(0).final
+    assert session.output(0).epoch == 1
+
+
+def test_resume_checks_digest_and_continues() -> None:
+    contract = make_contract()
+    committed = [4, 5, 6]
+    resume = Resume(round=5, committed=3, digest=chain(PROMPT, contract, committed), committed_tokens="mlc://x/-/t/1")
+    session = VerifierSession(
+        session=SESSION, epoch=2, contract=contract, prompt=PROMPT, resume=resume, committed_tokens=committed
+    )
+    assert session.state().round == 5 and session.committed == 3
+    bad = Resume(round=5, committed=3, digest=b"\x00" * 32, committed_tokens="mlc://x/-/t/1")
+    with pytest.raises(BadMessage):
+        VerifierSession(session=SESSION, epoch=2, contract=contract, prompt=PROMPT, resume=bad, committed_tokens=committed)
+
+
+def test_assignment_with_another_contract_or_epoch_is_refused() -> None:
+    session = open_session()
+    other = VerifierSession(session=SESSION, epoch=1, contract=make_contract(max_new=5), prompt=PROMPT)
+    with pytest.raises(ProtocolError) as err:
+        session.assign(assignment(other, DRAFTER))
+    assert err.value.problem is ProblemType.BAD_CONTRACT
+    with pytest.raises(ProtocolError) as err:
+        session.assign(assignment(session, DRAFTER, epoch=3))
+    assert err.value.problem is ProblemType.STALE_EPOCH
+
+
+def test_unknown_rule_is_a_bad_contract() -> None:
+    with pytest.raises(ProtocolError) as err:
+        VerifierSession(session=SESSION, epoch=1, contract=make_contract(rule=99), prompt=PROMPT)
+    assert err.value.problem is ProblemType.BAD_CONTRACT
+
+
+def test_log_records_round_trip_and_reject_garbage() -> None:
+    record = CommitRecord(2, 7, (1, 2), 9, b"\x05" * 32)
+    assert parse_log_record(record.to_obj()) == record
+    assert parse_log_record(FenceRecord(3).to_obj()) == FenceRecord(3)
+    for bad in [{}, {"epoch": -1}, {"epoch": 1, "round": 1}, [1], {"epoch": 1, "round": 1, "emitted": [1],
+                                                                  "committed": 1, "digest": b"x"}]:
+        with pytest.raises(BadMessage):
+            parse_log_record(bad)
