@@ -416,3 +416,72 @@ def test_fuzz_single_byte_corruption(cls: type, data: st.DataObject) -> None:
     position = data.draw(st.integers(min_value=0, max_value=len(encoded) - 1))
     encoded[position] = data.draw(st.integers(min_value=0, max_value=255))
     _check_outcome(cls, lambda: cls.from_cbor(bytes(encoded)))
+
+
+# -- round trips of generated valid messages ---------------------------------------------------
+
+_U64 = st.integers(min_value=0, max_value=2**64 - 1)
+_TOKEN_LISTS = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=8)
+_HASHES = st.binary(min_size=32, max_size=32)
+_SESSIONS = st.binary(min_size=16, max_size=16)
+_PERCENT = st.integers(min_value=0, max_value=100)
+_SAMPLING_OBJS = st.fixed_dictionaries(
+    {},
+    optional={"temperature_milli": _U64, "top_k": _U64, "top_p_milli": st.integers(0, 1000), "seed": _U64},
+)
+_STATUS_OBJS = st.fixed_dictionaries(
+    {"instance": st.text(), "role": st.sampled_from([1, 2]), "load": _PERCENT, "queue": _U64, "ttl_ms": _U64},
+    optional={"accept_milli": st.integers(0, 1000), "cache_mbps": _U64},
+)
+_GENERATED: dict[type, st.SearchStrategy[dict[str, Any]]] = {
+    Sampling: _SAMPLING_OBJS,
+    Status: _STATUS_OBJS,
+    Proposal: st.fixed_dictionaries(
+        {
+            "session": _SESSIONS, "epoch": _U64, "round": _U64, "drafter": st.text(), "base": _U64,
+            "base_digest": _HASHES, "tokens": _TOKEN_LISTS.filter(bool), "status": _STATUS_OBJS,
+        },
+        optional={"q_rows": st.text(), "draft_kv": st.text()},
+    ),
+    Verdict: st.fixed_dictionaries(
+        {
+            "session": _SESSIONS, "epoch": _U64, "round": _U64, "accepted": _U64, "emitted": _TOKEN_LISTS,
+            "committed": _U64, "digest": _HASHES, "action": st.integers(0, 5), "m_cap": _U64, "low": _U64,
+            "load": _PERCENT,
+        }
+    ),
+    Output: st.fixed_dictionaries(
+        {"session": _SESSIONS, "epoch": _U64, "from": _U64, "tokens": _TOKEN_LISTS, "final": st.booleans()},
+        optional={"finish": st.integers(0, 5)},
+    ),
+    SessionState: st.fixed_dictionaries(
+        {"session": _SESSIONS, "epoch": _U64, "round": _U64, "committed": _U64, "digest": _HASHES},
+        optional={"state": _U64},
+    ),
+    Event: st.fixed_dictionaries(
+        {"session": _SESSIONS, "epoch": _U64, "kind": st.integers(0, 5), "committed": _U64, "digest": _HASHES}
+    ),
+    Policy: st.fixed_dictionaries({"session": _SESSIONS, "from_round": _U64, "sampling": _SAMPLING_OBJS}),
+    SessionOpen: st.fixed_dictionaries(
+        {
+            "session": _SESSIONS, "epoch": _U64, "contract": st.just(CONTRACT),
+            "prompt": _TOKEN_LISTS | st.text(), "commit_log": st.text(),
+        },
+        optional={
+            "prompt_kv": st.text(),
+            "resume": st.fixed_dictionaries(
+                {"round": _U64, "committed": _U64, "digest": _HASHES, "committed_tokens": st.text()},
+                optional={"target_kv": st.text()},
+            ),
+        },
+    ),
+}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), cls=st.sampled_from(sorted(_GENERATED, key=lambda c: c.__name__)))
+def test_generated_messages_round_trip(data: st.DataObject, cls: type) -> None:
+    obj = data.draw(_GENERATED[cls])
+    message = cls.from_obj(obj)
+    assert message.to_obj() == obj
+    assert cls.from_cbor(message.to_cbor()) == message
