@@ -197,3 +197,8 @@ def test_valid_contracts_round_trip_and_digest(contract: dict[str, Any]) -> None
     assert parsed.to_obj() == contract
     assert Contract.from_cbor(parsed.to_cbor()) == parsed
     assert parsed.digest == contract_digest(contract) == _reference_digest(contract)
+
+
+def test_python_forms_of_contract_members_give_the_same_digest() -> None:
+    python_forms = {**BASE, "target": bytearray(BASE["target"]), "stop": (2,), "fallback": [Action.REDUCE, 2, 3, 5]}
+    assert Contract.from_obj(python_forms).digest == _reference_digest(BASE)

@@ -87,7 +87,7 @@ def _outside_data_model(obj: object) -> str | None:
             for key in item:
                 if not isinstance(key, str):
                     return f"map key {key!r} is not a text string"
-        elif not isinstance(item, (str, bytes, list, tuple)):
+        elif not isinstance(item, (str, bytes, bytearray, list, tuple)):
             return f"{type(item).__name__} value {item!r} is not part of SDCP"
     return None
 
