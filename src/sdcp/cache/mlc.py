@@ -161,8 +161,7 @@ class MLC:
         if self.caches:
             current = await self.shared.head(uri)
             if current is None:
-                for tier in self.caches:
-                    await tier.discard(uri)
+                await self._forget(uri)
                 raise ObjectNotFound(uri)
             for level, tier in enumerate(self.caches):
                 hit = await tier.lookup(uri)
@@ -188,24 +187,30 @@ class MLC:
             for victim in evicted:
                 await self._install(level + 1, victim)
 
+    async def _forget(self, uri: str) -> None:
+        """Drop cached copies of an object the shared store no longer has."""
+        for tier in self.caches:
+            await tier.discard(uri)
+
     async def exists(self, uri: str) -> bool:
-        return await self.shared.head(canonical(uri)) is not None
+        uri = canonical(uri)
+        if await self.shared.head(uri) is None:
+            await self._forget(uri)
+            return False
+        return True
 
     async def delete(self, uri: str) -> bool:
         """Remove from every tier; True if the object existed. Explicit deletes ignore leases."""
         uri = canonical(uri)
         existed = await self.shared.remove(uri)
-        for tier in self.caches:
-            await tier.discard(uri)
+        await self._forget(uri)
         return existed
 
     async def locate(self, uri: str) -> list[str]:
         """Names of the tiers holding a copy, fastest first (for tests, metrics and debugging)."""
-        uri = canonical(uri)
-        names = [tier.name for tier in self.caches if tier.holds(uri)]
-        if await self.shared.head(uri) is not None:
-            names.append(self.shared.name)
-        return names
+        if not await self.exists(uri):
+            return []
+        return [tier.name for tier in self.caches if tier.holds(uri)] + [self.shared.name]
 
     # -- leases ---------------------------------------------------------------------------------
 

@@ -1,0 +1,141 @@
+"""Commit logs (SDCP 6.8): conditional append, one winner per version, fencing, on every backend."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sdcp.cache import MLC, CommitLog, Fenced, InvalidRecord, PreconditionFailed, build_uri
+from sdcp.cache.commitlog import EMPTY_LOG_ETAG
+
+pytestmark = pytest.mark.timeout(60)
+
+LOG = build_uri("localhost", bytes(16), "log", "session-1")
+
+
+def commit(epoch: int, round_: int, emitted: list[int] | None = None) -> dict[str, object]:
+    return {"epoch": epoch, "round": round_, "emitted": emitted or [round_], "committed": round_, "digest": bytes(32)}
+
+
+async def test_append_read_and_if_match(make_mlc) -> None:
+    log = make_mlc().commit_log(LOG)
+    empty = await log.read()
+    assert empty.records == [] and empty.etag == EMPTY_LOG_ETAG
+    assert await log.last_commit() is None
+    first = await log.append(commit(1, 1), if_match=empty.etag)
+    second = await log.append(commit(1, 2), if_match=first)
+    with pytest.raises(PreconditionFailed):
+        await log.append(commit(1, 3), if_match=first)
+    snapshot = await log.read()
+    assert snapshot.records == [commit(1, 1), commit(1, 2)]
+    assert snapshot.etag == second and len({EMPTY_LOG_ETAG, first, second}) == 3
+    assert await log.last_commit() == commit(1, 2)
+
+
+async def test_invalid_records_are_refused(make_mlc) -> None:
+    log = make_mlc().commit_log(LOG)
+    for bad in ([1, 2], {"round": 1}, {"epoch": -1}, {"epoch": True}, {"epoch": 1, "x": object()}):
+        with pytest.raises(InvalidRecord):
+            await log.append(bad, if_match=EMPTY_LOG_ETAG)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRecord):
+        await log.fence(-2)
+    assert (await log.read()).records == []
+
+
+async def test_32_concurrent_appenders_one_winner_per_version(make_mlc) -> None:
+    mlcs: list[MLC] = [make_mlc() for _ in range(4)]
+    logs: list[CommitLog] = [mlcs[i % 4].commit_log(LOG) for i in range(32)]
+    start = asyncio.Event()
+    winners_by_etag: dict[str, list[int]] = {}
+
+    async def appender(writer: int) -> int:
+        await start.wait()
+        failures = 0
+        while True:
+            snapshot = await logs[writer].read()
+            try:
+                etag = await logs[writer].append(commit(1, writer), if_match=snapshot.etag)
+            except PreconditionFailed:
+                failures += 1
+                continue
+            winners_by_etag.setdefault(etag, []).append(writer)
+            return failures
+
+    tasks = [asyncio.create_task(appender(i)) for i in range(32)]
+    start.set()
+    failures = await asyncio.gather(*tasks)
+    assert sum(failures) > 0  # they really raced
+    assert all(len(writers) == 1 for writers in winners_by_etag.values())
+    final = await logs[0].read()
+    assert sorted(record["round"] for record in final.records) == list(range(32))
+    assert len(winners_by_etag) == 32 and final.etag in winners_by_etag
+
+
+async def test_same_etag_exactly_one_winner(make_mlc) -> None:
+    logs = [make_mlc().commit_log(LOG) for _ in range(8)]
+    etag = (await logs[0].read()).etag
+    results = await asyncio.gather(
+        *(log.append(commit(1, i), if_match=etag) for i, log in enumerate(logs)), return_exceptions=True
+    )
+    assert sum(isinstance(result, str) for result in results) == 1
+    assert sum(isinstance(result, PreconditionFailed) for result in results) == 7
+
+
+async def test_fence_stops_lower_epochs(make_mlc) -> None:
+    log = make_mlc().commit_log(LOG)
+    etag = await log.append(commit(1, 1), if_match=EMPTY_LOG_ETAG)
+    fenced = await log.fence(2)
+    with pytest.raises(Fenced):  # the old verifier raced the fence with the etag it had
+        await log.append(commit(1, 2), if_match=etag)
+    with pytest.raises(Fenced):  # and it cannot get in even with the current etag
+        await log.append(commit(1, 2), if_match=fenced)
+    after = await log.append(commit(2, 2), if_match=fenced)
+    assert await log.fence(2) == after  # the router's retry of the same fence appends nothing
+    snapshot = await log.read()
+    assert snapshot.records == [commit(1, 1), {"epoch": 2}, commit(2, 2)]
+    assert await log.last_commit() == commit(2, 2)
+
+
+async def test_fence_is_idempotent_and_never_lowers(make_mlc) -> None:
+    log = make_mlc().commit_log(LOG)
+    first = await log.fence(3)
+    assert await log.fence(3) == first  # a router's retry appends nothing
+    with pytest.raises(Fenced):
+        await log.fence(2)
+    etag = await log.append(commit(3, 1), if_match=first)
+    assert await log.fence(3) == etag
+    assert (await log.read()).records == [{"epoch": 3}, commit(3, 1)]
+    assert await log.fence(4) != etag
+
+
+async def test_fence_racing_appenders_no_stale_record_after_it(make_mlc) -> None:
+    logs = [make_mlc().commit_log(LOG) for _ in range(8)]
+    outcomes: list[tuple[str, int]] = []
+
+    async def old_verifier(writer: int) -> None:
+        """Appends epoch-1 records until the fence stops it."""
+        round_ = 0
+        while True:
+            etag = (await logs[writer].read()).etag
+            try:
+                await logs[writer].append(commit(1, writer * 1000 + round_), if_match=etag)
+            except PreconditionFailed:
+                continue
+            except Fenced:
+                outcomes.append(("fenced", writer))
+                return
+            outcomes.append(("ok", writer))
+            round_ += 1
+
+    async def router() -> None:
+        await asyncio.sleep(0.05)
+        await logs[0].fence(2)
+
+    await asyncio.gather(router(), *(old_verifier(i) for i in range(1, 8)))
+    records = (await logs[0].read()).records
+    fence_at = records.index({"epoch": 2})
+    assert all(record["epoch"] == 1 for record in records[:fence_at])
+    assert records[fence_at + 1 :] == []
+    assert sum(kind == "ok" for kind, _ in outcomes) == fence_at > 0
+    assert sorted(writer for kind, writer in outcomes if kind == "fenced") == list(range(1, 8))
