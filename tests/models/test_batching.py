@@ -1,0 +1,69 @@
+"""BatchingScorer: many callers, one pass; errors stay with their request; asyncio front."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from sdcp.models import BatchingScorer, ScorerClosed, TargetModel, UnknownSession
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _open(target: TargetModel, session_ids, count: int) -> list[bytes]:
+    sessions = [next(session_ids) for _ in range(count)]
+    for index, session in enumerate(sessions):
+        target.open_session(session, list(range(1, 3 + index)))
+    return sessions
+
+
+def test_concurrent_callers_share_passes(tiny_target: TargetModel, session_ids) -> None:
+    sessions = _open(tiny_target, session_ids, 8)
+    expected = []
+    for session in sessions:
+        expected.append(tiny_target.score([(session, [5, 6])])[0])
+        tiny_target.rollback(session)
+    with BatchingScorer(tiny_target, window_s=0.05, max_batch=8) as scorer:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            results = list(pool.map(lambda s: scorer.submit(s, [5, 6]).result(timeout=30), sessions))
+        assert scorer.batches_run < len(sessions)
+    for got, want in zip(results, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_request_fails_alone(tiny_target: TargetModel, session_ids) -> None:
+    (good,) = _open(tiny_target, session_ids, 1)
+    with BatchingScorer(tiny_target, window_s=0.05) as scorer:
+        unknown = scorer.submit(next(session_ids), [1])
+        ok = scorer.submit(good, [1, 2])
+        assert ok.result(timeout=30).shape == (3, tiny_target.vocab_size)
+        with pytest.raises(UnknownSession):
+            unknown.result(timeout=30)
+
+
+def test_same_session_twice_is_scored_in_order(tiny_target: TargetModel, session_ids) -> None:
+    (session,) = _open(tiny_target, session_ids, 1)
+    with BatchingScorer(tiny_target, window_s=0.05) as scorer:
+        first = scorer.submit(session, [1])
+        second = scorer.submit(session, [1, 2, 3])
+        assert first.result(timeout=30).shape[0] == 2
+        assert second.result(timeout=30).shape[0] == 4
+
+
+async def test_score_async_from_event_loop(tiny_target: TargetModel, session_ids) -> None:
+    sessions = _open(tiny_target, session_ids, 4)
+    with BatchingScorer(tiny_target, window_s=0.02) as scorer:
+        rows = await asyncio.wait_for(
+            asyncio.gather(*(scorer.score_async(s, [7]) for s in sessions)), timeout=30
+        )
+    assert [r.shape for r in rows] == [(2, tiny_target.vocab_size)] * 4
+
+
+def test_closed_scorer_refuses_requests(tiny_target: TargetModel, session_ids) -> None:
+    scorer = BatchingScorer(tiny_target)
+    scorer.close()
+    with pytest.raises(ScorerClosed):
+        scorer.submit(next(session_ids), [1])
