@@ -20,16 +20,8 @@ from sdcp.protocol.messages import (
     Status,
 )
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
-from sdcp.protocol.verifier import (
-    CommitRecord,
-    FenceRecord,
-    Replay,
-    RoundTicket,
-    ServingState,
-    VerifierSession,
-    Wait,
-    parse_log_record,
-)
+from sdcp.protocol.records import CommitRecord
+from sdcp.protocol.verifier import Replay, RoundTicket, ServingState, VerifierSession, Wait
 
 V = 8
 SESSION = bytes(range(16))
@@ -385,13 +377,3 @@ def test_unknown_rule_is_a_bad_contract() -> None:
     with pytest.raises(ProtocolError) as err:
         VerifierSession(session=SESSION, epoch=1, contract=make_contract(rule=99), prompt=PROMPT)
     assert err.value.problem is ProblemType.BAD_CONTRACT
-
-
-def test_log_records_round_trip_and_reject_garbage() -> None:
-    record = CommitRecord(2, 7, (1, 2), 9, b"\x05" * 32)
-    assert parse_log_record(record.to_obj()) == record
-    assert parse_log_record(FenceRecord(3).to_obj()) == FenceRecord(3)
-    for bad in [{}, {"epoch": -1}, {"epoch": 1, "round": 1}, [1], {"epoch": 1, "round": 1, "emitted": [1],
-                                                                  "committed": 1, "digest": b"x"}]:
-        with pytest.raises(BadMessage):
-            parse_log_record(bad)

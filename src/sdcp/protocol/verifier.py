@@ -40,6 +40,7 @@ from sdcp.protocol.messages import (
     Verdict,
 )
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
+from sdcp.protocol.records import CommitRecord
 from sdcp.protocol.rules import (
     PURPOSE_EXTRA_TOKEN,
     GreedyRule,
@@ -52,70 +53,13 @@ from sdcp.protocol.rules import (
 from sdcp.protocol.sampling import draw_token, target_distribution
 
 __all__ = [
-    "CommitRecord",
-    "FenceRecord",
     "PendingCommit",
     "Replay",
     "RoundTicket",
     "ServingState",
     "VerifierSession",
     "Wait",
-    "parse_log_record",
 ]
-
-
-@dataclass(frozen=True)
-class CommitRecord:
-    """SDCP 6.8: a commit record carries epoch, round, emitted tokens, n and d[n]."""
-
-    epoch: int
-    round: int
-    emitted: tuple[int, ...]
-    committed: int
-    digest: bytes
-
-    def to_obj(self) -> dict[str, object]:
-        return {
-            "epoch": self.epoch,
-            "round": self.round,
-            "emitted": list(self.emitted),
-            "committed": self.committed,
-            "digest": self.digest,
-        }
-
-
-@dataclass(frozen=True)
-class FenceRecord:
-    """SDCP 6.8: a fence record carries only an epoch."""
-
-    epoch: int
-
-    def to_obj(self) -> dict[str, object]:
-        return {"epoch": self.epoch}
-
-
-def parse_log_record(obj: object) -> CommitRecord | FenceRecord:
-    """A commit-log record from its CBOR data model; anything else raises BadMessage."""
-    if not isinstance(obj, dict) or not _is_uint(obj.get("epoch")):
-        raise BadMessage("a commit-log record is a map with an unsigned 'epoch'")
-    if obj.keys() == {"epoch"}:
-        return FenceRecord(epoch=obj["epoch"])
-    emitted = obj.get("emitted")
-    digest = obj.get("digest")
-    if (
-        not _is_uint(obj.get("round"))
-        or not _is_uint(obj.get("committed"))
-        or not isinstance(emitted, list)
-        or not all(_is_uint(token) for token in emitted)
-        or not isinstance(digest, bytes)
-        or len(digest) != 32
-    ):
-        raise BadMessage(f"malformed commit record: {sorted(obj)}")
-    return CommitRecord(obj["epoch"], obj["round"], tuple(emitted), obj["committed"], digest)
-
-
-def _is_uint(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class ServingState(enum.IntEnum):
