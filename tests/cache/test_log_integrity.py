@@ -1,0 +1,85 @@
+"""Stored logs that are damaged: torn tails, bad checksums, undecodable or foreign records."""
+
+from __future__ import annotations
+
+import struct
+import uuid
+import zlib
+from pathlib import Path
+
+import cbor2
+import pytest
+import redis.asyncio as aioredis
+
+from sdcp.cache import MLC, CorruptRecord, FileCommitLog, build_uri
+from sdcp.cache.commitlog import EMPTY_LOG_ETAG
+
+pytestmark = pytest.mark.timeout(30)
+
+LOG = build_uri("localhost", None, "log", "integrity")
+
+
+def frame(payload: bytes, checksum: int | None = None) -> bytes:
+    return struct.pack(">II", len(payload), zlib.crc32(payload) if checksum is None else checksum) + payload
+
+
+async def two_record_log(path: Path) -> tuple[FileCommitLog, str]:
+    log = FileCommitLog(LOG, path)
+    etag = await log.append({"epoch": 1, "round": 1}, if_match=EMPTY_LOG_ETAG)
+    etag = await log.append({"epoch": 1, "round": 2}, if_match=etag)
+    return log, etag
+
+
+async def test_torn_tail_is_ignored_by_readers_and_cut_by_the_next_append(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    _, etag = await two_record_log(path)
+    intact = path.stat().st_size
+    with path.open("ab") as handle:  # a crash in the middle of writing a third frame
+        handle.write(frame(cbor2.dumps({"epoch": 1, "round": 3}))[:7])
+    fresh = FileCommitLog(LOG, path)
+    snapshot = await fresh.read()
+    assert [r["round"] for r in snapshot.records] == [1, 2] and snapshot.etag == etag
+    await fresh.append({"epoch": 1, "round": 3}, if_match=etag)
+    assert [r["round"] for r in (await FileCommitLog(LOG, path).read()).records] == [1, 2, 3]
+    assert path.stat().st_size > intact
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda data: data[:-1] + bytes([data[-1] ^ 0xFF]), id="flipped-byte"),
+        pytest.param(lambda data: data + frame(b"\xff\xff"), id="undecodable-cbor"),
+        pytest.param(lambda data: data + frame(cbor2.dumps([1, 2])), id="not-a-map"),
+        pytest.param(lambda data: data + frame(cbor2.dumps({"round": 3})), id="no-epoch"),
+        pytest.param(lambda data: data + frame(b"\xa0", checksum=0), id="bad-checksum"),
+    ],
+)
+async def test_damaged_records_raise_corrupt_record(tmp_path: Path, damage) -> None:
+    path = tmp_path / "log"
+    _, etag = await two_record_log(path)
+    path.write_bytes(damage(path.read_bytes()))
+    fresh = FileCommitLog(LOG, path)
+    with pytest.raises(CorruptRecord, match="record"):
+        await fresh.read()
+    with pytest.raises(CorruptRecord):
+        await fresh.append({"epoch": 1, "round": 3}, if_match=etag)
+
+
+async def test_log_replaced_on_disk_is_reread(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    log, _ = await two_record_log(path)
+    path.unlink()
+    snapshot = await log.read()
+    assert snapshot.records == [] and snapshot.etag == EMPTY_LOG_ETAG
+
+
+async def test_foreign_bytes_in_a_redis_log_raise_corrupt_record(redis_url: str) -> None:
+    prefix = f"test:{uuid.uuid4().hex}:"
+    async with MLC.from_config(redis_url=redis_url, redis_prefix=prefix) as mlc:
+        log = mlc.commit_log(LOG)
+        await log.append({"epoch": 1}, if_match=EMPTY_LOG_ETAG)
+        client = aioredis.Redis.from_url(redis_url)
+        await client.rpush(f"{prefix}log:{LOG}", b"\xff\x00")
+        await client.aclose()
+        with pytest.raises(CorruptRecord):
+            await log.read()
