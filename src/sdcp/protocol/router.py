@@ -1,0 +1,176 @@
+"""Router-side policy: instances with TTLs, selection, assignment and failover plans (SDCP 6.1, 6.9).
+
+The router service keeps one ``InstanceRegistry`` and one ``RouterSession`` per session; this
+module decides, the service sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from sdcp.protocol.messages import (
+    Assignment,
+    Contract,
+    Resume,
+    Role,
+    Sampling,
+    SessionOpen,
+    Status,
+)
+from sdcp.protocol.records import FenceRecord, LogReplay
+
+__all__ = [
+    "InstanceRegistry",
+    "InstanceView",
+    "RouterSession",
+    "SelectionPolicy",
+    "drafter_permitted",
+    "prefer_idle_and_accepting",
+]
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """The last status of an instance and when it expires (seconds, the router's clock)."""
+
+    status: Status
+    expires_at: float
+    model: bytes | None = None
+
+    @property
+    def uri(self) -> str:
+        return self.status.instance
+
+
+SelectionPolicy = Callable[[Sequence[InstanceView]], InstanceView]
+
+
+def prefer_idle_and_accepting(candidates: Sequence[InstanceView]) -> InstanceView:
+    """Default selection: low load and queue first, then high recent acceptance, then name.
+
+    A queued session costs about as much as ten points of load; acceptance breaks ties between
+    equally loaded drafters (SDCP 6.1 leaves the policy local).
+    """
+
+    def cost(view: InstanceView) -> tuple[float, str]:
+        status = view.status
+        acceptance = (status.accept_milli or 0) / 1000
+        return (status.load + 10 * status.queue - 5 * acceptance, view.uri)
+
+    return min(candidates, key=cost)
+
+
+def drafter_permitted(contract: Contract, model: bytes | None) -> bool:
+    """SDCP 4.1: an absent drafters list permits any drafter local policy allows."""
+    if contract.drafters is None:
+        return True
+    return model is not None and model in contract.drafters
+
+
+class InstanceRegistry:
+    """Status reports of every instance, each valid for its ttl_ms (SDCP 6.1)."""
+
+    def __init__(self) -> None:
+        self._instances: dict[str, InstanceView] = {}
+
+    def report(self, status: Status, now: float, model: bytes | None = None) -> None:
+        self._instances[status.instance] = InstanceView(status, now + status.ttl_ms / 1000, model)
+
+    def is_live(self, uri: str, now: float) -> bool:
+        view = self._instances.get(uri)
+        return view is not None and view.expires_at > now
+
+    def live(self, role: Role, now: float) -> list[InstanceView]:
+        return [v for v in self._instances.values() if v.status.role == role and v.expires_at > now]
+
+    def expire(self, now: float) -> list[InstanceView]:
+        """Remove and return the instances whose status has expired."""
+        gone = [v for v in self._instances.values() if v.expires_at <= now]
+        for view in gone:
+            del self._instances[view.uri]
+        return gone
+
+    def pick(
+        self,
+        role: Role,
+        now: float,
+        *,
+        contract: Contract | None = None,
+        avoid: Sequence[str] = (),
+        policy: SelectionPolicy = prefer_idle_and_accepting,
+    ) -> str | None:
+        """A live instance of ``role`` (SDCP 6.1: never an expired one), preferring those not in
+        ``avoid``; for drafters, only those whose model the contract permits."""
+        candidates = self.live(role, now)
+        if contract is not None and role == Role.DRAFTER:
+            candidates = [v for v in candidates if drafter_permitted(contract, v.model)]
+        preferred = [v for v in candidates if v.uri not in avoid]
+        pool = preferred or candidates
+        return policy(pool).uri if pool else None
+
+
+@dataclass
+class RouterSession:
+    """What the router knows of one session: where it runs and what to tell whom."""
+
+    session: bytes
+    epoch: int
+    contract: Contract
+    prompt: tuple[int, ...] | str
+    commit_log: str
+    verifier: str
+    drafter: str | None = None
+    sampling: Sampling | None = None
+    prompt_kv: str | None = None
+    resume: Resume | None = None
+
+    def open_message(self) -> SessionOpen:
+        """session-open for the current verifier; carries ``resume`` after a failover."""
+        return SessionOpen(
+            session=self.session,
+            epoch=self.epoch,
+            contract=self.contract,
+            prompt=self.prompt,
+            prompt_kv=self.prompt_kv,
+            commit_log=self.commit_log,
+            resume=self.resume,
+        )
+
+    def assignment(
+        self, drafter: str, *, round: int, committed: int, digest: bytes, m_init: int,
+        committed_tokens: str | None = None,
+    ) -> Assignment:
+        """SDCP 6.1: the assignment carries the current round, committed length and digest, and
+        the sampling profile if a policy changed it (SDCP 6.6)."""
+        return Assignment(
+            session=self.session,
+            epoch=self.epoch,
+            contract=self.contract,
+            verifier=self.verifier,
+            drafter=drafter,
+            prompt=self.prompt,
+            round=round,
+            sampling=self.sampling,
+            committed=committed,
+            digest=digest,
+            committed_tokens=committed_tokens,
+            m_init=m_init,
+        )
+
+    def fence_for_failover(self) -> FenceRecord:
+        """SDCP 6.9: the new epoch is fenced into the commit log before anything else."""
+        return FenceRecord(self.epoch + 1)
+
+    def fail_over(
+        self, new_verifier: str, replay: LogReplay, committed_tokens: str, target_kv: str | None = None
+    ) -> RouterSession:
+        """The session at ``new_verifier`` with the next epoch, resuming from the log's last record."""
+        resume = Resume(
+            round=replay.round,
+            committed=len(replay.tokens),
+            digest=replay.digest,
+            committed_tokens=committed_tokens,
+            target_kv=target_kv,
+        )
+        return replace(self, epoch=self.epoch + 1, verifier=new_verifier, resume=resume)
