@@ -454,6 +454,9 @@ class Status(_Message):
     accept_milli: int | None = _optional(_UInt(high=1000))
     cache_mbps: int | None = _optional(_UINT)
     ttl_ms: int = _required(_UINT)
+    # Extension member (docs/interpretations.md): the drafter's model digest, so that the router
+    # can tell which drafters a contract permits (SDCP 6.1). Receivers that do not know it ignore it.
+    model: bytes | None = _optional(_HASH)
 
 
 @dataclass(frozen=True, kw_only=True)
