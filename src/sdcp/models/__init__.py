@@ -1,48 +1,69 @@
-"""Model backends: the verifier's target model and the drafters (torch + transformers, no HTTP)."""
+"""Model backends: the verifier's target model and the drafters (torch + transformers, no HTTP).
 
-from sdcp.models.batching import BatchingScorer, ScorerClosed
-from sdcp.models.digests import tokenizer_digest, weights_digest
-from sdcp.models.draft import DraftResult, Drafter, HFDrafter, NgramDrafter
-from sdcp.models.errors import (
-    BadTokens,
-    DigestMismatch,
-    FetchError,
-    InconsistentCommit,
-    KVFormatError,
-    ModelError,
-    ModelNotFetched,
-    SessionExists,
-    UnknownModel,
-    UnknownSession,
-)
-from sdcp.models.fetch import fetch_smollm2, sdcp_home
-from sdcp.models.registry import LoadedModel, load_drafter, load_model, load_target
-from sdcp.models.target import TargetModel
+Names are loaded on first use (PEP 562) so that `sdcp` commands that never touch a model, and
+`sdcp models fetch` before its conversion step, do not pay for importing torch and transformers.
+"""
 
-__all__ = [
-    "BadTokens",
-    "BatchingScorer",
-    "DigestMismatch",
-    "DraftResult",
-    "Drafter",
-    "FetchError",
-    "HFDrafter",
-    "InconsistentCommit",
-    "KVFormatError",
-    "LoadedModel",
-    "ModelError",
-    "ModelNotFetched",
-    "NgramDrafter",
-    "ScorerClosed",
-    "SessionExists",
-    "TargetModel",
-    "UnknownModel",
-    "UnknownSession",
-    "fetch_smollm2",
-    "load_drafter",
-    "load_model",
-    "load_target",
-    "sdcp_home",
-    "tokenizer_digest",
-    "weights_digest",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "BatchingScorer": "batching",
+    "ScorerClosed": "batching",
+    "tokenizer_digest": "digests",
+    "weights_digest": "digests",
+    "DraftResult": "draft",
+    "Drafter": "draft",
+    "HFDrafter": "draft",
+    "NgramDrafter": "draft",
+    "BadTokens": "errors",
+    "DigestMismatch": "errors",
+    "FetchError": "errors",
+    "InconsistentCommit": "errors",
+    "KVFormatError": "errors",
+    "ModelError": "errors",
+    "ModelNotFetched": "errors",
+    "SessionExists": "errors",
+    "UnknownModel": "errors",
+    "UnknownSession": "errors",
+    "fetch_smollm2": "fetch",
+    "sdcp_home": "fetch",
+    "LoadedModel": "registry",
+    "load_drafter": "registry",
+    "load_model": "registry",
+    "load_target": "registry",
+    "TargetModel": "target",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from sdcp.models.batching import BatchingScorer, ScorerClosed
+    from sdcp.models.digests import tokenizer_digest, weights_digest
+    from sdcp.models.draft import DraftResult, Drafter, HFDrafter, NgramDrafter
+    from sdcp.models.errors import (
+        BadTokens,
+        DigestMismatch,
+        FetchError,
+        InconsistentCommit,
+        KVFormatError,
+        ModelError,
+        ModelNotFetched,
+        SessionExists,
+        UnknownModel,
+        UnknownSession,
+    )
+    from sdcp.models.fetch import fetch_smollm2, sdcp_home
+    from sdcp.models.registry import LoadedModel, load_drafter, load_model, load_target
+    from sdcp.models.target import TargetModel
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sdcp.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"sdcp.models.{module}"), name)
+    globals()[name] = value
+    return value
