@@ -24,11 +24,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sdcp.transport.certs import uri_sans
 
-__all__ = ["PeerTLS", "TLSScopeMiddleware", "install_hypercorn_tls_hook", "peer_tls", "peer_uri"]
+__all__ = [
+    "CONNECTIONS_ATTRIBUTE",
+    "PeerTLS",
+    "TLSScopeMiddleware",
+    "install_hypercorn_tls_hook",
+    "peer_tls",
+    "peer_uri",
+]
 
 # ASGI TLS extension: tls_version is the TLS protocol number.
 _TLS_VERSION_NUMBERS = {"TLSv1.2": 0x0303, "TLSv1.3": 0x0304}
 _HOOK_MARKER = "__sdcp_tls_hook__"
+CONNECTIONS_ATTRIBUTE = "sdcp_open_connections"
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,8 @@ _connection_tls: contextvars.ContextVar[PeerTLS | None] = contextvars.ContextVar
 
 
 def install_hypercorn_tls_hook() -> None:
-    """Wrap ``TCPServer.run`` once so that each connection records its TLS details.
+    """Wrap ``TCPServer.run`` once so that each connection records its TLS details (and registers
+    itself with its listener, when the listener's config asks for it).
 
     Fails loudly if hypercorn's connection class no longer looks like the one this was written for.
     """
@@ -90,7 +99,15 @@ def install_hypercorn_tls_hook() -> None:
     async def run_recording_tls(self: TCPServer) -> None:
         ssl_object = self.writer.get_extra_info("ssl_object")
         _connection_tls.set(PeerTLS.from_ssl_object(ssl_object) if ssl_object is not None else None)
-        await original(self)
+        # Listeners of sdcp.transport.server keep a set of their open connections for shutdown.
+        connections: set[TCPServer] | None = getattr(self.config, CONNECTIONS_ATTRIBUTE, None)
+        if connections is not None:
+            connections.add(self)
+        try:
+            await original(self)
+        finally:
+            if connections is not None:
+                connections.discard(self)
 
     setattr(run_recording_tls, _HOOK_MARKER, True)
     TCPServer.run = run_recording_tls  # type: ignore[method-assign]

@@ -12,13 +12,15 @@ import ipaddress
 import logging
 import socket
 import ssl
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.config import Config
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sdcp.transport.asgi import DrainRequestBody, RequireHTTP2
 from sdcp.transport.peer import TLSScopeMiddleware, install_hypercorn_tls_hook
@@ -33,6 +35,7 @@ DEFAULT_KEEP_ALIVE_TIMEOUT_S = 75.0
 DEFAULT_MAX_CONCURRENT_STREAMS = 256
 DEFAULT_GRACEFUL_TIMEOUT_S = 5.0
 _STARTUP_TIMEOUT_S = 30.0
+_SHUTDOWN_POLL_S = 0.02
 
 
 class ServerStartError(RuntimeError):
@@ -104,10 +107,12 @@ class Server:
     def __init__(self, app: ASGIApp, listener: Listener) -> None:
         install_hypercorn_tls_hook()
         self.listener = listener
-        self._startup = _StartupSignal(_wrap(app, listener))
+        self._requests = _RequestsInFlight(_wrap(app, listener))
+        self._startup = _StartupSignal(self._requests)
         self._shutdown = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._port: int | None = None
+        self._config: _ListenerConfig
 
     @property
     def port(self) -> int:
@@ -135,22 +140,36 @@ class Server:
         with sock:
             self._port = sock.getsockname()[1]
             handed_over = sock.dup()
-        config = _ListenerConfig(self.listener, handed_over.detach())
+        self._config = _ListenerConfig(self.listener, handed_over.detach())
         self._task = asyncio.create_task(
-            hypercorn_serve(self._startup, config, shutdown_trigger=self._shutdown.wait, mode="asgi"),
+            hypercorn_serve(self._startup, self._config, shutdown_trigger=self._shutdown.wait, mode="asgi"),
             name=f"sdcp-server-{self._port}",
         )
         await self._wait_started()
 
     async def stop(self) -> None:
-        """Graceful shutdown: stop accepting, let requests in flight finish (bounded)."""
+        """Graceful shutdown: stop accepting, let requests in flight finish (bounded), close.
+
+        hypercorn alone would wait for every peer to close its idle keep-alive connection, and a
+        TLS connection closes only after the peer's close_notify; SDCP peers keep their connection
+        open, so after the requests in flight have finished and their answers have been written,
+        the remaining connections are closed here.
+        """
         if self._task is None:
             return
+        task, self._task = self._task, None
         self._shutdown.set()
-        try:
-            await asyncio.wait_for(self._task, self.listener.graceful_timeout_s + 5.0)
-        finally:
-            self._task = None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.listener.graceful_timeout_s
+        # Repeated until hypercorn has finished: a connection accepted just before the listening
+        # socket closed is registered only after the first pass.
+        while not task.done():
+            if loop.time() >= deadline:
+                _abort(self._config.sdcp_open_connections)
+            elif self._requests.idle:
+                _abort(c for c in self._config.sdcp_open_connections if _flushed(c))
+            await asyncio.wait({task}, timeout=_SHUTDOWN_POLL_S)
+        await task
 
     async def run_until(self, shutdown: asyncio.Event) -> None:
         async with self:
@@ -196,6 +215,7 @@ class _ListenerConfig(Config):
         self.graceful_timeout = listener.graceful_timeout_s
         self.errorlog = logging.getLogger("sdcp.transport.hypercorn")
         self.accesslog = None
+        self.sdcp_open_connections: set[TCPServer] = set()
 
     @property
     def ssl_enabled(self) -> bool:
@@ -218,18 +238,51 @@ class _StartupSignal:
             await self.app(scope, receive, send)
             return
 
-        async def watching_send(message: dict) -> None:
-            await send(message)
+        async def watching_send(message: Message) -> None:
+            # Noted before sending: hypercorn raises from send() on a startup failure.
             if message["type"] == "lifespan.startup.failed":
                 self.failed = str(message.get("message", ""))
             if message["type"] in ("lifespan.startup.complete", "lifespan.startup.failed"):
                 self.started.set()
+            await send(message)
 
         try:
             await self.app(scope, receive, watching_send)
         finally:
             # An app without lifespan support returns or raises at once; it is ready anyway.
             self.started.set()
+
+
+class _RequestsInFlight:
+    """Counts HTTP requests being handled, so that shutdown knows when they are all answered."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._active = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self._active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._active -= 1
+
+    @property
+    def idle(self) -> bool:
+        return self._active == 0
+
+
+def _flushed(connection: TCPServer) -> bool:
+    return connection.writer.transport.get_write_buffer_size() == 0
+
+
+def _abort(connections: Iterable[TCPServer]) -> None:
+    # abort(), not close(): close() on TLS waits for the peer's close_notify.
+    for connection in list(connections):
+        connection.writer.transport.abort()
 
 
 def _wrap(app: ASGIApp, listener: Listener) -> ASGIApp:
