@@ -485,3 +485,13 @@ def test_generated_messages_round_trip(data: st.DataObject, cls: type) -> None:
     message = cls.from_obj(obj)
     assert message.to_obj() == obj
     assert cls.from_cbor(message.to_cbor()) == message
+
+
+def test_instance_path_id_round_trip() -> None:
+    from sdcp.protocol.messages import instance_path_id, parse_instance_path_id
+
+    uri = "https://drafter-1.example:8443/sdcp"
+    assert "=" not in instance_path_id(uri) and "/" not in instance_path_id(uri)
+    assert parse_instance_path_id(instance_path_id(uri)) == uri
+    with pytest.raises(BadMessage):
+        parse_instance_path_id("_w")

@@ -18,6 +18,8 @@ from sdcp.protocol.messages import (
     SessionState,
     Status,
     Verdict,
+    instance_path_id,
+    parse_instance_path_id,
     parse_session_path_id,
     session_path_id,
 )
@@ -73,6 +75,8 @@ __all__ = [
     "encode",
     "extend_digest",
     "parse_problem_json",
+    "instance_path_id",
+    "parse_instance_path_id",
     "parse_session_path_id",
     "prefix_digest",
     "problem_json",

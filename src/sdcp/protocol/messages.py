@@ -523,3 +523,16 @@ def parse_session_path_id(path_id: str) -> bytes:
     """The session id a path {id} names; anything but 16 bytes in base64url raises BadMessage."""
     return _SESSION.parse(codec.b64url_decode(path_id), _Context(BadMessage, False), "session path id")
 
+
+def instance_path_id(instance: str) -> str:
+    """The {id} of instances/{id}/status: unpadded base64url of the instance's base URI in UTF-8
+    (docs/interpretations.md; the draft defines {id} for session paths only)."""
+    return codec.b64url_encode(instance.encode("utf-8"))
+
+
+def parse_instance_path_id(path_id: str) -> str:
+    """The instance base URI a path {id} names; anything but base64url of UTF-8 raises BadMessage."""
+    try:
+        return codec.b64url_decode(path_id).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadMessage("instance path id is not base64url of a UTF-8 URI") from exc
