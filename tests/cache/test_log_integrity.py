@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import uuid
 import zlib
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import cbor2
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import redis.asyncio as aioredis
 
 from sdcp.cache import MLC, CorruptRecord, FileCommitLog, build_uri
@@ -83,3 +86,19 @@ async def test_foreign_bytes_in_a_redis_log_raise_corrupt_record(redis_url: str)
         await client.aclose()
         with pytest.raises(CorruptRecord):
             await log.read()
+
+
+@settings(max_examples=60, deadline=None)
+@given(garbage=st.binary(min_size=1, max_size=40))
+def test_trailing_garbage_never_loses_or_reorders_committed_records(tmp_path_factory, garbage: bytes) -> None:
+    path = tmp_path_factory.mktemp("fuzz") / "log"
+    records = [{"epoch": 1, "round": r} for r in range(3)]
+    with path.open("wb") as handle:
+        for record in records:
+            handle.write(frame(cbor2.dumps(record, canonical=True)))
+        handle.write(garbage)
+    try:
+        snapshot = asyncio.run(FileCommitLog(LOG, path).read())
+    except CorruptRecord:
+        return
+    assert snapshot.records[:3] == records
