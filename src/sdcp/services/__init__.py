@@ -1,0 +1,1 @@
+"""SDCP roles as HTTP/2 + mTLS services: thin adapters over sdcp.protocol."""

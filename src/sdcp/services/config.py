@@ -1,0 +1,183 @@
+"""Configuration of one SDCP instance: a TOML file per role (docs/deploy.md).
+
+```toml
+[instance]
+uri = "https://127.0.0.1:9101"      # base URI: the identity in the certificate's URI SAN
+listen = "127.0.0.1:9101"           # optional; host:port of the URI by default
+cert = "certs/127.0.0.1_9101.pem"
+key = "certs/127.0.0.1_9101.key"
+ca = "certs/ca.pem"
+router = "https://127.0.0.1:9100"   # where status reports and events go (not for the router)
+ttl_ms = 3000
+
+[mlc]
+disk_dir = "/var/tmp/sdcp/mlc"      # shared by the instances of one host
+redis_url = "redis://127.0.0.1:6379/0"
+
+[verifier]                          # or [drafter], [router]
+model = "smollm2"
+```
+
+Every key is checked: an unknown one is an error naming it, so that a typo never silently falls
+back to a default.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+__all__ = [
+    "ConfigError",
+    "DrafterConfig",
+    "InstanceConfig",
+    "MLCConfig",
+    "RouterConfig",
+    "ServiceConfig",
+    "VerifierConfig",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used; the message names the file and key."""
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    uri: str
+    cert: Path
+    key: Path
+    ca: Path
+    listen: str | None = None
+    router: str | None = None
+    ttl_ms: int = 3000
+
+    @property
+    def host(self) -> str:
+        return self._listen_parts()[0]
+
+    @property
+    def port(self) -> int:
+        return self._listen_parts()[1]
+
+    def _listen_parts(self) -> tuple[str, int]:
+        if self.listen is not None:
+            host, _, port = self.listen.rpartition(":")
+            return host.strip("[]"), int(port)
+        parts = urlsplit(self.uri)
+        return parts.hostname or "127.0.0.1", parts.port or 443
+
+
+@dataclass(frozen=True)
+class MLCConfig:
+    authority: str = "local"
+    memory_bytes: int = 256 * 2**20
+    disk_dir: Path | None = None
+    disk_bytes: int = 4096 * 2**20
+    redis_url: str | None = None
+    redis_prefix: str = "sdcp:mlc:"
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    model: str = "smollm2"
+    batch_window_ms: float = 2.0
+    max_batch: int = 16
+    output_wait_s: float = 10.0
+    # Where the verifier publishes committed target KV for takeover (SDCP 6.3); 0 = never.
+    publish_kv_every: int = 0
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    model: str = "ngram"
+    # The target whose vocabulary the drafter's rows must match (SDCP 5.2 q_rows).
+    target: str = "smollm2"
+    lease_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    m_init: int = 4
+    verifiers: tuple[str, ...] = ()
+    drafters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    instance: InstanceConfig
+    mlc: MLCConfig = field(default_factory=MLCConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+
+_Section = TypeVar("_Section")
+
+
+def _section(cls: type[_Section], table: object, name: str, base: Path) -> _Section:
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{name}] must be a table")
+    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in known:
+            raise ConfigError(f"unknown key {name}.{key} (known: {', '.join(sorted(known))})")
+        annotation = str(known[key].type)
+        if "Path" in annotation:
+            if not isinstance(value, str):
+                raise ConfigError(f"{name}.{key} must be a path string")
+            path = Path(value).expanduser()
+            value = path if path.is_absolute() else base / path
+        elif "tuple" in annotation:
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"{name}.{key} must be a list of strings")
+            value = tuple(value)
+        elif annotation.startswith("int") and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"{name}.{key} must be an integer")
+        elif annotation.startswith("float") and not isinstance(value, (int, float)):
+            raise ConfigError(f"{name}.{key} must be a number")
+        elif annotation.startswith("str") and not isinstance(value, str):
+            raise ConfigError(f"{name}.{key} must be a string")
+        values[key] = value
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        missing = [
+            key for key, f in known.items()
+            if key not in values and f.default is MISSING and f.default_factory is MISSING
+        ]
+        raise ConfigError(f"[{name}] lacks {', '.join(missing) or 'required keys'}") from exc
+
+
+def load_config(path: Path | str) -> ServiceConfig:
+    """Read and check a TOML configuration; relative paths are relative to the file."""
+    path = Path(path)
+    try:
+        document = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: no such configuration file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    sections = {
+        "instance": InstanceConfig,
+        "mlc": MLCConfig,
+        "verifier": VerifierConfig,
+        "drafter": DrafterConfig,
+        "router": RouterConfig,
+    }
+    unknown = set(document) - set(sections)
+    if unknown:
+        raise ConfigError(f"{path}: unknown section [{sorted(unknown)[0]}] (known: {', '.join(sections)})")
+    if "instance" not in document:
+        raise ConfigError(f"{path}: the [instance] section is required")
+    base = path.parent
+    try:
+        parsed = {name: _section(cls, document[name], name, base) for name, cls in sections.items() if name in document}
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    return ServiceConfig(**parsed)

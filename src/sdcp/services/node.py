@@ -1,0 +1,133 @@
+"""What every SDCP role shares: the mTLS listener, pooled peer clients, the MLC, status reports."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Coroutine
+from typing import Any
+from urllib.parse import urlsplit
+
+from starlette.applications import Starlette
+from starlette.routing import BaseRoute, Mount
+
+from sdcp.cache import MLC
+from sdcp.protocol.messages import Status, instance_path_id
+from sdcp.services.config import ServiceConfig
+from sdcp.transport.asgi import exception_handlers
+from sdcp.transport.client import PeerClients
+from sdcp.transport.metrics import metrics_route
+from sdcp.transport.server import Listener, Server
+
+__all__ = ["Node", "build_mlc"]
+
+log = logging.getLogger("sdcp.services")
+
+
+def build_mlc(config: ServiceConfig) -> MLC:
+    mlc = config.mlc
+    return MLC.from_config(
+        authority=mlc.authority,
+        memory_bytes=mlc.memory_bytes,
+        disk_dir=mlc.disk_dir,
+        disk_bytes=mlc.disk_bytes,
+        redis_url=mlc.redis_url,
+        redis_prefix=mlc.redis_prefix,
+    )
+
+
+class Node(ABC):
+    """One running instance of a role: serves its routes and reports status to the router."""
+
+    def __init__(self, config: ServiceConfig, mlc: MLC | None = None) -> None:
+        self.config = config
+        self.uri = config.instance.uri
+        self.mlc = mlc if mlc is not None else build_mlc(config)
+        instance = config.instance
+        self.peers = PeerClients(instance.cert, instance.key, instance.ca)
+        self._server: Server | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @abstractmethod
+    def routes(self) -> list[BaseRoute]:
+        """The role's resources of SDCP Table 1, relative to the base URI."""
+
+    @abstractmethod
+    def status(self) -> Status:
+        """This instance's current status report (SDCP 5.2)."""
+
+    async def on_start(self) -> None:
+        """Role-specific start-up, before the listener opens."""
+
+    async def on_stop(self) -> None:
+        """Role-specific shutdown, after the listener closed."""
+
+    def app(self) -> Starlette:
+        routes = [*self.routes(), metrics_route()]
+        prefix = urlsplit(self.uri).path.rstrip("/")
+        return Starlette(
+            routes=[Mount(prefix, routes=routes)] if prefix else routes,
+            exception_handlers=exception_handlers(),
+        )
+
+    async def start(self) -> None:
+        await self.on_start()
+        instance = self.config.instance
+        listener = Listener.mtls(instance.host, instance.port, cert=instance.cert, key=instance.key, ca=instance.ca)
+        self._server = Server(self.app(), listener)
+        await self._server.start()
+        if instance.router is not None and instance.router != self.uri:
+            self.spawn(self._report_status_forever(instance.router))
+        log.info("%s listening on %s", type(self).__name__, self.uri)
+
+    async def stop(self) -> None:
+        tasks, self._tasks = list(self._tasks), set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop()
+        await self.on_stop()
+        await self.peers.aclose()
+        await self.mlc.close()
+
+    async def __aenter__(self) -> Node:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.stop()
+
+    async def run_until(self, shutdown: asyncio.Event) -> None:
+        await self.start()
+        try:
+            await shutdown.wait()
+        finally:
+            await self.stop()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background for the life of the node; failures are logged."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: background task failed", self.uri, exc_info=task.exception())
+
+    async def report_status(self, router: str) -> None:
+        path = f"instances/{instance_path_id(self.uri)}/status"
+        await self.peers.get(router).put_cbor(path, self.status().to_obj())
+
+    async def _report_status_forever(self, router: str) -> None:
+        # SDCP 6.1: each instance reports status at intervals shorter than its ttl_ms.
+        interval = self.config.instance.ttl_ms / 3000
+        while True:
+            try:
+                await self.report_status(router)
+            except Exception as exc:  # a router that is down must not stop the instance
+                log.warning("%s: status report to %s failed: %s", self.uri, router, exc)
+            await asyncio.sleep(interval)
