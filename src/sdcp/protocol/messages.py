@@ -457,6 +457,9 @@ class Status(_Message):
     # Extension member (docs/interpretations.md): the drafter's model digest, so that the router
     # can tell which drafters a contract permits (SDCP 6.1). Receivers that do not know it ignore it.
     model: bytes | None = _optional(_HASH)
+    # Extension member: a verifier's tokenizer digest, so that the router can tell clients which
+    # contract (target, tokenizer) each verifier serves (SDCP 4.1, 6.1). Ignored by other receivers.
+    tokenizer: bytes | None = _optional(_HASH)
 
 
 @dataclass(frozen=True, kw_only=True)
