@@ -12,6 +12,7 @@ import subprocess
 import httpx
 import pytest
 from hypercorn.asyncio.tcp_server import TCPServer
+from hypercorn.protocol.h2 import H2Protocol
 from prometheus_client import CollectorRegistry, Counter
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -71,6 +72,7 @@ def test_hypercorn_is_the_pinned_version_and_the_peer_hook_is_installed(pki: PKI
     Server(whoami_app(), mtls_listener(pki))
     assert getattr(TCPServer.run, "__sdcp_tls_hook__", False) is True
     assert TCPServer.run.__wrapped__.__qualname__ == "TCPServer.run"
+    assert getattr(H2Protocol.handle, "__sdcp_h2_fix__", False) is True
 
 
 async def test_http2_tls13_and_the_app_sees_the_client_uri(pki: PKI) -> None:

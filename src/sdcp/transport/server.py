@@ -23,6 +23,7 @@ from hypercorn.config import Config
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sdcp.transport.asgi import DrainRequestBody, RequireHTTP2
+from sdcp.transport.h2fix import install_h2_closed_connection_fix
 from sdcp.transport.peer import TLSScopeMiddleware, install_hypercorn_tls_hook
 from sdcp.transport.tls import server_context
 
@@ -106,6 +107,7 @@ class Server:
 
     def __init__(self, app: ASGIApp, listener: Listener) -> None:
         install_hypercorn_tls_hook()
+        install_h2_closed_connection_fix()
         self.listener = listener
         self._requests = _RequestsInFlight(_wrap(app, listener))
         self._startup = _StartupSignal(self._requests)

@@ -1,0 +1,180 @@
+"""Client retries: GOAWAY after keep_alive_max_requests, connections lost mid-request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from sdcp.transport import (
+    ConnectionLost,
+    PeerClients,
+    RetryPolicy,
+    SDCPClient,
+    Server,
+    cbor_response,
+    exception_handlers,
+    read_cbor_body,
+)
+
+from .conftest import PKI, client_for, mtls_listener, serving
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class CuttingProxy:
+    """A TCP relay in front of a server that can abort every relayed connection on demand."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._transports: list[asyncio.StreamWriter] = []
+
+    def cut(self) -> None:
+        for writer in self._transports:
+            writer.transport.abort()
+        self._transports.clear()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[CuttingProxy]:
+        server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = server.sockets[0].getsockname()[1]
+        try:
+            yield self
+        finally:
+            self.cut()
+            server.close()
+            await server.wait_closed()
+
+    async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._transports += [client_writer, server_writer]
+
+        async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+            writer.transport.abort()
+
+        await asyncio.gather(pump(client_reader, server_writer), pump(server_reader, client_writer))
+
+
+def counting_app(calls: list[str], on_call: list[CuttingProxy]) -> Starlette:
+    """Each request is counted; the first call of a given key cuts the connection it came on."""
+
+    async def handle(request: Request) -> Response:
+        body = await read_cbor_body(request) if request.method != "GET" else dict(request.query_params)
+        assert isinstance(body, dict)
+        key = str(body["key"])
+        calls.append(key)
+        if calls.count(key) == 1 and on_call:
+            # abort() is immediate: this answer has no connection left to travel on.
+            on_call[0].cut()
+        return cbor_response({"key": key, "calls": calls.count(key)})
+
+    return Starlette(
+        routes=[Route("/op", handle, methods=["GET", "PUT", "POST"])], exception_handlers=exception_handlers()
+    )
+
+
+def proxied_client(pki: PKI, proxy: CuttingProxy) -> SDCPClient:
+    return SDCPClient(
+        f"https://127.0.0.1:{proxy.port}/",
+        pki.drafter_a.cert,
+        pki.drafter_a.key,
+        pki.ca,
+        retry=RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.02),
+    )
+
+
+async def test_idempotent_calls_are_retried_after_the_connection_is_lost(pki: PKI) -> None:
+    calls: list[str] = []
+    cutter: list[CuttingProxy] = []
+    async with serving(counting_app(calls, cutter), mtls_listener(pki)) as server:
+        async with CuttingProxy(server.port).running() as proxy:
+            cutter.append(proxy)
+            async with proxied_client(pki, proxy) as client:
+                assert await client.get_cbor("op", {"key": "g"}) == (200, {"key": "g", "calls": 2})
+                assert await client.put_cbor("op", {"key": "u"}) == (200, {"key": "u", "calls": 2})
+                proposal = {"key": "p"}
+                assert await client.post_cbor("op", proposal, idempotent=True) == (200, {"key": "p", "calls": 2})
+    assert calls == ["g", "g", "u", "u", "p", "p"]
+
+
+async def test_a_non_idempotent_post_is_not_repeated(pki: PKI) -> None:
+    calls: list[str] = []
+    cutter: list[CuttingProxy] = []
+    async with serving(counting_app(calls, cutter), mtls_listener(pki)) as server:
+        async with CuttingProxy(server.port).running() as proxy:
+            cutter.append(proxy)
+            async with proxied_client(pki, proxy) as client:
+                with pytest.raises(ConnectionLost, match="1 attempt"):
+                    await client.post_cbor("op", {"key": "once"})
+    assert calls == ["once"]
+
+
+async def test_retries_are_bounded(pki: PKI) -> None:
+    async with serving(counting_app([], []), mtls_listener(pki)) as server:
+        port = server.port
+    client = SDCPClient(
+        f"https://127.0.0.1:{port}/", pki.drafter_a.cert, pki.drafter_a.key, pki.ca,
+        retry=RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.02),
+    )  # fmt: skip
+    async with client:
+        with pytest.raises(ConnectionLost, match="cannot connect"):
+            await client.get_cbor("op", {"key": "k"})
+
+
+async def test_goaway_after_keep_alive_max_requests_is_retried(pki: PKI) -> None:
+    calls: list[str] = []
+    server = Server(counting_app(calls, []), mtls_listener(pki, keep_alive_max_requests=3))
+    await server.start()
+    try:
+        async with client_for(server, pki, pki.drafter_a) as client:
+            for round_number in range(8):
+                status, _ = await client.post_cbor("op", {"key": f"s{round_number}"}, idempotent=True)
+                assert status == 200
+        # Requests multiplexed past the limit are refused by GOAWAY together; each retry round
+        # gets at least keep_alive_max_requests of them through.
+        burst = RetryPolicy(attempts=6, backoff_s=0.01, max_backoff_s=0.02)
+        async with client_for(server, pki, pki.drafter_a, retry=burst) as client:
+            answers = await asyncio.gather(*(client.get_cbor("op", {"key": f"c{i}"}) for i in range(6)))
+    finally:
+        loop = asyncio.get_running_loop()
+        stop_started = loop.time()
+        await server.stop()
+    # Connections dropped under a response do not hold shutdown up to graceful_timeout_s
+    # (sdcp.transport.h2fix).
+    assert loop.time() - stop_started < server.listener.graceful_timeout_s / 2
+    assert {status for status, _ in answers} == {200}
+    assert {f"s{i}" for i in range(8)} | {f"c{i}" for i in range(6)} <= set(calls)
+
+
+async def test_peer_clients_keep_one_client_per_peer(pki: PKI) -> None:
+    async with serving(counting_app([], []), mtls_listener(pki)) as first, serving(
+        counting_app([], []), mtls_listener(pki)
+    ) as second:
+        peers = PeerClients(pki.drafter_a.cert, pki.drafter_a.key, pki.ca)
+        try:
+            assert peers.get(first.base_url) is peers.get(first.base_url)
+            assert peers.get(first.base_url) is not peers.get(second.base_url)
+            assert await peers.get(second.base_url).get_cbor("op", {"key": "x"}) == (200, {"key": "x", "calls": 1})
+        finally:
+            await peers.aclose()
+
+
+def test_retry_policy_and_client_arguments_are_checked(pki: PKI) -> None:
+    with pytest.raises(ValueError):
+        RetryPolicy(attempts=0)
+    with pytest.raises(ValueError):
+        RetryPolicy(backoff_s=-1)
+    with pytest.raises(ValueError, match="https"):
+        SDCPClient("http://127.0.0.1:1/", pki.drafter_a.cert, pki.drafter_a.key, pki.ca)
+    assert all(0 <= RetryPolicy(backoff_s=0.1, max_backoff_s=0.3).delay(n) <= 0.3 for n in range(10))
