@@ -1,0 +1,374 @@
+"""The verifier role over HTTP/2 + mTLS (SDCP Table 1, 6.1, 6.3, 6.5.2, 6.6, 6.7, 6.8).
+
+A thin adapter: ``sdcp.protocol.verifier.VerifierSession`` decides, the ``BatchingScorer`` computes
+target rows (batched across sessions), the MLC holds draft rows and the commit log. A round:
+admit -> score (and fetch q rows concurrently) -> decide -> append the commit record -> apply ->
+reply and wake output readers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import cbor2
+import numpy as np
+from prometheus_client import Counter, Histogram
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from sdcp.cache import MLC, CacheError, CommitLog, Fenced, PreconditionFailed
+from sdcp.models.batching import BatchingScorer
+from sdcp.models.errors import DigestMismatch
+from sdcp.models.registry import load_target
+from sdcp.models.target import TargetModel
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    Event,
+    Policy,
+    Proposal,
+    Role,
+    SessionOpen,
+    Status,
+    Verdict,
+    parse_session_path_id,
+)
+from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
+from sdcp.protocol.rules import parse_q_rows
+from sdcp.protocol.verifier import PendingCommit, Replay, RoundTicket, VerifierSession, Wait
+from sdcp.services.config import ServiceConfig
+from sdcp.services.node import Node
+from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
+from sdcp.transport.errors import HTTPProblem
+from sdcp.transport.peer import peer_uri
+
+__all__ = ["VerifierNode", "decode_token_list"]
+
+log = logging.getLogger("sdcp.verifier")
+
+ROUNDS = Counter("sdcp_verifier_rounds_total", "Rounds committed", ["instance", "kind"])
+COMMITTED = Counter("sdcp_verifier_tokens_committed_total", "Tokens committed", ["instance"])
+ROUND_SECONDS = Histogram("sdcp_verifier_round_seconds", "Time from admission to verdict", ["instance"])
+
+
+class NotFound(HTTPProblem):
+    status = 404
+    title = "Not Found"
+
+
+def decode_token_list(data: bytes, what: str) -> tuple[int, ...]:
+    """An MLC object holding a CBOR array of token ids (docs/interpretations.md)."""
+    try:
+        tokens = cbor2.loads(data)
+    except (cbor2.CBORDecodeError, ValueError) as exc:
+        raise BadMessage(f"{what} is not CBOR: {exc}") from exc
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in tokens
+    ):
+        raise BadMessage(f"{what} is not an array of token ids")
+    return tuple(tokens)
+
+
+@dataclass
+class _LiveSession:
+    machine: VerifierSession
+    log: CommitLog
+    etag: str
+    rounds: dict[int, asyncio.Future[Verdict]] = field(default_factory=dict)
+    committed: asyncio.Event = field(default_factory=asyncio.Event)
+    self_decoder: asyncio.Task[None] | None = None
+
+    def wake_readers(self) -> None:
+        # Readers wait on the current event; replacing it after setting wakes each exactly once.
+        self.committed.set()
+        self.committed = asyncio.Event()
+
+
+class VerifierNode(Node):
+    """The target model's verifier: the sole commit authority of its sessions."""
+
+    def __init__(self, config: ServiceConfig, *, target: TargetModel | None = None, mlc: MLC | None = None) -> None:
+        super().__init__(config, mlc)
+        settings = config.verifier
+        self.target = target if target is not None else load_target(settings.model)
+        self.scorer = BatchingScorer(
+            self.target, window_s=settings.batch_window_ms / 1000, max_batch=settings.max_batch
+        )
+        self.sessions: dict[bytes, _LiveSession] = {}
+        self.routers = frozenset(r for r in (config.instance.router,) if r is not None)
+        self._scoring = 0
+
+    # -- status ----------------------------------------------------------------------------------
+
+    @property
+    def load(self) -> int:
+        """Percent of one full batch that is being scored now."""
+        return min(100, round(100 * self._scoring / self.scorer.max_batch))
+
+    def status(self) -> Status:
+        return Status(
+            instance=self.uri,
+            role=Role.VERIFIER,
+            load=self.load,
+            queue=sum(1 for live in self.sessions.values() if live.machine.verifying),
+            ttl_ms=self.config.instance.ttl_ms,
+            model=self.target.weights_digest,
+            tokenizer=self.target.tokenizer_digest,
+        )
+
+    async def on_start(self) -> None:
+        # Digests hash every weight: compute them before the first status report or contract check.
+        await asyncio.to_thread(lambda: (self.target.weights_digest, self.target.tokenizer_digest))
+
+    async def on_stop(self) -> None:
+        for live in self.sessions.values():
+            if live.self_decoder is not None:
+                live.self_decoder.cancel()
+        self.scorer.close()
+
+    # -- routes ----------------------------------------------------------------------------------
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/sessions", self.open_session, methods=["POST"]),
+            Route("/sessions/{id}/drafter", self.assign_drafter, methods=["PUT"]),
+            Route("/proposals", self.propose, methods=["POST"]),
+            Route("/sessions/{id}/output", self.output, methods=["GET"]),
+            Route("/sessions/{id}/policy", self.policy, methods=["POST"]),
+        ]
+
+    async def open_session(self, request: Request) -> Response:
+        """POST sessions (SDCP 6.1, 6.9 resume)."""
+        body = await read_cbor_body(request)
+        await require_peer(request, self.routers)
+        message = SessionOpen.from_obj(body)
+        contract = message.contract
+        try:
+            # SDCP 6.1: the verifier MUST refuse a contract whose target digest does not match.
+            self.target.check_digests(contract.target, contract.tokenizer)
+        except DigestMismatch as exc:
+            raise BadContract(str(exc)) from exc
+        existing = self.sessions.get(message.session)
+        if existing is not None:
+            if existing.machine.epoch >= message.epoch:
+                if existing.machine.epoch == message.epoch and existing.machine.contract.digest == contract.digest:
+                    return cbor_response(existing.machine.state().to_obj(), status=201)
+                raise ProtocolError(ProblemType.STALE_EPOCH, f"session is open here with epoch {existing.machine.epoch}")
+            await self._forget(message.session)
+        prompt = await self._tokens(message.prompt, "prompt")
+        if not prompt:
+            raise BadMessage("the prompt holds no tokens")
+        committed: tuple[int, ...] = ()
+        if message.resume is not None:
+            committed = await self._tokens(message.resume.committed_tokens, "resume.committed_tokens")
+        context = getattr(self.target.model.config, "max_position_embeddings", None)
+        if context is not None and len(prompt) + contract.max_new > context:
+            raise BadContract(
+                f"prompt ({len(prompt)} tokens) plus max_new ({contract.max_new}) exceeds the model's context of {context}"
+            )
+        machine = VerifierSession(
+            session=message.session,
+            epoch=message.epoch,
+            contract=contract,
+            prompt=prompt,
+            resume=message.resume,
+            committed_tokens=committed,
+        )
+        commit_log = self.mlc.commit_log(message.commit_log)
+        snapshot = await commit_log.read()
+        newest = max((record.get("epoch", 0) for record in snapshot.records), default=0)
+        if newest > message.epoch:
+            raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log is fenced at epoch {newest}")
+        await self._prefill(message, prompt, committed)
+        self.sessions[message.session] = _LiveSession(machine, commit_log, snapshot.etag)
+        log.info("%s: session %s open at epoch %d", self.uri, message.session.hex(), message.epoch)
+        return cbor_response(machine.state().to_obj(), status=201)
+
+    async def assign_drafter(self, request: Request) -> Response:
+        """PUT sessions/{id}/drafter (SDCP 6.1): the latest assignment names the drafter."""
+        body = await read_cbor_body(request)
+        await require_peer(request, self.routers)
+        live = self._live(request)
+        assignment = Assignment.from_obj(body)
+        if assignment.session != live.machine.session:
+            raise BadMessage("the assignment names another session than the path")
+        live.machine.assign(assignment)
+        return cbor_response(live.machine.state().to_obj())
+
+    async def policy(self, request: Request) -> Response:
+        """POST sessions/{id}/policy (SDCP 6.6)."""
+        body = await read_cbor_body(request)
+        await require_peer(request, self.routers)
+        live = self._live(request)
+        policy = Policy.from_obj(body)
+        if policy.session != live.machine.session:
+            raise BadMessage("the policy names another session than the path")
+        live.machine.apply_policy(policy)
+        return cbor_response(live.machine.state().to_obj())
+
+    async def propose(self, request: Request) -> Response:
+        """POST proposals: the procedure of SDCP 6.3."""
+        body = await read_cbor_body(request)
+        proposal = Proposal.from_obj(body)
+        live = self.sessions.get(proposal.session)
+        if live is None:
+            raise NotFound("no such session at this verifier")
+        admitted = live.machine.begin_round(proposal, peer_uri(request))
+        if isinstance(admitted, Replay):
+            return cbor_response(admitted.verdict.to_obj())
+        if isinstance(admitted, Wait):
+            verdict = await asyncio.shield(live.rounds[admitted.round])
+            return cbor_response(verdict.to_obj())
+        with ROUND_SECONDS.labels(self.uri).time():
+            verdict = await self._verify(live, admitted)
+        return cbor_response(verdict.to_obj())
+
+    async def output(self, request: Request) -> Response:
+        """GET sessions/{id}/output?from=n (SDCP 6.7), waiting up to a server-chosen time."""
+        live = self._live(request)
+        start_text = request.query_params.get("from", "0")
+        if not start_text.isdigit():
+            raise BadMessage("'from' must be an unsigned integer")
+        start = int(start_text)
+        deadline = asyncio.get_running_loop().time() + self.config.verifier.output_wait_s
+        while True:
+            output = live.machine.output(start)
+            remaining = deadline - asyncio.get_running_loop().time()
+            if output.tokens or output.final or remaining <= 0:
+                return cbor_response(output.to_obj())
+            try:
+                await asyncio.wait_for(live.committed.wait(), remaining)
+            except TimeoutError:
+                continue
+
+    # -- rounds ----------------------------------------------------------------------------------
+
+    async def _verify(self, live: _LiveSession, ticket: RoundTicket) -> Verdict:
+        proposal = ticket.proposal
+        assert proposal is not None  # begin_round admits proposal rounds only
+        done: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        live.rounds[ticket.round] = done
+        try:
+            q_rows = None
+            fetch = None
+            if live.machine.rule.needs_q and proposal.q_rows is not None:
+                # SDCP 6.3: the rows may be fetched concurrently with scoring.
+                fetch = asyncio.create_task(self.mlc.get(proposal.q_rows))
+            logits = await self._score(live, proposal.tokens)
+            if fetch is not None:
+                try:
+                    q_rows = parse_q_rows(await fetch, len(proposal.tokens), self.target.vocab_size)
+                except CacheError as exc:
+                    raise ProtocolError(ProblemType.Q_UNAVAILABLE, f"draft rows unavailable: {exc}") from exc
+            pending = live.machine.decide(ticket, logits, q_rows, self.load)
+            verdict = await self._commit(live, pending)
+            done.set_result(verdict)
+            return verdict
+        except BaseException as exc:
+            live.machine.abandon(ticket)
+            if self.target.has_session(proposal.session):
+                await asyncio.to_thread(self.target.rollback, proposal.session)
+            if not done.done():
+                done.set_exception(exc if isinstance(exc, Exception) else ProtocolError(None, "round cancelled"))
+                done.exception()  # retrieved here; waiters re-raise it
+            raise
+        finally:
+            live.rounds.pop(ticket.round, None)
+
+    async def _score(self, live: _LiveSession, tokens: tuple[int, ...]) -> np.ndarray:
+        self._scoring += 1
+        try:
+            return await self.scorer.score_async(live.machine.session, tokens)
+        finally:
+            self._scoring -= 1
+
+    async def _commit(self, live: _LiveSession, pending: PendingCommit) -> Verdict:
+        """SDCP 6.3 Commit: the record is appended first; only then tokens and verdict are released."""
+        machine = live.machine
+        try:
+            live.etag = await live.log.append(pending.record.to_obj(), live.etag)
+        except (Fenced, PreconditionFailed) as exc:
+            # SDCP 6.3: a fenced append discards the round, releases nothing, stops serving.
+            machine.stop_serving()
+            live.wake_readers()
+            log.warning("%s: session %s fenced: %s", self.uri, machine.session.hex(), exc)
+            raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log was fenced: {exc}") from exc
+        await asyncio.to_thread(
+            self.target.commit, machine.session, pending.verdict.accepted, pending.record.emitted
+        )
+        verdict = machine.apply(pending)
+        ROUNDS.labels(self.uri, "proposal" if pending.ticket.proposal is not None else "self").inc()
+        COMMITTED.labels(self.uri).inc(len(pending.record.emitted))
+        live.wake_readers()
+        if pending.event is not None:
+            self.spawn(self._send_event(pending.event))
+        if verdict.action == Action.SELF_DECODE and machine.self_decoding:
+            live.self_decoder = self.spawn(self._self_decode(live))
+        if machine.ended:
+            self.spawn(self._close_model_session(machine.session))
+        return verdict
+
+    async def _self_decode(self, live: _LiveSession) -> None:
+        """SDCP 6.5.2 self_decode: one target token per round until self_max, load or the end."""
+        machine = live.machine
+        while machine.self_decoding and not machine.ended:
+            ticket = machine.begin_self_decode()
+            try:
+                logits = await self._score(live, ())
+                pending = machine.decide_self_decode(ticket, logits, self.load)
+                await self._commit(live, pending)
+            except BaseException:
+                machine.abandon(ticket)
+                raise
+
+    async def _send_event(self, event: Event) -> None:
+        router = self.config.instance.router
+        if router is None:
+            return
+        try:
+            await self.peers.get(router).post_cbor("events", event.to_obj(), idempotent=True)
+        except Exception as exc:
+            log.warning("%s: event %s to %s failed: %s", self.uri, event.kind.name, router, exc)
+
+    async def _close_model_session(self, session: bytes) -> None:
+        # The KV cache of an ended session is no longer needed; its output stays readable.
+        if self.target.has_session(session):
+            await asyncio.to_thread(self.target.close_session, session)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _live(self, request: Request) -> _LiveSession:
+        session = parse_session_path_id(request.path_params["id"])
+        live = self.sessions.get(session)
+        if live is None:
+            raise NotFound("no such session at this verifier")
+        return live
+
+    async def _tokens(self, value: tuple[int, ...] | str, what: str) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            return decode_token_list(await self.mlc.get(value), what)
+        except CacheError as exc:
+            raise BadMessage(f"{what} {value} cannot be read from the MLC: {exc}") from exc
+
+    async def _prefill(self, message: SessionOpen, prompt: tuple[int, ...], committed: tuple[int, ...]) -> None:
+        tokens = prompt + committed
+        resume = message.resume
+        if resume is not None and resume.target_kv is not None:
+            try:
+                blob = await self.mlc.get(resume.target_kv)
+                await asyncio.to_thread(self.target.import_kv, message.session, blob, tokens)
+                return
+            except (CacheError, ValueError) as exc:
+                log.warning("%s: target KV %s unusable, prefilling: %s", self.uri, resume.target_kv, exc)
+        await asyncio.to_thread(self.target.open_session, message.session, tokens)
+
+    async def _forget(self, session: bytes) -> None:
+        live = self.sessions.pop(session, None)
+        if live is not None and live.self_decoder is not None:
+            live.self_decoder.cancel()
+        await self._close_model_session(session)

@@ -1,0 +1,308 @@
+"""The verifier service over real HTTP/2 + mTLS (SDCP Table 1, 6.3, 6.7, 6.8, Table 2).
+
+The test plays the router and the drafter with their own certificates, so every request is a real
+one from an authenticated peer; the target is the tiny random-weight model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import cbor2
+import numpy as np
+import pytest
+import torch
+
+from sdcp.cache import MLC, build_uri
+from sdcp.models.target import TargetModel
+from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.protocol.digest import extend_digest
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    Contract,
+    Output,
+    Proposal,
+    Role,
+    SessionOpen,
+    SessionState,
+    Status,
+    Verdict,
+    session_path_id,
+)
+from sdcp.protocol.problems import ProblemType, ProtocolError
+from sdcp.services.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
+from sdcp.services.verifier import VerifierNode
+from sdcp.transport.certs import make_certs
+from sdcp.transport.client import SDCPClient
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = (5, 17, 42, 9, 100, 3)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return TargetModel(tiny_model(), tiny_tokenizer(), name="tiny")
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(target: TargetModel) -> list[int]:
+    generated = target.model.generate(
+        torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+        attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+    )
+    return generated[0, len(PROMPT):].tolist()
+
+
+class Cluster:
+    def __init__(self, tmp: Path, node: VerifierNode, mlc: MLC, certs: dict[str, tuple[Path, Path]], ca: Path):
+        self.tmp, self.node, self.mlc, self.certs, self.ca = tmp, node, mlc, certs, ca
+        self.router_uri = "https://127.0.0.1:1"
+        self._clients: list[SDCPClient] = []
+
+    def client(self, identity: str) -> SDCPClient:
+        cert, key = self.certs[identity]
+        client = SDCPClient(self.node.uri, cert, key, self.ca)
+        self._clients.append(client)
+        return client
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self._clients))
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, target: TargetModel) -> AsyncIterator[Cluster]:
+    verifier_uri = f"https://127.0.0.1:{free_port()}"
+    router_uri = "https://127.0.0.1:1"
+    identities = {"verifier": verifier_uri, "router": router_uri, "drafter": "https://127.0.0.1:2",
+                  "intruder": "https://127.0.0.1:3"}
+    issued = make_certs(tmp_path / "certs", list(identities.values()))
+    certs = {name: (issued[uri].cert_path, issued[uri].key_path) for name, uri in identities.items()}
+    ca = tmp_path / "certs" / "ca.pem"
+    config = ServiceConfig(
+        instance=InstanceConfig(uri=verifier_uri, cert=certs["verifier"][0], key=certs["verifier"][1], ca=ca,
+                                router=router_uri),
+        mlc=MLCConfig(disk_dir=tmp_path / "mlc"),
+        verifier=VerifierConfig(model="tiny", output_wait_s=0.5),
+    )
+    for session in list(target._sessions):
+        target.close_session(session)
+    node = VerifierNode(config, target=target)
+    mlc = MLC.from_config(disk_dir=tmp_path / "mlc")
+    await node.start()
+    env = Cluster(tmp_path, node, mlc, certs, ca)
+    try:
+        yield env
+    finally:
+        await env.close()
+        await node.stop()
+        await mlc.close()
+
+
+def contract(model: TargetModel, **overrides: object) -> Contract:
+    obj: dict[str, object] = {
+        "target": model.weights_digest,
+        "tokenizer": model.tokenizer_digest,
+        "rule": 1,
+        "m_max": 4,
+        "max_new": 12,
+        "stop": [],
+        "low_rounds": 3,
+        "fallback": [Action.REDUCE, Action.FAIL],
+    }
+    obj.update(overrides)
+    return Contract.from_obj(obj)
+
+
+SESSION = bytes(range(16))
+DRAFTER = "https://127.0.0.1:2"
+
+
+async def open_and_assign(env: Cluster, c: Contract, epoch: int = 1) -> SessionState:
+    router = env.client("router")
+    log_uri = build_uri("local", None, "log", SESSION.hex())
+    opened = SessionOpen(session=SESSION, epoch=epoch, contract=c, prompt=PROMPT, commit_log=log_uri)
+    status, body = await router.post_cbor("sessions", opened.to_obj())
+    assert status == 201
+    state = SessionState.from_obj(body)
+    assignment = Assignment(session=SESSION, epoch=epoch, contract=c, verifier=env.node.uri, drafter=DRAFTER,
+                            prompt=PROMPT, round=0, committed=0, digest=state.digest, m_init=4)
+    status, body = await router.put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
+    assert status == 200
+    return state
+
+
+def proposal(state: SessionState, tokens: tuple[int, ...], **overrides: object) -> Proposal:
+    fields: dict[str, object] = dict(
+        session=SESSION, epoch=state.epoch, round=state.round + 1, drafter=DRAFTER, base=state.committed,
+        base_digest=state.digest, tokens=tokens,
+        status=Status(instance=DRAFTER, role=Role.DRAFTER, load=0, queue=0, ttl_ms=1000),
+    )
+    fields.update(overrides)
+    return Proposal(**fields)  # type: ignore[arg-type]
+
+
+def advance(state: SessionState, verdict: Verdict) -> SessionState:
+    return SessionState(session=SESSION, epoch=state.epoch, round=verdict.round, committed=verdict.committed,
+                        digest=verdict.digest)
+
+
+async def problem_of(call: object) -> ProtocolError:
+    with pytest.raises(ProtocolError) as err:
+        await call  # type: ignore[misc]
+    return err.value
+
+
+async def test_greedy_session_equals_target_greedy_decoding(
+    cluster: Cluster, target: TargetModel, greedy_reference: list[int]
+) -> None:
+    c = contract(target)
+    state = await open_and_assign(cluster, c)
+    drafter = cluster.client("drafter")
+    rng = np.random.default_rng(1)
+    committed: list[int] = []
+    final = False
+    m = 3
+    while not final:
+        tokens = tuple(int(t) for t in rng.integers(0, 257, size=m))
+        if committed and rng.random() < 0.5:
+            # Sometimes propose the true continuation, so that rounds accept several tokens.
+            tokens = tuple(greedy_reference[len(committed):len(committed) + m]) or tokens
+        status, body = await drafter.post_cbor("proposals", proposal(state, tokens).to_obj(), idempotent=True)
+        assert status == 200
+        verdict = Verdict.from_obj(body)
+        committed.extend(verdict.emitted)
+        assert verdict.digest == extend_digest(state.digest, verdict.emitted)
+        state = advance(state, verdict)
+        m = min(3, verdict.m_cap)
+        final = verdict.action == Action.FINISH
+    assert committed == greedy_reference
+
+    status, body = await drafter.get_cbor(f"sessions/{session_path_id(SESSION)}/output", {"from": "0"})
+    output = Output.from_obj(body)
+    assert output.tokens == tuple(greedy_reference) and output.final and output.finish == Action.FINISH
+    for start in (3, 7, 11):
+        _, body = await drafter.get_cbor(f"sessions/{session_path_id(SESSION)}/output", {"from": str(start)})
+        assert Output.from_obj(body).tokens == tuple(greedy_reference[start:])
+
+    err = await problem_of(drafter.post_cbor("proposals", proposal(state, (1,)).to_obj()))
+    assert err.problem is ProblemType.SESSION_CLOSED and err.status == 410
+
+
+async def test_duplicate_proposal_gets_the_identical_verdict(cluster: Cluster, target: TargetModel) -> None:
+    state = await open_and_assign(cluster, contract(target))
+    drafter = cluster.client("drafter")
+    message = proposal(state, (1, 2, 3)).to_obj()
+    first, second = await asyncio.gather(drafter.post_cbor("proposals", message), drafter.post_cbor("proposals", message))
+    again = await drafter.post_cbor("proposals", message)
+    assert first == second == again
+
+
+async def test_problem_types_of_a_proposal(cluster: Cluster, target: TargetModel) -> None:
+    state = await open_and_assign(cluster, contract(target))
+    drafter = cluster.client("drafter")
+    intruder = cluster.client("intruder")
+
+    err = await problem_of(intruder.post_cbor("proposals", proposal(state, (1,)).to_obj()))
+    assert err.problem is ProblemType.NOT_ASSIGNED and err.status == 403
+    err = await problem_of(drafter.post_cbor("proposals", proposal(state, (1,), epoch=2).to_obj()))
+    assert err.problem is ProblemType.STALE_EPOCH
+    err = await problem_of(drafter.post_cbor("proposals", proposal(state, (1,), base=1).to_obj()))
+    assert err.problem is ProblemType.STALE_BASE and err.state is not None
+    assert err.state.committed == 0 and err.state.digest == state.digest
+    err = await problem_of(drafter.post_cbor("proposals", proposal(state, (1, 2, 3, 4, 5)).to_obj()))
+    assert err.problem is ProblemType.LIMIT and err.status == 422
+
+
+async def test_only_the_router_opens_sessions_and_contract_must_match(cluster: Cluster, target: TargetModel) -> None:
+    drafter = cluster.client("drafter")
+    c = contract(target)
+    opened = SessionOpen(session=SESSION, epoch=1, contract=c, prompt=PROMPT, commit_log="mlc://local/-/log/x")
+    with pytest.raises(Exception) as err:
+        await drafter.post_cbor("sessions", opened.to_obj())
+    assert getattr(err.value, "status", None) == 403
+    wrong = contract(target, target=b"\x00" * 32)
+    router = cluster.client("router")
+    bad = SessionOpen(session=SESSION, epoch=1, contract=wrong, prompt=PROMPT, commit_log="mlc://local/-/log/x")
+    problem = await problem_of(router.post_cbor("sessions", bad.to_obj()))
+    assert problem.problem is ProblemType.BAD_CONTRACT and problem.status == 422
+    too_long = SessionOpen(session=SESSION, epoch=1, contract=contract(target, max_new=10**6), prompt=PROMPT,
+                           commit_log="mlc://local/-/log/x")
+    problem = await problem_of(router.post_cbor("sessions", too_long.to_obj()))
+    assert problem.problem is ProblemType.BAD_CONTRACT
+
+
+async def test_rule2_reads_rows_from_the_mlc_or_reports_them_unavailable(cluster: Cluster, target: TargetModel) -> None:
+    c = contract(target, rule=2, sampling={"temperature_milli": 1000, "seed": 7})
+    state = await open_and_assign(cluster, c)
+    drafter = cluster.client("drafter")
+    missing = build_uri("local", None, "q-rows", "missing")
+    err = await problem_of(drafter.post_cbor("proposals", proposal(state, (1, 2), q_rows=missing).to_obj()))
+    assert err.problem is ProblemType.Q_UNAVAILABLE and err.status == 409
+
+    rows = np.full((2, 257), 1.0 / 257, dtype="<f4")
+    uri = build_uri("local", None, "q-rows", "round-1")
+    await cluster.mlc.put(uri, rows.tobytes())
+    status, body = await drafter.post_cbor("proposals", proposal(state, (1, 2), q_rows=uri).to_obj())
+    verdict = Verdict.from_obj(body)
+    assert status == 200 and verdict.round == 1 and 1 <= len(verdict.emitted) <= 3
+
+    zero = rows.copy()
+    zero[0, 4] = 0.0
+    await cluster.mlc.put(uri, zero.tobytes())
+    state = advance(state, verdict)
+    err = await problem_of(drafter.post_cbor("proposals", proposal(state, (4, 2), q_rows=uri).to_obj()))
+    assert err.problem is ProblemType.BAD_PROPOSAL
+
+
+async def test_output_long_poll_wakes_on_commit(cluster: Cluster, target: TargetModel) -> None:
+    state = await open_and_assign(cluster, contract(target))
+    reader = cluster.client("router")
+    drafter = cluster.client("drafter")
+    path = f"sessions/{session_path_id(SESSION)}/output"
+    waiting = asyncio.create_task(reader.get_cbor(path, {"from": "0"}))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()
+    _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
+    verdict = Verdict.from_obj(body)
+    _, out = await asyncio.wait_for(waiting, 5)
+    output = Output.from_obj(out)
+    assert output.tokens == verdict.emitted and output.epoch == 1 and not output.final
+    _, empty = await reader.get_cbor(path, {"from": str(len(verdict.emitted))})
+    assert Output.from_obj(empty).tokens == ()
+
+
+async def test_fenced_log_stops_the_session_without_releasing_output(cluster: Cluster, target: TargetModel) -> None:
+    state = await open_and_assign(cluster, contract(target))
+    drafter = cluster.client("drafter")
+    _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
+    state = advance(state, Verdict.from_obj(body))
+    log_uri = build_uri("local", None, "log", SESSION.hex())
+    await cluster.mlc.commit_log(log_uri).fence(2)
+    err = await problem_of(drafter.post_cbor("proposals", proposal(state, (1,)).to_obj()))
+    assert err.problem is ProblemType.STALE_EPOCH
+    err = await problem_of(drafter.get_cbor(f"sessions/{session_path_id(SESSION)}/output", {"from": "0"}))
+    assert err.problem is ProblemType.STALE_EPOCH
+    records = (await cluster.mlc.commit_log(log_uri).read()).records
+    assert [r.get("round") for r in records] == [1, None]
+
+
+async def test_commit_records_precede_verdicts(cluster: Cluster, target: TargetModel) -> None:
+    state = await open_and_assign(cluster, contract(target))
+    drafter = cluster.client("drafter")
+    _, body = await drafter.post_cbor("proposals", proposal(state, (1, 2)).to_obj())
+    verdict = Verdict.from_obj(body)
+    records = (await cluster.mlc.commit_log(build_uri("local", None, "log", SESSION.hex())).read()).records
+    assert records == [{"epoch": 1, "round": 1, "emitted": list(verdict.emitted), "committed": verdict.committed,
+                        "digest": verdict.digest}]
+    assert cbor2.loads(cbor2.dumps(records[0])) == records[0]
