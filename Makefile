@@ -6,7 +6,7 @@ STAMP := $(VENV)/.sdcp-installed
 
 .PHONY: test install redis model clean
 
-test: install redis
+test: install redis model
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
