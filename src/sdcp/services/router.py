@@ -1,0 +1,438 @@
+"""The router role over HTTP/2 + mTLS (SDCP Table 1, 6.1, 6.5.2 events, 6.6, 6.9).
+
+``sdcp.protocol.router`` decides (registry with TTLs, selection, assignment and failover plans);
+this module sends. Besides Table 1 (``PUT instances/{id}/status``, ``POST events``) the router serves
+a client API for front ends on the same listener (docs/services.md): ``GET targets``,
+``POST sessions``, ``GET sessions/{id}`` and ``POST sessions/{id}/policy``.
+
+Every change to one session (assignment, switch, failover, policy) runs under that session's lock,
+so the verifier and the drafter always hear of them in the order the router made them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Gauge
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from sdcp.cache import MLC, build_uri
+from sdcp.protocol.codec import encode
+from sdcp.protocol.messages import (
+    TOKEN_MAX,
+    Action,
+    Contract,
+    Event,
+    Policy,
+    Role,
+    Sampling,
+    SessionState,
+    Status,
+    parse_instance_path_id,
+    parse_session_path_id,
+    session_path_id,
+)
+from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
+from sdcp.protocol.records import LogReplay, replay_commit_log
+from sdcp.protocol.router import InstanceRegistry, InstanceView, RouterSession, prefer_idle_and_accepting
+from sdcp.services.config import ServiceConfig
+from sdcp.services.node import Node
+from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
+from sdcp.transport.errors import Forbidden, HTTPProblem, TransportError
+
+__all__ = ["RouterNode", "SessionRequest"]
+
+log = logging.getLogger("sdcp.router")
+
+SESSIONS_OPEN = Gauge("sdcp_router_sessions_open", "Sessions neither finished nor failed", ["instance"])
+ASSIGNMENTS = Counter("sdcp_router_assignments_total", "Assignments sent to drafters", ["instance"])
+FAILOVERS = Counter("sdcp_router_failovers_total", "Sessions moved to another verifier", ["instance"])
+
+
+class NotFound(HTTPProblem):
+    status = 404
+    title = "Not Found"
+
+
+class ServiceUnavailable(HTTPProblem):
+    status = 503
+    title = "Service Unavailable"
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    """The body of the client API's ``POST sessions``: ``{prompt: [uint], contract, ? sampling}``."""
+
+    prompt: tuple[int, ...]
+    contract: Contract
+    sampling: Sampling | None = None
+
+    @classmethod
+    def from_obj(cls, obj: object) -> SessionRequest:
+        if not isinstance(obj, dict):
+            raise BadMessage("a session request is a map")
+        prompt = obj.get("prompt")
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= TOKEN_MAX for t in prompt)
+        ):
+            raise BadMessage("prompt must be a non-empty array of token ids (uint32)")
+        if "contract" not in obj:
+            raise BadMessage("a session request lacks the member 'contract'")
+        sampling = obj.get("sampling")
+        return cls(
+            prompt=tuple(prompt),
+            contract=Contract.from_obj(obj["contract"]),
+            sampling=Sampling.from_obj(sampling) if sampling is not None else None,
+        )
+
+
+@dataclass
+class _TrackedSession:
+    plan: RouterSession
+    prompt: tuple[int, ...]
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ended: bool = False
+
+    @property
+    def path_id(self) -> str:
+        return session_path_id(self.plan.session)
+
+    def describe(self) -> dict[str, object]:
+        described: dict[str, object] = {
+            "session": self.plan.session,
+            "epoch": self.plan.epoch,
+            "verifier": self.plan.verifier,
+            "ended": self.ended,
+        }
+        if self.plan.drafter is not None:
+            described["drafter"] = self.plan.drafter
+        return described
+
+
+def _anyone(_uri: str) -> bool:
+    """The client API admits any peer the deployment's CA authenticated."""
+    return True
+
+
+def _serves(view: InstanceView, contract: Contract) -> bool:
+    status = view.status
+    # A verifier that reports no tokenizer digest is judged by its target digest alone.
+    return status.model == contract.target and status.tokenizer in (None, contract.tokenizer)
+
+
+class RouterNode(Node):
+    """The router: assigns sessions to verifiers and drafters, and moves them when instances fail."""
+
+    def __init__(self, config: ServiceConfig, *, mlc: MLC | None = None) -> None:
+        super().__init__(config, mlc)
+        self.registry = InstanceRegistry()
+        self.sessions: dict[bytes, _TrackedSession] = {}
+        self._wake = asyncio.Event()
+        self._allowed = {Role.VERIFIER: frozenset(config.router.verifiers), Role.DRAFTER: frozenset(config.router.drafters)}
+
+    def status(self) -> Status:
+        """The router is where status reports go; it reports to nobody (SDCP 5.2 roles are 1 and 2)."""
+        raise NotImplementedError("a router sends no status reports")
+
+    async def on_start(self) -> None:
+        self.spawn(self._maintain_forever())
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/instances/{id}/status", self.put_status, methods=["PUT"]),
+            Route("/events", self.post_event, methods=["POST"]),
+            Route("/targets", self.get_targets, methods=["GET"]),
+            Route("/sessions", self.open_session, methods=["POST"]),
+            Route("/sessions/{id}", self.get_session, methods=["GET"]),
+            Route("/sessions/{id}/policy", self.post_policy, methods=["POST"]),
+        ]
+
+    # -- Table 1 ---------------------------------------------------------------------------------
+
+    async def put_status(self, request: Request) -> Response:
+        """PUT instances/{id}/status: only the instance the path names may report for it."""
+        body = await read_cbor_body(request)
+        instance = parse_instance_path_id(request.path_params["id"])
+        peer = await require_peer(request, {instance})
+        status = Status.from_obj(body)
+        if status.instance != peer:
+            raise Forbidden(f"{peer} may not report the status of {status.instance}")
+        allowed = self._allowed[status.role]
+        if allowed and peer not in allowed:
+            raise Forbidden(f"{peer} is not a configured {status.role.name.lower()}")
+        now = time.monotonic()
+        if not self.registry.is_live(peer, now):
+            # A new or returning instance may unblock sessions waiting for one.
+            self._wake.set()
+        self.registry.report(status, now, model=status.model)
+        return Response(status_code=204)
+
+    async def post_event(self, request: Request) -> Response:
+        """POST events (SDCP 6.5.2): switch reassigns the drafter; finish and fail end the session."""
+        body = await read_cbor_body(request)
+        event = Event.from_obj(body)
+        tracked = self._tracked(event.session)
+        await require_peer(request, {tracked.plan.verifier})
+        if event.epoch != tracked.plan.epoch:
+            raise ProtocolError(
+                ProblemType.STALE_EPOCH, f"event of epoch {event.epoch}; the session is at epoch {tracked.plan.epoch}"
+            )
+        if event.kind == Action.SWITCH:
+            # SDCP 6.5.2 switch: another drafter with a permitted model, not the current one if any
+            # other is live. Answered at once: the reassignment calls back into the verifier.
+            current = tracked.plan.drafter
+            self.spawn(self._locked(tracked, lambda: self._assign_drafter(tracked, avoid=(current,) if current else ())))
+        elif event.kind in (Action.FINISH, Action.FAIL):
+            self._end(tracked, event.kind)
+        else:
+            log.info("%s: event %s for session %s needs no router action", self.uri, event.kind.name, tracked.path_id)
+        return Response(status_code=204)
+
+    # -- client API ------------------------------------------------------------------------------
+
+    async def get_targets(self, request: Request) -> Response:
+        """GET targets: the live verifiers and the digests a contract must name to use them."""
+        await require_peer(request, _anyone)
+        targets = []
+        for view in self.registry.live(Role.VERIFIER, time.monotonic()):
+            if view.status.model is None:
+                continue
+            target: dict[str, object] = {"instance": view.uri, "model": view.status.model}
+            if view.status.tokenizer is not None:
+                target["tokenizer"] = view.status.tokenizer
+            targets.append(target)
+        return cbor_response(sorted(targets, key=lambda t: str(t["instance"])))
+
+    async def open_session(self, request: Request) -> Response:
+        """POST sessions: open at a verifier, then assign a drafter (SDCP 6.1 order)."""
+        body = await read_cbor_body(request)
+        await require_peer(request, _anyone)
+        wanted = SessionRequest.from_obj(body)
+        contract = wanted.contract
+        session = secrets.token_bytes(16)
+        commit_log = build_uri(self.mlc.authority, contract.scope, "log", session.hex())
+        tried: list[str] = []
+        while True:
+            verifier = self._pick_verifier(contract, avoid=tried)
+            if verifier is None:
+                if tried:
+                    raise ServiceUnavailable(f"no verifier for this target answered (tried {', '.join(tried)})")
+                raise BadContract("no live verifier serves the contract's target and tokenizer")
+            plan = RouterSession(
+                session=session, epoch=1, contract=contract, prompt=wanted.prompt, commit_log=commit_log, verifier=verifier
+            )
+            try:
+                # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
+                await self.peers.get(verifier).post_cbor("sessions", plan.open_message().to_obj(), idempotent=True)
+                break
+            except TransportError as exc:
+                log.warning("%s: verifier %s did not open a session: %s", self.uri, verifier, exc)
+                tried.append(verifier)
+        tracked = _TrackedSession(plan, wanted.prompt)
+        self.sessions[session] = tracked
+        SESSIONS_OPEN.labels(self.uri).inc()
+        async with tracked.lock:
+            if wanted.sampling is not None:
+                # SDCP 6.6: the user's preference is a policy from the first round on.
+                await self._send_policy(tracked, Policy(session=session, from_round=1, sampling=wanted.sampling))
+            try:
+                await self._assign_drafter(tracked)
+            except (ProtocolError, TransportError) as exc:
+                log.warning("%s: session %s opened without a drafter: %s", self.uri, tracked.path_id, exc)
+        return cbor_response(
+            {key: value for key, value in tracked.describe().items() if key != "ended"}, status=201
+        )
+
+    async def get_session(self, request: Request) -> Response:
+        """GET sessions/{id}: where the session runs now, so that a client can follow a failover."""
+        await require_peer(request, _anyone)
+        tracked = self._tracked(parse_session_path_id(request.path_params["id"]))
+        return cbor_response(tracked.describe())
+
+    async def post_policy(self, request: Request) -> Response:
+        """POST sessions/{id}/policy: forwarded to the verifier, kept for later assignments (SDCP 6.6)."""
+        body = await read_cbor_body(request)
+        await require_peer(request, _anyone)
+        tracked = self._tracked(parse_session_path_id(request.path_params["id"]))
+        policy = Policy.from_obj(body)
+        if policy.session != tracked.plan.session:
+            raise BadMessage("the policy names another session than the path")
+        async with tracked.lock:
+            if tracked.ended:
+                raise ProtocolError(ProblemType.SESSION_CLOSED, "the session has ended")
+            state = await self._send_policy(tracked, policy)
+        return cbor_response(state.to_obj())
+
+    # -- assignment, failover and the periodic task ----------------------------------------------
+
+    async def maintain(self) -> None:
+        """One pass of the periodic task: expire instances, reassign drafters, fail over verifiers."""
+        now = time.monotonic()
+        for view in self.registry.expire(now):
+            log.info("%s: status of %s expired", self.uri, view.uri)
+        work = []
+        for tracked in list(self.sessions.values()):
+            if tracked.ended:
+                continue
+            if not self.registry.is_live(tracked.plan.verifier, now):
+                work.append(self._locked(tracked, lambda t=tracked: self._fail_over(t)))
+            elif tracked.plan.drafter is None or not self.registry.is_live(tracked.plan.drafter, now):
+                # SDCP 6.9 drafter failure, or a session still waiting for its first drafter.
+                work.append(self._locked(tracked, lambda t=tracked: self._assign_drafter(t, only_if_missing=True)))
+        await asyncio.gather(*work)
+
+    async def _maintain_forever(self) -> None:
+        interval = self.config.instance.ttl_ms / 3000
+        while True:
+            await self.maintain()
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+
+    async def _locked(self, tracked: _TrackedSession, change: Callable[[], Awaitable[None]]) -> None:
+        """Run one change of a session under its lock; a failure is logged and retried next tick."""
+        async with tracked.lock:
+            if tracked.ended:
+                return
+            try:
+                await change()
+            except ProtocolError as exc:
+                if exc.problem is ProblemType.SESSION_CLOSED:
+                    self._end(tracked, Action.FINISH)
+                    return
+                log.warning("%s: session %s: %s", self.uri, tracked.path_id, exc)
+            except Exception as exc:
+                log.warning("%s: session %s: %r", self.uri, tracked.path_id, exc)
+
+    async def _assign_drafter(
+        self, tracked: _TrackedSession, *, avoid: Sequence[str] = (), only_if_missing: bool = False
+    ) -> None:
+        """Pick a permitted live drafter and assign it; a drafter that does not answer is skipped."""
+        now = time.monotonic()
+        current = tracked.plan.drafter
+        if only_if_missing and current is not None and self.registry.is_live(current, now):
+            return
+        unreachable: list[str] = []
+        while True:
+            drafter = self.registry.pick(
+                Role.DRAFTER, time.monotonic(), contract=tracked.plan.contract, avoid=[*avoid, *unreachable]
+            )
+            if drafter is None or drafter in unreachable:
+                tracked.plan.drafter = None
+                log.info("%s: session %s waits for a drafter", self.uri, tracked.path_id)
+                return
+            try:
+                await self._send_assignment(tracked, drafter)
+                return
+            except TransportError as exc:
+                log.warning("%s: drafter %s took no assignment: %s", self.uri, drafter, exc)
+                unreachable.append(drafter)
+
+    async def _send_assignment(self, tracked: _TrackedSession, drafter: str) -> None:
+        """SDCP 6.1: inform the verifier first, then send the assignment to the drafter."""
+        plan = tracked.plan
+        replay, tokens = await self._committed_prefix(tracked)
+        assignment = plan.assignment(
+            drafter, round=replay.round, committed=len(replay.tokens), digest=replay.digest,
+            m_init=self.config.router.m_init, committed_tokens=tokens,
+        )
+        verifier = self.peers.get(plan.verifier)
+        _, answer = await verifier.put_cbor(f"sessions/{tracked.path_id}/drafter", assignment.to_obj())
+        state = SessionState.from_obj(answer)
+        plan.drafter = drafter
+        if state.round != replay.round:
+            # The previous drafter's last round (or a self-decoded one) committed after the log was
+            # read; it is in the log now, since the verifier appends before it answers (SDCP 6.3).
+            replay, tokens = await self._committed_prefix(tracked)
+            assignment = plan.assignment(
+                drafter, round=replay.round, committed=len(replay.tokens), digest=replay.digest,
+                m_init=self.config.router.m_init, committed_tokens=tokens,
+            )
+        await self.peers.get(drafter).post_cbor("assignments", assignment.to_obj(), idempotent=True)
+        ASSIGNMENTS.labels(self.uri).inc()
+        log.info("%s: session %s assigned to %s at round %d", self.uri, tracked.path_id, drafter, replay.round)
+
+    async def _fail_over(self, tracked: _TrackedSession) -> None:
+        """SDCP 6.9 verifier failure: fence, replay the log, resume at another verifier, reassign."""
+        plan = tracked.plan
+        if self.registry.is_live(plan.verifier, time.monotonic()):
+            return
+        verifier = self._pick_verifier(plan.contract, avoid=[plan.verifier])
+        if verifier is None:
+            log.info("%s: session %s waits for a verifier", self.uri, tracked.path_id)
+            return
+        # SDCP 6.9: the fence comes first, so the old verifier can no longer commit or release output.
+        # Fencing the same epoch again appends nothing, so a failover retried next tick is safe.
+        await self.mlc.commit_log(plan.commit_log).fence(plan.fence_for_failover().epoch)
+        replay, tokens = await self._committed_prefix(tracked)
+        moved = plan.fail_over(verifier, replay, tokens)
+        await self.peers.get(verifier).post_cbor("sessions", moved.open_message().to_obj(), idempotent=True)
+        tracked.plan = moved
+        FAILOVERS.labels(self.uri).inc()
+        log.info("%s: session %s moved to %s at epoch %d", self.uri, tracked.path_id, verifier, moved.epoch)
+        if moved.sampling is not None:
+            # The new verifier knows only the contract; the current profile must follow the session.
+            await self._send_policy(
+                tracked, Policy(session=moved.session, from_round=replay.round + 1, sampling=moved.sampling)
+            )
+        drafter = moved.drafter
+        if drafter is not None and self.registry.is_live(drafter, time.monotonic()):
+            try:
+                await self._send_assignment(tracked, drafter)
+                return
+            except TransportError as exc:
+                log.warning("%s: drafter %s took no assignment: %s", self.uri, drafter, exc)
+        await self._assign_drafter(tracked, avoid=(drafter,) if drafter else ())
+
+    async def _committed_prefix(self, tracked: _TrackedSession) -> tuple[LogReplay, str]:
+        """The committed state from the commit log, and its tokens written to the MLC."""
+        plan = tracked.plan
+        snapshot = await self.mlc.commit_log(plan.commit_log).read()
+        replay = replay_commit_log(snapshot.records, plan.contract.digest, tracked.prompt)
+        # The committed prefix of a given length never changes, so the name can say only its length.
+        uri = build_uri(self.mlc.authority, plan.contract.scope, "tokens", f"{plan.session.hex()}-{len(replay.tokens)}")
+        await self.mlc.put(uri, encode(list(replay.tokens)))
+        return replay, uri
+
+    async def _send_policy(self, tracked: _TrackedSession, policy: Policy) -> SessionState:
+        plan = tracked.plan
+        _, answer = await self.peers.get(plan.verifier).post_cbor(
+            f"sessions/{tracked.path_id}/policy", policy.to_obj(), idempotent=True
+        )
+        # SDCP 6.6: later assignments carry the profile; the contract stays as created.
+        plan.sampling = policy.sampling
+        return SessionState.from_obj(answer)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _pick_verifier(self, contract: Contract, *, avoid: Sequence[str]) -> str | None:
+        candidates = [
+            view for view in self.registry.live(Role.VERIFIER, time.monotonic())
+            if _serves(view, contract) and view.uri not in avoid
+        ]
+        return prefer_idle_and_accepting(candidates).uri if candidates else None
+
+    def _tracked(self, session: bytes) -> _TrackedSession:
+        tracked = self.sessions.get(session)
+        if tracked is None:
+            raise NotFound("no such session at this router")
+        return tracked
+
+    def _end(self, tracked: _TrackedSession, kind: Action) -> None:
+        if tracked.ended:
+            return
+        tracked.ended = True
+        tracked.plan.drafter = None
+        SESSIONS_OPEN.labels(self.uri).dec()
+        log.info("%s: session %s ended (%s)", self.uri, tracked.path_id, kind.name.lower())

@@ -1,0 +1,300 @@
+"""The router service over real HTTP/2 + mTLS (SDCP Table 1, 6.1, 6.5.2 events, 6.6, 6.9).
+
+Instances are real nodes on 127.0.0.1 with certificates from make_certs; where a test needs an
+instance only to report status or send an event, it plays that instance with the instance's own
+certificate, so every request the router sees comes from an authenticated peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from sdcp.cache import MLC
+from sdcp.models.target import TargetModel
+from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.protocol.messages import (
+    Action,
+    Contract,
+    Event,
+    Role,
+    Status,
+    instance_path_id,
+    session_path_id,
+)
+from sdcp.protocol.problems import ProblemType, ProtocolError
+from sdcp.services.config import InstanceConfig, MLCConfig, RouterConfig, ServiceConfig, VerifierConfig
+from sdcp.services.router import RouterNode
+from sdcp.services.verifier import VerifierNode
+from sdcp.transport.certs import make_certs
+from sdcp.transport.client import RetryPolicy, SDCPClient
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = (5, 17, 42, 9, 100, 3)
+ROUTER_TTL_MS = 300
+# A digest no real model has: the model of drafters played by the test.
+PLAYED_MODEL = hashlib.sha256(b"played drafter").digest()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Deployment:
+    """Certificates, configurations and clients for one router and its instances."""
+
+    tmp: Path
+    uris: dict[str, str]
+    certs: dict[str, tuple[Path, Path]]
+    ca: Path
+    router: RouterNode | None = None
+    nodes: list[VerifierNode | RouterNode] = field(default_factory=list)
+    clients: list[SDCPClient] = field(default_factory=list)
+
+    def config(self, name: str, **sections: object) -> ServiceConfig:
+        cert, key = self.certs[name]
+        router = None if name == "router" else self.uris["router"]
+        ttl_ms = ROUTER_TTL_MS if name == "router" else 600
+        instance = InstanceConfig(uri=self.uris[name], cert=cert, key=key, ca=self.ca, router=router, ttl_ms=ttl_ms)
+        return ServiceConfig(instance=instance, mlc=MLCConfig(disk_dir=self.tmp / "mlc"), **sections)  # type: ignore[arg-type]
+
+    def client(self, identity: str, peer: str = "router") -> SDCPClient:
+        cert, key = self.certs[identity]
+        retry = RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.05)
+        client = SDCPClient(self.uris[peer], cert, key, self.ca, retry=retry)
+        self.clients.append(client)
+        return client
+
+    async def start(self, node: VerifierNode | RouterNode) -> None:
+        await node.start()
+        self.nodes.append(node)
+
+    async def stop(self, node: VerifierNode | RouterNode) -> None:
+        self.nodes.remove(node)
+        await node.stop()
+
+
+@pytest.fixture
+async def deployment(tmp_path: Path) -> AsyncIterator[Deployment]:
+    names = ["router", "verifier1", "verifier2", "drafter1", "drafter2", "frontend"]
+    uris = {name: f"https://127.0.0.1:{free_port()}" for name in names}
+    issued = make_certs(tmp_path / "certs", list(uris.values()))
+    certs = {name: (issued[uri].cert_path, issued[uri].key_path) for name, uri in uris.items()}
+    env = Deployment(tmp_path, uris, certs, tmp_path / "certs" / "ca.pem")
+    router = RouterNode(env.config("router", router=RouterConfig(m_init=3)))
+    env.router = router
+    await env.start(router)
+    try:
+        yield env
+    finally:
+        async with asyncio.timeout(30):
+            await asyncio.gather(*(c.aclose() for c in env.clients))
+            for node in reversed(env.nodes):
+                await node.stop()
+
+
+def drafter_status(uri: str, ttl_ms: int = 600, load: int = 0) -> Status:
+    return Status(instance=uri, role=Role.DRAFTER, load=load, queue=0, ttl_ms=ttl_ms, model=PLAYED_MODEL)
+
+
+async def report(client: SDCPClient, status: Status, path_uri: str | None = None) -> int:
+    code, _ = await client.put_cbor(f"instances/{instance_path_id(path_uri or status.instance)}/status", status.to_obj())
+    return code
+
+
+def tiny_contract(model: TargetModel, **overrides: object) -> Contract:
+    obj: dict[str, object] = {
+        "target": model.weights_digest,
+        "tokenizer": model.tokenizer_digest,
+        "rule": 1,
+        "m_max": 4,
+        "max_new": 12,
+        "stop": [],
+        "low_rounds": 3,
+        "fallback": [Action.REDUCE, Action.FAIL],
+    }
+    obj.update(overrides)
+    return Contract.from_obj(obj)
+
+
+async def eventually(condition: object, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # type: ignore[operator]
+            await asyncio.sleep(0.02)
+
+
+# -- PUT instances/{id}/status ----------------------------------------------------------------------
+
+
+async def test_an_instance_reports_only_its_own_status(deployment: Deployment) -> None:
+    router = deployment.router
+    assert router is not None
+    drafter1 = deployment.client("drafter1")
+    uri1, uri2 = deployment.uris["drafter1"], deployment.uris["drafter2"]
+
+    assert await report(drafter1, drafter_status(uri1)) == 204
+    # Another instance's path, with that instance's status: refused.
+    with pytest.raises(ProtocolError) as other_path:
+        await report(drafter1, drafter_status(uri2))
+    assert other_path.value.status == 403
+    # Its own path, but a status naming someone else: refused too.
+    with pytest.raises(ProtocolError) as other_body:
+        await report(drafter1, drafter_status(uri2), path_uri=uri1)
+    assert other_body.value.status == 403
+
+    live = router.registry.live(Role.DRAFTER, time.monotonic())
+    assert [view.uri for view in live] == [uri1]
+    assert live[0].model == PLAYED_MODEL
+
+
+async def test_a_malformed_status_is_a_bad_message(deployment: Deployment) -> None:
+    drafter1 = deployment.client("drafter1")
+    path = f"instances/{instance_path_id(deployment.uris['drafter1'])}/status"
+    with pytest.raises(ProtocolError) as refused:
+        await drafter1.put_cbor(path, {"instance": deployment.uris["drafter1"], "role": 1, "load": 101})
+    assert refused.value.status == 400 and refused.value.problem is None
+
+
+async def test_an_instance_that_stops_reporting_is_not_picked(deployment: Deployment) -> None:
+    router = deployment.router
+    assert router is not None
+    uri1, uri2 = deployment.uris["drafter1"], deployment.uris["drafter2"]
+    drafter1, drafter2 = deployment.client("drafter1"), deployment.client("drafter2")
+    # drafter2 is idle, so it is the one picked while both are live.
+    await report(drafter1, drafter_status(uri1, ttl_ms=300, load=50))
+    await report(drafter2, drafter_status(uri2, ttl_ms=300, load=0))
+    assert router.registry.pick(Role.DRAFTER, time.monotonic()) == uri2
+
+    async def keep_reporting() -> None:
+        while True:
+            await report(drafter1, drafter_status(uri1, ttl_ms=300, load=50))
+            await asyncio.sleep(0.1)
+
+    reporter = asyncio.create_task(keep_reporting())
+    try:
+        await asyncio.sleep(0.5)
+        assert not router.registry.is_live(uri2, time.monotonic())
+        assert router.registry.pick(Role.DRAFTER, time.monotonic()) == uri1
+    finally:
+        reporter.cancel()
+        await asyncio.gather(reporter, return_exceptions=True)
+
+
+# -- GET targets -------------------------------------------------------------------------------------
+
+
+def verifier_status(uri: str, target: TargetModel, ttl_ms: int) -> Status:
+    return Status(
+        instance=uri, role=Role.VERIFIER, load=0, queue=0, ttl_ms=ttl_ms,
+        model=target.weights_digest, tokenizer=target.tokenizer_digest,
+    )
+
+
+async def test_targets_lists_live_verifiers_with_their_digests(deployment: Deployment, target: TargetModel) -> None:
+    uri1, uri2 = deployment.uris["verifier1"], deployment.uris["verifier2"]
+    await report(deployment.client("verifier1"), verifier_status(uri1, target, ttl_ms=10_000))
+    await report(deployment.client("verifier2"), verifier_status(uri2, target, ttl_ms=200))
+    frontend = deployment.client("frontend")
+
+    code, body = await frontend.get_cbor("targets")
+    assert code == 200
+    expected = {"model": target.weights_digest, "tokenizer": target.tokenizer_digest}
+    assert body == sorted([{"instance": uri1, **expected}, {"instance": uri2, **expected}], key=lambda t: t["instance"])
+
+    await asyncio.sleep(0.3)
+    _, body = await frontend.get_cbor("targets")
+    assert body == [{"instance": uri1, **expected}]
+
+
+async def test_a_session_for_a_target_nobody_serves_is_a_bad_contract(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    await report(deployment.client("verifier1"), verifier_status(deployment.uris["verifier1"], target, ttl_ms=10_000))
+    unknown = tiny_contract(target, target=hashlib.sha256(b"another model").digest())
+    with pytest.raises(ProtocolError) as refused:
+        await deployment.client("frontend").post_cbor("sessions", {"prompt": list(PROMPT), "contract": unknown.to_obj()})
+    assert refused.value.problem is ProblemType.BAD_CONTRACT
+
+
+async def test_a_session_request_without_a_prompt_is_a_bad_message(deployment: Deployment, target: TargetModel) -> None:
+    with pytest.raises(ProtocolError) as refused:
+        await deployment.client("frontend").post_cbor("sessions", {"prompt": [], "contract": tiny_contract(target).to_obj()})
+    assert refused.value.status == 400
+
+
+# -- sessions and events with a real verifier --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return TargetModel(tiny_model(), tiny_tokenizer(), name="tiny")
+
+
+async def start_verifier(env: Deployment, name: str) -> VerifierNode:
+    node = VerifierNode(
+        env.config(name, verifier=VerifierConfig(model="tiny", output_wait_s=0.5)),
+        target=TargetModel(tiny_model(), tiny_tokenizer(), name="tiny"),
+    )
+    await env.start(node)
+    router = env.router
+    assert router is not None
+    await eventually(lambda: router.registry.is_live(node.uri, time.monotonic()))
+    return node
+
+
+async def open_session(env: Deployment, contract: Contract, **extra: object) -> dict[str, object]:
+    code, body = await env.client("frontend").post_cbor(
+        "sessions", {"prompt": list(PROMPT), "contract": contract.to_obj(), **extra}
+    )
+    assert code == 201 and isinstance(body, dict)
+    return body
+
+
+async def test_events_are_admitted_only_from_the_serving_verifier_at_its_epoch(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    verifier = await start_verifier(deployment, "verifier1")
+    contract = tiny_contract(target)
+    opened = await open_session(deployment, contract)
+    session = opened["session"]
+    assert isinstance(session, bytes)
+    assert opened["verifier"] == verifier.uri and opened["epoch"] == 1
+    assert "drafter" not in opened  # no drafter is live: the session opens and waits for one
+    state = verifier.sessions[session].machine.state()
+
+    def event(epoch: int, kind: int) -> dict[str, object]:
+        obj = Event(session=session, epoch=epoch, kind=Action.FINISH, committed=0, digest=state.digest).to_obj()
+        return {**obj, "kind": kind}
+
+    with pytest.raises(ProtocolError) as not_the_verifier:
+        await deployment.client("drafter1").post_cbor("events", event(1, Action.FINISH))
+    assert not_the_verifier.value.status == 403
+    with pytest.raises(ProtocolError) as stale:
+        await deployment.client("verifier1").post_cbor("events", event(2, Action.FINISH))
+    assert stale.value.problem is ProblemType.STALE_EPOCH
+
+    frontend = deployment.client("frontend")
+    _, described = await frontend.get_cbor(f"sessions/{session_path_id(session)}")
+    assert described == {"session": session, "epoch": 1, "verifier": verifier.uri, "ended": False}
+    # An unknown action value reads as fail (SDCP 5.2): the session ends.
+    code, _ = await deployment.client("verifier1").post_cbor("events", event(1, 99))
+    assert code == 204
+    _, described = await frontend.get_cbor(f"sessions/{session_path_id(session)}")
+    assert isinstance(described, dict) and described["ended"] is True
+
+
+async def test_an_unknown_session_is_not_found(deployment: Deployment) -> None:
+    with pytest.raises(ProtocolError) as missing:
+        await deployment.client("frontend").get_cbor(f"sessions/{session_path_id(bytes(16))}")
+    assert missing.value.status == 404
