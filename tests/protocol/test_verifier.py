@@ -377,3 +377,14 @@ def test_unknown_rule_is_a_bad_contract() -> None:
     with pytest.raises(ProtocolError) as err:
         VerifierSession(session=SESSION, epoch=1, contract=make_contract(rule=99), prompt=PROMPT)
     assert err.value.problem is ProblemType.BAD_CONTRACT
+
+
+def test_stats_count_rounds_acceptance_by_position_and_escalations() -> None:
+    session = open_session()
+    run_round(session, (4, 5, 6), [4, 5, 0, 3])
+    run_round(session, (1, 1), [2, 2, 2])
+    run_round(session, (1, 1), [2, 2, 2])
+    stats = session.stats.to_obj()
+    assert stats["rounds"] == 3 and stats["proposed"] == 7 and stats["accepted"] == 2
+    assert stats["proposed_by_position"] == [3, 3, 1] and stats["accepted_by_position"] == [1, 1, 0]
+    assert stats["escalations"] == 1 and stats["self_decoded"] == 0

@@ -57,6 +57,7 @@ __all__ = [
     "Replay",
     "RoundTicket",
     "ServingState",
+    "SessionStats",
     "VerifierSession",
     "Wait",
 ]
@@ -120,6 +121,51 @@ def _identity(proposal: Proposal) -> tuple[object, ...]:
     )
 
 
+@dataclass
+class SessionStats:
+    """What a session's rounds did so far: for status lines, metrics and benchmarks."""
+
+    rounds: int = 0
+    self_decoded: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    escalations: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+    proposed_by_position: list[int] = field(default_factory=list)
+
+    def record(self, pending: PendingCommit) -> None:
+        proposal = pending.ticket.proposal
+        if proposal is None:
+            self.self_decoded += 1
+            return
+        self.rounds += 1
+        proposed = len(proposal.tokens)
+        accepted = pending.verdict.accepted
+        self.proposed += proposed
+        self.accepted += accepted
+        if pending.verdict.action not in (Action.CONTINUE, Action.FINISH):
+            self.escalations += 1
+        grow = proposed - len(self.proposed_by_position)
+        if grow > 0:
+            self.proposed_by_position.extend([0] * grow)
+            self.accepted_by_position.extend([0] * grow)
+        for position in range(proposed):
+            self.proposed_by_position[position] += 1
+            if position < accepted:
+                self.accepted_by_position[position] += 1
+
+    def to_obj(self) -> dict[str, object]:
+        return {
+            "rounds": self.rounds,
+            "self_decoded": self.self_decoded,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "escalations": self.escalations,
+            "accepted_by_position": list(self.accepted_by_position),
+            "proposed_by_position": list(self.proposed_by_position),
+        }
+
+
 class VerifierSession:
     """One session at the verifier: committed prefix, digest chain, verdicts, control."""
 
@@ -148,6 +194,7 @@ class VerifierSession:
         self._in_flight: RoundTicket | None = None
         self._policies: list[Policy] = []
         self.fenced = False
+        self.stats = SessionStats()
         if resume is not None:
             self._resume(resume, committed_tokens)
         if self._reached_max_new():
@@ -346,6 +393,7 @@ class VerifierSession:
         self.control = pending.control
         self._verdicts[pending.record.round] = pending.verdict
         self._in_flight = None
+        self.stats.record(pending)
         return pending.verdict
 
     # -- output --------------------------------------------------------------------------------

@@ -138,6 +138,7 @@ class VerifierNode(Node):
             Route("/proposals", self.propose, methods=["POST"]),
             Route("/sessions/{id}/output", self.output, methods=["GET"]),
             Route("/sessions/{id}/policy", self.policy, methods=["POST"]),
+            Route("/sessions/{id}/stats", self.stats, methods=["GET"]),
         ]
 
     async def open_session(self, request: Request) -> Response:
@@ -225,6 +226,21 @@ class VerifierNode(Node):
         with ROUND_SECONDS.labels(self.uri).time():
             verdict = await self._verify(live, admitted)
         return cbor_response(verdict.to_obj())
+
+    async def stats(self, request: Request) -> Response:
+        """GET sessions/{id}/stats (not in Table 1): what the session's rounds did so far."""
+        live = self._live(request)
+        machine = live.machine
+        return cbor_response(
+            {
+                **machine.stats.to_obj(),
+                "epoch": machine.epoch,
+                "committed": machine.committed,
+                "m_cap": machine.control.m_cap,
+                "state": int(machine.serving_state),
+                **({"drafter": machine.drafter} if machine.drafter is not None else {}),
+            }
+        )
 
     async def output(self, request: Request) -> Response:
         """GET sessions/{id}/output?from=n (SDCP 6.7), waiting up to a server-chosen time."""
