@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import httpx
@@ -36,9 +36,10 @@ from sdcp.transport.errors import (
 )
 from sdcp.transport.tls import client_context
 
-__all__ = ["DEFAULT_TIMEOUT", "PeerClients", "RetryPolicy", "SDCPClient"]
+__all__ = ["DEFAULT_TIMEOUT", "BytesResponse", "PeerClients", "RetryPolicy", "SDCPClient"]
 
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=10.0, pool=10.0)
+_OCTETS = "application/octet-stream"
 # How long the certificate-refusal probe waits for the server's HTTP/2 preface.
 _PROBE_TIMEOUT_S = 5.0
 
@@ -65,6 +66,15 @@ class RetryPolicy:
 
     def delay(self, retry_number: int) -> float:
         return random.uniform(0.0, min(self.max_backoff_s, self.backoff_s * 2**retry_number))
+
+
+@dataclass(frozen=True)
+class BytesResponse:
+    """A 2xx answer whose body is raw octets (MLC objects), with its headers."""
+
+    status: int
+    content: bytes
+    headers: Mapping[str, str]
 
 
 class SDCPClient:
@@ -102,11 +112,20 @@ class SDCPClient:
         )
 
     async def post_cbor(
-        self, path: str, obj: object, *, idempotent: bool = False, timeout: httpx.Timeout | float | None = None
+        self,
+        path: str,
+        obj: object,
+        *,
+        idempotent: bool = False,
+        timeout: httpx.Timeout | float | None = None,
+        params: Params | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> tuple[int, object | None]:
         """POST ``obj`` as CBOR. Pass ``idempotent=True`` for requests that may be repeated, such as
         proposals (SDCP 6.9: proposals and verdicts are idempotent per round)."""
-        return await self._exchange("POST", path, body=encode(obj), idempotent=idempotent, timeout=timeout)
+        return await self._exchange(
+            "POST", path, body=encode(obj), params=params, headers=headers, idempotent=idempotent, timeout=timeout
+        )
 
     async def put_cbor(
         self, path: str, obj: object, *, timeout: httpx.Timeout | float | None = None
@@ -117,6 +136,46 @@ class SDCPClient:
         self, path: str, params: Params | None = None, *, timeout: httpx.Timeout | float | None = None
     ) -> tuple[int, object | None]:
         return await self._exchange("GET", path, params=params, idempotent=True, timeout=timeout)
+
+    async def get_bytes(
+        self,
+        path: str,
+        params: Params | None = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout: httpx.Timeout | float | None = None,
+    ) -> BytesResponse:
+        """GET a raw octet body (no CBOR): MLC objects such as q rows travel as they are."""
+        return await self._exchange_bytes("GET", path, params=params, headers=headers, idempotent=True, timeout=timeout)
+
+    async def put_bytes(
+        self,
+        path: str,
+        data: bytes,
+        params: Params | None = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+        idempotent: bool = True,
+        timeout: httpx.Timeout | float | None = None,
+    ) -> BytesResponse:
+        """PUT a raw ``application/octet-stream`` body. A conditional PUT (If-Match) is not safe to
+        repeat after a lost connection, since a repeat of a PUT that succeeded fails its
+        precondition: pass ``idempotent=False`` for it."""
+        return await self._exchange_bytes(
+            "PUT", path, body=data, params=params, headers=headers, idempotent=idempotent, timeout=timeout,
+            content_type=_OCTETS,
+        )
+
+    async def head(
+        self, path: str, params: Params | None = None, *, timeout: httpx.Timeout | float | None = None
+    ) -> BytesResponse:
+        return await self._exchange_bytes("HEAD", path, params=params, idempotent=True, timeout=timeout)
+
+    async def delete(
+        self, path: str, params: Params | None = None, *, timeout: httpx.Timeout | float | None = None
+    ) -> BytesResponse:
+        """DELETE is idempotent in effect (RFC 9110 9.2.2), so it is retried like GET and PUT."""
+        return await self._exchange_bytes("DELETE", path, params=params, idempotent=True, timeout=timeout)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -136,12 +195,53 @@ class SDCPClient:
         *,
         body: bytes | None = None,
         params: Params | None = None,
+        headers: Mapping[str, str] | None = None,
         idempotent: bool,
         timeout: httpx.Timeout | float | None,
     ) -> tuple[int, object | None]:
-        headers = {"accept": f"{MEDIA_TYPE}, {PROBLEM_MEDIA_TYPE}"}
-        if body is not None:
-            headers["content-type"] = MEDIA_TYPE
+        response = await self._send(
+            method, path, body=body, params=params, idempotent=idempotent, timeout=timeout,
+            headers={**(headers or {}), "accept": f"{MEDIA_TYPE}, {PROBLEM_MEDIA_TYPE}"},
+            content_type=MEDIA_TYPE,
+        )
+        return self._interpret(response)
+
+    async def _exchange_bytes(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        params: Params | None = None,
+        headers: Mapping[str, str] | None = None,
+        idempotent: bool,
+        timeout: httpx.Timeout | float | None,
+        content_type: str | None = None,
+    ) -> BytesResponse:
+        response = await self._send(
+            method, path, body=body, params=params, idempotent=idempotent, timeout=timeout,
+            headers={**(headers or {}), "accept": f"{_OCTETS}, {PROBLEM_MEDIA_TYPE}"},
+            content_type=content_type,
+        )
+        status = response.status_code
+        if not 200 <= status < 300:
+            self._raise_for_status(response)
+        return BytesResponse(status, response.content, response.headers)
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None,
+        params: Params | None,
+        headers: dict[str, str],
+        idempotent: bool,
+        timeout: httpx.Timeout | float | None,
+        content_type: str | None,
+    ) -> httpx.Response:
+        if body is not None and content_type is not None:
+            headers["content-type"] = content_type
         extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         attempt = 0
         while True:
@@ -173,7 +273,7 @@ class SDCPClient:
             else:
                 self._check_server_identity(response)
                 self._peer_answered = True
-                return self._interpret(response)
+                return response
             await asyncio.sleep(self._retry.delay(attempt - 1))
 
     async def _client_certificate_refused(self) -> bool:
@@ -213,6 +313,10 @@ class SDCPClient:
         status = response.status_code
         if 200 <= status < 300:
             return status, self._success_body(response)
+        self._raise_for_status(response)
+
+    def _raise_for_status(self, response: httpx.Response) -> NoReturn:
+        status = response.status_code
         problem = _problem_body(response)
         if 400 <= status < 500:
             if problem is not None:
