@@ -16,21 +16,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
+from prometheus_client import REGISTRY
 
-from sdcp.cache import MLC
+from sdcp.cache import MLC, build_uri
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.messages import (
     Action,
     Contract,
     Event,
+    Output,
     Role,
     Status,
     instance_path_id,
     session_path_id,
 )
 from sdcp.protocol.problems import ProblemType, ProtocolError
-from sdcp.services.config import InstanceConfig, MLCConfig, RouterConfig, ServiceConfig, VerifierConfig
+from sdcp.services.config import (
+    DrafterConfig,
+    InstanceConfig,
+    MLCConfig,
+    RouterConfig,
+    ServiceConfig,
+    VerifierConfig,
+)
+from sdcp.services.drafter import DrafterNode
 from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
@@ -59,7 +70,7 @@ class Deployment:
     certs: dict[str, tuple[Path, Path]]
     ca: Path
     router: RouterNode | None = None
-    nodes: list[VerifierNode | RouterNode] = field(default_factory=list)
+    nodes: list[VerifierNode | RouterNode | DrafterNode] = field(default_factory=list)
     clients: list[SDCPClient] = field(default_factory=list)
 
     def config(self, name: str, **sections: object) -> ServiceConfig:
@@ -76,11 +87,11 @@ class Deployment:
         self.clients.append(client)
         return client
 
-    async def start(self, node: VerifierNode | RouterNode) -> None:
+    async def start(self, node: VerifierNode | RouterNode | DrafterNode) -> None:
         await node.start()
         self.nodes.append(node)
 
-    async def stop(self, node: VerifierNode | RouterNode) -> None:
+    async def stop(self, node: VerifierNode | RouterNode | DrafterNode) -> None:
         self.nodes.remove(node)
         await node.stop()
 
@@ -121,7 +132,9 @@ def tiny_contract(model: TargetModel, **overrides: object) -> Contract:
         "m_max": 4,
         "max_new": 12,
         "stop": [],
-        "low_rounds": 3,
+        # The n-gram drafter rarely agrees with a random model: only rounds this many in a row
+        # escalate, so sessions run to max_new unless a test asks otherwise.
+        "low_rounds": 1000,
         "fallback": [Action.REDUCE, Action.FAIL],
     }
     obj.update(overrides)
@@ -298,3 +311,135 @@ async def test_an_unknown_session_is_not_found(deployment: Deployment) -> None:
     with pytest.raises(ProtocolError) as missing:
         await deployment.client("frontend").get_cbor(f"sessions/{session_path_id(bytes(16))}")
     assert missing.value.status == 404
+
+
+# -- whole sessions: router, verifiers and n-gram drafters --------------------------------------------
+
+
+def greedy_reference(target: TargetModel, count: int) -> list[int]:
+    generated = target.model.generate(
+        torch.tensor([PROMPT]), max_new_tokens=count, do_sample=False, pad_token_id=0,
+        attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+    )
+    return generated[0, len(PROMPT):].tolist()
+
+
+async def start_drafter(env: Deployment, name: str) -> DrafterNode:
+    node = DrafterNode(env.config(name, drafter=DrafterConfig(model="ngram", target="tiny")))
+    await env.start(node)
+    router = env.router
+    assert router is not None
+    await eventually(lambda: router.registry.is_live(node.uri, time.monotonic()))
+    return node
+
+
+async def read_output(client: SDCPClient, session: bytes, start: int = 0, *, until: int | None = None) -> list[Output]:
+    """Output messages from index ``start`` until the final one (or until ``until`` tokens)."""
+    outputs: list[Output] = []
+    position = start
+    while True:
+        _, body = await client.get_cbor(f"sessions/{session_path_id(session)}/output", {"from": position})
+        output = Output.from_obj(body)
+        outputs.append(output)
+        position = output.from_ + len(output.tokens)
+        if output.final or (until is not None and position >= until):
+            return outputs
+
+
+def counter(name: str, instance: str) -> float:
+    return REGISTRY.get_sample_value(name, {"instance": instance}) or 0.0
+
+
+async def test_a_session_opened_through_the_router_reaches_finish(deployment: Deployment, target: TargetModel) -> None:
+    router = deployment.router
+    assert router is not None
+    verifier = await start_verifier(deployment, "verifier1")
+    drafter = await start_drafter(deployment, "drafter1")
+    opened = await open_session(deployment, tiny_contract(target, max_new=12))
+    session = opened["session"]
+    assert isinstance(session, bytes)
+    assert (opened["verifier"], opened["drafter"], opened["epoch"]) == (verifier.uri, drafter.uri, 1)
+
+    outputs = await read_output(deployment.client("frontend", peer="verifier1"), session)
+    tokens = [t for output in outputs for t in output.tokens]
+    assert tokens == greedy_reference(target, 12)  # SDCP 6.4 rule 1, whatever the drafter proposed
+    assert outputs[-1].finish == Action.FINISH and {o.epoch for o in outputs} == {1}
+    # The verifier's finish event ends the session at the router too.
+    await eventually(lambda: router.sessions[session].ended)
+    _, described = await deployment.client("frontend").get_cbor(f"sessions/{session_path_id(session)}")
+    assert described == {"session": session, "epoch": 1, "verifier": verifier.uri, "ended": True}
+
+
+async def test_a_switch_event_moves_the_session_to_the_other_drafter(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    router = deployment.router
+    assert router is not None
+    await start_verifier(deployment, "verifier1")
+    drafters = [await start_drafter(deployment, "drafter1"), await start_drafter(deployment, "drafter2")]
+    assignments_before = counter("sdcp_router_assignments_total", router.uri)
+    # Every round short of full acceptance is low and escalates at once; the ladder starts with a
+    # switch (again after each fully accepted round, which resets j), then only reduces, so the
+    # session ends by finishing.
+    contract = tiny_contract(
+        target, max_new=24, low_rounds=1, low_ratio=100, fallback=[Action.SWITCH] + [Action.REDUCE] * 24
+    )
+    opened = await open_session(deployment, contract)
+    session = opened["session"]
+    assert isinstance(session, bytes)
+    first = opened["drafter"]
+
+    outputs = await read_output(deployment.client("frontend", peer="verifier1"), session)
+    assert [t for output in outputs for t in output.tokens] == greedy_reference(target, 24)
+    assert outputs[-1].finish == Action.FINISH
+    assert counter("sdcp_router_assignments_total", router.uri) - assignments_before >= 2
+    other = next(d.uri for d in drafters if d.uri != first)
+    assert counter("sdcp_drafter_proposals_total", first) > 0
+    assert counter("sdcp_drafter_proposals_total", other) > 0
+
+
+async def test_failover_to_a_second_verifier_loses_and_repeats_no_token(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    router = deployment.router
+    assert router is not None
+    first = await start_verifier(deployment, "verifier1")
+    await start_drafter(deployment, "drafter1")
+    max_new = 150
+    opened = await open_session(deployment, tiny_contract(target, max_new=max_new))
+    session = opened["session"]
+    assert isinstance(session, bytes) and opened["verifier"] == first.uri
+    second = await start_verifier(deployment, "verifier2")
+
+    before = await read_output(deployment.client("frontend", peer="verifier1"), session, until=8)
+    seen = [t for output in before for t in output.tokens]
+    assert not before[-1].final, "the session finished before the verifier could be stopped"
+    await deployment.stop(first)
+
+    frontend = deployment.client("frontend")
+    path = f"sessions/{session_path_id(session)}"
+
+    async def moved() -> bool:
+        _, described = await frontend.get_cbor(path)
+        return isinstance(described, dict) and described["verifier"] == second.uri
+
+    async with asyncio.timeout(15):
+        while not await moved():
+            await asyncio.sleep(0.05)
+    _, described = await frontend.get_cbor(path)
+    assert isinstance(described, dict) and described["epoch"] == 2
+
+    after = await read_output(deployment.client("frontend", peer="verifier2"), session)
+    tokens = [t for output in after for t in output.tokens]
+    assert {output.epoch for output in after} == {2}
+    assert tokens[: len(seen)] == seen
+    assert tokens == greedy_reference(target, max_new)
+    assert after[-1].finish == Action.FINISH
+
+    async with MLC.from_config(disk_dir=deployment.tmp / "mlc") as mlc:
+        snapshot = await mlc.commit_log(build_uri("local", None, "log", session.hex())).read()
+    epochs = [record["epoch"] for record in snapshot.records]
+    fence = snapshot.records.index({"epoch": 2})
+    assert set(epochs[:fence]) == {1} and set(epochs[fence + 1:]) == {2}
+    emitted = [t for record in snapshot.records if "emitted" in record for t in record["emitted"]]
+    assert emitted == tokens
