@@ -27,7 +27,10 @@ from sdcp.protocol.messages import (
     Contract,
     Event,
     Output,
+    Policy,
     Role,
+    Sampling,
+    SessionState,
     Status,
     instance_path_id,
     session_path_id,
@@ -443,3 +446,57 @@ async def test_failover_to_a_second_verifier_loses_and_repeats_no_token(
     assert set(epochs[:fence]) == {1} and set(epochs[fence + 1:]) == {2}
     emitted = [t for record in snapshot.records if "emitted" in record for t in record["emitted"]]
     assert emitted == tokens
+
+
+async def test_a_policy_is_forwarded_and_carried_by_later_assignments(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    router = deployment.router
+    assert router is not None
+    verifier = await start_verifier(deployment, "verifier1")
+    opened = await open_session(deployment, tiny_contract(target, max_new=8))
+    session = opened["session"]
+    assert isinstance(session, bytes) and "drafter" not in opened
+    path = f"sessions/{session_path_id(session)}/policy"
+    frontend = deployment.client("frontend")
+    profile = Sampling(temperature_milli=0, top_k=5)
+
+    with pytest.raises(ProtocolError) as elsewhere:
+        await frontend.post_cbor(path, Policy(session=bytes(16), from_round=1, sampling=profile).to_obj())
+    assert elsewhere.value.status == 400
+    code, body = await frontend.post_cbor(path, Policy(session=session, from_round=1, sampling=profile).to_obj())
+    assert code == 200 and SessionState.from_obj(body).round == 0
+    assert verifier.sessions[session].machine.sampling_for(1) == profile
+
+    # The session waited for a drafter; the periodic task assigns the first that appears, with the
+    # profile in the assignment (SDCP 6.6) and the contract unchanged.
+    drafter = await start_drafter(deployment, "drafter1")
+    await eventually(lambda: session in drafter.runs)
+    assignment = drafter.runs[session].assignment
+    assert assignment.sampling == profile and assignment.contract == tiny_contract(target, max_new=8)
+    outputs = await read_output(deployment.client("frontend", peer="verifier1"), session)
+    assert [t for output in outputs for t in output.tokens] == greedy_reference(target, 8)
+
+
+async def test_a_failed_drafter_is_replaced_from_the_committed_prefix(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    await start_verifier(deployment, "verifier1")
+    first = await start_drafter(deployment, "drafter1")
+    max_new = 150
+    opened = await open_session(deployment, tiny_contract(target, max_new=max_new))
+    session = opened["session"]
+    assert isinstance(session, bytes) and opened["drafter"] == first.uri
+    second = await start_drafter(deployment, "drafter2")
+    reader = deployment.client("frontend", peer="verifier1")
+    before = await read_output(reader, session, until=8)
+    assert not before[-1].final, "the session finished before the drafter could be stopped"
+    await deployment.stop(first)
+
+    # SDCP 6.9: once drafter1's status expires, the router assigns drafter2 with the committed prefix.
+    await eventually(lambda: session in second.runs)
+    assignment = second.runs[session].assignment
+    assert assignment.committed >= 8 and assignment.committed_tokens is not None
+    after = await read_output(reader, session, before[-1].from_ + len(before[-1].tokens))
+    tokens = [t for output in before + after for t in output.tokens]
+    assert tokens == greedy_reference(target, max_new)
