@@ -1,18 +1,64 @@
-"""The `sdcp` command line."""
+"""The `sdcp` command line: run a role, a local cluster, generate text, make certificates.
+
+Every error a user can cause ends with one line on stderr and a non-zero exit, never a traceback.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Any, NoReturn
+
 import typer
+from rich.console import Console
 
 from sdcp.models.cli import models_app
 
 app = typer.Typer(
     name="sdcp",
-    help="Speculative Decoding Coordination Protocol: run roles, a local cluster, benchmarks.",
+    help="Speculative Decoding Coordination Protocol: run roles, a local cluster, generate text.",
     no_args_is_help=True,
     add_completion=False,
 )
 app.add_typer(models_app, name="models")
+
+err_console = Console(stderr=True)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    err_console.print(f"[red]sdcp:[/red] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the errors a user can cause into one clear line."""
+    from sdcp.cache import CacheError
+    from sdcp.cluster import ClusterError
+    from sdcp.models.errors import ModelError
+    from sdcp.protocol.problems import ProtocolError
+    from sdcp.services.config import ConfigError
+    from sdcp.transport.errors import TransportError
+    from sdcp.transport.server import ServerStartError
+
+    try:
+        yield
+    except (ClusterError, ConfigError, ModelError, CacheError, ServerStartError, OSError) as exc:
+        fail(str(exc))
+    except TransportError as exc:
+        fail(f"cannot reach the cluster: {exc}")
+    except ProtocolError as exc:
+        fail(f"{exc.type_uri}: {exc.detail}")
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
 
 
 @app.command()
@@ -21,6 +67,324 @@ def version() -> None:
     from sdcp import __version__
 
     typer.echo(__version__)
+
+
+@app.command()
+def certs(
+    directory: Path = typer.Argument(..., help="Where the CA and the certificates go."),
+    instance: list[str] = typer.Option(..., "--instance", help="An instance base URI (repeat for each)."),
+) -> None:
+    """Create a dev CA (once) and a certificate per instance, identified by its base URI."""
+    from sdcp.transport.certs import InvalidInstanceURI, make_certs
+
+    try:
+        issued = make_certs(directory, instance)
+    except InvalidInstanceURI as exc:
+        fail(str(exc))
+    for uri, files in issued.items():
+        typer.echo(f"{uri}: {files.cert_path} {files.key_path}")
+    typer.echo(f"CA: {directory / 'ca.pem'}")
+
+
+# -- roles ----------------------------------------------------------------------------------------
+
+
+class Role(str, Enum):
+    verifier = "verifier"
+    drafter = "drafter"
+    router = "router"
+    mlc = "mlc"
+
+
+def _serve(role: Role, config_path: Path) -> None:
+    from sdcp.services.config import load_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # One line per request would drown the log; failures still come through as warnings.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    with user_errors():
+        config = load_config(config_path)
+        node = _build_node(role, config)
+
+        async def run() -> None:
+            shutdown = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, shutdown.set)
+            await node.run_until(shutdown)
+
+        asyncio.run(run())
+
+
+def _build_node(role: Role, config: Any) -> Any:
+    if role is Role.verifier:
+        from sdcp.services.verifier import VerifierNode
+
+        return VerifierNode(config)
+    if role is Role.drafter:
+        from sdcp.services.drafter import DrafterNode
+
+        return DrafterNode(config)
+    if role is Role.router:
+        from sdcp.services.router import RouterNode
+
+        return RouterNode(config)
+    from sdcp.services.mlc import MLCNode
+
+    return MLCNode(config)
+
+
+def _role_command(role: Role) -> Callable[[Path], None]:
+    def command(
+        config: Path = typer.Option(..., "--config", help="The instance's TOML configuration (docs/deploy.md)."),
+    ) -> None:
+        _serve(role, config)
+
+    command.__doc__ = f"Run a {role.value} instance until SIGINT or SIGTERM."
+    return command
+
+
+for _role in Role:
+    app.command(_role.value)(_role_command(_role))
+
+
+# -- the local cluster ----------------------------------------------------------------------------
+
+
+@app.command()
+def up(
+    redis: str = typer.Option(None, "--redis", help="Use this Redis (redis://host:port/db) as the MLC's shared tier."),
+    model: str = typer.Option("smollm2", help="Target model of the verifier."),
+    drafter: list[str] = typer.Option(None, "--drafter", help="Drafter specs (default: ngram and hf:smollm2)."),
+    home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp)."),
+) -> None:
+    """Start a local cluster in the background: router, verifier, drafters, embedded MLC."""
+    from sdcp.cluster import DEFAULT_DRAFTERS, LocalCluster
+
+    with user_errors():
+        cluster = LocalCluster(home)
+        if redis is not None:
+            _check_redis(redis)
+        with err_console.status("starting the local cluster (the verifier loads its model)..."):
+            instances = cluster.up(model=model, drafters=tuple(drafter or DEFAULT_DRAFTERS), redis_url=redis)
+    _print_instances(instances)
+
+
+def _check_redis(url: str) -> None:
+    import redis as redis_client
+
+    try:
+        redis_client.Redis.from_url(url, socket_connect_timeout=2).ping()
+    except (redis_client.RedisError, ValueError) as exc:
+        fail(f"Redis at {url} is unreachable: {exc}")
+
+
+@app.command()
+def down(home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp).")) -> None:
+    """Stop the local cluster."""
+    from sdcp.cluster import LocalCluster
+
+    with user_errors():
+        stopped = LocalCluster(home).down()
+    typer.echo(f"stopped {len(stopped)} instances" if stopped else "no local cluster was running")
+
+
+@app.command()
+def status(home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp).")) -> None:
+    """Show the local cluster's instances."""
+    from sdcp.cluster import LocalCluster
+
+    with user_errors():
+        instances = LocalCluster(home).instances()
+    if not instances:
+        fail("no local cluster is running; start one with `sdcp up`")
+    _print_instances(instances)
+
+
+def _print_instances(instances: list[Any]) -> None:
+    from rich.table import Table
+
+    table = Table("name", "role", "uri", "pid", "state")
+    for instance in instances:
+        table.add_row(instance.name, instance.role, instance.uri, str(instance.pid),
+                      "running" if instance.alive() else "[red]stopped[/red]")
+    Console().print(table)
+
+
+# -- generate -------------------------------------------------------------------------------------
+
+
+class RuleName(str, Enum):
+    greedy = "greedy"
+    sampling = "sampling"
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text."),
+    max_new: int = typer.Option(128, "--max-new", min=1, help="Most tokens to generate."),
+    temperature: float = typer.Option(None, min=0.0, help="Sampling temperature (rule sampling; 0 = greedy)."),
+    top_k: int = typer.Option(None, "--top-k", min=0, help="Keep the k most probable tokens."),
+    top_p: float = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass."),
+    seed: int = typer.Option(None, min=0, help="Seed of the verifier's random values (reproducible output)."),
+    rule: RuleName = typer.Option(RuleName.greedy, help="Acceptance rule: greedy (1) or sampling (2)."),
+    chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to the prompt."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    model: str = typer.Option("smollm2", help="Target model (for the tokenizer and a new local cluster)."),
+    home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp)."),
+) -> None:
+    """Generate a completion on the local cluster (started if needed), streaming the text."""
+    from sdcp.cluster import LocalCluster
+    from sdcp.protocol.messages import Sampling
+
+    with user_errors():
+        tokenizer = _load_tokenizer(model, home)
+        prompt_ids = _tokenize(tokenizer, prompt, chat)
+        sampling = Sampling(
+            temperature_milli=None if temperature is None else round(temperature * 1000),
+            top_k=top_k,
+            top_p_milli=None if top_p is None else round(top_p * 1000),
+            seed=seed,
+        )
+        has_sampling = any(v is not None for v in (temperature, top_k, top_p, seed))
+        cluster = LocalCluster(home)
+        if not cluster.running():
+            with err_console.status("starting the local cluster (first time: loads the model)..."):
+                cluster.up(model=model)
+        result = asyncio.run(
+            _generate(cluster, tokenizer, prompt_ids, max_new, 1 if rule is RuleName.greedy else 2,
+                      sampling if has_sampling else None, as_json)
+        )
+    if as_json:
+        typer.echo(json.dumps(result))
+
+
+def _load_tokenizer(model: str, home: Path | None) -> Any:
+    from sdcp.models.registry import load_tokenizer
+
+    return load_tokenizer(model, home)
+
+
+def _tokenize(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return list(ids)
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def _stop_tokens(tokenizer: Any) -> list[int]:
+    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for special in ("<|im_end|>", "<|endoftext|>"):
+        token = tokenizer.convert_tokens_to_ids(special)
+        if isinstance(token, int) and token != tokenizer.unk_token_id:
+            stop.add(token)
+    return sorted(stop)
+
+
+async def _generate(
+    cluster: Any, tokenizer: Any, prompt_ids: list[int], max_new: int, rule: int, sampling: Any, as_json: bool
+) -> dict[str, Any]:
+    from rich.live import Live
+    from rich.text import Text
+
+    from sdcp.client import ClusterClient, build_contract
+
+    cert, key, ca = cluster.client_credentials()
+    async with ClusterClient(cluster.router, cert=cert, key=key, ca=ca) as client:
+        targets = await client.targets()
+        if not targets:
+            fail("the cluster has no live verifier; see `sdcp status` and the logs")
+        target = targets[0]
+        contract = build_contract(
+            target=target["model"], tokenizer=target["tokenizer"], rule=rule, max_new=max_new,
+            stop=_stop_tokens(tokenizer), sampling=sampling,
+        )
+        started = time.monotonic()
+        handle = await client.open(prompt_ids, contract)
+        tokens: list[int] = []
+        printed = ""
+        finish = None
+        stats: dict[str, Any] = {}
+        live = None if as_json else Live(Text(""), console=err_console, transient=True, refresh_per_second=8)
+        last_stats = 0.0
+        if live is not None:
+            live.start()
+        try:
+            async for chunk in client.stream(handle):
+                tokens.extend(chunk.tokens)
+                finish = chunk.finish
+                now = time.monotonic()
+                if now - last_stats > 0.25 or finish is not None:
+                    stats = await _safe_stats(client, handle)
+                    last_stats = now
+                if live is not None:
+                    text = tokenizer.decode(tokens, skip_special_tokens=True)
+                    sys.stdout.write(text[len(printed):])
+                    sys.stdout.flush()
+                    printed = text
+                    live.update(_status_line(len(tokens), now - started, stats))
+        finally:
+            if live is not None:
+                live.stop()
+        elapsed = time.monotonic() - started
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    finish_name = finish.name.lower() if finish is not None else "unknown"
+    summary = {
+        "tokens": tokens,
+        "text": text,
+        "finish": finish_name,
+        "prompt_tokens": len(prompt_ids),
+        "seconds": round(elapsed, 3),
+        "tokens_per_second": round(len(tokens) / elapsed, 2) if elapsed > 0 else None,
+        "stats": stats,
+    }
+    if not as_json:
+        sys.stdout.write("\n")
+        err_console.print(Text(_summary_line(summary), style="dim"))
+        if finish_name == "fail":
+            fail("the verifier ended the session with an error (escalation ladder exhausted)")
+    return summary
+
+
+async def _safe_stats(client: Any, handle: Any) -> dict[str, Any]:
+    from sdcp.protocol.problems import ProtocolError
+    from sdcp.transport.errors import TransportError
+
+    try:
+        return await client.stats(handle)
+    except (ProtocolError, TransportError):
+        return {}
+
+
+def _acceptance(stats: dict[str, Any]) -> str:
+    proposed = stats.get("proposed", 0)
+    return f"{100 * stats.get('accepted', 0) / proposed:.0f}%" if proposed else "-"
+
+
+def _status_line(count: int, elapsed: float, stats: dict[str, Any]) -> Any:
+    from rich.text import Text
+
+    rate = count / elapsed if elapsed > 0 else 0.0
+    drafter = stats.get("drafter", "-")
+    return Text(
+        f"{count} tokens  {rate:.1f} tok/s  acceptance {_acceptance(stats)}  drafter {drafter}  "
+        f"m_cap {stats.get('m_cap', '-')}  escalations {stats.get('escalations', 0)}  "
+        f"self-decoded {stats.get('self_decoded', 0)}",
+        style="dim",
+    )
+
+
+def _summary_line(summary: dict[str, Any]) -> str:
+    stats = summary["stats"]
+    return (
+        f"[{summary['finish']}] {len(summary['tokens'])} tokens in {summary['seconds']:.2f} s "
+        f"({summary['tokens_per_second']} tok/s), {stats.get('rounds', 0)} rounds, "
+        f"acceptance {_acceptance(stats)}, {stats.get('self_decoded', 0)} self-decoded, "
+        f"{stats.get('escalations', 0)} escalations"
+    )
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ _EXPORTS = {
     "LoadedModel": "registry",
     "load_drafter": "registry",
     "load_model": "registry",
+    "load_tokenizer": "registry",
     "load_target": "registry",
     "TargetModel": "target",
 }
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
         UnknownSession,
     )
     from sdcp.models.fetch import fetch_smollm2, sdcp_home
-    from sdcp.models.registry import LoadedModel, load_drafter, load_model, load_target
+    from sdcp.models.registry import LoadedModel, load_drafter, load_model, load_target, load_tokenizer
     from sdcp.models.target import TargetModel
 
 

@@ -32,23 +32,35 @@ class LoadedModel:
     tokenizer: object
 
 
+def _model_dir(name_or_path: str, home: Path | None) -> Path:
+    if name_or_path == SMOLLM2_NAME:
+        path = smollm2_dir(home)
+        if not is_fetched(path):
+            raise ModelNotFetched(f"{SMOLLM2_NAME} is not in {path}; run `sdcp models fetch`")
+        return path
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise UnknownModel(
+            f"{name_or_path!r} is neither {SMOLLM2_NAME}, {TINY_NAME}, {TINY_DRAFT_NAME} "
+            "nor a Hugging Face model directory"
+        )
+    return path
+
+
+def load_tokenizer(name_or_path: str, home: Path | None = None) -> object:
+    """Only the tokenizer of a named or local model: what a front end needs, without weights."""
+    if name_or_path in (TINY_NAME, TINY_DRAFT_NAME):
+        return tiny.tiny_tokenizer()
+    return AutoTokenizer.from_pretrained(_model_dir(name_or_path, home))
+
+
 def load_model(name_or_path: str, home: Path | None = None) -> LoadedModel:
     """Load a named or local causal LM in fp32, eval mode, with its tokenizer."""
     if name_or_path == TINY_NAME:
         return LoadedModel(TINY_NAME, tiny.tiny_model(), tiny.tiny_tokenizer())
     if name_or_path == TINY_DRAFT_NAME:
         return LoadedModel(TINY_DRAFT_NAME, tiny.tiny_model(draft=True), tiny.tiny_tokenizer())
-    if name_or_path == SMOLLM2_NAME:
-        path = smollm2_dir(home)
-        if not is_fetched(path):
-            raise ModelNotFetched(f"{SMOLLM2_NAME} is not in {path}; run `sdcp models fetch`")
-    else:
-        path = Path(name_or_path).expanduser()
-        if not (path / "config.json").is_file():
-            raise UnknownModel(
-                f"{name_or_path!r} is neither {SMOLLM2_NAME}, {TINY_NAME}, {TINY_DRAFT_NAME} "
-                "nor a Hugging Face model directory"
-            )
+    path = _model_dir(name_or_path, home)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(name_or_path, model, tokenizer)

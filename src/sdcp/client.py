@@ -1,0 +1,171 @@
+"""A front end's view of an SDCP deployment: open sessions through the router, stream their output.
+
+Output follows SDCP 6.7: indices are stable, every message carries the session epoch, and output of
+a lower epoch than one already seen is discarded, so a reader that retries or follows a failover
+never duplicates or loses tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sdcp.protocol.messages import Action, Contract, Output, Policy, Sampling, session_path_id
+from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
+from sdcp.transport.client import PeerClients
+from sdcp.transport.errors import TransportError
+
+__all__ = ["ClusterClient", "OutputChunk", "SessionHandle", "build_contract"]
+
+# Self-decoding periods keep a session going where drafts keep failing; each entry of the ladder is
+# used once until R good rounds reset it, so the ladder holds enough of them for max_new tokens.
+DEFAULT_SELF_MAX = 48
+
+
+def build_contract(
+    *,
+    target: bytes,
+    tokenizer: bytes,
+    rule: int = 1,
+    max_new: int = 128,
+    stop: Sequence[int] = (),
+    sampling: Sampling | None = None,
+    m_max: int = 8,
+    low_rounds: int = 2,
+    self_load: int = 100,
+    self_max: int = DEFAULT_SELF_MAX,
+    drafters: Sequence[bytes] | None = None,
+) -> Contract:
+    """A contract for generation: reduce, then self-decoding periods, so persistent rejection costs
+    little time and never fails a session before max_new (SDCP 6.5.2)."""
+    periods = math.ceil(max_new / self_max) + 1
+    obj: dict[str, object] = {
+        "target": target,
+        "tokenizer": tokenizer,
+        "rule": rule,
+        "m_max": m_max,
+        "max_new": max_new,
+        "stop": list(stop),
+        "low_rounds": low_rounds,
+        "fallback": [int(Action.REDUCE), *([int(Action.SELF_DECODE)] * periods), int(Action.FAIL)],
+        "self_load": self_load,
+        "self_max": self_max,
+    }
+    if sampling is not None:
+        obj["sampling"] = sampling.to_obj()
+    if drafters is not None:
+        obj["drafters"] = list(drafters)
+    return Contract.from_obj(obj)
+
+
+@dataclass(frozen=True)
+class SessionHandle:
+    session: bytes
+    epoch: int
+    verifier: str
+    drafter: str | None
+
+    @property
+    def path_id(self) -> str:
+        return session_path_id(self.session)
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """Newly committed tokens at output index ``start``; ``finish`` is set on the final chunk."""
+
+    start: int
+    tokens: tuple[int, ...]
+    epoch: int
+    finish: Action | None
+
+
+class ClusterClient:
+    """An authenticated client of one router and the verifiers it names."""
+
+    def __init__(self, router: str, *, cert: Path, key: Path, ca: Path, follow_attempts: int = 20) -> None:
+        self.router = router
+        self.peers = PeerClients(cert, key, ca)
+        self.follow_attempts = follow_attempts
+
+    async def aclose(self) -> None:
+        await self.peers.aclose()
+
+    async def __aenter__(self) -> ClusterClient:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.aclose()
+
+    async def targets(self) -> list[dict[str, object]]:
+        _, body = await self.peers.get(self.router).get_cbor("targets")
+        if not isinstance(body, list):
+            raise BadMessage("the router's target list is not an array")
+        return body
+
+    async def open(self, prompt: Sequence[int], contract: Contract, sampling: Sampling | None = None) -> SessionHandle:
+        request: dict[str, object] = {"prompt": list(prompt), "contract": contract.to_obj()}
+        if sampling is not None:
+            request["sampling"] = sampling.to_obj()
+        _, body = await self.peers.get(self.router).post_cbor("sessions", request)
+        return _handle(body)
+
+    async def locate(self, handle: SessionHandle) -> SessionHandle:
+        """Where the session runs now (after a failover, another verifier and a higher epoch)."""
+        _, body = await self.peers.get(self.router).get_cbor(f"sessions/{handle.path_id}")
+        return _handle(body)
+
+    async def set_policy(self, handle: SessionHandle, from_round: int, sampling: Sampling) -> None:
+        policy = Policy(session=handle.session, from_round=from_round, sampling=sampling)
+        await self.peers.get(self.router).post_cbor(f"sessions/{handle.path_id}/policy", policy.to_obj())
+
+    async def stats(self, handle: SessionHandle) -> dict[str, object]:
+        _, body = await self.peers.get(handle.verifier).get_cbor(f"sessions/{handle.path_id}/stats")
+        if not isinstance(body, dict):
+            raise BadMessage("session stats are not a map")
+        return body
+
+    async def stream(self, handle: SessionHandle, start: int = 0) -> AsyncIterator[OutputChunk]:
+        """Committed tokens from output index ``start`` on, until the final output (SDCP 6.7)."""
+        position = start
+        highest_epoch = handle.epoch
+        failures = 0
+        while True:
+            try:
+                _, body = await self.peers.get(handle.verifier).get_cbor(
+                    f"sessions/{handle.path_id}/output", {"from": str(position)}
+                )
+                output = Output.from_obj(body)
+            except (TransportError, ProtocolError) as exc:
+                if isinstance(exc, ProtocolError) and exc.problem not in (ProblemType.STALE_EPOCH, None):
+                    raise
+                failures += 1
+                if failures > self.follow_attempts:
+                    raise
+                # The verifier failed or was fenced: ask the router where the session went.
+                await asyncio.sleep(min(2.0, 0.1 * failures))
+                handle = await self.locate(handle)
+                continue
+            failures = 0
+            # SDCP 6.7: output with a lower epoch than one already seen is discarded.
+            if output.epoch < highest_epoch or output.from_ != position:
+                continue
+            highest_epoch = output.epoch
+            if output.tokens or output.final:
+                yield OutputChunk(position, output.tokens, output.epoch, output.finish if output.final else None)
+                position += len(output.tokens)
+            if output.final:
+                return
+
+
+def _handle(body: object) -> SessionHandle:
+    if not isinstance(body, dict):
+        raise BadMessage("the router's session description is not a map")
+    session, epoch, verifier = body.get("session"), body.get("epoch"), body.get("verifier")
+    drafter = body.get("drafter")
+    if not isinstance(session, bytes) or not isinstance(epoch, int) or not isinstance(verifier, str):
+        raise BadMessage("the router's session description lacks session, epoch or verifier")
+    return SessionHandle(session, epoch, verifier, drafter if isinstance(drafter, str) else None)

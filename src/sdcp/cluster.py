@@ -1,0 +1,230 @@
+"""A local SDCP cluster: one process per instance on loopback, started in the background.
+
+Layout under ``$SDCP_HOME/cluster`` (docs/deploy.md shows the same files for several hosts):
+``certs/`` (dev CA and one certificate per instance), ``<name>.toml`` (one config per instance),
+``logs/<name>.log``, ``mlc/`` (the embedded MLC's shared disk tier) and ``cluster.json`` (what runs:
+names, roles, URIs, pids).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sdcp.models.fetch import sdcp_home
+from sdcp.transport.certs import instance_name, make_certs
+
+__all__ = [
+    "CLIENT_URI",
+    "ClusterError",
+    "Instance",
+    "LocalCluster",
+]
+
+CLIENT_URI = "https://localhost/sdcp-client"
+DEFAULT_DRAFTERS = ("ngram", "hf:smollm2")
+_TTL_MS = 3000
+
+
+class ClusterError(RuntimeError):
+    """The local cluster cannot be started, found or stopped; the message says why."""
+
+
+@dataclass(frozen=True)
+class Instance:
+    name: str
+    role: str
+    uri: str
+    pid: int
+
+    @property
+    def port(self) -> int:
+        return int(self.uri.rsplit(":", 1)[1])
+
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        try:
+            # A process that exited but was not reaped is a zombie: not alive for our purposes.
+            with open(f"/proc/{self.pid}/stat", encoding="ascii") as stat:
+                return stat.read().split(") ", 1)[1][:1] != "Z"
+        except OSError:
+            return True
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+class LocalCluster:
+    """Start, find and stop the local cluster of one SDCP home directory."""
+
+    def __init__(self, home: Path | None = None) -> None:
+        self.home = home if home is not None else sdcp_home()
+        self.root = self.home / "cluster"
+        self.certs = self.root / "certs"
+        self.state_file = self.root / "cluster.json"
+
+    # -- what runs ---------------------------------------------------------------------------
+
+    def instances(self) -> list[Instance]:
+        if not self.state_file.is_file():
+            return []
+        try:
+            state = json.loads(self.state_file.read_text(encoding="utf-8"))
+            return [Instance(**entry) for entry in state["instances"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ClusterError(f"{self.state_file} is damaged ({exc}); run `sdcp down` and `sdcp up` again") from exc
+
+    def running(self) -> bool:
+        instances = self.instances()
+        return bool(instances) and all(instance.alive() for instance in instances)
+
+    @property
+    def router(self) -> str:
+        for instance in self.instances():
+            if instance.role == "router":
+                return instance.uri
+        raise ClusterError("no local cluster is running; start one with `sdcp up`")
+
+    def client_credentials(self) -> tuple[Path, Path, Path]:
+        """Certificate, key and CA with which the CLI talks to the cluster."""
+        name = instance_name(CLIENT_URI)
+        return self.certs / f"{name}.pem", self.certs / f"{name}.key", self.certs / "ca.pem"
+
+    # -- start and stop ----------------------------------------------------------------------
+
+    def up(
+        self,
+        *,
+        model: str = "smollm2",
+        drafters: tuple[str, ...] = DEFAULT_DRAFTERS,
+        redis_url: str | None = None,
+        timeout_s: float = 180.0,
+    ) -> list[Instance]:
+        """Start router, verifier and drafters as separate processes and wait until they serve."""
+        if self.running():
+            return self.instances()
+        self.down()
+        (self.root / "logs").mkdir(parents=True, exist_ok=True)
+        plan = [("router", "router", "router")]
+        plan.append(("verifier", "verifier", model))
+        plan.extend((f"drafter-{index}", "drafter", spec) for index, spec in enumerate(drafters, start=1))
+        uris = {name: f"https://127.0.0.1:{_free_port()}" for name, _, _ in plan}
+        make_certs(self.certs, [*uris.values(), CLIENT_URI])
+        started: list[Instance] = []
+        try:
+            for name, role, what in plan:
+                config = self._write_config(name, role, what, uris, model, redis_url)
+                started.append(self._spawn(name, role, uris[name], config))
+                self._save(started)
+            self._wait_ready(started, timeout_s)
+        except BaseException:
+            self._terminate(started)
+            self.state_file.unlink(missing_ok=True)
+            raise
+        return started
+
+    def down(self, timeout_s: float = 10.0) -> list[Instance]:
+        """Stop every instance of the cluster (SIGTERM, then SIGKILL after ``timeout_s``)."""
+        instances = self.instances()
+        self._terminate(instances, timeout_s)
+        self.state_file.unlink(missing_ok=True)
+        return instances
+
+    def _write_config(
+        self, name: str, role: str, what: str, uris: dict[str, str], model: str, redis_url: str | None
+    ) -> Path:
+        uri = uris[name]
+        stem = instance_name(uri)
+        lines = [
+            "[instance]",
+            f'uri = "{uri}"',
+            f'cert = "certs/{stem}.pem"',
+            f'key = "certs/{stem}.key"',
+            'ca = "certs/ca.pem"',
+            f'router = "{uris["router"]}"',
+            f"ttl_ms = {_TTL_MS}",
+            "",
+            "[mlc]",
+            'disk_dir = "mlc"',
+        ]
+        if redis_url is not None:
+            lines.append(f'redis_url = "{redis_url}"')
+        if role == "verifier":
+            lines += ["", "[verifier]", f'model = "{what}"']
+        elif role == "drafter":
+            lines += ["", "[drafter]", f'model = "{what}"', f'target = "{model}"']
+        path = self.root / f"{name}.toml"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return path
+
+    def _spawn(self, name: str, role: str, uri: str, config: Path) -> Instance:
+        log = open(self.root / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+        with log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "sdcp", role, "--config", str(config)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.root,
+            )
+        return Instance(name=name, role=role, uri=uri, pid=process.pid)
+
+    def _save(self, instances: list[Instance]) -> None:
+        state = {"instances": [asdict(instance) for instance in instances]}
+        self.state_file.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+
+    def _wait_ready(self, instances: list[Instance], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        waiting = list(instances)
+        while waiting:
+            for instance in list(waiting):
+                if not instance.alive():
+                    tail = self._log_tail(instance.name)
+                    raise ClusterError(f"{instance.name} exited during start-up: {tail}")
+                if _accepts(instance.port):
+                    waiting.remove(instance)
+            if time.monotonic() > deadline:
+                names = ", ".join(instance.name for instance in waiting)
+                raise ClusterError(f"{names} did not start within {timeout_s:.0f} s (logs in {self.root / 'logs'})")
+            time.sleep(0.2)
+        # Each instance reports its status within a third of its TTL of listening.
+        time.sleep(_TTL_MS / 3000 + 0.5)
+
+    def _log_tail(self, name: str) -> str:
+        path = self.root / "logs" / f"{name}.log"
+        lines = path.read_text(encoding="utf-8", errors="replace").strip().splitlines() if path.exists() else []
+        return lines[-1] if lines else f"no output (see {path})"
+
+    @staticmethod
+    def _terminate(instances: list[Instance], timeout_s: float = 10.0) -> None:
+        for instance in instances:
+            if instance.alive():
+                os.kill(instance.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for instance in instances:
+            while instance.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if instance.alive():
+                os.kill(instance.pid, signal.SIGKILL)
