@@ -1,0 +1,415 @@
+"""The drafter service over real HTTP/2 + mTLS (SDCP Table 1, 6.1, 6.2, 6.3, 6.9).
+
+The test plays the router with the router's certificate; the verifier is the real verifier
+service on the tiny target, the drafter the n-gram drafter or the tiny-draft HF model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from sdcp.cache import MLC, ObjectNotFound, build_uri
+from sdcp.models.draft import NgramDrafter
+from sdcp.models.target import TargetModel
+from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.protocol.digest import extend_digest, prefix_digest
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    Contract,
+    Output,
+    Role,
+    SessionOpen,
+    SessionState,
+    session_path_id,
+)
+from sdcp.protocol.problems import BadContract, ProblemType, ProtocolError
+from sdcp.services.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
+from sdcp.services.drafter import DrafterNode, q_rows_uri, target_vocab_size
+from sdcp.services.verifier import VerifierNode
+from sdcp.transport.certs import make_certs
+from sdcp.transport.client import SDCPClient
+
+pytestmark = pytest.mark.timeout(90)
+
+# Refuses connections: status reports to the router fail quietly in the background.
+ROUTER = "https://127.0.0.1:1"
+STRANGER = "https://127.0.0.1:3"
+# Repetitive text, so that prompt lookup finds continuations.
+PROMPT = tuple(tiny_tokenizer()("the cat sat on the mat and the cat sat on the hat")["input_ids"])
+VOCAB = 257
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return TargetModel(tiny_model(), tiny_tokenizer(), name="tiny")
+
+
+def greedy(target: TargetModel, prompt: tuple[int, ...], count: int) -> list[int]:
+    """Greedy decoding by full forward passes; argmax ties go to the smallest id, as in rule 1."""
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(count):
+            logits = target.model(input_ids=torch.tensor([tokens])).logits[0, -1]
+            tokens.append(int(torch.argmax(logits)))
+    return tokens[len(prompt) :]
+
+
+@dataclass
+class Env:
+    tmp: Path
+    ca: Path
+    certs: dict[str, tuple[Path, Path]]
+    verifier_uri: str
+    drafter_uri: str
+    mlc: MLC
+    clients: list[SDCPClient]
+
+    def config(self, uri: str, **sections: object) -> ServiceConfig:
+        cert, key = self.certs[uri]
+        return ServiceConfig(
+            instance=InstanceConfig(uri=uri, cert=cert, key=key, ca=self.ca, router=ROUTER, ttl_ms=60_000),
+            mlc=MLCConfig(disk_dir=self.tmp / "mlc"),
+            **sections,  # type: ignore[arg-type]
+        )
+
+    def client(self, peer: str, identity: str) -> SDCPClient:
+        cert, key = self.certs[identity]
+        client = SDCPClient(peer, cert, key, self.ca)
+        self.clients.append(client)
+        return client
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    verifier_uri = f"https://127.0.0.1:{free_port()}"
+    drafter_uri = f"https://127.0.0.1:{free_port()}/drafter"
+    uris = [verifier_uri, drafter_uri, ROUTER, STRANGER]
+    issued = make_certs(tmp_path / "certs", uris)
+    certs = {uri: (issued[uri].cert_path, issued[uri].key_path) for uri in uris}
+    # The same authority as the nodes' MLCConfig, so that URIs built here name their objects.
+    mlc = MLC.from_config(authority=MLCConfig().authority, disk_dir=tmp_path / "mlc")
+    environment = Env(tmp_path, tmp_path / "certs" / "ca.pem", certs, verifier_uri, drafter_uri, mlc, [])
+    try:
+        yield environment
+    finally:
+        await asyncio.gather(*(client.aclose() for client in environment.clients))
+        await mlc.close()
+
+
+def make_contract(target: TargetModel, **overrides: object) -> Contract:
+    obj: dict[str, object] = {
+        "target": target.weights_digest,
+        "tokenizer": target.tokenizer_digest,
+        "rule": 1,
+        "m_max": 6,
+        "max_new": 24,
+        "stop": [],
+        # Escalation would end the session before max_new on a random-weight model.
+        "low_rounds": 1000,
+        "fallback": [Action.REDUCE],
+    }
+    obj.update(overrides)
+    return Contract.from_obj(obj)
+
+
+def make_assignment(env: Env, contract: Contract, session: bytes, **overrides: object) -> Assignment:
+    fields: dict[str, object] = {
+        "session": session,
+        "epoch": 1,
+        "contract": contract,
+        "verifier": env.verifier_uri,
+        "drafter": env.drafter_uri,
+        "prompt": PROMPT,
+        "round": 0,
+        "committed": 0,
+        "digest": prefix_digest(contract.digest, PROMPT),
+        "m_init": 4,
+    }
+    fields.update(overrides)
+    return Assignment(**fields)  # type: ignore[arg-type]
+
+
+async def drafter_node(env: Env, model: str = "ngram", lease_s: float = 30.0) -> DrafterNode:
+    node = DrafterNode(env.config(env.drafter_uri, drafter=DrafterConfig(model=model, target="tiny", lease_s=lease_s)))
+    await node.start()
+    return node
+
+
+async def verifier_node(env: Env, target: TargetModel) -> VerifierNode:
+    for session in list(target._sessions):
+        target.close_session(session)
+    config = env.config(env.verifier_uri, verifier=VerifierConfig(model="tiny", output_wait_s=0.5))
+    node = VerifierNode(config, target=target)
+    await node.start()
+    return node
+
+
+async def open_session(env: Env, contract: Contract, session: bytes) -> SessionState:
+    """As the router: open the session at the verifier and name the drafter there (SDCP 6.1)."""
+    router = env.client(env.verifier_uri, ROUTER)
+    log_uri = build_uri("local", None, "log", session.hex())
+    opened = SessionOpen(session=session, epoch=1, contract=contract, prompt=PROMPT, commit_log=log_uri)
+    status, body = await router.post_cbor("sessions", opened.to_obj())
+    assert status == 201
+    await router.put_cbor(f"sessions/{session_path_id(session)}/drafter", make_assignment(env, contract, session).to_obj())
+    return SessionState.from_obj(body)
+
+
+async def read_all_output(env: Env, session: bytes) -> list[int]:
+    reader = env.client(env.verifier_uri, STRANGER)
+    tokens: list[int] = []
+    while True:
+        _, body = await reader.get_cbor(f"sessions/{session_path_id(session)}/output", {"from": len(tokens)})
+        output = Output.from_obj(body)
+        tokens.extend(output.tokens)
+        if output.final:
+            assert output.finish == Action.FINISH
+            return tokens
+
+
+async def wait_for(predicate, timeout: float = 20.0) -> None:  # noqa: ANN001 - async predicate
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def metric(name: str, instance: str) -> float:
+    return REGISTRY.get_sample_value(name, {"instance": instance}) or 0.0
+
+
+# -- assignments without a verifier: authorization, contract checks, epochs, rows under lease ------
+
+
+async def test_assignments_are_admitted_from_the_router_only(env: Env, target: TargetModel) -> None:
+    node = await drafter_node(env)
+    try:
+        assignment = make_assignment(env, make_contract(target), os.urandom(16)).to_obj()
+        with pytest.raises(ProtocolError) as refused:
+            await env.client(env.drafter_uri, STRANGER).post_cbor("assignments", assignment)
+        assert refused.value.status == 403
+        assert not node.runs
+        status, body = await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment)
+        assert (status, body) == (204, None)
+        assert len(node.runs) == 1
+    finally:
+        await node.stop()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"rule": 99}, {"drafters": [bytes(32)]}],
+    ids=["unregistered-rule", "drafter-not-permitted"],
+)
+async def test_unsupported_contracts_are_refused(env: Env, target: TargetModel, overrides: dict[str, object]) -> None:
+    node = await drafter_node(env)
+    try:
+        assignment = make_assignment(env, make_contract(target, **overrides), os.urandom(16))
+        with pytest.raises(BadContract) as refused:
+            await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment.to_obj())
+        assert refused.value.status == 422
+        assert refused.value.problem is ProblemType.BAD_CONTRACT
+        assert not node.runs
+    finally:
+        await node.stop()
+
+
+async def test_permitted_drafter_and_older_epochs(env: Env, target: TargetModel) -> None:
+    node = await drafter_node(env)
+    try:
+        contract = make_contract(target, drafters=[bytes(32), NgramDrafter(VOCAB).weights_digest])
+        session = os.urandom(16)
+        router = env.client(env.drafter_uri, ROUTER)
+        status, _ = await router.post_cbor("assignments", make_assignment(env, contract, session, epoch=2).to_obj())
+        assert status == 204
+        first = node.runs[session]
+        with pytest.raises(ProtocolError) as stale:
+            await router.post_cbor("assignments", make_assignment(env, contract, session, epoch=1).to_obj())
+        assert stale.value.problem is ProblemType.STALE_EPOCH
+        assert node.runs[session] is first
+        # A new assignment at the same epoch replaces the previous one, whose loop stops first.
+        status, _ = await router.post_cbor("assignments", make_assignment(env, contract, session, epoch=2).to_obj())
+        assert status == 204
+        assert node.runs[session] is not first
+        assert first.task is not None and first.task.done()
+    finally:
+        await node.stop()
+
+
+async def test_rule_2_rows_are_leased_until_the_verdict(env: Env, target: TargetModel) -> None:
+    # No verifier listens: the proposal goes unanswered and is retried (SDCP 6.9) while the
+    # rows stay in the MLC under the drafter's lease.
+    node = await drafter_node(env)
+    try:
+        contract = make_contract(target, rule=2, sampling={"temperature_milli": 1000})
+        assignment = make_assignment(env, contract, os.urandom(16))
+        await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment.to_obj())
+        uri = q_rows_uri(env.mlc, assignment, 1)
+        await wait_for(lambda: env.mlc.exists(uri))
+        rows = np.frombuffer(await env.mlc.get(uri), dtype="<f4").reshape(-1, VOCAB)
+        assert 1 <= rows.shape[0] <= 4  # m_init
+        # n-gram rows are one-hot: the exact distribution of its deterministic draw.
+        assert np.array_equal(rows.sum(axis=1), np.ones(rows.shape[0], dtype=np.float32))
+        assert np.array_equal(np.count_nonzero(rows, axis=1), np.ones(rows.shape[0]))
+        lease = await env.mlc.renew(uri, env.drafter_uri, 30.0)
+        assert lease.holder == env.drafter_uri
+    finally:
+        await node.stop()
+    # Stopping the session loop gives the rows up.
+    with pytest.raises(ObjectNotFound):
+        await env.mlc.get(uri)
+
+
+async def test_status_reports_the_drafter(env: Env, target: TargetModel) -> None:
+    node = await drafter_node(env)
+    try:
+        status = node.status()
+        assert status.instance == env.drafter_uri
+        assert status.role is Role.DRAFTER
+        assert 0 <= status.load <= 100
+        assert status.queue == 0
+        assert status.accept_milli is None  # no verdict yet
+        assert status.ttl_ms == 60_000
+        assert status.model == NgramDrafter(VOCAB).weights_digest
+    finally:
+        await node.stop()
+
+
+def test_target_vocabulary_from_configuration_only(tmp_path: Path) -> None:
+    assert target_vocab_size("tiny") == VOCAB
+    tiny_model().config.save_pretrained(tmp_path)
+    assert target_vocab_size(str(tmp_path)) == VOCAB
+
+
+# -- against the real verifier service --------------------------------------------------------------
+
+
+async def test_greedy_session_runs_to_the_end(env: Env, target: TargetModel) -> None:
+    verifier = await verifier_node(env, target)
+    drafter = await drafter_node(env)
+    try:
+        contract = make_contract(target)
+        session = os.urandom(16)
+        await open_session(env, contract, session)
+        proposals_before = metric("sdcp_drafter_proposals_total", env.drafter_uri)
+        assignment = make_assignment(env, contract, session)
+        await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment.to_obj())
+        output = await asyncio.wait_for(read_all_output(env, session), 60)
+        # SDCP 6.4 rule 1: whatever the drafter proposes, the output is the target's greedy decoding.
+        assert output == greedy(target, PROMPT, contract.max_new)
+        await wait_for(lambda: _no_runs(drafter))
+        assert metric("sdcp_drafter_proposals_total", env.drafter_uri) > proposals_before
+        assert metric("sdcp_drafter_tokens_accepted_total", env.drafter_uri) <= metric(
+            "sdcp_drafter_tokens_proposed_total", env.drafter_uri
+        )
+    finally:
+        await drafter.stop()
+        await verifier.stop()
+
+
+async def test_speculative_sampling_with_an_hf_drafter(env: Env, target: TargetModel) -> None:
+    verifier = await verifier_node(env, target)
+    drafter = await drafter_node(env, model="hf:tiny-draft")
+    try:
+        contract = make_contract(target, rule=2, sampling={"temperature_milli": 800, "seed": 7}, max_new=16)
+        session = os.urandom(16)
+        await open_session(env, contract, session)
+        assignment = make_assignment(env, contract, session)
+        await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment.to_obj())
+        output = await asyncio.wait_for(read_all_output(env, session), 60)
+        assert len(output) == contract.max_new
+        assert all(0 <= token < VOCAB for token in output)
+        await wait_for(lambda: _no_runs(drafter))
+        # Every round's rows were released and deleted after their verdict.
+        for round_number in range(1, contract.max_new + 1):
+            assert not await env.mlc.exists(q_rows_uri(env.mlc, assignment, round_number))
+    finally:
+        await drafter.stop()
+        await verifier.stop()
+
+
+async def test_stale_assignment_resyncs_from_the_verifier_output(env: Env, target: TargetModel) -> None:
+    verifier = await verifier_node(env, target)
+    drafter = await drafter_node(env)
+    try:
+        contract = make_contract(target, max_new=30)
+        session = os.urandom(16)
+        await open_session(env, contract, session)
+        router = env.client(env.drafter_uri, ROUTER)
+        assignment = make_assignment(env, contract, session)
+        await router.post_cbor("assignments", assignment.to_obj())
+        live = verifier.sessions[session].machine
+        await wait_for(lambda: _at_least(live, 3))
+        # Without its drafter the session stands still at some committed length below max_new.
+        await drafter.stop()
+        drafter = await drafter_node(env)
+        assert 3 <= live.committed < contract.max_new
+        # The assignment has the current round but an outdated prefix (nothing committed): the
+        # drafter learns the committed prefix from sdcp-stale-base and reads the missing tokens
+        # from the verifier's output. (With an older round the verifier would replay verdicts.)
+        resyncs_before = metric("sdcp_drafter_resyncs_total", env.drafter_uri)
+        stale = make_assignment(env, contract, session, round=live.round)
+        # A fresh client: the pooled connection went down with the first drafter node.
+        await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", stale.to_obj())
+        output = await asyncio.wait_for(read_all_output(env, session), 60)
+        assert output == greedy(target, PROMPT, contract.max_new)
+        assert metric("sdcp_drafter_resyncs_total", env.drafter_uri) == resyncs_before + 1
+        assert extend_digest(prefix_digest(contract.digest, PROMPT), output) == live.digest
+    finally:
+        await drafter.stop()
+        await verifier.stop()
+
+
+async def test_committed_tokens_by_reference_are_checked(env: Env, target: TargetModel) -> None:
+    verifier = await verifier_node(env, target)
+    drafter = await drafter_node(env)
+    try:
+        contract = make_contract(target, max_new=30)
+        session = os.urandom(16)
+        await open_session(env, contract, session)
+        router = env.client(env.drafter_uri, ROUTER)
+        await router.post_cbor("assignments", make_assignment(env, contract, session).to_obj())
+        live = verifier.sessions[session].machine
+        await wait_for(lambda: _at_least(live, 4))
+        await drafter.stop()
+        drafter = await drafter_node(env)
+        # A committed_tokens object that does not match `committed`: the drafter must not trust
+        # it and reads the committed output from the verifier instead.
+        state = live.state()
+        bogus = build_uri("local", None, "tokens", session.hex())
+        await env.mlc.put(bogus, bytes([0x83, 1, 2, 3]))
+        handover = make_assignment(
+            env, contract, session, round=state.round, committed=state.committed, digest=state.digest,
+            committed_tokens=bogus,
+        )
+        await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", handover.to_obj())
+        output = await asyncio.wait_for(read_all_output(env, session), 60)
+        assert output == greedy(target, PROMPT, contract.max_new)
+    finally:
+        await drafter.stop()
+        await verifier.stop()
+
+
+async def _no_runs(node: DrafterNode) -> bool:
+    return not node.runs
+
+
+async def _at_least(machine: object, count: int) -> bool:
+    return machine.committed >= count  # type: ignore[attr-defined]
