@@ -80,6 +80,9 @@ class MLCConfig:
     disk_bytes: int = 4096 * 2**20
     redis_url: str | None = None
     redis_prefix: str = "sdcp:mlc:"
+    # Base URI of a remote MLC node (sdcp.services.mlc) to use as the shared store, over mTLS with
+    # this instance's certificate; disk_dir then names a local cache (docs/cache.md).
+    mlc_url: str | None = None
 
 
 @dataclass(frozen=True)

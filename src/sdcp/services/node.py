@@ -27,6 +27,7 @@ log = logging.getLogger("sdcp.services")
 
 def build_mlc(config: ServiceConfig) -> MLC:
     mlc = config.mlc
+    instance = config.instance
     return MLC.from_config(
         authority=mlc.authority,
         memory_bytes=mlc.memory_bytes,
@@ -34,6 +35,10 @@ def build_mlc(config: ServiceConfig) -> MLC:
         disk_bytes=mlc.disk_bytes,
         redis_url=mlc.redis_url,
         redis_prefix=mlc.redis_prefix,
+        mlc_url=mlc.mlc_url,
+        cert=instance.cert,
+        key=instance.key,
+        ca=instance.ca,
     )
 
 

@@ -1,0 +1,300 @@
+"""The MLC over HTTP/2 + mTLS (SDCP 1.4, 6.8): one process's `MLC` served to instances elsewhere.
+
+Resources, relative to the node's base URI; the object or log URI is the query parameter `uri`
+(percent-encoded by the client), see docs/cache.md "MLC over HTTP":
+
+| method and path          | body in                 | answer                                  |
+|--------------------------|-------------------------|-----------------------------------------|
+| `GET objects`            |                         | 200 raw octets, `ETag`                  |
+| `HEAD objects`           |                         | 200, `ETag`                             |
+| `PUT objects`            | raw octets, `If-Match`? | 201 created / 204 replaced, `ETag`      |
+| `DELETE objects`         |                         | 204                                     |
+| `POST leases`            | `{uri, holder, ttl_ms}` | `{expires_ms}`                          |
+| `POST leases/renew`      | `{uri, holder, ttl_ms}` | `{expires_ms}`                          |
+| `POST leases/release`    | `{uri, holder}`         | `{released}`                            |
+| `GET logs`               |                         | `{records, etag}`                       |
+| `POST logs/append`       | record, `If-Match`      | `{etag}`                                |
+| `POST logs/fence`        | `{epoch}`               | `{etag}`                                |
+
+Cache errors leave as problems (RFC 9457, type about:blank) whose status names them:
+400 bad URI or argument, 403 lease holder other than the caller, 404 `ObjectNotFound`,
+409 `Fenced` (logs) or `LeaseNotHeld` (leases), 412 `PreconditionFailed`, 413 `ObjectTooLarge`,
+428 append without If-Match, 500 `CorruptRecord`, 507 `CacheFull`. Every problem also carries the
+extension member `cache_error` with the error's class name, for operators and curl users.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from sdcp.cache import (
+    MLC,
+    CacheError,
+    CacheFull,
+    CommitLog,
+    CorruptRecord,
+    Fenced,
+    InvalidArgument,
+    InvalidRecord,
+    InvalidURI,
+    LeaseNotHeld,
+    ObjectNotFound,
+    ObjectTooLarge,
+    PreconditionFailed,
+)
+from sdcp.cache.uri import canonical
+from sdcp.protocol.messages import Status
+from sdcp.services.config import ConfigError, ServiceConfig
+from sdcp.services.node import Node
+from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
+from sdcp.transport.errors import Forbidden, HTTPProblem, PayloadTooLarge, UnsupportedMediaType
+
+__all__ = ["OCTETS", "CacheProblem", "MLCNode"]
+
+OCTETS = "application/octet-stream"
+# Commit-log handles kept open: a file log caches its parsed records, so reusing the handle saves
+# re-reading the whole log on every append of a busy session.
+_OPEN_LOGS = 1024
+
+_STATUS_OF: dict[type[CacheError], int] = {
+    InvalidURI: 400,
+    InvalidArgument: 400,
+    InvalidRecord: 400,
+    ObjectNotFound: 404,
+    Fenced: 409,
+    LeaseNotHeld: 409,
+    PreconditionFailed: 412,
+    ObjectTooLarge: 413,
+    CorruptRecord: 500,
+    # 507 rather than 409: a client can then read 409 on a log as Fenced without parsing details.
+    CacheFull: 507,
+}
+
+
+class CacheProblem(HTTPProblem):
+    """A cache error as a problem answer; `cache_error` names the error class."""
+
+    def __init__(self, error: CacheError) -> None:
+        name = type(error).__name__
+        status = next((code for cls, code in _STATUS_OF.items() if isinstance(error, cls)), 500)
+        super().__init__(f"{name}: {error}")
+        template = HTTPProblem.for_status(status)
+        self.status, self.title, self.error_name = status, template.title, name
+
+    def to_problem(self) -> dict[str, Any]:
+        return {**super().to_problem(), "cache_error": self.error_name}
+
+
+class PreconditionRequired(HTTPProblem):
+    status = 428
+    title = "Precondition Required"
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _translating(handler: Handler) -> Handler:
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except CacheError as error:
+            raise CacheProblem(error) from error
+
+    return endpoint
+
+
+class MLCNode(Node):
+    """Serves this process's MLC (disk or Redis shared store behind it) to authenticated peers.
+
+    Any peer whose certificate the deployment's CA issued may read and write objects and logs: the
+    MLC is shared infrastructure (SDCP 1.4), and who may commit to a log is decided by the epochs and
+    fences in it (SDCP 6.8), not by the store. A lease is taken, renewed and released only in the
+    caller's own name, so a peer cannot drop another's protection.
+    """
+
+    def __init__(self, config: ServiceConfig, mlc: MLC | None = None) -> None:
+        if config.instance.router is not None:
+            raise ConfigError(
+                "an MLC node sends no status reports (status roles are drafter and verifier, SDCP 5.2): "
+                "leave instance.router unset"
+            )
+        if config.mlc.mlc_url is not None and _same_base(config.mlc.mlc_url, config.instance.uri):
+            raise ConfigError("an MLC node cannot use itself as its shared store (mlc.mlc_url is its own URI)")
+        super().__init__(config, mlc)
+        self._logs: OrderedDict[str, CommitLog] = OrderedDict()
+
+    def status(self) -> Status:
+        raise ConfigError("an MLC node has no SDCP role, hence no status report (SDCP 5.2)")
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/objects", self._head_object, methods=["HEAD"]),
+            Route("/objects", _translating(self._get_object), methods=["GET"]),
+            Route("/objects", _translating(self._put_object), methods=["PUT"]),
+            Route("/objects", _translating(self._delete_object), methods=["DELETE"]),
+            Route("/leases", _translating(self._lease), methods=["POST"]),
+            Route("/leases/renew", _translating(self._renew), methods=["POST"]),
+            Route("/leases/release", _translating(self._release), methods=["POST"]),
+            Route("/logs", _translating(self._read_log), methods=["GET"]),
+            Route("/logs/append", _translating(self._append), methods=["POST"]),
+            Route("/logs/fence", _translating(self._fence), methods=["POST"]),
+        ]
+
+    # -- objects --------------------------------------------------------------------------------
+
+    async def _head_object(self, request: Request) -> Response:
+        # A HEAD answer carries no body, not even a problem (RFC 9110 9.3.2): errors are bare statuses.
+        try:
+            await _authenticated(request)
+            uri = _uri_param(request)
+            etag = await self.mlc.shared.head(uri)
+            if etag is None:
+                raise ObjectNotFound(uri)
+            response = Response(status_code=200, headers={"etag": etag})
+        except CacheError as error:
+            response = Response(status_code=CacheProblem(error).status)
+        except HTTPProblem as problem:
+            response = Response(status_code=problem.status)
+        # The size is unknown without reading the object; Content-Length 0 would be wrong.
+        del response.headers["content-length"]
+        return response
+
+    async def _get_object(self, request: Request) -> Response:
+        await _authenticated(request)
+        data, info = await self.mlc.fetch(_uri_param(request))
+        return Response(content=data, media_type=OCTETS, headers={"etag": info.etag})
+
+    async def _put_object(self, request: Request) -> Response:
+        await _authenticated(request)
+        uri = _uri_param(request)
+        data = await _read_octets(request, self.mlc.max_object_bytes)
+        if_match = request.headers.get("if-match")
+        # Only the status code depends on this look-up; a creation racing it is reported as 204.
+        created = if_match is None and await self.mlc.shared.head(uri) is None
+        info = await self.mlc.put(uri, data, if_match=if_match)
+        return Response(status_code=201 if created else 204, headers={"etag": info.etag})
+
+    async def _delete_object(self, request: Request) -> Response:
+        await _authenticated(request)
+        uri = _uri_param(request)
+        if not await self.mlc.delete(uri):
+            raise ObjectNotFound(uri)
+        return Response(status_code=204)
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    async def _lease(self, request: Request) -> Response:
+        uri, holder, ttl_s = await _lease_request(request, with_ttl=True)
+        lease = await self.mlc.lease(uri, holder, ttl_s)
+        return cbor_response({"expires_ms": math.floor(lease.expires_at * 1000)})
+
+    async def _renew(self, request: Request) -> Response:
+        uri, holder, ttl_s = await _lease_request(request, with_ttl=True)
+        lease = await self.mlc.renew(uri, holder, ttl_s)
+        return cbor_response({"expires_ms": math.floor(lease.expires_at * 1000)})
+
+    async def _release(self, request: Request) -> Response:
+        uri, holder, _ = await _lease_request(request, with_ttl=False)
+        return cbor_response({"released": await self.mlc.release(uri, holder)})
+
+    # -- commit logs (SDCP 6.8) -----------------------------------------------------------------
+
+    def _log(self, uri: str) -> CommitLog:
+        log = self._logs.pop(uri, None) or self.mlc.commit_log(uri)
+        self._logs[uri] = log
+        while len(self._logs) > _OPEN_LOGS:
+            self._logs.popitem(last=False)
+        return log
+
+    async def _read_log(self, request: Request) -> Response:
+        await _authenticated(request)
+        snapshot = await self._log(_uri_param(request)).read()
+        response = cbor_response({"records": snapshot.records, "etag": snapshot.etag})
+        response.headers["etag"] = snapshot.etag
+        return response
+
+    async def _append(self, request: Request) -> Response:
+        await _authenticated(request)
+        uri = _uri_param(request)
+        record = await read_cbor_body(request)
+        if_match = request.headers.get("if-match")
+        if if_match is None:
+            # SDCP 6.8: a commit is a conditional append; an unconditional one could overwrite a race.
+            raise PreconditionRequired("logs/append needs If-Match with the ETag of the version read")
+        if not isinstance(record, dict):
+            raise InvalidRecord(f"a record is a map, got {type(record).__name__}")
+        etag = await self._log(uri).append(record, if_match)
+        return _etag_response(etag)
+
+    async def _fence(self, request: Request) -> Response:
+        await _authenticated(request)
+        uri = _uri_param(request)
+        body = await read_cbor_body(request)
+        epoch = body.get("epoch") if isinstance(body, dict) else None
+        if not isinstance(epoch, int) or isinstance(epoch, bool):
+            raise InvalidRecord(f"logs/fence takes {{epoch: uint}}, got {body!r}")
+        return _etag_response(await self._log(uri).fence(epoch))
+
+
+def _same_base(first: str, second: str) -> bool:
+    return first.rstrip("/") == second.rstrip("/")
+
+
+def _etag_response(etag: str) -> Response:
+    response = cbor_response({"etag": etag})
+    response.headers["etag"] = etag
+    return response
+
+
+async def _authenticated(request: Request) -> str:
+    """The caller's URI; any certificate of the deployment's CA with one URI SAN is admitted."""
+    return await require_peer(request, lambda _uri: True)
+
+
+def _uri_param(request: Request) -> str:
+    values = request.query_params.getlist("uri")
+    if len(values) != 1:
+        raise InvalidURI(f"exactly one query parameter uri= names the object, got {len(values)}")
+    return canonical(values[0])
+
+
+async def _read_octets(request: Request, limit: int) -> bytes:
+    """The raw body, at most `limit` bytes; the whole body is read even when it is refused."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    chunks: list[bytes] = []
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received <= limit:
+            chunks.append(chunk)
+    if media_type != OCTETS:
+        raise UnsupportedMediaType(f"object bodies are {OCTETS}, not {media_type or 'absent'}")
+    if received > limit:
+        raise PayloadTooLarge(f"object of {received} bytes exceeds the maximum object size {limit}")
+    return b"".join(chunks)
+
+
+async def _lease_request(request: Request, *, with_ttl: bool) -> tuple[str, str, float]:
+    caller = await _authenticated(request)
+    body = await read_cbor_body(request)
+    if not isinstance(body, dict):
+        raise InvalidArgument(f"a lease request is a map, got {type(body).__name__}")
+    uri, holder, ttl_ms = body.get("uri"), body.get("holder"), body.get("ttl_ms")
+    if not isinstance(uri, str):
+        raise InvalidURI(f"a lease request names the object in uri (text), got {uri!r}")
+    if not isinstance(holder, str) or not holder:
+        raise InvalidArgument(f"a lease holder is a non-empty text, got {holder!r}")
+    if holder != caller:
+        raise Forbidden(f"{caller} may hold leases only in its own name, not as {holder}")
+    if not with_ttl:
+        return canonical(uri), holder, 0.0
+    if not isinstance(ttl_ms, int) or isinstance(ttl_ms, bool) or ttl_ms <= 0:
+        raise InvalidArgument(f"ttl_ms is a positive integer, got {ttl_ms!r}")
+    return canonical(uri), holder, ttl_ms / 1000
