@@ -1,6 +1,7 @@
 """The MLC node over HTTP/2 + mTLS and `RemoteStore` (SDCP 1.4, 6.8).
 
-An `MLCNode` serves a disk-backed MLC on 127.0.0.1; the instances under test are MLCs built with
+An `MLCNode` serves an MLC on 127.0.0.1 whose shared store is a disk directory (or, for the core
+cases, a real redis-server from tests/redis_fixture.py); the instances under test are MLCs built with
 `mlc_url=` (a memory cache in front of the remote store), each with its own certificate, so that
 every operation is a real request from an authenticated peer. The cases are those of the embedded
 suite (tests/cache) that a remote store must keep: same results, same exceptions.
@@ -9,7 +10,12 @@ suite (tests/cache) that a remote store must keep: same results, same exceptions
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import importlib.util
 import socket
+import struct
+import uuid
+import zlib
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +28,7 @@ from sdcp.cache import (
     MLC,
     CacheFull,
     CommitLog,
+    CorruptRecord,
     Fenced,
     InvalidArgument,
     InvalidRecord,
@@ -48,6 +55,18 @@ KB = 1024
 DRAFTER_A = "https://127.0.0.1:9701"
 DRAFTER_B = "https://127.0.0.1:9702"
 LOG = build_uri("mlc.test", bytes(16), "log", "session-1")
+
+
+def _load_redis_plugin() -> object:
+    path = Path(__file__).resolve().parent.parent / "redis_fixture.py"
+    spec = importlib.util.spec_from_file_location("redis_fixture", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+redis_url = _load_redis_plugin().redis_url  # type: ignore[attr-defined]
 
 
 def uri(name: str, kind: str = "q-rows") -> str:
@@ -98,19 +117,30 @@ def certs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+@pytest.fixture(params=["disk", "redis"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-async def start_node(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
-    """`await start_node(disk_bytes=..., max_object_bytes=...)` -> a running `Cluster`."""
+async def start_node(
+    certs_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[Callable[..., object]]:
+    """`await start_node(backend=..., store_bytes=..., max_object_bytes=...)` -> a running `Cluster`."""
     clusters: list[Cluster] = []
 
-    async def start(*, disk_bytes: int = 64 << 20, max_object_bytes: int = 64 << 20) -> Cluster:
+    async def start(*, backend: str = "disk", store_bytes: int = 64 << 20, max_object_bytes: int = 64 << 20) -> Cluster:
         node_uri = f"https://127.0.0.1:{free_port()}"
         cert = make_certs(certs_dir, [node_uri])[node_uri]
         config = ServiceConfig(instance=InstanceConfig(node_uri, cert.cert_path, cert.key_path, certs_dir / "ca.pem"))
-        store = MLC.from_config(
-            disk_dir=tmp_path / f"store-{len(clusters)}", disk_bytes=disk_bytes,
-            memory_bytes=0, max_object_bytes=max_object_bytes,
-        )
+        if backend == "redis":
+            shared: dict[str, object] = {
+                "redis_url": request.getfixturevalue("redis_url"), "redis_bytes": store_bytes,
+                "redis_prefix": f"test:{uuid.uuid4().hex}:",
+            }
+        else:
+            shared = {"disk_dir": tmp_path / f"store-{len(clusters)}", "disk_bytes": store_bytes}
+        store = MLC.from_config(memory_bytes=0, max_object_bytes=max_object_bytes, **shared)  # type: ignore[arg-type]
         node = MLCNode(config, mlc=store)
         await node.start()
         cluster = Cluster(certs_dir, node)
@@ -123,8 +153,8 @@ async def start_node(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Callable[
         await cluster.node.stop()
 
 
-async def test_objects_round_trip_through_the_node(start_node) -> None:
-    cluster: Cluster = await start_node()
+async def test_objects_round_trip_through_the_node(start_node, backend: str) -> None:
+    cluster: Cluster = await start_node(backend=backend)
     mlc, other = cluster.remote(DRAFTER_A), cluster.remote(DRAFTER_B)
     row = bytes(range(256)) * (196 * KB // 256)
     info = await mlc.put(uri("row"), row)
@@ -187,8 +217,8 @@ async def test_node_limits_map_to_cache_errors(start_node) -> None:
     assert (await mlc.commit_log(LOG).read()).records == []
 
 
-async def test_leases_protect_and_only_the_holder_releases(start_node) -> None:
-    cluster: Cluster = await start_node(disk_bytes=3 * KB)
+async def test_leases_protect_and_only_the_holder_releases(start_node, backend: str) -> None:
+    cluster: Cluster = await start_node(backend=backend, store_bytes=3 * KB)
     holder, other = cluster.remote(DRAFTER_A), cluster.remote(DRAFTER_B)
     for name in ("a", "b", "c"):
         await holder.put(uri(name), bytes(KB))
@@ -214,8 +244,8 @@ async def test_leases_protect_and_only_the_holder_releases(start_node) -> None:
     assert await other.exists(uri("a")) and await other.exists(uri("d"))
 
 
-async def test_16_concurrent_appenders_one_winner_per_version(start_node) -> None:
-    cluster: Cluster = await start_node()
+async def test_16_concurrent_appenders_one_winner_per_version(start_node, backend: str) -> None:
+    cluster: Cluster = await start_node(backend=backend)
     mlcs = [cluster.remote(DRAFTER_A if i % 2 else DRAFTER_B) for i in range(4)]
     logs: list[CommitLog] = [mlcs[i % 4].commit_log(LOG) for i in range(16)]
     start = asyncio.Event()
@@ -244,8 +274,8 @@ async def test_16_concurrent_appenders_one_winner_per_version(start_node) -> Non
     assert len(winners_by_etag) == 16 and final.etag in winners_by_etag
 
 
-async def test_fence_stops_stale_epochs(start_node) -> None:
-    cluster: Cluster = await start_node()
+async def test_fence_stops_stale_epochs(start_node, backend: str) -> None:
+    cluster: Cluster = await start_node(backend=backend)
     verifier_log = cluster.remote(DRAFTER_A).commit_log(LOG)
     router_log = cluster.remote(DRAFTER_B).commit_log(LOG)
     assert (await verifier_log.read()).etag == EMPTY_LOG_ETAG
@@ -264,6 +294,19 @@ async def test_fence_stops_stale_epochs(start_node) -> None:
     snapshot = await verifier_log.read()
     assert snapshot.records == [commit(1, 1), {"epoch": 2}, commit(2, 2)] and snapshot.etag == after
     assert await verifier_log.last_commit() == commit(2, 2)
+
+
+async def test_corrupt_log_reads_as_corrupt_record(start_node, tmp_path: Path) -> None:
+    cluster: Cluster = await start_node()
+    log = cluster.remote().commit_log(LOG)
+    await log.append(commit(1, 1), if_match=EMPTY_LOG_ETAG)
+    # A complete frame whose checksum is wrong: the embedded log refuses to skip it.
+    path = tmp_path / "store-0" / "logs" / f"{hashlib.sha256(LOG.encode()).hexdigest()[:40]}.log"
+    payload = b"\xa1eepoch\x01"
+    with path.open("ab") as handle:
+        handle.write(struct.pack(">II", len(payload), zlib.crc32(payload) ^ 1) + payload)
+    with pytest.raises(CorruptRecord):
+        await log.read()
 
 
 async def test_client_without_certificate_is_refused(start_node) -> None:
