@@ -89,11 +89,9 @@ class RemoteStore:
 
     name = "remote"
 
-    def __init__(
-        self, base_uri: str, *, cert: PathLike, key: PathLike, ca: PathLike, client: SDCPClient | None = None
-    ) -> None:
+    def __init__(self, base_uri: str, *, cert: PathLike, key: PathLike, ca: PathLike) -> None:
         try:
-            self.client = client if client is not None else SDCPClient(base_uri, cert, key, ca)
+            self.client = SDCPClient(base_uri, cert, key, ca)
         except ValueError as error:
             raise InvalidArgument(f"mlc_url: {error}") from error
         self.base_uri = base_uri
