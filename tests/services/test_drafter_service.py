@@ -19,7 +19,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from sdcp.cache import MLC, ObjectNotFound, build_uri
-from sdcp.models.draft import NgramDrafter
+from sdcp.models.draft import DraftResult, NgramDrafter
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.digest import extend_digest, prefix_digest
@@ -28,14 +28,17 @@ from sdcp.protocol.messages import (
     Assignment,
     Contract,
     Output,
+    Proposal,
     Role,
     SessionOpen,
     SessionState,
+    Status,
+    Verdict,
     session_path_id,
 )
 from sdcp.protocol.problems import BadContract, ProblemType, ProtocolError
 from sdcp.services.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
-from sdcp.services.drafter import DrafterNode, q_rows_uri, target_vocab_size
+from sdcp.services.drafter import DrafterNode, confirmed_predraft, q_rows_uri, target_vocab_size
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
@@ -345,32 +348,39 @@ async def test_speculative_sampling_with_an_hf_drafter(env: Env, target: TargetM
         await verifier.stop()
 
 
-async def test_stale_assignment_resyncs_from_the_verifier_output(env: Env, target: TargetModel) -> None:
+@pytest.mark.parametrize("outdated", ["prefix", "round"])
+async def test_stale_assignment_resyncs_from_the_verifier(env: Env, target: TargetModel, outdated: str) -> None:
     verifier = await verifier_node(env, target)
     drafter = await drafter_node(env)
     try:
         contract = make_contract(target, max_new=30)
         session = os.urandom(16)
         await open_session(env, contract, session)
-        router = env.client(env.drafter_uri, ROUTER)
-        assignment = make_assignment(env, contract, session)
-        await router.post_cbor("assignments", assignment.to_obj())
+        await env.client(env.drafter_uri, ROUTER).post_cbor(
+            "assignments", make_assignment(env, contract, session).to_obj()
+        )
         live = verifier.sessions[session].machine
         await wait_for(lambda: _at_least(live, 3))
         # Without its drafter the session stands still at some committed length below max_new.
         await drafter.stop()
         drafter = await drafter_node(env)
+        await wait_for(lambda: _idle(live))
         assert 3 <= live.committed < contract.max_new
-        # The assignment has the current round but an outdated prefix (nothing committed): the
-        # drafter learns the committed prefix from sdcp-stale-base and reads the missing tokens
-        # from the verifier's output. (With an older round the verifier would replay verdicts.)
+        state = live.state()
+        if outdated == "prefix":
+            # The current round on an outdated prefix: the verifier answers sdcp-stale-base with
+            # its session-state and the drafter reads the missing tokens from the output.
+            stale = make_assignment(env, contract, session, round=state.round)
+        else:
+            # The current prefix with an outdated round: the verifier replays the verdicts of
+            # decided rounds (SDCP 6.3 Idempotency), which answer other bases.
+            stale = make_assignment(env, contract, session, committed=state.committed, digest=state.digest)
         resyncs_before = metric("sdcp_drafter_resyncs_total", env.drafter_uri)
-        stale = make_assignment(env, contract, session, round=live.round)
         # A fresh client: the pooled connection went down with the first drafter node.
         await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", stale.to_obj())
         output = await asyncio.wait_for(read_all_output(env, session), 60)
         assert output == greedy(target, PROMPT, contract.max_new)
-        assert metric("sdcp_drafter_resyncs_total", env.drafter_uri) == resyncs_before + 1
+        assert metric("sdcp_drafter_resyncs_total", env.drafter_uri) > resyncs_before
         assert extend_digest(prefix_digest(contract.digest, PROMPT), output) == live.digest
     finally:
         await drafter.stop()
@@ -411,5 +421,52 @@ async def _no_runs(node: DrafterNode) -> bool:
     return not node.runs
 
 
+async def _idle(machine: object) -> bool:
+    return not machine.verifying  # type: ignore[attr-defined]
+
+
 async def _at_least(machine: object, count: int) -> bool:
     return machine.committed >= count  # type: ignore[attr-defined]
+
+
+async def test_proposals_are_retried_until_the_verifier_answers(env: Env, target: TargetModel) -> None:
+    # SDCP 6.9: the drafter asks again for a verdict it did not receive; here the verifier is
+    # down when the first proposal is sent and comes up later.
+    drafter = await drafter_node(env)
+    verifier: VerifierNode | None = None
+    try:
+        contract = make_contract(target)
+        session = os.urandom(16)
+        await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", make_assignment(env, contract, session).to_obj())
+        await asyncio.sleep(0.3)
+        assert session in drafter.runs
+        verifier = await verifier_node(env, target)
+        await open_session(env, contract, session)
+        output = await asyncio.wait_for(read_all_output(env, session), 60)
+        assert output == greedy(target, PROMPT, contract.max_new)
+    finally:
+        await drafter.stop()
+        if verifier is not None:
+            await verifier.stop()
+
+
+def _verdict(proposal: Proposal, accepted: int, emitted: tuple[int, ...]) -> Verdict:
+    return Verdict(session=proposal.session, epoch=1, round=proposal.round, accepted=accepted, emitted=emitted,
+                   committed=proposal.base + len(emitted), digest=bytes(32), action=Action.CONTINUE, m_cap=4,
+                   low=0, load=0)
+
+
+def test_a_predraft_is_used_only_when_the_verdict_confirms_it() -> None:
+    status = Status(instance="https://127.0.0.1:2", role=Role.DRAFTER, load=0, queue=0, ttl_ms=1000)
+    proposal = Proposal(session=bytes(16), epoch=1, round=1, drafter="https://127.0.0.1:2", base=0,
+                        base_digest=bytes(32), tokens=(5, 6), status=status)
+    rows = np.eye(VOCAB, dtype=np.float32)[[7, 8, 9, 10]]
+    predraft = DraftResult((7, 8, 9, 10), rows, 0.0)
+    ready = confirmed_predraft(proposal, _verdict(proposal, 2, (5, 6, 7)), predraft, m=2)
+    assert ready is not None
+    assert ready.tokens == (8, 9)
+    assert np.array_equal(ready.q_rows, rows[1:3])
+    # The extra token differs from the guess, or a proposed token was rejected: draft afresh.
+    assert confirmed_predraft(proposal, _verdict(proposal, 2, (5, 6, 3)), predraft, m=2) is None
+    assert confirmed_predraft(proposal, _verdict(proposal, 1, (5, 7)), predraft, m=2) is None
+    assert confirmed_predraft(proposal, _verdict(proposal, 2, (5, 6, 7)), None, m=2) is None

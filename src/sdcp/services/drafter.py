@@ -41,6 +41,7 @@ from sdcp.protocol.messages import (
     Output,
     Proposal,
     Role,
+    SessionState,
     Status,
     Verdict,
     session_path_id,
@@ -58,6 +59,7 @@ __all__ = [
     "InconsistentPrefix",
     "ModelWorker",
     "Q_ROWS_KIND",
+    "confirmed_predraft",
     "q_rows_uri",
     "target_vocab_size",
 ]
@@ -515,6 +517,16 @@ class DrafterNode(Node):
     ) -> DraftResult | None:
         """SDCP 6.3: keep the accepted tokens, discard the rest; the confirmed pre-draft or None."""
         state = run.state
+        if verdict.round == proposal.round and verdict.committed != proposal.base + len(verdict.emitted):
+            # SDCP 6.3 Idempotency: a verdict that exists is returned unchanged, so a proposal for
+            # an already decided round gets that round's verdict, built on another base. It still
+            # tells the committed prefix after the round: resynchronise to it.
+            await self._on_problem(run, proposal, ProtocolError(
+                ProblemType.STALE_BASE, "the verdict of this round answers another proposal",
+                state=SessionState(session=verdict.session, epoch=verdict.epoch, round=verdict.round,
+                                   committed=verdict.committed, digest=verdict.digest),
+            ))
+            return None
         action = state.apply_verdict(verdict)
         TOKENS_ACCEPTED.labels(self.uri).inc(verdict.accepted)
         if extend_digest(run.output_digest, verdict.emitted) == verdict.digest:
@@ -525,7 +537,7 @@ class DrafterNode(Node):
         if state.stopped_by is not None:
             log.info("%s: session %s: %s", self.uri, run.session.hex(), action.name.lower())
             return None
-        ready = _confirmed_predraft(proposal, verdict, predraft, self._choose_m(run))
+        ready = confirmed_predraft(proposal, verdict, predraft, self._choose_m(run))
         if predraft is not None:
             PREDRAFTS.labels(self.uri, "used" if ready is not None else "discarded").inc()
         tentative = ready.tokens if ready is not None else ()
@@ -533,7 +545,7 @@ class DrafterNode(Node):
         return ready
 
 
-def _confirmed_predraft(
+def confirmed_predraft(
     proposal: Proposal, verdict: Verdict, predraft: DraftResult | None, m: int
 ) -> DraftResult | None:
     """The next proposal out of the pre-draft, if the verdict confirmed full acceptance.
