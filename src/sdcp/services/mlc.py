@@ -50,7 +50,6 @@ from sdcp.cache import (
     PreconditionFailed,
 )
 from sdcp.cache.uri import canonical
-from sdcp.protocol.messages import Status
 from sdcp.services.config import ConfigError, ServiceConfig
 from sdcp.services.node import Node
 from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
@@ -129,9 +128,6 @@ class MLCNode(Node):
             raise ConfigError("an MLC node cannot use itself as its shared store (mlc.mlc_url is its own URI)")
         super().__init__(config, mlc)
         self._logs: OrderedDict[str, CommitLog] = OrderedDict()
-
-    def status(self) -> Status:
-        raise ConfigError("an MLC node has no SDCP role, hence no status report (SDCP 5.2)")
 
     def routes(self) -> list[BaseRoute]:
         return [

@@ -58,9 +58,10 @@ class Node(ABC):
     def routes(self) -> list[BaseRoute]:
         """The role's resources of SDCP Table 1, relative to the base URI."""
 
-    @abstractmethod
-    def status(self) -> Status:
-        """This instance's current status report (SDCP 5.2)."""
+    def status(self) -> Status | None:
+        """This instance's current status report (SDCP 5.2); None for instances that report none
+        (the router itself, an MLC node: status roles are drafter and verifier only)."""
+        return None
 
     async def on_start(self) -> None:
         """Role-specific start-up, before the listener opens."""
@@ -82,7 +83,7 @@ class Node(ABC):
         listener = Listener.mtls(instance.host, instance.port, cert=instance.cert, key=instance.key, ca=instance.ca)
         self._server = Server(self.app(), listener)
         await self._server.start()
-        if instance.router is not None and instance.router != self.uri:
+        if instance.router is not None and instance.router != self.uri and self.status() is not None:
             self.spawn(self._report_status_forever(instance.router))
         log.info("%s listening on %s", type(self).__name__, self.uri)
 
@@ -124,8 +125,10 @@ class Node(ABC):
             log.error("%s: background task failed", self.uri, exc_info=task.exception())
 
     async def report_status(self, router: str) -> None:
-        path = f"instances/{instance_path_id(self.uri)}/status"
-        await self.peers.get(router).put_cbor(path, self.status().to_obj())
+        status = self.status()
+        if status is not None:
+            path = f"instances/{instance_path_id(self.uri)}/status"
+            await self.peers.get(router).put_cbor(path, status.to_obj())
 
     async def _report_status_forever(self, router: str) -> None:
         # SDCP 6.1: each instance reports status at intervals shorter than its ttl_ms.

@@ -139,10 +139,6 @@ class RouterNode(Node):
         self._wake = asyncio.Event()
         self._allowed = {Role.VERIFIER: frozenset(config.router.verifiers), Role.DRAFTER: frozenset(config.router.drafters)}
 
-    def status(self) -> Status:
-        """The router is where status reports go; it reports to nobody (SDCP 5.2 roles are 1 and 2)."""
-        raise NotImplementedError("a router sends no status reports")
-
     async def on_start(self) -> None:
         self.spawn(self._maintain_forever())
 
