@@ -94,6 +94,7 @@ class Role(str, Enum):
     drafter = "drafter"
     router = "router"
     mlc = "mlc"
+    gateway = "gateway"
 
 
 def _serve(role: Role, config_path: Path) -> None:
@@ -129,6 +130,10 @@ def _build_node(role: Role, config: Any) -> Any:
         from sdcp.services.router import RouterNode
 
         return RouterNode(config)
+    if role is Role.gateway:
+        from sdcp.services.gateway import GatewayNode
+
+        return GatewayNode(config)
     from sdcp.services.mlc import MLCNode
 
     return MLCNode(config)
@@ -140,7 +145,8 @@ def _role_command(role: Role) -> Callable[[Path], None]:
     ) -> None:
         _serve(role, config)
 
-    command.__doc__ = f"Run a {role.value} instance until SIGINT or SIGTERM."
+    what = "the OpenAI-compatible front end" if role is Role.gateway else f"an SDCP {role.value} instance"
+    command.__doc__ = f"Run {what} until SIGINT or SIGTERM."
     return command
 
 
@@ -156,9 +162,11 @@ def up(
     redis: str = typer.Option(None, "--redis", help="Use this Redis (redis://host:port/db) as the MLC's shared tier."),
     model: str = typer.Option("smollm2", help="Target model of the verifier."),
     drafter: list[str] = typer.Option(None, "--drafter", help="Drafter specs (default: ngram and hf:smollm2)."),
+    gateway_port: int = typer.Option(8000, "--gateway-port", help="Port of the OpenAI-compatible API (0: any)."),
     home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp)."),
 ) -> None:
-    """Start a local cluster in the background: router, verifier, drafters, embedded MLC."""
+    """Start a local cluster in the background: router, verifier, drafters, embedded MLC, and the
+    OpenAI-compatible API on 127.0.0.1."""
     from sdcp.cluster import DEFAULT_DRAFTERS, LocalCluster
 
     with user_errors():
@@ -166,7 +174,9 @@ def up(
         if redis is not None:
             _check_redis(redis)
         with err_console.status("starting the local cluster (the verifier loads its model)..."):
-            instances = cluster.up(model=model, drafters=tuple(drafter or DEFAULT_DRAFTERS), redis_url=redis)
+            instances = cluster.up(
+                model=model, drafters=tuple(drafter or DEFAULT_DRAFTERS), redis_url=redis, gateway_port=gateway_port
+            )
     _print_instances(instances)
 
 

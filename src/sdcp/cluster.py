@@ -23,12 +23,14 @@ from sdcp.transport.certs import instance_name, make_certs
 
 __all__ = [
     "CLIENT_URI",
+    "GATEWAY_URI",
     "ClusterError",
     "Instance",
     "LocalCluster",
 ]
 
 CLIENT_URI = "https://localhost/sdcp-client"
+GATEWAY_URI = "https://localhost/sdcp-gateway"
 DEFAULT_DRAFTERS = ("ngram", "hf:smollm2")
 _TTL_MS = 3000
 
@@ -46,7 +48,7 @@ class Instance:
 
     @property
     def port(self) -> int:
-        return int(self.uri.rsplit(":", 1)[1])
+        return int(self.uri.rsplit(":", 1)[1].split("/", 1)[0])
 
     def alive(self) -> bool:
         try:
@@ -100,6 +102,11 @@ class LocalCluster:
         return bool(instances) and all(instance.alive() for instance in instances)
 
     @property
+    def gateway(self) -> str | None:
+        """Base URL of the OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1."""
+        return next((i.uri for i in self.instances() if i.role == "gateway"), None)
+
+    @property
     def router(self) -> str:
         for instance in self.instances():
             if instance.role == "router":
@@ -119,18 +126,24 @@ class LocalCluster:
         model: str = "smollm2",
         drafters: tuple[str, ...] = DEFAULT_DRAFTERS,
         redis_url: str | None = None,
+        gateway_port: int = 8000,
         timeout_s: float = 180.0,
     ) -> list[Instance]:
-        """Start router, verifier and drafters as separate processes and wait until they serve."""
+        """Start router, verifier, drafters and the gateway as separate processes; wait until they serve."""
         if self.running():
             return self.instances()
         self.down()
+        if gateway_port and _accepts(gateway_port):
+            raise ClusterError(f"port {gateway_port} is busy; choose another with --gateway-port (0 picks a free one)")
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         plan = [("router", "router", "router")]
         plan.append(("verifier", "verifier", model))
         plan.extend((f"drafter-{index}", "drafter", spec) for index, spec in enumerate(drafters, start=1))
+        plan.append(("gateway", "gateway", model))
         uris = {name: f"https://127.0.0.1:{_free_port()}" for name, _, _ in plan}
-        make_certs(self.certs, [*uris.values(), CLIENT_URI])
+        # The gateway's SDCP identity is a client one; its own URI is where the OpenAI API listens.
+        uris["gateway"] = f"http://127.0.0.1:{gateway_port or _free_port()}/v1"
+        make_certs(self.certs, [*(uri for name, uri in uris.items() if name != "gateway"), CLIENT_URI, GATEWAY_URI])
         started: list[Instance] = []
         try:
             for name, role, what in plan:
@@ -154,7 +167,7 @@ class LocalCluster:
     def _write_config(
         self, name: str, role: str, what: str, uris: dict[str, str], model: str, redis_url: str | None
     ) -> Path:
-        uri = uris[name]
+        uri = GATEWAY_URI if role == "gateway" else uris[name]
         stem = instance_name(uri)
         lines = [
             "[instance]",
@@ -174,6 +187,9 @@ class LocalCluster:
             lines += ["", "[verifier]", f'model = "{what}"']
         elif role == "drafter":
             lines += ["", "[drafter]", f'model = "{what}"', f'target = "{model}"']
+        elif role == "gateway":
+            port = uris["gateway"].rsplit(":", 1)[1].split("/", 1)[0]
+            lines += ["", "[gateway]", f'listen = "127.0.0.1:{port}"', f'model = "{what}"']
         path = self.root / f"{name}.toml"
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return path

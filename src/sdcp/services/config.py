@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 __all__ = [
     "ConfigError",
     "DrafterConfig",
+    "GatewayConfig",
     "InstanceConfig",
     "MLCConfig",
     "RouterConfig",
@@ -111,12 +112,24 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class GatewayConfig:
+    """The OpenAI-compatible front end: its own listener, without client certificates."""
+
+    listen: str = "127.0.0.1:8000"
+    model: str = "smollm2"
+    # TLS for the front listener; without both, plain HTTP on a loopback address only.
+    cert: Path | None = None
+    key: Path | None = None
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     instance: InstanceConfig
     mlc: MLCConfig = field(default_factory=MLCConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
 
 _Section = TypeVar("_Section")
@@ -172,6 +185,7 @@ def load_config(path: Path | str) -> ServiceConfig:
         "verifier": VerifierConfig,
         "drafter": DrafterConfig,
         "router": RouterConfig,
+        "gateway": GatewayConfig,
     }
     unknown = set(document) - set(sections)
     if unknown:
