@@ -13,11 +13,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
+from sdcp.cluster import LocalCluster
 from sdcp.models.fetch import sdcp_home
-from sdcp.models.registry import load_model
+from sdcp.models.registry import load_model, load_tokenizer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -40,7 +42,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A fresh SDCP home whose model cache is the one `make test` fetched."""
     root = tmp_path_factory.mktemp("sdcp-home")
     (root / "models").symlink_to(sdcp_home() / "models", target_is_directory=True)
-    started = sdcp(root, "up")
+    started = sdcp(root, "up", "--gateway-port", "0")
     assert started.returncode == 0, started.stderr
     try:
         yield root
@@ -99,8 +101,47 @@ def test_rule2_runs_end_to_end_and_at_temperature_zero_is_greedy(
 def test_status_lists_the_running_instances(home: Path) -> None:
     result = sdcp(home, "status")
     assert result.returncode == 0
-    for role in ("router", "verifier", "drafter"):
+    for role in ("router", "verifier", "drafter", "gateway"):
         assert role in result.stdout
+
+
+def gateway_client(home: Path) -> openai.OpenAI:
+    gateway = LocalCluster(home).gateway
+    assert gateway is not None
+    return openai.OpenAI(base_url=gateway, api_key="unused", timeout=120, max_retries=0)
+
+
+def test_openai_streaming_completion_equals_greedy(home: Path, reference: dict[str, list[int]]) -> None:
+    prompt = PROMPTS[1]
+    tokenizer = load_tokenizer("smollm2")
+    client = gateway_client(home)
+    stream = client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=MAX_NEW, temperature=0, stream=True
+    )
+    pieces, reasons = [], []
+    for event in stream:
+        pieces.append(event.choices[0].text)
+        reasons.append(event.choices[0].finish_reason)
+    assert len(pieces) > 1, "the completion was not streamed"
+    expected = tokenizer.decode(reference[prompt], skip_special_tokens=True)
+    assert "".join(pieces) == expected
+    assert reasons[-1] in ("stop", "length") and all(r is None for r in reasons[:-1])
+
+
+def test_openai_chat_completion_without_streaming(home: Path) -> None:
+    client = gateway_client(home)
+    reply = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content
+    assert reply.usage is not None and 1 <= reply.usage.completion_tokens <= 8
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+
+
+def test_openai_bad_request_is_a_400(home: Path) -> None:
+    client = gateway_client(home)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="smollm2", prompt="hi", max_tokens=0)
 
 
 def test_user_errors_are_one_line(tmp_path: Path) -> None:
