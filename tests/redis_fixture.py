@@ -1,7 +1,7 @@
 """pytest plugin: a real `redis-server` on 127.0.0.1, started once per test session, stopped by pid.
 
-Use it from a conftest with `from redis_fixture import redis_url` after loading this file (see
-tests/cache/conftest.py). If `redis-server` is not installed the tests that need it FAIL, by design:
+Loaded by tests/conftest.py, so every test directory can ask for `redis_url`.
+If `redis-server` is not installed the tests that need it FAIL, by design:
 `make test` installs it (scripts/install-redis).
 """
 

@@ -1,4 +1,4 @@
-"""Fixtures of the MLC tests: the shared redis-server plugin and one MLC factory per backend.
+"""Fixtures of the MLC tests: one MLC factory per backend (redis_url comes from tests/conftest.py).
 
 Every backend-parametrised test runs against the embedded backend (disk directory shared store)
 and against Redis; each test gets its own disk directory and its own Redis key prefix.
@@ -6,7 +6,6 @@ and against Redis; each test gets its own disk directory and its own Redis key p
 
 from __future__ import annotations
 
-import importlib.util
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -14,18 +13,6 @@ from pathlib import Path
 import pytest
 
 from sdcp.cache import MLC
-
-
-def _load_redis_plugin() -> object:
-    path = Path(__file__).resolve().parent.parent / "redis_fixture.py"
-    spec = importlib.util.spec_from_file_location("redis_fixture", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-redis_url = _load_redis_plugin().redis_url  # type: ignore[attr-defined]
 
 MlcFactory = Callable[..., MLC]
 

@@ -7,62 +7,16 @@ the verifier, the drafters, the MLC and HTTP/2 + mTLS between processes.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 from sdcp.cluster import LocalCluster
-from sdcp.models.fetch import sdcp_home
-from sdcp.models.registry import load_model, load_tokenizer
+from sdcp.models.registry import load_tokenizer
+from tests.e2e.support import MAX_NEW, PROMPTS, sdcp
 
 pytestmark = pytest.mark.timeout(600)
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\ndef fib",
-]
-MAX_NEW = 24
-
-
-def sdcp(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SDCP_HOME": str(home)}
-    return subprocess.run(
-        [sys.executable, "-m", "sdcp", *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
-    )
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A fresh SDCP home whose model cache is the one `make test` fetched."""
-    root = tmp_path_factory.mktemp("sdcp-home")
-    (root / "models").symlink_to(sdcp_home() / "models", target_is_directory=True)
-    started = sdcp(root, "up", "--gateway-port", "0")
-    assert started.returncode == 0, started.stderr
-    try:
-        yield root
-    finally:
-        stopped = sdcp(root, "down")
-        assert stopped.returncode == 0, stopped.stderr
-
-
-@pytest.fixture(scope="module")
-def reference() -> dict[str, list[int]]:
-    loaded = load_model("smollm2")
-    outputs = {}
-    for prompt in PROMPTS:
-        ids = loaded.tokenizer(prompt, return_tensors="pt")["input_ids"]
-        with torch.inference_mode():
-            generated = loaded.model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False
-            )
-        outputs[prompt] = generated[0, ids.shape[1]:].tolist()
-    return outputs
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -145,6 +99,7 @@ def test_openai_bad_request_is_a_400(home: Path) -> None:
 
 
 def test_user_errors_are_one_line(tmp_path: Path) -> None:
+    # tmp_path has no fetched model: the user forgot `sdcp models fetch`.
     result = sdcp(tmp_path, "status")
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "no local cluster is running" in result.stderr

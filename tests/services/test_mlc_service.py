@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
 import socket
 import struct
 import uuid
@@ -55,18 +54,6 @@ KB = 1024
 DRAFTER_A = "https://127.0.0.1:9701"
 DRAFTER_B = "https://127.0.0.1:9702"
 LOG = build_uri("mlc.test", bytes(16), "log", "session-1")
-
-
-def _load_redis_plugin() -> object:
-    path = Path(__file__).resolve().parent.parent / "redis_fixture.py"
-    spec = importlib.util.spec_from_file_location("redis_fixture", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-redis_url = _load_redis_plugin().redis_url  # type: ignore[attr-defined]
 
 
 def uri(name: str, kind: str = "q-rows") -> str:

@@ -1,0 +1,40 @@
+"""Fixtures of the end-to-end tests: a fresh SDCP home with the fetched model, the greedy reference."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sdcp.models.fetch import sdcp_home
+from tests.e2e.support import greedy_reference, sdcp
+
+
+def fresh_home(root: Path) -> Path:
+    """An SDCP home whose model cache is the one `make test` fetched."""
+    (root / "models").symlink_to(sdcp_home() / "models", target_is_directory=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict[str, list[int]]:
+    return greedy_reference()
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A local cluster of the default shape, running for the tests of one module."""
+    root = fresh_home(tmp_path_factory.mktemp("sdcp-home"))
+    started = sdcp(root, "up", "--gateway-port", "0")
+    assert started.returncode == 0, started.stderr
+    try:
+        yield root
+    finally:
+        stopped = sdcp(root, "down")
+        assert stopped.returncode == 0, stopped.stderr
+
+
+@pytest.fixture
+def empty_home(tmp_path: Path) -> Path:
+    return fresh_home(tmp_path)

@@ -1,0 +1,40 @@
+"""What the end-to-end tests share: the prompts, running the `sdcp` command, the greedy reference."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from sdcp.models.registry import load_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\ndef fib",
+]
+MAX_NEW = 24
+
+
+def sdcp(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run the `sdcp` command line as a user would, with its own SDCP home."""
+    env = {**os.environ, "SDCP_HOME": str(home)}
+    return subprocess.run(
+        [sys.executable, "-m", "sdcp", *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+
+
+def greedy_reference() -> dict[str, list[int]]:
+    """transformers' own greedy decoding of every prompt: what rule 1 must reproduce."""
+    loaded = load_model("smollm2")
+    outputs = {}
+    for prompt in PROMPTS:
+        ids = loaded.tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            generated = loaded.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False
+            )
+        outputs[prompt] = generated[0, ids.shape[1]:].tolist()
+    return outputs
