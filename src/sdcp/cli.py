@@ -397,5 +397,41 @@ def _summary_line(summary: dict[str, Any]) -> str:
     )
 
 
+@app.command()
+def bench(
+    quick: bool = typer.Option(False, "--quick", help="A reduced set that runs in under 10 minutes."),
+    out: Path = typer.Option(Path("bench"), "--out", help="Directory for results.json, results.md and plots."),
+    model: str = typer.Option("smollm2", help="Target model of every system."),
+    prompts: Path = typer.Option(None, help="Prompt directory (default benchmarks/prompts)."),
+    per_workload: int = typer.Option(None, "--per-workload", min=1, help="Prompts per workload."),
+    max_new: int = typer.Option(None, "--max-new", min=1, help="Tokens per generation."),
+    repeats: int = typer.Option(None, min=1, help="Runs of every system on every prompt."),
+    concurrency: str = typer.Option(None, help="Comma-separated session counts, e.g. 1,4,8,16."),
+    redis: bool = typer.Option(True, "--redis/--no-redis", help="Also run the Redis tier when redis-server exists."),
+) -> None:
+    """Benchmark target-only, transformers speculative, SDCP in-process and SDCP end to end."""
+    from sdcp.bench import BenchConfig, BenchInputError, run_bench
+    from sdcp.bench.report import write_report
+    from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR
+
+    with user_errors():
+        try:
+            levels = tuple(int(level) for level in concurrency.split(",")) if concurrency else None
+        except ValueError:
+            fail(f"--concurrency must be comma-separated integers, got {concurrency!r}")
+        config = BenchConfig(
+            out=out, model=model, quick=quick, prompts_dir=prompts or DEFAULT_PROMPTS_DIR,
+            per_workload=per_workload, max_new=max_new, repeats=repeats, concurrency=levels, redis=redis,
+        )
+        try:
+            data = run_bench(config)
+        except BenchInputError as exc:
+            fail(str(exc))
+        summary = write_report(data, "sdcp " + " ".join(sys.argv[1:]))
+    typer.echo((out / "results.md").read_text(encoding="utf-8"))
+    if not summary["identical_outputs"]:
+        fail("outputs of the exact systems differ from target-only decoding; see mismatches in results.json")
+
+
 def main() -> None:
     app()

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,6 +30,14 @@ class ScorerClosed(ModelError):
     """A request was submitted to a BatchingScorer that has been closed."""
 
 
+@dataclass(frozen=True)
+class PassInfo:
+    """The model pass that scored a session's latest request: its duration and batch size."""
+
+    seconds: float
+    batch_size: int
+
+
 class BatchingScorer:
     def __init__(
         self, target: TargetModel, *, window_s: float = 0.002, max_batch: int = 16
@@ -39,6 +48,8 @@ class BatchingScorer:
         self.window_s = window_s
         self.max_batch = max_batch
         self.batches_run = 0
+        # Written before a request's future completes, so its caller reads its own pass.
+        self.last_pass: dict[SessionId, PassInfo] = {}
         self._inbox: queue.Queue[object] = queue.Queue()
         self._closed = threading.Event()
         self._worker = threading.Thread(target=self._run, name="sdcp-scorer", daemon=True)
@@ -121,14 +132,17 @@ class BatchingScorer:
             runnable.append(request)
         if not runnable:
             return
+        started = time.perf_counter()
         try:
             rows = self.target.score([(session, tokens) for session, tokens, _ in runnable])
         except Exception as exc:  # noqa: BLE001 - every waiter must learn why its pass failed
             for _, _, future in runnable:
                 future.set_exception(exc)
             return
+        info = PassInfo(time.perf_counter() - started, len(runnable))
         self.batches_run += 1
-        for (_, _, future), result in zip(runnable, rows, strict=True):
+        for (session, _, future), result in zip(runnable, rows, strict=True):
+            self.last_pass[session] = info
             future.set_result(result)
 
     def _fail_pending(self) -> None:

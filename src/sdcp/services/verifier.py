@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import cbor2
@@ -73,6 +74,33 @@ def decode_token_list(data: bytes, what: str) -> tuple[int, ...]:
 
 
 @dataclass
+class RoundTimings:
+    """Per committed round: time since the previous commit, model time in it, its pass's batch size.
+
+    The gap minus the model time is what a round costs besides the model: drafting, serialisation,
+    HTTP, queueing in the batching window, the commit-log append (docs/performance.md). Times are
+    whole microseconds, since SDCP's CBOR carries no floats.
+    """
+
+    last_commit_at: float = field(default_factory=time.perf_counter)
+    model_s: float = 0.0
+    batch_size: int = 0
+    gap_us: list[int] = field(default_factory=list)
+    model_us: list[int] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+
+    def committed(self) -> None:
+        now = time.perf_counter()
+        self.gap_us.append(round(1e6 * (now - self.last_commit_at)))
+        self.model_us.append(round(1e6 * self.model_s))
+        self.batch_sizes.append(self.batch_size)
+        self.last_commit_at, self.model_s, self.batch_size = now, 0.0, 0
+
+    def to_obj(self) -> dict[str, object]:
+        return {"round_gap_us": self.gap_us, "round_model_us": self.model_us, "round_batch": self.batch_sizes}
+
+
+@dataclass
 class _LiveSession:
     machine: VerifierSession
     log: CommitLog
@@ -80,6 +108,7 @@ class _LiveSession:
     rounds: dict[int, asyncio.Future[Verdict]] = field(default_factory=dict)
     committed: asyncio.Event = field(default_factory=asyncio.Event)
     self_decoder: asyncio.Task[None] | None = None
+    timings: RoundTimings = field(default_factory=RoundTimings)
 
     def wake_readers(self) -> None:
         # Readers wait on the current event; replacing it after setting wakes each exactly once.
@@ -234,6 +263,7 @@ class VerifierNode(Node):
         return cbor_response(
             {
                 **machine.stats.to_obj(),
+                **live.timings.to_obj(),
                 "epoch": machine.epoch,
                 "committed": machine.committed,
                 "m_cap": machine.control.m_cap,
@@ -297,9 +327,14 @@ class VerifierNode(Node):
     async def _score(self, live: _LiveSession, tokens: tuple[int, ...]) -> np.ndarray:
         self._scoring += 1
         try:
-            return await self.scorer.score_async(live.machine.session, tokens)
+            logits = await self.scorer.score_async(live.machine.session, tokens)
         finally:
             self._scoring -= 1
+        scored = self.scorer.last_pass.pop(live.machine.session, None)
+        if scored is not None:
+            live.timings.model_s += scored.seconds
+            live.timings.batch_size = scored.batch_size
+        return logits
 
     async def _commit(self, live: _LiveSession, pending: PendingCommit) -> Verdict:
         """SDCP 6.3 Commit: the record is appended first; only then tokens and verdict are released."""
@@ -316,6 +351,7 @@ class VerifierNode(Node):
             self.target.commit, machine.session, pending.verdict.accepted, pending.record.emitted
         )
         verdict = machine.apply(pending)
+        live.timings.committed()
         ROUNDS.labels(self.uri, "proposal" if pending.ticket.proposal is not None else "self").inc()
         COMMITTED.labels(self.uri).inc(len(pending.record.emitted))
         live.wake_readers()

@@ -1,0 +1,273 @@
+"""results.json, results.md and the PNG plots of a benchmark run."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on a server
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+import numpy as np  # noqa: E402
+
+from sdcp.bench.runner import EXACT_SYSTEMS, BenchData, Measurement  # noqa: E402
+
+__all__ = ["GOALS", "summarise", "write_report"]
+
+E2E = "sdcp_e2e"
+# name: (ratio or metric, comparison, threshold), from issue 7.
+GOALS: dict[str, tuple[str, str, float]] = {
+    "repetitive >= 3.0x target-only": ("repetitive_vs_target", ">=", 3.0),
+    "repetitive >= 1.0x transformers prompt lookup": ("repetitive_vs_hf_prompt_lookup", ">=", 1.0),
+    "non-repetitive >= 0.95x target-only": ("nonrepetitive_vs_target", ">=", 0.95),
+    "non-model time per round p50 <= 3 ms": ("overhead_ms_p50", "<=", 3.0),
+    "e2e >= 0.9x in-process": ("e2e_vs_inprocess", ">=", 0.9),
+    "16 sessions >= 4x one session": ("concurrency16_vs_1", ">=", 4.0),
+}
+
+
+def _rate(measurements: list[Measurement]) -> float:
+    seconds = sum(m.result.seconds for m in measurements)
+    return sum(len(m.result.tokens) for m in measurements) / seconds if seconds > 0 else 0.0
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 3) if values else None
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def _identical(data: BenchData) -> tuple[bool, list[dict[str, Any]]]:
+    """Compare the exact systems' tokens with target-only decoding, prompt by prompt, repeat by repeat."""
+    by_run: dict[tuple[str, int, int], dict[str, list[int]]] = defaultdict(dict)
+    for m in data.measurements:
+        by_run[(m.workload, m.prompt, m.repeat)][m.system] = m.result.tokens
+    mismatches = []
+    compared = 0
+    for (workload, prompt, repeat), outputs in sorted(by_run.items()):
+        reference = outputs.get("hf_target")
+        for system in EXACT_SYSTEMS:
+            if system == "hf_target" or system not in outputs or reference is None:
+                continue
+            compared += 1
+            tokens = outputs[system]
+            if tokens != reference:
+                first = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b),
+                             min(len(tokens), len(reference)))
+                mismatches.append({"system": system, "workload": workload, "prompt": prompt, "repeat": repeat,
+                                   "first_difference": first, "length": len(tokens), "reference_length": len(reference)})
+    return compared > 0 and not mismatches, mismatches
+
+
+def summarise(data: BenchData) -> dict[str, Any]:
+    repeats = sorted({m.repeat for m in data.measurements})
+    workloads = [w.name for w in data.workloads]
+    rates: dict[str, dict[str, list[float]]] = {s: {w: [] for w in [*workloads, "all"]} for s in data.systems}
+    for system in data.systems:
+        for repeat in repeats:
+            runs = [m for m in data.measurements if m.system == system and m.repeat == repeat]
+            for workload in workloads:
+                rates[system][workload].append(_rate([m for m in runs if m.workload == workload]))
+            rates[system]["all"].append(_rate(runs))
+
+    def ratio(workload: str, num: str, den: str) -> float | None:
+        values = [a / b for a, b in zip(rates[num][workload], rates[den][workload], strict=True) if b > 0]
+        return _median(values)
+
+    ratios: dict[str, float | None] = {
+        "repetitive_vs_target": ratio("repetitive", E2E, "hf_target"),
+        "repetitive_vs_hf_prompt_lookup": ratio("repetitive", E2E, "hf_prompt_lookup"),
+        "nonrepetitive_vs_target": ratio("nonrepetitive", E2E, "hf_target"),
+        "mixed_vs_target": ratio("mixed", E2E, "hf_target"),
+        "e2e_vs_target": ratio("all", E2E, "hf_target"),
+        "e2e_vs_hf_prompt_lookup": ratio("all", E2E, "hf_prompt_lookup"),
+        "e2e_vs_inprocess": ratio("all", E2E, "sdcp_inprocess"),
+        "inprocess_vs_target": ratio("all", "sdcp_inprocess", "hf_target"),
+    }
+    if "sdcp_e2e_redis" in data.systems:
+        ratios["e2e_redis_vs_e2e"] = ratio("all", "sdcp_e2e_redis", E2E)
+    concurrency = []
+    single = next((level for level in data.concurrency if level.sessions == 1), None)
+    for level in data.concurrency:
+        rate = level.tokens / level.seconds if level.seconds > 0 else 0.0
+        concurrency.append({
+            "sessions": level.sessions,
+            "tokens": level.tokens,
+            "tokens_per_s": round(rate, 2),
+            "itl_ms_p50": _percentile(level.inter_token_ms, 50),
+            "itl_ms_p99": _percentile(level.inter_token_ms, 99),
+            "verifier_batch_mean": round(statistics.fmean(level.batch_sizes), 2) if level.batch_sizes else None,
+        })
+    top = max(data.concurrency, key=lambda level: level.sessions, default=None)
+    if single is not None and top is not None and single.tokens and top is not single:
+        ratios[f"concurrency{top.sessions}_vs_1"] = round(
+            (top.tokens / top.seconds) / (single.tokens / single.seconds), 3
+        )
+    ratios.setdefault("concurrency16_vs_1", None)
+    per_system: dict[str, Any] = {}
+    for system in data.systems:
+        runs = [m for m in data.measurements if m.system == system]
+        per_workload = {}
+        for workload in [*workloads, "all"]:
+            chosen = runs if workload == "all" else [m for m in runs if m.workload == workload]
+            per_workload[workload] = _system_workload(chosen, rates[system][workload])
+        per_system[system] = per_workload
+    e2e_overhead = [ms for m in data.measurements if m.system == E2E for ms in m.result.overhead_ms]
+    inprocess_overhead = [ms for m in data.measurements if m.system == "sdcp_inprocess" for ms in m.result.overhead_ms]
+    identical, mismatches = _identical(data)
+    summary: dict[str, Any] = {
+        "model": data.config.model,
+        "quick": data.config.quick,
+        "repeats": len(repeats),
+        "max_new": data.config.effective_max_new,
+        "prompts": {w.name: len(w.prompts) for w in data.workloads},
+        "seconds": round(data.seconds, 1),
+        "systems": per_system,
+        "ratios": ratios,
+        "overhead_ms_p50": _percentile(e2e_overhead, 50),
+        "overhead_ms_p99": _percentile(e2e_overhead, 99),
+        "overhead_inprocess_ms_p50": _percentile(inprocess_overhead, 50),
+        "overhead_inprocess_ms_p99": _percentile(inprocess_overhead, 99),
+        "concurrency": concurrency,
+        "identical_outputs": identical,
+        "mismatches": mismatches,
+    }
+    summary["goals"] = _goals(summary)
+    return summary
+
+
+def _system_workload(runs: list[Measurement], rates: list[float]) -> dict[str, Any]:
+    tokens = sum(len(m.result.tokens) for m in runs)
+    rounds = sum(m.result.rounds for m in runs)
+    passes = rounds + sum(m.result.self_decoded for m in runs)
+    accepted = sum(m.result.accepted for m in runs)
+    by_position_accepted = _sum_lists([m.result.accepted_by_position for m in runs])
+    by_position_proposed = _sum_lists([m.result.proposed_by_position for m in runs])
+    entry: dict[str, Any] = {
+        "tokens_per_s": _median(rates),
+        "tokens_per_s_by_repeat": [round(rate, 3) for rate in rates],
+        "tokens": tokens,
+    }
+    if passes:
+        entry.update({
+            "mean_accepted_length": round(accepted / rounds, 3) if rounds else 0.0,
+            "tokens_per_target_pass": round(tokens / passes, 3),
+            "rounds_per_100_tokens": round(100 * passes / tokens, 2) if tokens else None,
+            "self_decoded_share": round(sum(m.result.self_decoded for m in runs) / passes, 3),
+            "acceptance_by_position": [round(a / p, 3) if p else None
+                                       for a, p in zip(by_position_accepted, by_position_proposed, strict=True)],
+            "proposed_by_position": by_position_proposed,
+        })
+    return entry
+
+
+def _sum_lists(lists: list[list[int]]) -> list[int]:
+    total: list[int] = []
+    for values in lists:
+        total.extend([0] * (len(values) - len(total)))
+        for i, value in enumerate(values):
+            total[i] += value
+    return total
+
+
+def _goals(summary: dict[str, Any]) -> dict[str, Any]:
+    goals = {}
+    for name, (key, comparison, threshold) in GOALS.items():
+        value = summary["ratios"].get(key) if key in summary["ratios"] else summary.get(key)
+        met = None if value is None else (value >= threshold if comparison == ">=" else value <= threshold)
+        goals[name] = {"metric": key, "value": value, "target": f"{comparison} {threshold}", "met": met}
+    return goals
+
+
+def write_report(data: BenchData, command: str) -> dict[str, Any]:
+    summary = summarise(data)
+    summary["command"] = command
+    out = data.config.out
+    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    (out / "results.md").write_text(markdown(summary), encoding="utf-8")
+    _plot(summary, out)
+    return summary
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    workloads = [w for w in summary["prompts"]] + ["all"]
+    lines = [
+        f"Model `{summary['model']}`, max_new {summary['max_new']}, greedy, {summary['repeats']} repeats "
+        f"(median), prompts per workload {summary['prompts']}; command: `{summary.get('command', '')}`",
+        "",
+        "| system | " + " | ".join(f"{w} tok/s" for w in workloads) + " | tokens/target pass | rounds/100 tok |",
+        "|---|" + "---|" * (len(workloads) + 2),
+    ]
+    for system, entries in summary["systems"].items():
+        cells = [f"{entries[w]['tokens_per_s']:.1f}" if entries[w]["tokens_per_s"] is not None else "-"
+                 for w in workloads]
+        every = entries["all"]
+        lines.append(f"| {system} | " + " | ".join(cells)
+                     + f" | {every.get('tokens_per_target_pass', '-')} | {every.get('rounds_per_100_tokens', '-')} |")
+    lines += ["", "| ratio | median |", "|---|---|"]
+    lines += [f"| {name} | {value} |" for name, value in summary["ratios"].items()]
+    lines += ["", f"Non-model time per round (e2e): p50 {summary['overhead_ms_p50']} ms, "
+              f"p99 {summary['overhead_ms_p99']} ms; in-process: p50 {summary['overhead_inprocess_ms_p50']} ms, "
+              f"p99 {summary['overhead_inprocess_ms_p99']} ms.", "",
+              "| sessions | aggregate tok/s | ITL p50 ms | ITL p99 ms | verifier batch (mean) |", "|---|---|---|---|---|"]
+    for level in summary["concurrency"]:
+        lines.append(f"| {level['sessions']} | {level['tokens_per_s']} | {level['itl_ms_p50']} | "
+                     f"{level['itl_ms_p99']} | {level['verifier_batch_mean']} |")
+    lines += ["", f"Outputs of target-only, SDCP in-process and SDCP end to end identical token for token: "
+              f"**{summary['identical_outputs']}**", "", "| goal | value | target | met |", "|---|---|---|---|"]
+    for name, goal in summary["goals"].items():
+        lines.append(f"| {name} | {goal['value']} | {goal['target']} | {goal['met']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(summary: dict[str, Any], out: Path) -> None:
+    systems = list(summary["systems"])
+    workloads = list(summary["prompts"])
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        values = [summary["systems"][system][w]["tokens_per_s"] or 0.0 for w in workloads]
+        axes[0].bar(np.arange(len(workloads)) + i * width, values, width, label=system)
+    axes[0].set_xticks(np.arange(len(workloads)) + 0.4 - width / 2, workloads)
+    axes[0].set_ylabel("tokens/s")
+    axes[0].set_title("Throughput per system (one session)")
+    axes[0].legend(fontsize=7)
+    ratio_names = [n for n, v in summary["ratios"].items() if v is not None]
+    axes[1].barh(ratio_names, [summary["ratios"][n] for n in ratio_names])
+    axes[1].axvline(1.0, color="grey", linewidth=0.8)
+    axes[1].set_title("Ratios (median over repeats)")
+    figure.tight_layout()
+    figure.savefig(out / "throughput.png", dpi=80)
+    plt.close(figure)
+
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for system in ("sdcp_inprocess", E2E):
+        if system not in summary["systems"]:
+            continue
+        for workload in workloads:
+            acceptance = summary["systems"][system][workload].get("acceptance_by_position") or []
+            axes[0].plot(range(1, len(acceptance) + 1), [a or 0.0 for a in acceptance], marker="o",
+                         label=f"{system} {workload}")
+    axes[0].set_xlabel("proposed position")
+    axes[0].set_ylabel("acceptance")
+    axes[0].set_title("Acceptance by position")
+    axes[0].legend(fontsize=7)
+    levels = summary["concurrency"]
+    axes[1].plot([lv["sessions"] for lv in levels], [lv["tokens_per_s"] for lv in levels], marker="o", label="tok/s")
+    axes[1].set_xlabel("concurrent sessions")
+    axes[1].set_ylabel("aggregate tokens/s")
+    twin = axes[1].twinx()
+    twin.plot([lv["sessions"] for lv in levels], [lv["itl_ms_p50"] or 0 for lv in levels], "g--", label="ITL p50")
+    twin.plot([lv["sessions"] for lv in levels], [lv["itl_ms_p99"] or 0 for lv in levels], "r:", label="ITL p99")
+    twin.set_ylabel("inter-token latency (ms)")
+    twin.legend(fontsize=7, loc="upper left")
+    axes[1].set_title("Concurrency sweep (SDCP end to end)")
+    figure.tight_layout()
+    figure.savefig(out / "acceptance_concurrency.png", dpi=80)
+    plt.close(figure)

@@ -1,0 +1,221 @@
+"""Run every system on every prompt, alternating systems, and collect what the report needs.
+
+Within one repeat the systems take turns on each prompt (the order rotates between repeats), so
+that load from other work on the machine spreads over all of them. Ratios are computed within each
+repeat and the report gives their median.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdcp.bench.cluster import ClusterSystem, redis_server
+from sdcp.bench.systems import (
+    HFAssistedSystem,
+    HFPromptLookupSystem,
+    HFTargetSystem,
+    InProcessSDCPSystem,
+    RunResult,
+    stop_tokens,
+)
+from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError, Workload, load_workloads, tokenize_prompt
+from sdcp.models.registry import TINY_DRAFT_NAME, TINY_NAME, load_model
+from sdcp.models.target import TargetModel
+
+__all__ = ["BenchConfig", "Measurement", "run_bench"]
+
+# Systems whose outputs must equal target-only greedy decoding token for token.
+EXACT_SYSTEMS = ("hf_target", "sdcp_inprocess", "sdcp_e2e", "sdcp_e2e_redis")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    out: Path
+    model: str = "smollm2"
+    quick: bool = False
+    prompts_dir: Path = DEFAULT_PROMPTS_DIR
+    per_workload: int | None = None
+    max_new: int | None = None
+    repeats: int | None = None
+    concurrency: tuple[int, ...] | None = None
+    redis: bool = True
+
+    @property
+    def effective_per_workload(self) -> int | None:
+        return self.per_workload if self.per_workload is not None else (2 if self.quick else None)
+
+    @property
+    def effective_max_new(self) -> int:
+        return self.max_new if self.max_new is not None else (64 if self.quick else 128)
+
+    @property
+    def effective_repeats(self) -> int:
+        return self.repeats if self.repeats is not None else (2 if self.quick else 3)
+
+    @property
+    def effective_concurrency(self) -> tuple[int, ...]:
+        if self.concurrency is not None:
+            return self.concurrency
+        return (1, 16) if self.quick else (1, 4, 8, 16)
+
+
+@dataclass
+class Measurement:
+    system: str
+    workload: str
+    prompt: int
+    repeat: int
+    result: RunResult
+
+
+@dataclass
+class ConcurrencyLevel:
+    sessions: int
+    tokens: int
+    seconds: float
+    inter_token_ms: list[float] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class BenchData:
+    config: BenchConfig
+    workloads: list[Workload]
+    measurements: list[Measurement]
+    concurrency: list[ConcurrencyLevel]
+    systems: list[str]
+    seconds: float
+
+
+def _log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchData:
+    if config.effective_max_new < 1 or config.effective_repeats < 1:
+        raise BenchInputError("max_new and repeats must be at least 1")
+    if any(level < 1 for level in config.effective_concurrency):
+        raise BenchInputError("concurrency levels must be at least 1")
+    started = time.perf_counter()
+    workloads = load_workloads(config.prompts_dir, per_workload=config.effective_per_workload)
+    config.out.mkdir(parents=True, exist_ok=True)
+    log(f"loading {config.model}")
+    loaded = load_model(config.model)
+    tokenizer = loaded.tokenizer
+    stop = stop_tokens(tokenizer)
+    target = TargetModel(loaded.model, tokenizer, name=loaded.name)
+    in_process: list[Any] = [HFTargetSystem(loaded.model, stop), HFPromptLookupSystem(loaded.model, stop)]
+    if config.model == TINY_NAME:
+        in_process.append(HFAssistedSystem(loaded.model, stop, load_model(TINY_DRAFT_NAME).model))
+    in_process.append(InProcessSDCPSystem(target, stop))
+    prompts = {w.name: [tokenize_prompt(tokenizer, p) for p in w.prompts] for w in workloads}
+    with redis_server(config.out / "redis") as redis_url:
+        clusters = [ClusterSystem(config.out / "sdcp-home", config.model)]
+        if config.redis and redis_url is not None:
+            clusters.append(ClusterSystem(config.out / "sdcp-home-redis", config.model, redis_url=redis_url,
+                                          name="sdcp_e2e_redis"))
+        try:
+            for cluster in clusters:
+                log(f"starting the local cluster {cluster.name}")
+                cluster.start()
+            measurements, levels = asyncio.run(_measure(config, in_process, clusters, prompts, stop, log))
+        finally:
+            for cluster in clusters:
+                cluster.stop()
+    systems = [system.name for system in in_process] + [cluster.name for cluster in clusters]
+    return BenchData(config, workloads, measurements, levels, systems, time.perf_counter() - started)
+
+
+async def _measure(
+    config: BenchConfig,
+    in_process: list[Any],
+    clusters: list[ClusterSystem],
+    prompts: dict[str, list[list[int]]],
+    stop: list[int],
+    log: Callable[[str], None],
+) -> tuple[list[Measurement], list[ConcurrencyLevel]]:
+    max_new = config.effective_max_new
+    for cluster in clusters:
+        await cluster.connect()
+    try:
+        runners: list[tuple[str, Callable[[list[int], int], Any]]] = []
+        for system in in_process:
+            runners.append((system.name, _in_thread(system.generate)))
+        for cluster in clusters:
+            runners.append((cluster.name, _bound(cluster, stop)))
+        warm_prompt = next(iter(prompts.values()))[0]
+        for name, run in runners:
+            log(f"warming up {name}")
+            await run(warm_prompt, min(8, max_new))
+        measurements: list[Measurement] = []
+        for repeat in range(config.effective_repeats):
+            order = runners[repeat % len(runners) :] + runners[: repeat % len(runners)]
+            for workload, workload_prompts in prompts.items():
+                for index, prompt in enumerate(workload_prompts):
+                    for name, run in order:
+                        result = await run(prompt, max_new)
+                        measurements.append(Measurement(name, workload, index, repeat, result))
+                        log(f"repeat {repeat + 1} {workload}[{index}] {name}: {len(result.tokens)} tokens, "
+                            f"{result.tokens_per_s:.1f} tok/s")
+        levels = await _concurrency_sweep(config, clusters[0], prompts, stop, log)
+        return measurements, levels
+    finally:
+        for cluster in clusters:
+            await cluster.aclose()
+
+
+def _in_thread(generate: Callable[[list[int], int], RunResult]) -> Callable[[list[int], int], Any]:
+    async def run(prompt: list[int], max_new: int) -> RunResult:
+        return await asyncio.to_thread(generate, prompt, max_new)
+
+    return run
+
+
+def _bound(cluster: ClusterSystem, stop: list[int]) -> Callable[[list[int], int], Any]:
+    async def run(prompt: list[int], max_new: int) -> RunResult:
+        return await cluster.generate(prompt, max_new, stop)
+
+    return run
+
+
+async def _concurrency_sweep(
+    config: BenchConfig,
+    cluster: ClusterSystem,
+    prompts: dict[str, list[list[int]]],
+    stop: list[int],
+    log: Callable[[str], None],
+) -> list[ConcurrencyLevel]:
+    """N sessions at once over the non-repetitive prompts (cycled), aggregate tokens per second.
+
+    A single session is measured as one session at a time over the same prompts, so that every
+    level decodes the same mix of text.
+    """
+    pool = prompts["nonrepetitive"]
+    max_new = config.effective_max_new
+    levels = []
+    for sessions in config.effective_concurrency:
+        chosen = [pool[i % len(pool)] for i in range(max(sessions, len(pool) if sessions == 1 else sessions))]
+        started = time.perf_counter()
+        if sessions == 1:
+            results = [await cluster.generate(prompt, max_new, stop) for prompt in chosen]
+        else:
+            results = list(await asyncio.gather(*(cluster.generate(p, max_new, stop) for p in chosen)))
+        seconds = time.perf_counter() - started
+        level = ConcurrencyLevel(
+            sessions=sessions,
+            tokens=sum(len(r.tokens) for r in results),
+            seconds=seconds,
+            inter_token_ms=[gap for r in results for gap in r.inter_token_ms],
+            batch_sizes=[size for r in results for size in r.batch_sizes],
+        )
+        levels.append(level)
+        log(f"concurrency {sessions}: {level.tokens / seconds:.1f} tok/s aggregate, "
+            f"mean batch {statistics.fmean(level.batch_sizes) if level.batch_sizes else 0:.1f}")
+    return levels
