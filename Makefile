@@ -4,17 +4,23 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sdcp-installed
 
-.PHONY: test install redis model clean
+.PHONY: test demo install redis model clean
 
 test: install redis model
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# A first run on a fresh machine: install, fetch the model, start a local cluster, generate.
+DEMO_PROMPT ?= The three primary colors are red, yellow and blue. The three primary colors are
+demo: install model
+	$(VENV)/bin/sdcp up
+	$(VENV)/bin/sdcp generate --max-new 48 "$(DEMO_PROMPT)"
+	@echo "The cluster keeps running: try '$(VENV)/bin/sdcp generate \"...\"', the OpenAI API on http://127.0.0.1:8000/v1, and '$(VENV)/bin/sdcp down'."
 
 install: $(STAMP)
 
 # torch first, pinned to the CPU wheel, so that resolving the project never pulls a CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
