@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -40,13 +40,21 @@ class PassInfo:
 
 class BatchingScorer:
     def __init__(
-        self, target: TargetModel, *, window_s: float = 0.002, max_batch: int = 16
+        self,
+        target: TargetModel,
+        *,
+        window_s: float = 0.002,
+        max_batch: int = 16,
+        active_sessions: Callable[[], int] | None = None,
     ) -> None:
         if window_s < 0 or max_batch < 1:
             raise ValueError(f"need window_s >= 0 and max_batch >= 1, got {window_s}, {max_batch}")
         self.target = target
         self.window_s = window_s
         self.max_batch = max_batch
+        # How many sessions may send requests now: a batch that holds them all has nothing left to
+        # wait for, so a lone session never pays the window.
+        self.active_sessions = active_sessions
         self.batches_run = 0
         # Written before a request's future completes, so its caller reads its own pass.
         self.last_pass: dict[SessionId, PassInfo] = {}
@@ -102,7 +110,7 @@ class BatchingScorer:
             sessions.add(request[0])
             batch.append(request)
         deadline = time.monotonic() + self.window_s
-        while len(batch) < self.max_batch:
+        while len(batch) < self._batch_limit():
             remaining = deadline - time.monotonic()
             try:
                 item = self._inbox.get(timeout=remaining) if remaining > 0 else self._inbox.get_nowait()
@@ -117,6 +125,11 @@ class BatchingScorer:
                 sessions.add(request[0])
                 batch.append(request)
         return False
+
+    def _batch_limit(self) -> int:
+        if self.active_sessions is None:
+            return self.max_batch
+        return max(1, min(self.max_batch, self.active_sessions()))
 
     def _score(self, batch: list[_Request]) -> None:
         runnable: list[_Request] = []

@@ -124,13 +124,20 @@ class VerifierNode(Node):
         settings = config.verifier
         self.target = target if target is not None else load_target(settings.model)
         self.scorer = BatchingScorer(
-            self.target, window_s=settings.batch_window_ms / 1000, max_batch=settings.max_batch
+            self.target,
+            window_s=settings.batch_window_ms / 1000,
+            max_batch=settings.max_batch,
+            active_sessions=self._active_sessions,
         )
         self.sessions: dict[bytes, _LiveSession] = {}
         self.routers = frozenset(r for r in (config.instance.router,) if r is not None)
         self._scoring = 0
 
     # -- status ----------------------------------------------------------------------------------
+
+    def _active_sessions(self) -> int:
+        # Read from the scorer's thread: a snapshot of the values is enough for a batching hint.
+        return sum(1 for live in list(self.sessions.values()) if not live.machine.ended)
 
     @property
     def load(self) -> int:
