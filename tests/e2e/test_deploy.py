@@ -1,0 +1,120 @@
+"""docs/deploy.md's two-host example, run from the document itself: its TOML files and commands.
+
+Only the gateway's port is replaced by a free one, so that a cluster a developer left running on
+port 8000 cannot disturb the test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sdcp.models.registry import load_tokenizer
+from tests.e2e.support import PROMPTS, sdcp
+
+pytestmark = pytest.mark.timeout(600)
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
+
+
+def documented_files() -> dict[str, str]:
+    """Each ```toml block of the document, named by the `file` mentioned just before it."""
+    text = DOC.read_text(encoding="utf-8")
+    files = {name: body for name, body in re.findall(r"`([\w-]+\.toml)`[^\n]*:\n\n```toml\n(.*?)```", text, re.S)}
+    files["drafter-2.toml"] = files["drafter-1.toml"].replace("9201", "9202").replace('"ngram"', '"hf:smollm2"')
+    return files
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(host: str, port: int, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"{log.name} exited: {log.read_text()[-2000:]}")
+        with socket.socket() as sock:
+            sock.settimeout(0.2)
+            if sock.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"{log.name} did not listen on {host}:{port} in {timeout_s} s")
+
+
+@pytest.fixture
+def deployment(empty_home: Path) -> Iterator[tuple[Path, int]]:
+    root = empty_home / "deploy"
+    root.mkdir()
+    files = documented_files()
+    assert {"router.toml", "verifier.toml", "drafter-1.toml", "gateway.toml"} <= set(files)
+    gateway_port = free_port()
+    files["gateway.toml"] = files["gateway.toml"].replace("127.0.0.1:8000", f"127.0.0.1:{gateway_port}")
+    for name, body in files.items():
+        (root / name).write_text(body, encoding="utf-8")
+    uris = sorted(set(re.findall(r'uri = "(https://[^"]+)"', "".join(files.values()))))
+    certs = sdcp(empty_home, "certs", str(root / "certs"), *[arg for uri in uris for arg in ("--instance", uri)])
+    assert certs.returncode == 0, certs.stderr
+    pidfile = root / "redis.pid"
+    subprocess.run(
+        ["redis-server", "--port", "6390", "--bind", "127.0.0.2", "--daemonize", "yes", "--save", "",
+         "--appendonly", "no", "--pidfile", str(pidfile)],
+        check=True, capture_output=True,
+    )
+    processes: list[subprocess.Popen[bytes]] = []
+    env = {**os.environ, "SDCP_HOME": str(empty_home)}
+    try:
+        for name, host, port in [
+            ("router", "127.0.0.2", 9100),
+            ("verifier", "127.0.0.2", 9101),
+            ("drafter-1", "127.0.0.3", 9201),
+            ("drafter-2", "127.0.0.3", 9202),
+            ("gateway", "127.0.0.1", gateway_port),
+        ]:
+            role = name.split("-")[0]
+            log = root / f"{name}.log"
+            with log.open("wb") as out:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "sdcp", role, "--config", f"{name}.toml"],
+                    cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
+                )
+            processes.append(process)
+            wait_for(host, port, process, log)
+        time.sleep(1.5)  # every instance reports its status within ttl_ms / 3
+        yield root, gateway_port
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        if pidfile.exists():
+            os.kill(int(pidfile.read_text()), signal.SIGTERM)
+
+
+def test_two_host_example_serves_greedy_completions(
+    deployment: tuple[Path, int], reference: dict[str, list[int]]
+) -> None:
+    _, port = deployment
+    response = httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json={"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    expected = load_tokenizer("smollm2").decode(reference[PROMPTS[0]][:16], skip_special_tokens=True)
+    assert response.json()["choices"][0]["text"] == expected
