@@ -353,7 +353,7 @@ async def _generate(
     }
     if not as_json:
         sys.stdout.write("\n")
-        err_console.print(Text(_summary_line(summary), style="dim"))
+        err_console.print(Text(_summary_line(summary), style="dim"), soft_wrap=True)
         if finish_name == "fail":
             fail("the verifier ended the session with an error (escalation ladder exhausted)")
     return summary
