@@ -77,6 +77,8 @@ def summarise(data: BenchData) -> dict[str, Any]:
             rates[system]["all"].append(_rate(runs))
 
     def ratio(workload: str, num: str, den: str) -> float | None:
+        if num not in rates or den not in rates:
+            return None
         values = [a / b for a, b in zip(rates[num][workload], rates[den][workload], strict=True) if b > 0]
         return _median(values)
 

@@ -1,0 +1,94 @@
+"""The benchmark machinery on the tiny model: results.json keys and a real output comparison."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sdcp.bench.report import summarise
+from sdcp.bench.runner import BenchConfig, BenchData, ConcurrencyLevel, Measurement
+from sdcp.bench.systems import RunResult
+from sdcp.bench.workloads import BenchInputError, Workload, load_workloads, parse_prompts
+from sdcp.cli import app
+
+REQUIRED_RATIOS = (
+    "repetitive_vs_target",
+    "repetitive_vs_hf_prompt_lookup",
+    "nonrepetitive_vs_target",
+    "e2e_vs_inprocess",
+    "concurrency16_vs_1",
+)
+
+
+def _write_prompts(directory: Path) -> Path:
+    directory.mkdir()
+    (directory / "repetitive.txt").write_text("# comment\nabc abc abc abc\n---\nunused\n", encoding="utf-8")
+    (directory / "nonrepetitive.txt").write_text("tell me a story\n", encoding="utf-8")
+    (directory / "mixed.txt").write_text("xyz xyz then something new\n", encoding="utf-8")
+    return directory
+
+
+@pytest.mark.timeout(240)
+def test_bench_command_on_tiny_model_writes_results(tmp_path: Path) -> None:
+    prompts = _write_prompts(tmp_path / "prompts")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [
+        "bench", "--quick", "--model", "tiny", "--out", str(out), "--prompts", str(prompts),
+        "--per-workload", "1", "--max-new", "12", "--repeats", "1", "--concurrency", "1,16", "--no-redis",
+    ])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    for key in REQUIRED_RATIOS:
+        assert isinstance(summary["ratios"][key], float), key
+    assert summary["overhead_ms_p50"] is not None and summary["overhead_ms_p99"] >= summary["overhead_ms_p50"]
+    assert summary["identical_outputs"] is True and summary["mismatches"] == []
+    assert {"hf_target", "hf_prompt_lookup", "sdcp_inprocess", "sdcp_e2e"} <= set(summary["systems"])
+    assert [level["sessions"] for level in summary["concurrency"]] == [1, 16]
+    assert summary["concurrency"][1]["verifier_batch_mean"] >= 1.0
+    assert "| sdcp_e2e |" in (out / "results.md").read_text(encoding="utf-8")
+    assert (out / "throughput.png").stat().st_size > 0
+    assert (out / "acceptance_concurrency.png").stat().st_size > 0
+
+
+def _data(tokens_by_system: dict[str, list[int]]) -> BenchData:
+    measurements = [
+        Measurement(system, workload, 0, 0, RunResult(tokens=list(tokens), seconds=1.0, overhead_ms=[1.0]))
+        for system, tokens in tokens_by_system.items()
+        for workload in ("repetitive", "nonrepetitive", "mixed")
+    ]
+    return BenchData(
+        config=BenchConfig(out=Path("unused")),
+        workloads=[Workload(name, ("p",)) for name in ("repetitive", "nonrepetitive", "mixed")],
+        measurements=measurements,
+        concurrency=[ConcurrencyLevel(1, 10, 1.0), ConcurrencyLevel(16, 50, 1.0)],
+        systems=list(tokens_by_system),
+        seconds=1.0,
+    )
+
+
+def test_identical_outputs_is_false_when_one_token_differs() -> None:
+    same = [5, 6, 7]
+    systems = {"hf_target": same, "hf_prompt_lookup": same, "sdcp_inprocess": same, "sdcp_e2e": [5, 9, 7]}
+    summary = summarise(_data(systems))
+    assert summary["identical_outputs"] is False
+    assert {m["system"] for m in summary["mismatches"]} == {"sdcp_e2e"}
+    assert summary["mismatches"][0]["first_difference"] == 1
+    assert summary["ratios"]["concurrency16_vs_1"] == 5.0
+
+
+def test_identical_outputs_needs_a_comparison() -> None:
+    summary = summarise(_data({"hf_target": [1, 2], "hf_prompt_lookup": [1, 3]}))
+    assert summary["identical_outputs"] is False
+
+
+def test_prompt_files_parse_and_bad_inputs_are_typed_errors(tmp_path: Path) -> None:
+    assert parse_prompts("# c\none\n---\n\n---\ntwo\nlines\n") == ("one", "two\nlines")
+    assert [w.name for w in load_workloads(_write_prompts(tmp_path / "p"), per_workload=1)] == [
+        "repetitive", "nonrepetitive", "mixed"]
+    with pytest.raises(BenchInputError, match="missing"):
+        load_workloads(tmp_path / "absent")
+    with pytest.raises(BenchInputError, match="at least 1"):
+        load_workloads(tmp_path / "p", per_workload=0)
