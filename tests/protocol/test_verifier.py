@@ -387,4 +387,4 @@ def test_stats_count_rounds_acceptance_by_position_and_escalations() -> None:
     stats = session.stats.to_obj()
     assert stats["rounds"] == 3 and stats["proposed"] == 7 and stats["accepted"] == 2
     assert stats["proposed_by_position"] == [3, 3, 1] and stats["accepted_by_position"] == [1, 1, 0]
-    assert stats["escalations"] == 1 and stats["self_decoded"] == 0
+    assert stats["escalations"] == 1 and stats["escalated"] == {"reduce": 1} and stats["self_decoded"] == 0

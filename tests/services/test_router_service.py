@@ -11,15 +11,17 @@ import asyncio
 import hashlib
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import REGISTRY
 
 from sdcp.cache import MLC, build_uri
+from sdcp.models.draft import DraftResult
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.messages import (
@@ -500,3 +502,77 @@ async def test_a_failed_drafter_is_replaced_from_the_committed_prefix(
     after = await read_output(reader, session, before[-1].from_ + len(before[-1].tokens))
     tokens = [t for output in before + after for t in output.tokens]
     assert tokens == greedy_reference(target, max_new)
+
+
+class WrongDrafter:
+    """A real drafter that is always wrong: it proposes, at every position, a token other than the
+    target's greedy choice for the first one (computed with its own copy of the tiny target)."""
+
+    name = "always-wrong"
+
+    def __init__(self) -> None:
+        self.model = tiny_model()
+        self.sessions: dict[bytes, list[int]] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def weights_digest(self) -> bytes:
+        return PLAYED_MODEL
+
+    @property
+    def seconds_per_token(self) -> float:
+        return 0.001
+
+    def open_session(self, session: bytes, prompt_tokens: Sequence[int]) -> None:
+        self.sessions[session] = list(prompt_tokens)
+
+    def sync(self, session: bytes, committed_tokens: Sequence[int]) -> None:
+        self.sessions[session] = list(committed_tokens)
+
+    def draft(self, session: bytes, m: int, sampling: Sampling | None, rng: object = None) -> DraftResult:
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([self.sessions[session]])).logits[0, -1]
+        wrong = (int(torch.argmax(logits)) + 1) % self.vocab_size
+        rows = np.zeros((m, self.vocab_size), dtype=np.float32)
+        rows[:, wrong] = 1.0
+        return DraftResult(tokens=(wrong,) * m, q_rows=rows, seconds=0.001)
+
+    def close_session(self, session: bytes) -> None:
+        self.sessions.pop(session, None)
+
+
+async def test_escalation_reduce_switch_and_self_decode_end_to_end(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    """SDCP 6.5.2 through real services: persistent rejection reduces m_cap, switches the drafter and
+    lets the verifier decode alone; the output is still the target's greedy decoding."""
+    router = deployment.router
+    assert router is not None
+    verifier = await start_verifier(deployment, "verifier1")
+    wrong = DrafterNode(deployment.config("drafter1", drafter=DrafterConfig(target="tiny")), drafter=WrongDrafter())
+    await deployment.start(wrong)
+    await eventually(lambda: router.registry.is_live(wrong.uri, time.monotonic()))
+    contract = tiny_contract(
+        target, max_new=16, low_rounds=1, self_load=100, self_max=3,
+        fallback=[Action.REDUCE, Action.SWITCH, Action.SELF_DECODE] + [Action.REDUCE] * 16,
+    )
+    opened = await open_session(deployment, contract)
+    session = opened["session"]
+    assert isinstance(session, bytes) and opened["drafter"] == wrong.uri
+    # The second drafter joins only now, so that the switch has somewhere to go.
+    good = await start_drafter(deployment, "drafter2")
+
+    outputs = await read_output(deployment.client("frontend", peer="verifier1"), session)
+    assert [t for output in outputs for t in output.tokens] == greedy_reference(target, 16)
+    _, stats = await deployment.client("frontend", peer="verifier1").get_cbor(
+        f"sessions/{session_path_id(session)}/stats"
+    )
+    assert isinstance(stats, dict)
+    escalated = stats["escalated"]
+    assert escalated["reduce"] >= 1 and escalated["switch"] >= 1 and escalated["self_decode"] >= 1
+    assert stats["self_decoded"] >= 1
+    assert counter("sdcp_drafter_proposals_total", wrong.uri) > 0
+    assert counter("sdcp_drafter_proposals_total", good.uri) > 0

@@ -130,6 +130,7 @@ class SessionStats:
     proposed: int = 0
     accepted: int = 0
     escalations: int = 0
+    escalated: dict[str, int] = field(default_factory=dict)
     accepted_by_position: list[int] = field(default_factory=list)
     proposed_by_position: list[int] = field(default_factory=list)
 
@@ -143,8 +144,10 @@ class SessionStats:
         accepted = pending.verdict.accepted
         self.proposed += proposed
         self.accepted += accepted
-        if pending.verdict.action not in (Action.CONTINUE, Action.FINISH):
+        action = pending.verdict.action
+        if action not in (Action.CONTINUE, Action.FINISH):
             self.escalations += 1
+            self.escalated[action.name.lower()] = self.escalated.get(action.name.lower(), 0) + 1
         grow = proposed - len(self.proposed_by_position)
         if grow > 0:
             self.proposed_by_position.extend([0] * grow)
@@ -161,6 +164,7 @@ class SessionStats:
             "proposed": self.proposed,
             "accepted": self.accepted,
             "escalations": self.escalations,
+            "escalated": dict(self.escalated),
             "accepted_by_position": list(self.accepted_by_position),
             "proposed_by_position": list(self.proposed_by_position),
         }
