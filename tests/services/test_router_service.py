@@ -576,3 +576,26 @@ async def test_escalation_reduce_switch_and_self_decode_end_to_end(
     assert stats["self_decoded"] >= 1
     assert counter("sdcp_drafter_proposals_total", wrong.uri) > 0
     assert counter("sdcp_drafter_proposals_total", good.uri) > 0
+
+
+async def test_a_rule_2_session_with_a_model_drafter_reaches_max_new(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    """Speculative sampling (SDCP 6.4 rule 2, seeded) across router, two drafters and a verifier."""
+    router = deployment.router
+    assert router is not None
+    verifier = await start_verifier(deployment, "verifier1")
+    model_drafter = DrafterNode(deployment.config("drafter1", drafter=DrafterConfig(model="hf:tiny-draft", target="tiny")))
+    await deployment.start(model_drafter)
+    await eventually(lambda: router.registry.is_live(model_drafter.uri, time.monotonic()))
+    await start_drafter(deployment, "drafter2")
+    contract = tiny_contract(target, rule=2, sampling={"temperature_milli": 800, "seed": 5}, max_new=16,
+                             drafters=[model_drafter.drafter.weights_digest])
+    opened = await open_session(deployment, contract)
+    session = opened["session"]
+    assert isinstance(session, bytes) and opened["drafter"] == model_drafter.uri
+    outputs = await read_output(deployment.client("frontend", peer="verifier1"), session)
+    tokens = [t for output in outputs for t in output.tokens]
+    assert len(tokens) == 16 and outputs[-1].finish == Action.FINISH
+    live = verifier.sessions[session]
+    assert live.machine.stats.accepted > 0  # the model drafter's rows were used and some accepted

@@ -25,8 +25,10 @@ from sdcp.protocol.messages import (
     Assignment,
     Contract,
     Output,
+    Policy,
     Proposal,
     Role,
+    Sampling,
     SessionOpen,
     SessionState,
     Status,
@@ -311,3 +313,36 @@ async def test_commit_records_precede_verdicts(cluster: Cluster, target: TargetM
     assert records == [{"epoch": 1, "round": 1, "emitted": list(verdict.emitted), "committed": verdict.committed,
                         "digest": verdict.digest}]
     assert cbor2.loads(cbor2.dumps(records[0])) == records[0]
+
+
+async def test_a_policy_update_changes_sampling_from_its_round_on(cluster: Cluster, target: TargetModel) -> None:
+    """SDCP 6.6: rounds before from_round sample at temperature 1; from it on, temperature 0 makes
+    rule 2 emit exactly the target's greedy token after the committed prefix."""
+    c = contract(target, rule=2, sampling={"temperature_milli": 1000, "seed": 3}, max_new=10)
+    state = await open_and_assign(cluster, c)
+    router = cluster.client("router")
+    policy = Policy(session=SESSION, from_round=3, sampling=Sampling(temperature_milli=0))
+    status, body = await router.post_cbor(f"sessions/{session_path_id(SESSION)}/policy", policy.to_obj())
+    assert status == 200 and SessionState.from_obj(body).round == 0
+    drafter = cluster.client("drafter")
+    uniform = np.full((1, 257), 1.0 / 257, dtype="<f4")
+    committed: list[int] = []
+    while True:
+        uri = build_uri("local", None, "q-rows", f"r{state.round + 1}")
+        await cluster.mlc.put(uri, uniform.tobytes())
+        _, body = await drafter.post_cbor("proposals", proposal(state, (7,), q_rows=uri).to_obj())
+        verdict = Verdict.from_obj(body)
+        if verdict.round >= 3:
+            prefix = list(PROMPT) + committed
+            for token in verdict.emitted:
+                with torch.inference_mode():
+                    logits = target.model(torch.tensor([prefix])).logits[0, -1]
+                assert token == int(torch.argmax(logits))
+                prefix.append(token)
+        committed.extend(verdict.emitted)
+        state = advance(state, verdict)
+        if verdict.action == Action.FINISH:
+            break
+    assert len(committed) == 10
+    err = await problem_of(router.post_cbor(f"sessions/{session_path_id(SESSION)}/policy", policy.to_obj()))
+    assert err.problem is ProblemType.SESSION_CLOSED
