@@ -7,6 +7,7 @@ the verifier, the drafters, the MLC and HTTP/2 + mTLS between processes.
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import openai
@@ -57,6 +58,20 @@ def test_status_lists_the_running_instances(home: Path) -> None:
     assert result.returncode == 0
     for role in ("router", "verifier", "drafter", "gateway"):
         assert role in result.stdout
+
+
+def test_a_prompt_longer_than_the_context_is_one_line(home: Path) -> None:
+    result = sdcp(home, "generate", "--max-new", "9000", PROMPTS[0])
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "sdcp-bad-contract" in result.stderr and "context" in result.stderr
+
+
+def test_a_busy_gateway_port_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        result = sdcp(tmp_path, "up", "--gateway-port", str(busy.getsockname()[1]))
+    assert result.returncode != 0 and "Traceback" not in result.stderr and "busy" in result.stderr
 
 
 def gateway_client(home: Path) -> openai.OpenAI:
