@@ -33,7 +33,7 @@ def build_contract(
     max_new: int = 128,
     stop: Sequence[int] = (),
     sampling: Sampling | None = None,
-    m_max: int = 8,
+    m_max: int = 16,
     low_rounds: int = 2,
     self_load: int = 100,
     self_max: int = DEFAULT_SELF_MAX,

@@ -109,13 +109,21 @@ def test_ngram_proposes_most_recent_longest_match(session_ids) -> None:
     np.testing.assert_array_equal(result.q_rows.argmax(axis=1), result.tokens)
 
 
-def test_ngram_without_match_repeats_last_token(session_ids) -> None:
+def test_ngram_without_match_proposes_the_last_token_once(session_ids) -> None:
     drafter = NgramDrafter(vocab_size=50)
     session = next(session_ids)
     drafter.open_session(session, [4, 8, 15, 16, 23, 42])
-    assert drafter.draft(session, 2, None).tokens[0] == 42
+    assert drafter.draft(session, 2, None).tokens == (42,)
     drafter.sync(session, [3])
-    assert drafter.draft(session, 3, None).tokens == (3, 3, 3)
+    assert drafter.draft(session, 3, None).tokens == (3,)
+
+
+def test_ngram_continuation_stops_at_the_end_of_the_context(session_ids) -> None:
+    drafter = NgramDrafter(vocab_size=50, n_max=2, n_min=1)
+    session = next(session_ids)
+    # Suffix (6, 7) last occurred just before (8, 6, 7): only three tokens follow it.
+    drafter.open_session(session, [6, 7, 8, 6, 7])
+    assert drafter.draft(session, 8, None).tokens == (8, 6, 7)
 
 
 def test_drafters_satisfy_the_protocol_and_registry(tiny_loaded: LoadedModel) -> None:

@@ -238,7 +238,7 @@ class NgramDrafter:
     def weights_digest(self) -> bytes:
         # An n-gram drafter has no weights; its digest names the algorithm and its parameters so
         # that a contract's "drafters" list can permit or exclude it.
-        label = f"sdcp-ngram-drafter-1:n_max={self.n_max}:n_min={self.n_min}"
+        label = f"sdcp-ngram-drafter-2:n_max={self.n_max}:n_min={self.n_min}"
         return hashlib.sha256(label.encode("ascii")).digest()
 
     @property
@@ -278,27 +278,31 @@ class NgramDrafter:
         started = time.perf_counter()
         with self._lock:
             state = _lookup(self._sessions, session, self.name)
-            proposed: list[int] = []
-            for _ in range(m):
-                token = self._next_token(state.tokens)
-                # Drafted tokens stay tentative until `sync` confirms them, as for HFDrafter.
-                state.tokens.append(token)
-                proposed.append(token)
-        rows = np.zeros((m, self._vocab_size), dtype=np.float32)
-        rows[np.arange(m), proposed] = 1.0
+            proposed = self._continuation(state.tokens, m)
+            # Drafted tokens stay tentative until `sync` confirms them, as for HFDrafter.
+            state.tokens.extend(proposed)
+        count = len(proposed)
+        rows = np.zeros((count, self._vocab_size), dtype=np.float32)
+        rows[np.arange(count), proposed] = 1.0
         seconds = time.perf_counter() - started
-        self._timer.record(seconds, m)
+        self._timer.record(seconds, count)
         return DraftResult(tuple(proposed), rows, seconds)
 
-    def _next_token(self, tokens: list[int]) -> int:
+    def _continuation(self, tokens: list[int], m: int) -> list[int]:
+        """Up to m tokens that followed the most recent earlier occurrence of the longest suffix.
+
+        The continuation is copied as it stands, as transformers' prompt lookup does: text that
+        repeats its context repeats whole runs, so one match predicts many tokens. Fewer than m
+        come back when the occurrence is close to the end.
+        """
         for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
             suffix = tokens[-n:]
-            # Most recent earlier occurrence of the suffix that has a following token.
             for start in range(len(tokens) - n - 1, -1, -1):
                 if tokens[start : start + n] == suffix:
-                    return tokens[start + n]
-        # No match: repeat the last token, a deterministic proposal with a one-hot row.
-        return tokens[-1]
+                    follow = start + n
+                    return tokens[follow : min(follow + m, len(tokens))]
+        # No match: repeat the last token once, a deterministic proposal with a one-hot row.
+        return [tokens[-1]]
 
 
 def _checked(tokens: Sequence[int], vocab_size: int) -> list[int]:

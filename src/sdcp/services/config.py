@@ -106,7 +106,9 @@ class DrafterConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    m_init: int = 4
+    # Assignments start at the contract's own limit (m_init is clamped to m_max): escalation and
+    # load lower it where long proposals do not pay (SDCP 6.5).
+    m_init: int = 64
     verifiers: tuple[str, ...] = ()
     drafters: tuple[str, ...] = ()
 
