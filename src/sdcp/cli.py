@@ -285,15 +285,6 @@ def _tokenize(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
 
 
-def _stop_tokens(tokenizer: Any) -> list[int]:
-    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for special in ("<|im_end|>", "<|endoftext|>"):
-        token = tokenizer.convert_tokens_to_ids(special)
-        if isinstance(token, int) and token != tokenizer.unk_token_id:
-            stop.add(token)
-    return sorted(stop)
-
-
 async def _generate(
     cluster: Any, tokenizer: Any, prompt_ids: list[int], max_new: int, rule: int, sampling: Any, as_json: bool
 ) -> dict[str, Any]:
@@ -301,6 +292,7 @@ async def _generate(
     from rich.text import Text
 
     from sdcp.client import ClusterClient, build_contract
+    from sdcp.models.registry import end_of_text_tokens
 
     cert, key, ca = cluster.client_credentials()
     async with ClusterClient(cluster.router, cert=cert, key=key, ca=ca) as client:
@@ -310,7 +302,7 @@ async def _generate(
         target = targets[0]
         contract = build_contract(
             target=target["model"], tokenizer=target["tokenizer"], rule=rule, max_new=max_new,
-            stop=_stop_tokens(tokenizer), sampling=sampling,
+            stop=end_of_text_tokens(tokenizer), sampling=sampling,
         )
         started = time.monotonic()
         handle = await client.open(prompt_ids, contract)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sdcp.localhost import accepts, free_port
 from sdcp.models.fetch import sdcp_home
 from sdcp.transport.certs import instance_name, make_certs
 
@@ -63,18 +63,6 @@ class Instance:
                 return stat.read().split(") ", 1)[1][:1] != "Z"
         except OSError:
             return True
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _accepts(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 class LocalCluster:
@@ -133,16 +121,16 @@ class LocalCluster:
         if self.running():
             return self.instances()
         self.down()
-        if gateway_port and _accepts(gateway_port):
+        if gateway_port and accepts(gateway_port):
             raise ClusterError(f"port {gateway_port} is busy; choose another with --gateway-port (0 picks a free one)")
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         plan = [("router", "router", "router")]
         plan.append(("verifier", "verifier", model))
         plan.extend((f"drafter-{index}", "drafter", spec) for index, spec in enumerate(drafters, start=1))
         plan.append(("gateway", "gateway", model))
-        uris = {name: f"https://127.0.0.1:{_free_port()}" for name, _, _ in plan}
+        uris = {name: f"https://127.0.0.1:{free_port()}" for name, _, _ in plan}
         # The gateway's SDCP identity is a client one; its own URI is where the OpenAI API listens.
-        uris["gateway"] = f"http://127.0.0.1:{gateway_port or _free_port()}/v1"
+        uris["gateway"] = f"http://127.0.0.1:{gateway_port or free_port()}/v1"
         make_certs(self.certs, [*(uri for name, uri in uris.items() if name != "gateway"), CLIENT_URI, GATEWAY_URI])
         started: list[Instance] = []
         try:
@@ -219,7 +207,7 @@ class LocalCluster:
                 if not instance.alive():
                     tail = self._log_tail(instance.name)
                     raise ClusterError(f"{instance.name} exited during start-up: {tail}")
-                if _accepts(instance.port):
+                if accepts(instance.port):
                     waiting.remove(instance)
             if time.monotonic() > deadline:
                 names = ", ".join(instance.name for instance in waiting)

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sdcp.localhost import free_port
 from sdcp.models.registry import load_tokenizer
 from tests.e2e.support import PROMPTS, sdcp
 
@@ -34,11 +35,6 @@ def documented_files() -> dict[str, str]:
     files["drafter-2.toml"] = files["drafter-1.toml"].replace("9201", "9202").replace('"ngram"', '"hf:smollm2"')
     return files
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for(host: str, port: int, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 120) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from sdcp.cache import MLC, ObjectNotFound, build_uri
+from sdcp.localhost import free_port
 from sdcp.models.draft import DraftResult, NgramDrafter
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
@@ -52,11 +52,6 @@ STRANGER = "https://127.0.0.1:3"
 PROMPT = tuple(tiny_tokenizer()("the cat sat on the mat and the cat sat on the hat")["input_ids"])
 VOCAB = 257
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import socket
 import struct
 import uuid
 import zlib
@@ -40,6 +39,7 @@ from sdcp.cache import (
 )
 from sdcp.cache.commitlog import EMPTY_LOG_ETAG
 from sdcp.cache.remote import RemoteStore
+from sdcp.localhost import free_port
 from sdcp.protocol.problems import ProtocolError
 from sdcp.services.config import ConfigError, InstanceConfig, MLCConfig, ServiceConfig
 from sdcp.services.mlc import MLCNode
@@ -63,11 +63,6 @@ def uri(name: str, kind: str = "q-rows") -> str:
 def commit(epoch: int, round_: int) -> dict[str, object]:
     return {"epoch": epoch, "round": round_, "emitted": [round_], "committed": round_, "digest": bytes(32)}
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Cluster:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from sdcp.cache import MLC, build_uri
+from sdcp.localhost import free_port
 from sdcp.models.draft import DraftResult
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
@@ -59,11 +59,6 @@ ROUTER_TTL_MS = 300
 # A digest no real model has: the model of drafters played by the test.
 PLAYED_MODEL = hashlib.sha256(b"played drafter").digest()
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

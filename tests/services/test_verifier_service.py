@@ -7,7 +7,6 @@ one from an authenticated peer; the target is the tiny random-weight model.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from sdcp.cache import MLC, build_uri
+from sdcp.localhost import free_port
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.digest import extend_digest
@@ -45,11 +45,6 @@ pytestmark = pytest.mark.timeout(120)
 
 PROMPT = (5, 17, 42, 9, 100, 3)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -8,18 +8,10 @@ on this machine the model drafter is the target itself (docs/models.md), which c
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import signal
-import socket
-import subprocess
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import redis
 
 from sdcp.bench.systems import RunResult
 from sdcp.client import ClusterClient, build_contract
@@ -27,9 +19,7 @@ from sdcp.cluster import LocalCluster
 from sdcp.models.fetch import sdcp_home
 from sdcp.protocol.messages import Contract
 
-__all__ = ["ClusterSystem", "non_model_ms", "redis_server"]
-
-_REDIS_START_S = 10.0
+__all__ = ["ClusterSystem", "non_model_ms"]
 
 
 def non_model_ms(stats: dict[str, Any]) -> list[float]:
@@ -116,64 +106,3 @@ class ClusterSystem:
             inter_token_ms=inter_token,
             batch_sizes=list(stats.get("round_batch", [])),
         )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@contextmanager
-def redis_server(workdir: Path) -> Iterator[str | None]:
-    """A private redis-server on a free loopback port, stopped by its pid; None when not installed."""
-    executable = shutil.which("redis-server")
-    if executable is None:
-        yield None
-        return
-    workdir.mkdir(parents=True, exist_ok=True)
-    pidfile = workdir / "redis.pid"
-    port = _free_port()
-    subprocess.run(
-        [executable, "--port", str(port), "--bind", "127.0.0.1", "--daemonize", "yes", "--pidfile", str(pidfile),
-         "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        check=True, timeout=_REDIS_START_S,
-    )
-    try:
-        _wait_for_redis(port, pidfile)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        if pidfile.exists():
-            _stop_pid(int(pidfile.read_text().strip()))
-
-
-def _wait_for_redis(port: int, pidfile: Path) -> None:
-    deadline = time.monotonic() + _REDIS_START_S
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0)
-    try:
-        while True:
-            try:
-                if client.ping() and pidfile.exists():
-                    return
-            except redis.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on port {port} did not become ready in {_REDIS_START_S} s")
-            time.sleep(0.05)
-    finally:
-        client.close()
-
-
-def _stop_pid(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + _REDIS_START_S
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)

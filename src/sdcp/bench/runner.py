@@ -12,21 +12,22 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sdcp.bench.cluster import ClusterSystem, redis_server
+from sdcp.bench.cluster import ClusterSystem
 from sdcp.bench.systems import (
     HFAssistedSystem,
     HFPromptLookupSystem,
     HFTargetSystem,
     InProcessSDCPSystem,
     RunResult,
-    stop_tokens,
 )
 from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError, Workload, load_workloads, tokenize_prompt
-from sdcp.models.registry import TINY_DRAFT_NAME, TINY_NAME, load_model
+from sdcp.cache.redis_process import local_redis_server, redis_server_available
+from sdcp.models.registry import TINY_DRAFT_NAME, TINY_NAME, end_of_text_tokens, load_model
 from sdcp.models.target import TargetModel
 
 __all__ = ["BenchConfig", "Measurement", "run_bench"]
@@ -109,16 +110,17 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
     log(f"loading {config.model}")
     loaded = load_model(config.model)
     tokenizer = loaded.tokenizer
-    stop = stop_tokens(tokenizer)
+    stop = end_of_text_tokens(tokenizer)
     target = TargetModel(loaded.model, tokenizer, name=loaded.name)
     in_process: list[Any] = [HFTargetSystem(loaded.model, stop), HFPromptLookupSystem(loaded.model, stop)]
     if config.model == TINY_NAME:
         in_process.append(HFAssistedSystem(loaded.model, stop, load_model(TINY_DRAFT_NAME).model))
     in_process.append(InProcessSDCPSystem(target, stop))
     prompts = {w.name: [tokenize_prompt(tokenizer, p) for p in w.prompts] for w in workloads}
-    with redis_server(config.out / "redis") as redis_url:
+    with ExitStack() as stack:
         clusters = [ClusterSystem(config.out / "sdcp-home", config.model)]
-        if config.redis and redis_url is not None:
+        if config.redis and redis_server_available():
+            redis_url = stack.enter_context(local_redis_server(config.out / "redis"))
             clusters.append(ClusterSystem(config.out / "sdcp-home-redis", config.model, redis_url=redis_url,
                                           name="sdcp_e2e_redis"))
         try:

@@ -32,7 +32,6 @@ __all__ = [
     "HFTargetSystem",
     "InProcessSDCPSystem",
     "RunResult",
-    "stop_tokens",
 ]
 
 # transformers' documented example value for prompt lookup decoding.
@@ -62,16 +61,6 @@ class RunResult:
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
-
-
-def stop_tokens(tokenizer: Any) -> list[int]:
-    """End-of-text tokens of a tokenizer: what `sdcp generate` puts in the contract's stop list."""
-    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for special in ("<|im_end|>", "<|endoftext|>"):
-        token = tokenizer.convert_tokens_to_ids(special)
-        if isinstance(token, int) and token != tokenizer.unk_token_id:
-            stop.add(token)
-    return sorted(stop)
 
 
 class _HFGenerateSystem:

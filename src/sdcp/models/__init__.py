@@ -31,6 +31,7 @@ _EXPORTS = {
     "fetch_smollm2": "fetch",
     "sdcp_home": "fetch",
     "LoadedModel": "registry",
+    "end_of_text_tokens": "registry",
     "load_drafter": "registry",
     "load_model": "registry",
     "load_tokenizer": "registry",
@@ -57,7 +58,14 @@ if TYPE_CHECKING:
         UnknownSession,
     )
     from sdcp.models.fetch import fetch_smollm2, sdcp_home
-    from sdcp.models.registry import LoadedModel, load_drafter, load_model, load_target, load_tokenizer
+    from sdcp.models.registry import (
+        LoadedModel,
+        end_of_text_tokens,
+        load_drafter,
+        load_model,
+        load_target,
+        load_tokenizer,
+    )
     from sdcp.models.target import TargetModel
 
 

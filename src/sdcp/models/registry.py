@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -52,6 +53,16 @@ def load_tokenizer(name_or_path: str, home: Path | None = None) -> object:
     if name_or_path in (TINY_NAME, TINY_DRAFT_NAME):
         return tiny.tiny_tokenizer()
     return AutoTokenizer.from_pretrained(_model_dir(name_or_path, home))
+
+
+def end_of_text_tokens(tokenizer: Any) -> list[int]:
+    """The tokens that end a generation for this tokenizer: a contract's default stop list."""
+    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for special in ("<|im_end|>", "<|endoftext|>"):
+        token = tokenizer.convert_tokens_to_ids(special)
+        if isinstance(token, int) and token != tokenizer.unk_token_id:
+            stop.add(token)
+    return sorted(stop)
 
 
 def load_model(name_or_path: str, home: Path | None = None) -> LoadedModel:

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from sdcp.client import ClusterClient, build_contract
-from sdcp.models.registry import load_tokenizer
+from sdcp.models.registry import end_of_text_tokens, load_tokenizer
 from sdcp.protocol.messages import Sampling
 from sdcp.protocol.problems import ProtocolError
 from sdcp.services.config import ServiceConfig
@@ -222,11 +222,7 @@ class GatewayNode:
         )
 
     def _stop_ids(self, stop_texts: tuple[str, ...]) -> tuple[int, ...]:
-        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        for special in ("<|im_end|>", "<|endoftext|>"):
-            token = self.tokenizer.convert_tokens_to_ids(special)
-            if isinstance(token, int) and token != self.tokenizer.unk_token_id:
-                ids.add(token)
+        ids = set(end_of_text_tokens(self.tokenizer))
         # A stop string that is one token stops the session at the verifier itself (SDCP 6.3).
         for text in stop_texts:
             encoded = self.tokenizer(text, add_special_tokens=False)["input_ids"]
