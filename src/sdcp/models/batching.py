@@ -46,11 +46,19 @@ class BatchingScorer:
         window_s: float = 0.002,
         max_batch: int = 16,
         active_sessions: Callable[[], int] | None = None,
+        window_share: float = 0.15,
     ) -> None:
-        if window_s < 0 or max_batch < 1:
-            raise ValueError(f"need window_s >= 0 and max_batch >= 1, got {window_s}, {max_batch}")
+        if window_s < 0 or max_batch < 1 or not 0 <= window_share < 1:
+            raise ValueError(
+                f"need window_s >= 0, max_batch >= 1, 0 <= window_share < 1; got {window_s}, {max_batch}, {window_share}"
+            )
         self.target = target
         self.window_s = window_s
+        # While other sessions may still join, a batch waits up to this share of the last pass's
+        # duration: a pass costs little more for another row, and a session that misses it waits a
+        # whole pass.
+        self.window_share = window_share
+        self._last_pass_s = 0.0
         self.max_batch = max_batch
         # How many sessions may send requests now: a batch that holds them all has nothing left to
         # wait for, so a lone session never pays the window.
@@ -109,7 +117,7 @@ class BatchingScorer:
             request = deferred.popleft()
             sessions.add(request[0])
             batch.append(request)
-        deadline = time.monotonic() + self.window_s
+        deadline = time.monotonic() + max(self.window_s, self.window_share * self._last_pass_s)
         while len(batch) < self._batch_limit():
             remaining = deadline - time.monotonic()
             try:
@@ -153,6 +161,7 @@ class BatchingScorer:
                 future.set_exception(exc)
             return
         info = PassInfo(time.perf_counter() - started, len(runnable))
+        self._last_pass_s = info.seconds
         self.batches_run += 1
         for (session, _, future), result in zip(runnable, rows, strict=True):
             self.last_pass[session] = info
