@@ -4,6 +4,10 @@ One worker thread owns the model passes. Callers from any thread `submit` a requ
 future; asyncio callers await `score_async`, so model work never runs on an event loop. The worker
 gathers requests for a short window after the first one arrives (or until `max_batch`) and runs
 them as one padded pass.
+
+Every other use of the model (prefill, commit, rollback, KV export) goes through the same thread with
+`run`/`run_async`: on CPU, each thread that runs torch operators brings its own OpenMP team, and
+two teams on the same cores slow every pass down by a quarter or more (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -16,14 +20,32 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from sdcp.models.errors import ModelError
 from sdcp.models.target import SessionId, TargetModel
 
+_T = TypeVar("_T")
 _Request = tuple[SessionId, tuple[int, ...], "Future[np.ndarray]"]
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Other model work, run on the worker thread in arrival order."""
+
+    function: Callable[[], object]
+    future: Future[object]
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            self.future.set_result(self.function())
+        except BaseException as exc:  # noqa: BLE001 - the caller learns every failure
+            self.future.set_exception(exc)
 
 
 class ScorerClosed(ModelError):
@@ -82,6 +104,17 @@ class BatchingScorer:
     async def score_async(self, session: SessionId, tokens: Sequence[int]) -> np.ndarray:
         return await asyncio.wrap_future(self.submit(session, tokens))
 
+    def run(self, function: Callable[..., _T], *args: object) -> Future[_T]:
+        """Run ``function(*args)`` on the worker thread, between passes."""
+        if self._closed.is_set():
+            raise ScorerClosed("the batching scorer is closed")
+        future: Future[_T] = Future()
+        self._inbox.put(_Call(lambda: function(*args), future))  # type: ignore[arg-type]
+        return future
+
+    async def run_async(self, function: Callable[..., _T], *args: object) -> _T:
+        return await asyncio.wrap_future(self.run(function, *args))
+
     def close(self) -> None:
         if not self._closed.is_set():
             self._closed.set()
@@ -105,6 +138,9 @@ class BatchingScorer:
                 item = self._inbox.get()
                 if item is _STOP:
                     break
+                if isinstance(item, _Call):
+                    item.run()
+                    continue
                 batch.append(item)  # type: ignore[arg-type]
             stopping = self._gather(batch, deferred) or stopping
             self._score(batch)
@@ -126,6 +162,9 @@ class BatchingScorer:
                 return False
             if item is _STOP:
                 return True
+            if isinstance(item, _Call):
+                item.run()
+                continue
             request: _Request = item  # type: ignore[assignment]
             if request[0] in sessions:
                 deferred.append(request)
@@ -173,7 +212,8 @@ class BatchingScorer:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if item is not _STOP:
-                _, _, future = item  # type: ignore[misc]
-                if future.set_running_or_notify_cancel():
-                    future.set_exception(ScorerClosed("the batching scorer was closed"))
+            if item is _STOP:
+                continue
+            future = item.future if isinstance(item, _Call) else item[2]  # type: ignore[index]
+            if future.set_running_or_notify_cancel():
+                future.set_exception(ScorerClosed("the batching scorer was closed"))

@@ -186,7 +186,11 @@ def _check_tokens(tokens: tuple[int, ...], vocab_size: int) -> None:
 
 
 def _check_target_rows(p_rows: np.ndarray, tokens: tuple[int, ...]) -> np.ndarray:
-    rows = np.asarray(p_rows, dtype=np.float64)
+    # Floating rows keep their precision: rule 1 only compares them (float32 logits, ~7 MB in
+    # float64 per 17-token round), rule 2 computes in the float64 of target_distribution.
+    rows = np.asarray(p_rows)
+    if not np.issubdtype(rows.dtype, np.floating):
+        rows = rows.astype(np.float64)
     if rows.ndim != 2 or rows.shape[0] != len(tokens) + 1:
         raise ValueError(f"p_rows has shape {rows.shape}; expected ({len(tokens) + 1}, V)")
     _check_tokens(tokens, rows.shape[1])

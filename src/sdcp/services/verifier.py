@@ -157,7 +157,7 @@ class VerifierNode(Node):
 
     async def on_start(self) -> None:
         # Digests hash every weight: compute them before the first status report or contract check.
-        await asyncio.to_thread(lambda: (self.target.weights_digest, self.target.tokenizer_digest))
+        await self.scorer.run_async(lambda: (self.target.weights_digest, self.target.tokenizer_digest))
 
     async def on_stop(self) -> None:
         for live in self.sessions.values():
@@ -323,7 +323,7 @@ class VerifierNode(Node):
         except BaseException as exc:
             live.machine.abandon(ticket)
             if self.target.has_session(proposal.session):
-                await asyncio.to_thread(self.target.rollback, proposal.session)
+                await self.scorer.run_async(self.target.rollback, proposal.session)
             if not done.done():
                 done.set_exception(exc if isinstance(exc, Exception) else ProtocolError(None, "round cancelled"))
                 done.exception()  # retrieved here; waiters re-raise it
@@ -354,7 +354,7 @@ class VerifierNode(Node):
             live.wake_readers()
             log.warning("%s: session %s fenced: %s", self.uri, machine.session.hex(), exc)
             raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log was fenced: {exc}") from exc
-        await asyncio.to_thread(
+        await self.scorer.run_async(
             self.target.commit, machine.session, pending.verdict.accepted, pending.record.emitted
         )
         verdict = machine.apply(pending)
@@ -395,7 +395,7 @@ class VerifierNode(Node):
     async def _close_model_session(self, session: bytes) -> None:
         # The KV cache of an ended session is no longer needed; its output stays readable.
         if self.target.has_session(session):
-            await asyncio.to_thread(self.target.close_session, session)
+            await self.scorer.run_async(self.target.close_session, session)
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -420,11 +420,11 @@ class VerifierNode(Node):
         if resume is not None and resume.target_kv is not None:
             try:
                 blob = await self.mlc.get(resume.target_kv)
-                await asyncio.to_thread(self.target.import_kv, message.session, blob, tokens)
+                await self.scorer.run_async(self.target.import_kv, message.session, blob, tokens)
                 return
             except (CacheError, ValueError) as exc:
                 log.warning("%s: target KV %s unusable, prefilling: %s", self.uri, resume.target_kv, exc)
-        await asyncio.to_thread(self.target.open_session, message.session, tokens)
+        await self.scorer.run_async(self.target.open_session, message.session, tokens)
 
     async def _forget(self, session: bytes) -> None:
         live = self.sessions.pop(session, None)
