@@ -289,20 +289,25 @@ class NgramDrafter:
         return DraftResult(tuple(proposed), rows, seconds)
 
     def _continuation(self, tokens: list[int], m: int) -> list[int]:
-        """Up to m tokens that followed the most recent earlier occurrence of the longest suffix.
-
-        The continuation is copied as it stands, as transformers' prompt lookup does: text that
-        repeats its context repeats whole runs, so one match predicts many tokens. Fewer than m
-        come back when the occurrence is close to the end.
-        """
-        for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
-            suffix = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start : start + n] == suffix:
-                    follow = start + n
-                    return tokens[follow : min(follow + m, len(tokens))]
         # No match: repeat the last token once, a deterministic proposal with a one-hot row.
-        return [tokens[-1]]
+        return prompt_lookup(tokens, m, n_max=self.n_max, n_min=self.n_min) or [tokens[-1]]
+
+
+def prompt_lookup(tokens: Sequence[int], m: int, *, n_max: int = 3, n_min: int = 1) -> list[int]:
+    """Up to m tokens that followed the most recent earlier occurrence of the longest suffix
+    (n_max down to n_min tokens long); empty without such an occurrence.
+
+    The continuation is copied as it stands, as transformers' prompt lookup does: text that repeats
+    its context repeats whole runs, so one match predicts many tokens. Fewer than m come back when
+    the occurrence is close to the end.
+    """
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        suffix = list(tokens[-n:])
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if list(tokens[start : start + n]) == suffix:
+                follow = start + n
+                return list(tokens[follow : min(follow + m, len(tokens))])
+    return []
 
 
 def _checked(tokens: Sequence[int], vocab_size: int) -> list[int]:

@@ -22,6 +22,7 @@ from starlette.routing import BaseRoute, Route
 
 from sdcp.cache import MLC, CacheError, CommitLog, Fenced, PreconditionFailed
 from sdcp.models.batching import BatchingScorer
+from sdcp.models.draft import prompt_lookup
 from sdcp.models.errors import DigestMismatch
 from sdcp.models.registry import load_target
 from sdcp.models.target import TargetModel
@@ -49,6 +50,15 @@ from sdcp.transport.peer import peer_uri
 __all__ = ["VerifierNode", "decode_token_list"]
 
 log = logging.getLogger("sdcp.verifier")
+
+# Self-decoding scores up to this many predicted tokens per pass, when prompt lookup finds a match
+# of at least LOOKAHEAD_MIN_MATCH tokens (a weaker match rarely predicts the next token).
+SELF_DECODE_LOOKAHEAD = 8
+LOOKAHEAD_MIN_MATCH = 2
+# Lookahead is used while the share of predictions whose first token was right (an exponentially
+# weighted average) is at least this.
+LOOKAHEAD_MIN_HIT_RATE = 0.5
+_LOOKAHEAD_WEIGHT = 0.3
 
 ROUNDS = Counter("sdcp_verifier_rounds_total", "Rounds committed", ["instance", "kind"])
 COMMITTED = Counter("sdcp_verifier_tokens_committed_total", "Tokens committed", ["instance"])
@@ -109,6 +119,10 @@ class _LiveSession:
     committed: asyncio.Event = field(default_factory=asyncio.Event)
     self_decoder: asyncio.Task[None] | None = None
     timings: RoundTimings = field(default_factory=RoundTimings)
+    lookahead_hits: float = 1.0
+
+    def record_lookahead(self, hit: bool) -> None:
+        self.lookahead_hits += _LOOKAHEAD_WEIGHT * (float(hit) - self.lookahead_hits)
 
     def wake_readers(self) -> None:
         # Readers wait on the current event; replacing it after setting wakes each exactly once.
@@ -346,42 +360,89 @@ class VerifierNode(Node):
     async def _commit(self, live: _LiveSession, pending: PendingCommit) -> Verdict:
         """SDCP 6.3 Commit: the record is appended first; only then tokens and verdict are released."""
         machine = live.machine
+        await self._append(live, pending)
+        await self.scorer.run_async(
+            self.target.commit, machine.session, pending.verdict.accepted, pending.record.emitted
+        )
+        verdict = self._release(live, pending)
+        self._after_commit(live, [pending])
+        if verdict.action == Action.SELF_DECODE and machine.self_decoding:
+            live.self_decoder = self.spawn(self._self_decode(live))
+        return verdict
+
+    async def _append(self, live: _LiveSession, pending: PendingCommit) -> None:
+        machine = live.machine
         try:
             live.etag = await live.log.append(pending.record.to_obj(), live.etag)
         except (Fenced, PreconditionFailed) as exc:
             # SDCP 6.3: a fenced append discards the round, releases nothing, stops serving.
             machine.stop_serving()
             live.wake_readers()
+            self.spawn(self._close_model_session(machine.session))
             log.warning("%s: session %s fenced: %s", self.uri, machine.session.hex(), exc)
             raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log was fenced: {exc}") from exc
-        await self.scorer.run_async(
-            self.target.commit, machine.session, pending.verdict.accepted, pending.record.emitted
-        )
-        verdict = machine.apply(pending)
+
+    def _release(self, live: _LiveSession, pending: PendingCommit) -> Verdict:
+        """The record is durable: the round's tokens become output."""
+        verdict = live.machine.apply(pending)
         live.timings.committed()
         ROUNDS.labels(self.uri, "proposal" if pending.ticket.proposal is not None else "self").inc()
         COMMITTED.labels(self.uri).inc(len(pending.record.emitted))
         live.wake_readers()
-        if pending.event is not None:
-            self.spawn(self._send_event(pending.event))
-        if verdict.action == Action.SELF_DECODE and machine.self_decoding:
-            live.self_decoder = self.spawn(self._self_decode(live))
-        if machine.ended:
-            self.spawn(self._close_model_session(machine.session))
         return verdict
 
+    def _after_commit(self, live: _LiveSession, released: list[PendingCommit]) -> None:
+        """Events go out once the model holds the committed tokens, since they let the router send
+        the next proposal; an ended session's model state is dropped."""
+        for pending in released:
+            if pending.event is not None:
+                self.spawn(self._send_event(pending.event))
+        if live.machine.ended:
+            self.spawn(self._close_model_session(live.machine.session))
+
     async def _self_decode(self, live: _LiveSession) -> None:
-        """SDCP 6.5.2 self_decode: one target token per round until self_max, load or the end."""
+        """SDCP 6.5.2 self_decode: one target token per round until self_max, load or the end.
+
+        A pass scores the continuation that prompt lookup predicts after the committed tokens along
+        with the next position. Each round still draws its one token from its own row exactly as
+        without the prediction; while the drawn tokens match the prediction, the rows that follow
+        are the target's rows for the committed prefix, so the next rounds need no pass of their own
+        (docs/interpretations.md).
+        """
         machine = live.machine
         while machine.self_decoding and not machine.ended:
-            ticket = machine.begin_self_decode()
+            prediction = tuple(
+                prompt_lookup((*machine.prompt, *machine.tokens), SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH)
+            )
+            # A longer pass costs more than it saves when predictions keep missing; a prediction
+            # that was not scored still counts, so that lookahead resumes when the text repeats.
+            guess = prediction if live.lookahead_hits >= LOOKAHEAD_MIN_HIT_RATE else ()
+            logits = await self._score(live, guess)
+            released: list[PendingCommit] = []
+            emitted: list[int] = []
             try:
-                logits = await self._score(live, ())
-                pending = machine.decide_self_decode(ticket, logits, self.load)
-                await self._commit(live, pending)
-            except BaseException:
-                machine.abandon(ticket)
-                raise
+                for position, row in enumerate(logits):
+                    ticket = machine.begin_self_decode()
+                    try:
+                        pending = machine.decide_self_decode(ticket, row, self.load)
+                        await self._append(live, pending)
+                    except BaseException:
+                        machine.abandon(ticket)
+                        raise
+                    self._release(live, pending)
+                    if not released and prediction:
+                        live.record_lookahead(pending.record.emitted == prediction[:1])
+                    released.append(pending)
+                    emitted.extend(pending.record.emitted)
+                    predicted = position < len(guess) and pending.record.emitted == (guess[position],)
+                    if not (predicted and machine.self_decoding and not machine.ended):
+                        break
+            finally:
+                if emitted and not machine.fenced:
+                    await self.scorer.run_async(self.target.commit, machine.session, len(emitted) - 1, emitted)
+                elif not machine.fenced:
+                    await self.scorer.run_async(self.target.rollback, machine.session)
+                self._after_commit(live, released)
 
     async def _send_event(self, event: Event) -> None:
         router = self.config.instance.router

@@ -1,0 +1,120 @@
+"""Self-decoding with prompt-lookup lookahead (SDCP 6.5.2): one token per round, fewer passes.
+
+Real verifier service, bundled SmolLM2, a repetitive prompt; the test plays the router and a drafter
+whose proposals are always refused, so the ladder moves the session to self-decoding at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from sdcp.cache import build_uri
+from sdcp.localhost import free_port
+from sdcp.models.registry import end_of_text_tokens, load_target
+from sdcp.models.target import TargetModel
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    Contract,
+    Output,
+    Proposal,
+    Role,
+    SessionOpen,
+    SessionState,
+    Status,
+    Verdict,
+    session_path_id,
+)
+from sdcp.services.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
+from sdcp.services.verifier import VerifierNode
+from sdcp.transport.certs import make_certs
+from sdcp.transport.client import SDCPClient
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT_TEXT = (
+    "Repeat this list exactly as it is written:\n\n1. Preheat the oven to 180 degrees.\n"
+    "2. Mix the flour, sugar and butter in a large bowl.\n3. Add two eggs and stir until smooth.\n\n"
+    "1. Preheat the oven to 180 degrees.\n2."
+)
+SESSION = bytes(range(16))
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return load_target("smollm2")
+
+
+@pytest.fixture
+async def node(tmp_path: Path, target: TargetModel) -> AsyncIterator[tuple[VerifierNode, dict[str, SDCPClient]]]:
+    uris = {"verifier": f"https://127.0.0.1:{free_port()}", "router": "https://127.0.0.1:1",
+            "drafter": "https://127.0.0.1:2"}
+    issued = make_certs(tmp_path / "certs", list(uris.values()))
+    ca = tmp_path / "certs" / "ca.pem"
+    config = ServiceConfig(
+        instance=InstanceConfig(uri=uris["verifier"], cert=issued[uris["verifier"]].cert_path,
+                                key=issued[uris["verifier"]].key_path, ca=ca, router=uris["router"]),
+        mlc=MLCConfig(disk_dir=tmp_path / "mlc"),
+        verifier=VerifierConfig(model="smollm2", output_wait_s=0.5),
+    )
+    verifier = VerifierNode(config, target=target)
+    await verifier.start()
+    clients = {name: SDCPClient(uris["verifier"], issued[uris[name]].cert_path, issued[uris[name]].key_path, ca)
+               for name in ("router", "drafter")}
+    try:
+        yield verifier, clients
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients.values()))
+        await verifier.stop()
+
+
+async def test_lookahead_saves_passes_and_keeps_greedy_output(
+    node: tuple[VerifierNode, dict[str, SDCPClient]], target: TargetModel
+) -> None:
+    verifier, clients = node
+    prompt = tuple(target.tokenizer(PROMPT_TEXT)["input_ids"])
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        reference = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                          do_sample=False)[0, len(prompt):].tolist()
+    contract = Contract.from_obj({
+        "target": target.weights_digest, "tokenizer": target.tokenizer_digest, "rule": 1, "m_max": 4,
+        "max_new": MAX_NEW, "stop": end_of_text_tokens(target.tokenizer), "low_rounds": 1,
+        "fallback": [Action.SELF_DECODE], "self_load": 100, "self_max": MAX_NEW,
+    })
+    opened = SessionOpen(session=SESSION, epoch=1, contract=contract, prompt=prompt,
+                         commit_log=build_uri("local", None, "log", SESSION.hex()))
+    _, body = await clients["router"].post_cbor("sessions", opened.to_obj())
+    state = SessionState.from_obj(body)
+    assignment = Assignment(session=SESSION, epoch=1, contract=contract, verifier=verifier.uri,
+                            drafter="https://127.0.0.1:2", prompt=prompt, round=0, committed=0,
+                            digest=state.digest, m_init=4)
+    await clients["router"].put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
+    wrong = (reference[0] + 1) % target.vocab_size
+    proposal = Proposal(session=SESSION, epoch=1, round=1, drafter="https://127.0.0.1:2", base=0,
+                        base_digest=state.digest, tokens=(wrong,),
+                        status=Status(instance="https://127.0.0.1:2", role=Role.DRAFTER, load=0, queue=0, ttl_ms=1000))
+    passes_before = verifier.scorer.batches_run
+    _, body = await clients["drafter"].post_cbor("proposals", proposal.to_obj())
+    assert Verdict.from_obj(body).action == Action.SELF_DECODE
+
+    tokens: list[int] = []
+    while True:
+        _, body = await clients["router"].get_cbor(f"sessions/{session_path_id(SESSION)}/output",
+                                                   {"from": str(len(tokens))})
+        output = Output.from_obj(body)
+        tokens.extend(output.tokens)
+        if output.final:
+            break
+    assert tokens == reference[: len(tokens)] and len(tokens) >= 2
+    self_decoded = verifier.sessions[SESSION].machine.stats.self_decoded
+    assert self_decoded == len(tokens) - 1
+    # One pass per round without lookahead; the list the model repeats is predicted by lookup.
+    self_decode_passes = verifier.scorer.batches_run - passes_before - 1  # less the proposal's pass
+    assert self_decode_passes < self_decoded
