@@ -265,3 +265,15 @@ def test_finish_and_fail_close_the_session() -> None:
         with pytest.raises(ProtocolError) as caught:
             control.check_length(1)
         assert caught.value.problem is ProblemType.SESSION_CLOSED
+
+
+def test_self_max_zero_skips_self_decode() -> None:
+    from sdcp.protocol.control import SpeculationControl
+    from sdcp.protocol.messages import Action, Contract
+
+    contract = Contract.from_obj({
+        "target": b"\x01" * 32, "tokenizer": b"\x02" * 32, "rule": 1, "m_max": 4, "max_new": 10, "stop": [],
+        "low_rounds": 1, "fallback": [Action.SELF_DECODE, Action.REDUCE], "self_load": 100, "self_max": 0,
+    })
+    control = SpeculationControl(contract, 4)
+    assert control.after_round(0, 4, 0).action == Action.REDUCE and not control.self_decoding

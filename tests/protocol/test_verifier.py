@@ -388,3 +388,26 @@ def test_stats_count_rounds_acceptance_by_position_and_escalations() -> None:
     assert stats["rounds"] == 3 and stats["proposed"] == 7 and stats["accepted"] == 2
     assert stats["proposed_by_position"] == [3, 3, 1] and stats["accepted_by_position"] == [1, 1, 0]
     assert stats["escalations"] == 1 and stats["escalated"] == {"reduce": 1} and stats["self_decoded"] == 0
+
+
+def test_assignment_while_a_round_is_in_flight_is_refused() -> None:
+    session = open_session()
+    ticket = session.begin_round(propose(session, (4,)), DRAFTER)
+    assert isinstance(ticket, RoundTicket)
+    with pytest.raises(ProtocolError) as err:
+        session.assign(assignment(session, OTHER))
+    assert err.value.problem is ProblemType.STALE_BASE and session.drafter == DRAFTER
+    session.apply(session.decide(ticket, greedy_logits([4, 4]), None, 0))
+    session.assign(assignment(session, OTHER))
+    assert session.drafter == OTHER
+
+
+def test_an_interrupted_self_decoding_period_asks_for_a_drafter() -> None:
+    contract = make_contract(fallback=[Action.SELF_DECODE], self_load=50, low_rounds=1)
+    session = open_session(contract)
+    run_round(session, (1,), [2, 2])
+    session.begin_self_decode()
+    event = session.interrupt_self_decode()
+    assert event.kind == Action.SWITCH and event.committed == session.committed
+    assert not session.self_decoding and not session.verifying
+    assert session.state().state == ServingState.ACTIVE

@@ -7,6 +7,8 @@ one from an authenticated peer; the target is the tiny random-weight model.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from sdcp.cache import MLC, build_uri
+from sdcp.cache.redis_process import local_redis_server
 from sdcp.localhost import free_port
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
@@ -40,6 +43,7 @@ from sdcp.services.config import InstanceConfig, MLCConfig, ServiceConfig, Verif
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
+from sdcp.transport.errors import PeerServerError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -341,3 +345,56 @@ async def test_a_policy_update_changes_sampling_from_its_round_on(cluster: Clust
     assert len(committed) == 10
     err = await problem_of(router.post_cbor(f"sessions/{session_path_id(SESSION)}/policy", policy.to_obj()))
     assert err.problem is ProblemType.SESSION_CLOSED
+
+
+async def test_output_offsets_that_are_not_ascii_digits_are_bad_messages(cluster: Cluster, target: TargetModel) -> None:
+    await open_and_assign(cluster, contract(target))
+    reader = cluster.client("router")
+    for bad in ("²", "-1", "1e3", "9" * 20):
+        err = await problem_of(reader.get_cbor(f"sessions/{session_path_id(SESSION)}/output", {"from": bad}))
+        assert err.status == 400
+
+
+async def test_a_failed_append_releases_nothing_and_the_round_can_be_retried(
+    tmp_path: Path, target: TargetModel
+) -> None:
+    """SDCP 6.3: only after the append succeeds are the verdict and output released. The shared
+    store (a private Redis here) goes away mid-session: the round is refused with 503, nothing is
+    released, and the same proposal succeeds once the log is reachable again."""
+    verifier_uri = f"https://127.0.0.1:{free_port()}"
+    identities = {"verifier": verifier_uri, "router": "https://127.0.0.1:1", "drafter": DRAFTER}
+    issued = make_certs(tmp_path / "certs", list(identities.values()))
+    certs = {name: (issued[uri].cert_path, issued[uri].key_path) for name, uri in identities.items()}
+    ca = tmp_path / "certs" / "ca.pem"
+    for session in list(target._sessions):
+        target.close_session(session)
+    with local_redis_server(tmp_path / "redis") as redis_url:
+        config = ServiceConfig(
+            instance=InstanceConfig(uri=verifier_uri, cert=certs["verifier"][0], key=certs["verifier"][1], ca=ca,
+                                    router="https://127.0.0.1:1"),
+            mlc=MLCConfig(redis_url=redis_url, memory_bytes=0),
+            verifier=VerifierConfig(model="tiny", output_wait_s=0.2),
+        )
+        node = VerifierNode(config, target=target)
+        await node.start()
+        env = Cluster(tmp_path, node, MLC.from_config(redis_url=redis_url), certs, ca)
+        try:
+            state = await open_and_assign(env, contract(target))
+            drafter = env.client("drafter")
+            message = proposal(state, (1, 2)).to_obj()
+            pidfile = tmp_path / "redis" / "redis.pid"
+            os.kill(int(pidfile.read_text()), signal.SIGSTOP)
+            try:
+                with pytest.raises(PeerServerError) as refused:
+                    await drafter.post_cbor("proposals", message)
+            finally:
+                os.kill(int(pidfile.read_text()), signal.SIGCONT)
+            assert refused.value.status == 503
+            _, body = await env.client("router").get_cbor(f"sessions/{session_path_id(SESSION)}/output", {"from": "0"})
+            assert Output.from_obj(body).tokens == ()
+            status, body = await drafter.post_cbor("proposals", message)
+            assert status == 200 and Verdict.from_obj(body).round == 1
+        finally:
+            await env.close()
+            await node.stop()
+            await env.mlc.close()

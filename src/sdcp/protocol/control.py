@@ -160,8 +160,9 @@ class SpeculationControl:
 
     def _self_decode_permitted(self, verifier_load: int) -> bool:
         # SDCP 6.5.2: only if the contract has self_load and the load does not exceed it.
+        # A self_max of 0 allows no self-decoded token: the entry is skipped like a forbidden one.
         self_load = self._contract.self_load
-        return self_load is not None and verifier_load <= self_load
+        return self_load is not None and verifier_load <= self_load and self._contract.self_max != 0
 
     def _end(self, action: Action) -> ControlDecision:
         self._require_open()

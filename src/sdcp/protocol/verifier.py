@@ -266,6 +266,10 @@ class VerifierSession:
         if assignment.contract.digest != self.contract.digest:
             raise ProtocolError(ProblemType.BAD_CONTRACT, "the assignment carries another contract")
         self._require_open()
+        if self._in_flight is not None:
+            # The round in flight carries the speculation state it started from; an assignment now
+            # would be overwritten when it commits. The router tries again.
+            raise ProtocolError(ProblemType.STALE_BASE, "a round is being committed", state=self.state())
         self.drafter = assignment.drafter
         self.control.assign_drafter(assignment.m_init)
 
@@ -338,6 +342,15 @@ class VerifierSession:
         ticket = self._ticket(self.round + 1, None)
         self._in_flight = ticket
         return ticket
+
+    def interrupt_self_decode(self) -> Event:
+        """Self-decoding cannot go on (a failed pass): the period ends as at self_max, and the event
+        asks the router for a drafter again (SDCP 6.5.2)."""
+        if self._in_flight is not None and self._in_flight.proposal is None:
+            self._in_flight = None
+        self.control.self_decoding = False
+        return Event(session=self.session, epoch=self.epoch, kind=Action.SWITCH, committed=self.committed,
+                     digest=self.digest)
 
     def abandon(self, ticket: RoundTicket) -> None:
         """The round could not be verified (e.g. sdcp-q-unavailable): nothing is committed."""

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import cbor2
 import numpy as np
@@ -68,6 +69,20 @@ ROUND_SECONDS = Histogram("sdcp_verifier_round_seconds", "Time from admission to
 class NotFound(HTTPProblem):
     status = 404
     title = "Not Found"
+
+
+class RoundCancelled(HTTPProblem):
+    """The round a request waited for was cancelled (shutdown): retry later, nothing was committed."""
+
+    status = 503
+    title = "Service Unavailable"
+
+
+class AppendUncertain(HTTPProblem):
+    """The commit record could not be appended; nothing was released and the round may be retried."""
+
+    status = 503
+    title = "Service Unavailable"
 
 
 def decode_token_list(data: bytes, what: str) -> tuple[int, ...]:
@@ -297,8 +312,8 @@ class VerifierNode(Node):
         """GET sessions/{id}/output?from=n (SDCP 6.7), waiting up to a server-chosen time."""
         live = self._live(request)
         start_text = request.query_params.get("from", "0")
-        if not start_text.isdigit():
-            raise BadMessage("'from' must be an unsigned integer")
+        if not (start_text.isascii() and start_text.isdigit() and len(start_text) <= 10):
+            raise BadMessage("'from' must be an unsigned integer below 2^32")
         start = int(start_text)
         deadline = asyncio.get_running_loop().time() + self.config.verifier.output_wait_s
         while True:
@@ -318,32 +333,37 @@ class VerifierNode(Node):
         assert proposal is not None  # begin_round admits proposal rounds only
         done: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
         live.rounds[ticket.round] = done
+        fetch: asyncio.Task[bytes] | None = None
         try:
             q_rows = None
-            fetch = None
             if live.machine.rule.needs_q and proposal.q_rows is not None:
                 # SDCP 6.3: the rows may be fetched concurrently with scoring.
                 fetch = asyncio.create_task(self.mlc.get(proposal.q_rows))
             logits = await self._score(live, proposal.tokens)
             if fetch is not None:
                 try:
-                    q_rows = parse_q_rows(await fetch, len(proposal.tokens), self.target.vocab_size)
-                except CacheError as exc:
+                    data = await fetch
+                except Exception as exc:  # a missing object, a lost MLC node or Redis: all unavailable
+                    # SDCP 6.3: without every row, the round is rejected and nothing is committed.
                     raise ProtocolError(ProblemType.Q_UNAVAILABLE, f"draft rows unavailable: {exc}") from exc
+                q_rows = parse_q_rows(data, len(proposal.tokens), self.target.vocab_size)
             pending = live.machine.decide(ticket, logits, q_rows, self.load)
             verdict = await self._commit(live, pending)
             done.set_result(verdict)
             return verdict
         except BaseException as exc:
+            if fetch is not None:
+                fetch.cancel()
             live.machine.abandon(ticket)
-            if self.target.has_session(proposal.session):
-                await self.scorer.run_async(self.target.rollback, proposal.session)
             if not done.done():
-                done.set_exception(exc if isinstance(exc, Exception) else ProtocolError(None, "round cancelled"))
+                done.set_exception(exc if isinstance(exc, Exception) else RoundCancelled("the round was cancelled"))
                 done.exception()  # retrieved here; waiters re-raise it
+            if self.target.has_session(proposal.session) and not live.machine.fenced:
+                await self.scorer.run_async(self.target.rollback, proposal.session)
             raise
         finally:
-            live.rounds.pop(ticket.round, None)
+            if live.rounds.get(ticket.round) is done:
+                del live.rounds[ticket.round]
 
     async def _score(self, live: _LiveSession, tokens: tuple[int, ...]) -> np.ndarray:
         self._scoring += 1
@@ -358,13 +378,17 @@ class VerifierNode(Node):
         return logits
 
     async def _commit(self, live: _LiveSession, pending: PendingCommit) -> Verdict:
-        """SDCP 6.3 Commit: the record is appended first; only then tokens and verdict are released."""
+        """SDCP 6.3 Commit: the record is appended first; only then tokens and verdict are released.
+
+        The release follows the append with no await between them, so that no cancellation can
+        leave a durable record unreleased (the commit and the verdict are atomic).
+        """
         machine = live.machine
         await self._append(live, pending)
+        verdict = self._release(live, pending)
         await self.scorer.run_async(
             self.target.commit, machine.session, pending.verdict.accepted, pending.record.emitted
         )
-        verdict = self._release(live, pending)
         self._after_commit(live, [pending])
         if verdict.action == Action.SELF_DECODE and machine.self_decoding:
             live.self_decoder = self.spawn(self._self_decode(live))
@@ -372,15 +396,36 @@ class VerifierNode(Node):
 
     async def _append(self, live: _LiveSession, pending: PendingCommit) -> None:
         machine = live.machine
+        record = pending.record.to_obj()
         try:
-            live.etag = await live.log.append(pending.record.to_obj(), live.etag)
+            live.etag = await live.log.append(record, live.etag)
+            return
         except (Fenced, PreconditionFailed) as exc:
-            # SDCP 6.3: a fenced append discards the round, releases nothing, stops serving.
-            machine.stop_serving()
-            live.wake_readers()
-            self.spawn(self._close_model_session(machine.session))
-            log.warning("%s: session %s fenced: %s", self.uri, machine.session.hex(), exc)
-            raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log was fenced: {exc}") from exc
+            # Another writer changed the log since this verifier's last record: a new epoch.
+            self._fenced(live, exc)
+        except Exception as exc:  # a lost MLC node or Redis: the log tells what happened
+            failure = exc
+        # The append may have landed before the failure was reported: the log says which.
+        try:
+            snapshot = await live.log.read()
+        except Exception as exc:
+            raise AppendUncertain(f"the commit log cannot be read after a failed append: {exc}") from exc
+        if snapshot.records and snapshot.records[-1] == record:
+            live.etag = snapshot.etag
+            return
+        if any(r.get("epoch", 0) > machine.epoch for r in snapshot.records):
+            self._fenced(live, failure)
+        live.etag = snapshot.etag
+        raise AppendUncertain(f"the commit record was not appended: {failure}") from failure
+
+    def _fenced(self, live: _LiveSession, cause: Exception) -> NoReturn:
+        # SDCP 6.3: a fenced append discards the round, releases nothing, stops serving.
+        machine = live.machine
+        machine.stop_serving()
+        live.wake_readers()
+        self.spawn(self._close_model_session(machine.session))
+        log.warning("%s: session %s fenced: %s", self.uri, machine.session.hex(), cause)
+        raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log was fenced: {cause}") from cause
 
     def _release(self, live: _LiveSession, pending: PendingCommit) -> Verdict:
         """The record is durable: the round's tokens become output."""
@@ -410,39 +455,66 @@ class VerifierNode(Node):
         (docs/interpretations.md).
         """
         machine = live.machine
-        while machine.self_decoding and not machine.ended:
-            prediction = tuple(
-                prompt_lookup((*machine.prompt, *machine.tokens), SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH)
-            )
-            # A longer pass costs more than it saves when predictions keep missing; a prediction
-            # that was not scored still counts, so that lookahead resumes when the text repeats.
-            guess = prediction if live.lookahead_hits >= LOOKAHEAD_MIN_HIT_RATE else ()
-            logits = await self._score(live, guess)
-            released: list[PendingCommit] = []
-            emitted: list[int] = []
-            try:
-                for position, row in enumerate(logits):
-                    ticket = machine.begin_self_decode()
-                    try:
-                        pending = machine.decide_self_decode(ticket, row, self.load)
-                        await self._append(live, pending)
-                    except BaseException:
-                        machine.abandon(ticket)
-                        raise
-                    self._release(live, pending)
-                    if not released and prediction:
-                        live.record_lookahead(pending.record.emitted == prediction[:1])
-                    released.append(pending)
-                    emitted.extend(pending.record.emitted)
-                    predicted = position < len(guess) and pending.record.emitted == (guess[position],)
-                    if not (predicted and machine.self_decoding and not machine.ended):
-                        break
-            finally:
-                if emitted and not machine.fenced:
-                    await self.scorer.run_async(self.target.commit, machine.session, len(emitted) - 1, emitted)
-                elif not machine.fenced:
-                    await self.scorer.run_async(self.target.rollback, machine.session)
-                self._after_commit(live, released)
+        try:
+            while machine.self_decoding and not machine.ended:
+                await self._self_decode_pass(live)
+        except Exception as exc:
+            if machine.fenced or machine.ended:
+                return
+            # The period ends as it would at self_max: the router assigns a drafter again.
+            log.error("%s: self-decoding of session %s stopped: %r", self.uri, machine.session.hex(), exc)
+            self.spawn(self._send_event(machine.interrupt_self_decode()))
+
+    async def _self_decode_pass(self, live: _LiveSession) -> None:
+        machine = live.machine
+        prediction = tuple(
+            prompt_lookup((*machine.prompt, *machine.tokens), SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH)
+        )
+        # A longer pass costs more than it saves when predictions keep missing; a prediction that
+        # was not scored still counts, so that lookahead resumes when the text repeats.
+        guess = prediction if live.lookahead_hits >= LOOKAHEAD_MIN_HIT_RATE else ()
+        logits = await self._score(live, guess)
+        released: list[PendingCommit] = []
+        emitted: list[int] = []
+        try:
+            for position, row in enumerate(logits):
+                ticket = machine.begin_self_decode()
+                try:
+                    pending = machine.decide_self_decode(ticket, row, self.load)
+                    await self._append(live, pending)
+                except BaseException:
+                    machine.abandon(ticket)
+                    raise
+                self._release(live, pending)
+                if not released and prediction:
+                    live.record_lookahead(pending.record.emitted == prediction[:1])
+                released.append(pending)
+                emitted.extend(pending.record.emitted)
+                predicted = position < len(guess) and pending.record.emitted == (guess[position],)
+                if not (predicted and machine.self_decoding and not machine.ended):
+                    break
+        finally:
+            if not machine.fenced:
+                await self._commit_model(live, emitted)
+            self._after_commit(live, released)
+
+    async def _commit_model(self, live: _LiveSession, emitted: list[int]) -> None:
+        """Bring the model's KV cache to the committed tokens after a self-decoding pass."""
+        session = live.machine.session
+        try:
+            if emitted:
+                await self.scorer.run_async(self.target.commit, session, len(emitted) - 1, emitted)
+            else:
+                await self.scorer.run_async(self.target.rollback, session)
+        except Exception as exc:
+            # The tokens are committed whatever the model's state: rebuild it from them.
+            log.error("%s: model state of session %s rebuilt after %r", self.uri, session.hex(), exc)
+            await self.scorer.run_async(self._rebuild_model_session, live.machine)
+
+    def _rebuild_model_session(self, machine: VerifierSession) -> None:
+        if self.target.has_session(machine.session):
+            self.target.close_session(machine.session)
+        self.target.open_session(machine.session, (*machine.prompt, *machine.tokens))
 
     async def _send_event(self, event: Event) -> None:
         router = self.config.instance.router
