@@ -233,11 +233,14 @@ class RuleName(str, Enum):
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
     max_new: int = typer.Option(128, "--max-new", min=1, help="Most tokens to generate."),
-    temperature: float = typer.Option(None, min=0.0, help="Sampling temperature (rule sampling; 0 = greedy)."),
+    temperature: float = typer.Option(None, min=0.0, help="Sampling temperature (0 = greedy)."),
     top_k: int = typer.Option(None, "--top-k", min=0, help="Keep the k most probable tokens."),
     top_p: float = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass."),
     seed: int = typer.Option(None, min=0, help="Seed of the verifier's random values (reproducible output)."),
-    rule: RuleName = typer.Option(RuleName.greedy, help="Acceptance rule: greedy (1) or sampling (2)."),
+    rule: RuleName = typer.Option(
+        None, help="Acceptance rule: greedy (1) or sampling (2); default sampling when --temperature > 0, "
+        "--top-k or --top-p is given, else greedy."
+    ),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to the prompt."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     model: str = typer.Option("smollm2", help="Target model (for the tokenizer and a new local cluster)."),
@@ -257,6 +260,9 @@ def generate(
             seed=seed,
         )
         has_sampling = any(v is not None for v in (temperature, top_k, top_p, seed))
+        if rule is None:
+            samples = bool(temperature) or top_k is not None or top_p is not None
+            rule = RuleName.sampling if samples else RuleName.greedy
         cluster = LocalCluster(home)
         if not cluster.running():
             with err_console.status("starting the local cluster (first time: loads the model)..."):

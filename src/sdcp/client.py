@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdcp.protocol.messages import Action, Contract, Output, Policy, Sampling, session_path_id
+from sdcp.protocol.messages import Action, Contract, Output, Sampling, session_path_id
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
 from sdcp.transport.client import PeerClients
 from sdcp.transport.errors import TransportError
@@ -118,10 +118,6 @@ class ClusterClient:
         _, body = await self.peers.get(self.router).get_cbor(f"sessions/{handle.path_id}")
         return _handle(body)
 
-    async def set_policy(self, handle: SessionHandle, from_round: int, sampling: Sampling) -> None:
-        policy = Policy(session=handle.session, from_round=from_round, sampling=sampling)
-        await self.peers.get(self.router).post_cbor(f"sessions/{handle.path_id}/policy", policy.to_obj())
-
     async def stats(self, handle: SessionHandle) -> dict[str, object]:
         _, body = await self.peers.get(handle.verifier).get_cbor(f"sessions/{handle.path_id}/stats")
         if not isinstance(body, dict):
@@ -159,6 +155,12 @@ class ClusterClient:
                 position += len(output.tokens)
             if output.final:
                 return
+            if not output.tokens:
+                # A verifier that lost the session without learning it (its status expired, the
+                # router fenced the log) still answers, with nothing new: ask where it went.
+                moved = await self.locate(handle)
+                if moved.epoch > handle.epoch:
+                    handle = moved
 
 
 def _handle(body: object) -> SessionHandle:

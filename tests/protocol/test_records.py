@@ -86,3 +86,13 @@ def test_replay_refuses_repeated_round() -> None:
     log = [CommitRecord(1, 1, (1,), 1, first).to_obj(), CommitRecord(1, 1, (2,), 2, second).to_obj()]
     with pytest.raises(BadMessage):
         replay_commit_log(log, CONTRACT_DIGEST, PROMPT)
+
+
+def test_token_list_objects_round_trip_and_reject_anything_else() -> None:
+    from sdcp.protocol.records import decode_token_list, encode_token_list
+
+    assert decode_token_list(encode_token_list([0, 5, 2**32 - 1]), "tokens") == (0, 5, 2**32 - 1)
+    assert decode_token_list(encode_token_list([]), "tokens") == ()
+    for bad in (b"\xff", encode_token_list([1])[:-1], b"\xa0", b"\x82\x01\xf5", b"\x81\x1b\x00\x00\x00\x01\x00\x00\x00\x00"):
+        with pytest.raises(BadMessage):
+            decode_token_list(bad, "tokens")

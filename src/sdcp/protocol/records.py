@@ -9,10 +9,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from sdcp.protocol import codec
 from sdcp.protocol.digest import extend_digest, prefix_digest
+from sdcp.protocol.messages import TOKEN_MAX
 from sdcp.protocol.problems import BadMessage
 
-__all__ = ["CommitRecord", "FenceRecord", "LogReplay", "parse_log_record", "replay_commit_log"]
+__all__ = [
+    "CommitRecord",
+    "FenceRecord",
+    "LogReplay",
+    "decode_token_list",
+    "encode_token_list",
+    "parse_log_record",
+    "replay_commit_log",
+]
 
 
 @dataclass(frozen=True)
@@ -102,3 +112,22 @@ def replay_commit_log(records: Iterable[object], contract_digest: bytes, prompt:
             raise BadMessage(f"commit record of round {record.round} does not extend the log before it")
         round_number = record.round
     return LogReplay(epoch, round_number, tuple(tokens), digest)
+
+
+def encode_token_list(tokens: Iterable[int]) -> bytes:
+    """An MLC object holding token ids: a prompt or committed tokens given by reference
+    (docs/interpretations.md: a CBOR array of uints)."""
+    return codec.encode(list(tokens))
+
+
+def decode_token_list(data: bytes, what: str) -> tuple[int, ...]:
+    """The token ids of an object written by ``encode_token_list``; anything else is BadMessage."""
+    try:
+        tokens = codec.decode(data)
+    except BadMessage as exc:
+        raise BadMessage(f"{what}: {exc.detail}") from exc
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= TOKEN_MAX for t in tokens
+    ):
+        raise BadMessage(f"{what} is not an array of token ids")
+    return tuple(tokens)

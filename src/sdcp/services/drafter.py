@@ -47,10 +47,10 @@ from sdcp.protocol.messages import (
     session_path_id,
 )
 from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
+from sdcp.protocol.records import decode_token_list
 from sdcp.protocol.rules import get_rule
 from sdcp.services.config import ServiceConfig
 from sdcp.services.node import Node
-from sdcp.services.verifier import decode_token_list
 from sdcp.transport.asgi import read_cbor_body, require_peer
 from sdcp.transport.errors import ConnectionLost, PeerServerError, PeerTimeout
 

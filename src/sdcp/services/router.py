@@ -24,7 +24,6 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from sdcp.cache import MLC, build_uri
-from sdcp.protocol.codec import encode
 from sdcp.protocol.messages import (
     TOKEN_MAX,
     Action,
@@ -40,7 +39,7 @@ from sdcp.protocol.messages import (
     session_path_id,
 )
 from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
-from sdcp.protocol.records import LogReplay, replay_commit_log
+from sdcp.protocol.records import LogReplay, encode_token_list, replay_commit_log
 from sdcp.protocol.router import InstanceRegistry, InstanceView, RouterSession, prefer_idle_and_accepting
 from sdcp.services.config import ServiceConfig
 from sdcp.services.node import Node
@@ -398,7 +397,7 @@ class RouterNode(Node):
         replay = replay_commit_log(snapshot.records, plan.contract.digest, tracked.prompt)
         # The committed prefix of a given length never changes, so the name can say only its length.
         uri = build_uri(self.mlc.authority, plan.contract.scope, "tokens", f"{plan.session.hex()}-{len(replay.tokens)}")
-        await self.mlc.put(uri, encode(list(replay.tokens)))
+        await self.mlc.put(uri, encode_token_list(replay.tokens))
         return replay, uri
 
     async def _send_policy(self, tracked: _TrackedSession, policy: Policy) -> SessionState:

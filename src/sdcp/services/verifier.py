@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-import cbor2
 import numpy as np
 from prometheus_client import Counter, Histogram
 from starlette.requests import Request
@@ -40,6 +39,7 @@ from sdcp.protocol.messages import (
     parse_session_path_id,
 )
 from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
+from sdcp.protocol.records import decode_token_list
 from sdcp.protocol.rules import parse_q_rows
 from sdcp.protocol.verifier import PendingCommit, Replay, RoundTicket, VerifierSession, Wait
 from sdcp.services.config import ServiceConfig
@@ -48,7 +48,7 @@ from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
 from sdcp.transport.errors import HTTPProblem
 from sdcp.transport.peer import peer_uri
 
-__all__ = ["VerifierNode", "decode_token_list"]
+__all__ = ["VerifierNode"]
 
 log = logging.getLogger("sdcp.verifier")
 
@@ -83,19 +83,6 @@ class AppendUncertain(HTTPProblem):
 
     status = 503
     title = "Service Unavailable"
-
-
-def decode_token_list(data: bytes, what: str) -> tuple[int, ...]:
-    """An MLC object holding a CBOR array of token ids (docs/interpretations.md)."""
-    try:
-        tokens = cbor2.loads(data)
-    except (cbor2.CBORDecodeError, ValueError) as exc:
-        raise BadMessage(f"{what} is not CBOR: {exc}") from exc
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in tokens
-    ):
-        raise BadMessage(f"{what} is not an array of token ids")
-    return tuple(tokens)
 
 
 @dataclass
