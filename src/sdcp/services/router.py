@@ -44,7 +44,7 @@ from sdcp.protocol.router import InstanceRegistry, InstanceView, RouterSession, 
 from sdcp.services.config import ServiceConfig
 from sdcp.services.node import Node
 from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
-from sdcp.transport.errors import Forbidden, HTTPProblem, TransportError
+from sdcp.transport.errors import Forbidden, NotFound, ServiceUnavailable, TransportError
 
 __all__ = ["RouterNode", "SessionRequest"]
 
@@ -53,16 +53,6 @@ log = logging.getLogger("sdcp.router")
 SESSIONS_OPEN = Gauge("sdcp_router_sessions_open", "Sessions neither finished nor failed", ["instance"])
 ASSIGNMENTS = Counter("sdcp_router_assignments_total", "Assignments sent to drafters", ["instance"])
 FAILOVERS = Counter("sdcp_router_failovers_total", "Sessions moved to another verifier", ["instance"])
-
-
-class NotFound(HTTPProblem):
-    status = 404
-    title = "Not Found"
-
-
-class ServiceUnavailable(HTTPProblem):
-    status = 503
-    title = "Service Unavailable"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import numpy as np
 from prometheus_client import Counter, Histogram
@@ -45,7 +45,7 @@ from sdcp.protocol.verifier import PendingCommit, Replay, RoundTicket, VerifierS
 from sdcp.services.config import ServiceConfig
 from sdcp.services.node import Node
 from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
-from sdcp.transport.errors import HTTPProblem
+from sdcp.transport.errors import NotFound, ServiceUnavailable
 from sdcp.transport.peer import peer_uri
 
 __all__ = ["VerifierNode"]
@@ -64,25 +64,6 @@ _LOOKAHEAD_WEIGHT = 0.3
 ROUNDS = Counter("sdcp_verifier_rounds_total", "Rounds committed", ["instance", "kind"])
 COMMITTED = Counter("sdcp_verifier_tokens_committed_total", "Tokens committed", ["instance"])
 ROUND_SECONDS = Histogram("sdcp_verifier_round_seconds", "Time from admission to verdict", ["instance"])
-
-
-class NotFound(HTTPProblem):
-    status = 404
-    title = "Not Found"
-
-
-class RoundCancelled(HTTPProblem):
-    """The round a request waited for was cancelled (shutdown): retry later, nothing was committed."""
-
-    status = 503
-    title = "Service Unavailable"
-
-
-class AppendUncertain(HTTPProblem):
-    """The commit record could not be appended; nothing was released and the round may be retried."""
-
-    status = 503
-    title = "Service Unavailable"
 
 
 @dataclass
@@ -110,6 +91,9 @@ class RoundTimings:
 
     def to_obj(self) -> dict[str, object]:
         return {"round_gap_us": self.gap_us, "round_model_us": self.model_us, "round_batch": self.batch_sizes}
+
+
+_RouterMessage = TypeVar("_RouterMessage", Assignment, Policy)
 
 
 @dataclass
@@ -242,25 +226,25 @@ class VerifierNode(Node):
 
     async def assign_drafter(self, request: Request) -> Response:
         """PUT sessions/{id}/drafter (SDCP 6.1): the latest assignment names the drafter."""
-        body = await read_cbor_body(request)
-        await require_peer(request, self.routers)
-        live = self._live(request)
-        assignment = Assignment.from_obj(body)
-        if assignment.session != live.machine.session:
-            raise BadMessage("the assignment names another session than the path")
+        live, assignment = await self._router_message(request, Assignment)
         live.machine.assign(assignment)
         return cbor_response(live.machine.state().to_obj())
 
     async def policy(self, request: Request) -> Response:
         """POST sessions/{id}/policy (SDCP 6.6)."""
+        live, policy = await self._router_message(request, Policy)
+        live.machine.apply_policy(policy)
+        return cbor_response(live.machine.state().to_obj())
+
+    async def _router_message(self, request: Request, kind: type[_RouterMessage]) -> tuple[_LiveSession, _RouterMessage]:
+        """A router's message about the session the path names."""
         body = await read_cbor_body(request)
         await require_peer(request, self.routers)
         live = self._live(request)
-        policy = Policy.from_obj(body)
-        if policy.session != live.machine.session:
-            raise BadMessage("the policy names another session than the path")
-        live.machine.apply_policy(policy)
-        return cbor_response(live.machine.state().to_obj())
+        message = kind.from_obj(body)
+        if message.session != live.machine.session:
+            raise BadMessage(f"the {kind.__name__.lower()} names another session than the path")
+        return live, message
 
     async def propose(self, request: Request) -> Response:
         """POST proposals: the procedure of SDCP 6.3."""
@@ -343,7 +327,7 @@ class VerifierNode(Node):
                 fetch.cancel()
             live.machine.abandon(ticket)
             if not done.done():
-                done.set_exception(exc if isinstance(exc, Exception) else RoundCancelled("the round was cancelled"))
+                done.set_exception(exc if isinstance(exc, Exception) else ServiceUnavailable("the round was cancelled"))
                 done.exception()  # retrieved here; waiters re-raise it
             if self.target.has_session(proposal.session) and not live.machine.fenced:
                 await self.scorer.run_async(self.target.rollback, proposal.session)
@@ -396,14 +380,14 @@ class VerifierNode(Node):
         try:
             snapshot = await live.log.read()
         except Exception as exc:
-            raise AppendUncertain(f"the commit log cannot be read after a failed append: {exc}") from exc
+            raise ServiceUnavailable(f"the commit log cannot be read after a failed append: {exc}") from exc
         if snapshot.records and snapshot.records[-1] == record:
             live.etag = snapshot.etag
             return
         if any(r.get("epoch", 0) > machine.epoch for r in snapshot.records):
             self._fenced(live, failure)
         live.etag = snapshot.etag
-        raise AppendUncertain(f"the commit record was not appended: {failure}") from failure
+        raise ServiceUnavailable(f"the commit record was not appended: {failure}") from failure
 
     def _fenced(self, live: _LiveSession, cause: Exception) -> NoReturn:
         # SDCP 6.3: a fenced append discards the round, releases nothing, stops serving.

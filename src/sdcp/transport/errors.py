@@ -109,6 +109,18 @@ class Forbidden(HTTPProblem):
     title = "Forbidden"
 
 
+class NotFound(HTTPProblem):
+    status = 404
+    title = "Not Found"
+
+
+class ServiceUnavailable(HTTPProblem):
+    """The server cannot answer now; nothing was changed, and the request may be repeated."""
+
+    status = 503
+    title = "Service Unavailable"
+
+
 class PayloadTooLarge(HTTPProblem):
     status = 413
     title = "Content Too Large"
