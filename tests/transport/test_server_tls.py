@@ -233,12 +233,9 @@ async def test_bind_failure_and_startup_failure_are_reported(pki: PKI) -> None:
         await Server(broken, mtls_listener(pki)).start()
 
 
-@pytest.mark.skipif(
-    shutil.which("curl") is None
-    or "HTTP2" not in subprocess.run(["curl", "-V"], capture_output=True, text=True).stdout,
-    reason="curl with HTTP/2 support is not installed",
-)
 async def test_curl_with_client_certificate(pki: PKI) -> None:
+    assert shutil.which("curl"), "this test runs curl (Debian: apt-get install curl)"
+    assert "HTTP2" in subprocess.run(["curl", "-V"], capture_output=True, text=True).stdout, "curl lacks HTTP/2"
     async with serving(whoami_app(), mtls_listener(pki)) as server:
         # The command documented in docs/transport.md.
         command = [
