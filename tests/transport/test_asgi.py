@@ -153,7 +153,9 @@ async def test_problem_responses_parse_back_into_the_same_error_types(pki: PKI) 
     assert (too_large.value.problem, too_large.value.status) == (None, 413)
 
 
-async def test_unexpected_errors_become_500_problems_without_internals(pki: PKI) -> None:
+async def test_unexpected_errors_become_500_problems_without_internals(
+    pki: PKI, caplog: pytest.LogCaptureFixture
+) -> None:
     async with serving(service_app(pki, asyncio.Event()), mtls_listener(pki)) as server:
         async with client_for(server, pki, pki.drafter_a) as client:
             with pytest.raises(PeerServerError) as failure:
@@ -164,6 +166,9 @@ async def test_unexpected_errors_become_500_problems_without_internals(pki: PKI)
     assert failure.value.problem == {"type": "about:blank", "title": "Internal Server Error", "status": 500}
     assert "secret" not in str(failure.value)
     assert (missing.value.status, missing.value.problem) == (404, None)
+    # The internals go to the server's log, not to the client; this error is the test's own.
+    assert any("secret internal path" in r.getMessage() or r.exc_info for r in caplog.records if r.levelname == "ERROR")
+    caplog.clear()
 
 
 @pytest.mark.parametrize(
