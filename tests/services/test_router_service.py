@@ -11,7 +11,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -594,3 +594,22 @@ async def test_a_rule_2_session_with_a_model_drafter_reaches_max_new(
     assert len(tokens) == 16 and outputs[-1].finish == Action.FINISH
     live = verifier.sessions[session]
     assert live.machine.stats.accepted > 0  # the model drafter's rows were used and some accepted
+
+
+async def test_an_ended_session_is_forgotten_after_its_retention(deployment: Deployment, target: TargetModel) -> None:
+    router = deployment.router
+    assert router is not None
+    router.config = replace(router.config, router=replace(router.config.router, ended_retention_s=0.2))
+    await start_verifier(deployment, "verifier1")
+    opened = await open_session(deployment, tiny_contract(target))
+    session = opened["session"]
+    assert isinstance(session, bytes)
+    code, _ = await deployment.client("verifier1").post_cbor(
+        "events", Event(session=session, epoch=1, kind=Action.FINISH, committed=0, digest=bytes(32)).to_obj()
+    )
+    assert code == 204 and router.sessions[session].ended
+    await asyncio.sleep(0.5)
+    assert session not in router.sessions
+    with pytest.raises(ProtocolError) as gone:
+        await deployment.client("frontend").get_cbor(f"sessions/{session_path_id(session)}")
+    assert gone.value.status == 404

@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import cbor2
@@ -398,3 +399,18 @@ async def test_a_failed_append_releases_nothing_and_the_round_can_be_retried(
             await env.close()
             await node.stop()
             await env.mlc.close()
+
+
+async def test_an_ended_session_is_freed_after_its_retention(cluster: Cluster, target: TargetModel) -> None:
+    node = cluster.node
+    node.config = replace(node.config, verifier=replace(node.config.verifier, ended_retention_s=0.2))
+    state = await open_and_assign(cluster, contract(target, max_new=1))
+    drafter = cluster.client("drafter")
+    _, body = await drafter.post_cbor("proposals", proposal(state, (1, 2)).to_obj())
+    assert Verdict.from_obj(body).action == Action.FINISH
+    path = f"sessions/{session_path_id(SESSION)}/output"
+    _, body = await drafter.get_cbor(path, {"from": "0"})
+    assert Output.from_obj(body).final  # still readable right after the end
+    await asyncio.sleep(0.5)
+    err = await problem_of(drafter.get_cbor(path, {"from": "0"}))
+    assert err.status == 404 and SESSION not in node.sessions and not target.has_session(SESSION)

@@ -92,6 +92,8 @@ class VerifierConfig:
     batch_window_ms: float = 2.0
     max_batch: int = 16
     output_wait_s: float = 10.0
+    # How long an ended or fenced session stays readable (output, stats) before it is forgotten.
+    ended_retention_s: float = 600.0
     # Where the verifier publishes committed target KV for takeover (SDCP 6.3); 0 = never.
     publish_kv_every: int = 0
 
@@ -106,6 +108,8 @@ class DrafterConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
+    # How long an ended session can still be looked up (GET sessions/{id}) before it is forgotten.
+    ended_retention_s: float = 600.0
     # Assignments start at the contract's own limit (m_init is clamped to m_max): escalation and
     # load lower it where long proposals do not pay (SDCP 6.5).
     m_init: int = 64

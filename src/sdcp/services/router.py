@@ -421,3 +421,10 @@ class RouterNode(Node):
         tracked.plan.drafter = None
         SESSIONS_OPEN.labels(self.uri).dec()
         log.info("%s: session %s ended (%s)", self.uri, tracked.path_id, kind.name.lower())
+        self.spawn(self._forget_later(tracked))
+
+    async def _forget_later(self, tracked: _TrackedSession) -> None:
+        """An ended session can be looked up for a while, then its memory is freed."""
+        await asyncio.sleep(self.config.router.ended_retention_s)
+        if self.sessions.get(tracked.plan.session) is tracked:
+            del self.sessions[tracked.plan.session]

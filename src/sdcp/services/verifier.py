@@ -395,6 +395,7 @@ class VerifierNode(Node):
         machine.stop_serving()
         live.wake_readers()
         self.spawn(self._close_model_session(machine.session))
+        self.spawn(self._forget_later(live))
         log.warning("%s: session %s fenced: %s", self.uri, machine.session.hex(), cause)
         raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log was fenced: {cause}") from cause
 
@@ -415,6 +416,7 @@ class VerifierNode(Node):
                 self.spawn(self._send_event(pending.event))
         if live.machine.ended:
             self.spawn(self._close_model_session(live.machine.session))
+            self.spawn(self._forget_later(live))
 
     async def _self_decode(self, live: _LiveSession) -> None:
         """SDCP 6.5.2 self_decode: one target token per round until self_max, load or the end.
@@ -486,6 +488,12 @@ class VerifierNode(Node):
         if self.target.has_session(machine.session):
             self.target.close_session(machine.session)
         self.target.open_session(machine.session, (*machine.prompt, *machine.tokens))
+
+    async def _forget_later(self, live: _LiveSession) -> None:
+        """An ended or fenced session stays readable for a while, then its memory is freed."""
+        await asyncio.sleep(self.config.verifier.ended_retention_s)
+        if self.sessions.get(live.machine.session) is live:
+            del self.sessions[live.machine.session]
 
     async def _send_event(self, event: Event) -> None:
         router = self.config.instance.router
