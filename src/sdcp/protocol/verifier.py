@@ -47,7 +47,6 @@ from sdcp.protocol.rules import (
     RandomSource,
     SecureRandom,
     SeededRandom,
-    check_draft_rows,
     get_rule,
 )
 from sdcp.protocol.sampling import draw_token, target_distribution
@@ -369,9 +368,8 @@ class VerifierSession:
         if proposal is None:
             raise ValueError("a self-decoded round is decided by decide_self_decode")
         tokens = proposal.tokens
-        if self.rule.needs_q:
-            # SDCP 6.3: every draft row is obtained and checked before any random value is drawn.
-            q_rows = check_draft_rows(q_rows, tokens, logits.shape[-1])
+        # SDCP 6.3: a rule that needs draft rows checks every one (rules.check_draft_rows) before it
+        # draws its first random value.
         acceptance = self.rule.accept(self._target_rows(logits, ticket.sampling), q_rows, tokens, ticket.rng)
         proposed_emitted = (*tokens[: acceptance.accepted], acceptance.extra_token)
         control = copy.copy(self.control)
