@@ -25,6 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from sdcp.models import kvcache
 from sdcp.models.digests import weights_digest
 from sdcp.models.errors import BadTokens, SessionExists, UnknownSession
+from sdcp.models.skinny import with_skinny_linears
 from sdcp.protocol.messages import Sampling
 from sdcp.protocol.sampling import draw_token, target_distribution
 
@@ -111,7 +112,7 @@ class HFDrafter:
     def __init__(
         self, model: PreTrainedModel, *, name: str, device: str | torch.device | None = None
     ) -> None:
-        self.model = model.to(device=device or "cpu", dtype=torch.float32).eval()
+        self.model = with_skinny_linears(model.to(device=device or "cpu", dtype=torch.float32).eval())
         self.name = name
         self._sessions: dict[SessionId, _LMSession] = {}
         self._timer = _DraftTimer(initial=0.01)

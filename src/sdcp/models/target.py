@@ -28,6 +28,7 @@ from sdcp.models.errors import (
     UnknownSession,
 )
 from sdcp.models.kvformat import decode_kv, encode_kv
+from sdcp.models.skinny import with_skinny_linears
 
 SessionId = bytes
 ScoreRequest = tuple[SessionId, Sequence[int]]
@@ -55,8 +56,9 @@ class TargetModel:
         name: str = "model",
         device: str | torch.device | None = None,
     ) -> None:
-        # Verification runs in fp32: bf16 changes greedy outputs of SmolLM2 on this machine.
-        self.model = model.to(device=device or "cpu", dtype=torch.float32).eval()
+        # Verification runs in fp32: bf16 changes greedy outputs of SmolLM2 on this machine. The
+        # caller's model is left as it is; ours shares its weights (sdcp.models.skinny).
+        self.model = with_skinny_linears(model.to(device=device or "cpu", dtype=torch.float32).eval())
         self.tokenizer = tokenizer
         self.name = name
         self._sessions: dict[SessionId, _Session] = {}
