@@ -45,7 +45,7 @@ def test_bench_command_on_tiny_model_writes_results(tmp_path: Path) -> None:
         assert isinstance(summary["ratios"][key], float), key
     assert summary["overhead_ms_p50"] is not None and summary["overhead_ms_p99"] >= summary["overhead_ms_p50"]
     assert summary["identical_outputs"] is True and summary["mismatches"] == []
-    assert {"hf_target", "hf_prompt_lookup", "sdcp_inprocess", "sdcp_e2e"} <= set(summary["systems"])
+    assert {"hf_target", "hf_prompt_lookup", "sdcp_target_only", "sdcp_inprocess", "sdcp_e2e"} <= set(summary["systems"])
     assert [level["sessions"] for level in summary["concurrency"]] == [1, 16]
     assert summary["concurrency"][1]["verifier_batch_mean"] >= 1.0
     assert "| sdcp_e2e |" in (out / "results.md").read_text(encoding="utf-8")

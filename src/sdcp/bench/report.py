@@ -91,6 +91,10 @@ def summarise(data: BenchData) -> dict[str, Any]:
         "e2e_vs_hf_prompt_lookup": ratio("all", E2E, "hf_prompt_lookup"),
         "e2e_vs_inprocess": ratio("all", E2E, "sdcp_inprocess"),
         "inprocess_vs_target": ratio("all", "sdcp_inprocess", "hf_target"),
+        "backend_vs_target": ratio("all", "sdcp_target_only", "hf_target"),
+        "repetitive_vs_backend": ratio("repetitive", E2E, "sdcp_target_only"),
+        "nonrepetitive_vs_backend": ratio("nonrepetitive", E2E, "sdcp_target_only"),
+        "e2e_vs_backend": ratio("all", E2E, "sdcp_target_only"),
     }
     if "sdcp_e2e_redis" in data.systems:
         ratios["e2e_redis_vs_e2e"] = ratio("all", "sdcp_e2e_redis", E2E)

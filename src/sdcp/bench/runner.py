@@ -24,6 +24,7 @@ from sdcp.bench.systems import (
     HFTargetSystem,
     InProcessSDCPSystem,
     RunResult,
+    TargetOnlySDCPSystem,
 )
 from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError, Workload, load_workloads, tokenize_prompt
 from sdcp.cache.redis_process import local_redis_server, redis_server_available
@@ -33,7 +34,7 @@ from sdcp.models.target import TargetModel
 __all__ = ["BenchConfig", "Measurement", "run_bench"]
 
 # Systems whose outputs must equal target-only greedy decoding token for token.
-EXACT_SYSTEMS = ("hf_target", "sdcp_inprocess", "sdcp_e2e", "sdcp_e2e_redis")
+EXACT_SYSTEMS = ("hf_target", "sdcp_target_only", "sdcp_inprocess", "sdcp_e2e", "sdcp_e2e_redis")
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
     in_process: list[Any] = [HFTargetSystem(loaded.model, stop), HFPromptLookupSystem(loaded.model, stop)]
     if config.model == TINY_NAME:
         in_process.append(HFAssistedSystem(loaded.model, stop, load_model(TINY_DRAFT_NAME).model))
+    in_process.append(TargetOnlySDCPSystem(target, stop))
     in_process.append(InProcessSDCPSystem(target, stop))
     prompts = {w.name: [tokenize_prompt(tokenizer, p) for p in w.prompts] for w in workloads}
     with ExitStack() as stack:

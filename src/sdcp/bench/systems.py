@@ -32,6 +32,7 @@ __all__ = [
     "HFTargetSystem",
     "InProcessSDCPSystem",
     "RunResult",
+    "TargetOnlySDCPSystem",
 ]
 
 # transformers' documented example value for prompt lookup decoding.
@@ -121,6 +122,37 @@ class HFAssistedSystem(_HFGenerateSystem):
 
     def options(self) -> dict[str, Any]:
         return {"assistant_model": self.assistant}
+
+
+class TargetOnlySDCPSystem:
+    """SDCP's target backend decoding one token per pass: no drafts, no protocol.
+
+    Its gap to ``hf_target`` is what the backend itself gains (sdcp.models.skinny); the gap between
+    it and the speculative systems is what speculation gains on top.
+    """
+
+    name = "sdcp_target_only"
+
+    def __init__(self, target: TargetModel, stop: Sequence[int]) -> None:
+        self.target = target
+        self.stop = set(stop)
+        self._sessions = 0
+
+    def generate(self, prompt: Sequence[int], max_new: int) -> RunResult:
+        self._sessions += 1
+        session = (1 << 64 | self._sessions).to_bytes(16, "big")
+        tokens: list[int] = []
+        started = time.perf_counter()
+        self.target.open_session(session, list(prompt))
+        try:
+            while len(tokens) < max_new and not (tokens and tokens[-1] in self.stop):
+                (row,) = self.target.score([(session, ())])
+                token = int(row[0].argmax())
+                self.target.commit(session, 0, [token])
+                tokens.append(token)
+        finally:
+            self.target.close_session(session)
+        return RunResult(tokens=tokens, seconds=time.perf_counter() - started)
 
 
 class InProcessSDCPSystem:
