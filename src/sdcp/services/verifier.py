@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn, TypeVar
 
@@ -94,6 +95,17 @@ class RoundTimings:
 
 
 _RouterMessage = TypeVar("_RouterMessage", Assignment, Policy)
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """A queued self-decoding pass: the tokens it follows, the prompt-lookup prediction after
+    them, the part of it scored, and the rows."""
+
+    context: tuple[int, ...]
+    prediction: tuple[int, ...]
+    guess: tuple[int, ...]
+    logits: asyncio.Future[np.ndarray]
 
 
 @dataclass
@@ -355,11 +367,15 @@ class VerifierNode(Node):
         leave a durable record unreleased (the commit and the verdict are atomic).
         """
         machine = live.machine
-        await self._append(live, pending)
+        committed = (*machine.prompt, *machine.tokens, *pending.record.emitted)
+        self._sync_model_soon(machine.session, pending.verdict.accepted, pending.record.emitted, committed)
+        try:
+            await self._append(live, pending)
+        except BaseException:
+            if not machine.fenced:
+                self._realign_model_soon(machine)
+            raise
         verdict = self._release(live, pending)
-        await self.scorer.run_async(
-            self.target.commit, machine.session, pending.verdict.accepted, pending.record.emitted
-        )
         self._after_commit(live, [pending])
         if verdict.action == Action.SELF_DECODE and machine.self_decoding:
             live.self_decoder = self.spawn(self._self_decode(live))
@@ -425,12 +441,14 @@ class VerifierNode(Node):
         with the next position. Each round still draws its one token from its own row exactly as
         without the prediction; while the drawn tokens match the prediction, the rows that follow
         are the target's rows for the committed prefix, so the next rounds need no pass of their own
-        (docs/interpretations.md).
+        (docs/interpretations.md). The next pass is queued as soon as a pass's tokens are decided,
+        so that it runs while their records are appended and released.
         """
         machine = live.machine
         try:
-            while machine.self_decoding and not machine.ended:
-                await self._self_decode_pass(live)
+            scoring: _Pass | None = self._start_pass(live, (*machine.prompt, *machine.tokens))
+            while scoring is not None:
+                scoring = await self._self_decode_pass(live, scoring)
         except Exception as exc:
             if machine.fenced or machine.ended:
                 return
@@ -438,56 +456,85 @@ class VerifierNode(Node):
             log.error("%s: self-decoding of session %s stopped: %r", self.uri, machine.session.hex(), exc)
             self.spawn(self._send_event(machine.interrupt_self_decode()))
 
-    async def _self_decode_pass(self, live: _LiveSession) -> None:
-        machine = live.machine
-        prediction = tuple(
-            prompt_lookup((*machine.prompt, *machine.tokens), SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH)
-        )
+    def _start_pass(self, live: _LiveSession, context: tuple[int, ...]) -> _Pass:
+        """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens)."""
+        prediction = tuple(prompt_lookup(context, SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH))
         # A longer pass costs more than it saves when predictions keep missing; a prediction that
         # was not scored still counts, so that lookahead resumes when the text repeats.
         guess = prediction if live.lookahead_hits >= LOOKAHEAD_MIN_HIT_RATE else ()
-        logits = await self._score(live, guess)
+        return _Pass(context, prediction, guess, asyncio.ensure_future(self._score(live, guess)))
+
+    async def _self_decode_pass(self, live: _LiveSession, scoring: _Pass) -> _Pass | None:
+        """Commit the rounds of one pass; returns the next pass, already queued, if there is one."""
+        machine = live.machine
+        logits = await scoring.logits
         released: list[PendingCommit] = []
-        emitted: list[int] = []
+        decided: list[int] = []
+        following: _Pass | None = None
         try:
             for position, row in enumerate(logits):
                 ticket = machine.begin_self_decode()
                 try:
                     pending = machine.decide_self_decode(ticket, row, self.load)
+                    decided.extend(pending.record.emitted)
+                    continues = pending.control.self_decoding and pending.control.ended is None
+                    predicted = position < len(scoring.guess) and pending.record.emitted == (scoring.guess[position],)
+                    last = not (predicted and continues)
+                    if last:
+                        context = (*scoring.context, *decided)
+                        self._sync_model_soon(machine.session, len(decided) - 1, decided, context)
+                        if continues:
+                            following = self._start_pass(live, context)
                     await self._append(live, pending)
                 except BaseException:
                     machine.abandon(ticket)
                     raise
                 self._release(live, pending)
-                if not released and prediction:
-                    live.record_lookahead(pending.record.emitted == prediction[:1])
+                if not released and scoring.prediction:
+                    live.record_lookahead(pending.record.emitted == scoring.prediction[:1])
                 released.append(pending)
-                emitted.extend(pending.record.emitted)
-                predicted = position < len(guess) and pending.record.emitted == (guess[position],)
-                if not (predicted and machine.self_decoding and not machine.ended):
+                if last:
                     break
-        finally:
+        except BaseException:
+            if following is not None:
+                following.logits.cancel()
+                await asyncio.gather(following.logits, return_exceptions=True)
             if not machine.fenced:
-                await self._commit_model(live, emitted)
+                # The model may hold decided tokens whose records were not appended.
+                self._realign_model_soon(machine)
+            raise
+        finally:
             self._after_commit(live, released)
+        return following
 
-    async def _commit_model(self, live: _LiveSession, emitted: list[int]) -> None:
-        """Bring the model's KV cache to the committed tokens after a self-decoding pass."""
-        session = live.machine.session
+    def _sync_model_soon(
+        self, session: bytes, accepted: int, emitted: Sequence[int], committed: tuple[int, ...]
+    ) -> None:
+        """Queue bringing the model's KV cache to ``committed``, the tokens a round decided.
+
+        Not awaited: the scorer runs queued work in order, so the session's next pass sees it.
+        """
+        self.scorer.run(self._sync_model, session, accepted, tuple(emitted), committed)
+
+    def _realign_model_soon(self, machine: VerifierSession) -> None:
+        """Queue rebuilding the model state from the committed tokens alone (after a failed round)."""
+        self.scorer.run(self._rebuild_model_session, machine.session, (*machine.prompt, *machine.tokens))
+
+    def _sync_model(self, session: bytes, accepted: int, emitted: tuple[int, ...], committed: tuple[int, ...]) -> None:
         try:
             if emitted:
-                await self.scorer.run_async(self.target.commit, session, len(emitted) - 1, emitted)
+                self.target.commit(session, accepted, emitted)
             else:
-                await self.scorer.run_async(self.target.rollback, session)
+                self.target.rollback(session)
         except Exception as exc:
-            # The tokens are committed whatever the model's state: rebuild it from them.
+            # The tokens are decided whatever the model's state: rebuild it from them.
             log.error("%s: model state of session %s rebuilt after %r", self.uri, session.hex(), exc)
-            await self.scorer.run_async(self._rebuild_model_session, live.machine)
+            self._rebuild_model_session(session, committed)
 
-    def _rebuild_model_session(self, machine: VerifierSession) -> None:
-        if self.target.has_session(machine.session):
-            self.target.close_session(machine.session)
-        self.target.open_session(machine.session, (*machine.prompt, *machine.tokens))
+    def _rebuild_model_session(self, session: bytes, committed: tuple[int, ...]) -> None:
+        if self.target.has_session(session):
+            self.target.close_session(session)
+        self.target.open_session(session, committed)
 
     async def _forget_later(self, live: _LiveSession) -> None:
         """An ended or fenced session stays readable for a while, then its memory is freed."""
