@@ -241,7 +241,7 @@ class TargetModel:
             input_ids[row, : len(fed)] = torch.tensor(fed)
             attention[row, past_width - past[row] : past_width + len(fed)] = 1
             positions[row] = torch.arange(past[row], past[row] + new_width)
-        cache = kvcache.left_padded_batch(self.model, [s.cache for s in states], past_width)
+        cache = kvcache.left_padded_batch(self.model, [s.cache for s in states], past_width, new_width)
         logits = self._forward(
             input_ids.to(self.device), attention.to(self.device), positions.to(self.device), cache
         )
