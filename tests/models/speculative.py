@@ -64,6 +64,7 @@ class RandomDrafter:
     """Proposes uniformly random tokens with one-hot rows: a drafter that is almost always wrong."""
 
     name = "random"
+    runs_inline = True
     weights_digest = b"\x00" * 32
     seconds_per_token = 0.0
 

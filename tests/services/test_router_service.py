@@ -504,6 +504,7 @@ class WrongDrafter:
     target's greedy choice for the first one (computed with its own copy of the tiny target)."""
 
     name = "always-wrong"
+    runs_inline = False
 
     def __init__(self) -> None:
         self.model = tiny_model()

@@ -54,6 +54,9 @@ class DraftResult:
 @runtime_checkable
 class Drafter(Protocol):
     name: str
+    # Calls take microseconds and hold no model: a service makes them on its event loop rather
+    # than on a worker thread, whose hand-offs would cost more than the calls.
+    runs_inline: bool
 
     @property
     def vocab_size(self) -> int: ...
@@ -114,6 +117,7 @@ class HFDrafter:
     ) -> None:
         self.model = with_skinny_linears(model.to(device=device or "cpu", dtype=torch.float32).eval())
         self.name = name
+        self.runs_inline = False
         self._sessions: dict[SessionId, _LMSession] = {}
         self._timer = _DraftTimer(initial=0.01)
         self._lock = threading.RLock()
@@ -224,6 +228,7 @@ class NgramDrafter:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.name = "ngram"
+        self.runs_inline = True
         self._vocab_size = vocab_size
         self.n_max = n_max
         self.n_min = n_min

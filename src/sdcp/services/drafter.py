@@ -115,13 +115,16 @@ def q_rows_uri(mlc: MLC, assignment: Assignment, round_number: int) -> str:
 
 
 class ModelWorker:
-    """One thread that runs every call into a model, in submission order, off the event loop.
+    """One thread that runs every call into a model, in submission order, off the event loop
+    (or, for a drafter that holds no model, the caller's thread at once).
 
     It also measures what the status report needs: calls waiting to start (queue) and the share
     of the recent past the thread spent busy (load).
     """
 
-    def __init__(self, name: str, window_s: float = 10.0) -> None:
+    def __init__(self, name: str, window_s: float = 10.0, *, inline: bool = False) -> None:
+        # Inline: calls run at once on the caller's thread (for drafters that hold no model).
+        self._inline = inline
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._window_s = window_s
         self._lock = threading.Lock()
@@ -134,6 +137,13 @@ class ModelWorker:
         """Queue a call now (so that calls keep the order of submission) and return its future."""
         with self._lock:
             self._waiting += 1
+        if self._inline:
+            done: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
+            try:
+                done.set_result(self._timed(function, *args))
+            except Exception as exc:  # noqa: BLE001 - the caller learns it when awaiting
+                done.set_exception(exc)
+            return done
         future = self._executor.submit(self._timed, function, *args)
         # A call cancelled before it started never reaches _timed, which would count it down.
         future.add_done_callback(self._count_cancelled)
@@ -227,7 +237,7 @@ class DrafterNode(Node):
         )
         self.routers = frozenset(r for r in (config.instance.router,) if r is not None)
         self.runs: dict[bytes, _SessionRun] = {}
-        self._worker = ModelWorker(f"drafter-{self.drafter.name}")
+        self._worker = ModelWorker(f"drafter-{self.drafter.name}", inline=self.drafter.runs_inline)
         self._round_trip = _RoundTrip()
         self._assigning = asyncio.Lock()
 
