@@ -93,7 +93,7 @@ class BatchingScorer:
         window_s: float = 0.002,
         max_batch: int = 16,
         active_sessions: Callable[[], int] | None = None,
-        window_share: float = 0.15,
+        window_share: float = 0.3,
         pass_overhead_rows: int = 16,
     ) -> None:
         if window_s < 0 or max_batch < 1 or not 0 <= window_share < 1 or pass_overhead_rows < 0:
