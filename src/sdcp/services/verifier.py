@@ -57,8 +57,8 @@ log = logging.getLogger("sdcp.verifier")
 # of at least LOOKAHEAD_MIN_MATCH tokens (a weaker match rarely predicts the next token).
 SELF_DECODE_LOOKAHEAD = 8
 LOOKAHEAD_MIN_MATCH = 2
-# Lookahead is used while the share of predictions whose first token was right (an exponentially
-# weighted average) is at least this.
+# The whole prediction is scored while the share of predictions whose first token was right (an
+# exponentially weighted average) is at least this; below it, only the prediction's first token.
 LOOKAHEAD_MIN_HIT_RATE = 0.5
 _LOOKAHEAD_WEIGHT = 0.3
 
@@ -117,7 +117,8 @@ class _LiveSession:
     committed: asyncio.Event = field(default_factory=asyncio.Event)
     self_decoder: asyncio.Task[None] | None = None
     timings: RoundTimings = field(default_factory=RoundTimings)
-    lookahead_hits: float = 1.0
+    # Below LOOKAHEAD_MIN_HIT_RATE: a session starts with one-token guesses.
+    lookahead_hits: float = 0.4
 
     def record_lookahead(self, hit: bool) -> None:
         self.lookahead_hits += _LOOKAHEAD_WEIGHT * (float(hit) - self.lookahead_hits)
@@ -459,9 +460,10 @@ class VerifierNode(Node):
     def _start_pass(self, live: _LiveSession, context: tuple[int, ...]) -> _Pass:
         """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens)."""
         prediction = tuple(prompt_lookup(context, SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH))
-        # A longer pass costs more than it saves when predictions keep missing; a prediction that
-        # was not scored still counts, so that lookahead resumes when the text repeats.
-        guess = prediction if live.lookahead_hits >= LOOKAHEAD_MIN_HIT_RATE else ()
+        # A long guess costs up to a second pass (9 rows against 1) and pays only while predictions
+        # hit; one predicted token costs a few percent of a pass (2 rows), so it is always scored
+        # and keeps the hit rate current.
+        guess = prediction if live.lookahead_hits >= LOOKAHEAD_MIN_HIT_RATE else prediction[:1]
         return _Pass(context, prediction, guess, asyncio.ensure_future(self._score(live, guess)))
 
     async def _self_decode_pass(self, live: _LiveSession, scoring: _Pass) -> _Pass | None:
