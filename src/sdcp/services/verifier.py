@@ -461,9 +461,13 @@ class VerifierNode(Node):
         """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens)."""
         prediction = tuple(prompt_lookup(context, SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH))
         # A long guess costs up to a second pass (9 rows against 1) and pays only while predictions
-        # hit; one predicted token costs a few percent of a pass (2 rows), so it is always scored
-        # and keeps the hit rate current.
-        guess = prediction if live.lookahead_hits >= LOOKAHEAD_MIN_HIT_RATE else prediction[:1]
+        # hit. One predicted token costs a few percent of a pass of this session alone (2 rows), so
+        # it is then scored anyway and keeps the hit rate current; in a batch with other sessions
+        # it would double the pass's rows. A prediction that was not scored still counts.
+        if live.lookahead_hits >= LOOKAHEAD_MIN_HIT_RATE:
+            guess = prediction
+        else:
+            guess = prediction[:1] if self._active_sessions() == 1 else ()
         return _Pass(context, prediction, guess, asyncio.ensure_future(self._score(live, guess)))
 
     async def _self_decode_pass(self, live: _LiveSession, scoring: _Pass) -> _Pass | None:
