@@ -104,5 +104,6 @@ class ClusterSystem:
             proposed_by_position=list(stats.get("proposed_by_position", [])),
             overhead_ms=non_model_ms(stats),
             inter_token_ms=inter_token,
-            batch_sizes=list(stats.get("round_batch", [])),
+            # Rounds committed from rows of an earlier pass (self-decoding lookahead) report 0.
+            batch_sizes=[size for size in stats.get("round_batch", []) if size > 0],
         )
