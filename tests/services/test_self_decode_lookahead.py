@@ -118,3 +118,69 @@ async def test_lookahead_saves_passes_and_keeps_greedy_output(
     # One pass per round without lookahead; the list the model repeats is predicted by lookup.
     self_decode_passes = verifier.scorer.batches_run - passes_before - 1  # less the proposal's pass
     assert self_decode_passes < self_decoded
+
+
+async def test_a_failed_append_while_self_decoding_leaves_the_model_at_the_committed_tokens(
+    node: tuple[VerifierNode, dict[str, SDCPClient]], target: TargetModel
+) -> None:
+    verifier, clients = node
+    prompt = tuple(target.tokenizer(PROMPT_TEXT)["input_ids"])
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        reference = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                          do_sample=False)[0, len(prompt):].tolist()
+    contract = Contract.from_obj({
+        "target": target.weights_digest, "tokenizer": target.tokenizer_digest, "rule": 1, "m_max": 4,
+        "max_new": MAX_NEW, "stop": end_of_text_tokens(target.tokenizer), "low_rounds": 1,
+        "fallback": [Action.SELF_DECODE, Action.FAIL], "self_load": 100, "self_max": MAX_NEW,
+    })
+    opened = SessionOpen(session=SESSION, epoch=1, contract=contract, prompt=prompt,
+                         commit_log=build_uri("local", None, "log", SESSION.hex()))
+    _, body = await clients["router"].post_cbor("sessions", opened.to_obj())
+    state = SessionState.from_obj(body)
+
+    async def assign(state: SessionState) -> None:
+        assignment = Assignment(session=SESSION, epoch=1, contract=contract, verifier=verifier.uri,
+                                drafter="https://127.0.0.1:2", prompt=prompt, round=state.round,
+                                committed=state.committed, digest=state.digest, m_init=4)
+        await clients["router"].put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
+
+    def propose(state: SessionState, tokens: tuple[int, ...]) -> Proposal:
+        return Proposal(session=SESSION, epoch=1, round=state.round + 1, drafter="https://127.0.0.1:2",
+                        base=state.committed, base_digest=state.digest, tokens=tokens,
+                        status=Status(instance="https://127.0.0.1:2", role=Role.DRAFTER, load=0, queue=0,
+                                      ttl_ms=1000))
+
+    # The sixth record cannot be written: the MLC answers with an error and the record is not there.
+    live = verifier.sessions[SESSION]
+    appended = live.log.append
+    calls = 0
+
+    async def failing_append(record: dict[str, object], if_match: str) -> str:
+        nonlocal calls
+        calls += 1
+        if calls == 6:
+            raise OSError("the MLC is unreachable")
+        return await appended(record, if_match)
+
+    live.log.append = failing_append  # type: ignore[method-assign]
+    await assign(state)
+    wrong = (reference[0] + 1) % target.vocab_size
+    _, body = await clients["drafter"].post_cbor("proposals", propose(state, (wrong,)).to_obj())
+    assert Verdict.from_obj(body).action == Action.SELF_DECODE
+    for _ in range(200):
+        if not live.machine.self_decoding:
+            break
+        await asyncio.sleep(0.05)
+    assert not live.machine.self_decoding and not live.machine.ended
+    committed = list(live.machine.tokens)
+    assert committed == reference[: len(committed)] and len(committed) == 5
+    # The model holds exactly the committed tokens again: a drafter proposing the reference's next
+    # tokens has them all accepted.
+    await verifier.scorer.run_async(lambda: None)
+    assert target.committed_tokens(SESSION) == (*prompt, *committed)
+    state = live.machine.state()
+    await assign(state)
+    _, body = await clients["drafter"].post_cbor("proposals", propose(state, tuple(reference[5:8])).to_obj())
+    verdict = Verdict.from_obj(body)
+    assert verdict.accepted == 3 and list(verdict.emitted) == reference[5:9]

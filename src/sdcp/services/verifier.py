@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from sdcp.cache import MLC, CacheError, CommitLog, Fenced, PreconditionFailed
-from sdcp.models.batching import BatchingScorer
+from sdcp.models.batching import BatchingScorer, ScorerClosed
 from sdcp.models.draft import prompt_lookup
 from sdcp.models.errors import DigestMismatch
 from sdcp.models.registry import load_target
@@ -373,8 +373,7 @@ class VerifierNode(Node):
         try:
             await self._append(live, pending)
         except BaseException:
-            if not machine.fenced:
-                self._realign_model_soon(machine)
+            self._realign_model_after_failure(machine)
             raise
         verdict = self._release(live, pending)
         self._after_commit(live, [pending])
@@ -453,8 +452,10 @@ class VerifierNode(Node):
         except Exception as exc:
             if machine.fenced or machine.ended:
                 return
-            # The period ends as it would at self_max: the router assigns a drafter again.
-            log.error("%s: self-decoding of session %s stopped: %r", self.uri, machine.session.hex(), exc)
+            # The period ends as it would at self_max: the router assigns a drafter again. An MLC
+            # that cannot take the record is an operational failure, anything else a fault.
+            level = logging.WARNING if isinstance(exc, ServiceUnavailable) else logging.ERROR
+            log.log(level, "%s: self-decoding of session %s stopped: %r", self.uri, machine.session.hex(), exc)
             self.spawn(self._send_event(machine.interrupt_self_decode()))
 
     def _start_pass(self, live: _LiveSession, context: tuple[int, ...]) -> _Pass:
@@ -505,9 +506,7 @@ class VerifierNode(Node):
             if following is not None:
                 following.logits.cancel()
                 await asyncio.gather(following.logits, return_exceptions=True)
-            if not machine.fenced:
-                # The model may hold decided tokens whose records were not appended.
-                self._realign_model_soon(machine)
+            self._realign_model_after_failure(machine)
             raise
         finally:
             self._after_commit(live, released)
@@ -522,9 +521,17 @@ class VerifierNode(Node):
         """
         self.scorer.run(self._sync_model, session, accepted, tuple(emitted), committed)
 
-    def _realign_model_soon(self, machine: VerifierSession) -> None:
-        """Queue rebuilding the model state from the committed tokens alone (after a failed round)."""
-        self.scorer.run(self._rebuild_model_session, machine.session, (*machine.prompt, *machine.tokens))
+    def _realign_model_after_failure(self, machine: VerifierSession) -> None:
+        """After a failed round, queue rebuilding the model state from the committed tokens alone:
+        it may hold decided tokens whose records were not appended. A fenced session's model state
+        is closed instead."""
+        if machine.fenced:
+            return
+        try:
+            self.scorer.run(self._rebuild_model_session, machine.session, (*machine.prompt, *machine.tokens))
+        except ScorerClosed:
+            return  # the node is stopping: no model state to keep
+
 
     def _sync_model(self, session: bytes, accepted: int, emitted: tuple[int, ...], committed: tuple[int, ...]) -> None:
         try:
@@ -538,9 +545,11 @@ class VerifierNode(Node):
             self._rebuild_model_session(session, committed)
 
     def _rebuild_model_session(self, session: bytes, committed: tuple[int, ...]) -> None:
+        """On the scorer thread; a session this node has dropped meanwhile is not opened again."""
         if self.target.has_session(session):
             self.target.close_session(session)
-        self.target.open_session(session, committed)
+        if session in self.sessions:
+            self.target.open_session(session, committed)
 
     async def _forget_later(self, live: _LiveSession) -> None:
         """An ended or fenced session stays readable for a while, then its memory is freed."""
