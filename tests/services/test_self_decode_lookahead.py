@@ -74,32 +74,57 @@ async def node(tmp_path: Path, target: TargetModel) -> AsyncIterator[tuple[Verif
         await verifier.stop()
 
 
-async def test_lookahead_saves_passes_and_keeps_greedy_output(
-    node: tuple[VerifierNode, dict[str, SDCPClient]], target: TargetModel
-) -> None:
-    verifier, clients = node
+DRAFTER = "https://127.0.0.1:2"
+
+
+def _prompt_and_reference(target: TargetModel) -> tuple[tuple[int, ...], list[int]]:
     prompt = tuple(target.tokenizer(PROMPT_TEXT)["input_ids"])
     with torch.inference_mode():
         ids = torch.tensor([prompt])
         reference = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
                                           do_sample=False)[0, len(prompt):].tolist()
+    return prompt, reference
+
+
+async def _open_self_decoding_session(
+    verifier: VerifierNode, clients: dict[str, SDCPClient], target: TargetModel, prompt: tuple[int, ...],
+    fallback: list[Action],
+) -> Contract:
+    """Open the session (low_rounds 1, self_max MAX_NEW) and assign the test's drafter."""
     contract = Contract.from_obj({
         "target": target.weights_digest, "tokenizer": target.tokenizer_digest, "rule": 1, "m_max": 4,
         "max_new": MAX_NEW, "stop": end_of_text_tokens(target.tokenizer), "low_rounds": 1,
-        "fallback": [Action.SELF_DECODE], "self_load": 100, "self_max": MAX_NEW,
+        "fallback": fallback, "self_load": 100, "self_max": MAX_NEW,
     })
     opened = SessionOpen(session=SESSION, epoch=1, contract=contract, prompt=prompt,
                          commit_log=build_uri("local", None, "log", SESSION.hex()))
     _, body = await clients["router"].post_cbor("sessions", opened.to_obj())
-    state = SessionState.from_obj(body)
-    assignment = Assignment(session=SESSION, epoch=1, contract=contract, verifier=verifier.uri,
-                            drafter="https://127.0.0.1:2", prompt=prompt, round=0, committed=0,
-                            digest=state.digest, m_init=4)
+    await _assign(clients, verifier, contract, prompt, SessionState.from_obj(body))
+    return contract
+
+
+async def _assign(clients: dict[str, SDCPClient], verifier: VerifierNode, contract: Contract,
+                  prompt: tuple[int, ...], state: SessionState) -> None:
+    assignment = Assignment(session=SESSION, epoch=1, contract=contract, verifier=verifier.uri, drafter=DRAFTER,
+                            prompt=prompt, round=state.round, committed=state.committed, digest=state.digest,
+                            m_init=4)
     await clients["router"].put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
+
+
+def _proposal(state: SessionState, tokens: tuple[int, ...]) -> Proposal:
+    return Proposal(session=SESSION, epoch=1, round=state.round + 1, drafter=DRAFTER, base=state.committed,
+                    base_digest=state.digest, tokens=tokens,
+                    status=Status(instance=DRAFTER, role=Role.DRAFTER, load=0, queue=0, ttl_ms=1000))
+
+
+async def test_lookahead_saves_passes_and_keeps_greedy_output(
+    node: tuple[VerifierNode, dict[str, SDCPClient]], target: TargetModel
+) -> None:
+    verifier, clients = node
+    prompt, reference = _prompt_and_reference(target)
+    await _open_self_decoding_session(verifier, clients, target, prompt, [Action.SELF_DECODE])
     wrong = (reference[0] + 1) % target.vocab_size
-    proposal = Proposal(session=SESSION, epoch=1, round=1, drafter="https://127.0.0.1:2", base=0,
-                        base_digest=state.digest, tokens=(wrong,),
-                        status=Status(instance="https://127.0.0.1:2", role=Role.DRAFTER, load=0, queue=0, ttl_ms=1000))
+    proposal = _proposal(verifier.sessions[SESSION].machine.state(), (wrong,))
     passes_before = verifier.scorer.batches_run
     _, body = await clients["drafter"].post_cbor("proposals", proposal.to_obj())
     assert Verdict.from_obj(body).action == Action.SELF_DECODE
@@ -124,35 +149,11 @@ async def test_a_failed_append_while_self_decoding_leaves_the_model_at_the_commi
     node: tuple[VerifierNode, dict[str, SDCPClient]], target: TargetModel
 ) -> None:
     verifier, clients = node
-    prompt = tuple(target.tokenizer(PROMPT_TEXT)["input_ids"])
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        reference = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                          do_sample=False)[0, len(prompt):].tolist()
-    contract = Contract.from_obj({
-        "target": target.weights_digest, "tokenizer": target.tokenizer_digest, "rule": 1, "m_max": 4,
-        "max_new": MAX_NEW, "stop": end_of_text_tokens(target.tokenizer), "low_rounds": 1,
-        "fallback": [Action.SELF_DECODE, Action.FAIL], "self_load": 100, "self_max": MAX_NEW,
-    })
-    opened = SessionOpen(session=SESSION, epoch=1, contract=contract, prompt=prompt,
-                         commit_log=build_uri("local", None, "log", SESSION.hex()))
-    _, body = await clients["router"].post_cbor("sessions", opened.to_obj())
-    state = SessionState.from_obj(body)
-
-    async def assign(state: SessionState) -> None:
-        assignment = Assignment(session=SESSION, epoch=1, contract=contract, verifier=verifier.uri,
-                                drafter="https://127.0.0.1:2", prompt=prompt, round=state.round,
-                                committed=state.committed, digest=state.digest, m_init=4)
-        await clients["router"].put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
-
-    def propose(state: SessionState, tokens: tuple[int, ...]) -> Proposal:
-        return Proposal(session=SESSION, epoch=1, round=state.round + 1, drafter="https://127.0.0.1:2",
-                        base=state.committed, base_digest=state.digest, tokens=tokens,
-                        status=Status(instance="https://127.0.0.1:2", role=Role.DRAFTER, load=0, queue=0,
-                                      ttl_ms=1000))
-
-    # The sixth record cannot be written: the MLC answers with an error and the record is not there.
+    prompt, reference = _prompt_and_reference(target)
+    contract = await _open_self_decoding_session(verifier, clients, target, prompt,
+                                                 [Action.SELF_DECODE, Action.FAIL])
     live = verifier.sessions[SESSION]
+    # The sixth record cannot be written: the MLC answers with an error and the record is not there.
     appended = live.log.append
     calls = 0
 
@@ -164,9 +165,8 @@ async def test_a_failed_append_while_self_decoding_leaves_the_model_at_the_commi
         return await appended(record, if_match)
 
     live.log.append = failing_append  # type: ignore[method-assign]
-    await assign(state)
     wrong = (reference[0] + 1) % target.vocab_size
-    _, body = await clients["drafter"].post_cbor("proposals", propose(state, (wrong,)).to_obj())
+    _, body = await clients["drafter"].post_cbor("proposals", _proposal(live.machine.state(), (wrong,)).to_obj())
     assert Verdict.from_obj(body).action == Action.SELF_DECODE
     for _ in range(200):
         if not live.machine.self_decoding:
@@ -180,7 +180,7 @@ async def test_a_failed_append_while_self_decoding_leaves_the_model_at_the_commi
     await verifier.scorer.run_async(lambda: None)
     assert target.committed_tokens(SESSION) == (*prompt, *committed)
     state = live.machine.state()
-    await assign(state)
-    _, body = await clients["drafter"].post_cbor("proposals", propose(state, tuple(reference[5:8])).to_obj())
+    await _assign(clients, verifier, contract, prompt, state)
+    _, body = await clients["drafter"].post_cbor("proposals", _proposal(state, tuple(reference[5:8])).to_obj())
     verdict = Verdict.from_obj(body)
     assert verdict.accepted == 3 and list(verdict.emitted) == reference[5:9]
