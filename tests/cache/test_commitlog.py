@@ -8,6 +8,7 @@ import pytest
 
 from sdcp.cache import MLC, CommitLog, Fenced, InvalidRecord, PreconditionFailed, build_uri
 from sdcp.cache.commitlog import EMPTY_LOG_ETAG
+from tests.cache.racing import race_appenders
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,30 +47,7 @@ async def test_invalid_records_are_refused(make_mlc) -> None:
 async def test_32_concurrent_appenders_one_winner_per_version(make_mlc) -> None:
     mlcs: list[MLC] = [make_mlc() for _ in range(4)]
     logs: list[CommitLog] = [mlcs[i % 4].commit_log(LOG) for i in range(32)]
-    start = asyncio.Event()
-    winners_by_etag: dict[str, list[int]] = {}
-
-    async def appender(writer: int) -> int:
-        await start.wait()
-        failures = 0
-        while True:
-            snapshot = await logs[writer].read()
-            try:
-                etag = await logs[writer].append(commit(1, writer), if_match=snapshot.etag)
-            except PreconditionFailed:
-                failures += 1
-                continue
-            winners_by_etag.setdefault(etag, []).append(writer)
-            return failures
-
-    tasks = [asyncio.create_task(appender(i)) for i in range(32)]
-    start.set()
-    failures = await asyncio.gather(*tasks)
-    assert sum(failures) > 0  # they really raced
-    assert all(len(writers) == 1 for writers in winners_by_etag.values())
-    final = await logs[0].read()
-    assert sorted(record["round"] for record in final.records) == list(range(32))
-    assert len(winners_by_etag) == 32 and final.etag in winners_by_etag
+    await race_appenders(logs, lambda writer: commit(1, writer))
 
 
 async def test_same_etag_exactly_one_winner(make_mlc) -> None:

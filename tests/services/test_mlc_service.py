@@ -47,6 +47,7 @@ from sdcp.services.node import build_mlc
 from sdcp.transport.certs import instance_name, make_certs
 from sdcp.transport.client import SDCPClient
 from sdcp.transport.errors import PeerClientError
+from tests.cache.racing import race_appenders
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -230,30 +231,7 @@ async def test_16_concurrent_appenders_one_winner_per_version(start_node, backen
     cluster: Cluster = await start_node(backend=backend)
     mlcs = [cluster.remote(DRAFTER_A if i % 2 else DRAFTER_B) for i in range(4)]
     logs: list[CommitLog] = [mlcs[i % 4].commit_log(LOG) for i in range(16)]
-    start = asyncio.Event()
-    winners_by_etag: dict[str, list[int]] = {}
-
-    async def appender(writer: int) -> int:
-        await start.wait()
-        failures = 0
-        while True:
-            snapshot = await logs[writer].read()
-            try:
-                etag = await logs[writer].append(commit(1, writer), if_match=snapshot.etag)
-            except PreconditionFailed:
-                failures += 1
-                continue
-            winners_by_etag.setdefault(etag, []).append(writer)
-            return failures
-
-    tasks = [asyncio.create_task(appender(i)) for i in range(16)]
-    start.set()
-    failures = await asyncio.gather(*tasks)
-    assert sum(failures) > 0  # they really raced
-    assert all(len(writers) == 1 for writers in winners_by_etag.values())
-    final = await logs[0].read()
-    assert sorted(record["round"] for record in final.records) == list(range(16))
-    assert len(winners_by_etag) == 16 and final.etag in winners_by_etag
+    await race_appenders(logs, lambda writer: commit(1, writer))
 
 
 async def test_fence_stops_stale_epochs(start_node, backend: str) -> None:
