@@ -5,7 +5,7 @@ Decoding feeds one row per session and a verification pass M + 1 rows. For such 
 the memory bandwidth, and its cost does not even grow with the rows: on this project's 2-core CPU
 the 211 linear layers of SmolLM2-135M take 32 ms for 1 row, 51 ms for 2 and 66 ms for 3.
 Computing the same product as ``(W @ x.T).T`` takes 15 ms for 2 rows, 16 ms for 4 and 33 ms for 8
-(``docs/performance.md``). That form is slow for exactly one row (32 ms) and for 9 to 15 rows, so
+(``docs/models.md``). That form is slow for exactly one row (32 ms) and for 9 to 15 rows, so
 those are padded with copies of the last row to 2 and to 16 rows; extra rows are cut off again.
 
 Each output row is a dot product of the same weights with the same input row in both forms; only

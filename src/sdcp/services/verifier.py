@@ -99,10 +99,8 @@ _RouterMessage = TypeVar("_RouterMessage", Assignment, Policy)
 
 @dataclass(frozen=True)
 class _Pass:
-    """A queued self-decoding pass: the tokens it follows, the prompt-lookup prediction after
-    them, the part of it scored, and the rows."""
+    """A queued self-decoding pass: the prompt-lookup prediction, the part of it scored, the rows."""
 
-    context: tuple[int, ...]
     prediction: tuple[int, ...]
     guess: tuple[int, ...]
     logits: asyncio.Future[np.ndarray]
@@ -368,8 +366,7 @@ class VerifierNode(Node):
         leave a durable record unreleased (the commit and the verdict are atomic).
         """
         machine = live.machine
-        committed = (*machine.prompt, *machine.tokens, *pending.record.emitted)
-        self._sync_model_soon(machine.session, pending.verdict.accepted, pending.record.emitted, committed)
+        self._sync_model_soon(machine, pending, pending.verdict.accepted, pending.record.emitted)
         try:
             await self._append(live, pending)
         except BaseException:
@@ -469,7 +466,7 @@ class VerifierNode(Node):
             guess = prediction
         else:
             guess = prediction[:1] if self._active_sessions() == 1 else ()
-        return _Pass(context, prediction, guess, asyncio.ensure_future(self._score(live, guess)))
+        return _Pass(prediction, guess, asyncio.ensure_future(self._score(live, guess)))
 
     async def _self_decode_pass(self, live: _LiveSession, scoring: _Pass) -> _Pass | None:
         """Commit the rounds of one pass; returns the next pass, already queued, if there is one."""
@@ -488,10 +485,10 @@ class VerifierNode(Node):
                     predicted = position < len(scoring.guess) and pending.record.emitted == (scoring.guess[position],)
                     last = not (predicted and continues)
                     if last:
-                        context = (*scoring.context, *decided)
-                        self._sync_model_soon(machine.session, len(decided) - 1, decided, context)
+                        # The pass's earlier rounds are released: decided = their tokens + this one's.
+                        committed = self._sync_model_soon(machine, pending, len(decided) - 1, decided)
                         if continues:
-                            following = self._start_pass(live, context)
+                            following = self._start_pass(live, committed)
                     await self._append(live, pending)
                 except BaseException:
                     machine.abandon(ticket)
@@ -513,13 +510,16 @@ class VerifierNode(Node):
         return following
 
     def _sync_model_soon(
-        self, session: bytes, accepted: int, emitted: Sequence[int], committed: tuple[int, ...]
-    ) -> None:
-        """Queue bringing the model's KV cache to ``committed``, the tokens a round decided.
+        self, machine: VerifierSession, pending: PendingCommit, accepted: int, emitted: Sequence[int]
+    ) -> tuple[int, ...]:
+        """Queue bringing the model's KV cache to the tokens committed once ``pending`` is, by
+        keeping ``accepted`` scored tokens and ``emitted``; returns those tokens, prompt included.
 
         Not awaited: the scorer runs queued work in order, so the session's next pass sees it.
         """
-        self.scorer.run(self._sync_model, session, accepted, tuple(emitted), committed)
+        committed = (*machine.prompt, *machine.tokens, *pending.record.emitted)
+        self.scorer.run(self._sync_model, machine.session, accepted, tuple(emitted), committed)
+        return committed
 
     def _realign_model_after_failure(self, machine: VerifierSession) -> None:
         """After a failed round, queue rebuilding the model state from the committed tokens alone:
