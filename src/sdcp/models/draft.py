@@ -25,7 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from sdcp.models import kvcache
 from sdcp.models.digests import weights_digest
 from sdcp.models.errors import BadTokens, SessionExists, UnknownSession
-from sdcp.models.skinny import with_skinny_linears
+from sdcp.models.packed import with_packed_linears
 from sdcp.protocol.messages import Sampling
 from sdcp.protocol.sampling import draw_token, target_distribution
 
@@ -115,7 +115,7 @@ class HFDrafter:
     def __init__(
         self, model: PreTrainedModel, *, name: str, device: str | torch.device | None = None
     ) -> None:
-        self.model = with_skinny_linears(model.to(device=device or "cpu", dtype=torch.float32).eval())
+        self.model = with_packed_linears(model.to(device=device or "cpu", dtype=torch.float32).eval())
         self.name = name
         self.runs_inline = False
         self._sessions: dict[SessionId, _LMSession] = {}

@@ -28,7 +28,7 @@ from sdcp.models.errors import (
     UnknownSession,
 )
 from sdcp.models.kvformat import decode_kv, encode_kv
-from sdcp.models.skinny import with_skinny_linears
+from sdcp.models.packed import with_packed_linears
 
 SessionId = bytes
 ScoreRequest = tuple[SessionId, Sequence[int]]
@@ -57,8 +57,8 @@ class TargetModel:
         device: str | torch.device | None = None,
     ) -> None:
         # Verification runs in fp32: bf16 changes greedy outputs of SmolLM2 on this machine. The
-        # caller's model is left as it is; ours shares its weights (sdcp.models.skinny).
-        self.model = with_skinny_linears(model.to(device=device or "cpu", dtype=torch.float32).eval())
+        # caller's model is left as it is; ours shares its weights (sdcp.models.packed).
+        self.model = with_packed_linears(model.to(device=device or "cpu", dtype=torch.float32).eval())
         self.tokenizer = tokenizer
         self.name = name
         self._sessions: dict[SessionId, _Session] = {}

@@ -1,0 +1,66 @@
+"""Linear layers for the few-row inputs of decoding and verification on CPUs: oneDNN, prepacked.
+
+Decoding feeds one row per session and a verification pass M + 1 rows. For such inputs torch's
+``nn.Linear`` runs MKL's sgemm, which on this project's 2-core CPU (AMD, AVX-512) reads the
+weights at about a third of the memory bandwidth and gets slower with rows where it should not:
+the 211 linear layers of SmolLM2-135M take 32 ms for 1 row, 50 ms for 4 and 57 ms for 16.
+oneDNN (bundled with torch's CPU builds) computes the same products from a copy of each weight
+reordered once into its blocked layout: 15 ms for 1 row, 16 ms for 4, 18 ms for 8 and 21 ms for 16
+(``docs/models.md``), which makes checking 16 proposed tokens cost 1.4 times one decoding step.
+
+Each output row is a dot product of the same weights with the same input row; only the order of
+the float additions differs, as it already does between batch shapes. The packed copy costs as
+much memory as the weights and is taken when the layer is wrapped: weights changed in place
+afterwards are not seen (sdcp never changes a loaded model's weights).
+"""
+
+from __future__ import annotations
+
+import copy
+from itertools import chain
+
+import torch
+from torch import nn
+
+__all__ = ["PackedLinear", "with_packed_linears"]
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` computed by oneDNN from a prepacked copy of the original's weight.
+
+    ``weight`` and ``bias`` are the original's Parameter objects, so tied weights stay tied and
+    the state dict (and with it the weights digest) keeps its names and values.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def with_packed_linears(model: nn.Module) -> nn.Module:
+    """A copy of a CPU float32 model whose ``nn.Linear`` layers are `PackedLinear`s.
+
+    Only the module objects are copied: parameters and buffers are shared with ``model``, which
+    is left as it was. A model with tensors on another device or of another dtype, or a torch
+    built without oneDNN, gets ``model`` back as it is.
+    """
+    tensors = list(chain(model.parameters(), model.buffers()))
+    on_cpu_in_fp32 = all(t.device.type == "cpu" and (t.dtype == torch.float32 or not t.is_floating_point()) for t in tensors)
+    if not (on_cpu_in_fp32 and torch.backends.mkldnn.is_available()):
+        return model
+    clone = copy.deepcopy(model, memo={id(tensor): tensor for tensor in tensors})
+    for parent in list(clone.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear(child))
+    return clone
