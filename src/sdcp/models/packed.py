@@ -10,7 +10,7 @@ reordered once into its blocked layout: 15 ms for 1 row, 16 ms for 4, 18 ms for 
 
 Each output row is a dot product of the same weights with the same input row; only the order of
 the float additions differs, as it already does between batch shapes. The packed copy costs as
-much memory as the weights and is taken when the layer is wrapped: weights changed in place
+much memory as the weights and is taken on a layer's first call: weights changed in place
 afterwards are not seen (sdcp never changes a loaded model's weights).
 """
 
@@ -38,9 +38,14 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self._packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Packed on first use, not when wrapped: reordering runs parallel operators, and the
+        # thread that first runs them owns an OpenMP team; a model then run on another thread
+        # brings a second team and runs at half speed on 2 cores (docs/models.md, One OpenMP team).
+        if self._packed is None:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
