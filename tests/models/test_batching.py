@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from sdcp.models import BatchingScorer, ScorerClosed, TargetModel, UnknownSession
-from sdcp.models.batching import width_groups
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,32 +69,17 @@ def test_closed_scorer_refuses_requests(tiny_target: TargetModel, session_ids) -
         scorer.submit(next(session_ids), [1])
 
 
-@pytest.mark.parametrize(
-    ("widths", "overhead", "groups"),
-    [
-        ([1] * 16, 16, [list(range(16))]),
-        ([1] * 15 + [9], 16, [list(range(15)), [15]]),
-        ([9, 1, 1], 16, [[0, 1, 2]]),
-        ([1, 5], 16, [[0, 1]]),
-        ([17, 1, 17, 2], 0, [[1], [3], [0, 2]]),
-        ([], 16, []),
-    ],
-)
-def test_width_groups(widths: list[int], overhead: int, groups: list[list[int]]) -> None:
-    assert [sorted(group) for group in width_groups(widths, overhead)] == groups
-
-
-def test_a_wide_request_gets_its_own_pass(tiny_target: TargetModel, session_ids) -> None:
+def test_requests_of_any_widths_share_one_pass(tiny_target: TargetModel, session_ids) -> None:
     sessions = _open(tiny_target, session_ids, 8)
     requests = {session: [5] for session in sessions[:7]} | {sessions[7]: list(range(3, 19))}
     expected = {}
     for session, tokens in requests.items():
         expected[session] = tiny_target.score([(session, tokens)])[0]
         tiny_target.rollback(session)
-    with BatchingScorer(tiny_target, window_s=0.5, max_batch=8, pass_overhead_rows=2) as scorer:
+    with BatchingScorer(tiny_target, window_s=0.5, max_batch=8) as scorer:
         futures = {session: scorer.submit(session, tokens) for session, tokens in requests.items()}
         results = {session: future.result(timeout=30) for session, future in futures.items()}
-        assert scorer.batches_run == 2
-        assert {scorer.last_pass[session].batch_size for session in sessions} == {7, 1}
+        assert scorer.batches_run == 1
+        assert {scorer.last_pass[session].batch_size for session in sessions} == {8}
     for session, rows in results.items():
         np.testing.assert_allclose(rows, expected[session], rtol=1e-4, atol=1e-4)

@@ -50,21 +50,3 @@ def test_replaced_keys_are_not_mistaken_for_the_buffer() -> None:
     keys, values = _states(2, 1)
     layer.update(keys, values)
     torch.testing.assert_close(layer.keys, torch.cat([before, keys], dim=-2), rtol=0, atol=0)
-
-
-def test_batch_has_spare_columns_and_right_aligned_sessions(tiny_loaded: LoadedModel) -> None:
-    caches = []
-    for length in (3, 5):
-        cache = kvcache.new_cache(tiny_loaded.model)
-        for index in range(len(cache.layers)):
-            cache.update(*_states(length, index), index)
-        caches.append(cache)
-    batch = kvcache.left_padded_batch(tiny_loaded.model, caches, 5, spare=2)
-    first = batch.layers[0]
-    assert first.keys.shape[-2] == 5 and first._key_buffer.shape[-2] == 7
-    torch.testing.assert_close(first.keys[0:1, :, 2:], caches[0].layers[0].keys, rtol=0, atol=0)
-    assert first.keys[0, :, :2].abs().sum() == 0
-    new_keys, new_values = _states(2, 50)
-    batch.update(new_keys.expand(2, -1, -1, -1), new_values.expand(2, -1, -1, -1), 0)
-    assert batch.layers[0].keys.data_ptr() == first._key_buffer.data_ptr()
-    assert batch.layers[0].get_seq_length() == 7

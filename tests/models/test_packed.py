@@ -56,11 +56,9 @@ def test_greedy_output_unchanged(tiny_loaded: LoadedModel) -> None:
     assert got.tolist() == expected.tolist()
 
 
-def test_models_off_the_cpu_are_left_alone() -> None:
-    model = nn.Sequential(nn.Linear(4, 4)).to("meta")
-    assert with_packed_linears(model) is model
-
-
-def test_models_not_in_float32_are_left_alone() -> None:
-    model = nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)
-    assert with_packed_linears(model) is model
+@pytest.mark.parametrize("device, dtype", [("meta", torch.float32), ("cpu", torch.bfloat16)])
+def test_models_off_the_cpu_or_not_in_float32_keep_their_linears(device: str, dtype: torch.dtype) -> None:
+    model = nn.Sequential(nn.Linear(4, 4)).to(device=device, dtype=dtype)
+    copy = with_packed_linears(model)
+    assert copy is not model and type(copy[0]) is nn.Linear
+    assert copy[0].weight is model[0].weight

@@ -3,7 +3,7 @@
 One worker thread owns the model passes. Callers from any thread `submit` a request and get a
 future; asyncio callers await `score_async`, so model work never runs on an event loop. The worker
 gathers requests for a short window after the first one arrives (or until `max_batch`) and runs
-them as padded passes, one per group of similar widths (`width_groups`).
+them as one pass: a packed sequence costs its rows, whatever their widths (sdcp.models.ragged).
 
 Every other use of the model (prefill, commit, rollback, KV export) goes through the same thread with
 `run`/`run_async`: on CPU, each thread that runs torch operators brings its own OpenMP team, and
@@ -60,31 +60,6 @@ class PassInfo:
     batch_size: int
 
 
-def width_groups(widths: Sequence[int], overhead_rows: int) -> list[list[int]]:
-    """Split requests of the given widths (rows each) into passes, as lists of their indices.
-
-    A padded pass scores every request at the widest one's width, so one wide request in a batch
-    of narrow ones multiplies the pass's rows. The grouping minimises the estimated cost, a sum
-    over passes of ``overhead_rows + requests * widest``, where ``overhead_rows`` is what a pass
-    costs beyond its rows, in rows; requests sorted by width make contiguous groups optimal.
-    """
-    order = sorted(range(len(widths)), key=lambda index: widths[index])
-    best = [0.0] + [float("inf")] * len(order)
-    cut = [0] * (len(order) + 1)
-    for end in range(1, len(order) + 1):
-        widest = widths[order[end - 1]]
-        for start in range(end):
-            cost = best[start] + overhead_rows + (end - start) * widest
-            if cost < best[end]:
-                best[end], cut[end] = cost, start
-    groups: list[list[int]] = []
-    end = len(order)
-    while end > 0:
-        groups.append(order[cut[end] : end])
-        end = cut[end]
-    return groups[::-1]
-
-
 class BatchingScorer:
     def __init__(
         self,
@@ -94,12 +69,10 @@ class BatchingScorer:
         max_batch: int = 16,
         active_sessions: Callable[[], int] | None = None,
         window_share: float = 0.3,
-        pass_overhead_rows: int = 16,
     ) -> None:
-        if window_s < 0 or max_batch < 1 or not 0 <= window_share < 1 or pass_overhead_rows < 0:
+        if window_s < 0 or max_batch < 1 or not 0 <= window_share < 1:
             raise ValueError(
-                "need window_s >= 0, max_batch >= 1, 0 <= window_share < 1, pass_overhead_rows >= 0; "
-                f"got {window_s}, {max_batch}, {window_share}, {pass_overhead_rows}"
+                f"need window_s >= 0, max_batch >= 1, 0 <= window_share < 1; got {window_s}, {max_batch}, {window_share}"
             )
         self.target = target
         self.window_s = window_s
@@ -108,8 +81,6 @@ class BatchingScorer:
         # whole pass.
         self.window_share = window_share
         self._last_pass_s = 0.0
-        # On this project's CPU a pass costs about 37 ms plus 2 ms per row (SmolLM2, 16 sessions).
-        self.pass_overhead_rows = pass_overhead_rows
         self.max_batch = max_batch
         # How many sessions may send requests now: a batch that holds them all has nothing left to
         # wait for, so a lone session never pays the window.
@@ -221,23 +192,18 @@ class BatchingScorer:
             runnable.append(request)
         if not runnable:
             return
-        widths = [len(tokens) + 1 for _, tokens, _ in runnable]
-        started = time.perf_counter()
-        for group in width_groups(widths, self.pass_overhead_rows):
-            self._score_group([runnable[index] for index in group])
-        self._last_pass_s = time.perf_counter() - started
-
-    def _score_group(self, requests: list[_Request]) -> None:
         started = time.perf_counter()
         try:
-            rows = self.target.score([(session, tokens) for session, tokens, _ in requests])
+            rows = self.target.score([(session, tokens) for session, tokens, _ in runnable])
         except Exception as exc:  # noqa: BLE001 - every waiter must learn why its pass failed
-            for _, _, future in requests:
+            for _, _, future in runnable:
                 future.set_exception(exc)
             return
-        info = PassInfo(time.perf_counter() - started, len(requests))
+        finally:
+            self._last_pass_s = time.perf_counter() - started
+        info = PassInfo(self._last_pass_s, len(runnable))
         self.batches_run += 1
-        for (session, _, future), result in zip(requests, rows, strict=True):
+        for (session, _, future), result in zip(runnable, rows, strict=True):
             self.last_pass[session] = info
             future.set_result(result)
 

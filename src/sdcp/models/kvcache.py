@@ -1,12 +1,10 @@
 """Per-session KV caches: building, slicing and padding `DynamicCache` objects.
 
-Every cache here holds one sequence (batch size 1). A batched pass left-pads the caches of many
-sessions into one batch cache; rotary position embeddings are applied before keys are cached, so
-moving a key to another column changes nothing as long as the attention mask hides the padding.
+Every cache here holds one sequence (batch size 1); a batched pass extends each session's own
+cache (sdcp.models.ragged).
 
 Layers are `GrowableLayer`s: transformers' `DynamicLayer` copies a layer's whole cache on every
-append (``torch.cat``), which for 16 sessions of 200 tokens is 150 MB per pass; these write new
-columns in place into spare capacity.
+append (``torch.cat``); these write new columns in place into spare capacity.
 """
 
 from __future__ import annotations
@@ -101,45 +99,6 @@ def cache_from_tensors(
     for layer_index, (keys, values) in enumerate(tensors):
         cache.update(keys, values, layer_index)
     return cache
-
-
-def left_padded_batch(
-    model: PreTrainedModel, caches: list[DynamicCache], width: int, spare: int = 0
-) -> DynamicCache:
-    """One cache of batch len(caches) and `width` columns, each session right-aligned, with room
-    for `spare` more columns (the pass's new tokens) written in place."""
-    batch = new_cache(model)
-    if width == 0:
-        return batch
-    per_session = [layer_tensors(cache) for cache in caches]
-    template = next(tensors for tensors in per_session if tensors)
-    layers = []
-    for layer_index, (keys0, values0) in enumerate(template):
-        heads, key_dim, value_dim = keys0.shape[1], keys0.shape[3], values0.shape[3]
-        keys = keys0.new_zeros((len(caches), heads, width + spare, key_dim))
-        values = values0.new_zeros((len(caches), heads, width + spare, value_dim))
-        for row, tensors in enumerate(per_session):
-            if not tensors:
-                continue
-            session_keys, session_values = tensors[layer_index]
-            length = session_keys.shape[2]
-            keys[row, :, width - length : width] = session_keys[0]
-            values[row, :, width - length : width] = session_values[0]
-        layers.append(GrowableLayer.with_buffers(keys, values, width))
-    batch.layers = layers
-    return batch
-
-
-def append_from_batch(
-    cache: DynamicCache, batch: DynamicCache, row: int, start: int, count: int
-) -> None:
-    """Append columns start..start+count of batch row `row` to a single-session cache."""
-    for layer_index, (keys, values) in enumerate(layer_tensors(batch)):
-        cache.update(
-            keys[row : row + 1, :, start : start + count],
-            values[row : row + 1, :, start : start + count],
-            layer_index,
-        )
 
 
 def crop_to(cache: DynamicCache, length: int) -> None:

@@ -53,17 +53,17 @@ class PackedLinear(nn.Module):
 
 
 def with_packed_linears(model: nn.Module) -> nn.Module:
-    """A copy of a CPU float32 model whose ``nn.Linear`` layers are `PackedLinear`s.
+    """A copy of ``model`` whose ``nn.Linear`` layers are `PackedLinear`s on a CPU in float32.
 
-    Only the module objects are copied: parameters and buffers are shared with ``model``, which
-    is left as it was. A model with tensors on another device or of another dtype, or a torch
-    built without oneDNN, gets ``model`` back as it is.
+    Only the module objects (and the config) are copied: parameters and buffers are shared with
+    ``model``, which is left as it was. On another device or dtype, or with a torch built without
+    oneDNN, the copy keeps its ``nn.Linear`` layers.
     """
     tensors = list(chain(model.parameters(), model.buffers()))
+    clone = copy.deepcopy(model, memo={id(tensor): tensor for tensor in tensors})
     on_cpu_in_fp32 = all(t.device.type == "cpu" and (t.dtype == torch.float32 or not t.is_floating_point()) for t in tensors)
     if not (on_cpu_in_fp32 and torch.backends.mkldnn.is_available()):
-        return model
-    clone = copy.deepcopy(model, memo={id(tensor): tensor for tensor in tensors})
+        return clone
     for parent in list(clone.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:

@@ -29,6 +29,7 @@ from sdcp.models.errors import (
 )
 from sdcp.models.kvformat import decode_kv, encode_kv
 from sdcp.models.packed import with_packed_linears
+from sdcp.models.ragged import RaggedBatchCache, supports_ragged_attention, use_ragged_attention
 
 SessionId = bytes
 ScoreRequest = tuple[SessionId, Sequence[int]]
@@ -59,6 +60,9 @@ class TargetModel:
         # Verification runs in fp32: bf16 changes greedy outputs of SmolLM2 on this machine. The
         # caller's model is left as it is; ours shares its weights (sdcp.models.packed).
         self.model = with_packed_linears(model.to(device=device or "cpu", dtype=torch.float32).eval())
+        if not supports_ragged_attention(self.model):
+            raise ModelError(f"target {name}: sliding-window or soft-capped attention is not supported")
+        use_ragged_attention(self.model)
         self.tokenizer = tokenizer
         self.name = name
         self._sessions: dict[SessionId, _Session] = {}
@@ -107,7 +111,7 @@ class TargetModel:
                 raise SessionExists(f"session {session.hex()} is already open")
             cache = kvcache.new_cache(self.model)
             if len(tokens) > 1:
-                self._forward(torch.tensor([tokens[:-1]], device=self.device), None, None, cache)
+                self._forward(torch.tensor([tokens[:-1]], device=self.device), None, cache)
             self._sessions[session] = _Session(tokens=tokens, cache=cache)
 
     def close_session(self, session: SessionId) -> None:
@@ -222,46 +226,34 @@ class TargetModel:
 
     def _score_one(self, state: _Session, proposal: tuple[int, ...]) -> np.ndarray:
         input_ids = torch.tensor([[state.tokens[-1], *proposal]], device=self.device)
-        logits = self._forward(input_ids, None, None, state.cache)
+        logits = self._forward(input_ids, None, state.cache)
         return logits[0].to(torch.float32).cpu().numpy()
 
     def _score_batch(
         self, states: list[_Session], proposals: list[tuple[int, ...]]
     ) -> list[np.ndarray]:
-        # Layout per row: [left padding | cached prefix (L_i) | new tokens (T_i) | right padding].
-        past = [kvcache.cache_length(state.cache) for state in states]
-        widths = [len(proposal) + 1 for proposal in proposals]
-        past_width, new_width = max(past), max(widths)
-        batch = len(states)
-        input_ids = torch.zeros((batch, new_width), dtype=torch.long)
-        attention = torch.zeros((batch, past_width + new_width), dtype=torch.long)
-        positions = torch.zeros((batch, new_width), dtype=torch.long)
-        for row, (state, proposal) in enumerate(zip(states, proposals, strict=True)):
-            fed = [state.tokens[-1], *proposal]
-            input_ids[row, : len(fed)] = torch.tensor(fed)
-            attention[row, past_width - past[row] : past_width + len(fed)] = 1
-            positions[row] = torch.arange(past[row], past[row] + new_width)
-        cache = kvcache.left_padded_batch(self.model, [s.cache for s in states], past_width, new_width)
-        logits = self._forward(
-            input_ids.to(self.device), attention.to(self.device), positions.to(self.device), cache
-        )
-        rows = []
-        for row, state in enumerate(states):
-            kvcache.append_from_batch(state.cache, cache, row, past_width, widths[row])
-            rows.append(logits[row, : widths[row]].to(torch.float32).cpu().numpy())
-        return rows
+        # One packed sequence, session after session; attention runs per session against its own
+        # cache, which the pass extends by that session's tokens (sdcp.models.ragged).
+        fed = [[state.tokens[-1], *proposal] for state, proposal in zip(states, proposals, strict=True)]
+        widths = [len(tokens) for tokens in fed]
+        input_ids = torch.tensor([[token for tokens in fed for token in tokens]], device=self.device)
+        positions = torch.cat([
+            torch.arange(kvcache.cache_length(state.cache), kvcache.cache_length(state.cache) + width)
+            for state, width in zip(states, widths, strict=True)
+        ]).unsqueeze(0)
+        cache = RaggedBatchCache([state.cache for state in states], widths)
+        logits = self._forward(input_ids, positions.to(self.device), cache)[0].to(torch.float32).cpu()
+        return [rows.numpy() for rows in logits.split(widths)]
 
     def _forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
-        cache: DynamicCache,
+        cache: DynamicCache | RaggedBatchCache,
     ) -> torch.Tensor:
         with torch.inference_mode():
             output = self.model(
                 input_ids=input_ids,
-                attention_mask=attention_mask,
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=True,
