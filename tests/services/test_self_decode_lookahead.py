@@ -31,7 +31,7 @@ from sdcp.protocol.messages import (
     session_path_id,
 )
 from sdcp.services.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
-from sdcp.services.verifier import VerifierNode
+from sdcp.services.verifier import VerifierNode, lookahead_length
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
 
@@ -184,3 +184,16 @@ async def test_a_failed_append_while_self_decoding_leaves_the_model_at_the_commi
     _, body = await clients["drafter"].post_cbor("proposals", _proposal(state, tuple(reference[5:8])).to_obj())
     verdict = Verdict.from_obj(body)
     assert verdict.accepted == 3 and list(verdict.emitted) == reference[5:9]
+
+
+def test_lookahead_length_weighs_a_guess_against_its_row() -> None:
+    # Alone on the verifier a weak hit rate still pays for a short guess; among 16 sessions only a
+    # strong one does, and never longer than the prediction.
+    assert lookahead_length(0.4, 1, 8) == 2
+    assert lookahead_length(0.4, 16, 8) == 0
+    assert lookahead_length(0.9, 1, 8) == 8
+    assert lookahead_length(0.9, 1, 3) == 3
+    assert 0 < lookahead_length(0.9, 16, 8) < 8
+    assert lookahead_length(1.0, 16, 0) == 0
+    lengths = [lookahead_length(0.7, sessions, 8) for sessions in (1, 2, 4, 8, 16)]
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]

@@ -57,10 +57,25 @@ log = logging.getLogger("sdcp.verifier")
 # of at least LOOKAHEAD_MIN_MATCH tokens (a weaker match rarely predicts the next token).
 SELF_DECODE_LOOKAHEAD = 8
 LOOKAHEAD_MIN_MATCH = 2
-# The whole prediction is scored while the share of predictions whose first token was right (an
-# exponentially weighted average) is at least this; below it, only the prediction's first token.
-LOOKAHEAD_MIN_HIT_RATE = 0.5
 _LOOKAHEAD_WEIGHT = 0.3
+# What a pass of SmolLM2 costs on this project's 2-core CPU (docs/models.md): about 18 ms, 2 ms
+# more per session in it, and 1.5 ms per row scored beyond one per session.
+_PASS_MS, _SESSION_MS, _ROW_MS = 18.0, 2.0, 1.5
+
+
+def lookahead_length(hit_rate: float, sessions: int, predicted: int) -> int:
+    """How many of ``predicted`` tokens a self-decoding pass scores along with its own row.
+
+    The j-th predicted token is used with a chance of about ``hit_rate ** j`` (``hit_rate``: the
+    share of predictions whose first token was right), and then saves the session a pass, of which
+    its share is ``pass / sessions``; it costs one row. A lone session scores guesses down to a 7.5 %
+    chance, one among 16 only above 48 %.
+    """
+    share_ms = (_PASS_MS + _SESSION_MS * sessions) / max(1, sessions)
+    length = 0
+    while length < predicted and hit_rate ** (length + 1) * share_ms > _ROW_MS:
+        length += 1
+    return length
 
 ROUNDS = Counter("sdcp_verifier_rounds_total", "Rounds committed", ["instance", "kind"])
 COMMITTED = Counter("sdcp_verifier_tokens_committed_total", "Tokens committed", ["instance"])
@@ -115,7 +130,7 @@ class _LiveSession:
     committed: asyncio.Event = field(default_factory=asyncio.Event)
     self_decoder: asyncio.Task[None] | None = None
     timings: RoundTimings = field(default_factory=RoundTimings)
-    # Below LOOKAHEAD_MIN_HIT_RATE: a session starts with one-token guesses.
+    # A new session guesses as if 40 % of its predictions had started right.
     lookahead_hits: float = 0.4
 
     def record_lookahead(self, hit: bool) -> None:
@@ -458,14 +473,8 @@ class VerifierNode(Node):
     def _start_pass(self, live: _LiveSession, context: tuple[int, ...]) -> _Pass:
         """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens)."""
         prediction = tuple(prompt_lookup(context, SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH))
-        # A long guess costs up to a second pass (9 rows against 1) and pays only while predictions
-        # hit. One predicted token costs a few percent of a pass of this session alone (2 rows), so
-        # it is then scored anyway and keeps the hit rate current; in a batch with other sessions
-        # it would double the pass's rows. A prediction that was not scored still counts.
-        if live.lookahead_hits >= LOOKAHEAD_MIN_HIT_RATE:
-            guess = prediction
-        else:
-            guess = prediction[:1] if self._active_sessions() == 1 else ()
+        # A prediction that was not scored still counts towards the hit rate.
+        guess = prediction[: lookahead_length(live.lookahead_hits, self._active_sessions(), len(prediction))]
         return _Pass(prediction, guess, asyncio.ensure_future(self._score(live, guess)))
 
     async def _self_decode_pass(self, live: _LiveSession, scoring: _Pass) -> _Pass | None:
