@@ -127,7 +127,7 @@ class HFAssistedSystem(_HFGenerateSystem):
 class TargetOnlySDCPSystem:
     """SDCP's target backend decoding one token per pass: no drafts, no protocol.
 
-    Its gap to ``hf_target`` is what the backend itself gains (sdcp.models.skinny); the gap between
+    Its gap to ``hf_target`` is what the backend itself gains (sdcp.models.packed); the gap between
     it and the speculative systems is what speculation gains on top.
     """
 
