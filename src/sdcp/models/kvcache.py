@@ -28,33 +28,34 @@ class GrowableLayer(DynamicLayer):
         super().__init__()
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
-
-    @classmethod
-    def with_buffers(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> GrowableLayer:
-        """A layer over buffers already holding ``length`` columns (their extra columns are spare)."""
-        layer = cls()
-        layer.device = keys.device
-        layer.is_initialized = True
-        layer._key_buffer, layer._value_buffer = keys, values
-        layer.keys, layer.values = keys[..., :length, :], values[..., :length, :]
-        return layer
+        # The keys view this layer handed out last: while ``keys`` is still it, the buffers are ours.
+        self._keys_view: torch.Tensor | None = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Called once per layer and session in every pass: the common case takes few operations.
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        length = self.get_seq_length()
+        length = self.keys.shape[-2] if self.keys.numel() else 0
         end = length + key_states.shape[-2]
-        # Buffers made during a forward pass are inference tensors: written only in that mode.
-        with torch.inference_mode():
-            if not self._owns_views(key_states) or end > self._key_buffer.shape[-2]:  # type: ignore[union-attr]
-                self._reallocate(key_states, value_states, length, max(_MIN_CAPACITY, end, 2 * length))
-            assert self._key_buffer is not None and self._value_buffer is not None
-            self._key_buffer[..., length:end, :] = key_states
-            self._value_buffer[..., length:end, :] = value_states
-            self.keys, self.values = self._key_buffer[..., :end, :], self._value_buffer[..., :end, :]
+        if torch.is_inference_mode_enabled():
+            self._append(key_states, value_states, length, end)
+        else:
+            # Buffers made during a forward pass are inference tensors: written only in that mode.
+            with torch.inference_mode():
+                self._append(key_states, value_states, length, end)
         return self.keys, self.values
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, length: int, end: int) -> None:
+        owned = self.keys is self._keys_view or self._owns_views(key_states)
+        if not owned or end > self._key_buffer.shape[-2]:  # type: ignore[union-attr]
+            self._reallocate(key_states, value_states, length, max(_MIN_CAPACITY, end, 2 * length))
+        assert self._key_buffer is not None and self._value_buffer is not None
+        self._key_buffer[..., length:end, :] = key_states
+        self._value_buffer[..., length:end, :] = value_states
+        self.keys, self.values = self._key_buffer[..., :end, :], self._value_buffer[..., :end, :]
+        self._keys_view = self.keys
 
     def _owns_views(self, key_states: torch.Tensor) -> bool:
         """The current keys are a prefix view of the buffer (no other cache code replaced them)."""
