@@ -62,18 +62,16 @@ class RaggedBatchCache:
         return RaggedKV(keys, self.widths), RaggedKV(values, self.widths)
 
 
-def _causal_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor | None:
-    """Query j (of the last ``queries`` positions) sees keys up to its own position."""
-    if queries == 1:
-        return None
-    return torch.ones((queries, keys), dtype=torch.bool, device=device).tril(keys - queries)
-
-
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Causal attention of the last ``queries`` positions over all ``keys`` of one sequence."""
     queries, length = query.shape[2], keys.shape[2]
-    mask = _causal_mask(queries, length, query.device) if queries != length else None
+    mask = None
+    if 1 < queries < length:
+        # Query j sees the keys up to its own position; torch's is_causal would align the queries
+        # with the first keys instead.
+        mask = torch.ones((queries, length), dtype=torch.bool, device=query.device).tril(length - queries)
     return F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, is_causal=queries == length and queries > 1, scale=scaling,
+        query, keys, values, attn_mask=mask, is_causal=1 < queries == length, scale=scaling,
         enable_gqa=query.shape[1] != keys.shape[1],
     )
 
@@ -108,7 +106,8 @@ AttentionInterface.register(ATTENTION, ragged_attention)
 
 
 def supports_ragged_attention(model: PreTrainedModel) -> bool:
-    """Plain causal attention: no sliding window, no logit soft-capping, no attention bias terms."""
+    """Plain causal attention, the only kind `ragged_attention` computes: no sliding window, no
+    logit soft-capping."""
     config = model.config
     return all(getattr(config, name, None) in (None, False) for name in ("sliding_window", "attn_logit_softcapping", "use_sliding_window"))
 
