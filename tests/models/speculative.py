@@ -72,6 +72,9 @@ class RandomDrafter:
         self.vocab_size = vocab_size
         self._rng = np.random.default_rng(seed)
 
+    def prepare(self) -> None:
+        return None
+
     def open_session(self, session: bytes, prompt_tokens: Sequence[int]) -> None:
         return None
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from sdcp.models import LoadedModel, weights_digest
-from sdcp.models.packed import PackedLinear, with_packed_linears
+from sdcp.models.packed import PackedLinear, pack_weights, with_packed_linears
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -62,3 +62,14 @@ def test_models_off_the_cpu_or_not_in_float32_keep_their_linears(device: str, dt
     copy = with_packed_linears(model)
     assert copy is not model and type(copy[0]) is nn.Linear
     assert copy[0].weight is model[0].weight
+
+
+def test_pack_weights_packs_every_layer_ahead_of_the_first_call(tiny_loaded: LoadedModel) -> None:
+    copy = with_packed_linears(tiny_loaded.model)
+    layers = [module for module in copy.modules() if isinstance(module, PackedLinear)]
+    assert layers and all(layer._packed is None for layer in layers)
+    pack_weights(copy)
+    assert all(layer._packed is not None for layer in layers)
+    ids = torch.tensor([tiny_loaded.tokenizer("hello world").input_ids])
+    with torch.inference_mode():
+        torch.testing.assert_close(copy(input_ids=ids).logits, tiny_loaded.model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)

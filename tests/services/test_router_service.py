@@ -518,6 +518,9 @@ class WrongDrafter:
     def weights_digest(self) -> bytes:
         return PLAYED_MODEL
 
+    def prepare(self) -> None:
+        return None
+
     @property
     def seconds_per_token(self) -> float:
         return 0.001

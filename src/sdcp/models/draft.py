@@ -25,7 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from sdcp.models import kvcache
 from sdcp.models.digests import weights_digest
 from sdcp.models.errors import BadTokens, SessionExists, UnknownSession
-from sdcp.models.packed import with_packed_linears
+from sdcp.models.packed import pack_weights, with_packed_linears
 from sdcp.protocol.messages import Sampling
 from sdcp.protocol.sampling import draw_token, target_distribution
 
@@ -66,6 +66,10 @@ class Drafter(Protocol):
 
     @property
     def seconds_per_token(self) -> float: ...
+
+    def prepare(self) -> None:
+        """Work the first draft would otherwise pay (hashing, packing weights), on the thread
+        that will run the drafter."""
 
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None: ...
 
@@ -129,6 +133,11 @@ class HFDrafter:
     @cached_property
     def weights_digest(self) -> bytes:
         return weights_digest(self.model)
+
+    def prepare(self) -> None:
+        with self._lock:
+            pack_weights(self.model)
+        _ = self.weights_digest
 
     @property
     def seconds_per_token(self) -> float:
@@ -246,6 +255,9 @@ class NgramDrafter:
         # that a contract's "drafters" list can permit or exclude it.
         label = f"sdcp-ngram-drafter-2:n_max={self.n_max}:n_min={self.n_min}"
         return hashlib.sha256(label.encode("ascii")).digest()
+
+    def prepare(self) -> None:
+        return None  # no model: nothing to hash or pack
 
     @property
     def seconds_per_token(self) -> float:

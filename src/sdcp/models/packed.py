@@ -22,7 +22,7 @@ from itertools import chain
 import torch
 from torch import nn
 
-__all__ = ["PackedLinear", "with_packed_linears"]
+__all__ = ["PackedLinear", "pack_weights", "with_packed_linears"]
 
 
 class PackedLinear(nn.Module):
@@ -44,12 +44,24 @@ class PackedLinear(nn.Module):
         # Packed on first use, not when wrapped: reordering runs parallel operators, and the
         # thread that first runs them owns an OpenMP team; a model then run on another thread
         # brings a second team and runs at half speed on 2 cores (docs/models.md, One OpenMP team).
+        return torch.ops.mkldnn._linear_pointwise(x, self.pack(), self.bias, "none", [], "")
+
+    def pack(self) -> torch.Tensor:
+        """The packed weight, made on the first call."""
         if self._packed is None:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return self._packed
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_weights(model: nn.Module) -> None:
+    """Pack every `PackedLinear` of ``model`` now; call it on the thread that will run the model,
+    so that a service's first request does not pay for it (about 0.5 s for SmolLM2)."""
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.pack()
 
 
 def with_packed_linears(model: nn.Module) -> nn.Module:

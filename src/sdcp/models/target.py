@@ -28,7 +28,7 @@ from sdcp.models.errors import (
     UnknownSession,
 )
 from sdcp.models.kvformat import decode_kv, encode_kv
-from sdcp.models.packed import with_packed_linears
+from sdcp.models.packed import pack_weights, with_packed_linears
 from sdcp.models.ragged import RaggedBatchCache, supports_ragged_attention, use_ragged_attention
 
 SessionId = bytes
@@ -86,6 +86,13 @@ class TargetModel:
         if self.tokenizer is None:
             raise ModelError(f"target {self.name} was loaded without a tokenizer")
         return tokenizer_digest(self.tokenizer)
+
+    def prepare(self) -> None:
+        """Work the first request would otherwise pay: hash the weights and the tokenizer, pack the
+        weights (sdcp.models.packed). On the thread that will run the model."""
+        with self._lock:
+            pack_weights(self.model)
+        _ = self.weights_digest, self.tokenizer_digest
 
     def check_digests(self, target: bytes, tokenizer: bytes) -> None:
         """Refuse a contract naming other weights or another tokenizer (SDCP 6.1)."""

@@ -259,8 +259,8 @@ class DrafterNode(Node):
         )
 
     async def on_start(self) -> None:
-        # An HF drafter hashes every weight on first use: do it before the first status report.
-        await self._worker.run(lambda: self.drafter.weights_digest)
+        # An HF drafter hashes and packs its weights once: before the first status report and draft.
+        await self._worker.run(self.drafter.prepare)
 
     async def on_stop(self) -> None:
         self._worker.close()

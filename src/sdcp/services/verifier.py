@@ -182,8 +182,9 @@ class VerifierNode(Node):
         )
 
     async def on_start(self) -> None:
-        # Digests hash every weight: compute them before the first status report or contract check.
-        await self.scorer.run_async(lambda: (self.target.weights_digest, self.target.tokenizer_digest))
+        # Digests hash every weight and the weights are packed once: before the first status report,
+        # contract check or pass, on the scorer thread.
+        await self.scorer.run_async(self.target.prepare)
 
     async def on_stop(self) -> None:
         for live in self.sessions.values():
