@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from sdcp.models import LoadedModel, kvcache
 from sdcp.models.kvcache import GrowableLayer
 
 

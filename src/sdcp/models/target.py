@@ -244,10 +244,9 @@ class TargetModel:
         fed = [[state.tokens[-1], *proposal] for state, proposal in zip(states, proposals, strict=True)]
         widths = [len(tokens) for tokens in fed]
         input_ids = torch.tensor([[token for tokens in fed for token in tokens]], device=self.device)
-        positions = torch.cat([
-            torch.arange(kvcache.cache_length(state.cache), kvcache.cache_length(state.cache) + width)
-            for state, width in zip(states, widths, strict=True)
-        ]).unsqueeze(0)
+        starts = [kvcache.cache_length(state.cache) for state in states]
+        positions = torch.cat([torch.arange(start, start + width) for start, width in zip(starts, widths, strict=True)])
+        positions = positions.unsqueeze(0)
         cache = RaggedBatchCache([state.cache for state in states], widths)
         logits = self._forward(input_ids, positions.to(self.device), cache)[0].to(torch.float32).cpu()
         return [rows.numpy() for rows in logits.split(widths)]
