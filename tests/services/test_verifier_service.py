@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import cbor2
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdcp.cache import MLC, build_uri
 from sdcp.cache.redis_process import local_redis_server
@@ -82,8 +84,8 @@ class Cluster:
         await asyncio.gather(*(c.aclose() for c in self._clients))
 
 
-@pytest.fixture
-async def cluster(tmp_path: Path, target: TargetModel) -> AsyncIterator[Cluster]:
+@asynccontextmanager
+async def running_cluster(tmp_path: Path, target: TargetModel) -> AsyncIterator[Cluster]:
     verifier_uri = f"https://127.0.0.1:{free_port()}"
     router_uri = "https://127.0.0.1:1"
     identities = {"verifier": verifier_uri, "router": router_uri, "drafter": "https://127.0.0.1:2",
@@ -109,6 +111,12 @@ async def cluster(tmp_path: Path, target: TargetModel) -> AsyncIterator[Cluster]
         await env.close()
         await node.stop()
         await mlc.close()
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, target: TargetModel) -> AsyncIterator[Cluster]:
+    async with running_cluster(tmp_path, target) as env:
+        yield env
 
 
 def contract(model: TargetModel, **overrides: object) -> Contract:
@@ -414,3 +422,38 @@ async def test_an_ended_session_is_freed_after_its_retention(cluster: Cluster, t
     await asyncio.sleep(0.5)
     err = await problem_of(drafter.get_cbor(path, {"from": "0"}))
     assert err.status == 404 and SESSION not in node.sessions and not target.has_session(SESSION)
+
+
+class _TorchOperators(TorchDispatchMode):
+    """Records the torch operators dispatched on the thread that entered it (modes are per thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+async def test_the_event_loop_thread_runs_no_torch_operator(tmp_path: Path) -> None:
+    # All model work runs on the scorer thread (docs/models.md, "One OpenMP team"): one torch
+    # operator on the event loop's thread gives the process a second OpenMP team, and on 2 cores
+    # every pass then runs at half speed. A fresh target packs its weights during the start.
+    fresh = TargetModel(tiny_model(), tiny_tokenizer(), name="tiny")
+    operators = _TorchOperators()
+    with operators:
+        async with running_cluster(tmp_path, fresh) as env:
+            c = contract(fresh, low_rounds=1, fallback=[Action.SELF_DECODE], self_load=100)
+            state = await open_and_assign(env, c)
+            _, body = await env.client("drafter").post_cbor("proposals", proposal(state, (1, 2)).to_obj())
+            assert Verdict.from_obj(body).action in (Action.SELF_DECODE, Action.FINISH)
+            reader, tokens = env.client("router"), []
+            for _ in range(100):
+                _, body = await reader.get_cbor(f"sessions/{session_path_id(SESSION)}/output", {"from": str(len(tokens))})
+                output = Output.from_obj(body)
+                tokens.extend(output.tokens)
+                if output.final:
+                    break
+            assert output.final and len(tokens) == c.max_new
+    assert operators.seen == []
