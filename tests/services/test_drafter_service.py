@@ -7,6 +7,7 @@ service on the tiny target, the drafter the n-gram drafter or the tiny-draft HF 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -424,25 +425,40 @@ async def _at_least(machine: object, count: int) -> bool:
     return machine.committed >= count  # type: ignore[attr-defined]
 
 
-async def test_proposals_are_retried_until_the_verifier_answers(env: Env, target: TargetModel) -> None:
+async def test_proposals_are_retried_until_the_verifier_answers(
+    env: Env, target: TargetModel, caplog: pytest.LogCaptureFixture
+) -> None:
     # SDCP 6.9: the drafter asks again for a verdict it did not receive; here the verifier is
-    # down when the first proposal is sent and comes up later.
+    # down when the first proposals are sent and comes up later.
+    caplog.set_level(logging.INFO, logger="sdcp.drafter")
     drafter = await drafter_node(env)
     verifier: VerifierNode | None = None
     try:
         contract = make_contract(target)
         session = os.urandom(16)
-        await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", make_assignment(env, contract, session).to_obj())
-        await asyncio.sleep(0.3)
+        assignment = make_assignment(env, contract, session).to_obj()
+        await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment)
+        await wait_for(_asked_again(caplog), timeout=10)
         assert session in drafter.runs
         verifier = await verifier_node(env, target)
         await open_session(env, contract, session)
+        # SDCP 6.2: a router sends the assignment after informing the verifier; one the drafter got
+        # before (as here) can race ahead of it and be refused with sdcp-not-assigned, which stops
+        # the drafter. The assignment sent now restarts it if so (and replaces the run otherwise).
+        await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment)
         output = await asyncio.wait_for(read_all_output(env, session), 60)
         assert output == greedy(target, PROMPT, contract.max_new)
     finally:
         await drafter.stop()
         if verifier is not None:
             await verifier.stop()
+
+
+def _asked_again(caplog: pytest.LogCaptureFixture):  # noqa: ANN202 - an async predicate for wait_for
+    async def asked() -> bool:
+        return any("asking again" in record.getMessage() for record in caplog.records)
+
+    return asked
 
 
 def _verdict(proposal: Proposal, accepted: int, emitted: tuple[int, ...]) -> Verdict:
