@@ -10,8 +10,9 @@ reordered once into its blocked layout: 15 ms for 1 row, 16 ms for 4, 18 ms for 
 
 Each output row is a dot product of the same weights with the same input row; only the order of
 the float additions differs, as it already does between batch shapes. The packed copy costs as
-much memory as the weights and is taken on a layer's first call: weights changed in place
-afterwards are not seen (sdcp never changes a loaded model's weights).
+much memory as the weights and is taken on a layer's first call, or for all layers by
+`pack_weights`: weights changed in place afterwards are not seen (sdcp never changes a loaded
+model's weights).
 """
 
 from __future__ import annotations
