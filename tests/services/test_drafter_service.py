@@ -28,7 +28,6 @@ from sdcp.protocol.messages import (
     Action,
     Assignment,
     Contract,
-    Output,
     Proposal,
     Role,
     SessionOpen,
@@ -43,6 +42,7 @@ from sdcp.services.drafter import DrafterNode, confirmed_predraft, q_rows_uri, t
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
+from tests.services.outputs import output_tokens, read_output
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -172,15 +172,9 @@ async def open_session(env: Env, contract: Contract, session: bytes) -> SessionS
 
 
 async def read_all_output(env: Env, session: bytes) -> list[int]:
-    reader = env.client(env.verifier_uri, STRANGER)
-    tokens: list[int] = []
-    while True:
-        _, body = await reader.get_cbor(f"sessions/{session_path_id(session)}/output", {"from": len(tokens)})
-        output = Output.from_obj(body)
-        tokens.extend(output.tokens)
-        if output.final:
-            assert output.finish == Action.FINISH
-            return tokens
+    outputs = await read_output(env.client(env.verifier_uri, STRANGER), session)
+    assert outputs[-1].finish == Action.FINISH
+    return output_tokens(outputs)
 
 
 async def wait_for(predicate, timeout: float = 20.0) -> None:  # noqa: ANN001 - async predicate

@@ -28,7 +28,6 @@ from sdcp.protocol.messages import (
     Action,
     Contract,
     Event,
-    Output,
     Policy,
     Role,
     Sampling,
@@ -51,6 +50,7 @@ from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import RetryPolicy, SDCPClient
+from tests.services.outputs import read_output
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -331,19 +331,6 @@ async def start_drafter(env: Deployment, name: str) -> DrafterNode:
     assert router is not None
     await eventually(lambda: router.registry.is_live(node.uri, time.monotonic()))
     return node
-
-
-async def read_output(client: SDCPClient, session: bytes, start: int = 0, *, until: int | None = None) -> list[Output]:
-    """Output messages from index ``start`` until the final one (or until ``until`` tokens)."""
-    outputs: list[Output] = []
-    position = start
-    while True:
-        _, body = await client.get_cbor(f"sessions/{session_path_id(session)}/output", {"from": position})
-        output = Output.from_obj(body)
-        outputs.append(output)
-        position = output.from_ + len(output.tokens)
-        if output.final or (until is not None and position >= until):
-            return outputs
 
 
 def counter(name: str, instance: str) -> float:

@@ -21,7 +21,6 @@ from sdcp.protocol.messages import (
     Action,
     Assignment,
     Contract,
-    Output,
     Proposal,
     Role,
     SessionOpen,
@@ -34,6 +33,7 @@ from sdcp.services.config import InstanceConfig, MLCConfig, ServiceConfig, Verif
 from sdcp.services.verifier import VerifierNode, lookahead_length
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
+from tests.services.outputs import output_tokens, read_output
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -129,14 +129,7 @@ async def test_lookahead_saves_passes_and_keeps_greedy_output(
     _, body = await clients["drafter"].post_cbor("proposals", proposal.to_obj())
     assert Verdict.from_obj(body).action == Action.SELF_DECODE
 
-    tokens: list[int] = []
-    while True:
-        _, body = await clients["router"].get_cbor(f"sessions/{session_path_id(SESSION)}/output",
-                                                   {"from": str(len(tokens))})
-        output = Output.from_obj(body)
-        tokens.extend(output.tokens)
-        if output.final:
-            break
+    tokens = output_tokens(await read_output(clients["router"], SESSION))
     assert tokens == reference[: len(tokens)] and len(tokens) >= 2
     self_decoded = verifier.sessions[SESSION].machine.stats.self_decoded
     assert self_decoded == len(tokens) - 1

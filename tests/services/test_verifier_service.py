@@ -47,6 +47,7 @@ from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
 from sdcp.transport.errors import PeerServerError
+from tests.services.outputs import output_tokens, read_output
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -448,12 +449,6 @@ async def test_the_event_loop_thread_runs_no_torch_operator(tmp_path: Path) -> N
             state = await open_and_assign(env, c)
             _, body = await env.client("drafter").post_cbor("proposals", proposal(state, (1, 2)).to_obj())
             assert Verdict.from_obj(body).action in (Action.SELF_DECODE, Action.FINISH)
-            reader, tokens = env.client("router"), []
-            for _ in range(100):
-                _, body = await reader.get_cbor(f"sessions/{session_path_id(SESSION)}/output", {"from": str(len(tokens))})
-                output = Output.from_obj(body)
-                tokens.extend(output.tokens)
-                if output.final:
-                    break
-            assert output.final and len(tokens) == c.max_new
+            outputs = await asyncio.wait_for(read_output(env.client("router"), SESSION), 60)
+            assert outputs[-1].final and len(output_tokens(outputs)) == c.max_new
     assert operators.seen == []
