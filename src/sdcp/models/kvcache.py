@@ -1,4 +1,4 @@
-"""Per-session KV caches: building, slicing and padding `DynamicCache` objects.
+"""Per-session KV caches: building, growing and cropping `DynamicCache` objects.
 
 Every cache here holds one sequence (batch size 1); a batched pass extends each session's own
 cache (sdcp.models.ragged).

@@ -542,7 +542,6 @@ class VerifierNode(Node):
         except ScorerClosed:
             return  # the node is stopping: no model state to keep
 
-
     def _sync_model(self, session: bytes, accepted: int, emitted: tuple[int, ...], committed: tuple[int, ...]) -> None:
         try:
             if emitted:
