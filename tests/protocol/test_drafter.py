@@ -236,6 +236,23 @@ def test_choose_m_uses_the_session_limit_and_estimate() -> None:
     assert session.choose_m(t_d=0.0, t_v=1.0) == 3
 
 
+def test_a_predraft_covers_the_m_chosen_after_full_acceptance() -> None:
+    # Acceptance starts low, so M is short; a full acceptance raises the choice, and the pre-draft
+    # made meanwhile must be long enough for it, up to m_max whatever the current m_cap.
+    session = DrafterSession(make_assignment(m_init=2), AcceptanceEstimate(prior_alpha=0.5))
+    session.propose((5, 6), status=STATUS)
+    longer = session.m_after_full_acceptance(t_d=0.01, t_v=1.0)
+    assert longer > 2
+    session.apply_verdict(verdict_for(session, (5, 6, 7), accepted=2, m_cap=8))
+    assert session.choose_m(t_d=0.01, t_v=1.0) == longer
+
+
+def test_the_predraft_length_needs_an_outstanding_proposal() -> None:
+    session = DrafterSession(make_assignment())
+    with pytest.raises(ProposalNotAllowed):
+        session.m_after_full_acceptance(t_d=0.01, t_v=1.0)
+
+
 @pytest.mark.parametrize("action", [Action.SWITCH, Action.SELF_DECODE, Action.FINISH, Action.FAIL])
 def test_drafter_stops_on_actions_that_take_the_session_away(action: Action) -> None:
     session = DrafterSession(make_assignment())

@@ -317,6 +317,64 @@ async def test_greedy_session_runs_to_the_end(env: Env, target: TargetModel) -> 
         await verifier.stop()
 
 
+class OracleDrafter:
+    """Proposes the tiny target's greedy continuation (its own copy of the model): every draft is
+    accepted in full."""
+
+    name = "oracle"
+    runs_inline = False
+    seconds_per_token = 0.001
+
+    def __init__(self, target: TargetModel) -> None:
+        self.target = target
+        self.vocab_size = target.vocab_size
+        self.weights_digest = target.weights_digest
+        self.sessions: dict[bytes, list[int]] = {}
+
+    def prepare(self) -> None:
+        return None
+
+    def open_session(self, session: bytes, prompt_tokens: tuple[int, ...]) -> None:
+        self.sessions[session] = list(prompt_tokens)
+
+    def sync(self, session: bytes, committed_tokens: list[int]) -> None:
+        self.sessions[session] = list(committed_tokens)
+
+    def draft(self, session: bytes, m: int, sampling: object, rng: object = None) -> DraftResult:
+        tokens = tuple(greedy(self.target, tuple(self.sessions[session]), m))
+        # Drafted tokens stay tentative until `sync`, as in the real drafters: a pre-draft follows them.
+        self.sessions[session].extend(tokens)
+        rows = np.zeros((m, self.vocab_size), dtype=np.float32)
+        rows[np.arange(m), tokens] = 1.0
+        return DraftResult(tokens, rows, self.seconds_per_token * m)
+
+    def close_session(self, session: bytes) -> None:
+        self.sessions.pop(session, None)
+
+
+async def test_proposals_grow_to_m_max_while_drafts_are_accepted(env: Env, target: TargetModel) -> None:
+    """A proposal made from a pre-draft (SDCP 6.2) may be longer than the one before it: M follows
+    the cost model up to m_max, not the length of the first proposal."""
+    verifier = await verifier_node(env, target)
+    oracle = OracleDrafter(TargetModel(tiny_model(), tiny_tokenizer(), name="tiny"))
+    drafter = DrafterNode(env.config(env.drafter_uri, drafter=DrafterConfig(target="tiny")), drafter=oracle)
+    await drafter.start()
+    try:
+        contract = make_contract(target, max_new=40)
+        session = os.urandom(16)
+        await open_session(env, contract, session)
+        assignment = make_assignment(env, contract, session, m_init=1)
+        await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment.to_obj())
+        assert await asyncio.wait_for(read_all_output(env, session), 60) == greedy(target, PROMPT, contract.max_new)
+        _, stats = await env.client(env.verifier_uri, STRANGER).get_cbor(f"sessions/{session_path_id(session)}/stats")
+        assert isinstance(stats, dict)
+        assert stats["accepted"] == stats["proposed"]
+        assert len(stats["proposed_by_position"]) == contract.m_max
+    finally:
+        await drafter.stop()
+        await verifier.stop()
+
+
 async def test_speculative_sampling_with_an_hf_drafter(env: Env, target: TargetModel) -> None:
     verifier = await verifier_node(env, target)
     drafter = await drafter_node(env, model="hf:tiny-draft")

@@ -7,6 +7,7 @@ The drafting itself (model, KV cache, cache artifacts) lives in the services and
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from sdcp.protocol.messages import Action, Assignment, Contract, Proposal, Sampling, SessionState, Status, Verdict
@@ -136,6 +137,21 @@ class DrafterSession:
     def choose_m(self, t_d: float, t_v: float) -> int:
         """The cost-model choice of M for the next proposal at the current acceptance estimate."""
         return choose_m(self.estimate.alpha, t_d, t_v, self.m_limit)
+
+    def m_after_full_acceptance(self, t_d: float, t_v: float) -> int:
+        """How many tokens a pre-draft made while the outstanding proposal is verified needs.
+
+        SDCP 6.2 lets the next proposal be prepared assuming full acceptance. The M chosen after
+        that verdict is at least as large as the current choice, since acceptance can only rise, so
+        a pre-draft as long as the current proposal would hold every later proposal at that length.
+        The verdict's m_cap is not known yet; m_max bounds it.
+        """
+        proposal = self.outstanding
+        if proposal is None:
+            raise ProposalNotAllowed("no proposal is outstanding")
+        estimate = copy.copy(self.estimate)
+        estimate.update(len(proposal.tokens), len(proposal.tokens))
+        return choose_m(estimate.alpha, t_d, t_v, self.contract.m_max)
 
     def propose(
         self,

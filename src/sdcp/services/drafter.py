@@ -424,12 +424,16 @@ class DrafterNode(Node):
             ready = await self._apply_verdict(run, proposal, verdict, predraft)
 
     def _choose_m(self, run: _SessionRun) -> int:
-        """SDCP 6.2 RECOMMENDED rule, with t_d including the rows' trip to the cache."""
+        """SDCP 6.2 RECOMMENDED rule."""
+        return run.state.choose_m(*self._costs(run))
+
+    def _costs(self, run: _SessionRun) -> tuple[float, float]:
+        """The cost model's t_d, including the rows' trip to the cache, and t_v (a round trip)."""
         t_d = self.drafter.seconds_per_token
         bandwidth = self.mlc.bandwidth_mbps()
         if get_rule(run.state.contract.rule).needs_q and bandwidth:
             t_d += self.drafter.vocab_size * _ROW_BYTES_PER_TOKEN / (bandwidth * 1e6)
-        return run.state.choose_m(t_d, self._round_trip.seconds)
+        return t_d, self._round_trip.seconds
 
     async def _draft(self, run: _SessionRun, m: int) -> DraftResult:
         return await self._worker.run(self.drafter.draft, run.session, m, run.state.sampling)
@@ -446,7 +450,8 @@ class DrafterNode(Node):
             proposal = state.propose(draft.tokens, status=self.status(), q_rows=rows_uri)
             # SDCP 6.2: the next proposal MAY be prepared assuming full acceptance. The backend
             # continues after the tentative tokens: one token stands for the verifier's extra token.
-            predraft = self._worker.submit(self.drafter.draft, run.session, len(draft.tokens) + 1, state.sampling)
+            length = state.m_after_full_acceptance(*self._costs(run)) + 1
+            predraft = self._worker.submit(self.drafter.draft, run.session, length, state.sampling)
             try:
                 verdict = await self._send(run, proposal)
             except ProtocolError as error:
