@@ -101,8 +101,6 @@ def _serve(role: Role, config_path: Path) -> None:
     from sdcp.services.config import load_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # One line per request would drown the log; failures still come through as warnings.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     with user_errors():
         config = load_config(config_path)
         node = _build_node(role, config)

@@ -15,6 +15,7 @@ from starlette.routing import Route
 from sdcp.transport import (
     ConnectionLost,
     PeerClients,
+    PeerTimeout,
     RetryPolicy,
     SDCPClient,
     Server,
@@ -155,6 +156,51 @@ async def test_goaway_after_keep_alive_max_requests_is_retried(pki: PKI) -> None
     assert loop.time() - stop_started < server.listener.graceful_timeout_s / 2
     assert {status for status, _ in answers} == {200}
     assert {f"s{i}" for i in range(8)} | {f"c{i}" for i in range(6)} <= set(calls)
+
+
+def echo_app() -> Starlette:
+    """PUT /echo answers with the request body; GET /whoami names the client's port."""
+
+    async def echo(request: Request) -> Response:
+        return Response(await request.body(), media_type="application/octet-stream")
+
+    async def whoami(request: Request) -> Response:
+        assert request.client is not None
+        return cbor_response({"port": request.client.port})
+
+    return Starlette(routes=[Route("/echo", echo, methods=["PUT"]), Route("/whoami", whoami)])
+
+
+async def test_large_bodies_flow_both_ways(pki: PKI) -> None:
+    # Larger than every HTTP/2 flow-control window on either side: the sender must wait for
+    # WINDOW_UPDATE frames, the receiver must send them.
+    payload = bytes(range(256)) * (6 * 4096 + 7)
+    async with serving(echo_app(), mtls_listener(pki)) as server, client_for(server, pki, pki.drafter_a) as client:
+        answers = await asyncio.gather(*(client.put_bytes("echo", payload) for _ in range(3)))
+    assert all(answer.content == payload for answer in answers)
+
+
+async def test_concurrent_requests_share_one_connection(pki: PKI) -> None:
+    async with serving(echo_app(), mtls_listener(pki)) as server, client_for(server, pki, pki.drafter_a) as client:
+        answers = await asyncio.gather(*(client.get_cbor("whoami") for _ in range(64)))
+    assert {status for status, _ in answers} == {200}
+    assert len({body["port"] for _, body in answers}) == 1  # type: ignore[index]
+
+
+async def test_an_unanswered_request_times_out(pki: PKI) -> None:
+    async def never(_request: Request) -> Response:
+        await asyncio.sleep(30)
+        return Response(status_code=204)
+
+    async def ok(_request: Request) -> Response:
+        return cbor_response({"ok": True})
+
+    app = Starlette(routes=[Route("/never", never), Route("/ok", ok)])
+    async with serving(app, mtls_listener(pki)) as server, client_for(server, pki, pki.drafter_a) as client:
+        with pytest.raises(PeerTimeout, match="timed out"):
+            await client.get_cbor("never", timeout=0.3)
+        # The abandoned stream was reset; the connection carries the next request.
+        assert await client.get_cbor("ok") == (200, {"ok": True})
 
 
 async def test_peer_clients_keep_one_client_per_peer(pki: PKI) -> None:

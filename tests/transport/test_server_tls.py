@@ -93,8 +93,8 @@ async def test_http2_tls13_and_the_app_sees_the_client_uri(pki: PKI) -> None:
 async def test_two_clients_with_different_certificates_are_told_apart(pki: PKI) -> None:
     async with serving(whoami_app(), mtls_listener(pki)) as server:
         async with client_for(server, pki, pki.drafter_a) as a, client_for(server, pki, pki.drafter_b) as b:
-            seen = await asyncio.gather(*(c._http.get("whoami") for c in (a, b, a, b)))
-    assert [r.json()["peer"] for r in seen] == [pki.drafter_a.uri, pki.drafter_b.uri] * 2
+            seen = await asyncio.gather(*(c.get_bytes("whoami") for c in (a, b, a, b)))
+    assert [json.loads(r.content)["peer"] for r in seen] == [pki.drafter_a.uri, pki.drafter_b.uri] * 2
 
 
 async def test_many_concurrent_requests_share_one_connection(pki: PKI) -> None:

@@ -5,7 +5,8 @@
 - ``server``: hypercorn listeners (``Listener.mtls``, ``Listener.front_end``) and ``Server``
 - ``peer``: the authenticated peer URI of a request (``peer_uri``)
 - ``asgi``: CBOR and problem responses, the body reader, error handlers, ``require_peer``
-- ``client``: ``SDCPClient`` (one pooled HTTP/2 connection per peer) and ``PeerClients``
+- ``client``: ``SDCPClient`` (one HTTP/2 connection per peer) and ``PeerClients``
+- ``h2conn``: that connection, on the ``h2`` protocol library and asyncio's TLS transport
 - ``metrics``: the ``/metrics`` route
 """
 

@@ -1,8 +1,9 @@
 """HTTP/2 client for talking to one SDCP peer over mutual TLS (SDCP 5.1).
 
-One ``SDCPClient`` per peer base URI holds one pooled ``httpx.AsyncClient``; all requests to the
-peer share one HTTP/2 connection. Answers are interpreted as SDCP defines them: 2xx bodies are
-CBOR, problem bodies become ``ProtocolError``, and other statuses are handled by class (RFC 9110).
+One ``SDCPClient`` per peer base URI holds one HTTP/2 connection (``sdcp.transport.h2conn``), opened
+on first use and again after it is lost or the peer sends GOAWAY; all requests to the peer share it.
+Answers are interpreted as SDCP defines them: 2xx bodies are CBOR, problem bodies become
+``ProtocolError``, and other statuses are handled by class (RFC 9110).
 """
 
 from __future__ import annotations
@@ -13,17 +14,18 @@ import random
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn
-from urllib.parse import urlsplit
+from urllib.parse import urlencode, urlsplit
 
-import httpx
 from cryptography import x509
 
 from sdcp.protocol.codec import DEFAULT_MAX_SIZE, MEDIA_TYPE, decode, encode
 from sdcp.protocol.problems import PROBLEM_MEDIA_TYPE, BadMessage, ProtocolError
 from sdcp.transport.certs import uri_sans
+from sdcp.transport.h2conn import ConnectionClosed, H2Connection, H2Response
 from sdcp.transport.errors import (
     ClientCertificateRejected,
     ConnectionLost,
@@ -36,18 +38,17 @@ from sdcp.transport.errors import (
 )
 from sdcp.transport.tls import client_context
 
-__all__ = ["DEFAULT_TIMEOUT", "BytesResponse", "PeerClients", "RetryPolicy", "SDCPClient"]
+__all__ = ["CONNECT_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "BytesResponse", "PeerClients", "RetryPolicy", "SDCPClient"]
 
-DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=10.0, pool=10.0)
+CONNECT_TIMEOUT_S = 5.0
+# The whole exchange, answer included: longer than any server-chosen wait of an output request.
+DEFAULT_TIMEOUT_S = 30.0
 _OCTETS = "application/octet-stream"
 # How long the certificate-refusal probe waits for the server's HTTP/2 preface.
 _PROBE_TIMEOUT_S = 5.0
 
 PathLike = Path | str
 Params = Mapping[str, str | int]
-
-# Failures after which the request may or may not have reached the application.
-_LOST_IN_FLIGHT = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class SDCPClient:
         key: PathLike,
         ca: PathLike,
         *,
-        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        timeout: float = DEFAULT_TIMEOUT_S,
         retry: RetryPolicy = RetryPolicy(),
         max_response_size: int = DEFAULT_MAX_SIZE,
         server_identity: str | None = None,
@@ -102,14 +103,16 @@ class SDCPClient:
         self.base_uri = base_uri
         self._host = parts.hostname
         self._port = parts.port or 443
+        self._path_prefix = parts.path.rstrip("/") + "/"
         self._ssl_context = client_context(cert, key, ca)
+        self._timeout = timeout
         self._retry = retry
         self._max_response_size = max_response_size
         self._server_identity = server_identity
         self._peer_answered = False
-        self._http = httpx.AsyncClient(
-            base_url=base_uri, http1=False, http2=True, verify=self._ssl_context, timeout=timeout
-        )
+        self._connection: H2Connection | None = None
+        self._connecting = asyncio.Lock()
+        self._closed = False
 
     async def post_cbor(
         self,
@@ -117,7 +120,7 @@ class SDCPClient:
         obj: object,
         *,
         idempotent: bool = False,
-        timeout: httpx.Timeout | float | None = None,
+        timeout: float | None = None,
         params: Params | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> tuple[int, object | None]:
@@ -128,12 +131,12 @@ class SDCPClient:
         )
 
     async def put_cbor(
-        self, path: str, obj: object, *, timeout: httpx.Timeout | float | None = None
+        self, path: str, obj: object, *, timeout: float | None = None
     ) -> tuple[int, object | None]:
         return await self._exchange("PUT", path, body=encode(obj), idempotent=True, timeout=timeout)
 
     async def get_cbor(
-        self, path: str, params: Params | None = None, *, timeout: httpx.Timeout | float | None = None
+        self, path: str, params: Params | None = None, *, timeout: float | None = None
     ) -> tuple[int, object | None]:
         return await self._exchange("GET", path, params=params, idempotent=True, timeout=timeout)
 
@@ -143,7 +146,7 @@ class SDCPClient:
         params: Params | None = None,
         *,
         headers: Mapping[str, str] | None = None,
-        timeout: httpx.Timeout | float | None = None,
+        timeout: float | None = None,
     ) -> BytesResponse:
         """GET a raw octet body (no CBOR): MLC objects such as q rows travel as they are."""
         return await self._exchange_bytes("GET", path, params=params, headers=headers, idempotent=True, timeout=timeout)
@@ -156,7 +159,7 @@ class SDCPClient:
         *,
         headers: Mapping[str, str] | None = None,
         idempotent: bool = True,
-        timeout: httpx.Timeout | float | None = None,
+        timeout: float | None = None,
     ) -> BytesResponse:
         """PUT a raw ``application/octet-stream`` body. A conditional PUT (If-Match) is not safe to
         repeat after a lost connection, since a repeat of a PUT that succeeded fails its
@@ -167,18 +170,21 @@ class SDCPClient:
         )
 
     async def head(
-        self, path: str, params: Params | None = None, *, timeout: httpx.Timeout | float | None = None
+        self, path: str, params: Params | None = None, *, timeout: float | None = None
     ) -> BytesResponse:
         return await self._exchange_bytes("HEAD", path, params=params, idempotent=True, timeout=timeout)
 
     async def delete(
-        self, path: str, params: Params | None = None, *, timeout: httpx.Timeout | float | None = None
+        self, path: str, params: Params | None = None, *, timeout: float | None = None
     ) -> BytesResponse:
         """DELETE is idempotent in effect (RFC 9110 9.2.2), so it is retried like GET and PUT."""
         return await self._exchange_bytes("DELETE", path, params=params, idempotent=True, timeout=timeout)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        self._closed = True
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await connection.close()
 
     async def __aenter__(self) -> SDCPClient:
         return self
@@ -197,7 +203,7 @@ class SDCPClient:
         params: Params | None = None,
         headers: Mapping[str, str] | None = None,
         idempotent: bool,
-        timeout: httpx.Timeout | float | None,
+        timeout: float | None,
     ) -> tuple[int, object | None]:
         response = await self._send(
             method, path, body=body, params=params, idempotent=idempotent, timeout=timeout,
@@ -215,7 +221,7 @@ class SDCPClient:
         params: Params | None = None,
         headers: Mapping[str, str] | None = None,
         idempotent: bool,
-        timeout: httpx.Timeout | float | None,
+        timeout: float | None,
         content_type: str | None = None,
     ) -> BytesResponse:
         response = await self._send(
@@ -223,7 +229,7 @@ class SDCPClient:
             headers={**(headers or {}), "accept": f"{_OCTETS}, {PROBLEM_MEDIA_TYPE}"},
             content_type=content_type,
         )
-        status = response.status_code
+        status = response.status
         if not 200 <= status < 300:
             self._raise_for_status(response)
         return BytesResponse(status, response.content, response.headers)
@@ -237,44 +243,69 @@ class SDCPClient:
         params: Params | None,
         headers: dict[str, str],
         idempotent: bool,
-        timeout: httpx.Timeout | float | None,
+        timeout: float | None,
         content_type: str | None,
-    ) -> httpx.Response:
+    ) -> H2Response:
         if body is not None and content_type is not None:
             headers["content-type"] = content_type
-        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        target = self._path_prefix + path.lstrip("/")
+        if params:
+            target += "?" + urlencode({name: str(value) for name, value in params.items()})
+        encoded = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
         attempt = 0
         while True:
             attempt += 1
             try:
-                response = await self._http.request(
-                    method, path.lstrip("/"), content=body, params=params, headers=headers, **extra
+                connection = await self._connect()
+                response = await connection.request(
+                    method, target, encoded, body, timeout=self._timeout if timeout is None else timeout
                 )
-            except httpx.ConnectError as error:
-                if _ssl_error_in(error) is not None:
-                    raise TLSFailure(f"TLS handshake with {self.base_uri} failed: {error}") from error
+            except ssl.SSLError as error:
+                raise TLSFailure(f"TLS handshake with {self.base_uri} failed: {error}") from error
+            except _ConnectFailed as failure:
                 # Nothing was sent on a connection that never opened: retrying is always safe.
                 if attempt >= self._retry.attempts:
-                    raise ConnectionLost(f"cannot connect to {self.base_uri}: {error!r}") from error
-            except _LOST_IN_FLIGHT as error:
-                if not self._peer_answered and await self._client_certificate_refused():
+                    raise ConnectionLost(f"cannot connect to {self.base_uri}: {failure.cause!r}") from failure.cause
+            except ConnectionClosed as error:
+                if not self._peer_answered and not error.unprocessed and await self._client_certificate_refused():
                     raise ClientCertificateRejected(
                         f"{self.base_uri} refused our client certificate (closed the connection after the "
                         "TLS handshake without answering)"
                     ) from error
-                if not idempotent or attempt >= self._retry.attempts:
+                # RFC 9113 8.7: a request the peer did not process may be retried whatever its method.
+                if not (idempotent or error.unprocessed) or attempt >= self._retry.attempts:
                     raise ConnectionLost(
-                        f"{method} {path} to {self.base_uri}: connection lost ({error!r}) after {attempt} attempt(s)"
+                        f"{method} {path} to {self.base_uri}: connection lost ({error}) after {attempt} attempt(s)"
                     ) from error
-            except httpx.TimeoutException as error:
-                raise PeerTimeout(f"{method} {path} to {self.base_uri} timed out: {error!r}") from error
-            except httpx.TransportError as error:
-                raise TransportError(f"{method} {path} to {self.base_uri} failed: {error!r}") from error
+            except TimeoutError as error:
+                raise PeerTimeout(f"{method} {path} to {self.base_uri} timed out") from error
             else:
-                self._check_server_identity(response)
+                self._check_server_identity(connection)
                 self._peer_answered = True
                 return response
             await asyncio.sleep(self._retry.delay(attempt - 1))
+
+    async def _connect(self) -> H2Connection:
+        """The open connection to the peer, or a new one; raises ``_ConnectFailed`` or ``ssl.SSLError``."""
+        if self._closed:
+            raise TransportError(f"the client for {self.base_uri} is closed")
+        connection = self._connection
+        if connection is not None and connection.usable:
+            return connection
+        async with self._connecting:
+            connection = self._connection
+            if connection is not None and connection.usable:
+                return connection
+            try:
+                connection = await H2Connection.open(self._host, self._port, self._ssl_context, timeout=CONNECT_TIMEOUT_S)
+            except ssl.SSLError:
+                raise
+            except TimeoutError as error:
+                raise PeerTimeout(f"connecting to {self.base_uri} timed out") from error
+            except (OSError, ConnectionClosed) as error:
+                raise _ConnectFailed(error) from error
+            self._connection = connection
+            return connection
 
     async def _client_certificate_refused(self) -> bool:
         """Whether the peer completes TLS and then closes without its HTTP/2 preface.
@@ -296,12 +327,10 @@ class SDCPClient:
             writer.close()
         return first == b""
 
-    def _check_server_identity(self, response: httpx.Response) -> None:
+    def _check_server_identity(self, connection: H2Connection) -> None:
         if self._server_identity is None:
             return
-        stream = response.extensions.get("network_stream")
-        ssl_object = stream.get_extra_info("ssl_object") if stream is not None else None
-        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        der = connection.peer_certificate
         presented = uri_sans(x509.load_der_x509_certificate(der)) if der is not None else []
         if presented != [self._server_identity]:
             raise TLSFailure(
@@ -309,14 +338,14 @@ class SDCPClient:
                 f"expected {self._server_identity}"
             )
 
-    def _interpret(self, response: httpx.Response) -> tuple[int, object | None]:
-        status = response.status_code
+    def _interpret(self, response: H2Response) -> tuple[int, object | None]:
+        status = response.status
         if 200 <= status < 300:
             return status, self._success_body(response)
         self._raise_for_status(response)
 
-    def _raise_for_status(self, response: httpx.Response) -> NoReturn:
-        status = response.status_code
+    def _raise_for_status(self, response: H2Response) -> NoReturn:
+        status = response.status
         problem = _problem_body(response)
         if 400 <= status < 500:
             if problem is not None:
@@ -331,7 +360,7 @@ class SDCPClient:
             raise PeerServerError(status, problem, str((problem or {}).get("detail", "")) or _excerpt(response))
         raise UnexpectedResponse(f"{self.base_uri} answered with unexpected status {status}")
 
-    def _success_body(self, response: httpx.Response) -> object | None:
+    def _success_body(self, response: H2Response) -> object | None:
         if not response.content:
             return None
         media_type = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -363,7 +392,7 @@ class PeerClients:
         await asyncio.gather(*(client.aclose() for client in clients))
 
 
-def _problem_body(response: httpx.Response) -> dict[str, Any] | None:
+def _problem_body(response: H2Response) -> dict[str, Any] | None:
     media_type = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type != PROBLEM_MEDIA_TYPE:
         return None
@@ -374,15 +403,17 @@ def _problem_body(response: httpx.Response) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def _excerpt(response: httpx.Response, limit: int = 200) -> str:
+def _excerpt(response: H2Response, limit: int = 200) -> str:
     text = response.content[:limit].decode("utf-8", errors="replace")
-    return text or response.reason_phrase
+    try:
+        return text or HTTPStatus(response.status).phrase
+    except ValueError:
+        return text or str(response.status)
 
 
-def _ssl_error_in(error: BaseException) -> ssl.SSLError | None:
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, ssl.SSLError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
+class _ConnectFailed(Exception):
+    """No connection could be opened (refused, unreachable, not HTTP/2): nothing was sent."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause

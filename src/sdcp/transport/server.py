@@ -278,7 +278,9 @@ class _RequestsInFlight:
 
 
 def _flushed(connection: TCPServer) -> bool:
-    return connection.writer.transport.get_write_buffer_size() == 0
+    # A transport closed twice (the peer went first) has no buffer left to ask about.
+    transport = connection.writer.transport
+    return transport.is_closing() or transport.get_write_buffer_size() == 0
 
 
 def _abort(connections: Iterable[TCPServer]) -> None:

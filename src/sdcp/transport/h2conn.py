@@ -1,0 +1,280 @@
+"""One client HTTP/2 connection over TLS: the ``h2`` protocol library on asyncio's TLS transport.
+
+``SDCPClient`` sends every request to a peer over one ``H2Connection``. Each SDCP round is a
+request, and on the cores the model also runs on, a request's CPU comes out of the model's passes:
+an exchange through httpx costs the client about 0.85 ms of CPU, through this class about 0.2 ms
+(docs/performance.md). The class does what SDCP's requests need and no more: requests with
+complete bodies, flow control both ways, multiplexing up to the peer's stream limit, GOAWAY and
+stream resets reported as retryable where RFC 9113 says the request was not processed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+
+__all__ = ["ConnectionClosed", "H2Connection", "H2Response"]
+
+# Our receive windows: large objects (KV caches) flow without a WINDOW_UPDATE round trip per 64 KiB.
+_RECEIVE_WINDOW = 1 << 24
+_ALPN_H2 = "h2"
+_CLOSE_WAIT_S = 1.0
+
+Header = tuple[bytes, bytes]
+
+
+class ConnectionClosed(Exception):
+    """The request did not complete: the connection closed, or the peer reset the stream.
+
+    ``unprocessed`` is true when the peer certainly did not process the request (a stream above a
+    GOAWAY's last stream id, or REFUSED_STREAM; RFC 9113 8.7), so that any request may be retried.
+    """
+
+    def __init__(self, message: str, *, unprocessed: bool = False) -> None:
+        super().__init__(message)
+        self.unprocessed = unprocessed
+
+
+@dataclass(frozen=True)
+class H2Response:
+    status: int
+    headers: dict[str, str]
+    content: bytes
+
+
+@dataclass
+class _Stream:
+    answer: asyncio.Future[H2Response]
+    status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    chunks: list[bytes] = field(default_factory=list)
+
+
+class H2Connection(asyncio.Protocol):
+    """A connection to one peer; open it with ``await H2Connection.open(...)``."""
+
+    def __init__(self, authority: str) -> None:
+        config = h2.config.H2Configuration(client_side=True, header_encoding=None)
+        self._h2 = h2.connection.H2Connection(config)
+        self._authority = authority.encode("ascii")
+        self._transport: asyncio.Transport | None = None
+        self._streams: dict[int, _Stream] = {}
+        # Set whenever flow-control windows or the stream limit may have opened up.
+        self._capacity = asyncio.Event()
+        self._closed = asyncio.get_running_loop().create_future()
+        self._goaway = False
+        self.peer_certificate: bytes | None = None
+
+    @classmethod
+    async def open(
+        cls, host: str, port: int, ssl_context: ssl.SSLContext, *, timeout: float
+    ) -> H2Connection:
+        """Connect and complete TLS; raises ``OSError``, ``ssl.SSLError`` or ``TimeoutError``."""
+        loop = asyncio.get_running_loop()
+        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        _, connection = await asyncio.wait_for(
+            loop.create_connection(lambda: cls(authority), host, port, ssl=ssl_context, server_hostname=host),
+            timeout,
+        )
+        if connection._transport is None:
+            raise ConnectionClosed("the peer did not agree to HTTP/2 (ALPN h2), which SDCP requires")
+        return connection
+
+    @property
+    def usable(self) -> bool:
+        """Whether new requests may start on this connection."""
+        return self._transport is not None and not self._closed.done() and not self._goaway
+
+    async def request(
+        self, method: str, path: str, headers: Sequence[Header], body: bytes | None, *, timeout: float
+    ) -> H2Response:
+        """One exchange; raises ``ConnectionClosed`` or ``TimeoutError``."""
+        answer: asyncio.Future[H2Response] = asyncio.get_running_loop().create_future()
+        stream_id: int | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                await self._wait_for_stream_slot()
+                stream_id = self._h2.get_next_available_stream_id()
+                self._streams[stream_id] = _Stream(answer)
+                request_headers: list[Header] = [
+                    (b":method", method.encode("ascii")),
+                    (b":scheme", b"https"),
+                    (b":authority", self._authority),
+                    (b":path", path.encode("ascii")),
+                    *headers,
+                ]
+                if body is not None:
+                    request_headers.append((b"content-length", str(len(body)).encode("ascii")))
+                self._h2.send_headers(stream_id, request_headers, end_stream=not body)
+                self._flush()
+                if body:
+                    await self._send_body(stream_id, body)
+                return await answer
+        except BaseException:
+            if stream_id is not None:
+                self._abandon(stream_id)
+            raise
+        finally:
+            if answer.done() and not answer.cancelled():
+                answer.exception()  # retrieved: a failure that arrived while the body was sent
+            if stream_id is not None:
+                self._streams.pop(stream_id, None)
+                self._after_stream()
+
+    async def close(self) -> None:
+        """Send GOAWAY and close; streams still open fail with ``ConnectionClosed``."""
+        if self._transport is None or self._closed.done():
+            return
+        try:
+            self._h2.close_connection()
+            self._flush()
+        except h2.exceptions.ProtocolError:
+            pass
+        self._transport.close()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._closed), _CLOSE_WAIT_S)
+        except TimeoutError:
+            # TLS close waits for the peer's close_notify; a peer that never sends it is cut off.
+            self._transport.abort()
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is None or ssl_object.selected_alpn_protocol() != _ALPN_H2:
+            # SDCP 5.1: HTTP/2 is required; a peer that does not speak it is not an SDCP peer.
+            transport.abort()
+            return
+        self._transport = transport
+        self.peer_certificate = ssl_object.getpeercert(binary_form=True)
+        self._h2.local_settings = h2.settings.Settings(
+            client=True,
+            initial_values={
+                h2.settings.SettingCodes.ENABLE_PUSH: 0,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _RECEIVE_WINDOW,
+            },
+        )
+        self._h2.initiate_connection()
+        self._h2.increment_flow_control_window(_RECEIVE_WINDOW)
+        self._flush()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self._h2.receive_data(data)
+        except h2.exceptions.ProtocolError as error:
+            self._flush()
+            self._fail_all(ConnectionClosed(f"HTTP/2 protocol error from the peer: {error}"))
+            if self._transport is not None:
+                self._transport.abort()
+            return
+        for event in events:
+            self._handle(event)
+        self._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail_all(ConnectionClosed(f"connection lost: {exc!r}" if exc else "connection closed by the peer"))
+        if not self._closed.done():
+            self._closed.set_result(None)
+        self._capacity.set()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _handle(self, event: h2.events.Event) -> None:
+        if isinstance(event, h2.events.ResponseReceived):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                for name, value in event.headers:
+                    if name == b":status":
+                        stream.status = int(value)
+                    else:
+                        stream.headers[name.decode("latin-1")] = value.decode("latin-1")
+        elif isinstance(event, h2.events.DataReceived):
+            # The stream may be gone already (abandoned); the connection window is restored anyway.
+            self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream.chunks.append(event.data)
+        elif isinstance(event, h2.events.StreamEnded):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None and not stream.answer.done():
+                if stream.status is None:
+                    stream.answer.set_exception(ConnectionClosed("the stream ended without a response"))
+                else:
+                    stream.answer.set_result(H2Response(stream.status, stream.headers, b"".join(stream.chunks)))
+        elif isinstance(event, h2.events.StreamReset):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None and not stream.answer.done():
+                refused = event.error_code == h2.errors.ErrorCodes.REFUSED_STREAM
+                stream.answer.set_exception(
+                    ConnectionClosed(f"the peer reset the stream ({event.error_code!r})", unprocessed=refused)
+                )
+            self._capacity.set()
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            # Streams up to last_stream_id may have been processed. hypercorn, which sends GOAWAY
+            # after keep_alive_max_requests, does not answer them after it, so they fail too.
+            self._goaway = True
+            last = event.last_stream_id if event.last_stream_id is not None else 0
+            for stream_id, stream in self._streams.items():
+                if not stream.answer.done():
+                    unprocessed = stream_id > last
+                    stream.answer.set_exception(ConnectionClosed("the peer sent GOAWAY", unprocessed=unprocessed))
+            if self._transport is not None:
+                self._transport.close()
+        elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
+            self._capacity.set()
+
+    async def _wait_for_stream_slot(self) -> None:
+        while True:
+            if not self.usable:
+                raise ConnectionClosed("the connection is closed or going away", unprocessed=True)
+            if self._h2.open_outbound_streams < self._h2.remote_settings.max_concurrent_streams:
+                return
+            self._capacity.clear()
+            await self._capacity.wait()
+
+    async def _send_body(self, stream_id: int, body: bytes) -> None:
+        view = memoryview(body)
+        sent = 0
+        while sent < len(body):
+            if self._closed.done():
+                raise ConnectionClosed("connection lost while sending the request body")
+            window = min(self._h2.local_flow_control_window(stream_id), self._h2.max_outbound_frame_size)
+            if window <= 0:
+                self._capacity.clear()
+                await self._capacity.wait()
+                continue
+            chunk = bytes(view[sent : sent + window])
+            sent += len(chunk)
+            self._h2.send_data(stream_id, chunk, end_stream=sent == len(body))
+            self._flush()
+
+    def _abandon(self, stream_id: int) -> None:
+        """A request given up (timeout, cancellation): tell the peer, unless the stream is done."""
+        try:
+            self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+            self._flush()
+        except (h2.exceptions.ProtocolError, KeyError):
+            pass
+
+    def _after_stream(self) -> None:
+        self._capacity.set()
+
+    def _flush(self) -> None:
+        data = self._h2.data_to_send()
+        if data and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(data)
+
+    def _fail_all(self, error: ConnectionClosed) -> None:
+        for stream in self._streams.values():
+            if not stream.answer.done():
+                stream.answer.set_exception(error)
