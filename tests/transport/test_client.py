@@ -15,6 +15,7 @@ from starlette.routing import Route
 from sdcp.transport import (
     ConnectionLost,
     PeerClients,
+    PeerServerError,
     PeerTimeout,
     RetryPolicy,
     SDCPClient,
@@ -201,6 +202,26 @@ async def test_an_unanswered_request_times_out(pki: PKI) -> None:
             await client.get_cbor("never", timeout=0.3)
         # The abandoned stream was reset; the connection carries the next request.
         assert await client.get_cbor("ok") == (200, {"ok": True})
+
+
+async def test_idle_connections_are_closed_and_opened_again(pki: PKI) -> None:
+    listener = mtls_listener(pki, keep_alive_timeout_s=0.2)
+    async with serving(echo_app(), listener) as server, client_for(server, pki, pki.drafter_a) as client:
+        _, first = await client.get_cbor("whoami")
+        await asyncio.sleep(0.6)
+        _, second = await client.get_cbor("whoami")
+    assert first != second  # type: ignore[comparison-overlap]
+
+
+async def test_an_app_that_does_not_answer_gets_a_500_problem(pki: PKI) -> None:
+    async def silent(scope: dict[str, object], receive: object, send: object) -> None:
+        if scope["type"] == "lifespan":
+            raise RuntimeError("no lifespan support")
+
+    async with serving(silent, mtls_listener(pki)) as server, client_for(server, pki, pki.drafter_a) as client:
+        with pytest.raises(PeerServerError) as failed:
+            await client.get_cbor("anything")
+    assert failed.value.status == 500 and failed.value.problem is not None
 
 
 async def test_peer_clients_keep_one_client_per_peer(pki: PKI) -> None:

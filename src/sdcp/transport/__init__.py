@@ -2,7 +2,8 @@
 
 - ``certs``: development CA and per-instance certificates (URI SAN = instance base URI)
 - ``tls``: TLS 1.3 server and client contexts
-- ``server``: hypercorn listeners (``Listener.mtls``, ``Listener.front_end``) and ``Server``
+- ``server``: listeners (``Listener.mtls``, ``Listener.front_end``) and ``Server``
+- ``h2server``: the HTTP/2 server of mTLS listeners (the front end's is hypercorn)
 - ``peer``: the authenticated peer URI of a request (``peer_uri``)
 - ``asgi``: CBOR and problem responses, the body reader, error handlers, ``require_peer``
 - ``client``: ``SDCPClient`` (one HTTP/2 connection per peer) and ``PeerClients``

@@ -314,14 +314,14 @@ class SDCPClient:
         our certificate always has something to say; a TLS 1.3 server that refused it just closes.
         """
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self._host, self._port, ssl=self._ssl_context), _PROBE_TIMEOUT_S
-            )
-        except (OSError, asyncio.TimeoutError):
+            async with asyncio.timeout(_PROBE_TIMEOUT_S):
+                reader, writer = await asyncio.open_connection(self._host, self._port, ssl=self._ssl_context)
+        except (OSError, TimeoutError):
             return False
         try:
-            first = await asyncio.wait_for(reader.read(1), _PROBE_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError):
+            async with asyncio.timeout(_PROBE_TIMEOUT_S):
+                first = await reader.read(1)
+        except (OSError, TimeoutError):
             return False
         finally:
             writer.close()

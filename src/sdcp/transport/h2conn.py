@@ -81,10 +81,12 @@ class H2Connection(asyncio.Protocol):
         """Connect and complete TLS; raises ``OSError``, ``ssl.SSLError`` or ``TimeoutError``."""
         loop = asyncio.get_running_loop()
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        _, connection = await asyncio.wait_for(
-            loop.create_connection(lambda: cls(authority), host, port, ssl=ssl_context, server_hostname=host),
-            timeout,
-        )
+        # asyncio.timeout, not wait_for: on 3.11 wait_for turns a cancellation that meets a finished
+        # connect into that connect's result or error, and the cancellation is lost.
+        async with asyncio.timeout(timeout):
+            _, connection = await loop.create_connection(
+                lambda: cls(authority), host, port, ssl=ssl_context, server_hostname=host
+            )
         if connection._transport is None:
             raise ConnectionClosed("the peer did not agree to HTTP/2 (ALPN h2), which SDCP requires")
         return connection
@@ -141,7 +143,8 @@ class H2Connection(asyncio.Protocol):
             pass
         self._transport.close()
         try:
-            await asyncio.wait_for(asyncio.shield(self._closed), _CLOSE_WAIT_S)
+            async with asyncio.timeout(_CLOSE_WAIT_S):
+                await asyncio.shield(self._closed)
         except TimeoutError:
             # TLS close waits for the peer's close_notify; a peer that never sends it is cut off.
             self._transport.abort()

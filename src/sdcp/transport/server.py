@@ -1,8 +1,9 @@
-"""Serving an ASGI app with hypercorn over HTTP/2 + TLS 1.3 + mutual TLS (SDCP 5.1).
+"""Serving an ASGI app over HTTP/2 + TLS 1.3 + mutual TLS (SDCP 5.1).
 
-``Listener.mtls`` is the listener every SDCP role uses. ``Listener.front_end`` is for the
-OpenAI-compatible front end, which is not an SDCP role: TLS without client certificates, or plain
-HTTP restricted to loopback.
+``Listener.mtls`` is the listener every SDCP role uses, served by ``sdcp.transport.h2server``.
+``Listener.front_end`` is for the OpenAI-compatible front end, which is not an SDCP role: TLS
+without client certificates, or plain HTTP restricted to loopback, served by hypercorn (HTTP/1.1
+and HTTP/2).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sdcp.transport.asgi import DrainRequestBody, RequireHTTP2
 from sdcp.transport.h2fix import install_h2_closed_connection_fix
+from sdcp.transport.h2server import H2Listener
 from sdcp.transport.peer import TLSScopeMiddleware, install_hypercorn_tls_hook
 from sdcp.transport.tls import server_context
 
@@ -99,7 +101,7 @@ class Listener:
 
 
 class Server:
-    """One hypercorn server for one listener, started and stopped from asyncio.
+    """One server for one listener, started and stopped from asyncio.
 
     Use ``async with Server(app, listener) as server:`` (``server.port`` is the bound port, also
     when the listener asked for port 0), or ``await Server(app, listener).run_until(event)``.
@@ -115,6 +117,16 @@ class Server:
         self._task: asyncio.Task[None] | None = None
         self._port: int | None = None
         self._config: _ListenerConfig
+        # SDCP listeners (HTTP/2 only) are served by sdcp.transport.h2server, the front end by hypercorn.
+        self._h2: H2Listener | None = None
+        if listener.require_http2:
+            self._h2 = H2Listener(
+                DrainRequestBody(app), listener.ssl_context,
+                max_concurrent_streams=listener.max_concurrent_streams,
+                keep_alive_max_requests=listener.keep_alive_max_requests,
+                keep_alive_timeout_s=listener.keep_alive_timeout_s,
+            )  # fmt: skip
+        self._running = False
 
     @property
     def port(self) -> int:
@@ -130,7 +142,7 @@ class Server:
         return f"{self.listener.scheme}://{host}:{self.port}/"
 
     async def start(self) -> None:
-        if self._task is not None:
+        if self._task is not None or self._running:
             raise RuntimeError("server already started")
         # We bind ourselves so that port 0 yields a port we can report, and hand hypercorn a
         # duplicate of the descriptor (``fd://``), which it owns and closes.
@@ -139,6 +151,13 @@ class Server:
             sock = socket.create_server((self.listener.host, self.listener.port), family=family)
         except OSError as error:
             raise ServerStartError(f"cannot listen on {self.listener.host}:{self.listener.port}: {error}") from error
+        if self._h2 is not None:
+            self._port = sock.getsockname()[1]
+            failure = await self._h2.start(sock, startup_timeout_s=_STARTUP_TIMEOUT_S)
+            if failure is not None:
+                raise ServerStartError(f"application startup failed: {failure}")
+            self._running = True
+            return
         with sock:
             self._port = sock.getsockname()[1]
             handed_over = sock.dup()
@@ -157,6 +176,11 @@ class Server:
         open, so after the requests in flight have finished and their answers have been written,
         the remaining connections are closed here.
         """
+        if self._h2 is not None:
+            if self._running:
+                self._running = False
+                await self._h2.stop(self.listener.graceful_timeout_s, _SHUTDOWN_POLL_S)
+            return
         if self._task is None:
             return
         task, self._task = self._task, None

@@ -1,0 +1,487 @@
+"""The HTTP/2 server of SDCP's mutual-TLS listeners: ASGI on ``h2`` and asyncio's TLS transport.
+
+SDCP roles speak only HTTP/2 over TLS 1.3 with client certificates (SDCP 5.1), a request or more per
+round. hypercorn, which still serves the front end (HTTP/1.1 too), spent about 0.45 ms of CPU per
+request; on the cores the model also uses, that came out of its passes (docs/performance.md). This
+server does what those listeners need and no more:
+
+- one task per request running the ASGI app, with the ASGI TLS extension (and ``peer_uri``) of the
+  connection in ``scope["extensions"]["tls"]``;
+- flow control both ways, with 16 MiB receive windows;
+- ``max_concurrent_streams`` advertised; after ``keep_alive_max_requests`` requests, or when the
+  server stops, new streams are refused (REFUSED_STREAM, safe to retry, RFC 9113 8.7) and GOAWAY
+  closes the connection once its requests are answered (h2 can send nothing after a GOAWAY);
+- idle connections closed after ``keep_alive_timeout_s``;
+- a client that did not negotiate ``h2`` gets one HTTP/1.1 505 problem answer, then the connection
+  closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+
+from sdcp.protocol.problems import PROBLEM_MEDIA_TYPE
+from sdcp.transport.errors import HTTPVersionNotSupported, InternalServerError
+from sdcp.transport.peer import PeerTLS
+
+__all__ = ["H2ServerState", "H2ServerProtocol", "run_lifespan"]
+
+_log = logging.getLogger("sdcp.transport.h2server")
+
+ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]]
+
+_RECEIVE_WINDOW = 1 << 24
+_ALPN_H2 = "h2"
+_ABORT_WAIT_S = 1.0
+_ASGI = {"version": "3.0", "spec_version": "2.3"}
+
+
+@dataclass
+class H2ServerState:
+    """What a listener's connections share: limits, the open connections, requests in flight."""
+
+    max_concurrent_streams: int
+    keep_alive_max_requests: int
+    keep_alive_timeout_s: float
+    connections: set[H2ServerProtocol] = field(default_factory=set)
+    in_flight: int = 0
+    stopping: bool = False
+
+    def stop_accepting(self) -> None:
+        """Every connection refuses new streams and closes once its requests are answered."""
+        self.stopping = True
+        for connection in list(self.connections):
+            connection.drain()
+
+    def abort_all(self) -> None:
+        for connection in list(self.connections):
+            connection.abort()
+
+
+@dataclass
+class _Stream:
+    stream_id: int
+    body: deque[bytes] = field(default_factory=deque)
+    complete: bool = False
+    body_delivered: bool = False
+    disconnected: bool = False
+    status: int | None = None
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    headers_sent: bool = False
+    ended: bool = False
+    bodiless: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The task answering the request; held here, since the event loop keeps only weak references.
+    task: asyncio.Task[None] | None = None
+
+
+class H2ServerProtocol(asyncio.Protocol):
+    """One client connection."""
+
+    def __init__(self, app: ASGIApp, state: H2ServerState) -> None:
+        self._app = app
+        self._state = state
+        self._transport: asyncio.Transport | None = None
+        self._h2: h2.connection.H2Connection | None = None
+        self._streams: dict[int, _Stream] = {}
+        self._requests = 0
+        self._draining = False
+        self._capacity = asyncio.Event()
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._tls: dict[str, Any] | None = None
+        self._client: tuple[str, int] | None = None
+        self._server: tuple[str, int] | None = None
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._state.connections.add(self)
+        self._client = _address(transport.get_extra_info("peername"))
+        self._server = _address(transport.get_extra_info("sockname"))
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is not None:
+            self._tls = PeerTLS.from_ssl_object(ssl_object).asgi_extension()
+        if ssl_object is None or ssl_object.selected_alpn_protocol() != _ALPN_H2:
+            return  # HTTP/1.x: answered with 505 on its first bytes
+        self._h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+        self._h2.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._state.max_concurrent_streams,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _RECEIVE_WINDOW,
+            },
+        )
+        self._h2.initiate_connection()
+        self._h2.increment_flow_control_window(_RECEIVE_WINDOW)
+        self._flush()
+        if self._state.stopping:
+            self.drain()
+        self._arm_idle_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._h2 is None:
+            self._refuse_http1()
+            return
+        try:
+            events = self._h2.receive_data(data)
+        except h2.exceptions.ProtocolError as error:
+            _log.info("HTTP/2 protocol error from %s: %s", self._client, error)
+            self._flush()
+            self.abort()
+            return
+        for event in events:
+            self._handle(event)
+        self._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._state.connections.discard(self)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        for stream in self._streams.values():
+            stream.disconnected = True
+            stream.changed.set()
+        self._capacity.set()
+
+    # -- control from the listener ---------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Refuse new streams; GOAWAY and close once the streams in progress are answered."""
+        self._draining = True
+        self._close_if_drained()
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    @property
+    def flushed(self) -> bool:
+        return self._transport is None or self._transport.is_closing() or self._transport.get_write_buffer_size() == 0
+
+    # -- HTTP/2 events ----------------------------------------------------------------------------
+
+    def _handle(self, event: h2.events.Event) -> None:
+        assert self._h2 is not None
+        if isinstance(event, h2.events.RequestReceived):
+            self._start_request(event.stream_id, event.headers)
+        elif isinstance(event, h2.events.DataReceived):
+            self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream.body.append(event.data)
+                stream.changed.set()
+        elif isinstance(event, h2.events.StreamEnded):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream.complete = True
+                stream.changed.set()
+        elif isinstance(event, h2.events.StreamReset):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream.disconnected = True
+                stream.changed.set()
+            self._capacity.set()
+        elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
+            self._capacity.set()
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            self.drain()
+
+    def _start_request(self, stream_id: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
+        assert self._h2 is not None
+        if self._draining:
+            self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            return
+        self._requests += 1
+        if self._requests >= self._state.keep_alive_max_requests:
+            self._draining = True
+        pseudo: dict[bytes, bytes] = {}
+        headers: list[tuple[bytes, bytes]] = []
+        for name, value in raw_headers:
+            if name.startswith(b":"):
+                pseudo[name] = value
+            else:
+                headers.append((name, value))
+        if b":authority" in pseudo:
+            headers.insert(0, (b"host", pseudo[b":authority"]))
+        raw_path, _, query = pseudo.get(b":path", b"/").partition(b"?")
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": _ASGI,
+            "http_version": "2",
+            "method": pseudo.get(b":method", b"GET").decode("ascii"),
+            "scheme": pseudo.get(b":scheme", b"https").decode("ascii"),
+            "path": unquote(raw_path.decode("ascii", errors="replace")),
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": headers,
+            "client": self._client,
+            "server": self._server,
+            "extensions": {"tls": self._tls} if self._tls is not None else {},
+            "state": {},
+        }
+        stream = _Stream(stream_id, bodiless=scope["method"] == "HEAD")
+        self._streams[stream_id] = stream
+        self._state.in_flight += 1
+        self._disarm_idle_timer()
+        stream.task = asyncio.get_running_loop().create_task(self._run(stream, scope))
+
+    # -- one request ------------------------------------------------------------------------------
+
+    async def _run(self, stream: _Stream, scope: dict[str, Any]) -> None:
+        try:
+            await self._app(scope, lambda: self._receive(stream), lambda message: self._send(stream, message))
+        except Exception:
+            _log.exception("unhandled error answering %s %s", scope["method"], scope["path"])
+        finally:
+            try:
+                if not stream.disconnected and not stream.ended:
+                    await self._finish_unanswered(stream)
+            finally:
+                self._streams.pop(stream.stream_id, None)
+                self._state.in_flight -= 1
+                self._capacity.set()
+                self._close_if_drained()
+                self._arm_idle_timer()
+
+    async def _receive(self, stream: _Stream) -> dict[str, Any]:
+        while True:
+            if stream.body:
+                chunk = stream.body.popleft()
+                last = stream.complete and not stream.body
+                stream.body_delivered = last
+                return {"type": "http.request", "body": chunk, "more_body": not last}
+            if stream.complete and not stream.body_delivered:
+                stream.body_delivered = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            if stream.disconnected or stream.ended:
+                return {"type": "http.disconnect"}
+            stream.changed.clear()
+            await stream.changed.wait()
+
+    async def _send(self, stream: _Stream, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            stream.status = int(message["status"])
+            stream.headers = [(bytes(name).lower(), bytes(value)) for name, value in message.get("headers", [])]
+            return
+        if kind != "http.response.body" or stream.disconnected or stream.ended or self._h2 is None:
+            return
+        if stream.status is None:
+            raise RuntimeError("http.response.body before http.response.start")
+        more = bool(message.get("more_body", False))
+        # RFC 9110 6.4.1: answers to HEAD and 204 and 304 answers carry no content.
+        body = b"" if stream.bodiless or stream.status in (204, 304) else bytes(message.get("body", b""))
+        if not stream.headers_sent:
+            stream.headers_sent = True
+            self._h2.send_headers(
+                stream.stream_id, [(b":status", str(stream.status).encode("ascii")), *stream.headers],
+                end_stream=not body and not more,
+            )
+            if not body and not more:
+                stream.ended = True
+        if body:
+            await self._send_data(stream, body, end=not more)
+        elif not more and not stream.ended:
+            self._h2.send_data(stream.stream_id, b"", end_stream=True)
+            stream.ended = True
+        self._flush()
+
+    async def _send_data(self, stream: _Stream, body: bytes, *, end: bool) -> None:
+        assert self._h2 is not None
+        view = memoryview(body)
+        sent = 0
+        while sent < len(body):
+            if stream.disconnected:
+                return
+            window = min(self._h2.local_flow_control_window(stream.stream_id), self._h2.max_outbound_frame_size)
+            if window <= 0:
+                self._flush()
+                self._capacity.clear()
+                await self._capacity.wait()
+                continue
+            chunk = bytes(view[sent : sent + window])
+            sent += len(chunk)
+            last = end and sent == len(body)
+            self._h2.send_data(stream.stream_id, chunk, end_stream=last)
+            if last:
+                stream.ended = True
+            if sent < len(body):
+                self._flush()
+
+    async def _finish_unanswered(self, stream: _Stream) -> None:
+        """The app returned or failed without completing its answer."""
+        assert self._h2 is not None
+        if stream.headers_sent:
+            self._h2.reset_stream(stream.stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
+            stream.ended = True
+            self._flush()
+            return
+        problem = InternalServerError()
+        body = json.dumps(problem.to_problem(), separators=(",", ":")).encode("utf-8")
+        stream.status = problem.status
+        stream.headers = [(b"content-type", PROBLEM_MEDIA_TYPE.encode("ascii")), (b"content-length", str(len(body)).encode())]
+        await self._send(stream, {"type": "http.response.body", "body": body})
+
+    # -- connection housekeeping ------------------------------------------------------------------
+
+    def _close_if_drained(self) -> None:
+        if not self._draining or self._streams or self._transport is None or self._transport.is_closing():
+            return
+        if self._h2 is not None:
+            try:
+                self._h2.close_connection()
+            except h2.exceptions.ProtocolError:
+                pass
+            self._flush()
+        self._transport.close()
+
+    def _arm_idle_timer(self) -> None:
+        if self._streams or self._transport is None or self._transport.is_closing():
+            return
+        self._disarm_idle_timer()
+        self._idle_timer = asyncio.get_running_loop().call_later(self._state.keep_alive_timeout_s, self.drain)
+
+    def _disarm_idle_timer(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _refuse_http1(self) -> None:
+        # SDCP 5.1: HTTP/2 or HTTP/3 is REQUIRED.
+        if self._transport is None or self._transport.is_closing():
+            return
+        problem = HTTPVersionNotSupported("SDCP requires HTTP/2 or HTTP/3")
+        body = json.dumps(problem.to_problem(), separators=(",", ":")).encode("utf-8")
+        head = (
+            f"HTTP/1.1 505 HTTP Version Not Supported\r\ncontent-type: {PROBLEM_MEDIA_TYPE}\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        self._transport.write(head.encode("ascii") + body)
+        self._transport.close()
+
+    def _flush(self) -> None:
+        if self._h2 is None or self._transport is None or self._transport.is_closing():
+            return
+        data = self._h2.data_to_send()
+        if data:
+            self._transport.write(data)
+
+
+async def run_lifespan(app: ASGIApp, started: asyncio.Future[str | None], stop: asyncio.Event) -> None:
+    """The ASGI lifespan protocol: startup, then shutdown once ``stop`` is set.
+
+    ``started`` gets None when startup completed (or the app has no lifespan support) and the
+    failure message when it failed.
+    """
+    phase = "startup"
+
+    async def receive() -> dict[str, Any]:
+        if phase == "startup":
+            return {"type": "lifespan.startup"}
+        await stop.wait()
+        return {"type": "lifespan.shutdown"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal phase
+        kind = message["type"]
+        if kind == "lifespan.startup.complete" and not started.done():
+            phase = "running"
+            started.set_result(None)
+        elif kind == "lifespan.startup.failed" and not started.done():
+            started.set_result(str(message.get("message", "")) or "startup failed")
+
+    try:
+        await app({"type": "lifespan", "asgi": _ASGI, "state": {}}, receive, send)
+    except Exception as exc:  # noqa: BLE001 - an app without lifespan support raises or returns
+        if phase == "startup" and not started.done():
+            _log.debug("the app does not take part in the lifespan protocol: %r", exc)
+    finally:
+        if not started.done():
+            started.set_result(None)
+
+
+def _address(value: object) -> tuple[str, int] | None:
+    if isinstance(value, tuple) and len(value) >= 2:
+        return str(value[0]), int(value[1])
+    return None
+
+
+class H2Listener:
+    """Serves an ASGI app on a bound socket: lifespan, connections, graceful stop."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        ssl_context: Any,
+        *,
+        max_concurrent_streams: int,
+        keep_alive_max_requests: int,
+        keep_alive_timeout_s: float,
+    ) -> None:
+        self._app = app
+        self._ssl_context = ssl_context
+        self.state = H2ServerState(max_concurrent_streams, keep_alive_max_requests, keep_alive_timeout_s)
+        self._server: asyncio.Server | None = None
+        self._lifespan: asyncio.Task[None] | None = None
+        self._lifespan_stop = asyncio.Event()
+
+    async def start(self, sock: Any, *, startup_timeout_s: float) -> str | None:
+        """Run the app's startup, then accept connections; the startup failure, or None."""
+        started: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._lifespan = asyncio.create_task(run_lifespan(self._app, started, self._lifespan_stop))
+        try:
+            async with asyncio.timeout(startup_timeout_s):
+                failure = await asyncio.shield(started)
+        except TimeoutError:
+            failure = f"the application did not start within {startup_timeout_s} s"
+        if failure is not None:
+            sock.close()
+            await self._end_lifespan()
+            return failure
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: H2ServerProtocol(self._app, self.state), sock=sock, ssl=self._ssl_context
+        )
+        return None
+
+    async def stop(self, graceful_timeout_s: float, poll_s: float) -> None:
+        """Stop accepting, let requests in flight finish (bounded), close every connection."""
+        if self._server is not None:
+            self._server.close()
+        self.state.stop_accepting()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + graceful_timeout_s
+        # Aborted transports report their loss on a later loop iteration; this bounds the wait.
+        give_up = deadline + _ABORT_WAIT_S
+        while self.state.connections and loop.time() < give_up:
+            if loop.time() >= deadline:
+                self.state.abort_all()
+            elif self.state.in_flight == 0:
+                # TLS close waits for the peer's close_notify; answered and flushed, nothing is lost.
+                for connection in list(self.state.connections):
+                    if connection.flushed:
+                        connection.abort()
+            await asyncio.sleep(poll_s)
+        if self._server is not None:
+            await self._server.wait_closed()
+        await self._end_lifespan()
+
+    async def _end_lifespan(self) -> None:
+        self._lifespan_stop.set()
+        if self._lifespan is not None:
+            await asyncio.gather(self._lifespan, return_exceptions=True)
