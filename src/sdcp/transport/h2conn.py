@@ -72,6 +72,7 @@ class H2Connection(asyncio.Protocol):
         self._capacity = asyncio.Event()
         self._closed = asyncio.get_running_loop().create_future()
         self._goaway = False
+        self._flush_scheduled = False
         self.peer_certificate: bytes | None = None
 
     @classmethod
@@ -138,7 +139,7 @@ class H2Connection(asyncio.Protocol):
             return
         try:
             self._h2.close_connection()
-            self._flush()
+            self._flush_now()
         except h2.exceptions.ProtocolError:
             pass
         self._transport.close()
@@ -175,7 +176,7 @@ class H2Connection(asyncio.Protocol):
         try:
             events = self._h2.receive_data(data)
         except h2.exceptions.ProtocolError as error:
-            self._flush()
+            self._flush_now()
             self._fail_all(ConnectionClosed(f"HTTP/2 protocol error from the peer: {error}"))
             if self._transport is not None:
                 self._transport.abort()
@@ -273,6 +274,14 @@ class H2Connection(asyncio.Protocol):
         self._capacity.set()
 
     def _flush(self) -> None:
+        """Write what h2 has queued at the end of this loop iteration: requests made together
+        (many sessions' output polls) leave in one TLS write, not one each."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flush_scheduled = False
         data = self._h2.data_to_send()
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
