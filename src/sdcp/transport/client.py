@@ -25,7 +25,6 @@ from cryptography import x509
 from sdcp.protocol.codec import DEFAULT_MAX_SIZE, MEDIA_TYPE, decode, encode
 from sdcp.protocol.problems import PROBLEM_MEDIA_TYPE, BadMessage, ProtocolError
 from sdcp.transport.certs import uri_sans
-from sdcp.transport.h2conn import ConnectionClosed, H2Connection, H2Response
 from sdcp.transport.errors import (
     ClientCertificateRejected,
     ConnectionLost,
@@ -36,6 +35,7 @@ from sdcp.transport.errors import (
     TransportError,
     UnexpectedResponse,
 )
+from sdcp.transport.h2conn import ConnectionClosed, H2Connection, H2Response
 from sdcp.transport.tls import client_context
 
 __all__ = ["CONNECT_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "BytesResponse", "PeerClients", "RetryPolicy", "SDCPClient"]

@@ -38,7 +38,7 @@ from sdcp.protocol.problems import PROBLEM_MEDIA_TYPE
 from sdcp.transport.errors import HTTPVersionNotSupported, InternalServerError
 from sdcp.transport.peer import PeerTLS
 
-__all__ = ["H2ServerState", "H2ServerProtocol", "run_lifespan"]
+__all__ = ["H2Listener", "H2ServerProtocol", "H2ServerState", "run_lifespan"]
 
 _log = logging.getLogger("sdcp.transport.h2server")
 
@@ -247,7 +247,7 @@ class H2ServerProtocol(asyncio.Protocol):
     async def _run(self, stream: _Stream, scope: dict[str, Any]) -> None:
         try:
             await self._app(scope, lambda: self._receive(stream), lambda message: self._send(stream, message))
-        except Exception:
+        except Exception:  # noqa: BLE001 - the app's failure is logged and answered, not raised
             _log.exception("unhandled error answering %s %s", scope["method"], scope["path"])
         finally:
             try:
