@@ -39,6 +39,7 @@ __all__ = [
     "RequireHTTP2",
     "cbor_response",
     "exception_handlers",
+    "problem_body",
     "problem_response",
     "read_cbor_body",
     "require_peer",
@@ -62,10 +63,14 @@ def cbor_response(obj: object, status: int = 200) -> Response:
     return Response(content=encode(obj), status_code=status, media_type=MEDIA_TYPE)
 
 
+def problem_body(err: Problem) -> bytes:
+    """The ``application/problem+json`` body (RFC 9457) for ``err``."""
+    return json.dumps(err.to_problem(), separators=(",", ":")).encode("utf-8")
+
+
 def problem_response(err: Problem) -> Response:
     """An ``application/problem+json`` response (RFC 9457) for ``err``."""
-    body = json.dumps(err.to_problem(), separators=(",", ":")).encode("utf-8")
-    return Response(content=body, status_code=err.status, media_type=PROBLEM_MEDIA_TYPE)
+    return Response(content=problem_body(err), status_code=err.status, media_type=PROBLEM_MEDIA_TYPE)
 
 
 async def read_cbor_body(request: Request, *, max_size: int = DEFAULT_MAX_SIZE) -> object:

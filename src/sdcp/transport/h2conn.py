@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import h2.config
@@ -22,7 +22,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
-__all__ = ["ConnectionClosed", "H2Connection", "H2Response"]
+__all__ = ["ConnectionClosed", "H2Connection", "H2Response", "send_within_windows"]
 
 # Our receive windows: large objects (KV caches) flow without a WINDOW_UPDATE round trip per 64 KiB.
 _RECEIVE_WINDOW = 1 << 24
@@ -57,6 +57,37 @@ class _Stream:
     status: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
     chunks: list[bytes] = field(default_factory=list)
+
+
+async def send_within_windows(
+    connection: h2.connection.H2Connection,
+    stream_id: int,
+    body: bytes,
+    *,
+    end_stream: bool,
+    capacity: asyncio.Event,
+    flush: Callable[[], None],
+    gone: Callable[[], bool],
+) -> bool:
+    """Send ``body`` on a stream in frames the peer's flow-control windows allow; False when
+    ``gone()`` says the stream or connection went away first. ``capacity`` is set whenever a window
+    may have opened; ``flush`` writes what h2 queued. Both ends use it: request and answer bodies."""
+    view = memoryview(body)
+    sent = 0
+    while sent < len(body):
+        if gone():
+            return False
+        window = min(connection.local_flow_control_window(stream_id), connection.max_outbound_frame_size)
+        if window <= 0:
+            flush()
+            capacity.clear()
+            await capacity.wait()
+            continue
+        chunk = bytes(view[sent : sent + window])
+        sent += len(chunk)
+        connection.send_data(stream_id, chunk, end_stream=end_stream and sent == len(body))
+        flush()
+    return True
 
 
 class H2Connection(asyncio.Protocol):
@@ -119,8 +150,11 @@ class H2Connection(asyncio.Protocol):
                     request_headers.append((b"content-length", str(len(body)).encode("ascii")))
                 self._h2.send_headers(stream_id, request_headers, end_stream=not body)
                 self._flush()
-                if body:
-                    await self._send_body(stream_id, body)
+                if body and not await send_within_windows(
+                    self._h2, stream_id, body, end_stream=True, capacity=self._capacity, flush=self._flush,
+                    gone=self._closed.done,
+                ):
+                    raise ConnectionClosed("connection lost while sending the request body")
                 return await answer
         except BaseException:
             if stream_id is not None:
@@ -131,7 +165,7 @@ class H2Connection(asyncio.Protocol):
                 answer.exception()  # retrieved: a failure that arrived while the body was sent
             if stream_id is not None:
                 self._streams.pop(stream_id, None)
-                self._after_stream()
+                self._capacity.set()
 
     async def close(self) -> None:
         """Send GOAWAY and close; streams still open fail with ``ConnectionClosed``."""
@@ -224,8 +258,9 @@ class H2Connection(asyncio.Protocol):
                 )
             self._capacity.set()
         elif isinstance(event, h2.events.ConnectionTerminated):
-            # Streams up to last_stream_id may have been processed. hypercorn, which sends GOAWAY
-            # after keep_alive_max_requests, does not answer them after it, so they fail too.
+            # Streams up to last_stream_id may have been processed; they fail as lost in flight
+            # (retried only when idempotent) rather than wait for answers that some servers never
+            # send after their GOAWAY (hypercorn 0.18 after keep_alive_max_requests).
             self._goaway = True
             last = event.last_stream_id if event.last_stream_id is not None else 0
             for stream_id, stream in self._streams.items():
@@ -246,22 +281,6 @@ class H2Connection(asyncio.Protocol):
             self._capacity.clear()
             await self._capacity.wait()
 
-    async def _send_body(self, stream_id: int, body: bytes) -> None:
-        view = memoryview(body)
-        sent = 0
-        while sent < len(body):
-            if self._closed.done():
-                raise ConnectionClosed("connection lost while sending the request body")
-            window = min(self._h2.local_flow_control_window(stream_id), self._h2.max_outbound_frame_size)
-            if window <= 0:
-                self._capacity.clear()
-                await self._capacity.wait()
-                continue
-            chunk = bytes(view[sent : sent + window])
-            sent += len(chunk)
-            self._h2.send_data(stream_id, chunk, end_stream=sent == len(body))
-            self._flush()
-
     def _abandon(self, stream_id: int) -> None:
         """A request given up (timeout, cancellation): tell the peer, unless the stream is done."""
         try:
@@ -269,9 +288,6 @@ class H2Connection(asyncio.Protocol):
             self._flush()
         except (h2.exceptions.ProtocolError, KeyError):
             pass
-
-    def _after_stream(self) -> None:
-        self._capacity.set()
 
     def _flush(self) -> None:
         """Write what h2 has queued at the end of this loop iteration: requests made together

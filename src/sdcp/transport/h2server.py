@@ -19,7 +19,6 @@ server does what those listeners need and no more:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -35,7 +34,9 @@ import h2.exceptions
 import h2.settings
 
 from sdcp.protocol.problems import PROBLEM_MEDIA_TYPE
+from sdcp.transport.asgi import problem_body
 from sdcp.transport.errors import HTTPVersionNotSupported, InternalServerError
+from sdcp.transport.h2conn import send_within_windows
 from sdcp.transport.peer import PeerTLS
 
 __all__ = ["H2Listener", "H2ServerProtocol", "H2ServerState", "run_lifespan"]
@@ -297,33 +298,15 @@ class H2ServerProtocol(asyncio.Protocol):
             if not body and not more:
                 stream.ended = True
         if body:
-            await self._send_data(stream, body, end=not more)
+            completed = await send_within_windows(
+                self._h2, stream.stream_id, body, end_stream=not more, capacity=self._capacity, flush=self._flush,
+                gone=lambda: stream.disconnected,
+            )
+            stream.ended = completed and not more
         elif not more and not stream.ended:
             self._h2.send_data(stream.stream_id, b"", end_stream=True)
             stream.ended = True
         self._flush()
-
-    async def _send_data(self, stream: _Stream, body: bytes, *, end: bool) -> None:
-        assert self._h2 is not None
-        view = memoryview(body)
-        sent = 0
-        while sent < len(body):
-            if stream.disconnected:
-                return
-            window = min(self._h2.local_flow_control_window(stream.stream_id), self._h2.max_outbound_frame_size)
-            if window <= 0:
-                self._flush()
-                self._capacity.clear()
-                await self._capacity.wait()
-                continue
-            chunk = bytes(view[sent : sent + window])
-            sent += len(chunk)
-            last = end and sent == len(body)
-            self._h2.send_data(stream.stream_id, chunk, end_stream=last)
-            if last:
-                stream.ended = True
-            if sent < len(body):
-                self._flush()
 
     async def _finish_unanswered(self, stream: _Stream) -> None:
         """The app returned or failed without completing its answer."""
@@ -334,7 +317,7 @@ class H2ServerProtocol(asyncio.Protocol):
             self._flush()
             return
         problem = InternalServerError()
-        body = json.dumps(problem.to_problem(), separators=(",", ":")).encode("utf-8")
+        body = problem_body(problem)
         stream.status = problem.status
         stream.headers = [(b"content-type", PROBLEM_MEDIA_TYPE.encode("ascii")), (b"content-length", str(len(body)).encode())]
         await self._send(stream, {"type": "http.response.body", "body": body})
@@ -367,8 +350,7 @@ class H2ServerProtocol(asyncio.Protocol):
         # SDCP 5.1: HTTP/2 or HTTP/3 is REQUIRED.
         if self._transport is None or self._transport.is_closing():
             return
-        problem = HTTPVersionNotSupported("SDCP requires HTTP/2 or HTTP/3")
-        body = json.dumps(problem.to_problem(), separators=(",", ":")).encode("utf-8")
+        body = problem_body(HTTPVersionNotSupported("SDCP requires HTTP/2 or HTTP/3"))
         head = (
             f"HTTP/1.1 505 HTTP Version Not Supported\r\ncontent-type: {PROBLEM_MEDIA_TYPE}\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
