@@ -4,10 +4,16 @@ Every cache here holds one sequence (batch size 1); a batched pass extends each 
 cache (sdcp.models.ragged).
 
 Layers are `GrowableLayer`s: transformers' `DynamicLayer` copies a layer's whole cache on every
-append (``torch.cat``); these write new columns in place into spare capacity.
+append (``torch.cat``); these write new columns in place into spare capacity. A layer may start on
+buffers it is given: a `SlotPool` slot, where a batched pass can reach every session's keys and
+values as one tensor (sdcp.models.ragged).
 """
 
 from __future__ import annotations
+
+import heapq
+import math
+import mmap
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -24,10 +30,9 @@ class GrowableLayer(DynamicLayer):
     caller that keeps keys or values across an append copies them first.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
-        self._key_buffer: torch.Tensor | None = None
-        self._value_buffer: torch.Tensor | None = None
+        self._key_buffer, self._value_buffer = buffers if buffers is not None else (None, None)
         # The keys view this layer handed out last: while ``keys`` is still it, the buffers are ours.
         self._keys_view: torch.Tensor | None = None
 
@@ -48,16 +53,30 @@ class GrowableLayer(DynamicLayer):
         return self.keys, self.values
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, length: int, end: int) -> None:
-        owned = self.keys is self._keys_view or self._owns_views(key_states)
-        if not owned or end > self._key_buffer.shape[-2]:  # type: ignore[union-attr]
+        buffer = self._key_buffer
+        fits = buffer is not None and end <= buffer.shape[-2] and buffer.shape[:-2] == key_states.shape[:-2]
+        # With no columns yet, given buffers hold nothing to keep.
+        if not (fits and (length == 0 or self.keys is self._keys_view or self._owns_views())):
             self._reallocate(key_states, value_states, length, max(_MIN_CAPACITY, end, 2 * length))
         assert self._key_buffer is not None and self._value_buffer is not None
         self._key_buffer[..., length:end, :] = key_states
         self._value_buffer[..., length:end, :] = value_states
-        self.keys, self.values = self._key_buffer[..., :end, :], self._value_buffer[..., :end, :]
+        self.set_length(end)
+
+    def set_length(self, length: int) -> None:
+        """Make the first ``length`` buffer columns the keys and values; for a caller that wrote
+        columns into the buffers directly."""
+        assert self._key_buffer is not None and self._value_buffer is not None
+        if not self.is_initialized:
+            self.lazy_initialization(self._key_buffer, self._value_buffer)
+        self.keys, self.values = self._key_buffer[..., :length, :], self._value_buffer[..., :length, :]
         self._keys_view = self.keys
 
-    def _owns_views(self, key_states: torch.Tensor) -> bool:
+    def uses_buffers(self, key_buffer: torch.Tensor) -> bool:
+        """The layer still stores its columns in ``key_buffer`` (it has not moved to its own)."""
+        return self._key_buffer is key_buffer and (self.keys is self._keys_view or self._owns_views())
+
+    def _owns_views(self) -> bool:
         """The current keys are a prefix view of the buffer (no other cache code replaced them)."""
         buffer = self._key_buffer
         return (
@@ -65,7 +84,6 @@ class GrowableLayer(DynamicLayer):
             and self.keys is not None
             and self.keys.data_ptr() == buffer.data_ptr()
             and self.keys.stride() == buffer.stride()
-            and buffer.shape[:-2] == key_states.shape[:-2]
         )
 
     def _reallocate(self, keys: torch.Tensor, values: torch.Tensor, length: int, capacity: int) -> None:
@@ -77,11 +95,80 @@ class GrowableLayer(DynamicLayer):
         self._key_buffer, self._value_buffer = key_buffer, value_buffer
 
 
-def new_cache(model: PreTrainedModel) -> DynamicCache:
+class SlotPool:
+    """KV buffers for up to ``slots`` sessions of up to ``capacity`` positions, one tensor per layer
+    for keys and one for values, shaped (slots, kv_heads, capacity, head_dim).
+
+    A session's `GrowableLayer`s start on its slot's rows; a session that outgrows ``capacity``
+    moves to buffers of its own. A batched pass reads every slot up to its longest session, masked:
+    a masked key still enters the arithmetic (a NaN there would spread), so the pool starts zeroed
+    and holds only keys and values written since.
+    """
+
+    def __init__(self, model: PreTrainedModel, *, slots: int, capacity: int) -> None:
+        if slots < 1 or capacity < 1:
+            raise ValueError(f"a slot pool needs slots >= 1 and capacity >= 1, got {slots} and {capacity}")
+        config = model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        parameter = next(model.parameters())
+        shape = (slots, heads, capacity, head_dim)
+        self.keys = [_zeros(shape, parameter) for _ in range(config.num_hidden_layers)]
+        self.values = [_zeros(shape, parameter) for _ in range(config.num_hidden_layers)]
+        self.capacity = capacity
+        self._buffers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
+            [(keys[slot : slot + 1], values[slot : slot + 1]) for keys, values in zip(self.keys, self.values, strict=True)]
+            for slot in range(slots)
+        ]
+        self._free = list(range(slots))
+
+    def acquire(self) -> int | None:
+        """The lowest free slot (sessions then sit close together), or None when all are taken."""
+        return heapq.heappop(self._free) if self._free else None
+
+    def release(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+    def buffers(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the slot's (keys, values) rows, shaped (1, kv_heads, capacity, head_dim)."""
+        return self._buffers[slot]
+
+    def holds(self, slot: int, cache: DynamicCache) -> bool:
+        """``cache`` still stores its columns in ``slot``. Its layers grow together and move to
+        buffers of their own in the same pass, so the first and the last layer tell."""
+        buffers = self._buffers[slot]
+        return all(
+            isinstance(cache.layers[index], GrowableLayer) and cache.layers[index].uses_buffers(buffers[index][0])
+            for index in (0, len(buffers) - 1)
+        )
+
+
+def _zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    if like.device.type != "cpu":
+        return like.new_zeros(shape)
+    # Anonymous memory reads as zeros and is committed page by page as it is first written, so a
+    # column no session reached costs address space only (torch.zeros would write every page).
+    # Transparent huge pages would commit 2 MiB for each slot's first column of each head.
+    size = math.prod(shape) * like.element_size()
+    memory = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(memory, dtype=like.dtype, count=math.prod(shape)).view(shape)
+
+
+def new_cache(model: PreTrainedModel, buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DynamicCache:
+    """An empty cache of `GrowableLayer`s, on the given per-layer buffers if any."""
     cache = DynamicCache(config=model.config)
     if all(type(layer) is DynamicLayer for layer in cache.layers):
-        cache.layers = [GrowableLayer() for _ in cache.layers]
+        cache.layers = [GrowableLayer(buffers[index] if buffers else None) for index in range(len(cache.layers))]
     return cache
+
+
+def set_length(cache: DynamicCache, length: int) -> None:
+    """After a pass wrote ``length`` columns into a cache's slot buffers directly."""
+    for layer in cache.layers:
+        assert isinstance(layer, GrowableLayer)
+        layer.set_length(length)
 
 
 def cache_length(cache: DynamicCache) -> int:
@@ -94,9 +181,11 @@ def layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]
 
 
 def cache_from_tensors(
-    model: PreTrainedModel, tensors: list[tuple[torch.Tensor, torch.Tensor]]
+    model: PreTrainedModel,
+    tensors: list[tuple[torch.Tensor, torch.Tensor]],
+    buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> DynamicCache:
-    cache = new_cache(model)
+    cache = new_cache(model, buffers)
     for layer_index, (keys, values) in enumerate(tensors):
         cache.update(keys, values, layer_index)
     return cache

@@ -29,16 +29,23 @@ from sdcp.models.errors import (
 )
 from sdcp.models.kvformat import decode_kv, encode_kv
 from sdcp.models.packed import pack_weights, with_packed_linears
-from sdcp.models.ragged import RaggedBatchCache, supports_ragged_attention, use_ragged_attention
+from sdcp.models.ragged import RaggedBatchCache, SlotPass, supports_ragged_attention, use_ragged_attention
 
 SessionId = bytes
 ScoreRequest = tuple[SessionId, Sequence[int]]
+
+# Sessions whose KV sits in slots of the pool: more are served from caches of their own, scored
+# session by session within a pass (sdcp.models.ragged).
+DEFAULT_KV_SLOTS = 32
+# Positions per slot, at most: a longer session moves to a cache of its own.
+MAX_SLOT_CAPACITY = 4096
 
 
 @dataclass
 class _Session:
     tokens: list[int]
     cache: DynamicCache
+    slot: int | None = None
     pending: tuple[int, ...] | None = None
 
 
@@ -56,6 +63,8 @@ class TargetModel:
         *,
         name: str = "model",
         device: str | torch.device | None = None,
+        kv_slots: int = DEFAULT_KV_SLOTS,
+        kv_capacity: int | None = None,
     ) -> None:
         # Verification runs in fp32: bf16 changes greedy outputs of SmolLM2 on this machine. The
         # caller's model is left as it is; ours shares its weights (sdcp.models.packed).
@@ -65,6 +74,11 @@ class TargetModel:
         use_ragged_attention(self.model)
         self.tokenizer = tokenizer
         self.name = name
+        # kv_slots sessions keep their KV in a shared pool (sdcp.models.kvcache.SlotPool), up to
+        # kv_capacity positions each; 0 slots: every session has a cache of its own.
+        context = getattr(self.model.config, "max_position_embeddings", None) or MAX_SLOT_CAPACITY
+        capacity = kv_capacity if kv_capacity is not None else min(context, MAX_SLOT_CAPACITY)
+        self._slots = kvcache.SlotPool(self.model, slots=kv_slots, capacity=capacity) if kv_slots else None
         self._sessions: dict[SessionId, _Session] = {}
         self._lock = threading.RLock()
 
@@ -116,15 +130,21 @@ class TargetModel:
         with self._lock:
             if session in self._sessions:
                 raise SessionExists(f"session {session.hex()} is already open")
-            cache = kvcache.new_cache(self.model)
-            if len(tokens) > 1:
-                self._forward(torch.tensor([tokens[:-1]], device=self.device), None, cache)
-            self._sessions[session] = _Session(tokens=tokens, cache=cache)
+            slot = self._acquire_slot()
+            try:
+                cache = kvcache.new_cache(self.model, self._slot_buffers(slot))
+                if len(tokens) > 1:
+                    self._forward(torch.tensor([tokens[:-1]], device=self.device), None, cache)
+            except BaseException:
+                self._release_slot(slot)
+                raise
+            self._sessions[session] = _Session(tokens=tokens, cache=cache, slot=slot)
 
     def close_session(self, session: SessionId) -> None:
         with self._lock:
-            self._session(session)
+            state = self._session(session)
             del self._sessions[session]
+            self._release_slot(state.slot)
 
     def has_session(self, session: SessionId) -> bool:
         with self._lock:
@@ -217,10 +237,15 @@ class TargetModel:
         with self._lock:
             if session in self._sessions:
                 raise SessionExists(f"session {session.hex()} is already open")
-            cache = kvcache.cache_from_tensors(
-                self.model, [(k.to(self.device), v.to(self.device)) for k, v in tensors]
-            )
-            self._sessions[session] = _Session(tokens=tokens, cache=cache)
+            slot = self._acquire_slot()
+            try:
+                cache = kvcache.cache_from_tensors(
+                    self.model, [(k.to(self.device), v.to(self.device)) for k, v in tensors], self._slot_buffers(slot)
+                )
+            except BaseException:
+                self._release_slot(slot)
+                raise
+            self._sessions[session] = _Session(tokens=tokens, cache=cache, slot=slot)
 
     def _kv_shapes(self, length: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         if length == 0:
@@ -247,9 +272,39 @@ class TargetModel:
         starts = [kvcache.cache_length(state.cache) for state in states]
         positions = torch.cat([torch.arange(start, start + width) for start, width in zip(starts, widths, strict=True)])
         positions = positions.unsqueeze(0)
-        cache = RaggedBatchCache([state.cache for state in states], widths)
+        slots = self._slot_pass(states, starts, widths)
+        cache = RaggedBatchCache([state.cache for state in states], widths, slots)
         logits = self._forward(input_ids, positions.to(self.device), cache)[0].to(torch.float32).cpu()
+        if slots is not None:
+            for state, start, width in zip(states, starts, widths, strict=True):
+                kvcache.set_length(state.cache, start + width)
         return [rows.numpy() for rows in logits.split(widths)]
+
+    def _slot_pass(self, states: list[_Session], starts: list[int], widths: list[int]) -> SlotPass | None:
+        """A plan for scoring the pass through the slot pool, when every session's cache is in a
+        slot with room for its rows. A session that outgrew its slot gives it back."""
+        if self._slots is None:
+            return None
+        for state in states:
+            if state.slot is not None and not self._slots.holds(state.slot, state.cache):
+                self._release_slot(state.slot)
+                state.slot = None
+        held = [state.slot for state in states if state.slot is not None]
+        if len(held) < len(states):
+            return None
+        if any(start + width > self._slots.capacity for start, width in zip(starts, widths, strict=True)):
+            return None
+        return SlotPass(self._slots, held, starts, widths)
+
+    def _acquire_slot(self) -> int | None:
+        return self._slots.acquire() if self._slots is not None else None
+
+    def _slot_buffers(self, slot: int | None) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        return self._slots.buffers(slot) if self._slots is not None and slot is not None else None
+
+    def _release_slot(self, slot: int | None) -> None:
+        if self._slots is not None and slot is not None:
+            self._slots.release(slot)
 
     def _forward(
         self,
