@@ -16,7 +16,7 @@ from sdcp.models import (
     UnknownSession,
     load_drafter,
 )
-from sdcp.models.draft import session_rng
+from sdcp.models.draft import prompt_lookup, session_rng
 from sdcp.protocol.messages import Sampling
 from sdcp.protocol.sampling import target_distribution
 
@@ -124,6 +124,23 @@ def test_ngram_continuation_stops_at_the_end_of_the_context(session_ids) -> None
     # Suffix (6, 7) last occurred just before (8, 6, 7): only three tokens follow it.
     drafter.open_session(session, [6, 7, 8, 6, 7])
     assert drafter.draft(session, 8, None).tokens == (8, 6, 7)
+
+
+def _prompt_lookup_by_definition(tokens: list[int], m: int, n_max: int, n_min: int) -> list[int]:
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + m]
+    return []
+
+
+def test_prompt_lookup_follows_its_definition() -> None:
+    generator = np.random.default_rng(7)
+    for _ in range(2000):
+        tokens = [int(t) for t in generator.integers(0, 4, size=int(generator.integers(0, 30)))]
+        m, n_max = int(generator.integers(1, 9)), int(generator.integers(1, 5))
+        n_min = int(generator.integers(1, n_max + 1))
+        assert prompt_lookup(tokens, m, n_max=n_max, n_min=n_min) == _prompt_lookup_by_definition(tokens, m, n_max, n_min)
 
 
 def test_drafters_satisfy_the_protocol_and_registry(tiny_loaded: LoadedModel) -> None:

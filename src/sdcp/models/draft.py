@@ -319,12 +319,19 @@ def prompt_lookup(tokens: Sequence[int], m: int, *, n_max: int = 3, n_min: int =
     its context repeats whole runs, so one match predicts many tokens. Fewer than m come back when
     the occurrence is close to the end.
     """
+    tokens = list(tokens)
+    if len(tokens) < 2:
+        return []
+    last = tokens[-1]
+    # Every occurrence ends where the last token occurs earlier: found in one pass, then the
+    # longest suffix checked at each end, most recent first (the verifier does this per token).
+    ends = [index for index, token in enumerate(tokens[:-1]) if token == last]
+    ends.reverse()
     for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
-        suffix = list(tokens[-n:])
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if list(tokens[start : start + n]) == suffix:
-                follow = start + n
-                return list(tokens[follow : min(follow + m, len(tokens))])
+        suffix = tokens[-n:]
+        for end in ends:
+            if end >= n - 1 and tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + m]
     return []
 
 
