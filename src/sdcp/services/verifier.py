@@ -337,7 +337,7 @@ class VerifierNode(Node):
             if live.machine.rule.needs_q and proposal.q_rows is not None:
                 # SDCP 6.3: the rows may be fetched concurrently with scoring.
                 fetch = asyncio.create_task(self.mlc.get(proposal.q_rows))
-            logits = await self._score(live, proposal.tokens)
+            logits = await self._submit(live, proposal.tokens)
             if fetch is not None:
                 try:
                     data = await fetch
@@ -363,17 +363,20 @@ class VerifierNode(Node):
             if live.rounds.get(ticket.round) is done:
                 del live.rounds[ticket.round]
 
-    async def _score(self, live: _LiveSession, tokens: tuple[int, ...]) -> np.ndarray:
+    def _submit(self, live: _LiveSession, tokens: tuple[int, ...]) -> asyncio.Future[np.ndarray]:
+        """Queue a scoring request now (the scorer may be gathering a pass); its rows come with the
+        future, and the pass's time is counted when they do."""
+        rows = asyncio.wrap_future(self.scorer.submit(live.machine.session, tokens))
         self._scoring += 1
-        try:
-            logits = await self.scorer.score_async(live.machine.session, tokens)
-        finally:
-            self._scoring -= 1
+        rows.add_done_callback(lambda _: self._scored(live))
+        return rows
+
+    def _scored(self, live: _LiveSession) -> None:
+        self._scoring -= 1
         scored = self.scorer.last_pass.pop(live.machine.session, None)
         if scored is not None:
             live.timings.model_s += scored.seconds
             live.timings.batch_size = scored.batch_size
-        return logits
 
     async def _commit(self, live: _LiveSession, pending: PendingCommit) -> Verdict:
         """SDCP 6.3 Commit: the record is appended first; only then tokens and verdict are released.
@@ -476,7 +479,7 @@ class VerifierNode(Node):
         prediction = tuple(prompt_lookup(context, SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH))
         # A prediction that was not scored still counts towards the hit rate.
         guess = prediction[: lookahead_length(live.lookahead_hits, self._active_sessions(), len(prediction))]
-        return _Pass(prediction, guess, asyncio.ensure_future(self._score(live, guess)))
+        return _Pass(prediction, guess, self._submit(live, guess))
 
     async def _self_decode_pass(self, live: _LiveSession, scoring: _Pass) -> _Pass | None:
         """Commit the rounds of one pass; returns the next pass, already queued, if there is one."""
