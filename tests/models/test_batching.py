@@ -62,6 +62,30 @@ async def test_score_async_from_event_loop(tiny_target: TargetModel, session_ids
     assert [r.shape for r in rows] == [(2, tiny_target.vocab_size)] * 4
 
 
+async def test_callers_of_one_pass_continue_together(tiny_target: TargetModel, session_ids) -> None:
+    sessions = _open(tiny_target, session_ids, 6)
+    with BatchingScorer(tiny_target, window_s=1.0, max_batch=6) as scorer:
+        waiters = [scorer.score_async(s, [7]) for s in sessions]
+        seen_done: list[int] = []
+        waiters[0].add_done_callback(lambda _: seen_done.append(sum(w.done() for w in waiters)))
+        await asyncio.wait_for(asyncio.gather(*waiters), timeout=30)
+        assert scorer.batches_run == 1
+    # When the first caller of the pass learns its rows, every other caller has them as well.
+    assert seen_done == [6]
+
+
+async def test_a_cancelled_async_request_is_not_scored(tiny_target: TargetModel, session_ids) -> None:
+    first, second = _open(tiny_target, session_ids, 2)
+    with BatchingScorer(tiny_target, window_s=0.2, max_batch=2) as scorer:
+        withdrawn = scorer.score_async(first, [7])
+        withdrawn.cancel()
+        rows = await asyncio.wait_for(scorer.score_async(second, [7]), timeout=30)
+        assert rows.shape == (2, tiny_target.vocab_size)
+        await asyncio.sleep(0)
+    assert scorer.last_pass[second].batch_size == 1
+    assert first not in scorer.last_pass
+
+
 def test_closed_scorer_refuses_requests(tiny_target: TargetModel, session_ids) -> None:
     scorer = BatchingScorer(tiny_target)
     scorer.close()

@@ -1,7 +1,9 @@
 """A thread-safe batching front for `TargetModel.score` (DESIGN.md section 4).
 
 One worker thread owns the model passes. Callers from any thread `submit` a request and get a
-future; asyncio callers await `score_async`, so model work never runs on an event loop. The worker
+future; asyncio callers await `score_async`, so model work never runs on an event loop. The rows
+of one pass reach an event loop in one callback: all its callers continue in the same loop
+iteration, ahead of any other work the loop has queued meanwhile. The worker
 gathers requests for a short window after the first one arrives (or until `max_batch`) and runs
 them as one pass: a packed sequence costs its rows, whatever their widths (sdcp.models.ragged).
 
@@ -28,8 +30,54 @@ from sdcp.models.errors import ModelError
 from sdcp.models.target import SessionId, TargetModel
 
 _T = TypeVar("_T")
-_Request = tuple[SessionId, tuple[int, ...], "Future[np.ndarray]"]
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class _Request:
+    session: SessionId
+    tokens: tuple[int, ...]
+    future: Future[np.ndarray]
+    # For `score_async`: the caller's loop and the future it awaits there.
+    waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[np.ndarray]] | None = None
+
+
+class _Outcomes:
+    """Completes requests; what goes to asyncio waiters is handed to each loop in one callback."""
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[np.ndarray], object, bool]]] = {}
+
+    def result(self, request: _Request, rows: np.ndarray) -> None:
+        request.future.set_result(rows)
+        self._add(request, rows, failed=False)
+
+    def exception(self, request: _Request, error: BaseException) -> None:
+        request.future.set_exception(error)
+        self._add(request, error, failed=True)
+
+    def _add(self, request: _Request, outcome: object, *, failed: bool) -> None:
+        if request.waiter is not None:
+            loop, waiter = request.waiter
+            self._by_loop.setdefault(loop, []).append((waiter, outcome, failed))
+
+    def deliver(self) -> None:
+        for loop, outcomes in self._by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_complete_waiters, outcomes)
+            except RuntimeError:
+                pass  # the loop is closed: nobody awaits these any more
+        self._by_loop.clear()
+
+
+def _complete_waiters(outcomes: list[tuple[asyncio.Future[np.ndarray], object, bool]]) -> None:
+    for waiter, outcome, failed in outcomes:
+        if waiter.done():
+            continue
+        if failed:
+            waiter.set_exception(outcome)  # type: ignore[arg-type]
+        else:
+            waiter.set_result(outcome)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -95,14 +143,28 @@ class BatchingScorer:
 
     def submit(self, session: SessionId, tokens: Sequence[int]) -> Future[np.ndarray]:
         """Queue one scoring request; the future gives float32 logits (M + 1, V)."""
+        return self._queue(session, tokens, None)
+
+    def score_async(self, session: SessionId, tokens: Sequence[int]) -> asyncio.Future[np.ndarray]:
+        """Queue one scoring request now, from the running event loop; await the rows there.
+        Cancelling the returned future withdraws a request that no pass has taken yet."""
+        loop = asyncio.get_running_loop()
+        rows: asyncio.Future[np.ndarray] = loop.create_future()
+        future = self._queue(session, tokens, (loop, rows))
+        rows.add_done_callback(lambda done: future.cancel() if done.cancelled() else None)
+        return rows
+
+    def _queue(
+        self,
+        session: SessionId,
+        tokens: Sequence[int],
+        waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[np.ndarray]] | None,
+    ) -> Future[np.ndarray]:
         if self._closed.is_set():
             raise ScorerClosed("the batching scorer is closed")
         future: Future[np.ndarray] = Future()
-        self._inbox.put((session, tuple(tokens), future))
+        self._inbox.put(_Request(session, tuple(tokens), future, waiter))
         return future
-
-    async def score_async(self, session: SessionId, tokens: Sequence[int]) -> np.ndarray:
-        return await asyncio.wrap_future(self.submit(session, tokens))
 
     def run(self, function: Callable[..., _T], *args: object) -> Future[_T]:
         """Run ``function(*args)`` on the worker thread, between passes."""
@@ -148,10 +210,10 @@ class BatchingScorer:
 
     def _gather(self, batch: list[_Request], deferred: deque[_Request]) -> bool:
         """Fill `batch` within the window; a second request of a session waits for a later pass."""
-        sessions = {batch[0][0]}
-        while deferred and len(batch) < self.max_batch and deferred[0][0] not in sessions:
+        sessions = {batch[0].session}
+        while deferred and len(batch) < self.max_batch and deferred[0].session not in sessions:
             request = deferred.popleft()
-            sessions.add(request[0])
+            sessions.add(request.session)
             batch.append(request)
         deadline = time.monotonic() + max(self.window_s, self.window_share * self._last_pass_s)
         while len(batch) < self._batch_limit():
@@ -166,10 +228,10 @@ class BatchingScorer:
                 item.run()
                 continue
             request: _Request = item  # type: ignore[assignment]
-            if request[0] in sessions:
+            if request.session in sessions:
                 deferred.append(request)
             else:
-                sessions.add(request[0])
+                sessions.add(request.session)
                 batch.append(request)
         return False
 
@@ -179,42 +241,54 @@ class BatchingScorer:
         return max(1, min(self.max_batch, self.active_sessions()))
 
     def _score(self, batch: list[_Request]) -> None:
+        outcomes = _Outcomes()
+        try:
+            self._score_into(batch, outcomes)
+        finally:
+            outcomes.deliver()
+
+    def _score_into(self, batch: list[_Request], outcomes: _Outcomes) -> None:
         runnable: list[_Request] = []
         for request in batch:
-            session, tokens, future = request
-            if not future.set_running_or_notify_cancel():
+            if not request.future.set_running_or_notify_cancel():
                 continue
             try:
-                self.target.check_request(session, tokens)
+                self.target.check_request(request.session, request.tokens)
             except ModelError as exc:
-                future.set_exception(exc)
+                outcomes.exception(request, exc)
                 continue
             runnable.append(request)
         if not runnable:
             return
         started = time.perf_counter()
         try:
-            rows = self.target.score([(session, tokens) for session, tokens, _ in runnable])
+            rows = self.target.score([(request.session, request.tokens) for request in runnable])
         except Exception as exc:  # noqa: BLE001 - every waiter must learn why its pass failed
-            for _, _, future in runnable:
-                future.set_exception(exc)
+            for request in runnable:
+                outcomes.exception(request, exc)
             return
         finally:
             self._last_pass_s = time.perf_counter() - started
         info = PassInfo(self._last_pass_s, len(runnable))
         self.batches_run += 1
-        for (session, _, future), result in zip(runnable, rows, strict=True):
-            self.last_pass[session] = info
-            future.set_result(result)
+        for request, result in zip(runnable, rows, strict=True):
+            self.last_pass[request.session] = info
+            outcomes.result(request, result)
 
     def _fail_pending(self) -> None:
+        outcomes = _Outcomes()
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if item is _STOP:
                 continue
-            future = item.future if isinstance(item, _Call) else item[2]  # type: ignore[index]
-            if future.set_running_or_notify_cancel():
-                future.set_exception(ScorerClosed("the batching scorer was closed"))
+            if isinstance(item, _Call):
+                if item.future.set_running_or_notify_cancel():
+                    item.future.set_exception(ScorerClosed("the batching scorer was closed"))
+                continue
+            request: _Request = item  # type: ignore[assignment]
+            if request.future.set_running_or_notify_cancel():
+                outcomes.exception(request, ScorerClosed("the batching scorer was closed"))
+        outcomes.deliver()

@@ -366,7 +366,7 @@ class VerifierNode(Node):
     def _submit(self, live: _LiveSession, tokens: tuple[int, ...]) -> asyncio.Future[np.ndarray]:
         """Queue a scoring request now (the scorer may be gathering a pass); its rows come with the
         future, and the pass's time is counted when they do."""
-        rows = asyncio.wrap_future(self.scorer.submit(live.machine.session, tokens))
+        rows = self.scorer.score_async(live.machine.session, tokens)
         self._scoring += 1
         rows.add_done_callback(lambda _: self._scored(live))
         return rows
