@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import threading
 import uuid
 import zlib
 from pathlib import Path
@@ -14,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import redis.asyncio as aioredis
 
-from sdcp.cache import MLC, CorruptRecord, FileCommitLog, build_uri
+from sdcp.cache import MLC, CorruptRecord, FileCommitLog, PreconditionFailed, build_uri
 from sdcp.cache.commitlog import EMPTY_LOG_ETAG
 
 pytestmark = pytest.mark.timeout(30)
@@ -102,3 +103,26 @@ def test_trailing_garbage_never_loses_or_reorders_committed_records(tmp_path_fac
     except CorruptRecord:
         return
     assert snapshot.records[:3] == records
+
+
+async def test_appends_of_one_loop_iteration_share_one_worker_job_and_fail_alone(tmp_path: Path, monkeypatch) -> None:
+    threads: list[int] = []
+    original = FileCommitLog._append_sync
+
+    def recording(self: FileCommitLog, payload: bytes, epoch: int, if_match: str) -> str:
+        threads.append(threading.get_ident())
+        return original(self, payload, epoch, if_match)
+
+    monkeypatch.setattr(FileCommitLog, "_append_sync", recording)
+    logs = [FileCommitLog(build_uri("localhost", None, "log", f"batch-{index}"), tmp_path / f"log-{index}") for index in range(8)]
+    outcomes = await asyncio.gather(
+        *(log.append({"epoch": 1, "round": 1}, if_match=EMPTY_LOG_ETAG if index != 3 else '"stale"') for index, log in enumerate(logs)),
+        return_exceptions=True,
+    )
+    assert len(threads) == 8 and len(set(threads)) == 1 and threading.get_ident() not in threads
+    assert isinstance(outcomes[3], PreconditionFailed)
+    for index, log in enumerate(logs):
+        snapshot = await log.read()
+        assert [r.get("round") for r in snapshot.records] == ([] if index == 3 else [1])
+        if index != 3:
+            assert outcomes[index] == snapshot.etag

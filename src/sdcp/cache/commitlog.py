@@ -27,6 +27,7 @@ import hashlib
 import os
 import struct
 import threading
+import weakref
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -198,7 +199,7 @@ class FileCommitLog(CommitLog):
 
     async def append(self, record: dict[str, Any], if_match: str) -> str:
         payload, epoch, _ = encode_record(record)
-        return await asyncio.to_thread(self._append_sync, payload, epoch, if_match)
+        return await _FileAppends.of_running_loop().add(self, payload, epoch, if_match)
 
     async def fence(self, epoch: int) -> str:
         payload, _, _ = encode_record({"epoch": validate_fence_epoch(epoch)})
@@ -267,3 +268,62 @@ class FileCommitLog(CommitLog):
         os.fsync(handle.fileno())
         self._state.add(payload, cbor2.loads(payload))
         self._offset = handle.tell()
+
+
+_PendingAppend = tuple[FileCommitLog, bytes, int, str, "asyncio.Future[str]"]
+
+
+class _FileAppends:
+    """The file appends an event loop asks for in one iteration, made by one worker-thread job.
+
+    A busy verifier appends a record per session and pass, all in the iteration that decides the
+    pass's tokens. Handing each to a worker thread of its own (`asyncio.to_thread`) cost the event
+    loop more than the append: an executor future, a thread woken, each thread taking the GIL back
+    and forth with the loop and the model's thread. Each append is still its own atomic step on its
+    own file (`FileCommitLog._append_sync`); a failed one fails alone.
+    """
+
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _FileAppends] = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: list[_PendingAppend] = []
+
+    @classmethod
+    def of_running_loop(cls) -> _FileAppends:
+        loop = asyncio.get_running_loop()
+        appends = cls._by_loop.get(loop)
+        if appends is None:
+            appends = cls._by_loop[loop] = cls(loop)
+        return appends
+
+    def add(self, log: FileCommitLog, payload: bytes, epoch: int, if_match: str) -> asyncio.Future[str]:
+        done: asyncio.Future[str] = self.loop.create_future()
+        if not self.pending:
+            self.loop.call_soon(self._start)
+        self.pending.append((log, payload, epoch, if_match, done))
+        return done
+
+    def _start(self) -> None:
+        batch, self.pending = self.pending, []
+        self.loop.run_in_executor(None, self._append_all, batch)
+
+    def _append_all(self, batch: list[_PendingAppend]) -> None:
+        outcomes: list[tuple[asyncio.Future[str], str | BaseException]] = []
+        for log, payload, epoch, if_match, done in batch:
+            try:
+                outcomes.append((done, log._append_sync(payload, epoch, if_match)))
+            except Exception as exc:  # noqa: BLE001 - the appender learns it from its future
+                outcomes.append((done, exc))
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits them any more
+            self.loop.call_soon_threadsafe(_settle_appends, outcomes)
+
+
+def _settle_appends(outcomes: list[tuple[asyncio.Future[str], str | BaseException]]) -> None:
+    for done, outcome in outcomes:
+        if done.done():
+            continue
+        if isinstance(outcome, BaseException):
+            done.set_exception(outcome)
+        else:
+            done.set_result(outcome)
