@@ -150,9 +150,15 @@ class H2Connection(asyncio.Protocol):
                     request_headers.append((b"content-length", str(len(body)).encode("ascii")))
                 self._h2.send_headers(stream_id, request_headers, end_stream=not body)
                 self._flush()
-                if body and not await send_within_windows(
-                    self._h2, stream_id, body, end_stream=True, capacity=self._capacity, flush=self._flush,
-                    gone=self._closed.done,
+                # A peer may answer, or reset the stream, before it has read the whole body
+                # (RFC 9113 8.1): its answer or its reset is the outcome then.
+                if (
+                    body
+                    and not await send_within_windows(
+                        self._h2, stream_id, body, end_stream=True, capacity=self._capacity, flush=self._flush,
+                        gone=lambda: self._closed.done() or answer.done(),
+                    )
+                    and not answer.done()
                 ):
                     raise ConnectionClosed("connection lost while sending the request body")
                 return await answer
