@@ -86,7 +86,7 @@ class Cluster:
 
 
 @asynccontextmanager
-async def running_cluster(tmp_path: Path, target: TargetModel) -> AsyncIterator[Cluster]:
+async def running_cluster(tmp_path: Path, target: TargetModel, **verifier: float) -> AsyncIterator[Cluster]:
     verifier_uri = f"https://127.0.0.1:{free_port()}"
     router_uri = "https://127.0.0.1:1"
     identities = {"verifier": verifier_uri, "router": router_uri, "drafter": "https://127.0.0.1:2",
@@ -98,7 +98,7 @@ async def running_cluster(tmp_path: Path, target: TargetModel) -> AsyncIterator[
         instance=InstanceConfig(uri=verifier_uri, cert=certs["verifier"][0], key=certs["verifier"][1], ca=ca,
                                 router=router_uri),
         mlc=MLCConfig(disk_dir=tmp_path / "mlc"),
-        verifier=VerifierConfig(model="tiny", output_wait_s=0.5),
+        verifier=VerifierConfig(model="tiny", output_wait_s=0.5, **verifier),  # type: ignore[arg-type]
     )
     for session in list(target._sessions):
         target.close_session(session)
@@ -423,6 +423,32 @@ async def test_an_ended_session_is_freed_after_its_retention(cluster: Cluster, t
     await asyncio.sleep(0.5)
     err = await problem_of(drafter.get_cbor(path, {"from": "0"}))
     assert err.status == 404 and SESSION not in node.sessions and not target.has_session(SESSION)
+
+
+async def test_a_session_nothing_drives_is_closed_after_the_idle_timeout(tmp_path: Path, target: TargetModel) -> None:
+    async with running_cluster(tmp_path, target, idle_timeout_s=0.4) as env:
+        node = env.node
+        c = contract(target)
+        state = await open_and_assign(env, c)
+        drafter, router = env.client("drafter"), env.client("router")
+        _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
+        state = advance(state, Verdict.from_obj(body))
+        # Router messages drive it: five 0.2 s apart span more than the timeout.
+        assignment = Assignment(session=SESSION, epoch=1, contract=c, verifier=node.uri, drafter=DRAFTER,
+                                prompt=PROMPT, round=state.round, committed=state.committed, digest=state.digest,
+                                m_init=4)
+        for _ in range(5):
+            await asyncio.sleep(0.2)
+            await router.put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
+        assert SESSION in node.sessions and target.has_session(SESSION)
+        # Then nothing drives it, as after a takeover by another verifier.
+        await asyncio.sleep(0.8)
+        assert SESSION not in node.sessions and not target.has_session(SESSION)
+        err = await problem_of(drafter.post_cbor("proposals", proposal(state, (1,)).to_obj()))
+        assert err.status == 404
+        # Its commit log still holds every committed token.
+        snapshot = await env.mlc.commit_log(build_uri("local", None, "log", SESSION.hex())).read()
+        assert sum(len(record["emitted"]) for record in snapshot.records) == state.committed >= 1
 
 
 class _TorchOperators(TorchDispatchMode):

@@ -94,8 +94,9 @@ class VerifierConfig:
     output_wait_s: float = 10.0
     # How long an ended or fenced session stays readable (output, stats) before it is forgotten.
     ended_retention_s: float = 600.0
-    # Where the verifier publishes committed target KV for takeover (SDCP 6.3); 0 = never.
-    publish_kv_every: int = 0
+    # A session that nothing drives for this long (no proposal, commit or router message) is closed
+    # and forgotten; 0 = never.
+    idle_timeout_s: float = 900.0
 
 
 @dataclass(frozen=True)

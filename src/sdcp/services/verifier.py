@@ -58,6 +58,8 @@ log = logging.getLogger("sdcp.verifier")
 SELF_DECODE_LOOKAHEAD = 8
 LOOKAHEAD_MIN_MATCH = 2
 _LOOKAHEAD_WEIGHT = 0.3
+# The longest wait between two looks for idle sessions.
+_IDLE_CHECK_S = 30.0
 # What a pass of SmolLM2 costs on this project's 2-core CPU (docs/models.md): about 18 ms, 2 ms
 # more per session in it, and 1.5 ms per row scored beyond one per session.
 _PASS_MS, _SESSION_MS, _ROW_MS = 18.0, 2.0, 1.5
@@ -132,6 +134,11 @@ class _LiveSession:
     timings: RoundTimings = field(default_factory=RoundTimings)
     # A new session guesses as if 40 % of its predictions had started right.
     lookahead_hits: float = 0.4
+    # When a proposal, a commit or a router message last concerned the session (time.monotonic).
+    driven_at: float = field(default_factory=time.monotonic)
+
+    def driven(self) -> None:
+        self.driven_at = time.monotonic()
 
     def record_lookahead(self, hit: bool) -> None:
         self.lookahead_hits += _LOOKAHEAD_WEIGHT * (float(hit) - self.lookahead_hits)
@@ -185,6 +192,7 @@ class VerifierNode(Node):
         # Digests hash every weight and the weights are packed once: before the first status report,
         # contract check or pass, on the scorer thread.
         await self.scorer.run_async(self.target.prepare)
+        self.spawn(self._forget_idle_sessions())
 
     async def on_stop(self) -> None:
         for live in self.sessions.values():
@@ -271,6 +279,7 @@ class VerifierNode(Node):
         message = kind.from_obj(body)
         if message.session != live.machine.session:
             raise BadMessage(f"the {kind.__name__.lower()} names another session than the path")
+        live.driven()
         return live, message
 
     async def propose(self, request: Request) -> Response:
@@ -280,6 +289,7 @@ class VerifierNode(Node):
         live = self.sessions.get(proposal.session)
         if live is None:
             raise NotFound("no such session at this verifier")
+        live.driven()
         admitted = live.machine.begin_round(proposal, peer_uri(request))
         if isinstance(admitted, Replay):
             return cbor_response(admitted.verdict.to_obj())
@@ -434,6 +444,7 @@ class VerifierNode(Node):
     def _release(self, live: _LiveSession, pending: PendingCommit) -> Verdict:
         """The record is durable: the round's tokens become output."""
         verdict = live.machine.apply(pending)
+        live.driven()
         live.timings.committed()
         ROUNDS.labels(self.uri, "proposal" if pending.ticket.proposal is not None else "self").inc()
         COMMITTED.labels(self.uri).inc(len(pending.record.emitted))
@@ -562,6 +573,25 @@ class VerifierNode(Node):
             self.target.close_session(session)
         if session in self.sessions:
             self.target.open_session(session, committed)
+
+    async def _forget_idle_sessions(self) -> None:
+        """Close the sessions that nothing has driven for ``idle_timeout_s``. After a takeover
+        (SDCP 6.9) this verifier's copy of a session waits for proposals that now go to the new
+        verifier; its commit log keeps every committed token, so forgetting it loses none."""
+        while True:
+            timeout = self.config.verifier.idle_timeout_s
+            await asyncio.sleep(min(timeout / 4, _IDLE_CHECK_S) if timeout > 0 else _IDLE_CHECK_S)
+            if timeout <= 0:
+                continue
+            now = time.monotonic()
+            for session, live in list(self.sessions.items()):
+                machine = live.machine
+                busy = live.rounds or (live.self_decoder is not None and not live.self_decoder.done())
+                if machine.ended or machine.fenced or busy or now - live.driven_at < timeout:
+                    continue
+                log.info("%s: session %s idle for %.0f s, closed", self.uri, session.hex(), now - live.driven_at)
+                if self.sessions.get(session) is live:
+                    await self._forget(session)
 
     async def _forget_later(self, live: _LiveSession) -> None:
         """An ended or fenced session stays readable for a while, then its memory is freed."""
