@@ -83,11 +83,16 @@ def test_sessions_beyond_the_slots_or_their_capacity_have_caches_of_their_own(
     for session in sessions:
         _assert_same_kv(*targets, session)
     pooled = targets[0]
-    # The session that outgrew its slot gave it back: a new session takes it.
+    # The session that outgrew its slot gave it back, and the one that found none moved into it.
     assert pooled._sessions[sessions[0]].slot is None
+    assert pooled._sessions[sessions[2]].slot == 0
     newcomer = next(session_ids)
     pooled.open_session(newcomer, [9, 9])
-    assert pooled._sessions[newcomer].slot == 0
+    assert pooled._sessions[newcomer].slot is None
+    pooled.close_session(sessions[1])
+    later = next(session_ids)
+    pooled.open_session(later, [9, 9])
+    assert pooled._sessions[later].slot == 1
 
 
 def test_a_closed_session_frees_its_slot(tiny_loaded: LoadedModel, session_ids) -> None:

@@ -72,6 +72,17 @@ class GrowableLayer(DynamicLayer):
         self.keys, self.values = self._key_buffer[..., :length, :], self._value_buffer[..., :length, :]
         self._keys_view = self.keys
 
+    def move_to(self, buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Copy the columns into ``buffers`` (a slot with room for them) and keep appending there."""
+        key_buffer, value_buffer = buffers
+        length = self.get_seq_length() if self.is_initialized else 0
+        if length:
+            with torch.inference_mode():
+                key_buffer[..., :length, :] = self.keys
+                value_buffer[..., :length, :] = self.values
+        self._key_buffer, self._value_buffer = key_buffer, value_buffer
+        self.set_length(length)
+
     def uses_buffers(self, key_buffer: torch.Tensor) -> bool:
         """The layer still stores its columns in ``key_buffer`` (it has not moved to its own)."""
         return self._key_buffer is key_buffer and (self.keys is self._keys_view or self._owns_views())
@@ -162,6 +173,13 @@ def new_cache(model: PreTrainedModel, buffers: list[tuple[torch.Tensor, torch.Te
     if all(type(layer) is DynamicLayer for layer in cache.layers):
         cache.layers = [GrowableLayer(buffers[index] if buffers else None) for index in range(len(cache.layers))]
     return cache
+
+
+def move_to(cache: DynamicCache, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Move a cache of `GrowableLayer`s into per-layer buffers (a `SlotPool` slot)."""
+    for layer, layer_buffers in zip(cache.layers, buffers, strict=True):
+        assert isinstance(layer, GrowableLayer)
+        layer.move_to(layer_buffers)
 
 
 def set_length(cache: DynamicCache, length: int) -> None:

@@ -87,8 +87,12 @@ class SlotPass:
 
     def __init__(self, pool: SlotPool, slots: Sequence[int], starts: Sequence[int], widths: Sequence[int]) -> None:
         self.pool = pool
-        self.row_slot = torch.cat([torch.full((width,), slot, dtype=torch.long) for slot, width in zip(slots, widths, strict=True)])
-        self.row_position = torch.cat([torch.arange(start, start + width) for start, width in zip(starts, widths, strict=True)])
+        # Indices and masks live where the pool does: built once per pass, used by every layer.
+        device = pool.keys[0].device
+        self.row_slot = torch.tensor([slot for slot, width in zip(slots, widths, strict=True) for _ in range(width)], device=device)
+        self.row_position = torch.tensor(
+            [start + j for start, width in zip(starts, widths, strict=True) for j in range(width)], device=device
+        )
         self.rows = int(self.row_position.shape[0])
         by_width: dict[int, list[tuple[int, int, int]]] = {}
         row = 0
@@ -101,7 +105,7 @@ class SlotPass:
             first = min(slot for _, slot, _ in requests)
             last = max(slot for _, slot, _ in requests)
             if len(requests) > 1 and last - first + 1 <= _SLOT_RANGE_PER_SESSION * len(requests):
-                self.groups.append(_group(width, first, last, requests))
+                self.groups.append(_group(width, first, last, requests, device))
             else:
                 self.single.extend((row, width, slot, start + width) for row, slot, start in requests)
 
@@ -133,15 +137,15 @@ class SlotPass:
         return output.unsqueeze(0)
 
 
-def _group(width: int, first: int, last: int, requests: list[tuple[int, int, int]]) -> _SlotGroup:
+def _group(width: int, first: int, last: int, requests: list[tuple[int, int, int]], device: torch.device) -> _SlotGroup:
     """``requests``: (first row, slot, start) of each request of ``width`` rows."""
-    rows = torch.tensor([[row + j for j in range(width)] for row, _, _ in requests], dtype=torch.long)
-    batch = torch.tensor([slot - first for _, slot, _ in requests], dtype=torch.long)
+    rows = torch.tensor([[row + j for j in range(width)] for row, _, _ in requests], dtype=torch.long, device=device)
+    batch = torch.tensor([slot - first for _, slot, _ in requests], dtype=torch.long, device=device)
     length = max(start for _, _, start in requests) + width
     # The last key each query may see: its own position; key 0 for a slot not in the group.
-    last_key = torch.zeros((last - first + 1, width), dtype=torch.long)
-    last_key[batch] = torch.tensor([[start + j for j in range(width)] for _, _, start in requests], dtype=torch.long)
-    mask = (torch.arange(length) <= last_key.unsqueeze(-1)).unsqueeze(1)
+    last_key = torch.zeros((last - first + 1, width), dtype=torch.long, device=device)
+    last_key[batch] = torch.tensor([[start + j for j in range(width)] for _, _, start in requests], dtype=torch.long, device=device)
+    mask = (torch.arange(length, device=device) <= last_key.unsqueeze(-1)).unsqueeze(1)
     return _SlotGroup(width, first, last, rows, batch, length, mask)
 
 

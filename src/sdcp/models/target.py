@@ -34,8 +34,8 @@ from sdcp.models.ragged import RaggedBatchCache, SlotPass, supports_ragged_atten
 SessionId = bytes
 ScoreRequest = tuple[SessionId, Sequence[int]]
 
-# Sessions whose KV sits in slots of the pool: more are served from caches of their own, scored
-# session by session within a pass (sdcp.models.ragged).
+# Sessions whose KV sits in slots of the pool. Others have caches of their own, and a pass that
+# includes one attends session by session (sdcp.models.ragged), until a slot is free for it.
 DEFAULT_KV_SLOTS = 32
 # Positions per slot, at most: a longer session moves to a cache of its own.
 MAX_SLOT_CAPACITY = 4096
@@ -282,19 +282,25 @@ class TargetModel:
 
     def _slot_pass(self, states: list[_Session], starts: list[int], widths: list[int]) -> SlotPass | None:
         """A plan for scoring the pass through the slot pool, when every session's cache is in a
-        slot with room for its rows. A session that outgrew its slot gives it back."""
-        if self._slots is None:
+        slot with room for its rows. A session that outgrew its slot gives it back; one without a
+        slot moves into a free one that has room for it."""
+        pool = self._slots
+        if pool is None:
             return None
-        for state in states:
-            if state.slot is not None and not self._slots.holds(state.slot, state.cache):
+        for state, start, width in zip(states, starts, widths, strict=True):
+            if state.slot is not None and not pool.holds(state.slot, state.cache):
                 self._release_slot(state.slot)
                 state.slot = None
+            if state.slot is None and start + width <= pool.capacity:
+                state.slot = pool.acquire()
+                if state.slot is not None:
+                    kvcache.move_to(state.cache, pool.buffers(state.slot))
         held = [state.slot for state in states if state.slot is not None]
         if len(held) < len(states):
             return None
-        if any(start + width > self._slots.capacity for start, width in zip(starts, widths, strict=True)):
+        if any(start + width > pool.capacity for start, width in zip(starts, widths, strict=True)):
             return None
-        return SlotPass(self._slots, held, starts, widths)
+        return SlotPass(pool, held, starts, widths)
 
     def _acquire_slot(self) -> int | None:
         return self._slots.acquire() if self._slots is not None else None
