@@ -248,8 +248,12 @@ def test_retry_policy_and_client_arguments_are_checked(pki: PKI) -> None:
 
 
 class EarlyAnswerServer(asyncio.Protocol):
-    """A raw HTTP/2 server that answers 413 on a request's headers and resets the stream without
-    reading the body (RFC 9113 8.1 allows both), opening no flow-control window for it."""
+    """A raw HTTP/2 server, one stream at a time, that answers 413 on a request's headers without
+    reading the body (RFC 9113 8.1 allows it), opening no flow-control window for it; with
+    ``reset``, it then resets the stream with NO_ERROR, as 8.1 suggests."""
+
+    def __init__(self, reset: bool) -> None:
+        self.reset = reset
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         import h2.config
@@ -258,6 +262,7 @@ class EarlyAnswerServer(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        self.h2.local_settings.max_concurrent_streams = 1
         self.h2.initiate_connection()
         transport.write(self.h2.data_to_send())
 
@@ -268,26 +273,29 @@ class EarlyAnswerServer(asyncio.Protocol):
         for event in self.h2.receive_data(data):
             if isinstance(event, h2.events.RequestReceived):
                 self.h2.send_headers(event.stream_id, [(":status", "413"), ("content-length", "0")], end_stream=True)
-                self.h2.reset_stream(event.stream_id, h2.errors.ErrorCodes.NO_ERROR)
+                if self.reset:
+                    self.h2.reset_stream(event.stream_id, h2.errors.ErrorCodes.NO_ERROR)
         self.transport.write(self.h2.data_to_send())
 
 
-async def test_an_answer_before_the_whole_body_was_sent_is_the_outcome(pki: PKI) -> None:
+@pytest.mark.parametrize("reset", [True, False], ids=["reset", "no-reset"])
+async def test_an_answer_before_the_whole_body_was_sent_is_the_outcome(pki: PKI, reset: bool) -> None:
     from sdcp.transport import PeerClientError
     from sdcp.transport.tls import server_context
 
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        EarlyAnswerServer, "127.0.0.1", 0, ssl=server_context(pki.server.cert, pki.server.key, pki.ca)
+        lambda: EarlyAnswerServer(reset), "127.0.0.1", 0, ssl=server_context(pki.server.cert, pki.server.key, pki.ca)
     )
     port = server.sockets[0].getsockname()[1]
     client = SDCPClient(f"https://127.0.0.1:{port}/", pki.drafter_a.cert, pki.drafter_a.key, pki.ca)
     try:
-        # Four times the initial flow-control window: the client is still sending when the
-        # answer and the reset arrive.
-        with pytest.raises(PeerClientError) as refused:
-            await client.put_bytes("upload", bytes(4 * 65535), timeout=5)
-        assert refused.value.status == 413
+        # Four times the initial flow-control window: the client is still sending when the answer
+        # arrives. The peer takes one stream at a time: the second request needs the first closed.
+        for _ in range(2):
+            with pytest.raises(PeerClientError) as refused:
+                await client.put_bytes("upload", bytes(4 * 65535), timeout=5)
+            assert refused.value.status == 413
     finally:
         await client.aclose()
         server.close()

@@ -152,15 +152,15 @@ class H2Connection(asyncio.Protocol):
                 self._flush()
                 # A peer may answer, or reset the stream, before it has read the whole body
                 # (RFC 9113 8.1): its answer or its reset is the outcome then.
-                if (
-                    body
-                    and not await send_within_windows(
-                        self._h2, stream_id, body, end_stream=True, capacity=self._capacity, flush=self._flush,
-                        gone=lambda: self._closed.done() or answer.done(),
-                    )
-                    and not answer.done()
+                if body and not await send_within_windows(
+                    self._h2, stream_id, body, end_stream=True, capacity=self._capacity, flush=self._flush,
+                    gone=lambda: self._closed.done() or answer.done(),
                 ):
-                    raise ConnectionClosed("connection lost while sending the request body")
+                    if not answer.done():
+                        raise ConnectionClosed("connection lost while sending the request body")
+                    # The rest of the body stays unsent: close the stream, which would else count
+                    # against the peer's stream limit for good.
+                    self._abandon(stream_id)
                 return await answer
         except BaseException:
             if stream_id is not None:
@@ -255,6 +255,8 @@ class H2Connection(asyncio.Protocol):
                     stream.answer.set_exception(ConnectionClosed("the stream ended without a response"))
                 else:
                     stream.answer.set_result(H2Response(stream.status, stream.headers, b"".join(stream.chunks)))
+                # A request still sending its body waits for window; with its answer here, it stops.
+                self._capacity.set()
         elif isinstance(event, h2.events.StreamReset):
             stream = self._streams.get(event.stream_id)
             if stream is not None and not stream.answer.done():
