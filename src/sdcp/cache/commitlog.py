@@ -280,43 +280,49 @@ class _FileAppends:
     pass's tokens. Handing each to a worker thread of its own (`asyncio.to_thread`) cost the event
     loop more than the append: an executor future, a thread woken, each thread taking the GIL back
     and forth with the loop and the model's thread. Each append is still its own atomic step on its
-    own file (`FileCommitLog._append_sync`); a failed one fails alone.
+    own file (`FileCommitLog._append_sync`); a failed one fails alone. The appenders of a job learn
+    their outcomes together, when the job is done.
     """
 
     _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _FileAppends] = weakref.WeakKeyDictionary()
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self) -> None:
         self.pending: list[_PendingAppend] = []
 
     @classmethod
     def of_running_loop(cls) -> _FileAppends:
+        # Keyed weakly by the loop and holding no reference to it, so that a closed loop is freed.
         loop = asyncio.get_running_loop()
         appends = cls._by_loop.get(loop)
         if appends is None:
-            appends = cls._by_loop[loop] = cls(loop)
+            appends = cls._by_loop[loop] = cls()
         return appends
 
     def add(self, log: FileCommitLog, payload: bytes, epoch: int, if_match: str) -> asyncio.Future[str]:
-        done: asyncio.Future[str] = self.loop.create_future()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[str] = loop.create_future()
         if not self.pending:
-            self.loop.call_soon(self._start)
+            loop.call_soon(self._start, loop)
         self.pending.append((log, payload, epoch, if_match, done))
         return done
 
-    def _start(self) -> None:
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         batch, self.pending = self.pending, []
-        self.loop.run_in_executor(None, self._append_all, batch)
+        try:
+            loop.run_in_executor(None, _append_all, loop, batch)
+        except RuntimeError as exc:  # the default executor is shut down: the loop is closing
+            _settle_appends([(done, exc) for *_, done in batch])
 
-    def _append_all(self, batch: list[_PendingAppend]) -> None:
-        outcomes: list[tuple[asyncio.Future[str], str | BaseException]] = []
-        for log, payload, epoch, if_match, done in batch:
-            try:
-                outcomes.append((done, log._append_sync(payload, epoch, if_match)))
-            except Exception as exc:  # noqa: BLE001 - the appender learns it from its future
-                outcomes.append((done, exc))
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits them any more
-            self.loop.call_soon_threadsafe(_settle_appends, outcomes)
+
+def _append_all(loop: asyncio.AbstractEventLoop, batch: list[_PendingAppend]) -> None:
+    outcomes: list[tuple[asyncio.Future[str], str | BaseException]] = []
+    for log, payload, epoch, if_match, done in batch:
+        try:
+            outcomes.append((done, log._append_sync(payload, epoch, if_match)))
+        except Exception as exc:  # noqa: BLE001 - the appender learns it from its future
+            outcomes.append((done, exc))
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits them any more
+        loop.call_soon_threadsafe(_settle_appends, outcomes)
 
 
 def _settle_appends(outcomes: list[tuple[asyncio.Future[str], str | BaseException]]) -> None:

@@ -2,8 +2,8 @@
 
 One worker thread owns the model passes. Callers from any thread `submit` a request and get a
 future; asyncio callers await `score_async`, so model work never runs on an event loop. The rows
-of one pass reach an event loop in one callback: all its callers continue in the same loop
-iteration, ahead of any other work the loop has queued meanwhile. The worker
+of one pass reach an event loop in one callback, so that all its callers resume together, in one
+loop iteration, rather than one by one between the loop's other work. The worker
 gathers requests for a short window after the first one arrives (or until `max_batch`) and runs
 them as one pass: a packed sequence costs its rows, whatever their widths (sdcp.models.ragged).
 
