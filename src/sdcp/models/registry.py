@@ -18,7 +18,7 @@ from sdcp.models import tiny
 from sdcp.models.draft import Drafter, HFDrafter, NgramDrafter
 from sdcp.models.errors import ModelNotFetched, UnknownModel
 from sdcp.models.fetch import SMOLLM2_NAME, is_fetched, smollm2_dir
-from sdcp.models.target import TargetModel
+from sdcp.models.target import DEFAULT_KV_SLOTS, TargetModel
 
 TINY_NAME = "tiny"
 TINY_DRAFT_NAME = "tiny-draft"
@@ -78,10 +78,18 @@ def load_model(name_or_path: str, home: Path | None = None) -> LoadedModel:
 
 
 def load_target(
-    name_or_path: str, *, home: Path | None = None, device: str | None = None
+    name_or_path: str,
+    *,
+    home: Path | None = None,
+    device: str | None = None,
+    kv_slots: int = DEFAULT_KV_SLOTS,
+    kv_capacity: int | None = None,
 ) -> TargetModel:
+    """The target model; ``kv_slots`` and ``kv_capacity`` size its KV slot pool (TargetModel)."""
     loaded = load_model(name_or_path, home)
-    return TargetModel(loaded.model, loaded.tokenizer, name=loaded.name, device=device)
+    return TargetModel(
+        loaded.model, loaded.tokenizer, name=loaded.name, device=device, kv_slots=kv_slots, kv_capacity=kv_capacity
+    )
 
 
 def load_drafter(

@@ -91,6 +91,10 @@ class VerifierConfig:
     model: str = "smollm2"
     batch_window_ms: float = 2.0
     max_batch: int = 16
+    # The KV slot pool (docs/models.md): sessions in it, positions per session (0 = the model's
+    # context, at most 4096). On a CPU unused slots cost address space only; on a GPU, memory.
+    kv_slots: int = 32
+    kv_capacity: int = 0
     output_wait_s: float = 10.0
     # How long an ended or fenced session stays readable (output, stats) before it is forgotten.
     ended_retention_s: float = 600.0
@@ -166,6 +170,9 @@ def _section(cls: type[_Section], table: object, name: str, base: Path) -> _Sect
             raise ConfigError(f"{name}.{key} must be a number")
         elif annotation.startswith("str") and not isinstance(value, str):
             raise ConfigError(f"{name}.{key} must be a string")
+        # Counts, sizes and durations all: a negative one is a typo, never a setting.
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise ConfigError(f"{name}.{key} must not be negative")
         values[key] = value
     try:
         return cls(**values)

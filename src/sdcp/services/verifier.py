@@ -155,7 +155,9 @@ class VerifierNode(Node):
     def __init__(self, config: ServiceConfig, *, target: TargetModel | None = None, mlc: MLC | None = None) -> None:
         super().__init__(config, mlc)
         settings = config.verifier
-        self.target = target if target is not None else load_target(settings.model)
+        self.target = target if target is not None else load_target(
+            settings.model, kv_slots=settings.kv_slots, kv_capacity=settings.kv_capacity or None
+        )
         self.scorer = BatchingScorer(
             self.target,
             window_s=settings.batch_window_ms / 1000,
@@ -589,9 +591,13 @@ class VerifierNode(Node):
                 busy = live.rounds or (live.self_decoder is not None and not live.self_decoder.done())
                 if machine.ended or machine.fenced or busy or now - live.driven_at < timeout:
                     continue
+                if self.sessions.get(session) is not live:
+                    continue
                 log.info("%s: session %s idle for %.0f s, closed", self.uri, session.hex(), now - live.driven_at)
-                if self.sessions.get(session) is live:
+                try:
                     await self._forget(session)
+                except Exception as exc:  # the sweep goes on for the other sessions
+                    log.warning("%s: closing idle session %s failed: %r", self.uri, session.hex(), exc)
 
     async def _forget_later(self, live: _LiveSession) -> None:
         """An ended or fenced session stays readable for a while, then its memory is freed."""

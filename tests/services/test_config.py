@@ -1,0 +1,44 @@
+"""Configuration files: every key is checked, with a message naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sdcp.services.config import ConfigError, load_config
+
+INSTANCE = """
+[instance]
+uri = "https://127.0.0.1:9101"
+cert = "certs/a.pem"
+key = "certs/a.key"
+ca = "certs/ca.pem"
+"""
+
+
+def _write(tmp_path: Path, verifier: str) -> Path:
+    path = tmp_path / "verifier.toml"
+    path.write_text(INSTANCE + "\n[verifier]\n" + verifier, encoding="utf-8")
+    return path
+
+
+def test_verifier_keys_are_read(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, "model = 'tiny'\nkv_slots = 8\nkv_capacity = 1024\nidle_timeout_s = 60\n"))
+    assert (config.verifier.kv_slots, config.verifier.kv_capacity, config.verifier.idle_timeout_s) == (8, 1024, 60)
+    assert config.instance.cert == tmp_path / "certs" / "a.pem"
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("publish_kv_every = 4", "unknown key verifier.publish_kv_every"),
+        ("kv_slots = 1.5", "verifier.kv_slots must be an integer"),
+        ("kv_slots = -1", "verifier.kv_slots must not be negative"),
+        ("idle_timeout_s = -5.0", "verifier.idle_timeout_s must not be negative"),
+        ("idle_timeout_s = 'soon'", "verifier.idle_timeout_s must be a number"),
+    ],
+)
+def test_bad_verifier_keys_are_named(tmp_path: Path, line: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(_write(tmp_path, line + "\n"))
