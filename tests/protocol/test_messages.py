@@ -20,7 +20,6 @@ from sdcp.protocol import (
     Output,
     Policy,
     Proposal,
-    ProtocolError,
     Resume,
     Role,
     Sampling,

@@ -537,7 +537,7 @@ async def test_escalation_reduce_switch_and_self_decode_end_to_end(
     lets the verifier decode alone; the output is still the target's greedy decoding."""
     router = deployment.router
     assert router is not None
-    verifier = await start_verifier(deployment, "verifier1")
+    await start_verifier(deployment, "verifier1")
     wrong = DrafterNode(deployment.config("drafter1", drafter=DrafterConfig(target="tiny")), drafter=WrongDrafter())
     await deployment.start(wrong)
     await eventually(lambda: router.registry.is_live(wrong.uri, time.monotonic()))
