@@ -132,3 +132,21 @@ def test_a_new_pool_reads_as_zeros_and_masked_keys_never_reach_the_rows(tiny_loa
     sessions = [next(session_ids) for _ in PROMPTS]
     _open(targets, sessions, PROMPTS)
     _assert_same_rows(*(target.score(list(zip(sessions, PROPOSALS, strict=True))) for target in targets))
+
+
+def test_without_address_space_for_the_pool_every_session_has_its_own_cache(
+    tiny_loaded: LoadedModel, session_ids, monkeypatch
+) -> None:
+    import mmap
+
+    def refused(*args: object, **kwargs: object) -> mmap.mmap:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr("sdcp.models.kvcache.mmap.mmap", refused)
+    target = TargetModel(tiny_loaded.model, name="unpooled")
+    assert target._slots is None
+    monkeypatch.undo()
+    reference = TargetModel(tiny_loaded.model, name="pooled")
+    sessions = [next(session_ids) for _ in PROMPTS]
+    _open((target, reference), sessions, PROMPTS)
+    _assert_same_rows(*(t.score(list(zip(sessions, PROPOSALS, strict=True))) for t in (target, reference)))

@@ -8,6 +8,7 @@ that self-decoding needs (SDCP 6.5.2), batched like any other.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from sdcp.models.errors import (
 from sdcp.models.kvformat import decode_kv, encode_kv
 from sdcp.models.packed import pack_weights, with_packed_linears
 from sdcp.models.ragged import RaggedBatchCache, SlotPass, supports_ragged_attention, use_ragged_attention
+
+log = logging.getLogger("sdcp.models")
 
 SessionId = bytes
 ScoreRequest = tuple[SessionId, Sequence[int]]
@@ -78,7 +81,12 @@ class TargetModel:
         # kv_capacity positions each; 0 slots: every session has a cache of its own.
         context = getattr(self.model.config, "max_position_embeddings", None) or MAX_SLOT_CAPACITY
         capacity = kv_capacity if kv_capacity is not None else min(context, MAX_SLOT_CAPACITY)
-        self._slots = kvcache.SlotPool(self.model, slots=kv_slots, capacity=capacity) if kv_slots else None
+        self._slots: kvcache.SlotPool | None = None
+        if kv_slots:
+            try:
+                self._slots = kvcache.SlotPool(self.model, slots=kv_slots, capacity=capacity)
+            except (OSError, MemoryError, RuntimeError) as exc:  # address space refused, device memory full
+                log.warning("target %s: no KV slot pool (%s); every session gets a cache of its own", name, exc)
         self._sessions: dict[SessionId, _Session] = {}
         self._lock = threading.RLock()
 
