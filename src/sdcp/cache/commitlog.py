@@ -37,6 +37,7 @@ from typing import IO, Any
 import cbor2
 
 from sdcp.cache.errors import CorruptRecord, Fenced, InvalidRecord, PreconditionFailed
+from sdcp.futures import Outcome, settle, settle_soon
 
 EMPTY_LOG_ETAG = '"0"'
 _FRAME_HEADER = struct.Struct(">II")  # payload length, CRC-32 of the payload
@@ -311,25 +312,15 @@ class _FileAppends:
         try:
             loop.run_in_executor(None, _append_all, loop, batch)
         except RuntimeError as exc:  # the default executor is shut down: the loop is closing
-            _settle_appends([(done, exc) for *_, done in batch])
+            settle([(done, exc) for *_, done in batch])
 
 
 def _append_all(loop: asyncio.AbstractEventLoop, batch: list[_PendingAppend]) -> None:
-    outcomes: list[tuple[asyncio.Future[str], str | BaseException]] = []
+    outcomes: list[Outcome] = []
     for log, payload, epoch, if_match, done in batch:
         try:
             outcomes.append((done, log._append_sync(payload, epoch, if_match)))
         except Exception as exc:  # noqa: BLE001 - the appender learns it from its future
             outcomes.append((done, exc))
-    with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits them any more
-        loop.call_soon_threadsafe(_settle_appends, outcomes)
+    settle_soon(loop, outcomes)
 
-
-def _settle_appends(outcomes: list[tuple[asyncio.Future[str], str | BaseException]]) -> None:
-    for done, outcome in outcomes:
-        if done.done():
-            continue
-        if isinstance(outcome, BaseException):
-            done.set_exception(outcome)
-        else:
-            done.set_result(outcome)

@@ -26,6 +26,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from sdcp.futures import Outcome, settle_soon
 from sdcp.models.errors import ModelError
 from sdcp.models.target import SessionId, TargetModel
 
@@ -46,38 +47,25 @@ class _Outcomes:
     """Completes requests; what goes to asyncio waiters is handed to each loop in one callback."""
 
     def __init__(self) -> None:
-        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[np.ndarray], object, bool]]] = {}
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[Outcome]] = {}
 
     def result(self, request: _Request, rows: np.ndarray) -> None:
         request.future.set_result(rows)
-        self._add(request, rows, failed=False)
+        self._add(request, rows)
 
     def exception(self, request: _Request, error: BaseException) -> None:
         request.future.set_exception(error)
-        self._add(request, error, failed=True)
+        self._add(request, error)
 
-    def _add(self, request: _Request, outcome: object, *, failed: bool) -> None:
+    def _add(self, request: _Request, outcome: np.ndarray | BaseException) -> None:
         if request.waiter is not None:
             loop, waiter = request.waiter
-            self._by_loop.setdefault(loop, []).append((waiter, outcome, failed))
+            self._by_loop.setdefault(loop, []).append((waiter, outcome))
 
     def deliver(self) -> None:
         for loop, outcomes in self._by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_complete_waiters, outcomes)
-            except RuntimeError:
-                pass  # the loop is closed: nobody awaits these any more
+            settle_soon(loop, outcomes)
         self._by_loop.clear()
-
-
-def _complete_waiters(outcomes: list[tuple[asyncio.Future[np.ndarray], object, bool]]) -> None:
-    for waiter, outcome, failed in outcomes:
-        if waiter.done():
-            continue
-        if failed:
-            waiter.set_exception(outcome)  # type: ignore[arg-type]
-        else:
-            waiter.set_result(outcome)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
