@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -135,18 +135,14 @@ class TargetModel:
         tokens = self._checked_tokens(prompt_tokens)
         if not tokens:
             raise BadTokens("a session needs at least one prompt token")
-        with self._lock:
-            if session in self._sessions:
-                raise SessionExists(f"session {session.hex()} is already open")
-            slot = self._acquire_slot()
-            try:
-                cache = kvcache.new_cache(self.model, self._slot_buffers(slot))
-                if len(tokens) > 1:
-                    self._forward(torch.tensor([tokens[:-1]], device=self.device), None, cache)
-            except BaseException:
-                self._release_slot(slot)
-                raise
-            self._sessions[session] = _Session(tokens=tokens, cache=cache, slot=slot)
+
+        def prefilled(buffers: list[tuple[torch.Tensor, torch.Tensor]] | None) -> DynamicCache:
+            cache = kvcache.new_cache(self.model, buffers)
+            if len(tokens) > 1:
+                self._forward(torch.tensor([tokens[:-1]], device=self.device), None, cache)
+            return cache
+
+        self._add_session(session, tokens, prefilled)
 
     def close_session(self, session: SessionId) -> None:
         with self._lock:
@@ -242,14 +238,22 @@ class TargetModel:
         """Open `session` from an exported blob instead of a prefill (failover, SDCP 6.9)."""
         tokens = self._checked_tokens(committed_tokens)
         tensors = decode_kv(data, self.weights_digest, tokens, self._kv_shapes(len(tokens) - 1))
+        on_device = [(k.to(self.device), v.to(self.device)) for k, v in tensors]
+        self._add_session(session, tokens, lambda buffers: kvcache.cache_from_tensors(self.model, on_device, buffers))
+
+    def _add_session(
+        self,
+        session: SessionId,
+        tokens: list[int],
+        build: Callable[[list[tuple[torch.Tensor, torch.Tensor]] | None], DynamicCache],
+    ) -> None:
+        """Open ``session`` on the cache ``build`` makes, on a free slot's buffers if there is one."""
         with self._lock:
             if session in self._sessions:
                 raise SessionExists(f"session {session.hex()} is already open")
             slot = self._acquire_slot()
             try:
-                cache = kvcache.cache_from_tensors(
-                    self.model, [(k.to(self.device), v.to(self.device)) for k, v in tensors], self._slot_buffers(slot)
-                )
+                cache = build(self._slot_buffers(slot))
             except BaseException:
                 self._release_slot(slot)
                 raise
