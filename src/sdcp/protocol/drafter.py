@@ -14,7 +14,14 @@ from sdcp.protocol.messages import Action, Assignment, Contract, Proposal, Sampl
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.rules import get_rule
 
-__all__ = ["AcceptanceEstimate", "DrafterSession", "ProposalNotAllowed", "choose_m", "expected_tokens"]
+__all__ = [
+    "AcceptanceEstimate",
+    "DrafterSession",
+    "ProposalNotAllowed",
+    "choose_m",
+    "expected_rate",
+    "expected_tokens",
+]
 
 _MILLI = 1000
 # Actions after which this drafter stops proposing for the session: switch and self_decode hand
@@ -37,11 +44,13 @@ def expected_tokens(alpha: float, m: int) -> float:
     return float(sum(alpha**k for k in range(m + 1)))
 
 
-def choose_m(alpha: float, t_d: float, t_v: float, m_limit: int) -> int:
-    """The M in 1..m_limit maximising expected tokens per unit time (SDCP 6.2, RECOMMENDED rule).
+def expected_rate(alpha: float, t_d: float, t_v: float, m_limit: int) -> tuple[int, float]:
+    """The M in 1..m_limit maximising expected tokens per unit time, and that rate (SDCP 6.2,
+    RECOMMENDED rule).
 
     ``t_d`` is the time to draft one token (artifacts included), ``t_v`` the expected verification
-    time, in any one unit. Ties go to the smaller M, which wastes less drafting.
+    time, in any one unit; the rate is in tokens per that unit. Ties go to the smaller M, which
+    wastes less drafting.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
@@ -54,7 +63,12 @@ def choose_m(alpha: float, t_d: float, t_v: float, m_limit: int) -> int:
         rate = expected_tokens(alpha, m) / (m * t_d + t_v)
         if rate > best_rate:
             best_m, best_rate = m, rate
-    return best_m
+    return best_m, best_rate
+
+
+def choose_m(alpha: float, t_d: float, t_v: float, m_limit: int) -> int:
+    """The M of ``expected_rate``: what a drafter proposes next."""
+    return expected_rate(alpha, t_d, t_v, m_limit)[0]
 
 
 @dataclass

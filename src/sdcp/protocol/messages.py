@@ -460,6 +460,14 @@ class Status(_Message):
     # Extension member: a verifier's tokenizer digest, so that the router can tell clients which
     # contract (target, tokenizer) each verifier serves (SDCP 4.1, 6.1). Ignored by other receivers.
     tokenizer: bytes | None = _optional(_HASH)
+    # Extension members: the SDCP 6.2 terms the instance measured, so that the router can rank
+    # drafters by expected rate (docs/interpretations.md, "Cost terms in status reports"). A
+    # drafter's per-token acceptance (thousandths), time to draft one token, and time from
+    # proposal to verdict; a verifier's time per self-decoded token (microseconds).
+    alpha_milli: int | None = _optional(_UInt(high=1000))
+    draft_us: int | None = _optional(_UINT)
+    verify_us: int | None = _optional(_UINT)
+    self_us: int | None = _optional(_UINT)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from sdcp.protocol.drafter import expected_rate
 from sdcp.protocol.messages import (
     Assignment,
     Contract,
@@ -21,10 +22,14 @@ from sdcp.protocol.messages import (
 from sdcp.protocol.records import FenceRecord, LogReplay
 
 __all__ = [
+    "DecodingChoice",
+    "DrafterCosts",
     "InstanceRegistry",
     "InstanceView",
     "RouterSession",
     "SelectionPolicy",
+    "choose_decoding",
+    "drafter_costs",
     "drafter_permitted",
     "prefer_idle_and_accepting",
 ]
@@ -59,6 +64,102 @@ def prefer_idle_and_accepting(candidates: Sequence[InstanceView]) -> InstanceVie
         return (status.load + 10 * status.queue - 5 * acceptance, view.uri)
 
     return min(candidates, key=cost)
+
+
+@dataclass(frozen=True)
+class DrafterCosts:
+    """The SDCP 6.2 terms the router knows of one drafter, in seconds.
+
+    ``alpha`` is None until the drafter has reported an acceptance measurement; ``draft_s`` is None
+    for a drafter that reports no drafting time; ``verify_s`` is the time from proposal to verdict
+    that the drafter saw, None before its first verdict.
+    """
+
+    uri: str
+    alpha: float | None
+    draft_s: float | None
+    verify_s: float | None = None
+    queue: int = 0
+
+
+def drafter_costs(view: InstanceView) -> DrafterCosts:
+    """A drafter's cost terms from its last status report (extension members, SDCP 5.2)."""
+    status = view.status
+    return DrafterCosts(
+        uri=view.uri,
+        alpha=None if status.alpha_milli is None else status.alpha_milli / 1000,
+        draft_s=None if status.draft_us is None else status.draft_us / 1e6,
+        verify_s=None if status.verify_us is None else status.verify_us / 1e6,
+        queue=status.queue,
+    )
+
+
+@dataclass(frozen=True)
+class DecodingChoice:
+    """Who drafts for a session next: a drafter, or nobody (``drafter`` None), in which case the
+    verifier decodes the session itself. ``rate`` is the expected tokens per second; an exploring
+    choice is a drafter whose acceptance is not measured yet, and its rate the bound at alpha = 1."""
+
+    drafter: str | None
+    rate: float
+    exploring: bool = False
+
+
+def drafter_rate(costs: DrafterCosts, *, verify_s: float, m_limit: int, alpha: float | None = None) -> float:
+    """Expected tokens per second of a session drafted by ``costs`` (SDCP 6.2 cost model).
+
+    A drafter's time per token grows with the calls queued before its own; the verification time
+    is the one the drafter measured, else the verifier's estimate ``verify_s``.
+    """
+    draft_s = (costs.draft_s or 0.0) * (1 + costs.queue)
+    used_alpha = costs.alpha if alpha is None else alpha
+    if used_alpha is None:
+        raise ValueError(f"the acceptance of {costs.uri} is not measured")
+    return expected_rate(used_alpha, draft_s, costs.verify_s or verify_s, m_limit)[1]
+
+
+def choose_decoding(
+    drafters: Sequence[DrafterCosts],
+    *,
+    self_decode_s: float | None,
+    verify_s: float,
+    m_limit: int,
+    may_explore: Callable[[str], bool] = lambda _uri: True,
+) -> DecodingChoice | None:
+    """The fastest way to decode a session: the drafter with the highest expected rate, or the
+    verifier alone (``self_decode_s`` seconds per token; None where self-decoding is not
+    available) when no drafter is expected to beat it.
+
+    A drafter whose acceptance is unmeasured is explored (``may_explore`` bounds how many sessions
+    do so) only if it could beat every measured option at full acceptance; one that cannot, even
+    then, is never assigned. Where the verifier cannot decode alone, some drafter is always chosen.
+    None means that no drafter is live and the verifier cannot decode alone.
+    """
+    self_rate = 1.0 / self_decode_s if self_decode_s is not None and self_decode_s > 0 else None
+    measured = [
+        DecodingChoice(d.uri, drafter_rate(d, verify_s=verify_s, m_limit=m_limit))
+        for d in drafters if d.alpha is not None
+    ]
+    unmeasured = [
+        DecodingChoice(d.uri, drafter_rate(d, verify_s=verify_s, m_limit=m_limit, alpha=1.0), exploring=True)
+        for d in drafters if d.alpha is None
+    ]
+    best = _fastest(measured)
+    baseline = max(best.rate if best is not None else 0.0, self_rate or 0.0)
+    worth_exploring = [c for c in unmeasured if c.rate > baseline and may_explore(c.drafter or "")]
+    if worth_exploring:
+        return _fastest(worth_exploring)
+    if self_rate is not None and (best is None or best.rate <= self_rate):
+        return DecodingChoice(None, self_rate)
+    if best is not None:
+        return best
+    # Nothing measured and no self-decoding: a drafter must serve, the most promising one.
+    return _fastest(unmeasured)
+
+
+def _fastest(choices: Sequence[DecodingChoice]) -> DecodingChoice | None:
+    # max keeps the first of equal rates: the smallest URI, whatever the order of reports.
+    return max(sorted(choices, key=lambda c: c.drafter or ""), key=lambda c: c.rate, default=None)
 
 
 def drafter_permitted(contract: Contract, model: bytes | None) -> bool:

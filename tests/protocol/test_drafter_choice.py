@@ -1,0 +1,110 @@
+"""The router's choice of drafter by expected rate (SDCP 6.1 local policy, 6.2 cost model), with
+fake timings: what a drafter reports is all the router goes by."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdcp.protocol.drafter import expected_rate, expected_tokens
+from sdcp.protocol.messages import Role, Status
+from sdcp.protocol.router import DrafterCosts, InstanceView, choose_decoding, drafter_costs, drafter_rate
+
+SELF_S = 0.050  # the verifier decodes alone at 20 tokens/s
+VERIFY_S = 0.060
+
+
+def choose(drafters: list[DrafterCosts], self_decode_s: float | None = SELF_S, **kwargs: object):
+    return choose_decoding(drafters, self_decode_s=self_decode_s, verify_s=VERIFY_S, m_limit=16, **kwargs)
+
+
+def test_expected_rate_is_the_cost_models_best_m_and_its_rate() -> None:
+    m, rate = expected_rate(0.8, 0.002, 0.05, 16)
+    assert rate == pytest.approx(expected_tokens(0.8, m) / (m * 0.002 + 0.05))
+    assert all(expected_tokens(0.8, k) / (k * 0.002 + 0.05) <= rate for k in range(1, 17))
+
+
+def test_a_drafter_slower_than_self_decoding_is_never_assigned() -> None:
+    # A drafter as costly per token as the target itself: even perfect acceptance loses to the
+    # verifier decoding alone, once verification time is added.
+    twin = DrafterCosts("https://twin", alpha=0.99, draft_s=0.050, verify_s=0.065)
+    choice = choose([twin])
+    assert choice is not None
+    assert choice.drafter is None
+    assert choice.rate == pytest.approx(1 / SELF_S)
+
+
+def test_an_unmeasured_drafter_that_cannot_pay_even_at_full_acceptance_is_not_explored() -> None:
+    twin = DrafterCosts("https://twin", alpha=None, draft_s=0.050, verify_s=0.065)
+    choice = choose([twin])
+    assert choice is not None and choice.drafter is None
+
+
+def test_of_two_drafters_with_equal_acceptance_the_faster_is_picked() -> None:
+    slow = DrafterCosts("https://a-slow", alpha=0.7, draft_s=0.010)
+    fast = DrafterCosts("https://b-fast", alpha=0.7, draft_s=0.001)
+    for order in ([slow, fast], [fast, slow]):
+        choice = choose(order)
+        assert choice is not None
+        assert choice.drafter == "https://b-fast"
+        assert choice.rate > drafter_rate(slow, verify_s=VERIFY_S, m_limit=16)
+        assert not choice.exploring
+
+
+def test_acceptance_can_outweigh_drafting_time() -> None:
+    cheap_but_wrong = DrafterCosts("https://ngram", alpha=0.05, draft_s=0.00001)
+    costly_but_right = DrafterCosts("https://model", alpha=0.9, draft_s=0.004)
+    choice = choose([cheap_but_wrong, costly_but_right])
+    assert choice is not None and choice.drafter == "https://model"
+
+
+def test_a_busy_drafter_counts_its_queue() -> None:
+    idle = DrafterCosts("https://b", alpha=0.8, draft_s=0.004, queue=0)
+    busy = DrafterCosts("https://a", alpha=0.8, draft_s=0.004, queue=6)
+    choice = choose([busy, idle])
+    assert choice is not None and choice.drafter == "https://b"
+
+
+def test_equal_rates_go_to_the_smaller_uri() -> None:
+    left = DrafterCosts("https://a", alpha=0.5, draft_s=0.001)
+    right = DrafterCosts("https://b", alpha=0.5, draft_s=0.001)
+    assert choose([right, left]).drafter == "https://a"  # type: ignore[union-attr]
+
+
+def test_an_unmeasured_drafter_that_could_pay_is_explored_within_its_bound() -> None:
+    measured = DrafterCosts("https://ngram", alpha=0.1, draft_s=0.00001)
+    new = DrafterCosts("https://new", alpha=None, draft_s=0.002)
+    explored = choose([measured, new])
+    assert explored is not None and explored.drafter == "https://new" and explored.exploring
+    # Once the bound on exploring sessions is reached, the best measured option serves.
+    settled = choose([measured, new], may_explore=lambda uri: False)
+    assert settled is not None and not settled.exploring
+    assert settled.drafter in (None, "https://ngram")
+
+
+def test_without_self_decoding_a_drafter_always_serves() -> None:
+    twin = DrafterCosts("https://twin", alpha=0.99, draft_s=0.050)
+    choice = choose([twin], self_decode_s=None)
+    assert choice is not None and choice.drafter == "https://twin"
+    unmeasured = DrafterCosts("https://twin", alpha=None, draft_s=0.050)
+    fallback = choose([unmeasured], self_decode_s=None, may_explore=lambda uri: False)
+    assert fallback is not None and fallback.drafter == "https://twin"
+
+
+def test_nothing_to_choose() -> None:
+    assert choose([], self_decode_s=None) is None
+    only_self = choose([])
+    assert only_self is not None and only_self.drafter is None
+
+
+def test_costs_come_from_the_status_extension_members() -> None:
+    status = Status(instance="https://d", role=Role.DRAFTER, load=10, queue=2, ttl_ms=3000,
+                    alpha_milli=750, draft_us=1500, verify_us=40000)
+    costs = drafter_costs(InstanceView(status, expires_at=10.0))
+    assert costs == DrafterCosts("https://d", alpha=0.75, draft_s=0.0015, verify_s=0.04, queue=2)
+    plain = Status(instance="https://e", role=Role.DRAFTER, load=0, queue=0, ttl_ms=3000)
+    assert drafter_costs(InstanceView(plain, expires_at=10.0)) == DrafterCosts("https://e", None, None)
+
+
+def test_status_round_trips_the_cost_members() -> None:
+    status = Status(instance="https://v", role=Role.VERIFIER, load=0, queue=0, ttl_ms=3000, self_us=21000)
+    assert Status.from_obj(status.to_obj()) == status
