@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 
 from sdcp.cache import MLC, build_uri
 from sdcp.localhost import free_port
-from sdcp.models.draft import DraftResult
+from sdcp.models.draft import DraftResult, NgramDrafter
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.messages import (
@@ -354,7 +354,9 @@ async def test_a_session_opened_through_the_router_reaches_finish(deployment: De
     # The verifier's finish event ends the session at the router too.
     await eventually(lambda: router.sessions[session].ended)
     _, described = await deployment.client("frontend").get_cbor(f"sessions/{session_path_id(session)}")
-    assert described == {"session": session, "epoch": 1, "verifier": verifier.uri, "ended": True}
+    assert described == {
+        "session": session, "epoch": 1, "verifier": verifier.uri, "ended": True, "served": [drafter.uri]
+    }
 
 
 async def test_a_switch_event_moves_the_session_to_the_other_drafter(
@@ -604,3 +606,58 @@ async def test_an_ended_session_is_forgotten_after_its_retention(deployment: Dep
     with pytest.raises(ProtocolError) as gone:
         await deployment.client("frontend").get_cbor(f"sessions/{session_path_id(session)}")
     assert gone.value.status == 404
+
+
+class _SlowNgram(NgramDrafter):
+    """An n-gram drafter that reports drafting as costly as a second target model."""
+
+    @property
+    def seconds_per_token(self) -> float:
+        return 1.0
+
+
+async def test_a_drafter_slower_than_the_verifier_alone_is_not_assigned(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    router = deployment.router
+    assert router is not None
+    verifier = await start_verifier(deployment, "verifier1")
+    slow = DrafterNode(
+        deployment.config("drafter1", drafter=DrafterConfig(model="ngram", target="tiny")),
+        drafter=_SlowNgram(target.vocab_size),
+    )
+    await deployment.start(slow)
+    await eventually(lambda: router.registry.is_live(slow.uri, time.monotonic()))
+    contract = tiny_contract(
+        target, max_new=12, self_load=100, self_max=5, fallback=[Action.REDUCE, Action.SELF_DECODE, Action.FAIL]
+    )
+    opened = await open_session(deployment, contract)
+    session = opened["session"]
+    assert isinstance(session, bytes) and "drafter" not in opened
+
+    outputs = await read_output(deployment.client("frontend", peer="verifier1"), session)
+    assert [t for output in outputs for t in output.tokens] == greedy_reference(target, 12)
+    await eventually(lambda: router.sessions[session].ended)
+    # Three self-decoding periods of at most 5 tokens, each ended by an event and decided again.
+    assert router.sessions[session].served == ["self-decoding"]
+    assert not slow.runs and counter("sdcp_router_assignments_total", router.uri) == 0
+    assert verifier.sessions[session].machine.stats.self_decoded == 12
+
+
+async def test_an_unmeasured_drafter_is_explored_until_its_status_reports_a_measurement(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    router = deployment.router
+    assert router is not None
+    await start_verifier(deployment, "verifier1")
+    drafter = await start_drafter(deployment, "drafter1")
+    assert router.registry.get(drafter.uri).status.alpha_milli is None  # type: ignore[union-attr]
+    contract = tiny_contract(target, max_new=12, self_load=100, fallback=[Action.REDUCE, Action.SELF_DECODE, Action.FAIL])
+    opened = await open_session(deployment, contract)
+    session = opened["session"]
+    assert isinstance(session, bytes)
+    assert opened["drafter"] == drafter.uri and router.sessions[session].exploring == drafter.uri
+    outputs = await read_output(deployment.client("frontend", peer="verifier1"), session)
+    assert [t for output in outputs for t in output.tokens] == greedy_reference(target, 12)
+    # MEASURED_AFTER_VERDICTS verdicts in, the drafter reports its acceptance at once.
+    await eventually(lambda: router.registry.get(drafter.uri).status.alpha_milli is not None, timeout_s=2.0)  # type: ignore[union-attr]

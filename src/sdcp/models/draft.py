@@ -34,6 +34,10 @@ SessionId = bytes
 # Drafter randomness is derived under its own label; SDCP 6.4 forbids drafters the verifier's
 # HMAC derivation ("SDCP-VERIFY-1"), so the two streams stay independent.
 DRAFTER_RNG_DOMAIN = b"SDCP-DRAFTER-RNG-1\x00"
+# The scratch session with which a model drafter times itself before serving.
+_PROBE_SESSION = b"sdcp-draft-probe"
+_PROBE_PROMPT_TOKENS = 32
+_PROBE_DRAFT_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,9 @@ def session_rng(session: SessionId, sampling: Sampling | None) -> np.random.Gene
     return np.random.default_rng(int.from_bytes(material, "big"))
 
 
-class _DraftTimer:
-    """Exponentially weighted seconds per drafted token (t_d of the SDCP 6.2 cost model)."""
+class TokenTimer:
+    """Exponentially weighted seconds per token: drafted (t_d of the SDCP 6.2 cost model) or
+    self-decoded by a verifier."""
 
     def __init__(self, initial: float, weight: float = 0.2) -> None:
         self.value = initial
@@ -123,7 +128,7 @@ class HFDrafter:
         self.name = name
         self.runs_inline = False
         self._sessions: dict[SessionId, _LMSession] = {}
-        self._timer = _DraftTimer(initial=0.01)
+        self._timer = TokenTimer(initial=0.01)
         self._lock = threading.RLock()
 
     @property
@@ -138,6 +143,19 @@ class HFDrafter:
         with self._lock:
             pack_weights(self.model)
         _ = self.weights_digest
+        self._time_drafting()
+
+    def _time_drafting(self) -> None:
+        """Draft a few tokens of a scratch session, so that the first status report already
+        carries a measured time per token (the router's t_d, SDCP 6.2), not a guess."""
+        with self._lock:
+            self.open_session(_PROBE_SESSION, list(range(min(_PROBE_PROMPT_TOKENS, self.vocab_size))))
+            try:
+                self.draft(_PROBE_SESSION, 1, None)  # the first call pays one-off costs
+                timed = self.draft(_PROBE_SESSION, _PROBE_DRAFT_TOKENS, None)
+                self._timer.value = timed.seconds / _PROBE_DRAFT_TOKENS
+            finally:
+                self.close_session(_PROBE_SESSION)
 
     @property
     def seconds_per_token(self) -> float:
@@ -242,7 +260,7 @@ class NgramDrafter:
         self.n_max = n_max
         self.n_min = n_min
         self._sessions: dict[SessionId, _NgramSession] = {}
-        self._timer = _DraftTimer(initial=1e-5)
+        self._timer = TokenTimer(initial=1e-5)
         self._lock = threading.RLock()
 
     @property

@@ -20,10 +20,24 @@ from typing import NamedTuple
 from sdcp.protocol.messages import Action, Contract
 from sdcp.protocol.problems import ProblemType, ProtocolError
 
-__all__ = ["HIGH_LOAD_PERCENT", "ControlDecision", "SpeculationControl", "is_low_round", "m_cap_ceiling"]
+__all__ = [
+    "HIGH_LOAD_PERCENT",
+    "ControlDecision",
+    "SelfDecodeNotPermitted",
+    "SpeculationControl",
+    "is_low_round",
+    "m_cap_ceiling",
+]
 
 HIGH_LOAD_PERCENT = 80
 _PERCENT = 100
+
+
+class SelfDecodeNotPermitted(ProtocolError):
+    """The contract or the verifier's load does not permit self-decoding now (SDCP 6.5.2)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(None, detail, status=409)
 
 
 class ControlDecision(NamedTuple):
@@ -85,6 +99,19 @@ class SpeculationControl:
         self._require_open()
         self.self_decoding = False
         self.m_cap = self._clamp(m_init)
+
+    def start_self_decode(self, verifier_load: int) -> None:
+        """A self-decoding period the router asked for instead of a drafter (docs/interpretations.md,
+        "Self-decoding at the router's request"): permitted as for the ladder's self_decode entry
+        (SDCP 6.5.2); c, g and j keep their values, since no round was low or good."""
+        self._require_open()
+        if not self._self_decode_permitted(verifier_load):
+            raise SelfDecodeNotPermitted(
+                f"self-decoding needs self_load in the contract and a load of at most it (load {verifier_load})"
+            )
+        if not self.self_decoding:
+            self.self_decoding = True
+            self.self_decoded = 0
 
     def after_round(self, accepted: int, proposed: int, verifier_load: int) -> ControlDecision:
         """Update the counters after a verified round and return its action and next m_cap."""

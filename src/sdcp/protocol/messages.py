@@ -30,6 +30,7 @@ __all__ = [
     "Output",
     "Policy",
     "Proposal",
+    "SelfDecodeRequest",
     "Resume",
     "Role",
     "Sampling",
@@ -523,6 +524,15 @@ class Policy(_Message):
     session: bytes = _required(_SESSION)
     from_round: int = _required(_UINT)
     sampling: Sampling = _required(_Nested(Sampling))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SelfDecodeRequest(_Message):
+    """Extension message (not in Table 1): the router asks the verifier to decode the session
+    itself, since no drafter is expected to beat that (docs/interpretations.md)."""
+
+    session: bytes = _required(_SESSION)
+    epoch: int = _required(_UINT)
 
 
 def session_path_id(session: bytes) -> str:

@@ -178,6 +178,10 @@ class InstanceRegistry:
     def report(self, status: Status, now: float, model: bytes | None = None) -> None:
         self._instances[status.instance] = InstanceView(status, now + status.ttl_ms / 1000, model)
 
+    def get(self, uri: str) -> InstanceView | None:
+        """The last status of ``uri``, live or not yet expired from the registry."""
+        return self._instances.get(uri)
+
     def is_live(self, uri: str, now: float) -> bool:
         view = self._instances.get(uri)
         return view is not None and view.expires_at > now

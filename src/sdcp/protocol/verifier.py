@@ -285,6 +285,16 @@ class VerifierSession:
         self._policies.append(policy)
         self._policies.sort(key=lambda p: p.from_round)
 
+    def self_decode_instead(self, epoch: int, verifier_load: int) -> None:
+        """The router found no drafter expected to beat the verifier alone: a self-decoding period
+        starts now, ending as any other (SDCP 6.5.2) with an event that asks for a drafter again.
+        The drafter named last stops on its next proposal (sdcp-stale-base with state 3)."""
+        self._require_serving(epoch)
+        self._require_open()
+        if self._in_flight is not None and not self.control.self_decoding:
+            raise ProtocolError(ProblemType.STALE_BASE, "a round is being committed", state=self.state())
+        self.control.start_self_decode(verifier_load)
+
     def stop_serving(self) -> None:
         """SDCP 6.3: the commit-log append was fenced; discard the round, stop serving the session."""
         self.fenced = True

@@ -82,6 +82,9 @@ _ROUND_TRIP_WEIGHT = 0.25
 # a verifier that keeps refusing us is better left to the router than hammered.
 _MAX_ROUNDS_WITHOUT_VERDICT = 8
 _RETRY_BACKOFF_S = 0.02
+# Verdicts this instance takes in before its status reports an acceptance measurement; the report
+# goes out at once then, which bounds how long a router explores an unmeasured drafter.
+MEASURED_AFTER_VERDICTS = 4
 _MAX_RETRY_BACKOFF_S = 1.0
 # Session-state `state` values after which proposals are pointless (docs/interpretations.md).
 _NOT_PROPOSING_STATES = frozenset({Action.SELF_DECODE, Action.FINISH, Action.FAIL})
@@ -195,9 +198,11 @@ class _RoundTrip:
 
     def __init__(self) -> None:
         self.seconds = _INITIAL_ROUND_TRIP_S
+        self.measured = False
 
     def record(self, seconds: float) -> None:
-        self.seconds += _ROUND_TRIP_WEIGHT * (seconds - self.seconds)
+        self.seconds = seconds if not self.measured else self.seconds + _ROUND_TRIP_WEIGHT * (seconds - self.seconds)
+        self.measured = True
 
 
 @dataclass
@@ -239,6 +244,9 @@ class DrafterNode(Node):
         self.runs: dict[bytes, _SessionRun] = {}
         self._worker = ModelWorker(f"drafter-{self.drafter.name}", inline=self.drafter.runs_inline)
         self._round_trip = _RoundTrip()
+        # Acceptance across every session this instance drafted: the alpha of its status reports.
+        self._acceptance = AcceptanceEstimate()
+        self._verdicts = 0
         self._assigning = asyncio.Lock()
 
     # -- status ----------------------------------------------------------------------------------
@@ -256,6 +264,11 @@ class DrafterNode(Node):
             cache_mbps=int(bandwidth) if bandwidth is not None else None,
             ttl_ms=self.config.instance.ttl_ms,
             model=self.drafter.weights_digest,
+            alpha_milli=(
+                round(1000 * self._acceptance.alpha) if self._verdicts >= MEASURED_AFTER_VERDICTS else None
+            ),
+            draft_us=round(1e6 * self.drafter.seconds_per_token),
+            verify_us=round(1e6 * self._round_trip.seconds) if self._round_trip.measured else None,
         )
 
     async def on_start(self) -> None:
@@ -544,6 +557,7 @@ class DrafterNode(Node):
             return None
         action = state.apply_verdict(verdict)
         TOKENS_ACCEPTED.labels(self.uri).inc(verdict.accepted)
+        self._measure_acceptance(verdict.accepted, len(proposal.tokens))
         if extend_digest(run.output_digest, verdict.emitted) == verdict.digest:
             run.output.extend(verdict.emitted)
             run.output_digest = verdict.digest
@@ -558,6 +572,14 @@ class DrafterNode(Node):
         tentative = ready.tokens if ready is not None else ()
         await self._worker.run(self.drafter.sync, run.session, [*run.committed_prefix, *tentative])
         return ready
+
+
+    def _measure_acceptance(self, accepted: int, proposed: int) -> None:
+        self._acceptance.update(accepted, proposed)
+        self._verdicts += 1
+        if self._verdicts == MEASURED_AFTER_VERDICTS:
+            # The router may be exploring this drafter: the measurement ends that at once.
+            self.report_status_soon()
 
 
 def confirmed_predraft(

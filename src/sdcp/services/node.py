@@ -130,12 +130,21 @@ class Node(ABC):
             path = f"instances/{instance_path_id(self.uri)}/status"
             await self.peers.get(router).put_cbor(path, status.to_obj())
 
+    def report_status_soon(self) -> None:
+        """Send a status report now, besides the periodic ones (a measurement the router awaits)."""
+        router = self.config.instance.router
+        if router is not None and router != self.uri:
+            self.spawn(self._try_report_status(router))
+
+    async def _try_report_status(self, router: str) -> None:
+        try:
+            await self.report_status(router)
+        except Exception as exc:  # a router that is down must not stop the instance
+            log.warning("%s: status report to %s failed: %s", self.uri, router, exc)
+
     async def _report_status_forever(self, router: str) -> None:
         # SDCP 6.1: each instance reports status at intervals shorter than its ttl_ms.
         interval = self.config.instance.ttl_ms / 3000
         while True:
-            try:
-                await self.report_status(router)
-            except Exception as exc:  # a router that is down must not stop the instance
-                log.warning("%s: status report to %s failed: %s", self.uri, router, exc)
+            await self._try_report_status(router)
             await asyncio.sleep(interval)

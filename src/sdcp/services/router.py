@@ -32,6 +32,7 @@ from sdcp.protocol.messages import (
     Policy,
     Role,
     Sampling,
+    SelfDecodeRequest,
     SessionState,
     Status,
     parse_instance_path_id,
@@ -40,7 +41,17 @@ from sdcp.protocol.messages import (
 )
 from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.records import LogReplay, encode_token_list, replay_commit_log
-from sdcp.protocol.router import InstanceRegistry, InstanceView, RouterSession, prefer_idle_and_accepting
+from sdcp.protocol.router import (
+    DecodingChoice,
+    InstanceRegistry,
+    InstanceView,
+    RouterSession,
+    choose_decoding,
+    drafter_costs,
+    drafter_permitted,
+    drafter_rate,
+    prefer_idle_and_accepting,
+)
 from sdcp.services.config import ServiceConfig
 from sdcp.services.node import Node
 from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
@@ -53,6 +64,21 @@ log = logging.getLogger("sdcp.router")
 SESSIONS_OPEN = Gauge("sdcp_router_sessions_open", "Sessions neither finished nor failed", ["instance"])
 ASSIGNMENTS = Counter("sdcp_router_assignments_total", "Assignments sent to drafters", ["instance"])
 FAILOVERS = Counter("sdcp_router_failovers_total", "Sessions moved to another verifier", ["instance"])
+CHOICES = Counter(
+    "sdcp_router_decoding_choices_total",
+    "Decisions on who drafts for a session: a drafter, an exploration of an unmeasured drafter, or the verifier alone",
+    ["instance", "choice"],
+)
+
+# Who served a session, in the router's session description: a drafter's URI, or this for the
+# verifier decoding alone at the router's request.
+SELF_DECODING = "self-decoding"
+# A session is moved off its drafter only for an option expected to be this much faster, and at
+# most once per this many seconds, so that estimates that differ by noise do not make it flap.
+SWITCH_MARGIN = 1.25
+REDECIDE_AFTER_S = 2.0
+# A verification round at a verifier that reports no timing of its own.
+DEFAULT_VERIFY_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -90,6 +116,16 @@ class _TrackedSession:
     prompt: tuple[int, ...]
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ended: bool = False
+    # The verifier decodes the session alone at this router's request, until its event.
+    self_decoding: bool = False
+    # A drafter whose acceptance was unmeasured when it was assigned to this session.
+    exploring: str | None = None
+    decided_at: float = 0.0
+    served: list[str] = field(default_factory=list)
+
+    def serve(self, who: str) -> None:
+        if not self.served or self.served[-1] != who:
+            self.served.append(who)
 
     @property
     def path_id(self) -> str:
@@ -104,6 +140,8 @@ class _TrackedSession:
         }
         if self.plan.drafter is not None:
             described["drafter"] = self.plan.drafter
+        if self.served:
+            described["served"] = list(self.served)
         return described
 
 
@@ -172,10 +210,12 @@ class RouterNode(Node):
                 ProblemType.STALE_EPOCH, f"event of epoch {event.epoch}; the session is at epoch {tracked.plan.epoch}"
             )
         if event.kind == Action.SWITCH:
-            # SDCP 6.5.2 switch: another drafter with a permitted model, not the current one if any
-            # other is live. Answered at once: the reassignment calls back into the verifier.
+            # SDCP 6.5.2 switch (also the end of a self-decoding period): another drafter with a
+            # permitted model, not the current one if any other is live, or the verifier alone when
+            # no drafter is expected to beat it. Answered at once: the decision calls back into the
+            # verifier.
             current = tracked.plan.drafter
-            self.spawn(self._locked(tracked, lambda: self._assign_drafter(tracked, avoid=(current,) if current else ())))
+            self.spawn(self._locked(tracked, lambda: self._after_switch(tracked, avoid=(current,) if current else ())))
         elif event.kind in (Action.FINISH, Action.FAIL):
             self._end(tracked, event.kind)
         else:
@@ -270,9 +310,13 @@ class RouterNode(Node):
                 continue
             if not self.registry.is_live(tracked.plan.verifier, now):
                 work.append(self._locked(tracked, lambda t=tracked: self._fail_over(t)))
+            elif tracked.self_decoding:
+                continue  # its verifier's event asks for a drafter when the period ends
             elif tracked.plan.drafter is None or not self.registry.is_live(tracked.plan.drafter, now):
                 # SDCP 6.9 drafter failure, or a session still waiting for its first drafter.
                 work.append(self._locked(tracked, lambda t=tracked: self._assign_drafter(t, only_if_missing=True)))
+            elif self._worth_moving(tracked, now):
+                work.append(self._locked(tracked, lambda t=tracked: self._assign_drafter(t)))
         await asyncio.gather(*work)
 
     async def _maintain_forever(self) -> None:
@@ -303,26 +347,118 @@ class RouterNode(Node):
     async def _assign_drafter(
         self, tracked: _TrackedSession, *, avoid: Sequence[str] = (), only_if_missing: bool = False
     ) -> None:
-        """Pick a permitted live drafter and assign it; a drafter that does not answer is skipped."""
-        now = time.monotonic()
+        """Decide who drafts for the session next, by expected rate (``choose_decoding``), and tell
+        them: a drafter that does not answer is skipped; a verifier that does not decode alone at
+        this router's request gets a drafter instead."""
         current = tracked.plan.drafter
-        if only_if_missing and current is not None and self.registry.is_live(current, now):
+        if only_if_missing and (
+            tracked.self_decoding or (current is not None and self.registry.is_live(current, time.monotonic()))
+        ):
             return
         unreachable: list[str] = []
+        self_decode = True
         while True:
-            drafter = self.registry.pick(
-                Role.DRAFTER, time.monotonic(), contract=tracked.plan.contract, avoid=[*avoid, *unreachable]
-            )
-            if drafter is None or drafter in unreachable:
+            choice = self._choose(tracked, avoid=avoid, skip=unreachable, self_decode=self_decode)
+            if choice is None:
                 tracked.plan.drafter = None
                 log.info("%s: session %s waits for a drafter", self.uri, tracked.path_id)
                 return
+            if choice.drafter is None:
+                try:
+                    await self._send_self_decode(tracked)
+                    return
+                except ProtocolError as exc:
+                    if exc.problem in (ProblemType.SESSION_CLOSED, ProblemType.STALE_EPOCH, ProblemType.STALE_BASE):
+                        raise
+                    log.info("%s: verifier %s does not decode alone: %s", self.uri, tracked.plan.verifier, exc)
+                except TransportError as exc:
+                    log.info("%s: verifier %s does not decode alone: %s", self.uri, tracked.plan.verifier, exc)
+                self_decode = False
+                continue
             try:
-                await self._send_assignment(tracked, drafter)
-                return
+                await self._send_assignment(tracked, choice.drafter)
             except TransportError as exc:
-                log.warning("%s: drafter %s took no assignment: %s", self.uri, drafter, exc)
-                unreachable.append(drafter)
+                log.warning("%s: drafter %s took no assignment: %s", self.uri, choice.drafter, exc)
+                unreachable.append(choice.drafter)
+                continue
+            tracked.exploring = choice.drafter if choice.exploring else None
+            CHOICES.labels(self.uri, "explore" if choice.exploring else "drafter").inc()
+            return
+
+    def _choose(
+        self, tracked: _TrackedSession, *, avoid: Sequence[str] = (), skip: Sequence[str] = (), self_decode: bool = True
+    ) -> DecodingChoice | None:
+        """The expected fastest option for the session among live permitted drafters (those in
+        ``avoid`` only when no other is live) and, where permitted, its verifier alone."""
+        now = time.monotonic()
+        contract = tracked.plan.contract
+        permitted = [
+            view for view in self.registry.live(Role.DRAFTER, now)
+            if drafter_permitted(contract, view.model) and view.uri not in skip
+        ]
+        pool = [view for view in permitted if view.uri not in avoid] or permitted
+        verifier = self.registry.get(tracked.plan.verifier)
+        exploring = {t.exploring for t in self.sessions.values() if t is not tracked and not t.ended and t.exploring}
+        return choose_decoding(
+            [drafter_costs(view) for view in pool],
+            self_decode_s=self._self_decode_s(contract, verifier) if self_decode else None,
+            verify_s=_verify_s(verifier),
+            m_limit=self._m_limit(contract),
+            # Exploration is bounded: one session at a time per unmeasured drafter.
+            may_explore=lambda uri: uri not in exploring,
+        )
+
+    def _m_limit(self, contract: Contract) -> int:
+        return max(1, min(contract.m_max, self.config.router.m_init))
+
+    @staticmethod
+    def _self_decode_s(contract: Contract, verifier: InstanceView | None) -> float | None:
+        """Seconds per token of the verifier decoding alone, where the contract permits that now
+        (SDCP 6.5.2: self_load present and not exceeded) and the verifier reports its time."""
+        if verifier is None or verifier.status.self_us is None or contract.self_load is None:
+            return None
+        if contract.self_max == 0 or verifier.status.load > contract.self_load:
+            return None
+        return verifier.status.self_us / 1e6
+
+    def _worth_moving(self, tracked: _TrackedSession, now: float) -> bool:
+        """Whether a session's drafter should give way: its exploration has been measured, or
+        another option is now expected to be ``SWITCH_MARGIN`` times faster."""
+        drafter = tracked.plan.drafter
+        view = self.registry.get(drafter) if drafter is not None else None
+        if view is None or now - tracked.decided_at < REDECIDE_AFTER_S:
+            return False
+        costs = drafter_costs(view)
+        if costs.alpha is None:
+            return False  # its measurement is on the way (MEASURED_AFTER_VERDICTS)
+        best = self._choose(tracked)
+        if best is None or best.drafter == drafter:
+            tracked.exploring = None
+            return False
+        if tracked.exploring == drafter:
+            return True
+        verifier = self.registry.get(tracked.plan.verifier)
+        current = drafter_rate(costs, verify_s=_verify_s(verifier), m_limit=self._m_limit(tracked.plan.contract))
+        return best.rate > SWITCH_MARGIN * current
+
+    async def _send_self_decode(self, tracked: _TrackedSession) -> None:
+        """Ask the verifier to decode the session alone (extension, docs/interpretations.md)."""
+        plan = tracked.plan
+        request = SelfDecodeRequest(session=plan.session, epoch=plan.epoch)
+        await self.peers.get(plan.verifier).post_cbor(
+            f"sessions/{tracked.path_id}/self-decode", request.to_obj(), idempotent=True
+        )
+        plan.drafter = None
+        tracked.self_decoding = True
+        tracked.exploring = None
+        tracked.decided_at = time.monotonic()
+        tracked.serve(SELF_DECODING)
+        CHOICES.labels(self.uri, "self").inc()
+        log.info("%s: session %s decoded by verifier %s alone", self.uri, tracked.path_id, plan.verifier)
+
+    async def _after_switch(self, tracked: _TrackedSession, *, avoid: Sequence[str]) -> None:
+        tracked.self_decoding = False
+        await self._assign_drafter(tracked, avoid=avoid)
 
     async def _send_assignment(self, tracked: _TrackedSession, drafter: str) -> None:
         """SDCP 6.1: inform the verifier first, then send the assignment to the drafter."""
@@ -345,6 +481,9 @@ class RouterNode(Node):
                 m_init=self.config.router.m_init, committed_tokens=tokens,
             )
         await self.peers.get(drafter).post_cbor("assignments", assignment.to_obj(), idempotent=True)
+        tracked.self_decoding = False
+        tracked.decided_at = time.monotonic()
+        tracked.serve(drafter)
         ASSIGNMENTS.labels(self.uri).inc()
         log.info("%s: session %s assigned to %s at round %d", self.uri, tracked.path_id, drafter, replay.round)
 
@@ -364,6 +503,8 @@ class RouterNode(Node):
         moved = plan.fail_over(verifier, replay, tokens)
         await self.peers.get(verifier).post_cbor("sessions", moved.open_message().to_obj(), idempotent=True)
         tracked.plan = moved
+        # The new verifier knows nothing of a self-decoding period the old one was asked for.
+        tracked.self_decoding = False
         FAILOVERS.labels(self.uri).inc()
         log.info("%s: session %s moved to %s at epoch %d", self.uri, tracked.path_id, verifier, moved.epoch)
         if moved.sampling is not None:
@@ -428,3 +569,11 @@ class RouterNode(Node):
         await asyncio.sleep(self.config.router.ended_retention_s)
         if self.sessions.get(tracked.plan.session) is tracked:
             del self.sessions[tracked.plan.session]
+
+
+def _verify_s(verifier: InstanceView | None) -> float:
+    """What a verification round costs at this verifier, for drafters that have not timed one: its
+    time per self-decoded token, one pass."""
+    if verifier is None or verifier.status.self_us is None:
+        return DEFAULT_VERIFY_S
+    return verifier.status.self_us / 1e6

@@ -23,7 +23,7 @@ from starlette.routing import BaseRoute, Route
 
 from sdcp.cache import MLC, CacheError, CommitLog, Fenced, PreconditionFailed
 from sdcp.models.batching import BatchingScorer, ScorerClosed
-from sdcp.models.draft import prompt_lookup
+from sdcp.models.draft import TokenTimer, prompt_lookup
 from sdcp.models.errors import DigestMismatch
 from sdcp.models.registry import load_target
 from sdcp.models.target import TargetModel
@@ -34,6 +34,7 @@ from sdcp.protocol.messages import (
     Policy,
     Proposal,
     Role,
+    SelfDecodeRequest,
     SessionOpen,
     Status,
     Verdict,
@@ -63,6 +64,11 @@ _IDLE_CHECK_S = 30.0
 # What a pass of SmolLM2 costs on this project's 2-core CPU (docs/models.md): about 18 ms, 2 ms
 # more per session in it, and 1.5 ms per row scored beyond one per session.
 _PASS_MS, _SESSION_MS, _ROW_MS = 18.0, 2.0, 1.5
+# The scratch session with which the verifier times one pass before serving.
+_PROBE_SESSION = b"sdcp-pass-probe!"
+_PROBE_PROMPT_TOKENS = 64
+# How long a router's message waits for the round in flight to be decided.
+_ROUTER_WAIT_S = 5.0
 
 
 def lookahead_length(hit_rate: float, sessions: int, predicted: int) -> int:
@@ -111,7 +117,7 @@ class RoundTimings:
         return {"round_gap_us": self.gap_us, "round_model_us": self.model_us, "round_batch": self.batch_sizes}
 
 
-_RouterMessage = TypeVar("_RouterMessage", Assignment, Policy)
+_RouterMessage = TypeVar("_RouterMessage", Assignment, Policy, SelfDecodeRequest)
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,9 @@ class VerifierNode(Node):
         self.sessions: dict[bytes, _LiveSession] = {}
         self.routers = frozenset(r for r in (config.instance.router,) if r is not None)
         self._scoring = 0
+        # Seconds per self-decoded token, for the router's choice between drafters and this
+        # verifier alone (status self_us); timed with one pass before serving.
+        self.self_decode_time = TokenTimer(initial=_PASS_MS / 1000)
 
     # -- status ----------------------------------------------------------------------------------
 
@@ -188,13 +197,27 @@ class VerifierNode(Node):
             ttl_ms=self.config.instance.ttl_ms,
             model=self.target.weights_digest,
             tokenizer=self.target.tokenizer_digest,
+            self_us=round(1e6 * self.self_decode_time.value),
         )
 
     async def on_start(self) -> None:
         # Digests hash every weight and the weights are packed once: before the first status report,
         # contract check or pass, on the scorer thread.
         await self.scorer.run_async(self.target.prepare)
+        await self.scorer.run_async(self._time_one_pass)
         self.spawn(self._forget_idle_sessions())
+
+    def _time_one_pass(self) -> None:
+        """On the scorer thread: a one-token pass of a scratch session, the first estimate of the
+        time per self-decoded token."""
+        self.target.open_session(_PROBE_SESSION, list(range(min(_PROBE_PROMPT_TOKENS, self.target.vocab_size))))
+        try:
+            self.target.score([(_PROBE_SESSION, ())])  # the first pass pays one-off costs
+            started = time.perf_counter()
+            self.target.score([(_PROBE_SESSION, ())])
+            self.self_decode_time.value = time.perf_counter() - started
+        finally:
+            self.target.close_session(_PROBE_SESSION)
 
     async def on_stop(self) -> None:
         for live in self.sessions.values():
@@ -212,6 +235,7 @@ class VerifierNode(Node):
             Route("/sessions/{id}/output", self.output, methods=["GET"]),
             Route("/sessions/{id}/policy", self.policy, methods=["POST"]),
             Route("/sessions/{id}/stats", self.stats, methods=["GET"]),
+            Route("/sessions/{id}/self-decode", self.self_decode, methods=["POST"]),
         ]
 
     async def open_session(self, request: Request) -> Response:
@@ -264,6 +288,7 @@ class VerifierNode(Node):
     async def assign_drafter(self, request: Request) -> Response:
         """PUT sessions/{id}/drafter (SDCP 6.1): the latest assignment names the drafter."""
         live, assignment = await self._router_message(request, Assignment)
+        await self._between_rounds(live)
         live.machine.assign(assignment)
         return cbor_response(live.machine.state().to_obj())
 
@@ -272,6 +297,22 @@ class VerifierNode(Node):
         live, policy = await self._router_message(request, Policy)
         live.machine.apply_policy(policy)
         return cbor_response(live.machine.state().to_obj())
+
+    async def self_decode(self, request: Request) -> Response:
+        """POST sessions/{id}/self-decode (extension): a self-decoding period at the router's request."""
+        live, message = await self._router_message(request, SelfDecodeRequest)
+        await self._between_rounds(live)
+        if not live.machine.self_decoding:
+            live.machine.self_decode_instead(message.epoch, self.load)
+            self._start_self_decoder(live)
+        return cbor_response(live.machine.state().to_obj())
+
+    async def _between_rounds(self, live: _LiveSession) -> None:
+        """Let the proposal round in flight be decided first (bounded): a new drafter or a
+        self-decoding period takes effect between rounds, since commit and verdict are atomic with
+        respect to other changes (SDCP 6.3); the router would otherwise have to try again."""
+        if live.rounds:
+            await asyncio.wait(list(live.rounds.values()), timeout=_ROUTER_WAIT_S)
 
     async def _router_message(self, request: Request, kind: type[_RouterMessage]) -> tuple[_LiveSession, _RouterMessage]:
         """A router's message about the session the path names."""
@@ -406,8 +447,12 @@ class VerifierNode(Node):
         verdict = self._release(live, pending)
         self._after_commit(live, [pending])
         if verdict.action == Action.SELF_DECODE and machine.self_decoding:
-            live.self_decoder = self.spawn(self._self_decode(live))
+            self._start_self_decoder(live)
         return verdict
+
+    def _start_self_decoder(self, live: _LiveSession) -> None:
+        # The task of the previous period may still be releasing its last round.
+        live.self_decoder = self.spawn(self._self_decode(live, after=live.self_decoder))
 
     async def _append(self, live: _LiveSession, pending: PendingCommit) -> None:
         machine = live.machine
@@ -463,7 +508,7 @@ class VerifierNode(Node):
             self.spawn(self._close_model_session(live.machine.session))
             self.spawn(self._forget_later(live))
 
-    async def _self_decode(self, live: _LiveSession) -> None:
+    async def _self_decode(self, live: _LiveSession, *, after: asyncio.Task[None] | None = None) -> None:
         """SDCP 6.5.2 self_decode: one target token per round until self_max, load or the end.
 
         A pass scores the continuation that prompt lookup predicts after the committed tokens along
@@ -474,10 +519,16 @@ class VerifierNode(Node):
         so that it runs while their records are appended and released.
         """
         machine = live.machine
+        if after is not None:
+            await asyncio.wait([after])
         try:
             scoring: _Pass | None = self._start_pass(live, (*machine.prompt, *machine.tokens))
+            mark, committed = time.perf_counter(), machine.committed
             while scoring is not None:
                 scoring = await self._self_decode_pass(live, scoring)
+                now = time.perf_counter()
+                self.self_decode_time.record(now - mark, machine.committed - committed)
+                mark, committed = now, machine.committed
         except Exception as exc:
             if machine.fenced or machine.ended:
                 return
