@@ -98,11 +98,14 @@ class Role(str, Enum):
 
 
 def _serve(role: Role, config_path: Path) -> None:
-    from sdcp.services.config import load_config
+    from sdcp.services.config import load_config, thread_budget
+    from sdcp.threads import limit_native_threads
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     with user_errors():
         config = load_config(config_path)
+        # Before the role's modules import torch: its thread pools read these once.
+        limit_native_threads(thread_budget(config, role.value))
         node = _build_node(role, config)
 
         async def run() -> None:
@@ -159,7 +162,7 @@ for _role in Role:
 def up(
     redis: str = typer.Option(None, "--redis", help="Use this Redis (redis://host:port/db) as the MLC's shared tier."),
     model: str = typer.Option("smollm2", help="Target model of the verifier."),
-    drafter: list[str] = typer.Option(None, "--drafter", help="Drafter specs (default: ngram and hf:smollm2)."),
+    drafter: list[str] = typer.Option(None, "--drafter", help="Drafter specs: ngram (the default) or hf:NAME, a model much smaller than the target."),
     gateway_port: int = typer.Option(8000, "--gateway-port", help="Port of the OpenAI-compatible API (0: any)."),
     home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp)."),
 ) -> None:

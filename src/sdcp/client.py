@@ -115,8 +115,14 @@ class ClusterClient:
 
     async def locate(self, handle: SessionHandle) -> SessionHandle:
         """Where the session runs now (after a failover, another verifier and a higher epoch)."""
+        return _handle(await self.describe(handle))
+
+    async def describe(self, handle: SessionHandle) -> dict[str, object]:
+        """The router's description of the session: where it runs, whether it ended, who served it."""
         _, body = await self.peers.get(self.router).get_cbor(f"sessions/{handle.path_id}")
-        return _handle(body)
+        if not isinstance(body, dict):
+            raise BadMessage("the router's session description is not a map")
+        return body
 
     async def stats(self, handle: SessionHandle) -> dict[str, object]:
         _, body = await self.peers.get(handle.verifier).get_cbor(f"sessions/{handle.path_id}/stats")

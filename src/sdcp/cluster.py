@@ -19,6 +19,7 @@ from pathlib import Path
 
 from sdcp.localhost import accepts, free_port
 from sdcp.models.fetch import sdcp_home
+from sdcp.threads import usable_cores
 from sdcp.transport.certs import instance_name, make_certs
 
 __all__ = [
@@ -31,7 +32,10 @@ __all__ = [
 
 CLIENT_URI = "https://localhost/sdcp-client"
 GATEWAY_URI = "https://localhost/sdcp-gateway"
-DEFAULT_DRAFTERS = ("ngram", "hf:smollm2")
+# Prompt lookup alone: on a CPU host the bundled model is the only model drafter there is, the
+# target itself, whose every drafted token costs a target pass (docs/performance.md). A model
+# drafter (`--drafter hf:NAME`) pays where it is much smaller than the target.
+DEFAULT_DRAFTERS = ("ngram",)
 _TTL_MS = 3000
 
 
@@ -165,6 +169,7 @@ class LocalCluster:
             'ca = "certs/ca.pem"',
             f'router = "{uris["router"]}"',
             f"ttl_ms = {_TTL_MS}",
+            f"threads = {_threads(role)}",
             "",
             "[mlc]",
             'disk_dir = "mlc"',
@@ -232,3 +237,10 @@ class LocalCluster:
                 time.sleep(0.1)
             if instance.alive():
                 os.kill(instance.pid, signal.SIGKILL)
+
+
+def _threads(role: str) -> int:
+    """The verifier gets every core of the host, every other instance one: the n-gram drafter,
+    router and gateway run no model, and a model drafter's one thread is what is left beside the
+    verifier (docs/deploy.md, "Threads and cores")."""
+    return usable_cores() if role == "verifier" else 1

@@ -28,6 +28,8 @@ def _write_prompts(directory: Path) -> Path:
     (directory / "repetitive.txt").write_text("# comment\nabc abc abc abc\n---\nunused\n", encoding="utf-8")
     (directory / "nonrepetitive.txt").write_text("tell me a story\n", encoding="utf-8")
     (directory / "mixed.txt").write_text("xyz xyz then something new\n", encoding="utf-8")
+    (directory / "copyedit.txt").write_text("fix the speling of this text\n", encoding="utf-8")
+    (directory / "open.txt").write_text("why is the sky blue\n", encoding="utf-8")
     return directory
 
 
@@ -49,6 +51,18 @@ def test_bench_command_on_tiny_model_writes_results(tmp_path: Path) -> None:
     assert [level["sessions"] for level in summary["concurrency"]] == [1, 16]
     assert summary["concurrency"][1]["verifier_batch_mean"] >= 1.0
     assert "| sdcp_e2e |" in (out / "results.md").read_text(encoding="utf-8")
+    # What a user runs: the default cluster through the gateway, on every workload.
+    workloads = ["repetitive", "nonrepetitive", "mixed", "copyedit", "open"]
+    assert summary["systems"]["sdcp_default"]["open"]["tokens_per_s"] > 0
+    assert sorted(summary["default_vs_target"]) == sorted(workloads)
+    assert all(isinstance(summary["default_vs_target"][w], float) for w in workloads)
+    assert all(isinstance(summary["default_vs_ngram_only"][w], float) for w in workloads)
+    assert summary["systems"]["sdcp_target_only"]["open"]["tokens_per_s"] is None  # chat: CHAT_SYSTEMS only
+    rows = summary["default_per_prompt"]
+    assert [(row["workload"], row["prompt"]) for row in rows] == [(w, 0) for w in workloads]
+    assert all(row["served"] for row in rows)
+    assert set(summary["noisy_neighbour"]) == {"idle_tokens_per_s", "busy_tokens_per_s", "busy_vs_idle"}
+    assert summary["noisy_neighbour"]["busy_tokens_per_s"] > 0
     assert (out / "throughput.png").stat().st_size > 0
     assert (out / "acceptance_concurrency.png").stat().st_size > 0
 
@@ -87,8 +101,13 @@ def test_identical_outputs_needs_a_comparison() -> None:
 def test_prompt_files_parse_and_bad_inputs_are_typed_errors(tmp_path: Path) -> None:
     assert parse_prompts("# c\none\n---\n\n---\ntwo\nlines\n") == ("one", "two\nlines")
     assert [w.name for w in load_workloads(_write_prompts(tmp_path / "p"), per_workload=1)] == [
-        "repetitive", "nonrepetitive", "mixed"]
+        "repetitive", "nonrepetitive", "mixed", "copyedit", "open"]
     with pytest.raises(BenchInputError, match="missing"):
         load_workloads(tmp_path / "absent")
     with pytest.raises(BenchInputError, match="at least 1"):
         load_workloads(tmp_path / "p", per_workload=0)
+
+
+def test_the_shipped_prompt_set_has_eight_prompts_per_chat_workload() -> None:
+    workloads = {w.name: w.prompts for w in load_workloads()}
+    assert len(workloads["copyedit"]) >= 8 and len(workloads["open"]) >= 8

@@ -1,25 +1,32 @@
-"""System 4: SDCP end to end on a local cluster (HTTP/2 + mTLS, embedded MLC, optionally Redis).
+"""System 4: SDCP end to end on a local cluster (HTTP/2 + mTLS, embedded MLC, optionally Redis),
+and system 5, what a user runs: the default `sdcp up` cluster through the OpenAI gateway.
 
-The cluster has its own SDCP home under the benchmark's output directory; its models directory is
-a symbolic link to the fetched one, so nothing is converted again. Only the n-gram drafter runs:
-on this machine the model drafter is the target itself (docs/models.md), which cannot speed it up.
+Each cluster has its own SDCP home under the benchmark's output directory; its models directory is
+a symbolic link to the fetched one, so nothing is converted again. ``sdcp_e2e`` runs the n-gram
+drafter alone; ``sdcp_default`` whatever `sdcp up` starts by default (``DEFAULT_DRAFTERS``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from sdcp.bench.systems import RunResult
-from sdcp.client import ClusterClient, build_contract
-from sdcp.cluster import LocalCluster
+from sdcp.bench.workloads import Prompt
+from sdcp.client import ClusterClient, SessionHandle, build_contract
+from sdcp.cluster import DEFAULT_DRAFTERS, LocalCluster
 from sdcp.models.fetch import sdcp_home
 from sdcp.protocol.messages import Contract
 
-__all__ = ["ClusterSystem", "non_model_ms"]
+__all__ = ["ClusterSystem", "GatewaySystem", "non_model_ms"]
+
+# A gateway request decodes at most max_new tokens; this bounds the wait for its answer.
+_GATEWAY_TIMEOUT_S = 600.0
 
 
 def non_model_ms(stats: dict[str, Any]) -> list[float]:
@@ -32,11 +39,20 @@ def non_model_ms(stats: dict[str, Any]) -> list[float]:
 class ClusterSystem:
     """A running local cluster and a client of it; ``generate`` streams one session."""
 
-    def __init__(self, home: Path, model: str, *, redis_url: str | None = None, name: str = "sdcp_e2e") -> None:
+    def __init__(
+        self,
+        home: Path,
+        model: str,
+        *,
+        redis_url: str | None = None,
+        name: str = "sdcp_e2e",
+        drafters: tuple[str, ...] = ("ngram",),
+    ) -> None:
         self.name = name
         self.home = home
         self.model = model
         self.redis_url = redis_url
+        self.drafters = drafters
         self.cluster = LocalCluster(home)
         self.client: ClusterClient | None = None
         self.target: dict[str, Any] | None = None
@@ -47,7 +63,7 @@ class ClusterSystem:
         fetched = sdcp_home() / "models"
         if not models.exists() and fetched.is_dir() and fetched.resolve() != models.resolve():
             models.symlink_to(fetched.resolve(), target_is_directory=True)
-        self.cluster.up(model=self.model, drafters=("ngram",), redis_url=self.redis_url, gateway_port=0)
+        self.cluster.up(model=self.model, drafters=self.drafters, redis_url=self.redis_url, gateway_port=0)
 
     def stop(self) -> None:
         self.cluster.down()
@@ -74,12 +90,12 @@ class ClusterSystem:
             raise RuntimeError("connect() first")
         return build_contract(target=self.target["model"], tokenizer=self.target["tokenizer"], max_new=max_new, stop=stop)
 
-    async def generate(self, prompt: Sequence[int], max_new: int, stop: Sequence[int]) -> RunResult:
+    async def generate(self, prompt: Prompt, max_new: int, stop: Sequence[int]) -> RunResult:
         if self.client is None:
             raise RuntimeError("connect() first")
         contract = self.contract(max_new, stop)
         started = time.perf_counter()
-        handle = await self.client.open(list(prompt), contract)
+        handle = await self.client.open(list(prompt.tokens), contract)
         tokens: list[int] = []
         inter_token: list[float] = []
         previous: float | None = None
@@ -92,9 +108,20 @@ class ClusterSystem:
                 previous = now
             tokens.extend(chunk.tokens)
         seconds = time.perf_counter() - started
+        result = await self.session_result(handle, seconds)
+        result.tokens, result.inter_token_ms = tokens, inter_token
+        return result
+
+    async def session_result(self, handle: SessionHandle, seconds: float) -> RunResult:
+        """What the session's rounds did (the verifier's stats) and who served it (the router)."""
+        if self.client is None:
+            raise RuntimeError("connect() first")
         stats = await self.client.stats(handle)
+        described = await self.client.describe(handle)
+        names = {instance.uri: instance.name for instance in self.cluster.instances()}
+        served = described.get("served", [])
         return RunResult(
-            tokens=tokens,
+            tokens=[],
             seconds=seconds,
             rounds=int(stats.get("rounds", 0)),
             self_decoded=int(stats.get("self_decoded", 0)),
@@ -103,7 +130,49 @@ class ClusterSystem:
             accepted_by_position=list(stats.get("accepted_by_position", [])),
             proposed_by_position=list(stats.get("proposed_by_position", [])),
             overhead_ms=non_model_ms(stats),
-            inter_token_ms=inter_token,
             # Rounds committed from rows of an earlier pass (self-decoding lookahead) report 0.
             batch_sizes=[size for size in stats.get("round_batch", []) if size > 0],
+            served=[names.get(who, who) for who in served] if isinstance(served, list) else [],
         )
+
+
+class GatewaySystem(ClusterSystem):
+    """What a user runs: the default `sdcp up` cluster, asked through its OpenAI-compatible API with
+    a chat request (the gateway applies the chat template), timed by the client from sending the
+    request to the whole answer. The tokens come afterwards from the verifier's output, untimed,
+    to compare them with greedy decoding."""
+
+    def __init__(self, home: Path, model: str, *, chat: bool = True) -> None:
+        super().__init__(home, model, name="sdcp_default", drafters=DEFAULT_DRAFTERS)
+        # As tokenize_prompt: the chat API where the model has a chat template, else completions.
+        self.chat = chat
+
+    async def generate(self, prompt: Prompt, max_new: int, stop: Sequence[int]) -> RunResult:
+        if self.client is None or self.cluster.gateway is None:
+            raise RuntimeError("start() and connect() first")
+        request: dict[str, Any] = {"model": self.model, "max_tokens": max_new, "temperature": 0}
+        if self.chat:
+            request["messages"] = [{"role": "user", "content": prompt.text}]
+        else:
+            request["prompt"] = prompt.text
+        endpoint = "chat/completions" if self.chat else "completions"
+        started = time.perf_counter()
+        answer = await asyncio.to_thread(_post_json, f"{self.cluster.gateway}/{endpoint}", request)
+        seconds = time.perf_counter() - started
+        # The completion id names the session (sdcp.services.gateway).
+        session = bytes.fromhex(str(answer["id"]).split("-", 1)[1])
+        handle = await self.client.locate(SessionHandle(session, 1, "", None))
+        result = await self.session_result(handle, seconds)
+        result.tokens = [token for chunk in [c async for c in self.client.stream(handle)] for token in chunk.tokens]
+        return result
+
+
+def _post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=_GATEWAY_TIMEOUT_S) as response:  # noqa: S310 - loopback
+        answer = json.loads(response.read())
+    if not isinstance(answer, dict) or "id" not in answer:
+        raise RuntimeError(f"the gateway at {url} answered without a completion id")
+    return answer

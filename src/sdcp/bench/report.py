@@ -15,12 +15,18 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 import numpy as np  # noqa: E402
 
 from sdcp.bench.runner import EXACT_SYSTEMS, BenchData, Measurement  # noqa: E402
+from sdcp.bench.workloads import CORE_WORKLOADS  # noqa: E402
 
 __all__ = ["GOALS", "summarise", "write_report"]
 
 E2E = "sdcp_e2e"
-# name: (ratio or metric, comparison, threshold), from issue 7.
+DEFAULT = "sdcp_default"
+# name: (ratio or metric, comparison, threshold), from issues 7 and 14.
 GOALS: dict[str, tuple[str, str, float]] = {
+    "default >= 1.8x transformers greedy on copy/edit prompts": ("default_copyedit_vs_target", ">=", 1.8),
+    "default >= 1.3x transformers greedy on open prompts": ("default_open_vs_target", ">=", 1.3),
+    "default >= 1.0x transformers greedy on every workload": ("default_min_vs_target", ">=", 1.0),
+    "default within 10% of the n-gram-only cluster on every workload": ("default_min_vs_ngram_only", ">=", 0.9),
     "repetitive >= 3.0x target-only": ("repetitive_vs_target", ">=", 3.0),
     "repetitive >= 1.0x transformers prompt lookup": ("repetitive_vs_hf_prompt_lookup", ">=", 1.0),
     "non-repetitive >= 0.95x target-only": ("nonrepetitive_vs_target", ">=", 0.95),
@@ -30,9 +36,10 @@ GOALS: dict[str, tuple[str, str, float]] = {
 }
 
 
-def _rate(measurements: list[Measurement]) -> float:
+def _rate(measurements: list[Measurement]) -> float | None:
+    """Tokens per second over the runs; None when the system did not run them."""
     seconds = sum(m.result.seconds for m in measurements)
-    return sum(len(m.result.tokens) for m in measurements) / seconds if seconds > 0 else 0.0
+    return sum(len(m.result.tokens) for m in measurements) / seconds if seconds > 0 else None
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -68,19 +75,23 @@ def _identical(data: BenchData) -> tuple[bool, list[dict[str, Any]]]:
 def summarise(data: BenchData) -> dict[str, Any]:
     repeats = sorted({m.repeat for m in data.measurements})
     workloads = [w.name for w in data.workloads]
-    rates: dict[str, dict[str, list[float]]] = {s: {w: [] for w in [*workloads, "all"]} for s in data.systems}
+    # "all" is the protocol workloads, which every system runs; the chat workloads stand alone.
+    rates: dict[str, dict[str, list[float | None]]] = {s: {w: [] for w in [*workloads, "all"]} for s in data.systems}
     for system in data.systems:
         for repeat in repeats:
             runs = [m for m in data.measurements if m.system == system and m.repeat == repeat]
             for workload in workloads:
                 rates[system][workload].append(_rate([m for m in runs if m.workload == workload]))
-            rates[system]["all"].append(_rate(runs))
+            rates[system]["all"].append(_rate([m for m in runs if m.workload in CORE_WORKLOADS]))
 
     def ratio(workload: str, num: str, den: str) -> float | None:
         if num not in rates or den not in rates:
             return None
-        values = [a / b for a, b in zip(rates[num][workload], rates[den][workload], strict=True) if b > 0]
+        values = [a / b for a, b in zip(rates[num][workload], rates[den][workload], strict=True) if a and b]
         return _median(values)
+
+    default_vs_target = {w: ratio(w, DEFAULT, "hf_target") for w in workloads}
+    default_vs_ngram_only = {w: ratio(w, DEFAULT, E2E) for w in workloads}
 
     ratios: dict[str, float | None] = {
         "repetitive_vs_target": ratio("repetitive", E2E, "hf_target"),
@@ -98,6 +109,10 @@ def summarise(data: BenchData) -> dict[str, Any]:
     }
     if "sdcp_e2e_redis" in data.systems:
         ratios["e2e_redis_vs_e2e"] = ratio("all", "sdcp_e2e_redis", E2E)
+    ratios["default_copyedit_vs_target"] = default_vs_target.get("copyedit")
+    ratios["default_open_vs_target"] = default_vs_target.get("open")
+    ratios["default_min_vs_target"] = _lowest(default_vs_target)
+    ratios["default_min_vs_ngram_only"] = _lowest(default_vs_ngram_only)
     concurrency = []
     single = next((level for level in data.concurrency if level.sessions == 1), None)
     for level in data.concurrency:
@@ -141,6 +156,10 @@ def summarise(data: BenchData) -> dict[str, Any]:
         "overhead_inprocess_ms_p50": _percentile(inprocess_overhead, 50),
         "overhead_inprocess_ms_p99": _percentile(inprocess_overhead, 99),
         "concurrency": concurrency,
+        "default_vs_target": default_vs_target,
+        "default_vs_ngram_only": default_vs_ngram_only,
+        "default_per_prompt": _per_prompt(data, DEFAULT),
+        "noisy_neighbour": data.neighbour,
         "identical_outputs": identical,
         "mismatches": mismatches,
     }
@@ -148,16 +167,48 @@ def summarise(data: BenchData) -> dict[str, Any]:
     return summary
 
 
-def _system_workload(runs: list[Measurement], rates: list[float]) -> dict[str, Any]:
+def _lowest(ratios: dict[str, float | None]) -> float | None:
+    """The lowest ratio, or None when any workload has none (a goal over every workload)."""
+    values = list(ratios.values())
+    return None if not values or any(v is None for v in values) else min(v for v in values if v is not None)
+
+
+def _per_prompt(data: BenchData, system: str) -> list[dict[str, Any]]:
+    """Per prompt of ``system``: who drafted (over every repeat, in order), acceptance, speed."""
+    rows = []
+    for workload in data.workloads:
+        for index in range(len(workload.prompts)):
+            runs = [m for m in data.measurements if m.system == system and m.workload == workload.name
+                    and m.prompt == index]
+            if not runs:
+                continue
+            served = list(dict.fromkeys(who for m in runs for who in m.result.served))
+            accepted = sum(m.result.accepted for m in runs)
+            proposed = sum(m.result.proposed for m in runs)
+            rounds = sum(m.result.rounds for m in runs)
+            self_decoded = sum(m.result.self_decoded for m in runs)
+            rows.append({
+                "workload": workload.name,
+                "prompt": index,
+                "served": served,
+                "acceptance": round(accepted / proposed, 3) if proposed else None,
+                "self_decoded_share": round(self_decoded / (rounds + self_decoded), 3) if rounds + self_decoded else None,
+                "tokens_per_s": _median([m.result.tokens_per_s for m in runs]),
+            })
+    return rows
+
+
+def _system_workload(runs: list[Measurement], rates: list[float | None]) -> dict[str, Any]:
     tokens = sum(len(m.result.tokens) for m in runs)
     rounds = sum(m.result.rounds for m in runs)
     passes = rounds + sum(m.result.self_decoded for m in runs)
     accepted = sum(m.result.accepted for m in runs)
     by_position_accepted = _sum_lists([m.result.accepted_by_position for m in runs])
     by_position_proposed = _sum_lists([m.result.proposed_by_position for m in runs])
+    measured = [rate for rate in rates if rate is not None]
     entry: dict[str, Any] = {
-        "tokens_per_s": _median(rates),
-        "tokens_per_s_by_repeat": [round(rate, 3) for rate in rates],
+        "tokens_per_s": _median(measured),
+        "tokens_per_s_by_repeat": [round(rate, 3) for rate in measured],
         "tokens": tokens,
     }
     if passes:
@@ -225,6 +276,18 @@ def markdown(summary: dict[str, Any]) -> str:
     for level in summary["concurrency"]:
         lines.append(f"| {level['sessions']} | {level['tokens_per_s']} | {level['itl_ms_p50']} | "
                      f"{level['itl_ms_p99']} | {level['verifier_batch_mean']} |")
+    lines += ["", "| workload | default vs transformers greedy | default vs n-gram-only cluster |", "|---|---|---|"]
+    lines += [f"| {w} | {summary['default_vs_target'][w]} | {summary['default_vs_ngram_only'][w]} |"
+              for w in summary["default_vs_target"]]
+    neighbour = summary.get("noisy_neighbour") or {}
+    if neighbour:
+        lines += ["", f"Noisy neighbour (default cluster, open prompts): {neighbour['idle_tokens_per_s']} tok/s alone, "
+                  f"{neighbour['busy_tokens_per_s']} tok/s with one core kept busy ({neighbour['busy_vs_idle']}x)."]
+    lines += ["", "Default cluster (`sdcp_default`), per prompt over every repeat:", "",
+              "| workload | prompt | served by | acceptance | self-decoded share | tok/s (median) |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {row['workload']} | {row['prompt']} | {', '.join(row['served']) or '-'} | {row['acceptance']} | "
+              f"{row['self_decoded_share']} | {row['tokens_per_s']} |" for row in summary["default_per_prompt"]]
     lines += ["", f"Outputs of target-only, SDCP in-process and SDCP end to end identical token for token: "
               f"**{summary['identical_outputs']}**", "", "| goal | value | target | met |", "|---|---|---|---|"]
     for name, goal in summary["goals"].items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sdcp.bench.cluster import ClusterSystem
+from sdcp.bench.cluster import ClusterSystem, GatewaySystem
 from sdcp.bench.systems import (
     HFAssistedSystem,
     HFPromptLookupSystem,
@@ -26,15 +27,29 @@ from sdcp.bench.systems import (
     RunResult,
     TargetOnlySDCPSystem,
 )
-from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError, Workload, load_workloads, tokenize_prompt
+from sdcp.bench.workloads import (
+    CHAT_WORKLOADS,
+    DEFAULT_PROMPTS_DIR,
+    BenchInputError,
+    Prompt,
+    Workload,
+    load_workloads,
+    tokenize_prompt,
+)
 from sdcp.cache.redis_process import local_redis_server, redis_server_available
 from sdcp.models.registry import TINY_DRAFT_NAME, TINY_NAME, end_of_text_tokens, load_model
 from sdcp.models.target import TargetModel
 
 __all__ = ["BenchConfig", "Measurement", "run_bench"]
 
+# Time for the model threads to notice a neighbour before the busy measurement starts.
+_NEIGHBOUR_SETTLE_S = 2.0
+
 # Systems whose outputs must equal target-only greedy decoding token for token.
-EXACT_SYSTEMS = ("hf_target", "sdcp_target_only", "sdcp_inprocess", "sdcp_e2e", "sdcp_e2e_redis")
+EXACT_SYSTEMS = ("hf_target", "sdcp_target_only", "sdcp_inprocess", "sdcp_e2e", "sdcp_e2e_redis", "sdcp_default")
+# The systems that run the chat workloads: what a user compares (plain and prompt-lookup decoding
+# in transformers, the default cluster) and the n-gram-only cluster the default is held against.
+CHAT_SYSTEMS = ("hf_target", "hf_prompt_lookup", "sdcp_e2e", "sdcp_default")
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,9 @@ class BenchData:
     concurrency: list[ConcurrencyLevel]
     systems: list[str]
     seconds: float
+    # The default cluster's tokens per second on the open prompts without and with one core kept
+    # busy by an unrelated process (docs/deploy.md, "Threads and cores").
+    neighbour: dict[str, float] = field(default_factory=dict)
 
 
 def _log(message: str) -> None:
@@ -118,9 +136,11 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
         in_process.append(HFAssistedSystem(loaded.model, stop, load_model(TINY_DRAFT_NAME).model))
     in_process.append(TargetOnlySDCPSystem(target, stop))
     in_process.append(InProcessSDCPSystem(target, stop))
-    prompts = {w.name: [tokenize_prompt(tokenizer, p) for p in w.prompts] for w in workloads}
+    prompts = {w.name: [Prompt(p, tuple(tokenize_prompt(tokenizer, p))) for p in w.prompts] for w in workloads}
     with ExitStack() as stack:
-        clusters = [ClusterSystem(config.out / "sdcp-home", config.model)]
+        clusters = [ClusterSystem(config.out / "sdcp-home", config.model),
+                    GatewaySystem(config.out / "sdcp-home-default", config.model,
+                                  chat=bool(getattr(tokenizer, "chat_template", None)))]
         if config.redis and redis_server_available():
             redis_url = stack.enter_context(local_redis_server(config.out / "redis"))
             clusters.append(ClusterSystem(config.out / "sdcp-home-redis", config.model, redis_url=redis_url,
@@ -129,27 +149,27 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
             for cluster in clusters:
                 log(f"starting the local cluster {cluster.name}")
                 cluster.start()
-            measurements, levels = asyncio.run(_measure(config, in_process, clusters, prompts, stop, log))
+            measurements, levels, neighbour = asyncio.run(_measure(config, in_process, clusters, prompts, stop, log))
         finally:
             for cluster in clusters:
                 cluster.stop()
     systems = [system.name for system in in_process] + [cluster.name for cluster in clusters]
-    return BenchData(config, workloads, measurements, levels, systems, time.perf_counter() - started)
+    return BenchData(config, workloads, measurements, levels, systems, time.perf_counter() - started, neighbour)
 
 
 async def _measure(
     config: BenchConfig,
     in_process: list[Any],
     clusters: list[ClusterSystem],
-    prompts: dict[str, list[list[int]]],
+    prompts: dict[str, list[Prompt]],
     stop: list[int],
     log: Callable[[str], None],
-) -> tuple[list[Measurement], list[ConcurrencyLevel]]:
+) -> tuple[list[Measurement], list[ConcurrencyLevel], dict[str, float]]:
     max_new = config.effective_max_new
     for cluster in clusters:
         await cluster.connect()
     try:
-        runners: list[tuple[str, Callable[[list[int], int], Any]]] = []
+        runners: list[tuple[str, Callable[[Prompt, int], Any]]] = []
         for system in in_process:
             runners.append((system.name, _on_this_thread(system.generate)))
         for cluster in clusters:
@@ -164,28 +184,32 @@ async def _measure(
             for workload, workload_prompts in prompts.items():
                 for index, prompt in enumerate(workload_prompts):
                     for name, run in order:
+                        if workload in CHAT_WORKLOADS and name not in CHAT_SYSTEMS:
+                            continue
                         result = await run(prompt, max_new)
                         measurements.append(Measurement(name, workload, index, repeat, result))
                         log(f"repeat {repeat + 1} {workload}[{index}] {name}: {len(result.tokens)} tokens, "
                             f"{result.tokens_per_s:.1f} tok/s")
         levels = await _concurrency_sweep(config, clusters[0], prompts, stop, log)
-        return measurements, levels
+        default = next(cluster for cluster in clusters if isinstance(cluster, GatewaySystem))
+        neighbour = await _noisy_neighbour(config, default, prompts["open"], stop, log)
+        return measurements, levels, neighbour
     finally:
         for cluster in clusters:
             await cluster.aclose()
 
 
-def _on_this_thread(generate: Callable[[list[int], int], RunResult]) -> Callable[[list[int], int], Any]:
+def _on_this_thread(generate: Callable[[list[int], int], RunResult]) -> Callable[[Prompt, int], Any]:
     # Blocking the loop is intended: nothing else runs meanwhile, and the model then runs on the
     # thread that loaded it, as in a plain transformers script.
-    async def run(prompt: list[int], max_new: int) -> RunResult:
-        return generate(prompt, max_new)
+    async def run(prompt: Prompt, max_new: int) -> RunResult:
+        return generate(list(prompt.tokens), max_new)
 
     return run
 
 
-def _bound(cluster: ClusterSystem, stop: list[int]) -> Callable[[list[int], int], Any]:
-    async def run(prompt: list[int], max_new: int) -> RunResult:
+def _bound(cluster: ClusterSystem, stop: list[int]) -> Callable[[Prompt, int], Any]:
+    async def run(prompt: Prompt, max_new: int) -> RunResult:
         return await cluster.generate(prompt, max_new, stop)
 
     return run
@@ -194,7 +218,7 @@ def _bound(cluster: ClusterSystem, stop: list[int]) -> Callable[[list[int], int]
 async def _concurrency_sweep(
     config: BenchConfig,
     cluster: ClusterSystem,
-    prompts: dict[str, list[list[int]]],
+    prompts: dict[str, list[Prompt]],
     stop: list[int],
     log: Callable[[str], None],
 ) -> list[ConcurrencyLevel]:
@@ -225,3 +249,28 @@ async def _concurrency_sweep(
         log(f"concurrency {sessions}: {level.tokens / seconds:.1f} tok/s aggregate, "
             f"mean batch {statistics.fmean(level.batch_sizes) if level.batch_sizes else 0:.1f}")
     return levels
+
+
+async def _noisy_neighbour(
+    config: BenchConfig, cluster: ClusterSystem, pool: list[Prompt], stop: list[int], log: Callable[[str], None]
+) -> dict[str, float]:
+    """The default cluster on the open prompts, then the same with an unrelated process keeping one
+    core busy: the cluster should lose about that core, not most of its speed."""
+    max_new = config.effective_max_new
+
+    async def rate() -> float:
+        results = [await cluster.generate(prompt, max_new, stop) for prompt in pool]
+        seconds = sum(r.seconds for r in results)
+        return sum(len(r.tokens) for r in results) / seconds if seconds > 0 else 0.0
+
+    idle = await rate()
+    busy_loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        await asyncio.sleep(_NEIGHBOUR_SETTLE_S)  # the governors notice the neighbour within a second
+        busy = await rate()
+    finally:
+        busy_loop.kill()
+        busy_loop.wait()
+    log(f"noisy neighbour: {idle:.1f} tok/s alone, {busy:.1f} tok/s with one core busy")
+    return {"idle_tokens_per_s": round(idle, 2), "busy_tokens_per_s": round(busy, 2),
+            "busy_vs_idle": round(busy / idle, 3) if idle > 0 else 0.0}

@@ -58,6 +58,8 @@ class RunResult:
     # Per token after the first: time since the previous token arrived (ms).
     inter_token_ms: list[float] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
+    # Who drafted for the session, in order (cluster systems): instance names, or "self-decoding".
+    served: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:

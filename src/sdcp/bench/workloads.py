@@ -11,9 +11,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PROMPTS_DIR", "WORKLOADS", "BenchInputError", "Workload", "load_workloads", "tokenize_prompt"]
+__all__ = [
+    "CHAT_WORKLOADS",
+    "CORE_WORKLOADS",
+    "DEFAULT_PROMPTS_DIR",
+    "WORKLOADS",
+    "BenchInputError",
+    "Prompt",
+    "Workload",
+    "load_workloads",
+    "tokenize_prompt",
+]
 
-WORKLOADS = ("repetitive", "nonrepetitive", "mixed")
+# The protocol workloads every system runs, and the chat tasks a user of the gateway sends
+# (copy/edit tasks and open questions), which the systems a user compares run (runner.CHAT_SYSTEMS).
+CORE_WORKLOADS = ("repetitive", "nonrepetitive", "mixed")
+CHAT_WORKLOADS = ("copyedit", "open")
+WORKLOADS = (*CORE_WORKLOADS, *CHAT_WORKLOADS)
 DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "prompts"
 _SEPARATOR = "---"
 
@@ -26,6 +40,14 @@ class BenchInputError(ValueError):
 class Workload:
     name: str
     prompts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as a user writes it (the gateway takes the text) and as the model sees it."""
+
+    text: str
+    tokens: tuple[int, ...]
 
 
 def parse_prompts(text: str) -> tuple[str, ...]:
@@ -43,7 +65,7 @@ def parse_prompts(text: str) -> tuple[str, ...]:
 
 
 def load_workloads(directory: Path = DEFAULT_PROMPTS_DIR, *, per_workload: int | None = None) -> list[Workload]:
-    """The three workloads, each limited to its first ``per_workload`` prompts when given."""
+    """The workloads of ``WORKLOADS``, each limited to its first ``per_workload`` prompts when given."""
     if per_workload is not None and per_workload < 1:
         raise BenchInputError(f"per_workload must be at least 1, got {per_workload}")
     workloads = []

@@ -29,6 +29,7 @@ import numpy as np
 from sdcp.futures import Outcome, settle_soon
 from sdcp.models.errors import ModelError
 from sdcp.models.target import SessionId, TargetModel
+from sdcp.threads import CoreGovernor
 
 _T = TypeVar("_T")
 _STOP = object()
@@ -105,6 +106,7 @@ class BatchingScorer:
         max_batch: int = 16,
         active_sessions: Callable[[], int] | None = None,
         window_share: float = 0.3,
+        cores: CoreGovernor | None = None,
     ) -> None:
         if window_s < 0 or max_batch < 1 or not 0 <= window_share < 1:
             raise ValueError(
@@ -122,6 +124,8 @@ class BatchingScorer:
         # wait for, so a lone session never pays the window.
         self.active_sessions = active_sessions
         self.batches_run = 0
+        # Sizes the worker thread's OpenMP team to the free cores before each piece of work.
+        self.cores = cores
         # Written before a request's future completes, so its caller reads its own pass.
         self.last_pass: dict[SessionId, PassInfo] = {}
         self._inbox: queue.Queue[object] = queue.Queue()
@@ -188,6 +192,8 @@ class BatchingScorer:
                 item = self._inbox.get()
                 if item is _STOP:
                     break
+                if self.cores is not None:
+                    self.cores.apply()
                 if isinstance(item, _Call):
                     item.run()
                     continue

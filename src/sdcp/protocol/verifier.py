@@ -269,6 +269,9 @@ class VerifierSession:
             # The round in flight carries the speculation state it started from; an assignment now
             # would be overwritten when it commits. The router tries again.
             raise ProtocolError(ProblemType.STALE_BASE, "a round is being committed", state=self.state())
+        if self.control.self_decoding:
+            # The period ends with an event that asks for a drafter (SDCP 6.5.2); state 3 says so.
+            raise ProtocolError(ProblemType.STALE_BASE, "the verifier decodes the session itself", state=self.state())
         self.drafter = assignment.drafter
         self.control.assign_drafter(assignment.m_init)
 

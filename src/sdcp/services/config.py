@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from sdcp.threads import usable_cores
+
 __all__ = [
     "ConfigError",
     "DrafterConfig",
@@ -40,6 +42,7 @@ __all__ = [
     "ServiceConfig",
     "VerifierConfig",
     "load_config",
+    "thread_budget",
 ]
 
 
@@ -56,6 +59,9 @@ class InstanceConfig:
     listen: str | None = None
     router: str | None = None
     ttl_ms: int = 3000
+    # Threads for the instance's model work (docs/deploy.md, "Threads and cores"); 0: every usable
+    # core for the roles that run a model (the verifier, model drafters), one for the others.
+    threads: int = 0
 
     @property
     def host(self) -> str:
@@ -103,12 +109,20 @@ class VerifierConfig:
     idle_timeout_s: float = 900.0
 
 
+NGRAM_DRAFTER = "ngram"
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
-    model: str = "ngram"
+    model: str = NGRAM_DRAFTER
     # The target whose vocabulary the drafter's rows must match (SDCP 5.2 q_rows).
     target: str = "smollm2"
     lease_s: float = 30.0
+
+    @property
+    def runs_model(self) -> bool:
+        """Every drafter but prompt lookup runs a model (sdcp.models.registry.load_drafter)."""
+        return self.model != NGRAM_DRAFTER
 
 
 @dataclass(frozen=True)
@@ -182,6 +196,15 @@ def _section(cls: type[_Section], table: object, name: str, base: Path) -> _Sect
             if key not in values and f.default is MISSING and f.default_factory is MISSING
         ]
         raise ConfigError(f"[{name}] lacks {', '.join(missing) or 'required keys'}") from exc
+
+
+def thread_budget(config: ServiceConfig, role: str) -> int:
+    """The instance's ``threads``, or its default: every usable core for a role that runs a
+    model, one for a role that runs none (it then starts no thread pool of its own)."""
+    if config.instance.threads:
+        return config.instance.threads
+    runs_model = role == "verifier" or (role == "drafter" and config.drafter.runs_model)
+    return usable_cores() if runs_model else 1
 
 
 def load_config(path: Path | str) -> ServiceConfig:

@@ -49,8 +49,9 @@ from sdcp.protocol.messages import (
 from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.records import decode_token_list
 from sdcp.protocol.rules import get_rule
-from sdcp.services.config import ServiceConfig
+from sdcp.services.config import ServiceConfig, thread_budget
 from sdcp.services.node import Node
+from sdcp.threads import CoreGovernor
 from sdcp.transport.asgi import read_cbor_body, require_peer
 from sdcp.transport.errors import ConnectionLost, PeerServerError, PeerTimeout
 
@@ -125,9 +126,13 @@ class ModelWorker:
     of the recent past the thread spent busy (load).
     """
 
-    def __init__(self, name: str, window_s: float = 10.0, *, inline: bool = False) -> None:
+    def __init__(
+        self, name: str, window_s: float = 10.0, *, inline: bool = False, cores: CoreGovernor | None = None
+    ) -> None:
         # Inline: calls run at once on the caller's thread (for drafters that hold no model).
         self._inline = inline
+        # Sizes the worker thread's OpenMP team to the free cores before each call.
+        self._cores = None if inline else cores
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._window_s = window_s
         self._lock = threading.Lock()
@@ -161,6 +166,8 @@ class ModelWorker:
                 self._waiting -= 1
 
     def _timed(self, function: Callable[..., _T], *args: object) -> _T:
+        if self._cores is not None:
+            self._cores.apply()
         started = time.monotonic()
         with self._lock:
             self._waiting -= 1
@@ -242,7 +249,10 @@ class DrafterNode(Node):
         )
         self.routers = frozenset(r for r in (config.instance.router,) if r is not None)
         self.runs: dict[bytes, _SessionRun] = {}
-        self._worker = ModelWorker(f"drafter-{self.drafter.name}", inline=self.drafter.runs_inline)
+        self._worker = ModelWorker(
+            f"drafter-{self.drafter.name}", inline=self.drafter.runs_inline,
+            cores=CoreGovernor(thread_budget(config, "drafter")),
+        )
         self._round_trip = _RoundTrip()
         # Acceptance across every session this instance drafted: the alpha of its status reports.
         self._acceptance = AcceptanceEstimate()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -131,7 +130,6 @@ class GatewayNode:
             parsed = self._parse(body, chat=chat)
         except (OpenAIRequestError, ValueError) as exc:
             return _error(400, "invalid_request_error", str(exc))
-        completion_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         try:
             target = await self._target_digests()
             contract = build_contract(
@@ -141,6 +139,8 @@ class GatewayNode:
             handle = await self.client.open(parsed.prompt_ids, contract)
         except (ProtocolError, TransportError) as exc:
             return _error(503, "server_error", f"the SDCP cluster did not open a session: {exc}")
+        # The id names the SDCP session, so that an operator can follow a request into the cluster.
+        completion_id = ("chatcmpl-" if chat else "cmpl-") + handle.session.hex()
         pieces = self._texts(handle, parsed)
         if parsed.stream:
             return StreamingResponse(

@@ -381,6 +381,12 @@ class RouterNode(Node):
                 log.warning("%s: drafter %s took no assignment: %s", self.uri, choice.drafter, exc)
                 unreachable.append(choice.drafter)
                 continue
+            except ProtocolError as exc:
+                if exc.state is None or exc.state.state != Action.SELF_DECODE:
+                    raise
+                # The verifier is in a self-decoding period of its ladder; its event ends it.
+                tracked.self_decoding = True
+                return
             tracked.exploring = choice.drafter if choice.exploring else None
             CHOICES.labels(self.uri, "explore" if choice.exploring else "drafter").inc()
             return

@@ -44,8 +44,9 @@ from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, Protoco
 from sdcp.protocol.records import decode_token_list
 from sdcp.protocol.rules import parse_q_rows
 from sdcp.protocol.verifier import PendingCommit, Replay, RoundTicket, VerifierSession, Wait
-from sdcp.services.config import ServiceConfig
+from sdcp.services.config import ServiceConfig, thread_budget
 from sdcp.services.node import Node
+from sdcp.threads import CoreGovernor
 from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
 from sdcp.transport.errors import NotFound, ServiceUnavailable
 from sdcp.transport.peer import peer_uri
@@ -169,6 +170,7 @@ class VerifierNode(Node):
             window_s=settings.batch_window_ms / 1000,
             max_batch=settings.max_batch,
             active_sessions=self._active_sessions,
+            cores=CoreGovernor(thread_budget(config, "verifier")),
         )
         self.sessions: dict[bytes, _LiveSession] = {}
         self.routers = frozenset(r for r in (config.instance.router,) if r is not None)

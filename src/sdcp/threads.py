@@ -1,0 +1,122 @@
+"""How many cores a process's model work may use: a budget per role, shrunk while other processes
+keep cores busy (docs/deploy.md, "Threads and cores").
+
+On CPU, torch runs each operator on an OpenMP team of threads that wait for each other at its end.
+When the team has more threads than there are free cores, every operator waits for a thread that
+the scheduler has parked behind another process: a one-token pass of SmolLM2 on two cores took
+4.5 times as long with one core kept busy by an unrelated process, against 1.4 times with a team
+of one. So a budget alone is not enough: ``CoreGovernor`` measures, on the thread that runs the
+model, how many cores the rest of the machine keeps busy and sizes the team to the cores left.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+__all__ = ["CoreGovernor", "CoreMeter", "limit_native_threads", "usable_cores"]
+
+log = logging.getLogger("sdcp.threads")
+
+# libgomp's threads spin this many times at the end of an operator before they sleep (its default
+# is 300000): long enough to catch the next operator of a pass, short enough that a team idle
+# between passes leaves its cores to the other processes of the host.
+SPIN_COUNT = "10000"
+_MEASURE_EVERY_S = 1.0
+# The weight of the newest measurement of the other processes' load.
+_WEIGHT = 0.5
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def limit_native_threads(threads: int) -> None:
+    """Size the OpenMP and MKL thread pools before torch is imported (they read these once)."""
+    if threads < 1:
+        raise ValueError(f"a thread budget is at least 1, got {threads}")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["MKL_NUM_THREADS"] = str(threads)
+    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+
+
+class CoreMeter:
+    """How many cores processes other than this one keep busy, from ``/proc/stat`` and this
+    process's own CPU time (Linux); None where those cannot be read."""
+
+    def __init__(self, proc: Path = Path("/proc")) -> None:
+        self._proc = proc
+        self._ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._last = self._sample()
+
+    def others_busy(self) -> float | None:
+        """Cores the other processes kept busy since the previous call, on average."""
+        sample = self._sample()
+        previous, self._last = self._last, sample
+        if sample is None or previous is None:
+            return None
+        wall = sample[0] - previous[0]
+        if wall <= 0:
+            return None
+        others = (sample[1] - previous[1]) - (sample[2] - previous[2])
+        return max(0.0, others / self._ticks_per_s / wall)
+
+    def _sample(self) -> tuple[float, int, int] | None:
+        try:
+            fields = (self._proc / "stat").read_text(encoding="ascii").split("\n", 1)[0].split()
+            # user nice system idle iowait irq softirq steal: busy is all but idle and iowait.
+            values = [int(v) for v in fields[1:9]]
+            busy = sum(values) - values[3] - values[4]
+            own_fields = (self._proc / "self" / "stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()
+            # After the command name: state is field 3, utime and stime fields 14 and 15.
+            own = int(own_fields[11]) + int(own_fields[12])
+        except (OSError, ValueError, IndexError):
+            return None
+        return time.monotonic(), busy, own
+
+
+class CoreGovernor:
+    """The OpenMP team size of the thread that calls ``apply``: the budget, less the cores other
+    processes keep busy (a core counts as free when at least half of it is)."""
+
+    def __init__(self, budget: int, *, cores: int | None = None, meter: CoreMeter | None = None) -> None:
+        if budget < 1:
+            raise ValueError(f"a thread budget is at least 1, got {budget}")
+        self.budget = budget
+        self.cores = cores if cores is not None else usable_cores()
+        self._meter = meter if meter is not None else CoreMeter()
+        self._others = 0.0
+        self._next_check = 0.0
+        self.threads = budget
+        self._applied: int | None = None
+
+    def team_size(self, others_busy: float) -> int:
+        free = self.cores - others_busy
+        return max(1, min(self.budget, math.floor(free + 0.5)))
+
+    def apply(self) -> int:
+        """Re-measure at most once a second; set the calling thread's team size; return it."""
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + _MEASURE_EVERY_S
+            others = self._meter.others_busy()
+            if others is not None:
+                self._others += _WEIGHT * (others - self._others)
+                self.threads = self.team_size(self._others)
+        if self.threads != self._applied:
+            import torch  # only the roles that run a model get here
+
+            # OpenMP's team size is a setting of the calling thread: the model's own thread.
+            torch.set_num_threads(self.threads)
+            if self._applied is not None:
+                log.info("model threads %d -> %d (other processes busy on %.1f cores)",
+                         self._applied, self.threads, self._others)
+            self._applied = self.threads
+        return self.threads
