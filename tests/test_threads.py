@@ -54,7 +54,7 @@ def test_the_meter_says_nothing_without_proc(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("others", "threads"), [(0.0, 4), (0.4, 4), (0.6, 3), (1.0, 3), (2.2, 2), (3.9, 1), (9.0, 1)]
+    ("others", "threads"), [(0.0, 4), (0.5, 4), (0.7, 4), (0.8, 3), (1.0, 3), (2.2, 2), (3.9, 1), (9.0, 1)]
 )
 def test_the_team_is_the_budget_less_the_cores_others_keep_busy(others: float, threads: int) -> None:
     assert CoreGovernor(4, cores=4, meter=FixedMeter(None)).team_size(others) == threads
@@ -64,18 +64,62 @@ def test_the_team_never_exceeds_the_budget() -> None:
     assert CoreGovernor(2, cores=8, meter=FixedMeter(None)).team_size(0.0) == 2
 
 
-def test_apply_sizes_the_calling_threads_team() -> None:
+class ScriptedMeter(CoreMeter):
+    def __init__(self, readings: list[float]) -> None:
+        self.readings = readings
+        self.calls = 0
+
+    def others_busy(self) -> float | None:
+        self.calls += 1
+        return self.readings.pop(0)
+
+
+def test_windows_in_which_the_model_idled_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]
+    monkeypatch.setattr("sdcp.threads.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    meter = ScriptedMeter([2.0, 0.2, 2.0])
+    governor = CoreGovernor(2, cores=2, meter=meter)
+    assert governor.apply() == 2  # the first work after an idle start opens a window
+    now[0] = 0.5
+    governor.apply()
+    now[0] = 1.1
+    assert governor.apply() == 2  # others busy on 0.2 cores while the model worked
+    now[0] = 5.0  # idle for 3.9 s: whatever ran meanwhile did not compete with the model
+    assert governor.apply() == 2 and meter.calls == 3
+
+
+def test_a_neighbour_that_keeps_a_core_busy_while_the_model_works_shrinks_the_team(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [0.0]
+    monkeypatch.setattr("sdcp.threads.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    governor = CoreGovernor(2, cores=2, meter=ScriptedMeter([0.0, 1.0, 1.0, 1.0, 0.1, 0.1, 0.1]))
+    sizes = []
+    for step in range(1, 14):
+        now[0] = step * 0.5
+        sizes.append(governor.apply())
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2
+
+
+def test_apply_sizes_the_calling_threads_team(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int] = []
+    now = [0.0]
+    monkeypatch.setattr("sdcp.threads.time.monotonic", lambda: now[0])
 
     def model_thread() -> None:
         governor = CoreGovernor(2, cores=2, meter=FixedMeter(1.5))
+        governor.apply()
+        seen.append(torch.get_num_threads())
+        now[0] = 1.0
         governor.apply()
         seen.append(torch.get_num_threads())
 
     worker = threading.Thread(target=model_thread)
     worker.start()
     worker.join()
-    assert seen == [1]
+    assert seen == [2, 1]
 
 
 def test_roles_without_a_model_get_one_thread(tmp_path: Path) -> None:

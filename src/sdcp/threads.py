@@ -28,6 +28,13 @@ SPIN_COUNT = "10000"
 _MEASURE_EVERY_S = 1.0
 # The weight of the newest measurement of the other processes' load.
 _WEIGHT = 0.5
+# A thread beyond the first is kept while the other processes keep at most this many cores busy:
+# what they do between two passes of a busy model (requests, answers) does not compete with the
+# team, so a core half used by them is still worth a thread; a process that never sleeps takes one.
+_SHARE_TOLERATED = 0.75
+# A model thread that had no work for this long measured the others while it did not compete
+# with them: that window is dropped.
+_IDLE_GAP_S = 1.0
 
 
 def usable_cores() -> int:
@@ -83,8 +90,9 @@ class CoreMeter:
 
 
 class CoreGovernor:
-    """The OpenMP team size of the thread that calls ``apply``: the budget, less the cores other
-    processes keep busy (a core counts as free when at least half of it is)."""
+    """The OpenMP team size of the thread that calls ``apply`` before each piece of model work: the
+    budget, less the cores other processes keep busy while the model works (a core counts as free
+    unless they keep more than ``_SHARE_TOLERATED`` of it busy)."""
 
     def __init__(self, budget: int, *, cores: int | None = None, meter: CoreMeter | None = None) -> None:
         if budget < 1:
@@ -92,23 +100,28 @@ class CoreGovernor:
         self.budget = budget
         self.cores = cores if cores is not None else usable_cores()
         self._meter = meter if meter is not None else CoreMeter()
-        self._others = 0.0
+        self._others: float | None = None
         self._next_check = 0.0
+        self._last_work = -math.inf
         self.threads = budget
         self._applied: int | None = None
 
     def team_size(self, others_busy: float) -> int:
-        free = self.cores - others_busy
-        return max(1, min(self.budget, math.floor(free + 0.5)))
+        return max(1, min(self.budget, math.floor(self.cores - others_busy + _SHARE_TOLERATED)))
 
     def apply(self) -> int:
         """Re-measure at most once a second; set the calling thread's team size; return it."""
         now = time.monotonic()
-        if now >= self._next_check:
+        idle = now - self._last_work > _IDLE_GAP_S
+        self._last_work = now
+        if idle:
+            self._meter.others_busy()  # starts a new window
+            self._next_check = now + _MEASURE_EVERY_S
+        elif now >= self._next_check:
             self._next_check = now + _MEASURE_EVERY_S
             others = self._meter.others_busy()
             if others is not None:
-                self._others += _WEIGHT * (others - self._others)
+                self._others = others if self._others is None else self._others + _WEIGHT * (others - self._others)
                 self.threads = self.team_size(self._others)
         if self.threads != self._applied:
             import torch  # only the roles that run a model get here
@@ -117,6 +130,6 @@ class CoreGovernor:
             torch.set_num_threads(self.threads)
             if self._applied is not None:
                 log.info("model threads %d -> %d (other processes busy on %.1f cores)",
-                         self._applied, self.threads, self._others)
+                         self._applied, self.threads, self._others or 0.0)
             self._applied = self.threads
         return self.threads

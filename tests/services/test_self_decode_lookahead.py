@@ -30,7 +30,7 @@ from sdcp.protocol.messages import (
     session_path_id,
 )
 from sdcp.services.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
-from sdcp.services.verifier import VerifierNode, lookahead_length
+from sdcp.services.verifier import PassCosts, VerifierNode, lookahead_length
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
 from tests.services.outputs import output_tokens, read_output
@@ -190,3 +190,15 @@ def test_lookahead_length_weighs_a_guess_against_its_row() -> None:
     assert lookahead_length(1.0, 16, 0) == 0
     lengths = [lookahead_length(0.7, sessions, 8) for sessions in (1, 2, 4, 8, 16)]
     assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+
+
+def test_pass_costs_are_measured_from_passes_of_one_session() -> None:
+    costs = PassCosts(pass_ms=18.0, row_ms=1.5)
+    for _ in range(40):
+        costs.record(0.050, 1, 1)  # a lone one-row pass: 50 ms on this machine
+        costs.record(0.090, 17, 1)  # 16 more rows: 2.5 ms each
+        costs.record(0.500, 1, 16)  # a pass of 16 sessions says nothing of one session's cost
+    assert costs.pass_ms == pytest.approx(50.0, rel=0.02)
+    assert costs.row_ms == pytest.approx(2.5, rel=0.05)
+    # Rows that cost less against the pass make longer guesses pay.
+    assert lookahead_length(0.6, 1, 16, costs) > lookahead_length(0.6, 1, 16, PassCosts())

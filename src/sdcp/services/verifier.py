@@ -51,20 +51,23 @@ from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
 from sdcp.transport.errors import NotFound, ServiceUnavailable
 from sdcp.transport.peer import peer_uri
 
-__all__ = ["VerifierNode"]
+__all__ = ["PassCosts", "VerifierNode", "lookahead_length"]
 
 log = logging.getLogger("sdcp.verifier")
 
 # Self-decoding scores up to this many predicted tokens per pass, when prompt lookup finds a match
 # of at least LOOKAHEAD_MIN_MATCH tokens (a weaker match rarely predicts the next token).
-SELF_DECODE_LOOKAHEAD = 8
+SELF_DECODE_LOOKAHEAD = 16
 LOOKAHEAD_MIN_MATCH = 2
 _LOOKAHEAD_WEIGHT = 0.3
 # The longest wait between two looks for idle sessions.
 _IDLE_CHECK_S = 30.0
-# What a pass of SmolLM2 costs on this project's 2-core CPU (docs/models.md): about 18 ms, 2 ms
-# more per session in it, and 1.5 ms per row scored beyond one per session.
-_PASS_MS, _SESSION_MS, _ROW_MS = 18.0, 2.0, 1.5
+# What a pass of SmolLM2 cost on the 2-core CPU where it was first measured (docs/models.md): about
+# 18 ms, and 1.5 ms per row scored beyond one per session; the start of PassCosts, which measures
+# them on this machine. Each further session in a pass adds about a ninth of a lone pass.
+_PASS_MS, _ROW_MS = 18.0, 1.5
+_SESSION_SHARE = 2.0 / 18.0
+_COST_WEIGHT = 0.2
 # The scratch session with which the verifier times one pass before serving.
 _PROBE_SESSION = b"sdcp-pass-probe!"
 _PROBE_PROMPT_TOKENS = 64
@@ -72,17 +75,38 @@ _PROBE_PROMPT_TOKENS = 64
 _ROUTER_WAIT_S = 5.0
 
 
-def lookahead_length(hit_rate: float, sessions: int, predicted: int) -> int:
+@dataclass
+class PassCosts:
+    """What a pass of one session costs here, and each row it scores beyond the first (ms),
+    measured from the passes that held one session."""
+
+    pass_ms: float = _PASS_MS
+    row_ms: float = _ROW_MS
+
+    def record(self, seconds: float, rows: int, sessions: int) -> None:
+        if sessions != 1 or rows < 1:
+            return
+        elapsed_ms = 1000 * seconds
+        if rows == 1:
+            self.pass_ms += _COST_WEIGHT * (elapsed_ms - self.pass_ms)
+        else:
+            per_row = max(0.0, (elapsed_ms - self.pass_ms) / (rows - 1))
+            self.row_ms += _COST_WEIGHT * (per_row - self.row_ms)
+
+
+def lookahead_length(hit_rate: float, sessions: int, predicted: int, costs: PassCosts | None = None) -> int:
     """How many of ``predicted`` tokens a self-decoding pass scores along with its own row.
 
     The j-th predicted token is used with a chance of about ``hit_rate ** j`` (``hit_rate``: the
     share of predictions whose first token was right), and then saves the session a pass, of which
-    its share is ``pass / sessions``; it costs one row. A lone session scores guesses down to a 7.5 %
-    chance, one among 16 only above 48 %.
+    its share is ``pass / sessions``; it costs one row. With the first measurements (18 ms a pass,
+    1.5 ms a row) a lone session scores guesses down to a 7.5 % chance, one among 16 only above 48 %.
     """
-    share_ms = (_PASS_MS + _SESSION_MS * sessions) / max(1, sessions)
+    costs = costs if costs is not None else PassCosts()
+    sessions = max(1, sessions)
+    share_ms = costs.pass_ms * (1 + _SESSION_SHARE * (sessions - 1)) / sessions
     length = 0
-    while length < predicted and hit_rate ** (length + 1) * share_ms > _ROW_MS:
+    while length < predicted and hit_rate ** (length + 1) * share_ms > costs.row_ms:
         length += 1
     return length
 
@@ -178,6 +202,7 @@ class VerifierNode(Node):
         # Seconds per self-decoded token, for the router's choice between drafters and this
         # verifier alone (status self_us); timed with one pass before serving.
         self.self_decode_time = TokenTimer(initial=_PASS_MS / 1000)
+        self.pass_costs = PassCosts()
 
     # -- status ----------------------------------------------------------------------------------
 
@@ -218,6 +243,7 @@ class VerifierNode(Node):
             started = time.perf_counter()
             self.target.score([(_PROBE_SESSION, ())])
             self.self_decode_time.value = time.perf_counter() - started
+            self.pass_costs.pass_ms = 1000 * self.self_decode_time.value
         finally:
             self.target.close_session(_PROBE_SESSION)
 
@@ -423,15 +449,16 @@ class VerifierNode(Node):
         future, and the pass's time is counted when they do."""
         rows = self.scorer.score_async(live.machine.session, tokens)
         self._scoring += 1
-        rows.add_done_callback(lambda _: self._scored(live))
+        rows.add_done_callback(lambda _: self._scored(live, len(tokens) + 1))
         return rows
 
-    def _scored(self, live: _LiveSession) -> None:
+    def _scored(self, live: _LiveSession, rows: int) -> None:
         self._scoring -= 1
         scored = self.scorer.last_pass.pop(live.machine.session, None)
         if scored is not None:
             live.timings.model_s += scored.seconds
             live.timings.batch_size = scored.batch_size
+            self.pass_costs.record(scored.seconds, rows, scored.batch_size)
 
     async def _commit(self, live: _LiveSession, pending: PendingCommit) -> Verdict:
         """SDCP 6.3 Commit: the record is appended first; only then tokens and verdict are released.
@@ -544,7 +571,9 @@ class VerifierNode(Node):
         """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens)."""
         prediction = tuple(prompt_lookup(context, SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH))
         # A prediction that was not scored still counts towards the hit rate.
-        guess = prediction[: lookahead_length(live.lookahead_hits, self._active_sessions(), len(prediction))]
+        guess = prediction[
+            : lookahead_length(live.lookahead_hits, self._active_sessions(), len(prediction), self.pass_costs)
+        ]
         return _Pass(prediction, guess, self._submit(live, guess))
 
     async def _self_decode_pass(self, live: _LiveSession, scoring: _Pass) -> _Pass | None:
