@@ -21,10 +21,6 @@ __all__ = ["CoreGovernor", "CoreMeter", "limit_native_threads", "usable_cores"]
 
 log = logging.getLogger("sdcp.threads")
 
-# libgomp's threads spin this many times at the end of an operator before they sleep (its default
-# is 300000): long enough to catch the next operator of a pass, short enough that a team idle
-# between passes leaves its cores to the other processes of the host.
-SPIN_COUNT = "10000"
 _MEASURE_EVERY_S = 1.0
 # The weight of the newest measurement of the other processes' load.
 _WEIGHT = 0.5
@@ -51,7 +47,6 @@ def limit_native_threads(threads: int) -> None:
         raise ValueError(f"a thread budget is at least 1, got {threads}")
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
-    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
 
 class CoreMeter:
