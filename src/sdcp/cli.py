@@ -408,7 +408,8 @@ def bench(
     concurrency: str = typer.Option(None, help="Comma-separated session counts, e.g. 1,4,8,16."),
     redis: bool = typer.Option(True, "--redis/--no-redis", help="Also run the Redis tier when redis-server exists."),
 ) -> None:
-    """Benchmark target-only, transformers speculative, SDCP in-process and SDCP end to end."""
+    """Benchmark target-only, transformers speculative, SDCP in-process, SDCP end to end, and the
+    default `sdcp up` cluster through its OpenAI gateway (what a user runs)."""
     from sdcp.bench import BenchConfig, BenchInputError, run_bench
     from sdcp.bench.report import write_report
     from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR
