@@ -4,10 +4,20 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sdcp-installed
 
-.PHONY: test demo install redis model clean
+.PHONY: test test-fast lint format demo install redis model clean
 
-test: install redis model
+test: lint redis model
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff (lint and format check) and mypy (strict on sdcp.protocol and sdcp.cache), pyproject.toml.
+lint: install
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy
+
+format: install
+	$(VENV)/bin/ruff check --fix src tests
+	$(VENV)/bin/ruff format src tests
 
 # A first run on a fresh machine: install, fetch the model, start a local cluster, generate.
 DEMO_PROMPT ?= The three primary colors are red, yellow and blue. The three primary colors are

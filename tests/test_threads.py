@@ -130,6 +130,7 @@ def test_roles_without_a_model_get_one_thread(tmp_path: Path) -> None:
     assert thread_budget(plain, "verifier") == usable_cores()
     model_drafter = ServiceConfig(instance=instance, drafter=DrafterConfig(model="hf:smollm2"))
     assert thread_budget(model_drafter, "drafter") == usable_cores()
-    pinned = ServiceConfig(instance=InstanceConfig(uri="https://127.0.0.1:1", cert=tmp_path, key=tmp_path,
-                                                   ca=tmp_path, threads=3))
+    pinned = ServiceConfig(
+        instance=InstanceConfig(uri="https://127.0.0.1:1", cert=tmp_path, key=tmp_path, ca=tmp_path, threads=3)
+    )
     assert thread_budget(pinned, "verifier") == thread_budget(pinned, "router") == 3

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -89,7 +89,7 @@ def certs(
 # -- roles ----------------------------------------------------------------------------------------
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     verifier = "verifier"
     drafter = "drafter"
     router = "router"
@@ -162,7 +162,9 @@ for _role in Role:
 def up(
     redis: str = typer.Option(None, "--redis", help="Use this Redis (redis://host:port/db) as the MLC's shared tier."),
     model: str = typer.Option("smollm2", help="Target model of the verifier."),
-    drafter: list[str] = typer.Option(None, "--drafter", help="Drafter specs: ngram (the default) or hf:NAME, a model much smaller than the target."),
+    drafter: list[str] = typer.Option(
+        None, "--drafter", help="Drafter specs: ngram (the default) or hf:NAME, a model much smaller than the target."
+    ),
     gateway_port: int = typer.Option(8000, "--gateway-port", help="Port of the OpenAI-compatible API (0: any)."),
     home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp)."),
 ) -> None:
@@ -217,15 +219,20 @@ def _print_instances(instances: list[Any]) -> None:
 
     table = Table("name", "role", "uri", "pid", "state")
     for instance in instances:
-        table.add_row(instance.name, instance.role, instance.uri, str(instance.pid),
-                      "running" if instance.alive() else "[red]stopped[/red]")
+        table.add_row(
+            instance.name,
+            instance.role,
+            instance.uri,
+            str(instance.pid),
+            "running" if instance.alive() else "[red]stopped[/red]",
+        )
     Console().print(table)
 
 
 # -- generate -------------------------------------------------------------------------------------
 
 
-class RuleName(str, Enum):
+class RuleName(StrEnum):
     greedy = "greedy"
     sampling = "sampling"
 
@@ -239,8 +246,9 @@ def generate(
     top_p: float = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass."),
     seed: int = typer.Option(None, min=0, help="Seed of the verifier's random values (reproducible output)."),
     rule: RuleName = typer.Option(
-        None, help="Acceptance rule: greedy (1) or sampling (2); default sampling when --temperature > 0, "
-        "--top-k or --top-p is given, else greedy."
+        None,
+        help="Acceptance rule: greedy (1) or sampling (2); default sampling when --temperature > 0, "
+        "--top-k or --top-p is given, else greedy.",
     ),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to the prompt."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -269,8 +277,15 @@ def generate(
             with err_console.status("starting the local cluster (first time: loads the model)..."):
                 cluster.up(model=model)
         result = asyncio.run(
-            _generate(cluster, tokenizer, prompt_ids, max_new, 1 if rule is RuleName.greedy else 2,
-                      sampling if has_sampling else None, as_json)
+            _generate(
+                cluster,
+                tokenizer,
+                prompt_ids,
+                max_new,
+                1 if rule is RuleName.greedy else 2,
+                sampling if has_sampling else None,
+                as_json,
+            )
         )
     if as_json:
         typer.echo(json.dumps(result))
@@ -308,8 +323,12 @@ async def _generate(
             fail("the cluster has no live verifier; see `sdcp status` and the logs")
         target = targets[0]
         contract = build_contract(
-            target=target["model"], tokenizer=target["tokenizer"], rule=rule, max_new=max_new,
-            stop=end_of_text_tokens(tokenizer), sampling=sampling,
+            target=target["model"],
+            tokenizer=target["tokenizer"],
+            rule=rule,
+            max_new=max_new,
+            stop=end_of_text_tokens(tokenizer),
+            sampling=sampling,
         )
         started = time.monotonic()
         handle = await client.open(prompt_ids, contract)
@@ -331,7 +350,7 @@ async def _generate(
                     last_stats = now
                 if live is not None:
                     text = tokenizer.decode(tokens, skip_special_tokens=True)
-                    sys.stdout.write(text[len(printed):])
+                    sys.stdout.write(text[len(printed) :])
                     sys.stdout.flush()
                     printed = text
                     live.update(_status_line(len(tokens), now - started, stats))
@@ -420,8 +439,15 @@ def bench(
         except ValueError:
             fail(f"--concurrency must be comma-separated integers, got {concurrency!r}")
         config = BenchConfig(
-            out=out, model=model, quick=quick, prompts_dir=prompts or DEFAULT_PROMPTS_DIR,
-            per_workload=per_workload, max_new=max_new, repeats=repeats, concurrency=levels, redis=redis,
+            out=out,
+            model=model,
+            quick=quick,
+            prompts_dir=prompts or DEFAULT_PROMPTS_DIR,
+            per_workload=per_workload,
+            max_new=max_new,
+            repeats=repeats,
+            concurrency=levels,
+            redis=redis,
         )
         try:
             data = run_bench(config)

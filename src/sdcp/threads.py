@@ -124,7 +124,11 @@ class CoreGovernor:
             # OpenMP's team size is a setting of the calling thread: the model's own thread.
             torch.set_num_threads(self.threads)
             if self._applied is not None:
-                log.info("model threads %d -> %d (other processes busy on %.1f cores)",
-                         self._applied, self.threads, self._others or 0.0)
+                log.info(
+                    "model threads %d -> %d (other processes busy on %.1f cores)",
+                    self._applied,
+                    self.threads,
+                    self._others or 0.0,
+                )
             self._applied = self.threads
         return self.threads

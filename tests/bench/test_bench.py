@@ -37,17 +37,37 @@ def _write_prompts(directory: Path) -> Path:
 def test_bench_command_on_tiny_model_writes_results(tmp_path: Path) -> None:
     prompts = _write_prompts(tmp_path / "prompts")
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, [
-        "bench", "--quick", "--model", "tiny", "--out", str(out), "--prompts", str(prompts),
-        "--per-workload", "1", "--max-new", "12", "--repeats", "1", "--concurrency", "1,16", "--no-redis",
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--quick",
+            "--model",
+            "tiny",
+            "--out",
+            str(out),
+            "--prompts",
+            str(prompts),
+            "--per-workload",
+            "1",
+            "--max-new",
+            "12",
+            "--repeats",
+            "1",
+            "--concurrency",
+            "1,16",
+            "--no-redis",
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "results.json").read_text(encoding="utf-8"))
     for key in REQUIRED_RATIOS:
         assert isinstance(summary["ratios"][key], float), key
     assert summary["overhead_ms_p50"] is not None and summary["overhead_ms_p99"] >= summary["overhead_ms_p50"]
     assert summary["identical_outputs"] is True and summary["mismatches"] == []
-    assert {"hf_target", "hf_prompt_lookup", "sdcp_target_only", "sdcp_inprocess", "sdcp_e2e"} <= set(summary["systems"])
+    assert {"hf_target", "hf_prompt_lookup", "sdcp_target_only", "sdcp_inprocess", "sdcp_e2e"} <= set(
+        summary["systems"]
+    )
     assert [level["sessions"] for level in summary["concurrency"]] == [1, 16]
     assert summary["concurrency"][1]["verifier_batch_mean"] >= 1.0
     assert "| sdcp_e2e |" in (out / "results.md").read_text(encoding="utf-8")
@@ -101,7 +121,12 @@ def test_identical_outputs_needs_a_comparison() -> None:
 def test_prompt_files_parse_and_bad_inputs_are_typed_errors(tmp_path: Path) -> None:
     assert parse_prompts("# c\none\n---\n\n---\ntwo\nlines\n") == ("one", "two\nlines")
     assert [w.name for w in load_workloads(_write_prompts(tmp_path / "p"), per_workload=1)] == [
-        "repetitive", "nonrepetitive", "mixed", "copyedit", "open"]
+        "repetitive",
+        "nonrepetitive",
+        "mixed",
+        "copyedit",
+        "open",
+    ]
     with pytest.raises(BenchInputError, match="missing"):
         load_workloads(tmp_path / "absent")
     with pytest.raises(BenchInputError, match="at least 1"):

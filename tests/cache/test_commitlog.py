@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from tests.cache.racing import race_appenders
 
 from sdcp.cache import MLC, CommitLog, Fenced, InvalidRecord, PreconditionFailed, build_uri
 from sdcp.cache.commitlog import EMPTY_LOG_ETAG
-from tests.cache.racing import race_appenders
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -82,7 +82,9 @@ async def test_updates_and_deletes_invalidate_other_processes_caches(worker: Mod
         seen = []
         for process, _, changed, results in watchers:
             changed.set()
-            seen.append((await asyncio.to_thread(results.get, True, 60), await asyncio.to_thread(results.get, True, 60)))
+            seen.append(
+                (await asyncio.to_thread(results.get, True, 60), await asyncio.to_thread(results.get, True, 60))
+            )
             await asyncio.to_thread(process.join, 60)
             assert process.exitcode == 0
     (before_u, after_u), (before_d, after_d) = seen

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import cbor2
 import pytest
+import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import redis.asyncio as aioredis
 
 from sdcp.cache import MLC, CorruptRecord, FileCommitLog, PreconditionFailed, build_uri
 from sdcp.cache.commitlog import EMPTY_LOG_ETAG
@@ -114,9 +114,15 @@ async def test_appends_of_one_loop_iteration_share_one_worker_job_and_fail_alone
         return original(self, payload, epoch, if_match)
 
     monkeypatch.setattr(FileCommitLog, "_append_sync", recording)
-    logs = [FileCommitLog(build_uri("localhost", None, "log", f"batch-{index}"), tmp_path / f"log-{index}") for index in range(8)]
+    logs = [
+        FileCommitLog(build_uri("localhost", None, "log", f"batch-{index}"), tmp_path / f"log-{index}")
+        for index in range(8)
+    ]
     outcomes = await asyncio.gather(
-        *(log.append({"epoch": 1, "round": 1}, if_match=EMPTY_LOG_ETAG if index != 3 else '"stale"') for index, log in enumerate(logs)),
+        *(
+            log.append({"epoch": 1, "round": 1}, if_match=EMPTY_LOG_ETAG if index != 3 else '"stale"')
+            for index, log in enumerate(logs)
+        ),
         return_exceptions=True,
     )
     assert len(threads) == 8 and len(set(threads)) == 1 and threading.get_ident() not in threads

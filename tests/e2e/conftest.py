@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.e2e.support import greedy_reference, sdcp
 
 from sdcp.models.fetch import sdcp_home
-from tests.e2e.support import greedy_reference, sdcp
 
 
 def fresh_home(root: Path) -> Path:

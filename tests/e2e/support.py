@@ -36,5 +36,5 @@ def greedy_reference() -> dict[str, list[int]]:
             generated = loaded.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False
             )
-        outputs[prompt] = generated[0, ids.shape[1]:].tolist()
+        outputs[prompt] = generated[0, ids.shape[1] :].tolist()
     return outputs

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.e2e.support import PROMPTS, sdcp
 
 from sdcp.localhost import free_port
 from sdcp.models.registry import load_tokenizer
-from tests.e2e.support import PROMPTS, sdcp
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,7 +34,6 @@ def documented_files() -> dict[str, str]:
     files = {name: body for name, body in re.findall(r"`([\w-]+\.toml)`[^\n]*:\n\n```toml\n(.*?)```", text, re.S)}
     files["drafter-2.toml"] = files["drafter-1.toml"].replace("9201", "9202").replace('"ngram"', '"hf:smollm2"')
     return files
-
 
 
 def wait_for(host: str, port: int, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 120) -> None:
@@ -65,9 +64,23 @@ def deployment(empty_home: Path) -> Iterator[tuple[Path, int]]:
     assert certs.returncode == 0, certs.stderr
     pidfile = root / "redis.pid"
     subprocess.run(
-        ["redis-server", "--port", "6390", "--bind", "127.0.0.2", "--daemonize", "yes", "--save", "",
-         "--appendonly", "no", "--pidfile", str(pidfile)],
-        check=True, capture_output=True,
+        [
+            "redis-server",
+            "--port",
+            "6390",
+            "--bind",
+            "127.0.0.2",
+            "--daemonize",
+            "yes",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--pidfile",
+            str(pidfile),
+        ],
+        check=True,
+        capture_output=True,
     )
     processes: list[subprocess.Popen[bytes]] = []
     env = {**os.environ, "SDCP_HOME": str(empty_home)}
@@ -84,7 +97,10 @@ def deployment(empty_home: Path) -> Iterator[tuple[Path, int]]:
             with log.open("wb") as out:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "sdcp", role, "--config", f"{name}.toml"],
-                    cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
+                    cwd=root,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
                 )
             processes.append(process)
             wait_for(host, port, process, log)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import openai
 import pytest
+from tests.e2e.support import MAX_NEW, PROMPTS, sdcp
 
 from sdcp.cluster import LocalCluster
 from sdcp.models.registry import load_tokenizer
-from tests.e2e.support import MAX_NEW, PROMPTS, sdcp
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,17 +37,29 @@ def test_generate_streams_text_and_summary(home: Path) -> None:
     assert "tokens in" in result.stderr and "[finish]" in result.stderr
 
 
-def test_rule2_runs_end_to_end_and_at_temperature_zero_is_greedy(
-    home: Path, reference: dict[str, list[int]]
-) -> None:
+def test_rule2_runs_end_to_end_and_at_temperature_zero_is_greedy(home: Path, reference: dict[str, list[int]]) -> None:
     # The verifier's random values depend on the session id (SDCP 6.4), so sampled output is not
     # comparable across sessions; at temperature 0, p is one-hot and rule 2 must give greedy output.
     prompt = PROMPTS[0]
-    cold = sdcp(home, "generate", "--json", "--rule", "sampling", "--temperature", "0", "--max-new", str(MAX_NEW), prompt)
+    cold = sdcp(
+        home, "generate", "--json", "--rule", "sampling", "--temperature", "0", "--max-new", str(MAX_NEW), prompt
+    )
     assert cold.returncode == 0, cold.stderr
     assert json.loads(cold.stdout)["tokens"] == reference[prompt]
-    warm = sdcp(home, "generate", "--json", "--rule", "sampling", "--temperature", "0.8", "--seed", "7",
-                "--max-new", "12", prompt)
+    warm = sdcp(
+        home,
+        "generate",
+        "--json",
+        "--rule",
+        "sampling",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "7",
+        "--max-new",
+        "12",
+        prompt,
+    )
     assert warm.returncode == 0, warm.stderr
     summary = json.loads(warm.stdout)
     assert 1 <= len(summary["tokens"]) <= 12 and summary["finish"] == "finish"
@@ -84,9 +96,7 @@ def test_openai_streaming_completion_equals_greedy(home: Path, reference: dict[s
     prompt = PROMPTS[1]
     tokenizer = load_tokenizer("smollm2")
     client = gateway_client(home)
-    stream = client.completions.create(
-        model="smollm2", prompt=prompt, max_tokens=MAX_NEW, temperature=0, stream=True
-    )
+    stream = client.completions.create(model="smollm2", prompt=prompt, max_tokens=MAX_NEW, temperature=0, stream=True)
     pieces, reasons = [], []
     for event in stream:
         pieces.append(event.choices[0].text)

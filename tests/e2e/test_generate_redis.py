@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from tests.e2e.support import MAX_NEW, PROMPTS, sdcp
 
 pytestmark = pytest.mark.timeout(600)

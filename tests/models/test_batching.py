@@ -56,9 +56,7 @@ def test_same_session_twice_is_scored_in_order(tiny_target: TargetModel, session
 async def test_score_async_from_event_loop(tiny_target: TargetModel, session_ids) -> None:
     sessions = _open(tiny_target, session_ids, 4)
     with BatchingScorer(tiny_target, window_s=0.02) as scorer:
-        rows = await asyncio.wait_for(
-            asyncio.gather(*(scorer.score_async(s, [7]) for s in sessions)), timeout=30
-        )
+        rows = await asyncio.wait_for(asyncio.gather(*(scorer.score_async(s, [7]) for s in sessions)), timeout=30)
     assert [r.shape for r in rows] == [(2, tiny_target.vocab_size)] * 4
 
 

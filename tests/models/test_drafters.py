@@ -51,9 +51,7 @@ def test_hf_drafter_publishes_the_rows_it_sampled_from(hf_drafter: HFDrafter, se
     assert result.seconds > 0 and hf_drafter.seconds_per_token > 0
 
 
-def test_hf_drafter_is_reproducible_from_session_and_seed(
-    tiny_draft_loaded: LoadedModel, session_ids
-) -> None:
+def test_hf_drafter_is_reproducible_from_session_and_seed(tiny_draft_loaded: LoadedModel, session_ids) -> None:
     session = next(session_ids)
     drafts = []
     for _ in range(2):
@@ -66,9 +64,7 @@ def test_hf_drafter_is_reproducible_from_session_and_seed(
     assert explicit.draft(session, 6, WARM, session_rng(session, WARM)).tokens == drafts[0]
 
 
-def test_sync_discards_rejected_positions_and_appends_emitted(
-    hf_drafter: HFDrafter, session_ids
-) -> None:
+def test_sync_discards_rejected_positions_and_appends_emitted(hf_drafter: HFDrafter, session_ids) -> None:
     greedy = Sampling(temperature_milli=0)
     session, reference = next(session_ids), next(session_ids)
     prompt = [30, 31, 32]
@@ -140,7 +136,9 @@ def test_prompt_lookup_follows_its_definition() -> None:
         tokens = [int(t) for t in generator.integers(0, 4, size=int(generator.integers(0, 30)))]
         m, n_max = int(generator.integers(1, 9)), int(generator.integers(1, 5))
         n_min = int(generator.integers(1, n_max + 1))
-        assert prompt_lookup(tokens, m, n_max=n_max, n_min=n_min) == _prompt_lookup_by_definition(tokens, m, n_max, n_min)
+        assert prompt_lookup(tokens, m, n_max=n_max, n_min=n_min) == _prompt_lookup_by_definition(
+            tokens, m, n_max, n_min
+        )
 
 
 def test_drafters_satisfy_the_protocol_and_registry(tiny_loaded: LoadedModel) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from tests.models.speculative import RandomDrafter, reference_greedy, speculative_greedy
 
 from sdcp.models import HFDrafter, LoadedModel, NgramDrafter, TargetModel
-from tests.models.speculative import RandomDrafter, reference_greedy, speculative_greedy
 
 TINY_PROMPTS = ["The quick brown fox", "hello world, hello world, hello", "a"]
 SMOL_PROMPTS = [
@@ -46,11 +46,7 @@ def test_smollm2_speculative_greedy_equals_generate(
     drafter_kind: str, smollm2_loaded: LoadedModel, session_ids
 ) -> None:
     target = TargetModel(smollm2_loaded.model, smollm2_loaded.tokenizer, name="smollm2")
-    drafter = (
-        RandomDrafter(target.vocab_size, seed=11)
-        if drafter_kind == "random"
-        else NgramDrafter(target.vocab_size)
-    )
+    drafter = RandomDrafter(target.vocab_size, seed=11) if drafter_kind == "random" else NgramDrafter(target.vocab_size)
     for text in SMOL_PROMPTS:
         prompt = smollm2_loaded.tokenizer(text).input_ids
         expected = reference_greedy(smollm2_loaded.model, prompt, 24)

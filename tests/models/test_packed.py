@@ -51,7 +51,9 @@ def test_greedy_output_unchanged(tiny_loaded: LoadedModel) -> None:
     ids = torch.tensor([tiny_loaded.tokenizer("hello world, hello").input_ids])
     copy = with_packed_linears(tiny_loaded.model)
     with torch.inference_mode():
-        expected = tiny_loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+        expected = tiny_loaded.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False
+        )
         got = copy.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
     assert got.tolist() == expected.tolist()
 
@@ -72,4 +74,6 @@ def test_pack_weights_packs_every_layer_ahead_of_the_first_call(tiny_loaded: Loa
     assert all(layer._packed is not None for layer in layers)
     ids = torch.tensor([tiny_loaded.tokenizer("hello world").input_ids])
     with torch.inference_mode():
-        torch.testing.assert_close(copy(input_ids=ids).logits, tiny_loaded.model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            copy(input_ids=ids).logits, tiny_loaded.model(input_ids=ids).logits, rtol=1e-4, atol=1e-4
+        )

@@ -101,9 +101,7 @@ def test_rollback_after_partial_acceptance_equals_fresh_prefill(
     )
 
 
-def test_self_decode_request_yields_one_row_and_commits_one_token(
-    tiny_target: TargetModel, session_ids
-) -> None:
+def test_self_decode_request_yields_one_row_and_commits_one_token(tiny_target: TargetModel, session_ids) -> None:
     session = next(session_ids)
     tiny_target.open_session(session, [7])
     rows = tiny_target.score([(session, ())])[0]
@@ -138,9 +136,7 @@ def test_export_of_single_token_prefix_round_trips(tiny_target: TargetModel, ses
     session, copy = next(session_ids), next(session_ids)
     tiny_target.open_session(session, [42])
     tiny_target.import_kv(copy, tiny_target.export_kv(session), [42])
-    np.testing.assert_array_equal(
-        tiny_target.score([(session, [1])])[0], tiny_target.score([(copy, [1])])[0]
-    )
+    np.testing.assert_array_equal(tiny_target.score([(session, [1])])[0], tiny_target.score([(copy, [1])])[0])
 
 
 def test_import_refuses_other_model_and_other_tokens(

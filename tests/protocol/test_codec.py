@@ -166,7 +166,10 @@ def test_canonical_order_is_rfc8949_bytewise_order_for_text_keys(mapping: dict[s
 
 
 _SDCP_VALUES = st.recursive(
-    st.integers(min_value=-(2**64), max_value=2**64 - 1) | st.binary(max_size=20) | st.text(max_size=20) | st.booleans(),
+    st.integers(min_value=-(2**64), max_value=2**64 - 1)
+    | st.binary(max_size=20)
+    | st.text(max_size=20)
+    | st.booleans(),
     lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=8), children, max_size=5),
     max_leaves=20,
 )

@@ -49,8 +49,17 @@ def good_rounds(control: SpeculationControl, count: int, load: int = IDLE) -> li
 
 @pytest.mark.parametrize(
     ("accepted", "proposed", "low_ratio", "low"),
-    [(0, 4, None, True), (1, 4, None, False), (0, 1, 0, True), (1, 4, 0, False),
-     (1, 4, 50, True), (2, 4, 50, False), (3, 4, 100, True), (4, 4, 100, False), (0, 4, 1, True)],
+    [
+        (0, 4, None, True),
+        (1, 4, None, False),
+        (0, 1, 0, True),
+        (1, 4, 0, False),
+        (1, 4, 50, True),
+        (2, 4, 50, False),
+        (3, 4, 100, True),
+        (4, 4, 100, False),
+        (0, 4, 1, True),
+    ],
 )
 def test_is_low_round(accepted: int, proposed: int, low_ratio: int | None, low: bool) -> None:
     assert is_low_round(accepted, proposed, low_ratio) is low
@@ -88,9 +97,7 @@ def test_entry_applies_when_c_reaches_r_and_resets_c() -> None:
 
 
 def test_full_ladder_reduce_self_decode_switch_fail() -> None:
-    contract = make_contract(
-        (Action.REDUCE, Action.SELF_DECODE, Action.SWITCH, Action.FAIL), self_load=50, self_max=2
-    )
+    contract = make_contract((Action.REDUCE, Action.SELF_DECODE, Action.SWITCH, Action.FAIL), self_load=50, self_max=2)
     control = SpeculationControl(contract, m_init=8)
     assert low_rounds(control, 2)[-1] == ControlDecision(Action.REDUCE, 4)
     assert low_rounds(control, 2)[-1].action is Action.SELF_DECODE
@@ -271,9 +278,19 @@ def test_self_max_zero_skips_self_decode() -> None:
     from sdcp.protocol.control import SpeculationControl
     from sdcp.protocol.messages import Action, Contract
 
-    contract = Contract.from_obj({
-        "target": b"\x01" * 32, "tokenizer": b"\x02" * 32, "rule": 1, "m_max": 4, "max_new": 10, "stop": [],
-        "low_rounds": 1, "fallback": [Action.SELF_DECODE, Action.REDUCE], "self_load": 100, "self_max": 0,
-    })
+    contract = Contract.from_obj(
+        {
+            "target": b"\x01" * 32,
+            "tokenizer": b"\x02" * 32,
+            "rule": 1,
+            "m_max": 4,
+            "max_new": 10,
+            "stop": [],
+            "low_rounds": 1,
+            "fallback": [Action.SELF_DECODE, Action.REDUCE],
+            "self_load": 100,
+            "self_max": 0,
+        }
+    )
     control = SpeculationControl(contract, 4)
     assert control.after_round(0, 4, 0).action == Action.REDUCE and not control.self_decoding

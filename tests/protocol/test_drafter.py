@@ -61,7 +61,8 @@ def test_choose_m_follows_the_costs() -> None:
 
 
 @pytest.mark.parametrize(
-    ("alpha", "t_d", "t_v", "m_limit"), [(-0.1, 1, 1, 4), (1.1, 1, 1, 4), (0.5, -1, 1, 4), (0.5, 0, 0, 4), (0.5, 1, 1, 0)]
+    ("alpha", "t_d", "t_v", "m_limit"),
+    [(-0.1, 1, 1, 4), (1.1, 1, 1, 4), (0.5, -1, 1, 4), (0.5, 0, 0, 4), (0.5, 1, 1, 0)],
 )
 def test_choose_m_refuses_bad_input(alpha: float, t_d: float, t_v: float, m_limit: int) -> None:
     with pytest.raises(ValueError):
@@ -132,8 +133,15 @@ def test_estimate_refuses_bad_parameters(weight: float, prior: float) -> None:
 
 def make_contract(rule: int = 1, m_max: int = 8) -> Contract:
     return Contract(
-        target=bytes(32), tokenizer=bytes(32), rule=rule, m_max=m_max, max_new=100, stop=(),
-        low_rounds=2, fallback=(Action.REDUCE,), sampling=Sampling(temperature_milli=0),
+        target=bytes(32),
+        tokenizer=bytes(32),
+        rule=rule,
+        m_max=m_max,
+        max_new=100,
+        stop=(),
+        low_rounds=2,
+        fallback=(Action.REDUCE,),
+        sampling=Sampling(temperature_milli=0),
     )
 
 
@@ -143,8 +151,16 @@ PROMPT = (1, 2, 3)
 def make_assignment(contract: Contract | None = None, *, m_init: int = 4, **changes: object) -> Assignment:
     contract = contract or make_contract()
     fields: dict[str, object] = dict(
-        session=SESSION, epoch=1, contract=contract, verifier=VERIFIER, drafter=DRAFTER, prompt=PROMPT,
-        round=0, committed=0, digest=prefix_digest(contract.digest, PROMPT), m_init=m_init,
+        session=SESSION,
+        epoch=1,
+        contract=contract,
+        verifier=VERIFIER,
+        drafter=DRAFTER,
+        prompt=PROMPT,
+        round=0,
+        committed=0,
+        digest=prefix_digest(contract.digest, PROMPT),
+        m_init=m_init,
     )
     fields.update(changes)
     return Assignment(**fields)  # type: ignore[arg-type]
@@ -154,9 +170,17 @@ def verdict_for(drafter: DrafterSession, emitted: tuple[int, ...], accepted: int
     proposal = drafter.outstanding
     assert proposal is not None
     fields: dict[str, object] = dict(
-        session=SESSION, epoch=proposal.epoch, round=proposal.round, accepted=accepted, emitted=emitted,
-        committed=proposal.base + len(emitted), digest=extend_digest(proposal.base_digest, emitted),
-        action=Action.CONTINUE, m_cap=6, low=0, load=30,
+        session=SESSION,
+        epoch=proposal.epoch,
+        round=proposal.round,
+        accepted=accepted,
+        emitted=emitted,
+        committed=proposal.base + len(emitted),
+        digest=extend_digest(proposal.base_digest, emitted),
+        action=Action.CONTINUE,
+        m_cap=6,
+        low=0,
+        load=30,
     )
     fields.update(changes)
     return Verdict(**fields)  # type: ignore[arg-type]

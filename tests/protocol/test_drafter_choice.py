@@ -97,8 +97,16 @@ def test_nothing_to_choose() -> None:
 
 
 def test_costs_come_from_the_status_extension_members() -> None:
-    status = Status(instance="https://d", role=Role.DRAFTER, load=10, queue=2, ttl_ms=3000,
-                    alpha_milli=750, draft_us=1500, verify_us=40000)
+    status = Status(
+        instance="https://d",
+        role=Role.DRAFTER,
+        load=10,
+        queue=2,
+        ttl_ms=3000,
+        alpha_milli=750,
+        draft_us=1500,
+        verify_us=40000,
+    )
     costs = drafter_costs(InstanceView(status, expires_at=10.0))
     assert costs == DrafterCosts("https://d", alpha=0.75, draft_s=0.0015, verify_s=0.04, queue=2)
     plain = Status(instance="https://e", role=Role.DRAFTER, load=0, queue=0, ttl_ms=3000)

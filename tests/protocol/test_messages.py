@@ -132,11 +132,30 @@ _REQUIRED: dict[type, set[str]] = {
     SessionOpen: {"session", "epoch", "contract", "prompt", "commit_log"},
     SessionState: {"session", "epoch", "round", "committed", "digest"},
     Assignment: {
-        "session", "epoch", "contract", "verifier", "drafter", "prompt", "round", "committed", "digest", "m_init",
+        "session",
+        "epoch",
+        "contract",
+        "verifier",
+        "drafter",
+        "prompt",
+        "round",
+        "committed",
+        "digest",
+        "m_init",
     },
     Proposal: {"session", "epoch", "round", "drafter", "base", "base_digest", "tokens", "status"},
     Verdict: {
-        "session", "epoch", "round", "accepted", "emitted", "committed", "digest", "action", "m_cap", "low", "load",
+        "session",
+        "epoch",
+        "round",
+        "accepted",
+        "emitted",
+        "committed",
+        "digest",
+        "action",
+        "m_cap",
+        "low",
+        "load",
     },
     Output: {"session", "epoch", "from", "tokens", "final"},
     Status: {"instance", "role", "load", "queue", "ttl_ms"},
@@ -302,8 +321,10 @@ def test_direct_construction_is_validated_and_normalised() -> None:
     assert status.role is Role.VERIFIER
 
 
-@pytest.mark.parametrize(("value", "action"), [(0, Action.CONTINUE), (3, Action.SELF_DECODE), (5, Action.FAIL),
-                                               (6, Action.FAIL), (2**64 - 1, Action.FAIL)])
+@pytest.mark.parametrize(
+    ("value", "action"),
+    [(0, Action.CONTINUE), (3, Action.SELF_DECODE), (5, Action.FAIL), (6, Action.FAIL), (2**64 - 1, Action.FAIL)],
+)
 def test_action_parse_maps_unknown_values_to_fail(value: int, action: Action) -> None:
     assert Action.parse(value) is action
 
@@ -349,7 +370,8 @@ def test_session_path_id_round_trip() -> None:
 
 
 @pytest.mark.parametrize(
-    "path_id", ["AAECAwQFBgcICQoLDA0ODw==", "AAECAwQFBgcICQoLDA0OD", "AAECAwQFBgcICQoLDA0ODx", "AAECAwQF+gcICQoLDA0ODw", ""]
+    "path_id",
+    ["AAECAwQFBgcICQoLDA0ODw==", "AAECAwQFBgcICQoLDA0OD", "AAECAwQFBgcICQoLDA0ODx", "AAECAwQF+gcICQoLDA0ODw", ""],
 )
 def test_bad_session_path_id_is_bad_message(path_id: str) -> None:
     with pytest.raises(BadMessage):
@@ -437,15 +459,29 @@ _GENERATED: dict[type, st.SearchStrategy[dict[str, Any]]] = {
     Status: _STATUS_OBJS,
     Proposal: st.fixed_dictionaries(
         {
-            "session": _SESSIONS, "epoch": _U64, "round": _U64, "drafter": st.text(), "base": _U64,
-            "base_digest": _HASHES, "tokens": _TOKEN_LISTS.filter(bool), "status": _STATUS_OBJS,
+            "session": _SESSIONS,
+            "epoch": _U64,
+            "round": _U64,
+            "drafter": st.text(),
+            "base": _U64,
+            "base_digest": _HASHES,
+            "tokens": _TOKEN_LISTS.filter(bool),
+            "status": _STATUS_OBJS,
         },
         optional={"q_rows": st.text(), "draft_kv": st.text()},
     ),
     Verdict: st.fixed_dictionaries(
         {
-            "session": _SESSIONS, "epoch": _U64, "round": _U64, "accepted": _U64, "emitted": _TOKEN_LISTS,
-            "committed": _U64, "digest": _HASHES, "action": st.integers(0, 5), "m_cap": _U64, "low": _U64,
+            "session": _SESSIONS,
+            "epoch": _U64,
+            "round": _U64,
+            "accepted": _U64,
+            "emitted": _TOKEN_LISTS,
+            "committed": _U64,
+            "digest": _HASHES,
+            "action": st.integers(0, 5),
+            "m_cap": _U64,
+            "low": _U64,
             "load": _PERCENT,
         }
     ),
@@ -463,8 +499,11 @@ _GENERATED: dict[type, st.SearchStrategy[dict[str, Any]]] = {
     Policy: st.fixed_dictionaries({"session": _SESSIONS, "from_round": _U64, "sampling": _SAMPLING_OBJS}),
     SessionOpen: st.fixed_dictionaries(
         {
-            "session": _SESSIONS, "epoch": _U64, "contract": st.just(CONTRACT),
-            "prompt": _TOKEN_LISTS | st.text(), "commit_log": st.text(),
+            "session": _SESSIONS,
+            "epoch": _U64,
+            "contract": st.just(CONTRACT),
+            "prompt": _TOKEN_LISTS | st.text(),
+            "commit_log": st.text(),
         },
         optional={
             "prompt_kv": st.text(),

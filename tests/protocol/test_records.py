@@ -93,6 +93,12 @@ def test_token_list_objects_round_trip_and_reject_anything_else() -> None:
 
     assert decode_token_list(encode_token_list([0, 5, 2**32 - 1]), "tokens") == (0, 5, 2**32 - 1)
     assert decode_token_list(encode_token_list([]), "tokens") == ()
-    for bad in (b"\xff", encode_token_list([1])[:-1], b"\xa0", b"\x82\x01\xf5", b"\x81\x1b\x00\x00\x00\x01\x00\x00\x00\x00"):
+    for bad in (
+        b"\xff",
+        encode_token_list([1])[:-1],
+        b"\xa0",
+        b"\x82\x01\xf5",
+        b"\x81\x1b\x00\x00\x00\x01\x00\x00\x00\x00",
+    ):
         with pytest.raises(BadMessage):
             decode_token_list(bad, "tokens")

@@ -27,8 +27,14 @@ def contract(drafters: list[bytes] | None = None) -> Contract:
     return Contract.from_obj(obj)
 
 
-def status(uri: str, role: Role = Role.DRAFTER, load: int = 0, queue: int = 0, ttl_ms: int = 1000,
-           accept_milli: int | None = None) -> Status:
+def status(
+    uri: str,
+    role: Role = Role.DRAFTER,
+    load: int = 0,
+    queue: int = 0,
+    ttl_ms: int = 1000,
+    accept_milli: int | None = None,
+) -> Status:
     return Status(instance=uri, role=role, load=load, queue=queue, ttl_ms=ttl_ms, accept_milli=accept_milli)
 
 
@@ -82,8 +88,9 @@ def test_only_permitted_drafter_models() -> None:
 
 def test_assignment_carries_state_and_current_sampling() -> None:
     c = contract()
-    routed = RouterSession(session=b"\x00" * 16, epoch=1, contract=c, prompt=(1, 2),
-                           commit_log="mlc://h/-/log/s", verifier="https://v")
+    routed = RouterSession(
+        session=b"\x00" * 16, epoch=1, contract=c, prompt=(1, 2), commit_log="mlc://h/-/log/s", verifier="https://v"
+    )
     routed.sampling = Sampling(temperature_milli=0)
     digest = prefix_digest(c.digest, (1, 2))
     assignment = routed.assignment("https://d1", round=3, committed=5, digest=digest, m_init=4)
@@ -95,8 +102,9 @@ def test_assignment_carries_state_and_current_sampling() -> None:
 
 def test_failover_fences_then_resumes_with_the_next_epoch() -> None:
     c = contract()
-    routed = RouterSession(session=b"\x00" * 16, epoch=1, contract=c, prompt=(1, 2),
-                           commit_log="mlc://h/-/log/s", verifier="https://v1")
+    routed = RouterSession(
+        session=b"\x00" * 16, epoch=1, contract=c, prompt=(1, 2), commit_log="mlc://h/-/log/s", verifier="https://v1"
+    )
     assert routed.fence_for_failover() == FenceRecord(2)
     replay = replay_commit_log([FenceRecord(2).to_obj()], c.digest, (1, 2))
     moved = routed.fail_over("https://v2", replay, committed_tokens="mlc://h/-/tokens/s")

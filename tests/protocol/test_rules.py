@@ -103,10 +103,18 @@ def test_verifier_random_depends_on_every_input() -> None:
 
 @pytest.mark.parametrize(
     ("seed", "session", "round", "i", "purpose"),
-    [(-1, SESSION, 0, 0, 0), (2**64, SESSION, 0, 0, 0), (0, b"short", 0, 0, 0), (0, SESSION, 2**32, 0, 0),
-     (0, SESSION, 0, -1, 0), (0, SESSION, 0, 0, 2)],
+    [
+        (-1, SESSION, 0, 0, 0),
+        (2**64, SESSION, 0, 0, 0),
+        (0, b"short", 0, 0, 0),
+        (0, SESSION, 2**32, 0, 0),
+        (0, SESSION, 0, -1, 0),
+        (0, SESSION, 0, 0, 2),
+    ],
 )
-def test_verifier_random_rejects_out_of_range_inputs(seed: int, session: bytes, round: int, i: int, purpose: int) -> None:
+def test_verifier_random_rejects_out_of_range_inputs(
+    seed: int, session: bytes, round: int, i: int, purpose: int
+) -> None:
     with pytest.raises(ValueError):
         verifier_random(seed, session, round, i, purpose)
 

@@ -141,8 +141,14 @@ def test_one_and_two_dimensional_inputs_agree() -> None:
 
 @pytest.mark.parametrize(
     "logits",
-    [np.array([1.0, np.nan]), np.array([np.inf, 0.0]), np.array([-np.inf, -np.inf]), np.zeros((2, 0)),
-     np.zeros((2, 2, 2)), np.array(1.0)],
+    [
+        np.array([1.0, np.nan]),
+        np.array([np.inf, 0.0]),
+        np.array([-np.inf, -np.inf]),
+        np.zeros((2, 0)),
+        np.zeros((2, 2, 2)),
+        np.array(1.0),
+    ],
 )
 def test_unusable_logits_are_refused(logits: np.ndarray) -> None:
     with pytest.raises(InvalidDistribution):
@@ -152,9 +158,7 @@ def test_unusable_logits_are_refused(logits: np.ndarray) -> None:
 # --- draw_token -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("r", "token"), [(0.0, 0), (0.2499, 0), (0.25, 2), (0.7499, 2), (0.75, 3), (1 - 2**-53, 3)]
-)
+@pytest.mark.parametrize(("r", "token"), [(0.0, 0), (0.2499, 0), (0.25, 2), (0.7499, 2), (0.75, 3), (1 - 2**-53, 3)])
 def test_draw_token_is_an_inverse_cdf_over_ascending_ids(r: float, token: int) -> None:
     assert draw_token(np.array([0.25, 0.0, 0.5, 0.25]), r) == token
 

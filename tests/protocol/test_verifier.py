@@ -359,7 +359,9 @@ def test_resume_checks_digest_and_continues() -> None:
     assert session.state().round == 5 and session.committed == 3
     bad = Resume(round=5, committed=3, digest=b"\x00" * 32, committed_tokens="mlc://x/-/t/1")
     with pytest.raises(BadMessage):
-        VerifierSession(session=SESSION, epoch=2, contract=contract, prompt=PROMPT, resume=bad, committed_tokens=committed)
+        VerifierSession(
+            session=SESSION, epoch=2, contract=contract, prompt=PROMPT, resume=bad, committed_tokens=committed
+        )
 
 
 def test_assignment_with_another_contract_or_epoch_is_refused() -> None:

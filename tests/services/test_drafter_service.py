@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client import REGISTRY
+from tests.services.outputs import output_tokens, read_output
 
 from sdcp.cache import MLC, ObjectNotFound, build_uri
 from sdcp.localhost import free_port
@@ -42,7 +43,6 @@ from sdcp.services.drafter import DrafterNode, confirmed_predraft, q_rows_uri, t
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
-from tests.services.outputs import output_tokens, read_output
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -52,7 +52,6 @@ STRANGER = "https://127.0.0.1:3"
 # Repetitive text, so that prompt lookup finds continuations.
 PROMPT = tuple(tiny_tokenizer()("the cat sat on the mat and the cat sat on the hat")["input_ids"])
 VOCAB = 257
-
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +166,9 @@ async def open_session(env: Env, contract: Contract, session: bytes) -> SessionS
     opened = SessionOpen(session=session, epoch=1, contract=contract, prompt=PROMPT, commit_log=log_uri)
     status, body = await router.post_cbor("sessions", opened.to_obj())
     assert status == 201
-    await router.put_cbor(f"sessions/{session_path_id(session)}/drafter", make_assignment(env, contract, session).to_obj())
+    await router.put_cbor(
+        f"sessions/{session_path_id(session)}/drafter", make_assignment(env, contract, session).to_obj()
+    )
     return SessionState.from_obj(body)
 
 
@@ -454,7 +455,12 @@ async def test_committed_tokens_by_reference_are_checked(env: Env, target: Targe
         bogus = build_uri("local", None, "tokens", session.hex())
         await env.mlc.put(bogus, bytes([0x83, 1, 2, 3]))
         handover = make_assignment(
-            env, contract, session, round=state.round, committed=state.committed, digest=state.digest,
+            env,
+            contract,
+            session,
+            round=state.round,
+            committed=state.committed,
+            digest=state.digest,
             committed_tokens=bogus,
         )
         await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", handover.to_obj())
@@ -514,15 +520,33 @@ def _asked_again(caplog: pytest.LogCaptureFixture):  # noqa: ANN202 - an async p
 
 
 def _verdict(proposal: Proposal, accepted: int, emitted: tuple[int, ...]) -> Verdict:
-    return Verdict(session=proposal.session, epoch=1, round=proposal.round, accepted=accepted, emitted=emitted,
-                   committed=proposal.base + len(emitted), digest=bytes(32), action=Action.CONTINUE, m_cap=4,
-                   low=0, load=0)
+    return Verdict(
+        session=proposal.session,
+        epoch=1,
+        round=proposal.round,
+        accepted=accepted,
+        emitted=emitted,
+        committed=proposal.base + len(emitted),
+        digest=bytes(32),
+        action=Action.CONTINUE,
+        m_cap=4,
+        low=0,
+        load=0,
+    )
 
 
 def test_a_predraft_is_used_only_when_the_verdict_confirms_it() -> None:
     status = Status(instance="https://127.0.0.1:2", role=Role.DRAFTER, load=0, queue=0, ttl_ms=1000)
-    proposal = Proposal(session=bytes(16), epoch=1, round=1, drafter="https://127.0.0.1:2", base=0,
-                        base_digest=bytes(32), tokens=(5, 6), status=status)
+    proposal = Proposal(
+        session=bytes(16),
+        epoch=1,
+        round=1,
+        drafter="https://127.0.0.1:2",
+        base=0,
+        base_digest=bytes(32),
+        tokens=(5, 6),
+        status=status,
+    )
     rows = np.eye(VOCAB, dtype=np.float32)[[7, 8, 9, 10]]
     predraft = DraftResult((7, 8, 9, 10), rows, 0.0)
     ready = confirmed_predraft(proposal, _verdict(proposal, 2, (5, 6, 7)), predraft, m=2)

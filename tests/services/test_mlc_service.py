@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ssl
 import struct
+import time
 import uuid
 import zlib
-import ssl
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
 import pytest
+from tests.cache.racing import race_appenders
 
 from sdcp.cache import (
     MLC,
@@ -47,7 +48,6 @@ from sdcp.services.node import build_mlc
 from sdcp.transport.certs import instance_name, make_certs
 from sdcp.transport.client import SDCPClient
 from sdcp.transport.errors import PeerClientError
-from tests.cache.racing import race_appenders
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,7 +63,6 @@ def uri(name: str, kind: str = "q-rows") -> str:
 
 def commit(epoch: int, round_: int) -> dict[str, object]:
     return {"epoch": epoch, "round": round_, "emitted": [round_], "committed": round_, "digest": bytes(32)}
-
 
 
 class Cluster:
@@ -118,7 +117,8 @@ async def start_node(
         config = ServiceConfig(instance=InstanceConfig(node_uri, cert.cert_path, cert.key_path, certs_dir / "ca.pem"))
         if backend == "redis":
             shared: dict[str, object] = {
-                "redis_url": request.getfixturevalue("redis_url"), "redis_bytes": store_bytes,
+                "redis_url": request.getfixturevalue("redis_url"),
+                "redis_bytes": store_bytes,
                 "redis_prefix": f"test:{uuid.uuid4().hex}:",
             }
         else:

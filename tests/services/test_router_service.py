@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client import REGISTRY
+from tests.services.outputs import read_output
 
 from sdcp.cache import MLC, build_uri
 from sdcp.localhost import free_port
@@ -50,7 +51,6 @@ from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import RetryPolicy, SDCPClient
-from tests.services.outputs import read_output
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,7 +58,6 @@ PROMPT = (5, 17, 42, 9, 100, 3)
 ROUTER_TTL_MS = 300
 # A digest no real model has: the model of drafters played by the test.
 PLAYED_MODEL = hashlib.sha256(b"played drafter").digest()
-
 
 
 @dataclass
@@ -120,7 +119,9 @@ def drafter_status(uri: str, ttl_ms: int = 600, load: int = 0) -> Status:
 
 
 async def report(client: SDCPClient, status: Status, path_uri: str | None = None) -> int:
-    code, _ = await client.put_cbor(f"instances/{instance_path_id(path_uri or status.instance)}/status", status.to_obj())
+    code, _ = await client.put_cbor(
+        f"instances/{instance_path_id(path_uri or status.instance)}/status", status.to_obj()
+    )
     return code
 
 
@@ -209,8 +210,13 @@ async def test_an_instance_that_stops_reporting_is_not_picked(deployment: Deploy
 
 def verifier_status(uri: str, target: TargetModel, ttl_ms: int) -> Status:
     return Status(
-        instance=uri, role=Role.VERIFIER, load=0, queue=0, ttl_ms=ttl_ms,
-        model=target.weights_digest, tokenizer=target.tokenizer_digest,
+        instance=uri,
+        role=Role.VERIFIER,
+        load=0,
+        queue=0,
+        ttl_ms=ttl_ms,
+        model=target.weights_digest,
+        tokenizer=target.tokenizer_digest,
     )
 
 
@@ -236,13 +242,17 @@ async def test_a_session_for_a_target_nobody_serves_is_a_bad_contract(
     await report(deployment.client("verifier1"), verifier_status(deployment.uris["verifier1"], target, ttl_ms=10_000))
     unknown = tiny_contract(target, target=hashlib.sha256(b"another model").digest())
     with pytest.raises(ProtocolError) as refused:
-        await deployment.client("frontend").post_cbor("sessions", {"prompt": list(PROMPT), "contract": unknown.to_obj()})
+        await deployment.client("frontend").post_cbor(
+            "sessions", {"prompt": list(PROMPT), "contract": unknown.to_obj()}
+        )
     assert refused.value.problem is ProblemType.BAD_CONTRACT
 
 
 async def test_a_session_request_without_a_prompt_is_a_bad_message(deployment: Deployment, target: TargetModel) -> None:
     with pytest.raises(ProtocolError) as refused:
-        await deployment.client("frontend").post_cbor("sessions", {"prompt": [], "contract": tiny_contract(target).to_obj()})
+        await deployment.client("frontend").post_cbor(
+            "sessions", {"prompt": [], "contract": tiny_contract(target).to_obj()}
+        )
     assert refused.value.status == 400
 
 
@@ -318,10 +328,13 @@ async def test_an_unknown_session_is_not_found(deployment: Deployment) -> None:
 
 def greedy_reference(target: TargetModel, count: int) -> list[int]:
     generated = target.model.generate(
-        torch.tensor([PROMPT]), max_new_tokens=count, do_sample=False, pad_token_id=0,
+        torch.tensor([PROMPT]),
+        max_new_tokens=count,
+        do_sample=False,
+        pad_token_id=0,
         attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
     )
-    return generated[0, len(PROMPT):].tolist()
+    return generated[0, len(PROMPT) :].tolist()
 
 
 async def start_drafter(env: Deployment, name: str) -> DrafterNode:
@@ -355,7 +368,11 @@ async def test_a_session_opened_through_the_router_reaches_finish(deployment: De
     await eventually(lambda: router.sessions[session].ended)
     _, described = await deployment.client("frontend").get_cbor(f"sessions/{session_path_id(session)}")
     assert described == {
-        "session": session, "epoch": 1, "verifier": verifier.uri, "ended": True, "served": [drafter.uri]
+        "session": session,
+        "epoch": 1,
+        "verifier": verifier.uri,
+        "ended": True,
+        "served": [drafter.uri],
     }
 
 
@@ -429,7 +446,7 @@ async def test_failover_to_a_second_verifier_loses_and_repeats_no_token(
         snapshot = await mlc.commit_log(build_uri("local", None, "log", session.hex())).read()
     epochs = [record["epoch"] for record in snapshot.records]
     fence = snapshot.records.index({"epoch": 2})
-    assert set(epochs[:fence]) == {1} and set(epochs[fence + 1:]) == {2}
+    assert set(epochs[:fence]) == {1} and set(epochs[fence + 1 :]) == {2}
     emitted = [t for record in snapshot.records if "emitted" in record for t in record["emitted"]]
     assert emitted == tokens
 
@@ -532,9 +549,7 @@ class WrongDrafter:
         self.sessions.pop(session, None)
 
 
-async def test_escalation_reduce_switch_and_self_decode_end_to_end(
-    deployment: Deployment, target: TargetModel
-) -> None:
+async def test_escalation_reduce_switch_and_self_decode_end_to_end(deployment: Deployment, target: TargetModel) -> None:
     """SDCP 6.5.2 through real services: persistent rejection reduces m_cap, switches the drafter and
     lets the verifier decode alone; the output is still the target's greedy decoding."""
     router = deployment.router
@@ -544,7 +559,11 @@ async def test_escalation_reduce_switch_and_self_decode_end_to_end(
     await deployment.start(wrong)
     await eventually(lambda: router.registry.is_live(wrong.uri, time.monotonic()))
     contract = tiny_contract(
-        target, max_new=16, low_rounds=1, self_load=100, self_max=3,
+        target,
+        max_new=16,
+        low_rounds=1,
+        self_load=100,
+        self_max=3,
         fallback=[Action.REDUCE, Action.SWITCH, Action.SELF_DECODE] + [Action.REDUCE] * 16,
     )
     opened = await open_session(deployment, contract)
@@ -573,12 +592,19 @@ async def test_a_rule_2_session_with_a_model_drafter_reaches_max_new(
     router = deployment.router
     assert router is not None
     verifier = await start_verifier(deployment, "verifier1")
-    model_drafter = DrafterNode(deployment.config("drafter1", drafter=DrafterConfig(model="hf:tiny-draft", target="tiny")))
+    model_drafter = DrafterNode(
+        deployment.config("drafter1", drafter=DrafterConfig(model="hf:tiny-draft", target="tiny"))
+    )
     await deployment.start(model_drafter)
     await eventually(lambda: router.registry.is_live(model_drafter.uri, time.monotonic()))
     await start_drafter(deployment, "drafter2")
-    contract = tiny_contract(target, rule=2, sampling={"temperature_milli": 800, "seed": 5}, max_new=16,
-                             drafters=[model_drafter.drafter.weights_digest])
+    contract = tiny_contract(
+        target,
+        rule=2,
+        sampling={"temperature_milli": 800, "seed": 5},
+        max_new=16,
+        drafters=[model_drafter.drafter.weights_digest],
+    )
     opened = await open_session(deployment, contract)
     session = opened["session"]
     assert isinstance(session, bytes) and opened["drafter"] == model_drafter.uri
@@ -652,7 +678,9 @@ async def test_an_unmeasured_drafter_is_explored_until_its_status_reports_a_meas
     await start_verifier(deployment, "verifier1")
     drafter = await start_drafter(deployment, "drafter1")
     assert router.registry.get(drafter.uri).status.alpha_milli is None  # type: ignore[union-attr]
-    contract = tiny_contract(target, max_new=12, self_load=100, fallback=[Action.REDUCE, Action.SELF_DECODE, Action.FAIL])
+    contract = tiny_contract(
+        target, max_new=12, self_load=100, fallback=[Action.REDUCE, Action.SELF_DECODE, Action.FAIL]
+    )
     opened = await open_session(deployment, contract)
     session = opened["session"]
     assert isinstance(session, bytes)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.services.outputs import output_tokens, read_output
 
 from sdcp.cache import build_uri
 from sdcp.localhost import free_port
@@ -33,7 +34,6 @@ from sdcp.services.config import InstanceConfig, MLCConfig, ServiceConfig, Verif
 from sdcp.services.verifier import PassCosts, VerifierNode, lookahead_length
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
-from tests.services.outputs import output_tokens, read_output
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,20 +53,30 @@ def target() -> TargetModel:
 
 @pytest.fixture
 async def node(tmp_path: Path, target: TargetModel) -> AsyncIterator[tuple[VerifierNode, dict[str, SDCPClient]]]:
-    uris = {"verifier": f"https://127.0.0.1:{free_port()}", "router": "https://127.0.0.1:1",
-            "drafter": "https://127.0.0.1:2"}
+    uris = {
+        "verifier": f"https://127.0.0.1:{free_port()}",
+        "router": "https://127.0.0.1:1",
+        "drafter": "https://127.0.0.1:2",
+    }
     issued = make_certs(tmp_path / "certs", list(uris.values()))
     ca = tmp_path / "certs" / "ca.pem"
     config = ServiceConfig(
-        instance=InstanceConfig(uri=uris["verifier"], cert=issued[uris["verifier"]].cert_path,
-                                key=issued[uris["verifier"]].key_path, ca=ca, router=uris["router"]),
+        instance=InstanceConfig(
+            uri=uris["verifier"],
+            cert=issued[uris["verifier"]].cert_path,
+            key=issued[uris["verifier"]].key_path,
+            ca=ca,
+            router=uris["router"],
+        ),
         mlc=MLCConfig(disk_dir=tmp_path / "mlc"),
         verifier=VerifierConfig(model="smollm2", output_wait_s=0.5),
     )
     verifier = VerifierNode(config, target=target)
     await verifier.start()
-    clients = {name: SDCPClient(uris["verifier"], issued[uris[name]].cert_path, issued[uris[name]].key_path, ca)
-               for name in ("router", "drafter")}
+    clients = {
+        name: SDCPClient(uris["verifier"], issued[uris[name]].cert_path, issued[uris[name]].key_path, ca)
+        for name in ("router", "drafter")
+    }
     try:
         yield verifier, clients
     finally:
@@ -81,40 +91,79 @@ def _prompt_and_reference(target: TargetModel) -> tuple[tuple[int, ...], list[in
     prompt = tuple(target.tokenizer(PROMPT_TEXT)["input_ids"])
     with torch.inference_mode():
         ids = torch.tensor([prompt])
-        reference = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                          do_sample=False)[0, len(prompt):].tolist()
+        reference = target.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False
+        )[0, len(prompt) :].tolist()
     return prompt, reference
 
 
 async def _open_self_decoding_session(
-    verifier: VerifierNode, clients: dict[str, SDCPClient], target: TargetModel, prompt: tuple[int, ...],
+    verifier: VerifierNode,
+    clients: dict[str, SDCPClient],
+    target: TargetModel,
+    prompt: tuple[int, ...],
     fallback: list[Action],
 ) -> Contract:
     """Open the session (low_rounds 1, self_max MAX_NEW) and assign the test's drafter."""
-    contract = Contract.from_obj({
-        "target": target.weights_digest, "tokenizer": target.tokenizer_digest, "rule": 1, "m_max": 4,
-        "max_new": MAX_NEW, "stop": end_of_text_tokens(target.tokenizer), "low_rounds": 1,
-        "fallback": fallback, "self_load": 100, "self_max": MAX_NEW,
-    })
-    opened = SessionOpen(session=SESSION, epoch=1, contract=contract, prompt=prompt,
-                         commit_log=build_uri("local", None, "log", SESSION.hex()))
+    contract = Contract.from_obj(
+        {
+            "target": target.weights_digest,
+            "tokenizer": target.tokenizer_digest,
+            "rule": 1,
+            "m_max": 4,
+            "max_new": MAX_NEW,
+            "stop": end_of_text_tokens(target.tokenizer),
+            "low_rounds": 1,
+            "fallback": fallback,
+            "self_load": 100,
+            "self_max": MAX_NEW,
+        }
+    )
+    opened = SessionOpen(
+        session=SESSION,
+        epoch=1,
+        contract=contract,
+        prompt=prompt,
+        commit_log=build_uri("local", None, "log", SESSION.hex()),
+    )
     _, body = await clients["router"].post_cbor("sessions", opened.to_obj())
     await _assign(clients, verifier, contract, prompt, SessionState.from_obj(body))
     return contract
 
 
-async def _assign(clients: dict[str, SDCPClient], verifier: VerifierNode, contract: Contract,
-                  prompt: tuple[int, ...], state: SessionState) -> None:
-    assignment = Assignment(session=SESSION, epoch=1, contract=contract, verifier=verifier.uri, drafter=DRAFTER,
-                            prompt=prompt, round=state.round, committed=state.committed, digest=state.digest,
-                            m_init=4)
+async def _assign(
+    clients: dict[str, SDCPClient],
+    verifier: VerifierNode,
+    contract: Contract,
+    prompt: tuple[int, ...],
+    state: SessionState,
+) -> None:
+    assignment = Assignment(
+        session=SESSION,
+        epoch=1,
+        contract=contract,
+        verifier=verifier.uri,
+        drafter=DRAFTER,
+        prompt=prompt,
+        round=state.round,
+        committed=state.committed,
+        digest=state.digest,
+        m_init=4,
+    )
     await clients["router"].put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
 
 
 def _proposal(state: SessionState, tokens: tuple[int, ...]) -> Proposal:
-    return Proposal(session=SESSION, epoch=1, round=state.round + 1, drafter=DRAFTER, base=state.committed,
-                    base_digest=state.digest, tokens=tokens,
-                    status=Status(instance=DRAFTER, role=Role.DRAFTER, load=0, queue=0, ttl_ms=1000))
+    return Proposal(
+        session=SESSION,
+        epoch=1,
+        round=state.round + 1,
+        drafter=DRAFTER,
+        base=state.committed,
+        base_digest=state.digest,
+        tokens=tokens,
+        status=Status(instance=DRAFTER, role=Role.DRAFTER, load=0, queue=0, ttl_ms=1000),
+    )
 
 
 async def test_lookahead_saves_passes_and_keeps_greedy_output(
@@ -143,8 +192,7 @@ async def test_a_failed_append_while_self_decoding_leaves_the_model_at_the_commi
 ) -> None:
     verifier, clients = node
     prompt, reference = _prompt_and_reference(target)
-    contract = await _open_self_decoding_session(verifier, clients, target, prompt,
-                                                 [Action.SELF_DECODE, Action.FAIL])
+    contract = await _open_self_decoding_session(verifier, clients, target, prompt, [Action.SELF_DECODE, Action.FAIL])
     live = verifier.sessions[SESSION]
     # The sixth record cannot be written: the MLC answers with an error and the record is not there.
     appended = live.log.append

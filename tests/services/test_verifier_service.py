@@ -18,6 +18,7 @@ import cbor2
 import numpy as np
 import pytest
 import torch
+from tests.services.outputs import output_tokens, read_output
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdcp.cache import MLC, build_uri
@@ -47,12 +48,10 @@ from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
 from sdcp.transport.errors import PeerServerError
-from tests.services.outputs import output_tokens, read_output
 
 pytestmark = pytest.mark.timeout(120)
 
 PROMPT = (5, 17, 42, 9, 100, 3)
-
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +62,13 @@ def target() -> TargetModel:
 @pytest.fixture(scope="module")
 def greedy_reference(target: TargetModel) -> list[int]:
     generated = target.model.generate(
-        torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+        torch.tensor([PROMPT]),
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
         attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
     )
-    return generated[0, len(PROMPT):].tolist()
+    return generated[0, len(PROMPT) :].tolist()
 
 
 class Cluster:
@@ -89,14 +91,19 @@ class Cluster:
 async def running_cluster(tmp_path: Path, target: TargetModel, **verifier: float) -> AsyncIterator[Cluster]:
     verifier_uri = f"https://127.0.0.1:{free_port()}"
     router_uri = "https://127.0.0.1:1"
-    identities = {"verifier": verifier_uri, "router": router_uri, "drafter": "https://127.0.0.1:2",
-                  "intruder": "https://127.0.0.1:3"}
+    identities = {
+        "verifier": verifier_uri,
+        "router": router_uri,
+        "drafter": "https://127.0.0.1:2",
+        "intruder": "https://127.0.0.1:3",
+    }
     issued = make_certs(tmp_path / "certs", list(identities.values()))
     certs = {name: (issued[uri].cert_path, issued[uri].key_path) for name, uri in identities.items()}
     ca = tmp_path / "certs" / "ca.pem"
     config = ServiceConfig(
-        instance=InstanceConfig(uri=verifier_uri, cert=certs["verifier"][0], key=certs["verifier"][1], ca=ca,
-                                router=router_uri),
+        instance=InstanceConfig(
+            uri=verifier_uri, cert=certs["verifier"][0], key=certs["verifier"][1], ca=ca, router=router_uri
+        ),
         mlc=MLCConfig(disk_dir=tmp_path / "mlc"),
         verifier=VerifierConfig(model="tiny", output_wait_s=0.5, **verifier),  # type: ignore[arg-type]
     )
@@ -146,8 +153,18 @@ async def open_and_assign(env: Cluster, c: Contract, epoch: int = 1) -> SessionS
     status, body = await router.post_cbor("sessions", opened.to_obj())
     assert status == 201
     state = SessionState.from_obj(body)
-    assignment = Assignment(session=SESSION, epoch=epoch, contract=c, verifier=env.node.uri, drafter=DRAFTER,
-                            prompt=PROMPT, round=0, committed=0, digest=state.digest, m_init=4)
+    assignment = Assignment(
+        session=SESSION,
+        epoch=epoch,
+        contract=c,
+        verifier=env.node.uri,
+        drafter=DRAFTER,
+        prompt=PROMPT,
+        round=0,
+        committed=0,
+        digest=state.digest,
+        m_init=4,
+    )
     status, body = await router.put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
     assert status == 200
     return state
@@ -155,8 +172,13 @@ async def open_and_assign(env: Cluster, c: Contract, epoch: int = 1) -> SessionS
 
 def proposal(state: SessionState, tokens: tuple[int, ...], **overrides: object) -> Proposal:
     fields: dict[str, object] = dict(
-        session=SESSION, epoch=state.epoch, round=state.round + 1, drafter=DRAFTER, base=state.committed,
-        base_digest=state.digest, tokens=tokens,
+        session=SESSION,
+        epoch=state.epoch,
+        round=state.round + 1,
+        drafter=DRAFTER,
+        base=state.committed,
+        base_digest=state.digest,
+        tokens=tokens,
         status=Status(instance=DRAFTER, role=Role.DRAFTER, load=0, queue=0, ttl_ms=1000),
     )
     fields.update(overrides)
@@ -164,8 +186,9 @@ def proposal(state: SessionState, tokens: tuple[int, ...], **overrides: object) 
 
 
 def advance(state: SessionState, verdict: Verdict) -> SessionState:
-    return SessionState(session=SESSION, epoch=state.epoch, round=verdict.round, committed=verdict.committed,
-                        digest=verdict.digest)
+    return SessionState(
+        session=SESSION, epoch=state.epoch, round=verdict.round, committed=verdict.committed, digest=verdict.digest
+    )
 
 
 async def problem_of(call: object) -> ProtocolError:
@@ -188,7 +211,7 @@ async def test_greedy_session_equals_target_greedy_decoding(
         tokens = tuple(int(t) for t in rng.integers(0, 257, size=m))
         if committed and rng.random() < 0.5:
             # Sometimes propose the true continuation, so that rounds accept several tokens.
-            tokens = tuple(greedy_reference[len(committed):len(committed) + m]) or tokens
+            tokens = tuple(greedy_reference[len(committed) : len(committed) + m]) or tokens
         status, body = await drafter.post_cbor("proposals", proposal(state, tokens).to_obj(), idempotent=True)
         assert status == 200
         verdict = Verdict.from_obj(body)
@@ -219,7 +242,9 @@ async def test_duplicate_proposal_gets_the_identical_verdict(cluster: Cluster, t
     state = await open_and_assign(cluster, contract(target))
     drafter = cluster.client("drafter")
     message = proposal(state, (1, 2, 3)).to_obj()
-    first, second = await asyncio.gather(drafter.post_cbor("proposals", message), drafter.post_cbor("proposals", message))
+    first, second = await asyncio.gather(
+        drafter.post_cbor("proposals", message), drafter.post_cbor("proposals", message)
+    )
     again = await drafter.post_cbor("proposals", message)
     assert first == second == again
 
@@ -252,8 +277,13 @@ async def test_only_the_router_opens_sessions_and_contract_must_match(cluster: C
     bad = SessionOpen(session=SESSION, epoch=1, contract=wrong, prompt=PROMPT, commit_log="mlc://local/-/log/x")
     problem = await problem_of(router.post_cbor("sessions", bad.to_obj()))
     assert problem.problem is ProblemType.BAD_CONTRACT and problem.status == 422
-    too_long = SessionOpen(session=SESSION, epoch=1, contract=contract(target, max_new=10**6), prompt=PROMPT,
-                           commit_log="mlc://local/-/log/x")
+    too_long = SessionOpen(
+        session=SESSION,
+        epoch=1,
+        contract=contract(target, max_new=10**6),
+        prompt=PROMPT,
+        commit_log="mlc://local/-/log/x",
+    )
     problem = await problem_of(router.post_cbor("sessions", too_long.to_obj()))
     assert problem.problem is ProblemType.BAD_CONTRACT
 
@@ -319,8 +349,15 @@ async def test_commit_records_precede_verdicts(cluster: Cluster, target: TargetM
     _, body = await drafter.post_cbor("proposals", proposal(state, (1, 2)).to_obj())
     verdict = Verdict.from_obj(body)
     records = (await cluster.mlc.commit_log(build_uri("local", None, "log", SESSION.hex())).read()).records
-    assert records == [{"epoch": 1, "round": 1, "emitted": list(verdict.emitted), "committed": verdict.committed,
-                        "digest": verdict.digest}]
+    assert records == [
+        {
+            "epoch": 1,
+            "round": 1,
+            "emitted": list(verdict.emitted),
+            "committed": verdict.committed,
+            "digest": verdict.digest,
+        }
+    ]
     assert cbor2.loads(cbor2.dumps(records[0])) == records[0]
 
 
@@ -380,8 +417,13 @@ async def test_a_failed_append_releases_nothing_and_the_round_can_be_retried(
         target.close_session(session)
     with local_redis_server(tmp_path / "redis") as redis_url:
         config = ServiceConfig(
-            instance=InstanceConfig(uri=verifier_uri, cert=certs["verifier"][0], key=certs["verifier"][1], ca=ca,
-                                    router="https://127.0.0.1:1"),
+            instance=InstanceConfig(
+                uri=verifier_uri,
+                cert=certs["verifier"][0],
+                key=certs["verifier"][1],
+                ca=ca,
+                router="https://127.0.0.1:1",
+            ),
             mlc=MLCConfig(redis_url=redis_url, memory_bytes=0),
             verifier=VerifierConfig(model="tiny", output_wait_s=0.2),
         )
@@ -434,9 +476,18 @@ async def test_a_session_nothing_drives_is_closed_after_the_idle_timeout(tmp_pat
         _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
         state = advance(state, Verdict.from_obj(body))
         # Router messages drive it: six 0.25 s apart span more than the timeout.
-        assignment = Assignment(session=SESSION, epoch=1, contract=c, verifier=node.uri, drafter=DRAFTER,
-                                prompt=PROMPT, round=state.round, committed=state.committed, digest=state.digest,
-                                m_init=4)
+        assignment = Assignment(
+            session=SESSION,
+            epoch=1,
+            contract=c,
+            verifier=node.uri,
+            drafter=DRAFTER,
+            prompt=PROMPT,
+            round=state.round,
+            committed=state.committed,
+            digest=state.digest,
+            m_init=4,
+        )
         for _ in range(6):
             await asyncio.sleep(0.25)
             await router.put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())

@@ -62,7 +62,12 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
 
 def mtls_listener(pki: PKI, **options: int | float) -> Listener:
     return Listener.mtls(
-        "127.0.0.1", 0, cert=pki.server.cert, key=pki.server.key, ca=pki.ca, **options  # type: ignore[arg-type]
+        "127.0.0.1",
+        0,
+        cert=pki.server.cert,
+        key=pki.server.key,
+        ca=pki.ca,
+        **options,  # type: ignore[arg-type]
     )
 
 

@@ -172,7 +172,8 @@ async def test_unexpected_errors_become_500_problems_without_internals(
 
 
 @pytest.mark.parametrize(
-    ("status", "error"), [(418, PeerClientError), (451, PeerClientError), (503, PeerServerError), (599, PeerServerError)]
+    ("status", "error"),
+    [(418, PeerClientError), (451, PeerClientError), (503, PeerServerError), (599, PeerServerError)],
 )
 async def test_statuses_without_problem_bodies_are_handled_by_class(pki: PKI, status: int, error: type) -> None:
     async with serving(service_app(pki, asyncio.Event()), mtls_listener(pki)) as server:

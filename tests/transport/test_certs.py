@@ -97,7 +97,14 @@ def test_issue_returns_the_pair_it_wrote(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "uri",
-    ["http://127.0.0.1:9000/", "https:///path", "127.0.0.1:9000", "https://u:p@host/", "https://h/?q=1", "https://h:99999/"],
+    [
+        "http://127.0.0.1:9000/",
+        "https:///path",
+        "127.0.0.1:9000",
+        "https://u:p@host/",
+        "https://h/?q=1",
+        "https://h:99999/",
+    ],
 )
 def test_unusable_instance_uris_are_refused(tmp_path: Path, uri: str) -> None:
     with pytest.raises(InvalidInstanceURI):

@@ -225,9 +225,10 @@ async def test_an_app_that_does_not_answer_gets_a_500_problem(pki: PKI) -> None:
 
 
 async def test_peer_clients_keep_one_client_per_peer(pki: PKI) -> None:
-    async with serving(counting_app([], []), mtls_listener(pki)) as first, serving(
-        counting_app([], []), mtls_listener(pki)
-    ) as second:
+    async with (
+        serving(counting_app([], []), mtls_listener(pki)) as first,
+        serving(counting_app([], []), mtls_listener(pki)) as second,
+    ):
         peers = PeerClients(pki.drafter_a.cert, pki.drafter_a.key, pki.ca)
         try:
             assert peers.get(first.base_url) is peers.get(first.base_url)

@@ -88,7 +88,9 @@ class ClusterSystem:
     def contract(self, max_new: int, stop: Sequence[int]) -> Contract:
         if self.target is None:
             raise RuntimeError("connect() first")
-        return build_contract(target=self.target["model"], tokenizer=self.target["tokenizer"], max_new=max_new, stop=stop)
+        return build_contract(
+            target=self.target["model"], tokenizer=self.target["tokenizer"], max_new=max_new, stop=stop
+        )
 
     async def generate(self, prompt: Prompt, max_new: int, stop: Sequence[int]) -> RunResult:
         if self.client is None:

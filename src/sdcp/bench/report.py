@@ -65,10 +65,21 @@ def _identical(data: BenchData) -> tuple[bool, list[dict[str, Any]]]:
             compared += 1
             tokens = outputs[system]
             if tokens != reference:
-                first = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b),
-                             min(len(tokens), len(reference)))
-                mismatches.append({"system": system, "workload": workload, "prompt": prompt, "repeat": repeat,
-                                   "first_difference": first, "length": len(tokens), "reference_length": len(reference)})
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b),
+                    min(len(tokens), len(reference)),
+                )
+                mismatches.append(
+                    {
+                        "system": system,
+                        "workload": workload,
+                        "prompt": prompt,
+                        "repeat": repeat,
+                        "first_difference": first,
+                        "length": len(tokens),
+                        "reference_length": len(reference),
+                    }
+                )
     return compared > 0 and not mismatches, mismatches
 
 
@@ -117,14 +128,16 @@ def summarise(data: BenchData) -> dict[str, Any]:
     single = next((level for level in data.concurrency if level.sessions == 1), None)
     for level in data.concurrency:
         rate = level.tokens / level.seconds if level.seconds > 0 else 0.0
-        concurrency.append({
-            "sessions": level.sessions,
-            "tokens": level.tokens,
-            "tokens_per_s": round(rate, 2),
-            "itl_ms_p50": _percentile(level.inter_token_ms, 50),
-            "itl_ms_p99": _percentile(level.inter_token_ms, 99),
-            "verifier_batch_mean": round(statistics.fmean(level.batch_sizes), 2) if level.batch_sizes else None,
-        })
+        concurrency.append(
+            {
+                "sessions": level.sessions,
+                "tokens": level.tokens,
+                "tokens_per_s": round(rate, 2),
+                "itl_ms_p50": _percentile(level.inter_token_ms, 50),
+                "itl_ms_p99": _percentile(level.inter_token_ms, 99),
+                "verifier_batch_mean": round(statistics.fmean(level.batch_sizes), 2) if level.batch_sizes else None,
+            }
+        )
     top = max(data.concurrency, key=lambda level: level.sessions, default=None)
     if single is not None and top is not None and single.tokens and top is not single:
         ratios[f"concurrency{top.sessions}_vs_1"] = round(
@@ -178,8 +191,9 @@ def _per_prompt(data: BenchData, system: str) -> list[dict[str, Any]]:
     rows = []
     for workload in data.workloads:
         for index in range(len(workload.prompts)):
-            runs = [m for m in data.measurements if m.system == system and m.workload == workload.name
-                    and m.prompt == index]
+            runs = [
+                m for m in data.measurements if m.system == system and m.workload == workload.name and m.prompt == index
+            ]
             if not runs:
                 continue
             served = list(dict.fromkeys(who for m in runs for who in m.result.served))
@@ -187,14 +201,18 @@ def _per_prompt(data: BenchData, system: str) -> list[dict[str, Any]]:
             proposed = sum(m.result.proposed for m in runs)
             rounds = sum(m.result.rounds for m in runs)
             self_decoded = sum(m.result.self_decoded for m in runs)
-            rows.append({
-                "workload": workload.name,
-                "prompt": index,
-                "served": served,
-                "acceptance": round(accepted / proposed, 3) if proposed else None,
-                "self_decoded_share": round(self_decoded / (rounds + self_decoded), 3) if rounds + self_decoded else None,
-                "tokens_per_s": _median([m.result.tokens_per_s for m in runs]),
-            })
+            rows.append(
+                {
+                    "workload": workload.name,
+                    "prompt": index,
+                    "served": served,
+                    "acceptance": round(accepted / proposed, 3) if proposed else None,
+                    "self_decoded_share": round(self_decoded / (rounds + self_decoded), 3)
+                    if rounds + self_decoded
+                    else None,
+                    "tokens_per_s": _median([m.result.tokens_per_s for m in runs]),
+                }
+            )
     return rows
 
 
@@ -212,15 +230,19 @@ def _system_workload(runs: list[Measurement], rates: list[float | None]) -> dict
         "tokens": tokens,
     }
     if passes:
-        entry.update({
-            "mean_accepted_length": round(accepted / rounds, 3) if rounds else 0.0,
-            "tokens_per_target_pass": round(tokens / passes, 3),
-            "rounds_per_100_tokens": round(100 * passes / tokens, 2) if tokens else None,
-            "self_decoded_share": round(sum(m.result.self_decoded for m in runs) / passes, 3),
-            "acceptance_by_position": [round(a / p, 3) if p else None
-                                       for a, p in zip(by_position_accepted, by_position_proposed, strict=True)],
-            "proposed_by_position": by_position_proposed,
-        })
+        entry.update(
+            {
+                "mean_accepted_length": round(accepted / rounds, 3) if rounds else 0.0,
+                "tokens_per_target_pass": round(tokens / passes, 3),
+                "rounds_per_100_tokens": round(100 * passes / tokens, 2) if tokens else None,
+                "self_decoded_share": round(sum(m.result.self_decoded for m in runs) / passes, 3),
+                "acceptance_by_position": [
+                    round(a / p, 3) if p else None
+                    for a, p in zip(by_position_accepted, by_position_proposed, strict=True)
+                ],
+                "proposed_by_position": by_position_proposed,
+            }
+        )
     return entry
 
 
@@ -262,34 +284,63 @@ def markdown(summary: dict[str, Any]) -> str:
         "|---|" + "---|" * (len(workloads) + 2),
     ]
     for system, entries in summary["systems"].items():
-        cells = [f"{entries[w]['tokens_per_s']:.1f}" if entries[w]["tokens_per_s"] is not None else "-"
-                 for w in workloads]
+        cells = [
+            f"{entries[w]['tokens_per_s']:.1f}" if entries[w]["tokens_per_s"] is not None else "-" for w in workloads
+        ]
         every = entries["all"]
-        lines.append(f"| {system} | " + " | ".join(cells)
-                     + f" | {every.get('tokens_per_target_pass', '-')} | {every.get('rounds_per_100_tokens', '-')} |")
+        lines.append(
+            f"| {system} | "
+            + " | ".join(cells)
+            + f" | {every.get('tokens_per_target_pass', '-')} | {every.get('rounds_per_100_tokens', '-')} |"
+        )
     lines += ["", "| ratio | median |", "|---|---|"]
     lines += [f"| {name} | {value} |" for name, value in summary["ratios"].items()]
-    lines += ["", f"Non-model time per round (e2e): p50 {summary['overhead_ms_p50']} ms, "
-              f"p99 {summary['overhead_ms_p99']} ms; in-process: p50 {summary['overhead_inprocess_ms_p50']} ms, "
-              f"p99 {summary['overhead_inprocess_ms_p99']} ms.", "",
-              "| sessions | aggregate tok/s | ITL p50 ms | ITL p99 ms | verifier batch (mean) |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Non-model time per round (e2e): p50 {summary['overhead_ms_p50']} ms, "
+        f"p99 {summary['overhead_ms_p99']} ms; in-process: p50 {summary['overhead_inprocess_ms_p50']} ms, "
+        f"p99 {summary['overhead_inprocess_ms_p99']} ms.",
+        "",
+        "| sessions | aggregate tok/s | ITL p50 ms | ITL p99 ms | verifier batch (mean) |",
+        "|---|---|---|---|---|",
+    ]
     for level in summary["concurrency"]:
-        lines.append(f"| {level['sessions']} | {level['tokens_per_s']} | {level['itl_ms_p50']} | "
-                     f"{level['itl_ms_p99']} | {level['verifier_batch_mean']} |")
+        lines.append(
+            f"| {level['sessions']} | {level['tokens_per_s']} | {level['itl_ms_p50']} | "
+            f"{level['itl_ms_p99']} | {level['verifier_batch_mean']} |"
+        )
     lines += ["", "| workload | default vs transformers greedy | default vs n-gram-only cluster |", "|---|---|---|"]
-    lines += [f"| {w} | {summary['default_vs_target'][w]} | {summary['default_vs_ngram_only'][w]} |"
-              for w in summary["default_vs_target"]]
+    lines += [
+        f"| {w} | {summary['default_vs_target'][w]} | {summary['default_vs_ngram_only'][w]} |"
+        for w in summary["default_vs_target"]
+    ]
     neighbour = summary.get("noisy_neighbour") or {}
     if neighbour:
-        lines += ["", f"Noisy neighbour (default cluster, open prompts): {neighbour['idle_tokens_per_s']} tok/s alone, "
-                  f"{neighbour['busy_tokens_per_s']} tok/s with one core kept busy ({neighbour['busy_vs_idle']}x)."]
-    lines += ["", "Default cluster (`sdcp_default`), per prompt over every repeat:", "",
-              "| workload | prompt | served by | acceptance | self-decoded share | tok/s (median) |",
-              "|---|---|---|---|---|---|"]
-    lines += [f"| {row['workload']} | {row['prompt']} | {', '.join(row['served']) or '-'} | {row['acceptance']} | "
-              f"{row['self_decoded_share']} | {row['tokens_per_s']} |" for row in summary["default_per_prompt"]]
-    lines += ["", f"Outputs of target-only, SDCP in-process and SDCP end to end identical token for token: "
-              f"**{summary['identical_outputs']}**", "", "| goal | value | target | met |", "|---|---|---|---|"]
+        lines += [
+            "",
+            f"Noisy neighbour (default cluster, open prompts): {neighbour['idle_tokens_per_s']} tok/s alone, "
+            f"{neighbour['busy_tokens_per_s']} tok/s with one core kept busy ({neighbour['busy_vs_idle']}x).",
+        ]
+    lines += [
+        "",
+        "Default cluster (`sdcp_default`), per prompt over every repeat:",
+        "",
+        "| workload | prompt | served by | acceptance | self-decoded share | tok/s (median) |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {row['workload']} | {row['prompt']} | {', '.join(row['served']) or '-'} | {row['acceptance']} | "
+        f"{row['self_decoded_share']} | {row['tokens_per_s']} |"
+        for row in summary["default_per_prompt"]
+    ]
+    lines += [
+        "",
+        f"Outputs of target-only, SDCP in-process and SDCP end to end identical token for token: "
+        f"**{summary['identical_outputs']}**",
+        "",
+        "| goal | value | target | met |",
+        "|---|---|---|---|",
+    ]
     for name, goal in summary["goals"].items():
         lines.append(f"| {name} | {goal['value']} | {goal['target']} | {goal['met']} |")
     return "\n".join(lines) + "\n"
@@ -321,8 +372,9 @@ def _plot(summary: dict[str, Any], out: Path) -> None:
             continue
         for workload in workloads:
             acceptance = summary["systems"][system][workload].get("acceptance_by_position") or []
-            axes[0].plot(range(1, len(acceptance) + 1), [a or 0.0 for a in acceptance], marker="o",
-                         label=f"{system} {workload}")
+            axes[0].plot(
+                range(1, len(acceptance) + 1), [a or 0.0 for a in acceptance], marker="o", label=f"{system} {workload}"
+            )
     axes[0].set_xlabel("proposed position")
     axes[0].set_ylabel("acceptance")
     axes[0].set_title("Acceptance by position")

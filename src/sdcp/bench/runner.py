@@ -138,13 +138,17 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
     in_process.append(InProcessSDCPSystem(target, stop))
     prompts = {w.name: [Prompt(p, tuple(tokenize_prompt(tokenizer, p))) for p in w.prompts] for w in workloads}
     with ExitStack() as stack:
-        clusters = [ClusterSystem(config.out / "sdcp-home", config.model),
-                    GatewaySystem(config.out / "sdcp-home-default", config.model,
-                                  chat=bool(getattr(tokenizer, "chat_template", None)))]
+        clusters = [
+            ClusterSystem(config.out / "sdcp-home", config.model),
+            GatewaySystem(
+                config.out / "sdcp-home-default", config.model, chat=bool(getattr(tokenizer, "chat_template", None))
+            ),
+        ]
         if config.redis and redis_server_available():
             redis_url = stack.enter_context(local_redis_server(config.out / "redis"))
-            clusters.append(ClusterSystem(config.out / "sdcp-home-redis", config.model, redis_url=redis_url,
-                                          name="sdcp_e2e_redis"))
+            clusters.append(
+                ClusterSystem(config.out / "sdcp-home-redis", config.model, redis_url=redis_url, name="sdcp_e2e_redis")
+            )
         try:
             for cluster in clusters:
                 log(f"starting the local cluster {cluster.name}")
@@ -188,8 +192,10 @@ async def _measure(
                             continue
                         result = await run(prompt, max_new)
                         measurements.append(Measurement(name, workload, index, repeat, result))
-                        log(f"repeat {repeat + 1} {workload}[{index}] {name}: {len(result.tokens)} tokens, "
-                            f"{result.tokens_per_s:.1f} tok/s")
+                        log(
+                            f"repeat {repeat + 1} {workload}[{index}] {name}: {len(result.tokens)} tokens, "
+                            f"{result.tokens_per_s:.1f} tok/s"
+                        )
         levels = await _concurrency_sweep(config, clusters[0], prompts, stop, log)
         default = next(cluster for cluster in clusters if isinstance(cluster, GatewaySystem))
         neighbour = await _noisy_neighbour(config, default, prompts["open"], stop, log)
@@ -246,8 +252,10 @@ async def _concurrency_sweep(
             batch_sizes=[size for r in results for size in r.batch_sizes],
         )
         levels.append(level)
-        log(f"concurrency {sessions}: {level.tokens / seconds:.1f} tok/s aggregate, "
-            f"mean batch {statistics.fmean(level.batch_sizes) if level.batch_sizes else 0:.1f}")
+        log(
+            f"concurrency {sessions}: {level.tokens / seconds:.1f} tok/s aggregate, "
+            f"mean batch {statistics.fmean(level.batch_sizes) if level.batch_sizes else 0:.1f}"
+        )
     return levels
 
 
@@ -272,5 +280,8 @@ async def _noisy_neighbour(
         busy_loop.kill()
         busy_loop.wait()
     log(f"noisy neighbour: {idle:.1f} tok/s alone, {busy:.1f} tok/s with one core busy")
-    return {"idle_tokens_per_s": round(idle, 2), "busy_tokens_per_s": round(busy, 2),
-            "busy_vs_idle": round(busy / idle, 3) if idle > 0 else 0.0}
+    return {
+        "idle_tokens_per_s": round(idle, 2),
+        "busy_tokens_per_s": round(busy, 2),
+        "busy_vs_idle": round(busy / idle, 3) if idle > 0 else 0.0,
+    }

@@ -172,8 +172,10 @@ class InProcessSDCPSystem:
 
     def contract(self, max_new: int) -> Contract:
         return build_contract(
-            target=self.target.weights_digest, tokenizer=self.target.tokenizer_digest,
-            max_new=max_new, stop=self.stop,
+            target=self.target.weights_digest,
+            tokenizer=self.target.tokenizer_digest,
+            max_new=max_new,
+            stop=self.stop,
         )
 
     def generate(self, prompt: Sequence[int], max_new: int) -> RunResult:
@@ -219,9 +221,16 @@ class InProcessSDCPSystem:
 
     def _assign(self, verifier: VerifierSession, contract: Contract, prompt: tuple[int, ...]) -> DrafterSession:
         assignment = Assignment(
-            session=verifier.session, epoch=verifier.epoch, contract=contract, verifier=_VERIFIER_URI,
-            drafter=_DRAFTER_URI, prompt=prompt, round=verifier.round, committed=verifier.committed,
-            digest=verifier.digest, m_init=self.m_init,
+            session=verifier.session,
+            epoch=verifier.epoch,
+            contract=contract,
+            verifier=_VERIFIER_URI,
+            drafter=_DRAFTER_URI,
+            prompt=prompt,
+            round=verifier.round,
+            committed=verifier.committed,
+            digest=verifier.digest,
+            m_init=self.m_init,
         )
         verifier.assign(assignment)
         self.drafter.sync(verifier.session, [*prompt, *verifier.tokens])

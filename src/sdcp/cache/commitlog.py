@@ -138,10 +138,8 @@ class CommitLog(abc.ABC):
 
     async def last_commit(self) -> dict[str, Any] | None:
         """The last record that is not a fence record, or None."""
-        for record in reversed((await self.read()).records):
-            if not is_fence(record):
-                return record
-        return None
+        records: list[dict[str, Any]] = (await self.read()).records
+        return next((record for record in reversed(records) if not is_fence(record)), None)
 
 
 def validate_fence_epoch(epoch: int) -> int:
@@ -323,4 +321,3 @@ def _append_all(loop: asyncio.AbstractEventLoop, batch: list[_PendingAppend]) ->
         except Exception as exc:  # noqa: BLE001 - the appender learns it from its future
             outcomes.append((done, exc))
     settle_soon(loop, outcomes)
-

@@ -52,9 +52,7 @@ class LruBytes:
             held, _, etag = entry
         return CachedObject(uri, self._bytes(held), etag)
 
-    def install_sync(
-        self, obj: CachedObject, protected: Callable[[str], bool] | None = None
-    ) -> list[CachedObject]:
+    def install_sync(self, obj: CachedObject, protected: Callable[[str], bool] | None = None) -> list[CachedObject]:
         """Insert `obj`, evicting least recently used entries that are not `protected`.
 
         Without `protected` (a cache tier), an object larger than the tier is simply not cached.

@@ -15,10 +15,15 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from sdcp.cache.commitlog import EMPTY_LOG_ETAG, CommitLog, LogSnapshot, decode_record, encode_record
-from sdcp.cache.commitlog import validate_fence_epoch
-from sdcp.cache.errors import CacheFull, Fenced, LeaseNotHeld, ObjectNotFound, ObjectTooLarge
-from sdcp.cache.errors import PreconditionFailed
+from sdcp.cache.commitlog import (
+    EMPTY_LOG_ETAG,
+    CommitLog,
+    LogSnapshot,
+    decode_record,
+    encode_record,
+    validate_fence_epoch,
+)
+from sdcp.cache.errors import CacheFull, Fenced, LeaseNotHeld, ObjectNotFound, ObjectTooLarge, PreconditionFailed
 from sdcp.cache.tiers import CachedObject
 
 _NOW_MS = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
@@ -34,7 +39,10 @@ end
 """
 
 # KEYS: object, lru, used. ARGV: uri, data, etag, if_match ('' = none), capacity (-1 = none), prefix.
-_PUT = _NOW_MS + _LIVE_LEASE + """
+_PUT = (
+    _NOW_MS
+    + _LIVE_LEASE
+    + """
 local current = redis.call('HGET', KEYS[1], 'e')
 if ARGV[4] ~= '' and current ~= ARGV[4] then return 'PRECONDITION' end
 local old = 0
@@ -64,6 +72,7 @@ redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('SET', KEYS[3], used - old + size)
 return 'OK'
 """
+)
 
 # KEYS: object, lru, used, lease. ARGV: uri.
 _DELETE = """
@@ -75,7 +84,9 @@ return 1
 """
 
 # KEYS: object, lease. ARGV: holder, ttl_ms, mode ('take' | 'renew'). Returns expiry ms or -1.
-_LEASE = _NOW_MS + """
+_LEASE = (
+    _NOW_MS
+    + """
 if ARGV[3] == 'take' then
   if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 else
@@ -87,14 +98,18 @@ redis.call('HSET', KEYS[2], ARGV[1], now + ttl)
 if redis.call('PTTL', KEYS[2]) < ttl then redis.call('PEXPIRE', KEYS[2], ttl) end
 return now + ttl
 """
+)
 
 # KEYS: lease. ARGV: holder. Returns 1 if a live lease was dropped.
-_RELEASE = _NOW_MS + """
+_RELEASE = (
+    _NOW_MS
+    + """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[1], ARGV[1])
 if current and tonumber(current) > now then return 1 end
 return 0
 """
+)
 
 # KEYS: records, meta. ARGV: payload, epoch, mode ('append' | 'fence'), if_match, is_fence, new gen.
 # SDCP 6.8: the fence check, the If-Match check and the append are one atomic step.
@@ -151,8 +166,8 @@ class RedisStore:
         return f"{self.prefix}{kind}:{uri}"
 
     async def head(self, uri: str) -> str | None:
-        etag = await self.client.hget(self._key("o", uri), "e")
-        return None if etag is None else etag.decode()
+        etag: bytes | str | None = await self.client.hget(self._key("o", uri), "e")
+        return etag.decode() if isinstance(etag, bytes) else etag
 
     async def fetch(self, uri: str) -> CachedObject | None:
         async with self.client.pipeline(transaction=False) as pipe:
@@ -168,7 +183,7 @@ class RedisStore:
             raise ObjectTooLarge(f"{len(obj.data)} bytes exceed the redis capacity {self.capacity_bytes}")
         keys = [self._key("o", obj.uri), self.prefix + "lru", self.prefix + "used"]
         capacity = -1 if self.capacity_bytes is None else self.capacity_bytes
-        args = [obj.uri, obj.data, obj.etag, if_match or "", capacity, self.prefix]
+        args: list[str | bytes | int] = [obj.uri, obj.data, obj.etag, if_match or "", capacity, self.prefix]
         outcome = await self._put(keys=keys, args=args)
         if outcome == b"PRECONDITION":
             raise PreconditionFailed(f"{obj.uri}: If-Match {if_match} is not the current ETag")
@@ -235,7 +250,7 @@ class RedisCommitLog(CommitLog):
             keys=[self._records_key, self._meta_key],
             args=[payload, epoch, mode, if_match, "1" if fence_shaped else "0", secrets.token_hex(8)],
         )
-        text = detail.decode()
+        text = str(detail.decode())
         if outcome == b"FENCED":
             raise Fenced(f"{self.uri}: log carries epoch {text}; record has epoch {epoch}")
         if outcome == b"PRECONDITION":

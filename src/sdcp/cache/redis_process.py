@@ -41,9 +41,25 @@ def local_redis_server(workdir: Path) -> Iterator[str]:
     pidfile = workdir / "redis.pid"
     port = free_port()
     subprocess.run(
-        [executable, "--port", str(port), "--bind", "127.0.0.1", "--daemonize", "yes", "--pidfile", str(pidfile),
-         "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        check=True, timeout=START_TIMEOUT_S,
+        [
+            executable,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--daemonize",
+            "yes",
+            "--pidfile",
+            str(pidfile),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        check=True,
+        timeout=START_TIMEOUT_S,
     )
     try:
         _wait_until_ready(port, pidfile)

@@ -26,7 +26,8 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from sdcp.cache.commitlog import CommitLog, LogSnapshot, encode_record, validate_fence_epoch
 from sdcp.cache.errors import (
@@ -49,6 +50,7 @@ from sdcp.transport.errors import PeerServerError, StatusError, UnexpectedRespon
 __all__ = ["RemoteCommitLog", "RemoteStore"]
 
 PathLike = str | os.PathLike[str]
+_T = TypeVar("_T")
 ErrorMap = dict[int, type[CacheError]]
 
 _COMMON: ErrorMap = {
@@ -91,7 +93,7 @@ class RemoteStore:
 
     def __init__(self, base_uri: str, *, cert: PathLike, key: PathLike, ca: PathLike) -> None:
         try:
-            self.client = SDCPClient(base_uri, cert, key, ca)
+            self.client = SDCPClient(base_uri, Path(cert), Path(key), Path(ca))
         except ValueError as error:
             raise InvalidArgument(f"mlc_url: {error}") from error
         self.base_uri = base_uri
@@ -203,7 +205,7 @@ def _etag_of(headers: Any, peer: str) -> str:
     return str(etag)
 
 
-def _member(body: object, name: str, kind: type, peer: str) -> Any:
+def _member(body: object, name: str, kind: type[_T], peer: str) -> _T:
     value = body.get(name) if isinstance(body, dict) else None
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise UnexpectedResponse(f"{peer} answered without a valid {name!r}: {body!r}")

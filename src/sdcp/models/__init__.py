@@ -44,7 +44,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from sdcp.models.batching import BatchingScorer, ScorerClosed
     from sdcp.models.digests import tokenizer_digest, weights_digest
-    from sdcp.models.draft import DraftResult, Drafter, HFDrafter, NgramDrafter
+    from sdcp.models.draft import Drafter, DraftResult, HFDrafter, NgramDrafter
     from sdcp.models.errors import (
         BadTokens,
         DigestMismatch,

@@ -110,7 +110,8 @@ class BatchingScorer:
     ) -> None:
         if window_s < 0 or max_batch < 1 or not 0 <= window_share < 1:
             raise ValueError(
-                f"need window_s >= 0, max_batch >= 1, 0 <= window_share < 1; got {window_s}, {max_batch}, {window_share}"
+                "need window_s >= 0, max_batch >= 1, 0 <= window_share < 1; "
+                f"got {window_s}, {max_batch}, {window_share}"
             )
         self.target = target
         self.window_s = window_s

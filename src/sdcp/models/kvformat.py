@@ -59,9 +59,7 @@ def decode_kv(
     """Check a blob against the loaded model and the committed tokens; return (1, H, L, D) pairs."""
     header, payload = _split(data)
     if header.get("format") != KV_FORMAT or header.get("version") != KV_VERSION:
-        raise KVFormatError(
-            f"unsupported KV blob {header.get('format')!r} version {header.get('version')!r}"
-        )
+        raise KVFormatError(f"unsupported KV blob {header.get('format')!r} version {header.get('version')!r}")
     if header.get("model") != model_digest:
         raise DigestMismatch("KV blob was produced by a model with another weights digest")
     if header.get("committed") != len(tokens) or header.get("tokens") != tokens_digest(tokens):

@@ -74,7 +74,9 @@ def with_packed_linears(model: nn.Module) -> nn.Module:
     """
     tensors = list(chain(model.parameters(), model.buffers()))
     clone = copy.deepcopy(model, memo={id(tensor): tensor for tensor in tensors})
-    on_cpu_in_fp32 = all(t.device.type == "cpu" and (t.dtype == torch.float32 or not t.is_floating_point()) for t in tensors)
+    on_cpu_in_fp32 = all(
+        t.device.type == "cpu" and (t.dtype == torch.float32 or not t.is_floating_point()) for t in tensors
+    )
     if not (on_cpu_in_fp32 and torch.backends.mkldnn.is_available()):
         return clone
     for parent in list(clone.modules()):

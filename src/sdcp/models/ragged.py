@@ -89,7 +89,9 @@ class SlotPass:
         self.pool = pool
         # Indices and masks live where the pool does: built once per pass, used by every layer.
         device = pool.keys[0].device
-        self.row_slot = torch.tensor([slot for slot, width in zip(slots, widths, strict=True) for _ in range(width)], device=device)
+        self.row_slot = torch.tensor(
+            [slot for slot, width in zip(slots, widths, strict=True) for _ in range(width)], device=device
+        )
         self.row_position = torch.tensor(
             [start + j for start, width in zip(starts, widths, strict=True) for j in range(width)], device=device
         )
@@ -116,7 +118,9 @@ class SlotPass:
         pool_values[self.row_slot, :, self.row_position] = value_states[0].transpose(0, 1)
         return SlotKV(pool_keys, self), SlotKV(pool_values, self)
 
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
         """``query`` (1, heads, rows, dim) over the pool's ``keys`` and ``values`` -> (1, rows, heads, dim)."""
         heads, dim = query.shape[1], query.shape[3]
         gqa = heads != keys.shape[1]
@@ -127,12 +131,21 @@ class SlotPass:
             batch = query.new_zeros((group.last - group.first + 1, group.width, heads, dim))
             batch[group.batch] = by_row[group.rows]
             attended = F.scaled_dot_product_attention(
-                batch.transpose(1, 2), keys[window, :, : group.length], values[window, :, : group.length],
-                attn_mask=group.mask, scale=scaling, enable_gqa=gqa,
+                batch.transpose(1, 2),
+                keys[window, :, : group.length],
+                values[window, :, : group.length],
+                attn_mask=group.mask,
+                scale=scaling,
+                enable_gqa=gqa,
             )
             output[group.rows] = attended.transpose(1, 2)[group.batch]
         for row, width, slot, end in self.single:
-            attended = _attend(query[:, :, row : row + width], keys[slot : slot + 1, :, :end], values[slot : slot + 1, :, :end], scaling)
+            attended = _attend(
+                query[:, :, row : row + width],
+                keys[slot : slot + 1, :, :end],
+                values[slot : slot + 1, :, :end],
+                scaling,
+            )
             output[row : row + width] = attended[0].transpose(0, 1)
         return output.unsqueeze(0)
 
@@ -144,7 +157,9 @@ def _group(width: int, first: int, last: int, requests: list[tuple[int, int, int
     length = max(start for _, _, start in requests) + width
     # The last key each query may see: its own position; key 0 for a slot not in the group.
     last_key = torch.zeros((last - first + 1, width), dtype=torch.long, device=device)
-    last_key[batch] = torch.tensor([[start + j for j in range(width)] for _, _, start in requests], dtype=torch.long, device=device)
+    last_key[batch] = torch.tensor(
+        [[start + j for j in range(width)] for _, _, start in requests], dtype=torch.long, device=device
+    )
     mask = (torch.arange(length, device=device) <= last_key.unsqueeze(-1)).unsqueeze(1)
     return _SlotGroup(width, first, last, rows, batch, length, mask)
 
@@ -192,7 +207,12 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scali
         # with the first keys instead.
         mask = torch.ones((queries, length), dtype=torch.bool, device=query.device).tril(length - queries)
     return F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, is_causal=1 < queries == length, scale=scaling,
+        query,
+        keys,
+        values,
+        attn_mask=mask,
+        is_causal=1 < queries == length,
+        scale=scaling,
         enable_gqa=query.shape[1] != keys.shape[1],
     )
 
@@ -232,7 +252,10 @@ def supports_ragged_attention(model: PreTrainedModel) -> bool:
     """Plain causal attention, the only kind `ragged_attention` computes: no sliding window, no
     logit soft-capping."""
     config = model.config
-    return all(getattr(config, name, None) in (None, False) for name in ("sliding_window", "attn_logit_softcapping", "use_sliding_window"))
+    return all(
+        getattr(config, name, None) in (None, False)
+        for name in ("sliding_window", "attn_logit_softcapping", "use_sliding_window")
+    )
 
 
 def use_ragged_attention(model: PreTrainedModel) -> None:

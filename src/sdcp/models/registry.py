@@ -106,8 +106,6 @@ def load_drafter(
         loaded = load_model(spec.removeprefix(HF_PREFIX), home)
         drafter = HFDrafter(loaded.model, name=spec, device=device)
         if drafter.vocab_size != vocab_size:
-            raise UnknownModel(
-                f"drafter {spec} has vocabulary {drafter.vocab_size}, the target {vocab_size}"
-            )
+            raise UnknownModel(f"drafter {spec} has vocabulary {drafter.vocab_size}, the target {vocab_size}")
         return drafter
     raise UnknownModel(f"unknown drafter spec {spec!r}: use {NGRAM_SPEC!r} or 'hf:<name or path>'")

@@ -205,9 +205,7 @@ class TargetModel:
             if not 0 <= accepted <= len(proposal):
                 raise InconsistentCommit(f"accepted={accepted} outside 0..{len(proposal)}")
             if len(emitted_tokens) > accepted + 1:
-                raise InconsistentCommit(
-                    f"{len(emitted_tokens)} emitted tokens for {accepted} accepted ones"
-                )
+                raise InconsistentCommit(f"{len(emitted_tokens)} emitted tokens for {accepted} accepted ones")
             confirmed = min(len(emitted_tokens), accepted)
             if tuple(emitted_tokens[:confirmed]) != proposal[:confirmed]:
                 raise InconsistentCommit("emitted tokens differ from the accepted proposal")
@@ -273,9 +271,7 @@ class TargetModel:
         logits = self._forward(input_ids, None, state.cache)
         return logits[0].to(torch.float32).cpu().numpy()
 
-    def _score_batch(
-        self, states: list[_Session], proposals: list[tuple[int, ...]]
-    ) -> list[np.ndarray]:
+    def _score_batch(self, states: list[_Session], proposals: list[tuple[int, ...]]) -> list[np.ndarray]:
         # One packed sequence, session after session; attention runs per session against its own
         # cache, which the pass extends by that session's tokens (sdcp.models.ragged).
         fed = [[state.tokens[-1], *proposal] for state, proposal in zip(states, proposals, strict=True)]

@@ -2,7 +2,9 @@
 
 from sdcp.protocol.codec import MEDIA_TYPE, decode, decode_deterministic, encode
 from sdcp.protocol.contract import contract_digest
+from sdcp.protocol.control import ControlDecision, SpeculationControl, is_low_round, m_cap_ceiling
 from sdcp.protocol.digest import extend_digest, prefix_digest
+from sdcp.protocol.drafter import AcceptanceEstimate, DrafterSession, ProposalNotAllowed, choose_m, expected_tokens
 from sdcp.protocol.messages import (
     Action,
     Assignment,
@@ -32,8 +34,6 @@ from sdcp.protocol.problems import (
     parse_problem_json,
     problem_json,
 )
-from sdcp.protocol.control import ControlDecision, SpeculationControl, is_low_round, m_cap_ceiling
-from sdcp.protocol.drafter import AcceptanceEstimate, DrafterSession, ProposalNotAllowed, choose_m, expected_tokens
 from sdcp.protocol.rules import (
     RULES,
     Acceptance,

@@ -129,8 +129,10 @@ def decode(
     stream = io.BytesIO(data)
     decoder = cbor2.CBORDecoder(
         stream,
-        tag_hook=_reject_tag,
-        semantic_decoders=_NO_TAGS,
+        # cbor2's decoder calls tag_hook(decoder, tag) and only looks tags up in semantic_decoders;
+        # its type hints declare other signatures for both.
+        tag_hook=_reject_tag,  # type: ignore[arg-type]
+        semantic_decoders=_NO_TAGS,  # type: ignore[arg-type]
         max_depth=max_depth,
         allow_duplicate_keys=False,
         strict_hashable_types=True,

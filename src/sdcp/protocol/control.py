@@ -147,9 +147,7 @@ class SpeculationControl:
             raise ValueError("no self-decoding period is in progress")
         self.self_decoded += 1
         self_max = self._contract.self_max
-        if (self_max is not None and self.self_decoded >= self_max) or not self._self_decode_permitted(
-            verifier_load
-        ):
+        if (self_max is not None and self.self_decoded >= self_max) or not self._self_decode_permitted(verifier_load):
             self.self_decoding = False
             return Action.SWITCH
         return Action.SELF_DECODE

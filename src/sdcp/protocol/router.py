@@ -138,11 +138,13 @@ def choose_decoding(
     self_rate = 1.0 / self_decode_s if self_decode_s is not None and self_decode_s > 0 else None
     measured = [
         DecodingChoice(d.uri, drafter_rate(d, verify_s=verify_s, m_limit=m_limit))
-        for d in drafters if d.alpha is not None
+        for d in drafters
+        if d.alpha is not None
     ]
     unmeasured = [
         DecodingChoice(d.uri, drafter_rate(d, verify_s=verify_s, m_limit=m_limit, alpha=1.0), exploring=True)
-        for d in drafters if d.alpha is None
+        for d in drafters
+        if d.alpha is None
     ]
     best = _fastest(measured)
     baseline = max(best.rate if best is not None else 0.0, self_rate or 0.0)
@@ -243,7 +245,13 @@ class RouterSession:
         )
 
     def assignment(
-        self, drafter: str, *, round: int, committed: int, digest: bytes, m_init: int,
+        self,
+        drafter: str,
+        *,
+        round: int,
+        committed: int,
+        digest: bytes,
+        m_init: int,
         committed_tokens: str | None = None,
     ) -> Assignment:
         """SDCP 6.1: the assignment carries the current round, committed length and digest, and

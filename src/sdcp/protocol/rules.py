@@ -46,6 +46,7 @@ _UINT32_MAX = 0xFFFF_FFFF
 _UINT64_MAX = 0xFFFF_FFFF_FFFF_FFFF
 _SESSION_ID_SIZE = 16
 _RANDOM_BITS = 53
+_RANDOM_SCALE = float(2**_RANDOM_BITS)
 _Q_ROW_DTYPE = np.dtype("<f4")
 
 
@@ -68,7 +69,7 @@ def verifier_random(seed: int, session: bytes, round: int, i: int, purpose: int)
     # uint32(round) || uint32(i) || uint8(purpose); value = first 53 bits / 2^53.
     message = _VERIFY_LABEL + session + struct.pack(">IIB", round, i, purpose)
     mac = hmac_sha256(seed.to_bytes(8, "big"), message)
-    return (int.from_bytes(mac[:8], "big") >> (64 - _RANDOM_BITS)) / 2**_RANDOM_BITS
+    return (int.from_bytes(mac[:8], "big") >> (64 - _RANDOM_BITS)) / _RANDOM_SCALE
 
 
 class RandomSource(Protocol):
@@ -93,7 +94,7 @@ class SecureRandom:
     """Verifier randomness without a seed: a cryptographically secure generator (SDCP 6.4)."""
 
     def uniform(self, i: int, purpose: int) -> float:
-        return secrets.randbits(_RANDOM_BITS) / 2**_RANDOM_BITS
+        return secrets.randbits(_RANDOM_BITS) / _RANDOM_SCALE
 
 
 @dataclass(frozen=True)
@@ -138,9 +139,7 @@ def parse_q_rows(data: bytes, proposed: int, vocab_size: int) -> np.ndarray:
     return np.frombuffer(data, dtype=_Q_ROW_DTYPE).reshape(proposed, vocab_size)
 
 
-def check_draft_rows(
-    q_rows: np.ndarray | None, tokens: tuple[int, ...], vocab_size: int | None = None
-) -> np.ndarray:
+def check_draft_rows(q_rows: np.ndarray | None, tokens: tuple[int, ...], vocab_size: int | None = None) -> np.ndarray:
     """Validate the draft rows of a proposal and return them as normalised float64 rows.
 
     SDCP 6.3 and 6.4: the verifier checks that q[i](x[i]) is not zero for every position before it
@@ -171,7 +170,8 @@ def check_draft_rows(
             ProblemType.BAD_PROPOSAL,
             f"q[i](x[i]) is zero at position {int(zero_positions[0]) + 1}",
         )
-    return rows / np.sum(rows, axis=-1, keepdims=True)
+    normalised: np.ndarray = rows / np.sum(rows, axis=-1, keepdims=True)
+    return normalised
 
 
 def _check_tokens(tokens: tuple[int, ...], vocab_size: int) -> None:

@@ -103,7 +103,8 @@ def _check_profile(temperature_milli: int | None, top_k: int | None, top_p_milli
 def _softmax(rows: np.ndarray) -> np.ndarray:
     shifted = rows - np.max(rows, axis=-1, keepdims=True)
     weights = np.exp(shifted)
-    return weights / np.sum(weights, axis=-1, keepdims=True)
+    normalised: np.ndarray = weights / np.sum(weights, axis=-1, keepdims=True)
+    return normalised
 
 
 def _descending_order(probs: np.ndarray) -> np.ndarray:
@@ -118,7 +119,8 @@ def _keep_first(probs: np.ndarray, order: np.ndarray, counts: np.ndarray) -> np.
     keep = np.zeros_like(keep_sorted)
     np.put_along_axis(keep, order, keep_sorted, axis=-1)
     kept = np.where(keep, probs, 0.0)
-    return kept / np.sum(kept, axis=-1, keepdims=True)
+    normalised: np.ndarray = kept / np.sum(kept, axis=-1, keepdims=True)
+    return normalised
 
 
 def _apply_top_k(probs: np.ndarray, top_k: int) -> np.ndarray:

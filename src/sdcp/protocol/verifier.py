@@ -317,9 +317,13 @@ class VerifierSession:
         if existing is not None:
             return Replay(existing)
         in_flight = self._in_flight
-        if in_flight is not None and in_flight.proposal is not None and in_flight.round == proposal.round:
-            if _identity(in_flight.proposal) == _identity(proposal):
-                return Wait(proposal.round)
+        if (
+            in_flight is not None
+            and in_flight.proposal is not None
+            and in_flight.round == proposal.round
+            and _identity(in_flight.proposal) == _identity(proposal)
+        ):
+            return Wait(proposal.round)
         self._require_open()
         if in_flight is not None or self.control.self_decoding:
             raise ProtocolError(
@@ -361,8 +365,9 @@ class VerifierSession:
         if self._in_flight is not None and self._in_flight.proposal is None:
             self._in_flight = None
         self.control.self_decoding = False
-        return Event(session=self.session, epoch=self.epoch, kind=Action.SWITCH, committed=self.committed,
-                     digest=self.digest)
+        return Event(
+            session=self.session, epoch=self.epoch, kind=Action.SWITCH, committed=self.committed, digest=self.digest
+        )
 
     def abandon(self, ticket: RoundTicket) -> None:
         """The round could not be verified (e.g. sdcp-q-unavailable): nothing is committed."""
@@ -516,6 +521,4 @@ class VerifierSession:
 
     def _require_open(self) -> None:
         if self.control.ended is not None:
-            raise ProtocolError(
-                ProblemType.SESSION_CLOSED, f"session ended with {self.control.ended.name.lower()}"
-            )
+            raise ProtocolError(ProblemType.SESSION_CLOSED, f"session ended with {self.control.ended.name.lower()}")

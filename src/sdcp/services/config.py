@@ -192,7 +192,8 @@ def _section(cls: type[_Section], table: object, name: str, base: Path) -> _Sect
         return cls(**values)
     except TypeError as exc:
         missing = [
-            key for key, f in known.items()
+            key
+            for key, f in known.items()
             if key not in values and f.default is MISSING and f.default_factory is MISSING
         ]
         raise ConfigError(f"[{name}] lacks {', '.join(missing) or 'required keys'}") from exc

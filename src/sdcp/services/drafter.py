@@ -10,6 +10,7 @@ verdict -> sync the backend to the committed prefix -> release and delete the ro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -250,7 +251,8 @@ class DrafterNode(Node):
         self.routers = frozenset(r for r in (config.instance.router,) if r is not None)
         self.runs: dict[bytes, _SessionRun] = {}
         self._worker = ModelWorker(
-            f"drafter-{self.drafter.name}", inline=self.drafter.runs_inline,
+            f"drafter-{self.drafter.name}",
+            inline=self.drafter.runs_inline,
             cores=CoreGovernor(thread_budget(config, "drafter")),
         )
         self._round_trip = _RoundTrip()
@@ -274,9 +276,7 @@ class DrafterNode(Node):
             cache_mbps=int(bandwidth) if bandwidth is not None else None,
             ttl_ms=self.config.instance.ttl_ms,
             model=self.drafter.weights_digest,
-            alpha_milli=(
-                round(1000 * self._acceptance.alpha) if self._verdicts >= MEASURED_AFTER_VERDICTS else None
-            ),
+            alpha_milli=(round(1000 * self._acceptance.alpha) if self._verdicts >= MEASURED_AFTER_VERDICTS else None),
             draft_us=round(1e6 * self.drafter.seconds_per_token),
             verify_us=round(1e6 * self._round_trip.seconds) if self._round_trip.measured else None,
         )
@@ -352,10 +352,9 @@ class DrafterNode(Node):
                 del self.runs[run.session]
 
     async def _close_backend_session(self, session: bytes) -> None:
-        try:
+        # UnknownSession: the open was cancelled before the worker started it.
+        with contextlib.suppress(UnknownSession):
             await self._worker.run(self.drafter.close_session, session)
-        except UnknownSession:
-            pass  # the open was cancelled before the worker started it
 
     async def _prepare(self, run: _SessionRun) -> None:
         """SDCP 6.2: bring the drafter's own state to the committed prefix of the assignment."""
@@ -433,8 +432,12 @@ class DrafterNode(Node):
         rounds_without_verdict = 0
         while state.stopped_by is None:
             if rounds_without_verdict >= _MAX_ROUNDS_WITHOUT_VERDICT:
-                log.warning("%s: session %s: %d rounds without a verdict; giving it up", self.uri,
-                            run.session.hex(), rounds_without_verdict)
+                log.warning(
+                    "%s: session %s: %d rounds without a verdict; giving it up",
+                    self.uri,
+                    run.session.hex(),
+                    rounds_without_verdict,
+                )
                 return
             draft = ready if ready is not None else await self._draft(run, self._choose_m(run))
             ready = None
@@ -461,9 +464,7 @@ class DrafterNode(Node):
     async def _draft(self, run: _SessionRun, m: int) -> DraftResult:
         return await self._worker.run(self.drafter.draft, run.session, m, run.state.sampling)
 
-    async def _round(
-        self, run: _SessionRun, draft: DraftResult
-    ) -> tuple[Verdict | None, Proposal, DraftResult | None]:
+    async def _round(self, run: _SessionRun, draft: DraftResult) -> tuple[Verdict | None, Proposal, DraftResult | None]:
         """Publish the rows, send the proposal, pre-draft the next round; the verdict or None."""
         state = run.state
         rows_uri = await self._publish_rows(run, draft) if get_rule(state.contract.rule).needs_q else None
@@ -527,8 +528,14 @@ class DrafterNode(Node):
 
     async def _on_problem(self, run: _SessionRun, proposal: Proposal, error: ProtocolError) -> None:
         state = run.state
-        log.info("%s: round %d of %s refused: %s %s", self.uri, proposal.round, run.session.hex(),
-                 error.problem.suffix if error.problem else error.status, error.detail)
+        log.info(
+            "%s: round %d of %s refused: %s %s",
+            self.uri,
+            proposal.round,
+            run.session.hex(),
+            error.problem.suffix if error.problem else error.status,
+            error.detail,
+        )
         if error.problem is ProblemType.LIMIT:
             if len(proposal.tokens) == 1:
                 # Nothing shorter exists; the verifier and this drafter disagree on the limits.
@@ -559,11 +566,21 @@ class DrafterNode(Node):
             # SDCP 6.3 Idempotency: a verdict that exists is returned unchanged, so a proposal for
             # an already decided round gets that round's verdict, built on another base. It still
             # tells the committed prefix after the round: resynchronise to it.
-            await self._on_problem(run, proposal, ProtocolError(
-                ProblemType.STALE_BASE, "the verdict of this round answers another proposal",
-                state=SessionState(session=verdict.session, epoch=verdict.epoch, round=verdict.round,
-                                   committed=verdict.committed, digest=verdict.digest),
-            ))
+            await self._on_problem(
+                run,
+                proposal,
+                ProtocolError(
+                    ProblemType.STALE_BASE,
+                    "the verdict of this round answers another proposal",
+                    state=SessionState(
+                        session=verdict.session,
+                        epoch=verdict.epoch,
+                        round=verdict.round,
+                        committed=verdict.committed,
+                        digest=verdict.digest,
+                    ),
+                ),
+            )
             return None
         action = state.apply_verdict(verdict)
         TOKENS_ACCEPTED.labels(self.uri).inc(verdict.accepted)
@@ -582,7 +599,6 @@ class DrafterNode(Node):
         tentative = ready.tokens if ready is not None else ()
         await self._worker.run(self.drafter.sync, run.session, [*run.committed_prefix, *tentative])
         return ready
-
 
     def _measure_acceptance(self, accepted: int, proposed: int) -> None:
         self._acceptance.update(accepted, proposed)
@@ -616,6 +632,6 @@ async def _settled(task: asyncio.Future[DraftResult]) -> DraftResult | None:
         return await task
     except asyncio.CancelledError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a pre-draft is an optimisation only
         log.warning("pre-draft failed: %s", exc)
         return None

@@ -73,8 +73,9 @@ class GatewayNode:
         self.tokenizer: Any = load_tokenizer(self.model_name)
         self.client = ClusterClient(instance.router, cert=instance.cert, key=instance.key, ca=instance.ca)
         host, _, port = config.gateway.listen.rpartition(":")
-        self.listener = Listener.front_end(host.strip("[]"), int(port), cert=config.gateway.cert,
-                                           key=config.gateway.key)
+        self.listener = Listener.front_end(
+            host.strip("[]"), int(port), cert=config.gateway.cert, key=config.gateway.key
+        )
         self._server: Server | None = None
         self._target: dict[str, Any] | None = None
 
@@ -133,8 +134,12 @@ class GatewayNode:
         try:
             target = await self._target_digests()
             contract = build_contract(
-                target=target["model"], tokenizer=target["tokenizer"], rule=parsed.rule,
-                max_new=parsed.max_tokens, stop=parsed.stop_ids, sampling=parsed.sampling,
+                target=target["model"],
+                tokenizer=target["tokenizer"],
+                rule=parsed.rule,
+                max_new=parsed.max_tokens,
+                stop=parsed.stop_ids,
+                sampling=parsed.sampling,
             )
             handle = await self.client.open(parsed.prompt_ids, contract)
         except (ProtocolError, TransportError) as exc:
@@ -144,7 +149,8 @@ class GatewayNode:
         pieces = self._texts(handle, parsed)
         if parsed.stream:
             return StreamingResponse(
-                self._sse(pieces, completion_id, chat), media_type="text/event-stream",
+                self._sse(pieces, completion_id, chat),
+                media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         text, finish_reason, completion_tokens = "", "length", 0
@@ -178,9 +184,13 @@ class GatewayNode:
     def _parse(self, body: dict[str, Any], *, chat: bool) -> _Request:
         if chat:
             messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages
+                )
             ):
                 raise OpenAIRequestError("'messages' must be a non-empty list of {role, content} strings")
             encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -247,11 +257,11 @@ class GatewayNode:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             cut = min((i for i in (text.find(s) for s in parsed.stop_texts) if i >= 0), default=-1)
             if cut >= 0:
-                yield text[len(sent):cut], "stop", len(tokens)
+                yield text[len(sent) : cut], "stop", len(tokens)
                 return
             if chunk.finish is not None:
                 stopped = bool(tokens) and tokens[-1] in parsed.stop_ids
-                yield text[len(sent):], "stop" if stopped else "length", len(tokens)
+                yield text[len(sent) :], "stop" if stopped else "length", len(tokens)
                 return
             # Hold back a possible start of a stop string until it is decided.
             hold = max((len(s) - 1 for s in parsed.stop_texts), default=0)
@@ -259,7 +269,7 @@ class GatewayNode:
             # An incomplete multi-byte character decodes as U+FFFD until its last token arrives.
             ready = ready.rstrip("\ufffd")
             if len(ready) > len(sent):
-                yield ready[len(sent):], None, len(tokens)
+                yield ready[len(sent) :], None, len(tokens)
                 sent = ready
 
     async def _sse(

@@ -63,10 +63,10 @@ class Node(ABC):
         (the router itself, an MLC node: status roles are drafter and verifier only)."""
         return None
 
-    async def on_start(self) -> None:
+    async def on_start(self) -> None:  # noqa: B027 - an optional hook
         """Role-specific start-up, before the listener opens."""
 
-    async def on_stop(self) -> None:
+    async def on_stop(self) -> None:  # noqa: B027 - an optional hook
         """Role-specific shutdown, after the listener closed."""
 
     def app(self) -> Starlette:
@@ -139,7 +139,7 @@ class Node(ABC):
     async def _try_report_status(self, router: str) -> None:
         try:
             await self.report_status(router)
-        except Exception as exc:  # a router that is down must not stop the instance
+        except Exception as exc:  # noqa: BLE001 - a router that is down must not stop the instance
             log.warning("%s: status report to %s failed: %s", self.uri, router, exc)
 
     async def _report_status_forever(self, router: str) -> None:

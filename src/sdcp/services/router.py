@@ -12,6 +12,7 @@ so the verifier and the drafter always hear of them in the order the router made
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -164,7 +165,10 @@ class RouterNode(Node):
         self.registry = InstanceRegistry()
         self.sessions: dict[bytes, _TrackedSession] = {}
         self._wake = asyncio.Event()
-        self._allowed = {Role.VERIFIER: frozenset(config.router.verifiers), Role.DRAFTER: frozenset(config.router.drafters)}
+        self._allowed = {
+            Role.VERIFIER: frozenset(config.router.verifiers),
+            Role.DRAFTER: frozenset(config.router.drafters),
+        }
 
     async def on_start(self) -> None:
         self.spawn(self._maintain_forever())
@@ -253,7 +257,12 @@ class RouterNode(Node):
                     raise ServiceUnavailable(f"no verifier for this target answered (tried {', '.join(tried)})")
                 raise BadContract("no live verifier serves the contract's target and tokenizer")
             plan = RouterSession(
-                session=session, epoch=1, contract=contract, prompt=wanted.prompt, commit_log=commit_log, verifier=verifier
+                session=session,
+                epoch=1,
+                contract=contract,
+                prompt=wanted.prompt,
+                commit_log=commit_log,
+                verifier=verifier,
             )
             try:
                 # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
@@ -273,9 +282,7 @@ class RouterNode(Node):
                 await self._assign_drafter(tracked)
             except (ProtocolError, TransportError) as exc:
                 log.warning("%s: session %s opened without a drafter: %s", self.uri, tracked.path_id, exc)
-        return cbor_response(
-            {key: value for key, value in tracked.describe().items() if key != "ended"}, status=201
-        )
+        return cbor_response({key: value for key, value in tracked.describe().items() if key != "ended"}, status=201)
 
     async def get_session(self, request: Request) -> Response:
         """GET sessions/{id}: where the session runs now, so that a client can follow a failover."""
@@ -323,10 +330,8 @@ class RouterNode(Node):
         interval = self.config.instance.ttl_ms / 3000
         while True:
             await self.maintain()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
-            except TimeoutError:
-                pass
             self._wake.clear()
 
     async def _locked(self, tracked: _TrackedSession, change: Callable[[], Awaitable[None]]) -> None:
@@ -341,7 +346,7 @@ class RouterNode(Node):
                     self._end(tracked, Action.FINISH)
                     return
                 log.warning("%s: session %s: %s", self.uri, tracked.path_id, exc)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the change is retried on the next tick
                 log.warning("%s: session %s: %r", self.uri, tracked.path_id, exc)
 
     async def _assign_drafter(
@@ -399,7 +404,8 @@ class RouterNode(Node):
         now = time.monotonic()
         contract = tracked.plan.contract
         permitted = [
-            view for view in self.registry.live(Role.DRAFTER, now)
+            view
+            for view in self.registry.live(Role.DRAFTER, now)
             if drafter_permitted(contract, view.model) and view.uri not in skip
         ]
         pool = [view for view in permitted if view.uri not in avoid] or permitted
@@ -471,8 +477,12 @@ class RouterNode(Node):
         plan = tracked.plan
         replay, tokens = await self._committed_prefix(tracked)
         assignment = plan.assignment(
-            drafter, round=replay.round, committed=len(replay.tokens), digest=replay.digest,
-            m_init=self.config.router.m_init, committed_tokens=tokens,
+            drafter,
+            round=replay.round,
+            committed=len(replay.tokens),
+            digest=replay.digest,
+            m_init=self.config.router.m_init,
+            committed_tokens=tokens,
         )
         verifier = self.peers.get(plan.verifier)
         _, answer = await verifier.put_cbor(f"sessions/{tracked.path_id}/drafter", assignment.to_obj())
@@ -483,8 +493,12 @@ class RouterNode(Node):
             # read; it is in the log now, since the verifier appends before it answers (SDCP 6.3).
             replay, tokens = await self._committed_prefix(tracked)
             assignment = plan.assignment(
-                drafter, round=replay.round, committed=len(replay.tokens), digest=replay.digest,
-                m_init=self.config.router.m_init, committed_tokens=tokens,
+                drafter,
+                round=replay.round,
+                committed=len(replay.tokens),
+                digest=replay.digest,
+                m_init=self.config.router.m_init,
+                committed_tokens=tokens,
             )
         await self.peers.get(drafter).post_cbor("assignments", assignment.to_obj(), idempotent=True)
         tracked.self_decoding = False
@@ -550,7 +564,8 @@ class RouterNode(Node):
 
     def _pick_verifier(self, contract: Contract, *, avoid: Sequence[str]) -> str | None:
         candidates = [
-            view for view in self.registry.live(Role.VERIFIER, time.monotonic())
+            view
+            for view in self.registry.live(Role.VERIFIER, time.monotonic())
             if _serves(view, contract) and view.uri not in avoid
         ]
         return prefer_idle_and_accepting(candidates).uri if candidates else None

@@ -110,6 +110,7 @@ def lookahead_length(hit_rate: float, sessions: int, predicted: int, costs: Pass
         length += 1
     return length
 
+
 ROUNDS = Counter("sdcp_verifier_rounds_total", "Rounds committed", ["instance", "kind"])
 COMMITTED = Counter("sdcp_verifier_tokens_committed_total", "Tokens committed", ["instance"])
 ROUND_SECONDS = Histogram("sdcp_verifier_round_seconds", "Time from admission to verdict", ["instance"])
@@ -186,8 +187,10 @@ class VerifierNode(Node):
     def __init__(self, config: ServiceConfig, *, target: TargetModel | None = None, mlc: MLC | None = None) -> None:
         super().__init__(config, mlc)
         settings = config.verifier
-        self.target = target if target is not None else load_target(
-            settings.model, kv_slots=settings.kv_slots, kv_capacity=settings.kv_capacity or None
+        self.target = (
+            target
+            if target is not None
+            else load_target(settings.model, kv_slots=settings.kv_slots, kv_capacity=settings.kv_capacity or None)
         )
         self.scorer = BatchingScorer(
             self.target,
@@ -282,7 +285,9 @@ class VerifierNode(Node):
             if existing.machine.epoch >= message.epoch:
                 if existing.machine.epoch == message.epoch and existing.machine.contract.digest == contract.digest:
                     return cbor_response(existing.machine.state().to_obj(), status=201)
-                raise ProtocolError(ProblemType.STALE_EPOCH, f"session is open here with epoch {existing.machine.epoch}")
+                raise ProtocolError(
+                    ProblemType.STALE_EPOCH, f"session is open here with epoch {existing.machine.epoch}"
+                )
             await self._forget(message.session)
         prompt = await self._tokens(message.prompt, "prompt")
         if not prompt:
@@ -293,7 +298,8 @@ class VerifierNode(Node):
         context = getattr(self.target.model.config, "max_position_embeddings", None)
         if context is not None and len(prompt) + contract.max_new > context:
             raise BadContract(
-                f"prompt ({len(prompt)} tokens) plus max_new ({contract.max_new}) exceeds the model's context of {context}"
+                f"prompt ({len(prompt)} tokens) plus max_new ({contract.max_new}) "
+                f"exceeds the model's context of {context}"
             )
         machine = VerifierSession(
             session=message.session,
@@ -342,7 +348,9 @@ class VerifierNode(Node):
         if live.rounds:
             await asyncio.wait(list(live.rounds.values()), timeout=_ROUTER_WAIT_S)
 
-    async def _router_message(self, request: Request, kind: type[_RouterMessage]) -> tuple[_LiveSession, _RouterMessage]:
+    async def _router_message(
+        self, request: Request, kind: type[_RouterMessage]
+    ) -> tuple[_LiveSession, _RouterMessage]:
         """A router's message about the session the path names."""
         body = await read_cbor_body(request)
         await require_peer(request, self.routers)
@@ -492,7 +500,7 @@ class VerifierNode(Node):
         except (Fenced, PreconditionFailed) as exc:
             # Another writer changed the log since this verifier's last record: a new epoch.
             self._fenced(live, exc)
-        except Exception as exc:  # a lost MLC node or Redis: the log tells what happened
+        except Exception as exc:  # noqa: BLE001 - a lost MLC node or Redis: the log tells what happened
             failure = exc
         # The append may have landed before the failure was reported: the log says which.
         try:
@@ -558,7 +566,7 @@ class VerifierNode(Node):
                 now = time.perf_counter()
                 self.self_decode_time.record(now - mark, machine.committed - committed)
                 mark, committed = now, machine.committed
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the period ends, the router assigns a drafter again
             if machine.fenced or machine.ended:
                 return
             # The period ends as it would at self_max: the router assigns a drafter again. An MLC
@@ -646,7 +654,7 @@ class VerifierNode(Node):
                 self.target.commit(session, accepted, emitted)
             else:
                 self.target.rollback(session)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the model state is rebuilt from the decided tokens
             # The tokens are decided whatever the model's state: rebuild it from them.
             log.error("%s: model state of session %s rebuilt after %r", self.uri, session.hex(), exc)
             self._rebuild_model_session(session, committed)
@@ -678,7 +686,7 @@ class VerifierNode(Node):
                 log.info("%s: session %s idle for %.0f s, closed", self.uri, session.hex(), now - live.driven_at)
                 try:
                     await self._forget(session)
-                except Exception as exc:  # the sweep goes on for the other sessions
+                except Exception as exc:  # noqa: BLE001 - the sweep goes on for the other sessions
                     log.warning("%s: closing idle session %s failed: %r", self.uri, session.hex(), exc)
 
     async def _forget_later(self, live: _LiveSession) -> None:
@@ -693,7 +701,7 @@ class VerifierNode(Node):
             return
         try:
             await self.peers.get(router).post_cbor("events", event.to_obj(), idempotent=True)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - an event is advisory; the router's maintenance catches up
             log.warning("%s: event %s to %s failed: %s", self.uri, event.kind.name, router, exc)
 
     async def _close_model_session(self, session: bytes) -> None:

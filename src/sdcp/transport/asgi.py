@@ -213,4 +213,3 @@ def _declared_length(request: Request) -> int | None:
         return int(value)
     except ValueError:
         return None
-

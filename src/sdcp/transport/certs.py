@@ -137,9 +137,7 @@ def load_ca(directory: Path | str) -> CertificateAuthority:
     return CertificateAuthority(cert, key, cert_path, key_path)
 
 
-def issue(
-    directory: Path | str, uri: str, *, validity: datetime.timedelta = DEFAULT_VALIDITY
-) -> tuple[Path, Path]:
+def issue(directory: Path | str, uri: str, *, validity: datetime.timedelta = DEFAULT_VALIDITY) -> tuple[Path, Path]:
     """Issue a certificate for the instance with base URI ``uri``, signed by the CA in ``directory``.
 
     Returns ``(cert_path, key_path)``.
@@ -182,9 +180,7 @@ def issue(
         )
         .add_extension(x509.SubjectAlternativeName(_subject_alt_names(uri, parts.hostname or "")), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False
-        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
         .sign(ca.key, hashes.SHA256())
     )
     name = instance_name(uri)
@@ -233,11 +229,10 @@ def _split_instance_uri(uri: str) -> SplitResult:
     if parts.query or parts.fragment or parts.username or parts.password:
         raise InvalidInstanceURI(f"instance base URI must not carry userinfo, query or fragment: {uri!r}")
     try:
-        parts.port
+        _ = parts.port
     except ValueError as error:
         raise InvalidInstanceURI(f"invalid port in {uri!r}") from error
     return parts
-
 
 
 def _subject_alt_names(uri: str, host: str) -> list[x509.GeneralName]:
@@ -281,4 +276,4 @@ def _write_pair(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey, cert_pa
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)

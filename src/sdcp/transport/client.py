@@ -130,9 +130,7 @@ class SDCPClient:
             "POST", path, body=encode(obj), params=params, headers=headers, idempotent=idempotent, timeout=timeout
         )
 
-    async def put_cbor(
-        self, path: str, obj: object, *, timeout: float | None = None
-    ) -> tuple[int, object | None]:
+    async def put_cbor(self, path: str, obj: object, *, timeout: float | None = None) -> tuple[int, object | None]:
         return await self._exchange("PUT", path, body=encode(obj), idempotent=True, timeout=timeout)
 
     async def get_cbor(
@@ -165,18 +163,20 @@ class SDCPClient:
         repeat after a lost connection, since a repeat of a PUT that succeeded fails its
         precondition: pass ``idempotent=False`` for it."""
         return await self._exchange_bytes(
-            "PUT", path, body=data, params=params, headers=headers, idempotent=idempotent, timeout=timeout,
+            "PUT",
+            path,
+            body=data,
+            params=params,
+            headers=headers,
+            idempotent=idempotent,
+            timeout=timeout,
             content_type=_OCTETS,
         )
 
-    async def head(
-        self, path: str, params: Params | None = None, *, timeout: float | None = None
-    ) -> BytesResponse:
+    async def head(self, path: str, params: Params | None = None, *, timeout: float | None = None) -> BytesResponse:
         return await self._exchange_bytes("HEAD", path, params=params, idempotent=True, timeout=timeout)
 
-    async def delete(
-        self, path: str, params: Params | None = None, *, timeout: float | None = None
-    ) -> BytesResponse:
+    async def delete(self, path: str, params: Params | None = None, *, timeout: float | None = None) -> BytesResponse:
         """DELETE is idempotent in effect (RFC 9110 9.2.2), so it is retried like GET and PUT."""
         return await self._exchange_bytes("DELETE", path, params=params, idempotent=True, timeout=timeout)
 
@@ -206,7 +206,12 @@ class SDCPClient:
         timeout: float | None,
     ) -> tuple[int, object | None]:
         response = await self._send(
-            method, path, body=body, params=params, idempotent=idempotent, timeout=timeout,
+            method,
+            path,
+            body=body,
+            params=params,
+            idempotent=idempotent,
+            timeout=timeout,
             headers={**(headers or {}), "accept": f"{MEDIA_TYPE}, {PROBLEM_MEDIA_TYPE}"},
             content_type=MEDIA_TYPE,
         )
@@ -225,7 +230,12 @@ class SDCPClient:
         content_type: str | None = None,
     ) -> BytesResponse:
         response = await self._send(
-            method, path, body=body, params=params, idempotent=idempotent, timeout=timeout,
+            method,
+            path,
+            body=body,
+            params=params,
+            idempotent=idempotent,
+            timeout=timeout,
             headers={**(headers or {}), "accept": f"{_OCTETS}, {PROBLEM_MEDIA_TYPE}"},
             content_type=content_type,
         )
@@ -297,7 +307,9 @@ class SDCPClient:
             if connection is not None and connection.usable:
                 return connection
             try:
-                connection = await H2Connection.open(self._host, self._port, self._ssl_context, timeout=CONNECT_TIMEOUT_S)
+                connection = await H2Connection.open(
+                    self._host, self._port, self._ssl_context, timeout=CONNECT_TIMEOUT_S
+                )
             except ssl.SSLError:
                 raise
             except TimeoutError as error:
@@ -334,8 +346,7 @@ class SDCPClient:
         presented = uri_sans(x509.load_der_x509_certificate(der)) if der is not None else []
         if presented != [self._server_identity]:
             raise TLSFailure(
-                f"{self.base_uri} presented a certificate for {presented or 'no URI'}, "
-                f"expected {self._server_identity}"
+                f"{self.base_uri} presented a certificate for {presented or 'no URI'}, expected {self._server_identity}"
             )
 
     def _interpret(self, response: H2Response) -> tuple[int, object | None]:

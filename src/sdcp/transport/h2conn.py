@@ -107,9 +107,7 @@ class H2Connection(asyncio.Protocol):
         self.peer_certificate: bytes | None = None
 
     @classmethod
-    async def open(
-        cls, host: str, port: int, ssl_context: ssl.SSLContext, *, timeout: float
-    ) -> H2Connection:
+    async def open(cls, host: str, port: int, ssl_context: ssl.SSLContext, *, timeout: float) -> H2Connection:
         """Connect and complete TLS; raises ``OSError``, ``ssl.SSLError`` or ``TimeoutError``."""
         loop = asyncio.get_running_loop()
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -153,7 +151,12 @@ class H2Connection(asyncio.Protocol):
                 # A peer may answer, or reset the stream, before it has read the whole body
                 # (RFC 9113 8.1): its answer or its reset is the outcome then.
                 if body and not await send_within_windows(
-                    self._h2, stream_id, body, end_stream=True, capacity=self._capacity, flush=self._flush,
+                    self._h2,
+                    stream_id,
+                    body,
+                    end_stream=True,
+                    capacity=self._capacity,
+                    flush=self._flush,
                     gone=lambda: self._closed.done() or answer.done(),
                 ):
                     if not answer.done():

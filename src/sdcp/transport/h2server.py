@@ -19,6 +19,7 @@ server does what those listeners need and no more:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -43,7 +44,10 @@ __all__ = ["H2Listener", "H2ServerProtocol", "H2ServerState", "run_lifespan"]
 
 _log = logging.getLogger("sdcp.transport.h2server")
 
-ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]]
+ASGIApp = Callable[
+    [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[dict[str, Any]], Awaitable[None]]],
+    Awaitable[None],
+]
 
 _RECEIVE_WINDOW = 1 << 24
 _ALPN_H2 = "h2"
@@ -292,14 +296,20 @@ class H2ServerProtocol(asyncio.Protocol):
         if not stream.headers_sent:
             stream.headers_sent = True
             self._h2.send_headers(
-                stream.stream_id, [(b":status", str(stream.status).encode("ascii")), *stream.headers],
+                stream.stream_id,
+                [(b":status", str(stream.status).encode("ascii")), *stream.headers],
                 end_stream=not body and not more,
             )
             if not body and not more:
                 stream.ended = True
         if body:
             completed = await send_within_windows(
-                self._h2, stream.stream_id, body, end_stream=not more, capacity=self._capacity, flush=self._flush,
+                self._h2,
+                stream.stream_id,
+                body,
+                end_stream=not more,
+                capacity=self._capacity,
+                flush=self._flush,
                 gone=lambda: stream.disconnected,
             )
             stream.ended = completed and not more
@@ -319,7 +329,10 @@ class H2ServerProtocol(asyncio.Protocol):
         problem = InternalServerError()
         body = problem_body(problem)
         stream.status = problem.status
-        stream.headers = [(b"content-type", PROBLEM_MEDIA_TYPE.encode("ascii")), (b"content-length", str(len(body)).encode())]
+        stream.headers = [
+            (b"content-type", PROBLEM_MEDIA_TYPE.encode("ascii")),
+            (b"content-length", str(len(body)).encode()),
+        ]
         await self._send(stream, {"type": "http.response.body", "body": body})
 
     # -- connection housekeeping ------------------------------------------------------------------
@@ -328,10 +341,8 @@ class H2ServerProtocol(asyncio.Protocol):
         if not self._draining or self._streams or self._transport is None or self._transport.is_closing():
             return
         if self._h2 is not None:
-            try:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
                 self._h2.close_connection()
-            except h2.exceptions.ProtocolError:
-                pass
             self._flush_now()
         self._transport.close()
 

@@ -74,9 +74,7 @@ class PeerTLS:
         }
 
 
-_connection_tls: contextvars.ContextVar[PeerTLS | None] = contextvars.ContextVar(
-    "sdcp_connection_tls", default=None
-)
+_connection_tls: contextvars.ContextVar[PeerTLS | None] = contextvars.ContextVar("sdcp_connection_tls", default=None)
 
 
 def install_hypercorn_tls_hook() -> None:
@@ -144,4 +142,3 @@ def peer_uri(request_or_scope: HTTPConnection | Mapping[str, Any]) -> str | None
         return None
     uri = tls.get("peer_uri")
     return uri if isinstance(uri, str) else None
-

@@ -213,7 +213,9 @@ class Server:
     async def _wait_started(self) -> None:
         assert self._task is not None
         started = asyncio.create_task(self._startup.started.wait())
-        done, _ = await asyncio.wait({started, self._task}, timeout=_STARTUP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {started, self._task}, timeout=_STARTUP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+        )
         if started not in done:
             started.cancel()
             task, self._task = self._task, None
