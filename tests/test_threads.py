@@ -29,12 +29,14 @@ class FakeProc:
         (self.root / "self" / "stat").write_text(f"42 (python (test)) {own}\n")
 
 
-class FixedMeter(CoreMeter):
-    def __init__(self, others: float | None) -> None:
-        self.others = others
+class ScriptedMeter(CoreMeter):
+    """Readings of (cores the others kept busy, cores this process kept busy), one per window."""
 
-    def others_busy(self) -> float | None:
-        return self.others
+    def __init__(self, readings: list[tuple[float, float] | None]) -> None:
+        self.readings = readings
+
+    def busy(self) -> tuple[float, float] | None:
+        return self.readings.pop(0) if self.readings else None
 
 
 def test_the_meter_subtracts_this_processs_own_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,61 +48,72 @@ def test_the_meter_subtracts_this_processs_own_time(tmp_path: Path, monkeypatch:
     proc.busy += 3 * ticks  # 1.5 cores over 2 s on the machine ...
     proc.own += 1 * ticks  # ... of which 0.5 core is this process
     proc.write()
-    assert meter.others_busy() == pytest.approx(1.0)
+    assert meter.busy() == pytest.approx((1.0, 0.5))
 
 
 def test_the_meter_says_nothing_without_proc(tmp_path: Path) -> None:
-    assert CoreMeter(tmp_path / "missing").others_busy() is None
+    assert CoreMeter(tmp_path / "missing").busy() is None
 
 
 @pytest.mark.parametrize(
     ("others", "threads"), [(0.0, 4), (0.5, 4), (0.7, 4), (0.8, 3), (1.0, 3), (2.2, 2), (3.9, 1), (9.0, 1)]
 )
 def test_the_team_is_the_budget_less_the_cores_others_keep_busy(others: float, threads: int) -> None:
-    assert CoreGovernor(4, cores=4, meter=FixedMeter(None)).team_size(others) == threads
+    assert CoreGovernor(4, cores=4, meter=ScriptedMeter([])).team_size(others) == threads
 
 
 def test_the_team_never_exceeds_the_budget() -> None:
-    assert CoreGovernor(2, cores=8, meter=FixedMeter(None)).team_size(0.0) == 2
+    assert CoreGovernor(2, cores=8, meter=ScriptedMeter([])).team_size(0.0) == 2
 
 
-class ScriptedMeter(CoreMeter):
-    def __init__(self, readings: list[float]) -> None:
-        self.readings = readings
-        self.calls = 0
-
-    def others_busy(self) -> float | None:
-        self.calls += 1
-        return self.readings.pop(0)
-
-
-def test_windows_in_which_the_model_idled_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+def _steps(governor: CoreGovernor, monkeypatch: pytest.MonkeyPatch, count: int) -> list[int]:
+    """apply() once a second, as a busy model thread calls it, with a scripted clock."""
     now = [0.0]
     monkeypatch.setattr("sdcp.threads.time.monotonic", lambda: now[0])
     monkeypatch.setattr("torch.set_num_threads", lambda n: None)
-    meter = ScriptedMeter([2.0, 0.2, 2.0])
-    governor = CoreGovernor(2, cores=2, meter=meter)
-    assert governor.apply() == 2  # the first work after an idle start opens a window
-    now[0] = 0.5
-    governor.apply()
-    now[0] = 1.1
-    assert governor.apply() == 2  # others busy on 0.2 cores while the model worked
-    now[0] = 5.0  # idle for 3.9 s: whatever ran meanwhile did not compete with the model
-    assert governor.apply() == 2 and meter.calls == 3
+    sizes = []
+    for step in range(count):
+        now[0] = float(step)
+        sizes.append(governor.apply())
+    return sizes
+
+
+def test_windows_in_which_the_model_mostly_waited_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    # While this process idled (0.05 cores), another kept both cores busy: that says nothing of
+    # what the model would meet, so the team stays whole.
+    meter = ScriptedMeter([(2.0, 0.05), (2.0, 0.05), (0.2, 1.9)])
+    assert _steps(CoreGovernor(2, cores=2, meter=meter), monkeypatch, 3) == [2, 2, 2]
 
 
 def test_a_neighbour_that_keeps_a_core_busy_while_the_model_works_shrinks_the_team(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The neighbour gets two thirds of a core beside a team of two, and a whole one beside one;
+    # once it leaves the team grows back.
+    readings: list[tuple[float, float] | None] = [
+        (0.1, 1.9),
+        (0.9, 1.3),
+        (1.0, 1.0),
+        (1.0, 1.0),
+        (0.1, 1.0),
+        (0.1, 1.0),
+        (0.1, 1.9),
+    ]
+    sizes = _steps(CoreGovernor(2, cores=2, meter=ScriptedMeter(readings)), monkeypatch, 7)
+    assert sizes[0] == 2 and 1 in sizes[2:5] and sizes[-1] == 2
+
+
+def test_slow_passes_still_measure(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under a neighbour one pass can take seconds, so calls are seconds apart: each window counts.
     now = [0.0]
     monkeypatch.setattr("sdcp.threads.time.monotonic", lambda: now[0])
     monkeypatch.setattr("torch.set_num_threads", lambda n: None)
-    governor = CoreGovernor(2, cores=2, meter=ScriptedMeter([0.0, 1.0, 1.0, 1.0, 0.1, 0.1, 0.1]))
+    governor = CoreGovernor(2, cores=2, meter=ScriptedMeter([(1.0, 1.2), (1.0, 1.0)]))
     sizes = []
-    for step in range(1, 14):
-        now[0] = step * 0.5
+    for when in (0.0, 3.0, 6.5):
+        now[0] = when
         sizes.append(governor.apply())
-    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2
+    assert sizes == [1, 1, 1]
 
 
 def test_apply_sizes_the_calling_threads_team(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,7 +122,7 @@ def test_apply_sizes_the_calling_threads_team(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr("sdcp.threads.time.monotonic", lambda: now[0])
 
     def model_thread() -> None:
-        governor = CoreGovernor(2, cores=2, meter=FixedMeter(1.5))
+        governor = CoreGovernor(2, cores=2, meter=ScriptedMeter([None, (1.5, 1.0)]))
         governor.apply()
         seen.append(torch.get_num_threads())
         now[0] = 1.0

@@ -28,9 +28,10 @@ _WEIGHT = 0.5
 # what they do between two passes of a busy model (requests, answers) does not compete with the
 # team, so a core half used by them is still worth a thread; a process that never sleeps takes one.
 _SHARE_TOLERATED = 0.75
-# A model thread that had no work for this long measured the others while it did not compete
-# with them: that window is dropped.
-_IDLE_GAP_S = 1.0
+# A window in which this process used less than this many cores was one in which the model mostly
+# waited: what the others did then did not compete with it, so the window is dropped. (A gap
+# between calls cannot tell: under a neighbour's load one pass can itself take seconds.)
+_ACTIVE_CORES = 0.25
 
 
 def usable_cores() -> int:
@@ -58,8 +59,8 @@ class CoreMeter:
         self._ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._last = self._sample()
 
-    def others_busy(self) -> float | None:
-        """Cores the other processes kept busy since the previous call, on average."""
+    def busy(self) -> tuple[float, float] | None:
+        """Cores the other processes and this one kept busy since the previous call, on average."""
         sample = self._sample()
         previous, self._last = self._last, sample
         if sample is None or previous is None:
@@ -67,8 +68,9 @@ class CoreMeter:
         wall = sample[0] - previous[0]
         if wall <= 0:
             return None
-        others = (sample[1] - previous[1]) - (sample[2] - previous[2])
-        return max(0.0, others / self._ticks_per_s / wall)
+        own = (sample[2] - previous[2]) / self._ticks_per_s / wall
+        others = (sample[1] - previous[1]) / self._ticks_per_s / wall - own
+        return max(0.0, others), own
 
     def _sample(self) -> tuple[float, int, int] | None:
         try:
@@ -97,7 +99,6 @@ class CoreGovernor:
         self._meter = meter if meter is not None else CoreMeter()
         self._others: float | None = None
         self._next_check = 0.0
-        self._last_work = -math.inf
         self.threads = budget
         self._applied: int | None = None
 
@@ -107,15 +108,11 @@ class CoreGovernor:
     def apply(self) -> int:
         """Re-measure at most once a second; set the calling thread's team size; return it."""
         now = time.monotonic()
-        idle = now - self._last_work > _IDLE_GAP_S
-        self._last_work = now
-        if idle:
-            self._meter.others_busy()  # starts a new window
+        if now >= self._next_check:
             self._next_check = now + _MEASURE_EVERY_S
-        elif now >= self._next_check:
-            self._next_check = now + _MEASURE_EVERY_S
-            others = self._meter.others_busy()
-            if others is not None:
+            measured = self._meter.busy()
+            if measured is not None and measured[1] >= _ACTIVE_CORES:
+                others = measured[0]
                 self._others = others if self._others is None else self._others + _WEIGHT * (others - self._others)
                 self.threads = self.team_size(self._others)
         if self.threads != self._applied:
