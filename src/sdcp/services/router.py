@@ -28,6 +28,7 @@ from sdcp.cache import MLC, build_uri
 from sdcp.protocol.messages import (
     TOKEN_MAX,
     Action,
+    Assignment,
     Contract,
     Event,
     Policy,
@@ -475,22 +476,8 @@ class RouterNode(Node):
     async def _send_assignment(self, tracked: _TrackedSession, drafter: str) -> None:
         """SDCP 6.1: inform the verifier first, then send the assignment to the drafter."""
         plan = tracked.plan
-        replay, tokens = await self._committed_prefix(tracked)
-        assignment = plan.assignment(
-            drafter,
-            round=replay.round,
-            committed=len(replay.tokens),
-            digest=replay.digest,
-            m_init=self.config.router.m_init,
-            committed_tokens=tokens,
-        )
-        verifier = self.peers.get(plan.verifier)
-        _, answer = await verifier.put_cbor(f"sessions/{tracked.path_id}/drafter", assignment.to_obj())
-        state = SessionState.from_obj(answer)
-        plan.drafter = drafter
-        if state.round != replay.round:
-            # The previous drafter's last round (or a self-decoded one) committed after the log was
-            # read; it is in the log now, since the verifier appends before it answers (SDCP 6.3).
+
+        async def current_assignment() -> tuple[int, Assignment]:
             replay, tokens = await self._committed_prefix(tracked)
             assignment = plan.assignment(
                 drafter,
@@ -500,12 +487,23 @@ class RouterNode(Node):
                 m_init=self.config.router.m_init,
                 committed_tokens=tokens,
             )
+            return replay.round, assignment
+
+        read_at, assignment = await current_assignment()
+        verifier = self.peers.get(plan.verifier)
+        _, answer = await verifier.put_cbor(f"sessions/{tracked.path_id}/drafter", assignment.to_obj())
+        state = SessionState.from_obj(answer)
+        plan.drafter = drafter
+        if state.round != read_at:
+            # The previous drafter's last round (or a self-decoded one) committed after the log was
+            # read; it is in the log now, since the verifier appends before it answers (SDCP 6.3).
+            read_at, assignment = await current_assignment()
         await self.peers.get(drafter).post_cbor("assignments", assignment.to_obj(), idempotent=True)
         tracked.self_decoding = False
         tracked.decided_at = time.monotonic()
         tracked.serve(drafter)
         ASSIGNMENTS.labels(self.uri).inc()
-        log.info("%s: session %s assigned to %s at round %d", self.uri, tracked.path_id, drafter, replay.round)
+        log.info("%s: session %s assigned to %s at round %d", self.uri, tracked.path_id, drafter, read_at)
 
     async def _fail_over(self, tracked: _TrackedSession) -> None:
         """SDCP 6.9 verifier failure: fence, replay the log, resume at another verifier, reassign."""
