@@ -116,3 +116,9 @@ def test_costs_come_from_the_status_extension_members() -> None:
 def test_status_round_trips_the_cost_members() -> None:
     status = Status(instance="https://v", role=Role.VERIFIER, load=0, queue=0, ttl_ms=3000, self_us=21000)
     assert Status.from_obj(status.to_obj()) == status
+
+
+def test_zero_times_reported_by_a_peer_do_not_break_the_choice() -> None:
+    instant = DrafterCosts("https://instant", alpha=0.5, draft_s=0.0, verify_s=0.0)
+    choice = choose([instant], self_decode_s=0.0)
+    assert choice is not None and choice.drafter == "https://instant"

@@ -593,6 +593,6 @@ class RouterNode(Node):
 def _verify_s(verifier: InstanceView | None) -> float:
     """What a verification round costs at this verifier, for drafters that have not timed one: its
     time per self-decoded token, one pass."""
-    if verifier is None or verifier.status.self_us is None:
-        return DEFAULT_VERIFY_S
+    if verifier is None or not verifier.status.self_us:
+        return DEFAULT_VERIFY_S  # none reported, or a zero that no pass can take
     return verifier.status.self_us / 1e6
