@@ -9,6 +9,12 @@ STAMP := $(VENV)/.sdcp-installed
 test: lint redis model
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The quick tier while working: protocol, cache, transport and services on tiny models, without the
+# tests marked slow, the end-to-end runs on SmolLM2 and the benchmark. CI runs `make test`.
+FAST_TESTS := tests/protocol tests/cache tests/transport tests/services tests/test_threads.py tests/test_layout.py
+test-fast: install redis
+	$(PY) -m pytest -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
+
 # ruff (lint and format check) and mypy (strict on sdcp.protocol and sdcp.cache), pyproject.toml.
 lint: install
 	$(VENV)/bin/ruff check src tests

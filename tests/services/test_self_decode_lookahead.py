@@ -166,6 +166,7 @@ def _proposal(state: SessionState, tokens: tuple[int, ...]) -> Proposal:
     )
 
 
+@pytest.mark.slow
 async def test_lookahead_saves_passes_and_keeps_greedy_output(
     node: tuple[VerifierNode, dict[str, SDCPClient]], target: TargetModel
 ) -> None:
@@ -187,6 +188,7 @@ async def test_lookahead_saves_passes_and_keeps_greedy_output(
     assert self_decode_passes < self_decoded
 
 
+@pytest.mark.slow
 async def test_a_failed_append_while_self_decoding_leaves_the_model_at_the_committed_tokens(
     node: tuple[VerifierNode, dict[str, SDCPClient]], target: TargetModel
 ) -> None:

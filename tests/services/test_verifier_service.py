@@ -402,6 +402,7 @@ async def test_output_offsets_that_are_not_ascii_digits_are_bad_messages(cluster
         assert err.status == 400
 
 
+@pytest.mark.slow
 async def test_a_failed_append_releases_nothing_and_the_round_can_be_retried(
     tmp_path: Path, target: TargetModel
 ) -> None:
@@ -467,6 +468,7 @@ async def test_an_ended_session_is_freed_after_its_retention(cluster: Cluster, t
     assert err.status == 404 and SESSION not in node.sessions and not target.has_session(SESSION)
 
 
+@pytest.mark.slow
 async def test_a_session_nothing_drives_is_closed_after_the_idle_timeout(tmp_path: Path, target: TargetModel) -> None:
     async with running_cluster(tmp_path, target, idle_timeout_s=1.0) as env:
         node = env.node
