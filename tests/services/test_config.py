@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from sdcp.cli import app
 from sdcp.services.config import ConfigError, load_config
 
 INSTANCE = """
@@ -37,8 +39,38 @@ def test_verifier_keys_are_read(tmp_path: Path) -> None:
         ("kv_slots = -1", "verifier.kv_slots must not be negative"),
         ("idle_timeout_s = -5.0", "verifier.idle_timeout_s must not be negative"),
         ("idle_timeout_s = 'soon'", "verifier.idle_timeout_s must be a number"),
+        ("max_batch = 0", "verifier.max_batch must be at least 1"),
     ],
 )
 def test_bad_verifier_keys_are_named(tmp_path: Path, line: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(_write(tmp_path, line + "\n"))
+
+
+@pytest.mark.parametrize(
+    ("section", "line", "message"),
+    [
+        ("instance", "ttl_ms = 0", "instance.ttl_ms must be at least 1"),
+        ("drafter", "lease_s = 0", "drafter.lease_s must be positive"),
+        ("router", "m_init = 0", "router.m_init must be at least 1"),
+    ],
+)
+def test_values_that_would_spin_or_never_hold_are_refused(
+    tmp_path: Path, section: str, line: str, message: str
+) -> None:
+    text = INSTANCE.replace("[instance]", f"[instance]\n{line}") if section == "instance" else INSTANCE
+    if section != "instance":
+        text += f"\n[{section}]\n{line}\n"
+    path = tmp_path / "instance.toml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_a_gateway_without_a_router_is_a_one_line_cli_error(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(INSTANCE + "\n[gateway]\nmodel = 'tiny'\n", encoding="utf-8")
+    result = CliRunner().invoke(app, ["gateway", "--config", str(path)])
+    assert result.exit_code == 1
+    assert "the gateway needs instance.router" in result.output
+    assert "Traceback" not in result.output

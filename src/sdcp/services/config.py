@@ -25,6 +25,7 @@ back to a default.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -58,7 +59,8 @@ class InstanceConfig:
     ca: Path
     listen: str | None = None
     router: str | None = None
-    ttl_ms: int = 3000
+    # At least 1: reports go every ttl_ms / 3, and a zero would send them without pause.
+    ttl_ms: int = field(default=3000, metadata={"min": 1})
     # Threads for the instance's model work (docs/deploy.md, "Threads and cores"); 0: every usable
     # core for the roles that run a model (the verifier, model drafters), one for the others.
     threads: int = 0
@@ -96,7 +98,7 @@ class MLCConfig:
 class VerifierConfig:
     model: str = "smollm2"
     batch_window_ms: float = 2.0
-    max_batch: int = 16
+    max_batch: int = field(default=16, metadata={"min": 1})
     # The KV slot pool (docs/models.md): sessions in it, positions per session (0 = the model's
     # context, at most 4096). On a CPU unused slots cost address space only; on a GPU, memory.
     kv_slots: int = 32
@@ -117,7 +119,7 @@ class DrafterConfig:
     model: str = NGRAM_DRAFTER
     # The target whose vocabulary the drafter's rows must match (SDCP 5.2 q_rows).
     target: str = "smollm2"
-    lease_s: float = 30.0
+    lease_s: float = field(default=30.0, metadata={"positive": True})
 
     @property
     def runs_model(self) -> bool:
@@ -131,7 +133,7 @@ class RouterConfig:
     ended_retention_s: float = 600.0
     # Assignments start at the contract's own limit (m_init is clamped to m_max): escalation and
     # load lower it where long proposals do not pay (SDCP 6.5).
-    m_init: int = 64
+    m_init: int = field(default=64, metadata={"min": 1})
     verifiers: tuple[str, ...] = ()
     drafters: tuple[str, ...] = ()
 
@@ -185,8 +187,8 @@ def _section(cls: type[_Section], table: object, name: str, base: Path) -> _Sect
         elif annotation.startswith("str") and not isinstance(value, str):
             raise ConfigError(f"{name}.{key} must be a string")
         # Counts, sizes and durations all: a negative one is a typo, never a setting.
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-            raise ConfigError(f"{name}.{key} must not be negative")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            _check_range(f"{name}.{key}", value, known[key].metadata)
         values[key] = value
     try:
         return cls(**values)
@@ -206,6 +208,16 @@ def thread_budget(config: ServiceConfig, role: str) -> int:
         return config.instance.threads
     runs_model = role == "verifier" or (role == "drafter" and config.drafter.runs_model)
     return usable_cores() if runs_model else 1
+
+
+def _check_range(name: str, value: float, limits: Mapping[str, object]) -> None:
+    minimum = limits.get("min")
+    if isinstance(minimum, int) and value < minimum:
+        raise ConfigError(f"{name} must be at least {minimum}")
+    if limits.get("positive") and value <= 0:
+        raise ConfigError(f"{name} must be positive")
+    if value < 0:
+        raise ConfigError(f"{name} must not be negative")
 
 
 def load_config(path: Path | str) -> ServiceConfig:

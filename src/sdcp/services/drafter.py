@@ -50,7 +50,7 @@ from sdcp.protocol.messages import (
 from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.records import decode_token_list
 from sdcp.protocol.rules import get_rule
-from sdcp.services.config import ServiceConfig, thread_budget
+from sdcp.services.config import ConfigError, ServiceConfig, thread_budget
 from sdcp.services.node import Node
 from sdcp.threads import CoreGovernor
 from sdcp.transport.asgi import read_cbor_body, require_peer
@@ -242,7 +242,7 @@ class DrafterNode(Node):
         super().__init__(config, mlc)
         settings = config.drafter
         if settings.lease_s <= 0:
-            raise ValueError(f"drafter.lease_s must be positive, got {settings.lease_s}")
+            raise ConfigError(f"drafter.lease_s must be positive, got {settings.lease_s}")
         self.drafter = (
             drafter
             if drafter is not None

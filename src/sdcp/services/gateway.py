@@ -26,7 +26,7 @@ from sdcp.client import ClusterClient, build_contract
 from sdcp.models.registry import end_of_text_tokens, load_tokenizer
 from sdcp.protocol.messages import Sampling
 from sdcp.protocol.problems import ProtocolError
-from sdcp.services.config import ServiceConfig
+from sdcp.services.config import ConfigError, ServiceConfig
 from sdcp.transport.errors import TransportError
 from sdcp.transport.server import Listener, Server
 
@@ -67,7 +67,7 @@ class GatewayNode:
     def __init__(self, config: ServiceConfig) -> None:
         instance = config.instance
         if instance.router is None:
-            raise ValueError("the gateway needs instance.router")
+            raise ConfigError("the gateway needs instance.router")
         self.config = config
         self.model_name = config.gateway.model
         self.tokenizer: Any = load_tokenizer(self.model_name)
