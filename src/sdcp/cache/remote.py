@@ -2,19 +2,8 @@
 
 `RemoteStore` implements the `SharedStore` protocol over the node's HTTP/2 + mTLS resources with one
 pooled `SDCPClient`, and `RemoteCommitLog` the `CommitLog` ABC. Problem answers are mapped back to
-the cache's own errors, so callers see exactly the exceptions an embedded store raises:
-
-| answer | error |
-|---|---|
-| 404 | `ObjectNotFound` (`None` / `False` where the protocol says so) |
-| 409 on a log | `Fenced` |
-| 409 on a lease | `LeaseNotHeld` |
-| 412 | `PreconditionFailed` |
-| 413 | `ObjectTooLarge` |
-| 400 | `InvalidRecord` on a log, `InvalidArgument` otherwise |
-| 403 | `InvalidArgument` (a lease held in a name other than this instance's certificate URI) |
-| 507 | `CacheFull` |
-| 500 with `cache_error: CorruptRecord` | `CorruptRecord` |
+the cache's own errors (`sdcp.cache.wire`), so callers see exactly the exceptions an embedded store
+raises.
 
 Transport failures (`sdcp.transport.errors.TransportError`) and other statuses pass through.
 Objects travel as raw `application/octet-stream` bodies: q rows are ~200 KB each.
@@ -31,18 +20,12 @@ from typing import Any, TypeVar
 
 from sdcp.cache.commitlog import CommitLog, LogSnapshot, encode_record, validate_fence_epoch
 from sdcp.cache.errors import (
-    CacheError,
-    CacheFull,
     CorruptRecord,
-    Fenced,
     InvalidArgument,
-    InvalidRecord,
-    LeaseNotHeld,
     ObjectNotFound,
-    ObjectTooLarge,
-    PreconditionFailed,
 )
 from sdcp.cache.tiers import CachedObject
+from sdcp.cache.wire import LEASE_ERRORS, LOG_ERRORS, OBJECT_ERRORS, ErrorMap
 from sdcp.protocol.problems import ProtocolError
 from sdcp.transport.client import SDCPClient
 from sdcp.transport.errors import PeerServerError, StatusError, UnexpectedResponse
@@ -51,19 +34,6 @@ __all__ = ["RemoteCommitLog", "RemoteStore"]
 
 PathLike = str | os.PathLike[str]
 _T = TypeVar("_T")
-ErrorMap = dict[int, type[CacheError]]
-
-_COMMON: ErrorMap = {
-    400: InvalidArgument,
-    403: InvalidArgument,
-    404: ObjectNotFound,
-    412: PreconditionFailed,
-    413: ObjectTooLarge,
-    507: CacheFull,
-}
-_OBJECTS = _COMMON
-_LEASES: ErrorMap = {**_COMMON, 409: LeaseNotHeld}
-_LOGS: ErrorMap = {**_COMMON, 400: InvalidRecord, 409: Fenced}
 
 
 @contextmanager
@@ -100,7 +70,7 @@ class RemoteStore:
 
     async def head(self, uri: str) -> str | None:
         try:
-            with _cache_errors(_OBJECTS):
+            with _cache_errors(OBJECT_ERRORS):
                 response = await self.client.head("objects", {"uri": uri})
         except ObjectNotFound:
             return None
@@ -108,7 +78,7 @@ class RemoteStore:
 
     async def fetch(self, uri: str) -> CachedObject | None:
         try:
-            with _cache_errors(_OBJECTS):
+            with _cache_errors(OBJECT_ERRORS):
                 response = await self.client.get_bytes("objects", {"uri": uri})
         except ObjectNotFound:
             return None
@@ -116,7 +86,7 @@ class RemoteStore:
 
     async def store(self, obj: CachedObject, if_match: str | None) -> None:
         headers = {} if if_match is None else {"if-match": if_match}
-        with _cache_errors(_OBJECTS):
+        with _cache_errors(OBJECT_ERRORS):
             # A repeated conditional PUT that had succeeded would fail its own precondition.
             await self.client.put_bytes(
                 "objects", obj.data, {"uri": obj.uri}, headers=headers, idempotent=if_match is None
@@ -124,7 +94,7 @@ class RemoteStore:
 
     async def remove(self, uri: str) -> bool:
         try:
-            with _cache_errors(_OBJECTS):
+            with _cache_errors(OBJECT_ERRORS):
                 await self.client.delete("objects", {"uri": uri})
         except ObjectNotFound:
             return False
@@ -139,13 +109,13 @@ class RemoteStore:
     async def _lease_call(self, path: str, uri: str, holder: str, ttl_s: float) -> float:
         # Whole milliseconds, rounded up so that a short lease never becomes a zero one.
         request = {"uri": uri, "holder": holder, "ttl_ms": max(1, math.ceil(ttl_s * 1000))}
-        with _cache_errors(_LEASES):
+        with _cache_errors(LEASE_ERRORS):
             _, body = await self.client.post_cbor(path, request, idempotent=True)
         expires_ms = _member(body, "expires_ms", int, self.base_uri)
         return expires_ms / 1000
 
     async def release(self, uri: str, holder: str) -> bool:
-        with _cache_errors(_LEASES):
+        with _cache_errors(LEASE_ERRORS):
             _, body = await self.client.post_cbor("leases/release", {"uri": uri, "holder": holder}, idempotent=True)
         return _member(body, "released", bool, self.base_uri)
 
@@ -164,7 +134,7 @@ class RemoteCommitLog(CommitLog):
         self.client = client
 
     async def read(self) -> LogSnapshot:
-        with _cache_errors(_LOGS):
+        with _cache_errors(LOG_ERRORS):
             _, body = await self.client.get_cbor("logs", {"uri": self.uri})
         records = _member(body, "records", list, self.client.base_uri)
         etag = _member(body, "etag", str, self.client.base_uri)
@@ -174,7 +144,7 @@ class RemoteCommitLog(CommitLog):
 
     async def append(self, record: dict[str, Any], if_match: str) -> str:
         encode_record(record)  # InvalidRecord here, as with a local log, before anything is sent
-        with _cache_errors(_LOGS):
+        with _cache_errors(LOG_ERRORS):
             # Not repeated after a lost connection: an append that had landed would then fail as
             # PreconditionFailed and the verifier would take its own commit for a lost race.
             _, body = await self.client.post_cbor(
@@ -184,7 +154,7 @@ class RemoteCommitLog(CommitLog):
 
     async def fence(self, epoch: int) -> str:
         validate_fence_epoch(epoch)
-        with _cache_errors(_LOGS):
+        with _cache_errors(LOG_ERRORS):
             # Repeating a fence is harmless: a fence already the highest appends nothing.
             _, body = await self.client.post_cbor(
                 "logs/fence", {"epoch": epoch}, params={"uri": self.uri}, idempotent=True

@@ -37,19 +37,14 @@ from starlette.routing import BaseRoute, Route
 from sdcp.cache import (
     MLC,
     CacheError,
-    CacheFull,
     CommitLog,
-    CorruptRecord,
-    Fenced,
     InvalidArgument,
     InvalidRecord,
     InvalidURI,
-    LeaseNotHeld,
     ObjectNotFound,
-    ObjectTooLarge,
-    PreconditionFailed,
 )
 from sdcp.cache.uri import canonical
+from sdcp.cache.wire import status_of
 from sdcp.services.config import ConfigError, ServiceConfig
 from sdcp.services.node import Node
 from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
@@ -62,27 +57,13 @@ OCTETS = "application/octet-stream"
 # re-reading the whole log on every append of a busy session.
 _OPEN_LOGS = 1024
 
-_STATUS_OF: dict[type[CacheError], int] = {
-    InvalidURI: 400,
-    InvalidArgument: 400,
-    InvalidRecord: 400,
-    ObjectNotFound: 404,
-    Fenced: 409,
-    LeaseNotHeld: 409,
-    PreconditionFailed: 412,
-    ObjectTooLarge: 413,
-    CorruptRecord: 500,
-    # 507 rather than 409: a client can then read 409 on a log as Fenced without parsing details.
-    CacheFull: 507,
-}
-
 
 class CacheProblem(HTTPProblem):
     """A cache error as a problem answer; `cache_error` names the error class."""
 
     def __init__(self, error: CacheError) -> None:
         name = type(error).__name__
-        status = next((code for cls, code in _STATUS_OF.items() if isinstance(error, cls)), 500)
+        status = status_of(error)
         super().__init__(f"{name}: {error}")
         template = HTTPProblem.for_status(status)
         self.status, self.title, self.error_name = status, template.title, name
