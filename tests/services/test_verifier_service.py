@@ -531,3 +531,35 @@ async def test_the_event_loop_thread_runs_no_torch_operator(tmp_path: Path) -> N
             outputs = await asyncio.wait_for(read_output(env.client("router"), SESSION), 60)
             assert outputs[-1].final and len(output_tokens(outputs)) == c.max_new
     assert operators.seen == []
+
+
+async def test_only_the_router_asks_for_self_decoding_and_only_where_the_contract_permits_it(
+    cluster: Cluster, target: TargetModel
+) -> None:
+    path = f"sessions/{session_path_id(SESSION)}/self-decode"
+    request = {"session": SESSION, "epoch": 1}
+    await open_and_assign(cluster, contract(target))
+    with pytest.raises(Exception) as refused:
+        await cluster.client("drafter").post_cbor(path, request)
+    assert getattr(refused.value, "status", None) == 403
+    # The contract has no self_load: SDCP 6.5.2 permits no self-decoding.
+    not_permitted = await problem_of(cluster.client("router").post_cbor(path, request))
+    assert not_permitted.status == 409 and not_permitted.problem is None
+
+
+async def test_the_verifier_decodes_alone_at_the_routers_request(
+    cluster: Cluster, target: TargetModel, greedy_reference: list[int]
+) -> None:
+    path = f"sessions/{session_path_id(SESSION)}/self-decode"
+    await open_and_assign(cluster, contract(target, self_load=100, self_max=5))
+    _, answer = await cluster.client("router").post_cbor(path, {"session": SESSION, "epoch": 1})
+    assert SessionState.from_obj(answer).state == Action.SELF_DECODE
+    outputs = await asyncio.wait_for(read_output(cluster.client("router"), SESSION, until=5), 60)
+    assert output_tokens(outputs) == greedy_reference[:5]
+    # The period ends after self_max tokens and waits for the router's next decision.
+    for _ in range(200):
+        _, stats = await cluster.client("router").get_cbor(f"sessions/{session_path_id(SESSION)}/stats")
+        if stats["state"] == Action.CONTINUE:
+            break
+        await asyncio.sleep(0.02)
+    assert stats["state"] == Action.CONTINUE and stats["self_decoded"] == 5 and stats["committed"] == 5
