@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from starlette.types import ASGIApp
 
-from sdcp.transport import Listener, SDCPClient, Server, make_certs
+from sdcp.transport import Listener, SDCPClient, Server, make_certs, server_for
 from sdcp.transport.client import RetryPolicy
 
 SERVER_URI = "https://127.0.0.1:9443/verifier/"
@@ -74,7 +74,7 @@ def mtls_listener(pki: PKI, **options: int | float) -> Listener:
 @contextlib.asynccontextmanager
 async def serving(app: ASGIApp, listener: Listener) -> AsyncIterator[Server]:
     async with asyncio.timeout(20):
-        server = Server(app, listener)
+        server = server_for(app, listener)
         await server.start()
     try:
         yield server

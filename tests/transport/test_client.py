@@ -14,12 +14,12 @@ from starlette.routing import Route
 
 from sdcp.transport import (
     ConnectionLost,
+    MTLSServer,
     PeerClients,
     PeerServerError,
     PeerTimeout,
     RetryPolicy,
     SDCPClient,
-    Server,
     cbor_response,
     exception_handlers,
     read_cbor_body,
@@ -136,7 +136,7 @@ async def test_retries_are_bounded(pki: PKI) -> None:
 
 async def test_goaway_after_keep_alive_max_requests_is_retried(pki: PKI) -> None:
     calls: list[str] = []
-    server = Server(counting_app(calls, []), mtls_listener(pki, keep_alive_max_requests=3))
+    server = MTLSServer(counting_app(calls, []), mtls_listener(pki, keep_alive_max_requests=3))
     await server.start()
     try:
         async with client_for(server, pki, pki.drafter_a) as client:

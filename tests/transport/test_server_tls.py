@@ -21,9 +21,10 @@ from starlette.routing import Route
 
 from sdcp.transport import (
     ClientCertificateRejected,
+    FrontEndServer,
     Listener,
+    MTLSServer,
     SDCPClient,
-    Server,
     ServerStartError,
     TLSFailure,
     cbor_response,
@@ -66,11 +67,11 @@ def httpx_client(pki: PKI, context: ssl.SSLContext) -> httpx.AsyncClient:
     return httpx.AsyncClient(http1=False, http2=True, verify=context, timeout=10)
 
 
-def test_hypercorn_is_the_pinned_version_and_the_peer_hook_is_installed(pki: PKI) -> None:
-    # The hook wraps a private hypercorn method: an upgrade must be a deliberate, re-tested change.
+def test_hypercorn_is_the_pinned_version_and_the_front_ends_patches_are_installed() -> None:
+    # The patches wrap private hypercorn methods: an upgrade must be a deliberate, re-tested change.
     assert importlib.metadata.version("hypercorn") == "0.18.0"
-    Server(whoami_app(), mtls_listener(pki))
-    assert getattr(TCPServer.run, "__sdcp_tls_hook__", False) is True
+    FrontEndServer(whoami_app(), Listener.front_end("127.0.0.1", 0))
+    assert getattr(TCPServer.run, "__sdcp_connection_tracking__", False) is True
     assert TCPServer.run.__wrapped__.__qualname__ == "TCPServer.run"
     assert getattr(H2Protocol.handle, "__sdcp_h2_fix__", False) is True
 
@@ -206,7 +207,7 @@ async def test_graceful_shutdown_lets_a_request_in_flight_finish(pki: PKI) -> No
         return Response(b"done")
 
     app = Starlette(routes=[Route("/slow", slow)])
-    server = Server(app, mtls_listener(pki))
+    server = MTLSServer(app, mtls_listener(pki))
     await server.start()
     context = client_context(pki.drafter_a.cert, pki.drafter_a.key, pki.ca)
     async with httpx_client(pki, context) as client:
@@ -223,14 +224,14 @@ async def test_bind_failure_and_startup_failure_are_reported(pki: PKI) -> None:
     async with serving(whoami_app(), mtls_listener(pki)) as server:
         taken = Listener.mtls("127.0.0.1", server.port, cert=pki.server.cert, key=pki.server.key, ca=pki.ca)
         with pytest.raises(ServerStartError, match="cannot listen"):
-            await Server(whoami_app(), taken).start()
+            await MTLSServer(whoami_app(), taken).start()
 
     def failing_lifespan(_app: Starlette) -> object:
         raise RuntimeError("model weights missing")
 
     broken = Starlette(lifespan=failing_lifespan)  # type: ignore[arg-type]
     with pytest.raises(ServerStartError, match="startup failed"):
-        await Server(broken, mtls_listener(pki)).start()
+        await MTLSServer(broken, mtls_listener(pki)).start()
 
 
 async def test_curl_with_client_certificate(pki: PKI) -> None:

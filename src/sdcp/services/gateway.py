@@ -28,7 +28,7 @@ from sdcp.protocol.messages import Sampling
 from sdcp.protocol.problems import ProtocolError
 from sdcp.services.config import ConfigError, ServiceConfig
 from sdcp.transport.errors import TransportError
-from sdcp.transport.server import Listener, Server
+from sdcp.transport.server import FrontEndServer, Listener, Server
 
 __all__ = ["GatewayNode", "OpenAIRequestError"]
 
@@ -94,7 +94,7 @@ class GatewayNode:
         )
 
     async def start(self) -> None:
-        self._server = Server(self.app(), self.listener)
+        self._server = FrontEndServer(self.app(), self.listener)
         await self._server.start()
         log.info("OpenAI-compatible API on %s", self._server.base_url)
 

@@ -18,7 +18,7 @@ from sdcp.services.config import ServiceConfig
 from sdcp.transport.asgi import exception_handlers
 from sdcp.transport.client import PeerClients
 from sdcp.transport.metrics import metrics_route
-from sdcp.transport.server import Listener, Server
+from sdcp.transport.server import Listener, MTLSServer, Server
 
 __all__ = ["Node", "build_mlc"]
 
@@ -81,7 +81,7 @@ class Node(ABC):
         await self.on_start()
         instance = self.config.instance
         listener = Listener.mtls(instance.host, instance.port, cert=instance.cert, key=instance.key, ca=instance.ca)
-        self._server = Server(self.app(), listener)
+        self._server = MTLSServer(self.app(), listener)
         await self._server.start()
         if instance.router is not None and instance.router != self.uri and self.status() is not None:
             self.spawn(self._report_status_forever(instance.router))

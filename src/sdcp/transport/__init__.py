@@ -2,7 +2,8 @@
 
 - ``certs``: development CA and per-instance certificates (URI SAN = instance base URI)
 - ``tls``: TLS 1.3 server and client contexts
-- ``server``: listeners (``Listener.mtls``, ``Listener.front_end``) and ``Server``
+- ``server``: listeners (``Listener.mtls``, ``Listener.front_end``) and their servers (``MTLSServer``,
+  ``FrontEndServer``, ``server_for``)
 - ``h2server``: the HTTP/2 server of mTLS listeners (the front end's is hypercorn)
 - ``peer``: the authenticated peer URI of a request (``peer_uri``)
 - ``asgi``: CBOR and problem responses, the body reader, error handlers, ``require_peer``
@@ -31,7 +32,7 @@ from sdcp.transport.errors import (
 )
 from sdcp.transport.metrics import metrics_route
 from sdcp.transport.peer import peer_uri
-from sdcp.transport.server import Listener, Server, ServerStartError
+from sdcp.transport.server import FrontEndServer, Listener, MTLSServer, Server, ServerStartError, server_for
 from sdcp.transport.tls import client_context, server_context
 
 __all__ = [
@@ -39,7 +40,9 @@ __all__ = [
     "ConnectionLost",
     "Forbidden",
     "HTTPProblem",
+    "FrontEndServer",
     "Listener",
+    "MTLSServer",
     "PayloadTooLarge",
     "PeerClientError",
     "PeerClients",
@@ -49,6 +52,7 @@ __all__ = [
     "SDCPClient",
     "Server",
     "ServerStartError",
+    "server_for",
     "StatusError",
     "TLSFailure",
     "TransportError",

@@ -25,7 +25,6 @@ from sdcp.protocol.problems import PROBLEM_MEDIA_TYPE, ProtocolError
 from sdcp.transport.errors import (
     Forbidden,
     HTTPProblem,
-    HTTPVersionNotSupported,
     InternalServerError,
     PayloadTooLarge,
     UnsupportedMediaType,
@@ -36,7 +35,6 @@ __all__ = [
     "DrainRequestBody",
     "PeerPolicy",
     "Problem",
-    "RequireHTTP2",
     "cbor_response",
     "exception_handlers",
     "problem_body",
@@ -181,23 +179,6 @@ class DrainRequestBody:
             await send(message)
 
         await self.app(scope, tracking_receive, draining_send)
-
-
-class RequireHTTP2:
-    """Answers 505 to requests that did not arrive over HTTP/2 or HTTP/3.
-
-    # SDCP 5.1: HTTP/2 or HTTP/3 is REQUIRED.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("http_version") not in ("2", "3"):
-            response = problem_response(HTTPVersionNotSupported("SDCP requires HTTP/2 or HTTP/3"))
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
 
 
 async def _discard_body(request: Request) -> None:

@@ -1,42 +1,29 @@
 """Peer identity: the authenticated client certificate, carried into the ASGI scope.
 
-hypercorn 0.18 puts no TLS information in the ASGI scope. Each accepted connection runs as its own
-asyncio task (``TCPServer.run``), and the tasks that run the application for that connection are
-created from it, so they inherit its ``contextvars`` context. We wrap ``TCPServer.run`` to record
-the connection's TLS details in a ContextVar, and ``TLSScopeMiddleware`` copies them into
-``scope["extensions"]["tls"]`` (the ASGI TLS extension, plus ``peer_uri``).
+``sdcp.transport.h2server`` puts each connection's ``PeerTLS`` into ``scope["extensions"]["tls"]``
+(the ASGI TLS extension, plus ``peer_uri``); ``peer_tls`` and ``peer_uri`` read it back.
 """
 
 from __future__ import annotations
 
-import contextvars
-import functools
-import inspect
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from cryptography import x509
-from hypercorn.asyncio.tcp_server import TCPServer
 from starlette.requests import HTTPConnection
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sdcp.transport.certs import uri_sans
 
 __all__ = [
-    "CONNECTIONS_ATTRIBUTE",
     "PeerTLS",
-    "TLSScopeMiddleware",
-    "install_hypercorn_tls_hook",
     "peer_tls",
     "peer_uri",
 ]
 
 # ASGI TLS extension: tls_version is the TLS protocol number.
 _TLS_VERSION_NUMBERS = {"TLSv1.2": 0x0303, "TLSv1.3": 0x0304}
-_HOOK_MARKER = "__sdcp_tls_hook__"
-CONNECTIONS_ATTRIBUTE = "sdcp_open_connections"
 
 
 @dataclass(frozen=True)
@@ -72,59 +59,6 @@ class PeerTLS:
             "alpn_protocol": self.alpn_protocol,
             "peer_uri": self.peer_uri,
         }
-
-
-_connection_tls: contextvars.ContextVar[PeerTLS | None] = contextvars.ContextVar("sdcp_connection_tls", default=None)
-
-
-def install_hypercorn_tls_hook() -> None:
-    """Wrap ``TCPServer.run`` once so that each connection records its TLS details (and registers
-    itself with its listener, when the listener's config asks for it).
-
-    Fails loudly if hypercorn's connection class no longer looks like the one this was written for.
-    """
-    original = TCPServer.run
-    if getattr(original, _HOOK_MARKER, False):
-        return
-    init_params = inspect.signature(TCPServer.__init__).parameters
-    if "writer" not in init_params or not inspect.iscoroutinefunction(original):
-        raise RuntimeError(
-            "hypercorn.asyncio.tcp_server.TCPServer changed shape; the peer-certificate hook "
-            "in sdcp.transport.peer must be updated (written for hypercorn 0.18.0)"
-        )
-
-    @functools.wraps(original)
-    async def run_recording_tls(self: TCPServer) -> None:
-        ssl_object = self.writer.get_extra_info("ssl_object")
-        _connection_tls.set(PeerTLS.from_ssl_object(ssl_object) if ssl_object is not None else None)
-        # Listeners of sdcp.transport.server keep a set of their open connections for shutdown.
-        connections: set[TCPServer] | None = getattr(self.config, CONNECTIONS_ATTRIBUTE, None)
-        if connections is not None:
-            connections.add(self)
-        try:
-            await original(self)
-        finally:
-            if connections is not None:
-                connections.discard(self)
-
-    setattr(run_recording_tls, _HOOK_MARKER, True)
-    TCPServer.run = run_recording_tls  # type: ignore[method-assign]
-
-
-class TLSScopeMiddleware:
-    """Copies the connection's TLS details into ``scope["extensions"]["tls"]``."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket"):
-            tls = _connection_tls.get()
-            if tls is not None:
-                extensions = dict(scope.get("extensions") or {})
-                extensions["tls"] = tls.asgi_extension()
-                scope = {**scope, "extensions": extensions}
-        await self.app(scope, receive, send)
 
 
 def peer_tls(request_or_scope: HTTPConnection | Mapping[str, Any]) -> Mapping[str, Any] | None:

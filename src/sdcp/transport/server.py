@@ -1,9 +1,10 @@
-"""Serving an ASGI app over HTTP/2 + TLS 1.3 + mutual TLS (SDCP 5.1).
+"""Serving an ASGI app: the SDCP listener and the front end's (SDCP 5.1).
 
-``Listener.mtls`` is the listener every SDCP role uses, served by ``sdcp.transport.h2server``.
-``Listener.front_end`` is for the OpenAI-compatible front end, which is not an SDCP role: TLS
-without client certificates, or plain HTTP restricted to loopback, served by hypercorn (HTTP/1.1
-and HTTP/2).
+``MTLSServer`` serves a ``Listener.mtls``, the listener every SDCP role uses: HTTP/2 over TLS 1.3
+with client certificates, on ``sdcp.transport.h2server``. ``FrontEndServer`` serves a
+``Listener.front_end``, for the OpenAI-compatible front end, which is not an SDCP role: TLS without
+client certificates, or plain HTTP restricted to loopback, on hypercorn (HTTP/1.1 and HTTP/2).
+``server_for`` picks the one a listener needs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import ipaddress
 import logging
 import socket
 import ssl
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +25,12 @@ from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.config import Config
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sdcp.transport.asgi import DrainRequestBody, RequireHTTP2
-from sdcp.transport.h2fix import install_h2_closed_connection_fix
+from sdcp.transport.asgi import DrainRequestBody
+from sdcp.transport.h2fix import install_h2_closed_connection_fix, install_hypercorn_connection_tracking
 from sdcp.transport.h2server import H2Listener
-from sdcp.transport.peer import TLSScopeMiddleware, install_hypercorn_tls_hook
 from sdcp.transport.tls import server_context
 
-__all__ = ["Listener", "Server", "ServerStartError"]
+__all__ = ["FrontEndServer", "Listener", "MTLSServer", "Server", "ServerStartError", "server_for"]
 
 # hypercorn's default (1000) ends every connection with GOAWAY after that many requests; SDCP peers
 # keep one connection each and send a request per round, so the limit is set far higher.
@@ -100,33 +101,16 @@ class Listener:
         return "https" if self.ssl_context is not None else "http"
 
 
-class Server:
+class Server(ABC):
     """One server for one listener, started and stopped from asyncio.
 
-    Use ``async with Server(app, listener) as server:`` (``server.port`` is the bound port, also
-    when the listener asked for port 0), or ``await Server(app, listener).run_until(event)``.
+    Use ``async with server_for(app, listener) as server:`` (``server.port`` is the bound port,
+    also when the listener asked for port 0), or ``await server.run_until(event)``.
     """
 
-    def __init__(self, app: ASGIApp, listener: Listener) -> None:
-        install_hypercorn_tls_hook()
-        install_h2_closed_connection_fix()
+    def __init__(self, listener: Listener) -> None:
         self.listener = listener
-        self._requests = _RequestsInFlight(_wrap(app, listener))
-        self._startup = _StartupSignal(self._requests)
-        self._shutdown = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self._port: int | None = None
-        self._config: _ListenerConfig
-        # SDCP listeners (HTTP/2 only) are served by sdcp.transport.h2server, the front end by hypercorn.
-        self._h2: H2Listener | None = None
-        if listener.require_http2:
-            self._h2 = H2Listener(
-                DrainRequestBody(app), listener.ssl_context,
-                max_concurrent_streams=listener.max_concurrent_streams,
-                keep_alive_max_requests=listener.keep_alive_max_requests,
-                keep_alive_timeout_s=listener.keep_alive_timeout_s,
-            )  # fmt: skip
-        self._running = False
 
     @property
     def port(self) -> int:
@@ -142,24 +126,89 @@ class Server:
         return f"{self.listener.scheme}://{host}:{self.port}/"
 
     async def start(self) -> None:
-        if self._task is not None or self._running:
+        if self._port is not None:
             raise RuntimeError("server already started")
-        # We bind ourselves so that port 0 yields a port we can report, and hand hypercorn a
-        # duplicate of the descriptor (``fd://``), which it owns and closes.
+        # We bind ourselves, so that port 0 yields a port we can report.
         try:
             family = socket.AF_INET6 if ":" in self.listener.host else socket.AF_INET
             sock = socket.create_server((self.listener.host, self.listener.port), family=family)
         except OSError as error:
             raise ServerStartError(f"cannot listen on {self.listener.host}:{self.listener.port}: {error}") from error
-        if self._h2 is not None:
-            self._port = sock.getsockname()[1]
-            failure = await self._h2.start(sock, startup_timeout_s=_STARTUP_TIMEOUT_S)
-            if failure is not None:
-                raise ServerStartError(f"application startup failed: {failure}")
-            self._running = True
-            return
+        self._port = sock.getsockname()[1]
+        try:
+            await self._serve(sock)
+        except BaseException:
+            self._port = None
+            raise
+
+    @abstractmethod
+    async def _serve(self, sock: socket.socket) -> None:
+        """Serve on the bound socket, which this call owns; return once the app has started."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Graceful shutdown: stop accepting, let requests in flight finish (bounded), close."""
+
+    async def run_until(self, shutdown: asyncio.Event) -> None:
+        async with self:
+            await shutdown.wait()
+
+    async def __aenter__(self) -> Server:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+
+class MTLSServer(Server):
+    """The SDCP listener of a role, on ``sdcp.transport.h2server`` (HTTP/2 only; HTTP/1.1 gets 505)."""
+
+    def __init__(self, app: ASGIApp, listener: Listener) -> None:
+        if not listener.require_http2 or listener.ssl_context is None:
+            raise ValueError("an mTLS server serves a Listener.mtls")
+        super().__init__(listener)
+        self._h2 = H2Listener(
+            DrainRequestBody(app),
+            listener.ssl_context,
+            max_concurrent_streams=listener.max_concurrent_streams,
+            keep_alive_max_requests=listener.keep_alive_max_requests,
+            keep_alive_timeout_s=listener.keep_alive_timeout_s,
+        )
+        self._running = False
+
+    async def _serve(self, sock: socket.socket) -> None:
+        failure = await self._h2.start(sock, startup_timeout_s=_STARTUP_TIMEOUT_S)
+        if failure is not None:
+            raise ServerStartError(f"application startup failed: {failure}")
+        self._running = True
+
+    async def stop(self) -> None:
+        if self._running:
+            self._running = False
+            await self._h2.stop(self.listener.graceful_timeout_s, _SHUTDOWN_POLL_S)
+
+
+class FrontEndServer(Server):
+    """The front end's listener, on hypercorn."""
+
+    def __init__(self, app: ASGIApp, listener: Listener) -> None:
+        if listener.require_http2:
+            raise ValueError("a front-end server serves a Listener.front_end")
+        install_hypercorn_connection_tracking()
+        install_h2_closed_connection_fix()
+        super().__init__(listener)
+        self._requests = _RequestsInFlight(DrainRequestBody(app))
+        self._startup = _StartupSignal(self._requests)
+        self._shutdown = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._config: _ListenerConfig
+
+    async def _serve(self, sock: socket.socket) -> None:
+        # hypercorn gets a duplicate of the descriptor (``fd://``), which it owns and closes.
         with sock:
-            self._port = sock.getsockname()[1]
             handed_over = sock.dup()
         self._config = _ListenerConfig(self.listener, handed_over.detach())
         self._task = asyncio.create_task(
@@ -169,18 +218,10 @@ class Server:
         await self._wait_started()
 
     async def stop(self) -> None:
-        """Graceful shutdown: stop accepting, let requests in flight finish (bounded), close.
-
-        hypercorn alone would wait for every peer to close its idle keep-alive connection, and a
-        TLS connection closes only after the peer's close_notify; SDCP peers keep their connection
-        open, so after the requests in flight have finished and their answers have been written,
-        the remaining connections are closed here.
+        """hypercorn alone would wait for every peer to close its idle keep-alive connection, and a
+        TLS connection closes only after the peer's close_notify; so after the requests in flight
+        have finished and their answers have been written, the remaining connections are closed here.
         """
-        if self._h2 is not None:
-            if self._running:
-                self._running = False
-                await self._h2.stop(self.listener.graceful_timeout_s, _SHUTDOWN_POLL_S)
-            return
         if self._task is None:
             return
         task, self._task = self._task, None
@@ -196,19 +237,6 @@ class Server:
                 _abort(c for c in self._config.sdcp_open_connections if _flushed(c))
             await asyncio.wait({task}, timeout=_SHUTDOWN_POLL_S)
         await task
-
-    async def run_until(self, shutdown: asyncio.Event) -> None:
-        async with self:
-            await shutdown.wait()
-
-    async def __aenter__(self) -> Server:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
 
     async def _wait_started(self) -> None:
         assert self._task is not None
@@ -228,6 +256,11 @@ class Server:
             # hypercorn ends serve() with the lifespan failure; it is reported as ServerStartError.
             await asyncio.gather(task, return_exceptions=True)
             raise ServerStartError(f"application startup failed: {self._startup.failed}")
+
+
+def server_for(app: ASGIApp, listener: Listener) -> Server:
+    """The server a listener needs: ``MTLSServer`` for ``Listener.mtls``, else ``FrontEndServer``."""
+    return MTLSServer(app, listener) if listener.require_http2 else FrontEndServer(app, listener)
 
 
 class _ListenerConfig(Config):
@@ -313,13 +346,6 @@ def _abort(connections: Iterable[TCPServer]) -> None:
     # abort(), not close(): close() on TLS waits for the peer's close_notify.
     for connection in list(connections):
         connection.writer.transport.abort()
-
-
-def _wrap(app: ASGIApp, listener: Listener) -> ASGIApp:
-    wrapped: ASGIApp = DrainRequestBody(app)
-    if listener.require_http2:
-        wrapped = RequireHTTP2(wrapped)
-    return TLSScopeMiddleware(wrapped)
 
 
 def _is_loopback(host: str) -> bool:
