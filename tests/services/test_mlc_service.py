@@ -2,7 +2,7 @@
 
 An `MLCNode` serves an MLC on 127.0.0.1 whose shared store is a disk directory (or, for the core
 cases, a real redis-server from tests/redis_fixture.py); the instances under test are MLCs built with
-`mlc_url=` (a memory cache in front of the remote store), each with its own certificate, so that
+`remote=` (a memory cache in front of the remote store), each with its own certificate, so that
 every operation is a real request from an authenticated peer. The cases are those of the embedded
 suite (tests/cache) that a remote store must keep: same results, same exceptions.
 """
@@ -39,11 +39,11 @@ from sdcp.cache import (
     content_etag,
 )
 from sdcp.cache.commitlog import EMPTY_LOG_ETAG
-from sdcp.cache.remote import RemoteStore
 from sdcp.localhost import free_port
 from sdcp.protocol.problems import ProtocolError
 from sdcp.services.config import ConfigError, InstanceConfig, MLCConfig, ServiceConfig
 from sdcp.services.mlc import MLCNode
+from sdcp.services.mlc_client import RemoteStore
 from sdcp.services.node import build_mlc
 from sdcp.transport.certs import instance_name, make_certs
 from sdcp.transport.client import SDCPClient
@@ -78,7 +78,8 @@ class Cluster:
         return {"cert": self.certs / f"{name}.pem", "key": self.certs / f"{name}.key", "ca": self.certs / "ca.pem"}
 
     def remote(self, identity: str = DRAFTER_A, *, memory_bytes: int = 1 << 20) -> MLC:
-        mlc = MLC.from_config(mlc_url=self.node.uri, memory_bytes=memory_bytes, **self.credentials(identity))
+        remote = RemoteStore(self.node.uri, **self.credentials(identity))
+        mlc = MLC.from_config(remote=remote, memory_bytes=memory_bytes)
         self._mlcs.append(mlc)
         return mlc
 
@@ -285,11 +286,9 @@ async def test_configuration_is_checked(certs_dir: Path, tmp_path: Path) -> None
     ca = certs_dir / "ca.pem"
     creds = {"cert": certs_dir / "127.0.0.1_9701.pem", "key": certs_dir / "127.0.0.1_9701.key", "ca": ca}
     with pytest.raises(InvalidArgument):
-        MLC.from_config(mlc_url="https://127.0.0.1:9")
+        MLC.from_config(remote=RemoteStore("https://127.0.0.1:9", **creds), redis_url="redis://127.0.0.1:6379/0")
     with pytest.raises(InvalidArgument):
-        MLC.from_config(mlc_url="https://127.0.0.1:9", redis_url="redis://127.0.0.1:6379/0", **creds)
-    with pytest.raises(InvalidArgument):
-        MLC.from_config(mlc_url="http://127.0.0.1:9", **creds)
+        RemoteStore("http://127.0.0.1:9", **creds)
     instance = InstanceConfig(DRAFTER_A, creds["cert"], creds["key"], ca)
     remote = build_mlc(ServiceConfig(instance=instance, mlc=MLCConfig(mlc_url="https://127.0.0.1:9")))
     assert isinstance(remote.shared, RemoteStore) and [tier.name for tier in remote.caches] == ["memory"]

@@ -85,10 +85,7 @@ class MLC:
         redis_prefix: str = "sdcp:mlc:",
         device_bytes: int = 0,
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
-        mlc_url: str | None = None,
-        cert: str | os.PathLike[str] | None = None,
-        key: str | os.PathLike[str] | None = None,
-        ca: str | os.PathLike[str] | None = None,
+        remote: SharedStore | None = None,
     ) -> MLC:
         """Build the tiers from configuration.
 
@@ -97,21 +94,18 @@ class MLC:
         memory cache of `memory_bytes` sits in front of a Redis or disk store (0 disables it), and
         an accelerator tier of `device_bytes` in front of everything when CUDA is present.
         `redis_prefix` namespaces the keys, so that several clusters can share one Redis server.
-        `mlc_url` makes a remote MLC node the shared store instead (reached over mTLS with `cert`,
-        `key` and `ca`); `disk_dir` is then a local cache, as with Redis.
+        `remote` (a remote MLC node's store, `sdcp.services.mlc_client.RemoteStore`, which the
+        services build since it speaks the transport) is the shared store instead; `disk_dir` is
+        then a local cache, as with Redis.
         """
         shared: SharedStore
         caches: list[CacheTier] = []
         if device_bytes > 0 and cuda_available():
             caches.append(DeviceTier(device_bytes))
-        if mlc_url is not None:
-            from sdcp.cache.remote import RemoteStore
-
+        if remote is not None:
             if redis_url is not None:
-                raise InvalidArgument("mlc_url and redis_url both name a shared store; give one")
-            if cert is None or key is None or ca is None:
-                raise InvalidArgument("a remote MLC (mlc_url) needs cert, key and ca for mutual TLS")
-            shared = RemoteStore(mlc_url, cert=cert, key=key, ca=ca)
+                raise InvalidArgument("a remote MLC and redis_url both name a shared store; give one")
+            shared = remote
             if memory_bytes > 0:
                 caches.append(MemoryTier(memory_bytes))
             if disk_dir is not None:

@@ -1,5 +1,5 @@
 """The MLC node's wire contract for errors: which HTTP status carries which cache error, for the node
-that answers (`sdcp.services.mlc`) and the client that reads the answer (`sdcp.cache.remote`).
+that answers (`sdcp.services.mlc`) and the client that reads the answer (`sdcp.services.mlc_client`).
 
 | cache error | status | read back as |
 |---|---|---|

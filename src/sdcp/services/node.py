@@ -15,6 +15,7 @@ from starlette.routing import BaseRoute, Mount
 from sdcp.cache import MLC
 from sdcp.protocol.messages import Status, instance_path_id
 from sdcp.services.config import ServiceConfig
+from sdcp.services.mlc_client import RemoteStore
 from sdcp.transport.asgi import exception_handlers
 from sdcp.transport.client import PeerClients
 from sdcp.transport.metrics import metrics_route
@@ -28,6 +29,11 @@ log = logging.getLogger("sdcp.services")
 def build_mlc(config: ServiceConfig) -> MLC:
     mlc = config.mlc
     instance = config.instance
+    remote = (
+        RemoteStore(mlc.mlc_url, cert=instance.cert, key=instance.key, ca=instance.ca)
+        if mlc.mlc_url is not None
+        else None
+    )
     return MLC.from_config(
         authority=mlc.authority,
         memory_bytes=mlc.memory_bytes,
@@ -35,10 +41,7 @@ def build_mlc(config: ServiceConfig) -> MLC:
         disk_bytes=mlc.disk_bytes,
         redis_url=mlc.redis_url,
         redis_prefix=mlc.redis_prefix,
-        mlc_url=mlc.mlc_url,
-        cert=instance.cert,
-        key=instance.key,
-        ca=instance.ca,
+        remote=remote,
     )
 
 
