@@ -17,8 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sdcp.home import sdcp_home
 from sdcp.localhost import accepts, free_port
-from sdcp.models.fetch import sdcp_home
 from sdcp.threads import usable_cores
 from sdcp.transport.certs import instance_name, make_certs
 

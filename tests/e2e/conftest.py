@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tests.e2e.support import greedy_reference, sdcp
 
-from sdcp.models.fetch import sdcp_home
+from sdcp.home import sdcp_home
 
 
 def fresh_home(root: Path) -> Path:

@@ -7,7 +7,8 @@ from itertools import count
 
 import pytest
 
-from sdcp.models import LoadedModel, TargetModel, fetch_smollm2, load_model, sdcp_home
+from sdcp.home import sdcp_home
+from sdcp.models import LoadedModel, TargetModel, fetch_smollm2, load_model
 from sdcp.models.fetch import FetchResult
 
 

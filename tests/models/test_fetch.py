@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from sdcp.cli import app
-from sdcp.models import FetchError, LoadedModel, ModelNotFetched, load_model, sdcp_home
+from sdcp.home import sdcp_home
+from sdcp.models import FetchError, LoadedModel, ModelNotFetched, load_model
 from sdcp.models.fetch import FetchResult, fetch_smollm2, is_fetched
 
 pytestmark = pytest.mark.timeout(120)

@@ -22,6 +22,7 @@ from tests.services.outputs import output_tokens, read_output
 from sdcp.cache import MLC, ObjectNotFound, build_uri
 from sdcp.localhost import free_port
 from sdcp.models.draft import DraftResult, NgramDrafter
+from sdcp.models.registry import target_vocab_size
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.digest import extend_digest, prefix_digest
@@ -39,7 +40,7 @@ from sdcp.protocol.messages import (
 )
 from sdcp.protocol.problems import BadContract, ProblemType, ProtocolError
 from sdcp.services.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
-from sdcp.services.drafter import DrafterNode, confirmed_predraft, q_rows_uri, target_vocab_size
+from sdcp.services.drafter import DrafterNode, confirmed_predraft, q_rows_uri
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient

@@ -20,7 +20,7 @@ from sdcp.bench.systems import RunResult
 from sdcp.bench.workloads import Prompt
 from sdcp.client import ClusterClient, SessionHandle, build_contract
 from sdcp.cluster import DEFAULT_DRAFTERS, LocalCluster
-from sdcp.models.fetch import sdcp_home
+from sdcp.home import sdcp_home
 from sdcp.protocol.messages import Contract
 
 __all__ = ["ClusterSystem", "GatewaySystem", "non_model_ms"]

@@ -29,13 +29,13 @@ _EXPORTS = {
     "UnknownModel": "errors",
     "UnknownSession": "errors",
     "fetch_smollm2": "fetch",
-    "sdcp_home": "fetch",
     "LoadedModel": "registry",
     "end_of_text_tokens": "registry",
     "load_drafter": "registry",
     "load_model": "registry",
     "load_tokenizer": "registry",
     "load_target": "registry",
+    "target_vocab_size": "registry",
     "TargetModel": "target",
 }
 
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
         UnknownModel,
         UnknownSession,
     )
-    from sdcp.models.fetch import fetch_smollm2, sdcp_home
+    from sdcp.models.fetch import fetch_smollm2
     from sdcp.models.registry import (
         LoadedModel,
         end_of_text_tokens,
@@ -65,6 +65,7 @@ if TYPE_CHECKING:
         load_model,
         load_target,
         load_tokenizer,
+        target_vocab_size,
     )
     from sdcp.models.target import TargetModel
 

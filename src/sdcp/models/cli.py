@@ -8,8 +8,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from sdcp.home import sdcp_home
 from sdcp.models.errors import FetchError
-from sdcp.models.fetch import FETCH_STEPS, SMOLLM2_NAME, fetch_smollm2, sdcp_home
+from sdcp.models.fetch import FETCH_STEPS, SMOLLM2_NAME, fetch_smollm2
 
 models_app = typer.Typer(help="Model backends: fetch the bundled SmolLM2 model.", no_args_is_help=True)
 

@@ -9,7 +9,6 @@ directory so that later loads take well under a second.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from sdcp.home import sdcp_home
 from sdcp.models.errors import FetchError
 
 SMOLLM2_NAME = "smollm2"
@@ -36,12 +36,6 @@ StepCallback = Callable[[str], None]
 class FetchResult:
     path: Path
     already_present: bool
-
-
-def sdcp_home() -> Path:
-    """`$SDCP_HOME`, or `~/.cache/sdcp` when unset."""
-    configured = os.environ.get("SDCP_HOME")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "sdcp"
 
 
 def models_dir(home: Path | None = None) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from sdcp.models import tiny
 from sdcp.models.draft import Drafter, HFDrafter, NgramDrafter
@@ -53,6 +53,14 @@ def load_tokenizer(name_or_path: str, home: Path | None = None) -> object:
     if name_or_path in (TINY_NAME, TINY_DRAFT_NAME):
         return tiny.tiny_tokenizer()
     return AutoTokenizer.from_pretrained(_model_dir(name_or_path, home))
+
+
+def target_vocab_size(name_or_path: str, home: Path | None = None) -> int:
+    """The vocabulary size V of a named or local model, from its configuration only (no weights):
+    a drafter's rows must have the target's (SDCP 5.2 q_rows)."""
+    if name_or_path in (TINY_NAME, TINY_DRAFT_NAME):
+        return int(tiny.tiny_config().vocab_size)
+    return int(AutoConfig.from_pretrained(_model_dir(name_or_path, home)).vocab_size)
 
 
 def end_of_text_tokens(tokenizer: Any) -> list[int]:

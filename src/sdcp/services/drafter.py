@@ -18,7 +18,6 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -26,14 +25,11 @@ from prometheus_client import Counter, Histogram
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
-from transformers import AutoConfig
 
 from sdcp.cache import MLC, CacheError, build_uri
-from sdcp.models import tiny
 from sdcp.models.draft import Drafter, DraftResult
-from sdcp.models.errors import ModelNotFetched, UnknownModel, UnknownSession
-from sdcp.models.fetch import SMOLLM2_NAME, is_fetched, smollm2_dir
-from sdcp.models.registry import TINY_DRAFT_NAME, TINY_NAME, load_drafter
+from sdcp.models.errors import UnknownSession
+from sdcp.models.registry import load_drafter, target_vocab_size
 from sdcp.protocol.digest import extend_digest, prefix_digest
 from sdcp.protocol.drafter import AcceptanceEstimate, DrafterSession
 from sdcp.protocol.messages import (
@@ -63,7 +59,6 @@ __all__ = [
     "Q_ROWS_KIND",
     "confirmed_predraft",
     "q_rows_uri",
-    "target_vocab_size",
 ]
 
 log = logging.getLogger("sdcp.drafter")
@@ -96,21 +91,6 @@ _T = TypeVar("_T")
 
 class InconsistentPrefix(RuntimeError):
     """The committed tokens available to the drafter do not reproduce the committed digest."""
-
-
-def target_vocab_size(name_or_path: str, home: Path | None = None) -> int:
-    """The vocabulary size V of a target model, from its configuration only (no weights)."""
-    if name_or_path in (TINY_NAME, TINY_DRAFT_NAME):
-        return int(tiny.tiny_config().vocab_size)
-    if name_or_path == SMOLLM2_NAME:
-        path = smollm2_dir(home)
-        if not is_fetched(path):
-            raise ModelNotFetched(f"{SMOLLM2_NAME} is not in {path}; run `sdcp models fetch`")
-    else:
-        path = Path(name_or_path).expanduser()
-        if not (path / "config.json").is_file():
-            raise UnknownModel(f"target {name_or_path!r} is not a known model name or model directory")
-    return int(AutoConfig.from_pretrained(path).vocab_size)
 
 
 def q_rows_uri(mlc: MLC, assignment: Assignment, round_number: int) -> str:
