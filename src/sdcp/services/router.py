@@ -411,14 +411,20 @@ class RouterNode(Node):
         ]
         pool = [view for view in permitted if view.uri not in avoid] or permitted
         verifier = self.registry.get(tracked.plan.verifier)
-        exploring = {t.exploring for t in self.sessions.values() if t is not tracked and not t.ended and t.exploring}
+
+        def may_explore(uri: str) -> bool:
+            # Exploration is bounded: one session at a time per unmeasured drafter. Asked only
+            # about unmeasured drafters, so that maintenance of measured ones scans no sessions.
+            return not any(
+                other.exploring == uri and other is not tracked and not other.ended for other in self.sessions.values()
+            )
+
         return choose_decoding(
             [drafter_costs(view) for view in pool],
             self_decode_s=self._self_decode_s(contract, verifier) if self_decode else None,
             verify_s=_verify_s(verifier),
             m_limit=self._m_limit(contract),
-            # Exploration is bounded: one session at a time per unmeasured drafter.
-            may_explore=lambda uri: uri not in exploring,
+            may_explore=may_explore,
         )
 
     def _m_limit(self, contract: Contract) -> int:
