@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdcp.services.config import DrafterConfig, InstanceConfig, ServiceConfig, thread_budget
+from sdcp.config import DrafterConfig, InstanceConfig, ServiceConfig, thread_budget
 from sdcp.threads import CoreGovernor, CoreMeter, usable_cores
 
 

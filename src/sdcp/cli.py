@@ -43,9 +43,9 @@ def user_errors() -> Iterator[None]:
     """Turn the errors a user can cause into one clear line."""
     from sdcp.cache import CacheError
     from sdcp.cluster import ClusterError
+    from sdcp.config import ConfigError
     from sdcp.models.errors import ModelError
     from sdcp.protocol.problems import ProtocolError
-    from sdcp.services.config import ConfigError
     from sdcp.transport.errors import TransportError
     from sdcp.transport.server import ServerStartError
 
@@ -98,7 +98,7 @@ class Role(StrEnum):
 
 
 def _serve(role: Role, config_path: Path) -> None:
-    from sdcp.services.config import load_config, thread_budget
+    from sdcp.config import load_config, thread_budget
     from sdcp.threads import limit_native_threads
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sdcp.cli import app
-from sdcp.services.config import ConfigError, load_config
+from sdcp.config import ConfigError, load_config
 
 INSTANCE = """
 [instance]

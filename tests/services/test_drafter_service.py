@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY
 from tests.services.outputs import output_tokens, read_output
 
 from sdcp.cache import MLC, ObjectNotFound, build_uri
+from sdcp.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.localhost import free_port
 from sdcp.models.draft import DraftResult, NgramDrafter
 from sdcp.models.registry import target_vocab_size
@@ -39,7 +40,6 @@ from sdcp.protocol.messages import (
     session_path_id,
 )
 from sdcp.protocol.problems import BadContract, ProblemType, ProtocolError
-from sdcp.services.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.services.drafter import DrafterNode, confirmed_predraft, q_rows_uri
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs

@@ -39,9 +39,9 @@ from sdcp.cache import (
     content_etag,
 )
 from sdcp.cache.commitlog import EMPTY_LOG_ETAG
+from sdcp.config import ConfigError, InstanceConfig, MLCConfig, ServiceConfig
 from sdcp.localhost import free_port
 from sdcp.protocol.problems import ProtocolError
-from sdcp.services.config import ConfigError, InstanceConfig, MLCConfig, ServiceConfig
 from sdcp.services.mlc import MLCNode
 from sdcp.services.mlc_client import RemoteStore
 from sdcp.services.node import build_mlc

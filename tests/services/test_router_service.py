@@ -21,6 +21,14 @@ from prometheus_client import REGISTRY
 from tests.services.outputs import read_output
 
 from sdcp.cache import MLC, build_uri
+from sdcp.config import (
+    DrafterConfig,
+    InstanceConfig,
+    MLCConfig,
+    RouterConfig,
+    ServiceConfig,
+    VerifierConfig,
+)
 from sdcp.localhost import free_port
 from sdcp.models.draft import DraftResult, NgramDrafter
 from sdcp.models.target import TargetModel
@@ -38,14 +46,6 @@ from sdcp.protocol.messages import (
     session_path_id,
 )
 from sdcp.protocol.problems import ProblemType, ProtocolError
-from sdcp.services.config import (
-    DrafterConfig,
-    InstanceConfig,
-    MLCConfig,
-    RouterConfig,
-    ServiceConfig,
-    VerifierConfig,
-)
 from sdcp.services.drafter import DrafterNode
 from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode

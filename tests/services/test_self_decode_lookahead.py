@@ -15,6 +15,7 @@ import torch
 from tests.services.outputs import output_tokens, read_output
 
 from sdcp.cache import build_uri
+from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.localhost import free_port
 from sdcp.models.registry import end_of_text_tokens, load_target
 from sdcp.models.target import TargetModel
@@ -30,7 +31,6 @@ from sdcp.protocol.messages import (
     Verdict,
     session_path_id,
 )
-from sdcp.services.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.services.verifier import PassCosts, VerifierNode, lookahead_length
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdcp.cache import MLC, build_uri
 from sdcp.cache.redis_process import local_redis_server
+from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.localhost import free_port
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
@@ -43,7 +44,6 @@ from sdcp.protocol.messages import (
     session_path_id,
 )
 from sdcp.protocol.problems import ProblemType, ProtocolError
-from sdcp.services.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient

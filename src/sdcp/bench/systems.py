@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from sdcp.client import build_contract
+from sdcp.config import RouterConfig
 from sdcp.models.draft import NgramDrafter
 from sdcp.models.target import TargetModel
 from sdcp.protocol import codec
 from sdcp.protocol.drafter import DrafterSession
 from sdcp.protocol.messages import Action, Assignment, Contract, Role, Status
 from sdcp.protocol.verifier import RoundTicket, VerifierSession
-from sdcp.services.config import RouterConfig
 
 __all__ = [
     "HF_PROMPT_LOOKUP_TOKENS",

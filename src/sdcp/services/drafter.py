@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from sdcp.cache import MLC, CacheError, build_uri
+from sdcp.config import ConfigError, ServiceConfig, thread_budget
 from sdcp.models.draft import Drafter, DraftResult
 from sdcp.models.errors import UnknownSession
 from sdcp.models.registry import load_drafter, target_vocab_size
@@ -46,7 +47,6 @@ from sdcp.protocol.messages import (
 from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.records import decode_token_list
 from sdcp.protocol.rules import get_rule
-from sdcp.services.config import ConfigError, ServiceConfig, thread_budget
 from sdcp.services.node import Node
 from sdcp.threads import CoreGovernor
 from sdcp.transport.asgi import read_cbor_body, require_peer

@@ -23,10 +23,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from sdcp.client import ClusterClient, build_contract
+from sdcp.config import ConfigError, ServiceConfig
 from sdcp.models.registry import end_of_text_tokens, load_tokenizer
 from sdcp.protocol.messages import Sampling
 from sdcp.protocol.problems import ProtocolError
-from sdcp.services.config import ConfigError, ServiceConfig
 from sdcp.transport.errors import TransportError
 from sdcp.transport.server import FrontEndServer, Listener, Server
 

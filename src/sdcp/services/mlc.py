@@ -45,7 +45,7 @@ from sdcp.cache import (
 )
 from sdcp.cache.uri import canonical
 from sdcp.cache.wire import status_of
-from sdcp.services.config import ConfigError, ServiceConfig
+from sdcp.config import ConfigError, ServiceConfig
 from sdcp.services.node import Node
 from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
 from sdcp.transport.errors import Forbidden, HTTPProblem, PayloadTooLarge, UnsupportedMediaType

@@ -13,8 +13,8 @@ from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Mount
 
 from sdcp.cache import MLC
+from sdcp.config import ServiceConfig
 from sdcp.protocol.messages import Status, instance_path_id
-from sdcp.services.config import ServiceConfig
 from sdcp.services.mlc_client import RemoteStore
 from sdcp.transport.asgi import exception_handlers
 from sdcp.transport.client import PeerClients

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from sdcp.cache import MLC, build_uri
+from sdcp.config import ServiceConfig
 from sdcp.protocol.messages import (
     TOKEN_MAX,
     Action,
@@ -54,7 +55,6 @@ from sdcp.protocol.router import (
     drafter_rate,
     prefer_idle_and_accepting,
 )
-from sdcp.services.config import ServiceConfig
 from sdcp.services.node import Node
 from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
 from sdcp.transport.errors import Forbidden, NotFound, ServiceUnavailable, TransportError

@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from sdcp.cache import MLC, CacheError, CommitLog, Fenced, PreconditionFailed
+from sdcp.config import ServiceConfig, thread_budget
 from sdcp.models.batching import BatchingScorer, ScorerClosed
 from sdcp.models.draft import TokenTimer, prompt_lookup
 from sdcp.models.errors import DigestMismatch
@@ -44,7 +45,6 @@ from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, Protoco
 from sdcp.protocol.records import decode_token_list
 from sdcp.protocol.rules import parse_q_rows
 from sdcp.protocol.verifier import PendingCommit, Replay, RoundTicket, VerifierSession, Wait
-from sdcp.services.config import ServiceConfig, thread_budget
 from sdcp.services.node import Node
 from sdcp.threads import CoreGovernor
 from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
