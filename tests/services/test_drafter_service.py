@@ -409,7 +409,7 @@ async def test_stale_assignment_resyncs_from_the_verifier(env: Env, target: Targ
         await env.client(env.drafter_uri, ROUTER).post_cbor(
             "assignments", make_assignment(env, contract, session).to_obj()
         )
-        live = verifier.sessions[session].machine
+        live = verifier.engine.sessions[session].machine
         await wait_for(lambda: _at_least(live, 3))
         # Without its drafter the session stands still at some committed length below max_new.
         await drafter.stop()
@@ -446,7 +446,7 @@ async def test_committed_tokens_by_reference_are_checked(env: Env, target: Targe
         await open_session(env, contract, session)
         router = env.client(env.drafter_uri, ROUTER)
         await router.post_cbor("assignments", make_assignment(env, contract, session).to_obj())
-        live = verifier.sessions[session].machine
+        live = verifier.engine.sessions[session].machine
         await wait_for(lambda: _at_least(live, 4))
         await drafter.stop()
         drafter = await drafter_node(env)

@@ -294,7 +294,7 @@ async def test_events_are_admitted_only_from_the_serving_verifier_at_its_epoch(
     assert isinstance(session, bytes)
     assert opened["verifier"] == verifier.uri and opened["epoch"] == 1
     assert "drafter" not in opened  # no drafter is live: the session opens and waits for one
-    state = verifier.sessions[session].machine.state()
+    state = verifier.engine.sessions[session].machine.state()
 
     def event(epoch: int, kind: int) -> dict[str, object]:
         obj = Event(session=session, epoch=epoch, kind=Action.FINISH, committed=0, digest=state.digest).to_obj()
@@ -469,7 +469,7 @@ async def test_a_policy_is_forwarded_and_carried_by_later_assignments(
     assert elsewhere.value.status == 400
     code, body = await frontend.post_cbor(path, Policy(session=session, from_round=1, sampling=profile).to_obj())
     assert code == 200 and SessionState.from_obj(body).round == 0
-    assert verifier.sessions[session].machine.sampling_for(1) == profile
+    assert verifier.engine.sessions[session].machine.sampling_for(1) == profile
 
     # The session waited for a drafter; the periodic task assigns the first that appears, with the
     # profile in the assignment (SDCP 6.6) and the contract unchanged.
@@ -611,7 +611,7 @@ async def test_a_rule_2_session_with_a_model_drafter_reaches_max_new(
     outputs = await read_output(deployment.client("frontend", peer="verifier1"), session)
     tokens = [t for output in outputs for t in output.tokens]
     assert len(tokens) == 16 and outputs[-1].finish == Action.FINISH
-    live = verifier.sessions[session]
+    live = verifier.engine.sessions[session]
     assert live.machine.stats.accepted > 0  # the model drafter's rows were used and some accepted
 
 
@@ -667,7 +667,7 @@ async def test_a_drafter_slower_than_the_verifier_alone_is_not_assigned(
     # Three self-decoding periods of at most 5 tokens, each ended by an event and decided again.
     assert router.sessions[session].served == ["self-decoding"]
     assert not slow.runs and counter("sdcp_router_assignments_total", router.uri) == 0
-    assert verifier.sessions[session].machine.stats.self_decoded == 12
+    assert verifier.engine.sessions[session].machine.stats.self_decoded == 12
 
 
 async def test_an_unmeasured_drafter_is_explored_until_its_status_reports_a_measurement(

@@ -16,6 +16,7 @@ from tests.services.outputs import output_tokens, read_output
 
 from sdcp.cache import build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
+from sdcp.engines.verifier import PassCosts, lookahead_length
 from sdcp.localhost import free_port
 from sdcp.models.registry import end_of_text_tokens, load_target
 from sdcp.models.target import TargetModel
@@ -31,7 +32,7 @@ from sdcp.protocol.messages import (
     Verdict,
     session_path_id,
 )
-from sdcp.services.verifier import PassCosts, VerifierNode, lookahead_length
+from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
 
@@ -174,17 +175,17 @@ async def test_lookahead_saves_passes_and_keeps_greedy_output(
     prompt, reference = _prompt_and_reference(target)
     await _open_self_decoding_session(verifier, clients, target, prompt, [Action.SELF_DECODE])
     wrong = (reference[0] + 1) % target.vocab_size
-    proposal = _proposal(verifier.sessions[SESSION].machine.state(), (wrong,))
-    passes_before = verifier.scorer.batches_run
+    proposal = _proposal(verifier.engine.sessions[SESSION].machine.state(), (wrong,))
+    passes_before = verifier.engine.scorer.batches_run
     _, body = await clients["drafter"].post_cbor("proposals", proposal.to_obj())
     assert Verdict.from_obj(body).action == Action.SELF_DECODE
 
     tokens = output_tokens(await read_output(clients["router"], SESSION))
     assert tokens == reference[: len(tokens)] and len(tokens) >= 2
-    self_decoded = verifier.sessions[SESSION].machine.stats.self_decoded
+    self_decoded = verifier.engine.sessions[SESSION].machine.stats.self_decoded
     assert self_decoded == len(tokens) - 1
     # One pass per round without lookahead; the list the model repeats is predicted by lookup.
-    self_decode_passes = verifier.scorer.batches_run - passes_before - 1  # less the proposal's pass
+    self_decode_passes = verifier.engine.scorer.batches_run - passes_before - 1  # less the proposal's pass
     assert self_decode_passes < self_decoded
 
 
@@ -195,7 +196,7 @@ async def test_a_failed_append_while_self_decoding_leaves_the_model_at_the_commi
     verifier, clients = node
     prompt, reference = _prompt_and_reference(target)
     contract = await _open_self_decoding_session(verifier, clients, target, prompt, [Action.SELF_DECODE, Action.FAIL])
-    live = verifier.sessions[SESSION]
+    live = verifier.engine.sessions[SESSION]
     # The sixth record cannot be written: the MLC answers with an error and the record is not there.
     appended = live.log.append
     calls = 0
@@ -220,7 +221,7 @@ async def test_a_failed_append_while_self_decoding_leaves_the_model_at_the_commi
     assert committed == reference[: len(committed)] and len(committed) == 5
     # The model holds exactly the committed tokens again: a drafter proposing the reference's next
     # tokens has them all accepted.
-    await verifier.scorer.run_async(lambda: None)
+    await verifier.engine.scorer.run_async(lambda: None)
     assert target.committed_tokens(SESSION) == (*prompt, *committed)
     state = live.machine.state()
     await _assign(clients, verifier, contract, prompt, state)

@@ -455,7 +455,7 @@ async def test_a_failed_append_releases_nothing_and_the_round_can_be_retried(
 
 async def test_an_ended_session_is_freed_after_its_retention(cluster: Cluster, target: TargetModel) -> None:
     node = cluster.node
-    node.config = replace(node.config, verifier=replace(node.config.verifier, ended_retention_s=0.2))
+    node.engine.settings = replace(node.engine.settings, ended_retention_s=0.2)
     state = await open_and_assign(cluster, contract(target, max_new=1))
     drafter = cluster.client("drafter")
     _, body = await drafter.post_cbor("proposals", proposal(state, (1, 2)).to_obj())
@@ -465,7 +465,7 @@ async def test_an_ended_session_is_freed_after_its_retention(cluster: Cluster, t
     assert Output.from_obj(body).final  # still readable right after the end
     await asyncio.sleep(0.5)
     err = await problem_of(drafter.get_cbor(path, {"from": "0"}))
-    assert err.status == 404 and SESSION not in node.sessions and not target.has_session(SESSION)
+    assert err.status == 404 and SESSION not in node.engine.sessions and not target.has_session(SESSION)
 
 
 @pytest.mark.slow
@@ -493,10 +493,10 @@ async def test_a_session_nothing_drives_is_closed_after_the_idle_timeout(tmp_pat
         for _ in range(6):
             await asyncio.sleep(0.25)
             await router.put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
-        assert SESSION in node.sessions and target.has_session(SESSION)
+        assert SESSION in node.engine.sessions and target.has_session(SESSION)
         # Then nothing drives it, as after a takeover by another verifier.
         await asyncio.sleep(2.0)
-        assert SESSION not in node.sessions and not target.has_session(SESSION)
+        assert SESSION not in node.engine.sessions and not target.has_session(SESSION)
         err = await problem_of(drafter.post_cbor("proposals", proposal(state, (1,)).to_obj()))
         assert err.status == 404
         # Its commit log still holds every committed token.

@@ -10,14 +10,19 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount
 
 from sdcp.cache import MLC
 from sdcp.config import ServiceConfig
+from sdcp.engines.errors import SessionNotFound, Unavailable
+from sdcp.engines.tasks import BackgroundTasks
 from sdcp.protocol.messages import Status, instance_path_id
 from sdcp.services.mlc_client import RemoteStore
-from sdcp.transport.asgi import exception_handlers
+from sdcp.transport.asgi import exception_handlers, problem_response
 from sdcp.transport.client import PeerClients
+from sdcp.transport.errors import NotFound, ServiceUnavailable
 from sdcp.transport.metrics import metrics_route
 from sdcp.transport.server import Listener, MTLSServer, Server
 
@@ -45,6 +50,18 @@ def build_mlc(config: ServiceConfig) -> MLC:
     )
 
 
+async def _not_found(_request: Request, exc: Exception) -> Response:
+    return problem_response(NotFound(str(exc)))
+
+
+async def _unavailable(_request: Request, exc: Exception) -> Response:
+    return problem_response(ServiceUnavailable(str(exc)))
+
+
+# What the engines raise besides protocol problems, as the problem answers of RFC 9457.
+_ENGINE_ERROR_HANDLERS = {SessionNotFound: _not_found, Unavailable: _unavailable}
+
+
 class Node(ABC):
     """One running instance of a role: serves its routes and reports status to the router."""
 
@@ -55,7 +72,7 @@ class Node(ABC):
         instance = config.instance
         self.peers = PeerClients(instance.cert, instance.key, instance.ca)
         self._server: Server | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = BackgroundTasks(self.uri, log)
 
     @abstractmethod
     def routes(self) -> list[BaseRoute]:
@@ -77,7 +94,7 @@ class Node(ABC):
         prefix = urlsplit(self.uri).path.rstrip("/")
         return Starlette(
             routes=[Mount(prefix, routes=routes)] if prefix else routes,
-            exception_handlers=exception_handlers(),
+            exception_handlers={**exception_handlers(), **_ENGINE_ERROR_HANDLERS},
         )
 
     async def start(self) -> None:
@@ -91,10 +108,7 @@ class Node(ABC):
         log.info("%s listening on %s", type(self).__name__, self.uri)
 
     async def stop(self) -> None:
-        tasks, self._tasks = list(self._tasks), set()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.cancel_all()
         if self._server is not None:
             await self._server.stop()
         await self.on_stop()
@@ -117,15 +131,7 @@ class Node(ABC):
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``coro`` in the background for the life of the node; failures are logged."""
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._finished)
-        return task
-
-    def _finished(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s: background task failed", self.uri, exc_info=task.exception())
+        return self._tasks.spawn(coro)
 
     async def report_status(self, router: str) -> None:
         status = self.status()

@@ -1,0 +1,715 @@
+"""The verifier engine (SDCP 6.1, 6.3, 6.5.2, 6.6, 6.7, 6.8), free of any transport.
+
+``sdcp.protocol.verifier.VerifierSession`` decides, the ``BatchingScorer`` computes target rows
+(batched across sessions) on the one thread that owns the model, the MLC holds draft rows and the
+commit log. A round: admit -> score (and fetch q rows concurrently) -> decide -> append the commit
+record -> apply -> reply and wake output readers. Events go out through an ``EventSink``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+import numpy as np
+from prometheus_client import Counter, Histogram
+
+from sdcp.cache import MLC, CacheError, CommitLog, Fenced, PreconditionFailed
+from sdcp.config import VerifierConfig
+from sdcp.engines.errors import SessionNotFound, Unavailable
+from sdcp.engines.ports import EventSink
+from sdcp.engines.tasks import BackgroundTasks
+from sdcp.models.batching import BatchingScorer, ScorerClosed
+from sdcp.models.draft import TokenTimer, prompt_lookup
+from sdcp.models.errors import DigestMismatch
+from sdcp.models.target import TargetModel
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    Event,
+    Output,
+    Policy,
+    Proposal,
+    Role,
+    SelfDecodeRequest,
+    SessionOpen,
+    SessionState,
+    Status,
+    Verdict,
+)
+from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
+from sdcp.protocol.records import decode_token_list
+from sdcp.protocol.rules import parse_q_rows
+from sdcp.protocol.verifier import PendingCommit, Replay, RoundTicket, VerifierSession, Wait
+from sdcp.threads import CoreGovernor
+
+__all__ = ["PassCosts", "VerifierEngine", "lookahead_length"]
+
+log = logging.getLogger("sdcp.verifier")
+
+# Self-decoding scores up to this many predicted tokens per pass, when prompt lookup finds a match
+# of at least LOOKAHEAD_MIN_MATCH tokens (a weaker match rarely predicts the next token).
+SELF_DECODE_LOOKAHEAD = 16
+LOOKAHEAD_MIN_MATCH = 2
+_LOOKAHEAD_WEIGHT = 0.3
+# The longest wait between two looks for idle sessions.
+_IDLE_CHECK_S = 30.0
+# What a pass of SmolLM2 cost on the 2-core CPU where it was first measured (docs/models.md): about
+# 18 ms, and 1.5 ms per row scored beyond one per session; the start of PassCosts, which measures
+# them on this machine. Each further session in a pass adds about a ninth of a lone pass.
+_PASS_MS, _ROW_MS = 18.0, 1.5
+_SESSION_SHARE = 2.0 / 18.0
+_COST_WEIGHT = 0.2
+# The scratch session with which the verifier times one pass before serving.
+_PROBE_SESSION = b"sdcp-pass-probe!"
+_PROBE_PROMPT_TOKENS = 64
+# How long a router's message waits for the round in flight to be decided.
+_ROUTER_WAIT_S = 5.0
+
+
+@dataclass
+class PassCosts:
+    """What a pass of one session costs here, and each row it scores beyond the first (ms),
+    measured from the passes that held one session."""
+
+    pass_ms: float = _PASS_MS
+    row_ms: float = _ROW_MS
+
+    def record(self, seconds: float, rows: int, sessions: int) -> None:
+        if sessions != 1 or rows < 1:
+            return
+        elapsed_ms = 1000 * seconds
+        if rows == 1:
+            self.pass_ms += _COST_WEIGHT * (elapsed_ms - self.pass_ms)
+        else:
+            per_row = max(0.0, (elapsed_ms - self.pass_ms) / (rows - 1))
+            self.row_ms += _COST_WEIGHT * (per_row - self.row_ms)
+
+
+def lookahead_length(hit_rate: float, sessions: int, predicted: int, costs: PassCosts | None = None) -> int:
+    """How many of ``predicted`` tokens a self-decoding pass scores along with its own row.
+
+    The j-th predicted token is used with a chance of about ``hit_rate ** j`` (``hit_rate``: the
+    share of predictions whose first token was right), and then saves the session a pass, of which
+    its share is ``pass / sessions``; it costs one row. With the first measurements (18 ms a pass,
+    1.5 ms a row) a lone session scores guesses down to a 7.5 % chance, one among 16 only above 48 %.
+    """
+    costs = costs if costs is not None else PassCosts()
+    sessions = max(1, sessions)
+    share_ms = costs.pass_ms * (1 + _SESSION_SHARE * (sessions - 1)) / sessions
+    length = 0
+    while length < predicted and hit_rate ** (length + 1) * share_ms > costs.row_ms:
+        length += 1
+    return length
+
+
+ROUNDS = Counter("sdcp_verifier_rounds_total", "Rounds committed", ["instance", "kind"])
+COMMITTED = Counter("sdcp_verifier_tokens_committed_total", "Tokens committed", ["instance"])
+ROUND_SECONDS = Histogram("sdcp_verifier_round_seconds", "Time from admission to verdict", ["instance"])
+
+
+@dataclass
+class RoundTimings:
+    """Per committed round: time since the previous commit, model time in it, its pass's batch size.
+
+    The gap minus the model time is what a round costs besides the model: drafting, serialisation,
+    HTTP, queueing in the batching window, the commit-log append (docs/performance.md). Times are
+    whole microseconds, since SDCP's CBOR carries no floats.
+    """
+
+    last_commit_at: float = field(default_factory=time.perf_counter)
+    model_s: float = 0.0
+    batch_size: int = 0
+    gap_us: list[int] = field(default_factory=list)
+    model_us: list[int] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+
+    def committed(self) -> None:
+        now = time.perf_counter()
+        self.gap_us.append(round(1e6 * (now - self.last_commit_at)))
+        self.model_us.append(round(1e6 * self.model_s))
+        self.batch_sizes.append(self.batch_size)
+        self.last_commit_at, self.model_s, self.batch_size = now, 0.0, 0
+
+    def to_obj(self) -> dict[str, object]:
+        return {"round_gap_us": self.gap_us, "round_model_us": self.model_us, "round_batch": self.batch_sizes}
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """A queued self-decoding pass: the prompt-lookup prediction, the part of it scored, the rows."""
+
+    prediction: tuple[int, ...]
+    guess: tuple[int, ...]
+    logits: asyncio.Future[np.ndarray]
+
+
+@dataclass
+class _LiveSession:
+    machine: VerifierSession
+    log: CommitLog
+    etag: str
+    rounds: dict[int, asyncio.Future[Verdict]] = field(default_factory=dict)
+    committed: asyncio.Event = field(default_factory=asyncio.Event)
+    self_decoder: asyncio.Task[None] | None = None
+    timings: RoundTimings = field(default_factory=RoundTimings)
+    # A new session guesses as if 40 % of its predictions had started right.
+    lookahead_hits: float = 0.4
+    # When a proposal, a commit or a router message last concerned the session (time.monotonic).
+    driven_at: float = field(default_factory=time.monotonic)
+
+    def driven(self) -> None:
+        self.driven_at = time.monotonic()
+
+    def record_lookahead(self, hit: bool) -> None:
+        self.lookahead_hits += _LOOKAHEAD_WEIGHT * (float(hit) - self.lookahead_hits)
+
+    def wake_readers(self) -> None:
+        # Readers wait on the current event; replacing it after setting wakes each exactly once.
+        self.committed.set()
+        self.committed = asyncio.Event()
+
+
+class VerifierEngine:
+    """The target model's verifier: the sole commit authority of its sessions."""
+
+    def __init__(
+        self,
+        *,
+        uri: str,
+        settings: VerifierConfig,
+        target: TargetModel,
+        mlc: MLC,
+        ttl_ms: int,
+        cores: CoreGovernor | None = None,
+        events: EventSink | None = None,
+    ) -> None:
+        self.uri = uri
+        self.settings = settings
+        self.target = target
+        self.mlc = mlc
+        self.ttl_ms = ttl_ms
+        self.scorer = BatchingScorer(
+            target,
+            window_s=settings.batch_window_ms / 1000,
+            max_batch=settings.max_batch,
+            active_sessions=self._active_sessions,
+            cores=cores,
+        )
+        self.sessions: dict[bytes, _LiveSession] = {}
+        self._events = events
+        self._tasks = BackgroundTasks(uri, log)
+        self._scoring = 0
+        # Seconds per self-decoded token, for the router's choice between drafters and this
+        # verifier alone (status self_us); timed with one pass before serving.
+        self.self_decode_time = TokenTimer(initial=_PASS_MS / 1000)
+        self.pass_costs = PassCosts()
+
+    # -- life and status -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        # Digests hash every weight and the weights are packed once: before the first status report,
+        # contract check or pass, on the scorer thread.
+        await self.scorer.run_async(self.target.prepare)
+        await self.scorer.run_async(self._time_one_pass)
+        self._tasks.spawn(self._forget_idle_sessions())
+
+    async def stop(self) -> None:
+        await self._tasks.cancel_all()
+        for live in self.sessions.values():
+            if live.self_decoder is not None:
+                live.self_decoder.cancel()
+        self.scorer.close()
+
+    def _active_sessions(self) -> int:
+        # Read from the scorer's thread: a snapshot of the values is enough for a batching hint.
+        return sum(1 for live in list(self.sessions.values()) if not live.machine.ended)
+
+    @property
+    def load(self) -> int:
+        """Percent of one full batch that is being scored now."""
+        return min(100, round(100 * self._scoring / self.scorer.max_batch))
+
+    def status(self) -> Status:
+        return Status(
+            instance=self.uri,
+            role=Role.VERIFIER,
+            load=self.load,
+            queue=sum(1 for live in self.sessions.values() if live.machine.verifying),
+            ttl_ms=self.ttl_ms,
+            model=self.target.weights_digest,
+            tokenizer=self.target.tokenizer_digest,
+            self_us=round(1e6 * self.self_decode_time.value),
+        )
+
+    def _time_one_pass(self) -> None:
+        """On the scorer thread: a one-token pass of a scratch session, the first estimate of the
+        time per self-decoded token."""
+        self.target.open_session(_PROBE_SESSION, list(range(min(_PROBE_PROMPT_TOKENS, self.target.vocab_size))))
+        try:
+            self.target.score([(_PROBE_SESSION, ())])  # the first pass pays one-off costs
+            started = time.perf_counter()
+            self.target.score([(_PROBE_SESSION, ())])
+            self.self_decode_time.value = time.perf_counter() - started
+            self.pass_costs.pass_ms = 1000 * self.self_decode_time.value
+        finally:
+            self.target.close_session(_PROBE_SESSION)
+
+    # -- what the router asks --------------------------------------------------------------------
+
+    async def open_session(self, message: SessionOpen) -> SessionState:
+        """POST sessions (SDCP 6.1, 6.9 resume); an open of the same epoch and contract is a replay."""
+        contract = message.contract
+        try:
+            # SDCP 6.1: the verifier MUST refuse a contract whose target digest does not match.
+            self.target.check_digests(contract.target, contract.tokenizer)
+        except DigestMismatch as exc:
+            raise BadContract(str(exc)) from exc
+        existing = self.sessions.get(message.session)
+        if existing is not None:
+            if existing.machine.epoch >= message.epoch:
+                if existing.machine.epoch == message.epoch and existing.machine.contract.digest == contract.digest:
+                    return existing.machine.state()
+                raise ProtocolError(
+                    ProblemType.STALE_EPOCH, f"session is open here with epoch {existing.machine.epoch}"
+                )
+            await self._forget(message.session)
+        prompt = await self._tokens(message.prompt, "prompt")
+        if not prompt:
+            raise BadMessage("the prompt holds no tokens")
+        committed: tuple[int, ...] = ()
+        if message.resume is not None:
+            committed = await self._tokens(message.resume.committed_tokens, "resume.committed_tokens")
+        context = getattr(self.target.model.config, "max_position_embeddings", None)
+        if context is not None and len(prompt) + contract.max_new > context:
+            raise BadContract(
+                f"prompt ({len(prompt)} tokens) plus max_new ({contract.max_new}) "
+                f"exceeds the model's context of {context}"
+            )
+        machine = VerifierSession(
+            session=message.session,
+            epoch=message.epoch,
+            contract=contract,
+            prompt=prompt,
+            resume=message.resume,
+            committed_tokens=committed,
+        )
+        commit_log = self.mlc.commit_log(message.commit_log)
+        snapshot = await commit_log.read()
+        newest = max((record.get("epoch", 0) for record in snapshot.records), default=0)
+        if newest > message.epoch:
+            raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log is fenced at epoch {newest}")
+        await self._prefill(message, prompt, committed)
+        self.sessions[message.session] = _LiveSession(machine, commit_log, snapshot.etag)
+        log.info("%s: session %s open at epoch %d", self.uri, message.session.hex(), message.epoch)
+        return machine.state()
+
+    async def assign(self, assignment: Assignment) -> SessionState:
+        """PUT sessions/{id}/drafter (SDCP 6.1): the latest assignment names the drafter."""
+        live = self._driven(assignment.session)
+        await self._between_rounds(live)
+        live.machine.assign(assignment)
+        return live.machine.state()
+
+    async def apply_policy(self, policy: Policy) -> SessionState:
+        """POST sessions/{id}/policy (SDCP 6.6)."""
+        live = self._driven(policy.session)
+        live.machine.apply_policy(policy)
+        return live.machine.state()
+
+    async def self_decode(self, message: SelfDecodeRequest) -> SessionState:
+        """POST sessions/{id}/self-decode (extension): a self-decoding period at the router's request."""
+        live = self._driven(message.session)
+        await self._between_rounds(live)
+        if not live.machine.self_decoding:
+            live.machine.self_decode_instead(message.epoch, self.load)
+            self._start_self_decoder(live)
+        return live.machine.state()
+
+    async def _between_rounds(self, live: _LiveSession) -> None:
+        """Let the proposal round in flight be decided first (bounded): a new drafter or a
+        self-decoding period takes effect between rounds, since commit and verdict are atomic with
+        respect to other changes (SDCP 6.3); the router would otherwise have to try again."""
+        if live.rounds:
+            await asyncio.wait(list(live.rounds.values()), timeout=_ROUTER_WAIT_S)
+
+    # -- what drafters and readers ask -----------------------------------------------------------
+
+    async def propose(self, proposal: Proposal, drafter: str | None) -> Verdict:
+        """POST proposals: the procedure of SDCP 6.3; ``drafter`` is the authenticated sender."""
+        live = self._driven(proposal.session)
+        admitted = live.machine.begin_round(proposal, drafter)
+        if isinstance(admitted, Replay):
+            return admitted.verdict
+        if isinstance(admitted, Wait):
+            return await asyncio.shield(live.rounds[admitted.round])
+        with ROUND_SECONDS.labels(self.uri).time():
+            return await self._verify(live, admitted)
+
+    async def output(self, session: bytes, start: int) -> Output:
+        """GET sessions/{id}/output?from=n (SDCP 6.7), waiting up to ``output_wait_s`` for tokens."""
+        live = self._live(session)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.output_wait_s
+        while True:
+            output = live.machine.output(start)
+            remaining = deadline - loop.time()
+            if output.tokens or output.final or remaining <= 0:
+                return output
+            try:
+                await asyncio.wait_for(live.committed.wait(), remaining)
+            except TimeoutError:
+                continue
+
+    def stats(self, session: bytes) -> dict[str, object]:
+        """GET sessions/{id}/stats (not in Table 1): what the session's rounds did so far."""
+        live = self._live(session)
+        machine = live.machine
+        return {
+            **machine.stats.to_obj(),
+            **live.timings.to_obj(),
+            "epoch": machine.epoch,
+            "committed": machine.committed,
+            "m_cap": machine.control.m_cap,
+            "state": int(machine.serving_state),
+            **({"drafter": machine.drafter} if machine.drafter is not None else {}),
+        }
+
+    # -- rounds ----------------------------------------------------------------------------------
+
+    async def _verify(self, live: _LiveSession, ticket: RoundTicket) -> Verdict:
+        proposal = ticket.proposal
+        assert proposal is not None  # begin_round admits proposal rounds only
+        done: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        live.rounds[ticket.round] = done
+        fetch: asyncio.Task[bytes] | None = None
+        try:
+            q_rows = None
+            if live.machine.rule.needs_q and proposal.q_rows is not None:
+                # SDCP 6.3: the rows may be fetched concurrently with scoring.
+                fetch = asyncio.create_task(self.mlc.get(proposal.q_rows))
+            logits = await self._submit(live, proposal.tokens)
+            if fetch is not None:
+                try:
+                    data = await fetch
+                except Exception as exc:  # a missing object, a lost MLC node or Redis: all unavailable
+                    # SDCP 6.3: without every row, the round is rejected and nothing is committed.
+                    raise ProtocolError(ProblemType.Q_UNAVAILABLE, f"draft rows unavailable: {exc}") from exc
+                q_rows = parse_q_rows(data, len(proposal.tokens), self.target.vocab_size)
+            pending = live.machine.decide(ticket, logits, q_rows, self.load)
+            verdict = await self._commit(live, pending)
+            done.set_result(verdict)
+            return verdict
+        except BaseException as exc:
+            if fetch is not None:
+                fetch.cancel()
+            live.machine.abandon(ticket)
+            if not done.done():
+                done.set_exception(exc if isinstance(exc, Exception) else Unavailable("the round was cancelled"))
+                done.exception()  # retrieved here; waiters re-raise it
+            if self.target.has_session(proposal.session) and not live.machine.fenced:
+                await self.scorer.run_async(self.target.rollback, proposal.session)
+            raise
+        finally:
+            if live.rounds.get(ticket.round) is done:
+                del live.rounds[ticket.round]
+
+    def _submit(self, live: _LiveSession, tokens: tuple[int, ...]) -> asyncio.Future[np.ndarray]:
+        """Queue a scoring request now (the scorer may be gathering a pass); its rows come with the
+        future, and the pass's time is counted when they do."""
+        rows = self.scorer.score_async(live.machine.session, tokens)
+        self._scoring += 1
+        rows.add_done_callback(lambda _: self._scored(live, len(tokens) + 1))
+        return rows
+
+    def _scored(self, live: _LiveSession, rows: int) -> None:
+        self._scoring -= 1
+        scored = self.scorer.last_pass.pop(live.machine.session, None)
+        if scored is not None:
+            live.timings.model_s += scored.seconds
+            live.timings.batch_size = scored.batch_size
+            self.pass_costs.record(scored.seconds, rows, scored.batch_size)
+
+    async def _commit(self, live: _LiveSession, pending: PendingCommit) -> Verdict:
+        """SDCP 6.3 Commit: the record is appended first; only then tokens and verdict are released.
+
+        The release follows the append with no await between them, so that no cancellation can
+        leave a durable record unreleased (the commit and the verdict are atomic).
+        """
+        machine = live.machine
+        self._sync_model_soon(machine, pending, pending.verdict.accepted, pending.record.emitted)
+        try:
+            await self._append(live, pending)
+        except BaseException:
+            self._realign_model_after_failure(machine)
+            raise
+        verdict = self._release(live, pending)
+        self._after_commit(live, [pending])
+        if verdict.action == Action.SELF_DECODE and machine.self_decoding:
+            self._start_self_decoder(live)
+        return verdict
+
+    def _start_self_decoder(self, live: _LiveSession) -> None:
+        # The task of the previous period may still be releasing its last round.
+        live.self_decoder = self._tasks.spawn(self._self_decode(live, after=live.self_decoder))
+
+    async def _append(self, live: _LiveSession, pending: PendingCommit) -> None:
+        machine = live.machine
+        record = pending.record.to_obj()
+        try:
+            live.etag = await live.log.append(record, live.etag)
+            return
+        except (Fenced, PreconditionFailed) as exc:
+            # Another writer changed the log since this verifier's last record: a new epoch.
+            self._fenced(live, exc)
+        except Exception as exc:  # noqa: BLE001 - a lost MLC node or Redis: the log tells what happened
+            failure = exc
+        # The append may have landed before the failure was reported: the log says which.
+        try:
+            snapshot = await live.log.read()
+        except Exception as exc:
+            raise Unavailable(f"the commit log cannot be read after a failed append: {exc}") from exc
+        if snapshot.records and snapshot.records[-1] == record:
+            live.etag = snapshot.etag
+            return
+        if any(r.get("epoch", 0) > machine.epoch for r in snapshot.records):
+            self._fenced(live, failure)
+        live.etag = snapshot.etag
+        raise Unavailable(f"the commit record was not appended: {failure}") from failure
+
+    def _fenced(self, live: _LiveSession, cause: Exception) -> NoReturn:
+        # SDCP 6.3: a fenced append discards the round, releases nothing, stops serving.
+        machine = live.machine
+        machine.stop_serving()
+        live.wake_readers()
+        self._tasks.spawn(self._close_model_session(machine.session))
+        self._tasks.spawn(self._forget_later(live))
+        log.warning("%s: session %s fenced: %s", self.uri, machine.session.hex(), cause)
+        raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log was fenced: {cause}") from cause
+
+    def _release(self, live: _LiveSession, pending: PendingCommit) -> Verdict:
+        """The record is durable: the round's tokens become output."""
+        verdict = live.machine.apply(pending)
+        live.driven()
+        live.timings.committed()
+        ROUNDS.labels(self.uri, "proposal" if pending.ticket.proposal is not None else "self").inc()
+        COMMITTED.labels(self.uri).inc(len(pending.record.emitted))
+        live.wake_readers()
+        return verdict
+
+    def _after_commit(self, live: _LiveSession, released: list[PendingCommit]) -> None:
+        """Events go out once the model holds the committed tokens, since they let the router send
+        the next proposal; an ended session's model state is dropped."""
+        for pending in released:
+            if pending.event is not None:
+                self._tasks.spawn(self._send_event(pending.event))
+        if live.machine.ended:
+            self._tasks.spawn(self._close_model_session(live.machine.session))
+            self._tasks.spawn(self._forget_later(live))
+
+    async def _self_decode(self, live: _LiveSession, *, after: asyncio.Task[None] | None = None) -> None:
+        """SDCP 6.5.2 self_decode: one target token per round until self_max, load or the end.
+
+        A pass scores the continuation that prompt lookup predicts after the committed tokens along
+        with the next position. Each round still draws its one token from its own row exactly as
+        without the prediction; while the drawn tokens match the prediction, the rows that follow
+        are the target's rows for the committed prefix, so the next rounds need no pass of their own
+        (docs/interpretations.md). The next pass is queued as soon as a pass's tokens are decided,
+        so that it runs while their records are appended and released.
+        """
+        machine = live.machine
+        if after is not None:
+            await asyncio.wait([after])
+        try:
+            scoring: _Pass | None = self._start_pass(live, (*machine.prompt, *machine.tokens))
+            mark, committed = time.perf_counter(), machine.committed
+            while scoring is not None:
+                scoring = await self._self_decode_pass(live, scoring)
+                now = time.perf_counter()
+                self.self_decode_time.record(now - mark, machine.committed - committed)
+                mark, committed = now, machine.committed
+        except Exception as exc:  # noqa: BLE001 - the period ends, the router assigns a drafter again
+            if machine.fenced or machine.ended:
+                return
+            # The period ends as it would at self_max: the router assigns a drafter again. An MLC
+            # that cannot take the record is an operational failure, anything else a fault.
+            level = logging.WARNING if isinstance(exc, Unavailable) else logging.ERROR
+            log.log(level, "%s: self-decoding of session %s stopped: %r", self.uri, machine.session.hex(), exc)
+            self._tasks.spawn(self._send_event(machine.interrupt_self_decode()))
+
+    def _start_pass(self, live: _LiveSession, context: tuple[int, ...]) -> _Pass:
+        """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens)."""
+        prediction = tuple(prompt_lookup(context, SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH))
+        # A prediction that was not scored still counts towards the hit rate.
+        guess = prediction[
+            : lookahead_length(live.lookahead_hits, self._active_sessions(), len(prediction), self.pass_costs)
+        ]
+        return _Pass(prediction, guess, self._submit(live, guess))
+
+    async def _self_decode_pass(self, live: _LiveSession, scoring: _Pass) -> _Pass | None:
+        """Commit the rounds of one pass; returns the next pass, already queued, if there is one."""
+        machine = live.machine
+        logits = await scoring.logits
+        released: list[PendingCommit] = []
+        decided: list[int] = []
+        following: _Pass | None = None
+        try:
+            for position, row in enumerate(logits):
+                ticket = machine.begin_self_decode()
+                try:
+                    pending = machine.decide_self_decode(ticket, row, self.load)
+                    decided.extend(pending.record.emitted)
+                    continues = pending.control.self_decoding and pending.control.ended is None
+                    predicted = position < len(scoring.guess) and pending.record.emitted == (scoring.guess[position],)
+                    last = not (predicted and continues)
+                    if last:
+                        # The pass's earlier rounds are released: decided = their tokens + this one's.
+                        committed = self._sync_model_soon(machine, pending, len(decided) - 1, decided)
+                        if continues:
+                            following = self._start_pass(live, committed)
+                    await self._append(live, pending)
+                except BaseException:
+                    machine.abandon(ticket)
+                    raise
+                self._release(live, pending)
+                if not released and scoring.prediction:
+                    live.record_lookahead(pending.record.emitted == scoring.prediction[:1])
+                released.append(pending)
+                if last:
+                    break
+        except BaseException:
+            if following is not None:
+                following.logits.cancel()
+                await asyncio.gather(following.logits, return_exceptions=True)
+            self._realign_model_after_failure(machine)
+            raise
+        finally:
+            self._after_commit(live, released)
+        return following
+
+    def _sync_model_soon(
+        self, machine: VerifierSession, pending: PendingCommit, accepted: int, emitted: Sequence[int]
+    ) -> tuple[int, ...]:
+        """Queue bringing the model's KV cache to the tokens committed once ``pending`` is, by
+        keeping ``accepted`` scored tokens and ``emitted``; returns those tokens, prompt included.
+
+        Not awaited: the scorer runs queued work in order, so the session's next pass sees it.
+        """
+        committed = (*machine.prompt, *machine.tokens, *pending.record.emitted)
+        self.scorer.run(self._sync_model, machine.session, accepted, tuple(emitted), committed)
+        return committed
+
+    def _realign_model_after_failure(self, machine: VerifierSession) -> None:
+        """After a failed round, queue rebuilding the model state from the committed tokens alone:
+        it may hold decided tokens whose records were not appended. A fenced session's model state
+        is closed instead."""
+        if machine.fenced:
+            return
+        try:
+            self.scorer.run(self._rebuild_model_session, machine.session, (*machine.prompt, *machine.tokens))
+        except ScorerClosed:
+            return  # the node is stopping: no model state to keep
+
+    def _sync_model(self, session: bytes, accepted: int, emitted: tuple[int, ...], committed: tuple[int, ...]) -> None:
+        try:
+            if emitted:
+                self.target.commit(session, accepted, emitted)
+            else:
+                self.target.rollback(session)
+        except Exception as exc:  # noqa: BLE001 - the model state is rebuilt from the decided tokens
+            # The tokens are decided whatever the model's state: rebuild it from them.
+            log.error("%s: model state of session %s rebuilt after %r", self.uri, session.hex(), exc)
+            self._rebuild_model_session(session, committed)
+
+    def _rebuild_model_session(self, session: bytes, committed: tuple[int, ...]) -> None:
+        """On the scorer thread; a session this node has dropped meanwhile is not opened again."""
+        if self.target.has_session(session):
+            self.target.close_session(session)
+        if session in self.sessions:
+            self.target.open_session(session, committed)
+
+    async def _forget_idle_sessions(self) -> None:
+        """Close the sessions that nothing has driven for ``idle_timeout_s``. After a takeover
+        (SDCP 6.9) this verifier's copy of a session waits for proposals that now go to the new
+        verifier; its commit log keeps every committed token, so forgetting it loses none."""
+        while True:
+            timeout = self.settings.idle_timeout_s
+            await asyncio.sleep(min(timeout / 4, _IDLE_CHECK_S) if timeout > 0 else _IDLE_CHECK_S)
+            if timeout <= 0:
+                continue
+            now = time.monotonic()
+            for session, live in list(self.sessions.items()):
+                machine = live.machine
+                busy = live.rounds or (live.self_decoder is not None and not live.self_decoder.done())
+                if machine.ended or machine.fenced or busy or now - live.driven_at < timeout:
+                    continue
+                if self.sessions.get(session) is not live:
+                    continue
+                log.info("%s: session %s idle for %.0f s, closed", self.uri, session.hex(), now - live.driven_at)
+                try:
+                    await self._forget(session)
+                except Exception as exc:  # noqa: BLE001 - the sweep goes on for the other sessions
+                    log.warning("%s: closing idle session %s failed: %r", self.uri, session.hex(), exc)
+
+    async def _forget_later(self, live: _LiveSession) -> None:
+        """An ended or fenced session stays readable for a while, then its memory is freed."""
+        await asyncio.sleep(self.settings.ended_retention_s)
+        if self.sessions.get(live.machine.session) is live:
+            del self.sessions[live.machine.session]
+
+    async def _send_event(self, event: Event) -> None:
+        if self._events is None:
+            return
+        try:
+            await self._events(event)
+        except Exception as exc:  # noqa: BLE001 - an event is advisory; the router's maintenance catches up
+            log.warning("%s: event %s failed: %s", self.uri, event.kind.name, exc)
+
+    async def _close_model_session(self, session: bytes) -> None:
+        # The KV cache of an ended session is no longer needed; its output stays readable.
+        if self.target.has_session(session):
+            await self.scorer.run_async(self.target.close_session, session)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _live(self, session: bytes) -> _LiveSession:
+        live = self.sessions.get(session)
+        if live is None:
+            raise SessionNotFound("no such session at this verifier")
+        return live
+
+    def _driven(self, session: bytes) -> _LiveSession:
+        """The session a message concerns, marked as driven now (it is not idle)."""
+        live = self._live(session)
+        live.driven()
+        return live
+
+    async def _tokens(self, value: tuple[int, ...] | str, what: str) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            return decode_token_list(await self.mlc.get(value), what)
+        except CacheError as exc:
+            raise BadMessage(f"{what} {value} cannot be read from the MLC: {exc}") from exc
+
+    async def _prefill(self, message: SessionOpen, prompt: tuple[int, ...], committed: tuple[int, ...]) -> None:
+        tokens = prompt + committed
+        resume = message.resume
+        if resume is not None and resume.target_kv is not None:
+            try:
+                blob = await self.mlc.get(resume.target_kv)
+                await self.scorer.run_async(self.target.import_kv, message.session, blob, tokens)
+                return
+            except (CacheError, ValueError) as exc:
+                log.warning("%s: target KV %s unusable, prefilling: %s", self.uri, resume.target_kv, exc)
+        await self.scorer.run_async(self.target.open_session, message.session, tokens)
+
+    async def _forget(self, session: bytes) -> None:
+        live = self.sessions.pop(session, None)
+        if live is not None and live.self_decoder is not None:
+            live.self_decoder.cancel()
+        await self._close_model_session(session)
