@@ -21,6 +21,7 @@ from tests.services.outputs import output_tokens, read_output
 
 from sdcp.cache import MLC, ObjectNotFound, build_uri
 from sdcp.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
+from sdcp.engines.drafter import confirmed_predraft, q_rows_uri
 from sdcp.localhost import free_port
 from sdcp.models.draft import DraftResult, NgramDrafter
 from sdcp.models.registry import target_vocab_size
@@ -40,7 +41,7 @@ from sdcp.protocol.messages import (
     session_path_id,
 )
 from sdcp.protocol.problems import BadContract, ProblemType, ProtocolError
-from sdcp.services.drafter import DrafterNode, confirmed_predraft, q_rows_uri
+from sdcp.services.drafter import DrafterNode
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
@@ -200,10 +201,10 @@ async def test_assignments_are_admitted_from_the_router_only(env: Env, target: T
         with pytest.raises(ProtocolError) as refused:
             await env.client(env.drafter_uri, STRANGER).post_cbor("assignments", assignment)
         assert refused.value.status == 403
-        assert not node.runs
+        assert not node.engine.runs
         status, body = await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment)
         assert (status, body) == (204, None)
-        assert len(node.runs) == 1
+        assert len(node.engine.runs) == 1
     finally:
         await node.stop()
 
@@ -221,7 +222,7 @@ async def test_unsupported_contracts_are_refused(env: Env, target: TargetModel, 
             await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment.to_obj())
         assert refused.value.status == 422
         assert refused.value.problem is ProblemType.BAD_CONTRACT
-        assert not node.runs
+        assert not node.engine.runs
     finally:
         await node.stop()
 
@@ -234,15 +235,15 @@ async def test_permitted_drafter_and_older_epochs(env: Env, target: TargetModel)
         router = env.client(env.drafter_uri, ROUTER)
         status, _ = await router.post_cbor("assignments", make_assignment(env, contract, session, epoch=2).to_obj())
         assert status == 204
-        first = node.runs[session]
+        first = node.engine.runs[session]
         with pytest.raises(ProtocolError) as stale:
             await router.post_cbor("assignments", make_assignment(env, contract, session, epoch=1).to_obj())
         assert stale.value.problem is ProblemType.STALE_EPOCH
-        assert node.runs[session] is first
+        assert node.engine.runs[session] is first
         # A new assignment at the same epoch replaces the previous one, whose loop stops first.
         status, _ = await router.post_cbor("assignments", make_assignment(env, contract, session, epoch=2).to_obj())
         assert status == 204
-        assert node.runs[session] is not first
+        assert node.engine.runs[session] is not first
         assert first.task is not None and first.task.done()
     finally:
         await node.stop()
@@ -473,7 +474,7 @@ async def test_committed_tokens_by_reference_are_checked(env: Env, target: Targe
 
 
 async def _no_runs(node: DrafterNode) -> bool:
-    return not node.runs
+    return not node.engine.runs
 
 
 async def _idle(machine: object) -> bool:
@@ -498,7 +499,7 @@ async def test_proposals_are_retried_until_the_verifier_answers(
         assignment = make_assignment(env, contract, session).to_obj()
         await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment)
         await wait_for(_asked_again(caplog), timeout=10)
-        assert session in drafter.runs
+        assert session in drafter.engine.runs
         verifier = await verifier_node(env, target)
         await open_session(env, contract, session)
         # SDCP 6.2: a router sends the assignment after informing the verifier; one the drafter got

@@ -474,8 +474,8 @@ async def test_a_policy_is_forwarded_and_carried_by_later_assignments(
     # The session waited for a drafter; the periodic task assigns the first that appears, with the
     # profile in the assignment (SDCP 6.6) and the contract unchanged.
     drafter = await start_drafter(deployment, "drafter1")
-    await eventually(lambda: session in drafter.runs)
-    assignment = drafter.runs[session].assignment
+    await eventually(lambda: session in drafter.engine.runs)
+    assignment = drafter.engine.runs[session].assignment
     assert assignment.sampling == profile and assignment.contract == tiny_contract(target, max_new=8)
     outputs = await read_output(deployment.client("frontend", peer="verifier1"), session)
     assert [t for output in outputs for t in output.tokens] == greedy_reference(target, 8)
@@ -497,8 +497,8 @@ async def test_a_failed_drafter_is_replaced_from_the_committed_prefix(
     await deployment.stop(first)
 
     # SDCP 6.9: once drafter1's status expires, the router assigns drafter2 with the committed prefix.
-    await eventually(lambda: session in second.runs)
-    assignment = second.runs[session].assignment
+    await eventually(lambda: session in second.engine.runs)
+    assignment = second.engine.runs[session].assignment
     assert assignment.committed >= 8 and assignment.committed_tokens is not None
     after = await read_output(reader, session, before[-1].from_ + len(before[-1].tokens))
     tokens = [t for output in before + after for t in output.tokens]
@@ -603,7 +603,7 @@ async def test_a_rule_2_session_with_a_model_drafter_reaches_max_new(
         rule=2,
         sampling={"temperature_milli": 800, "seed": 5},
         max_new=16,
-        drafters=[model_drafter.drafter.weights_digest],
+        drafters=[model_drafter.engine.drafter.weights_digest],
     )
     opened = await open_session(deployment, contract)
     session = opened["session"]
@@ -666,7 +666,7 @@ async def test_a_drafter_slower_than_the_verifier_alone_is_not_assigned(
     await eventually(lambda: router.sessions[session].ended)
     # Three self-decoding periods of at most 5 tokens, each ended by an event and decided again.
     assert router.sessions[session].served == ["self-decoding"]
-    assert not slow.runs and counter("sdcp_router_assignments_total", router.uri) == 0
+    assert not slow.engine.runs and counter("sdcp_router_assignments_total", router.uri) == 0
     assert verifier.engine.sessions[session].machine.stats.self_decoded == 12
 
 

@@ -1,0 +1,523 @@
+"""The drafter engine (SDCP 6.2, 6.3 after the verdict, 6.9), free of any transport.
+
+``sdcp.protocol.drafter.DrafterSession`` keeps each session's rounds, the drafter backend
+(``sdcp.models.draft``) proposes tokens in one worker thread, the MLC holds the draft rows under a
+lease until the verdict, a ``VerifierLink`` carries proposals and output reads. A session round:
+choose M -> draft in the worker -> write and lease q_rows (rule 2) -> propose (pre-drafting the next
+round meanwhile) -> apply the verdict -> sync the backend to the committed prefix -> release and
+delete the rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from prometheus_client import Counter, Histogram
+
+from sdcp.cache import MLC, CacheError, build_uri
+from sdcp.config import ConfigError, DrafterConfig
+from sdcp.engines.errors import Unanswered
+from sdcp.engines.ports import VerifierLink
+from sdcp.engines.tasks import BackgroundTasks
+from sdcp.models.draft import Drafter, DraftResult
+from sdcp.models.errors import UnknownSession
+from sdcp.models.worker import ModelWorker
+from sdcp.protocol.digest import extend_digest, prefix_digest
+from sdcp.protocol.drafter import AcceptanceEstimate, DrafterSession
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    Proposal,
+    Role,
+    SessionState,
+    Status,
+    Verdict,
+)
+from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
+from sdcp.protocol.records import decode_token_list
+from sdcp.protocol.rules import get_rule
+from sdcp.threads import CoreGovernor
+
+__all__ = [
+    "DrafterEngine",
+    "InconsistentPrefix",
+    "MEASURED_AFTER_VERDICTS",
+    "Q_ROWS_KIND",
+    "confirmed_predraft",
+    "q_rows_uri",
+]
+
+log = logging.getLogger("sdcp.drafter")
+
+PROPOSALS = Counter("sdcp_drafter_proposals_total", "Proposals sent", ["instance"])
+TOKENS_PROPOSED = Counter("sdcp_drafter_tokens_proposed_total", "Tokens proposed", ["instance"])
+TOKENS_ACCEPTED = Counter("sdcp_drafter_tokens_accepted_total", "Proposed tokens the verifier accepted", ["instance"])
+RESYNCS = Counter("sdcp_drafter_resyncs_total", "Resynchronisations after sdcp-stale-base", ["instance"])
+PREDRAFTS = Counter("sdcp_drafter_predrafts_total", "Pre-drafted rounds by outcome", ["instance", "outcome"])
+ROUND_SECONDS = Histogram("sdcp_drafter_round_seconds", "Time from sending a proposal to its verdict", ["instance"])
+
+Q_ROWS_KIND = "q-rows"
+_ROW_BYTES_PER_TOKEN = 4  # one binary32 value per vocabulary entry (SDCP 5.2 q_rows)
+# Verification time assumed before the first verdict has been timed.
+_INITIAL_ROUND_TRIP_S = 0.05
+_ROUND_TRIP_WEIGHT = 0.25
+# Consecutive rounds that end without a verdict (problems, resyncs) before a session is given up:
+# a verifier that keeps refusing us is better left to the router than hammered.
+_MAX_ROUNDS_WITHOUT_VERDICT = 8
+_RETRY_BACKOFF_S = 0.02
+# Verdicts this instance takes in before its status reports an acceptance measurement; the report
+# goes out at once then, which bounds how long a router explores an unmeasured drafter.
+MEASURED_AFTER_VERDICTS = 4
+_MAX_RETRY_BACKOFF_S = 1.0
+# Session-state `state` values after which proposals are pointless (docs/interpretations.md).
+_NOT_PROPOSING_STATES = frozenset({Action.SELF_DECODE, Action.FINISH, Action.FAIL})
+
+
+class InconsistentPrefix(RuntimeError):
+    """The committed tokens available to the drafter do not reproduce the committed digest."""
+
+
+def q_rows_uri(mlc: MLC, assignment: Assignment, round_number: int) -> str:
+    """Where the rows of one round's proposal live: unique per session, epoch and round."""
+    name = f"{assignment.session.hex()}-e{assignment.epoch}-r{round_number}"
+    return build_uri(mlc.authority, assignment.contract.scope, Q_ROWS_KIND, name)
+
+
+class _RoundTrip:
+    """Exponentially weighted time from sending a proposal to its verdict (t_v of SDCP 6.2)."""
+
+    def __init__(self) -> None:
+        self.seconds = _INITIAL_ROUND_TRIP_S
+        self.measured = False
+
+    def record(self, seconds: float) -> None:
+        self.seconds = seconds if not self.measured else self.seconds + _ROUND_TRIP_WEIGHT * (seconds - self.seconds)
+        self.measured = True
+
+
+@dataclass
+class _SessionRun:
+    """One assigned session: its protocol state and what the drafter knows of its tokens."""
+
+    assignment: Assignment
+    state: DrafterSession
+    prompt: tuple[int, ...] = ()
+    output: list[int] = field(default_factory=list)
+    output_digest: bytes = b""
+    opened: bool = False
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def session(self) -> bytes:
+        return self.assignment.session
+
+    @property
+    def committed_prefix(self) -> list[int]:
+        """What ``sdcp.models`` calls the committed prefix: prompt followed by committed output."""
+        return [*self.prompt, *self.output]
+
+
+class DrafterEngine:
+    """A draft model instance: proposes tokens for the sessions the router assigns to it."""
+
+    def __init__(
+        self,
+        *,
+        uri: str,
+        settings: DrafterConfig,
+        drafter: Drafter,
+        mlc: MLC,
+        link: VerifierLink,
+        ttl_ms: int,
+        cores: CoreGovernor | None = None,
+        on_measured: Callable[[], None] | None = None,
+    ) -> None:
+        if settings.lease_s <= 0:
+            raise ConfigError(f"drafter.lease_s must be positive, got {settings.lease_s}")
+        self.uri = uri
+        self.settings = settings
+        self.drafter = drafter
+        self.mlc = mlc
+        self.ttl_ms = ttl_ms
+        self._link = link
+        # Called when this instance's acceptance is first measured: a router may be waiting for it.
+        self._on_measured = on_measured
+        self._tasks = BackgroundTasks(uri, log)
+        self.runs: dict[bytes, _SessionRun] = {}
+        self._worker = ModelWorker(f"drafter-{drafter.name}", inline=drafter.runs_inline, cores=cores)
+        self._round_trip = _RoundTrip()
+        # Acceptance across every session this instance drafted: the alpha of its status reports.
+        self._acceptance = AcceptanceEstimate()
+        self._verdicts = 0
+        self._assigning = asyncio.Lock()
+
+    # -- status ----------------------------------------------------------------------------------
+
+    def status(self) -> Status:
+        estimates = [run.state.estimate.accept_milli for run in self.runs.values()]
+        known = [milli for milli in estimates if milli is not None]
+        bandwidth = self.mlc.bandwidth_mbps()
+        return Status(
+            instance=self.uri,
+            role=Role.DRAFTER,
+            load=round(100 * self._worker.busy_fraction()),
+            queue=self._worker.queue,
+            accept_milli=round(sum(known) / len(known)) if known else None,
+            cache_mbps=int(bandwidth) if bandwidth is not None else None,
+            ttl_ms=self.ttl_ms,
+            model=self.drafter.weights_digest,
+            alpha_milli=(round(1000 * self._acceptance.alpha) if self._verdicts >= MEASURED_AFTER_VERDICTS else None),
+            draft_us=round(1e6 * self.drafter.seconds_per_token),
+            verify_us=round(1e6 * self._round_trip.seconds) if self._round_trip.measured else None,
+        )
+
+    async def start(self) -> None:
+        # An HF drafter hashes and packs its weights once: before the first status report and draft.
+        await self._worker.run(self.drafter.prepare)
+
+    async def stop(self) -> None:
+        await self._tasks.cancel_all()
+        self._worker.close()
+
+    # -- what the router asks --------------------------------------------------------------------
+
+    async def assign(self, assignment: Assignment) -> None:
+        """POST assignments (SDCP 6.1): start, or restart, drafting for a session."""
+        self._check(assignment)
+        async with self._assigning:
+            held = self.runs.get(assignment.session)
+            if held is not None:
+                if assignment.epoch < held.state.epoch:
+                    raise ProtocolError(
+                        ProblemType.STALE_EPOCH,
+                        f"this drafter holds the session at epoch {held.state.epoch}, not {assignment.epoch}",
+                    )
+                await self._stop_run(held)
+            # The acceptance history belongs to this drafter and session, so it survives a reassignment.
+            estimate = held.state.estimate if held is not None else AcceptanceEstimate()
+            run = _SessionRun(assignment, DrafterSession(assignment, estimate))
+            self.runs[assignment.session] = run
+            run.task = self._tasks.spawn(self._serve(run))
+        log.info("%s: drafting session %s at epoch %d", self.uri, assignment.session.hex(), assignment.epoch)
+
+    def _check(self, assignment: Assignment) -> None:
+        if assignment.drafter != self.uri:
+            raise BadMessage(f"the assignment names drafter {assignment.drafter}, not {self.uri}")
+        verifier = urlsplit(assignment.verifier)
+        if verifier.scheme != "https" or not verifier.hostname:
+            raise BadMessage(f"verifier must be an https base URI, got {assignment.verifier!r}")
+        contract = assignment.contract
+        get_rule(contract.rule)  # raises sdcp-bad-contract for an unregistered rule
+        if contract.drafters is not None and self.drafter.weights_digest not in contract.drafters:
+            # SDCP 6.1: only a drafter whose model the contract permits may serve the session.
+            raise BadContract(f"the contract does not permit this drafter's model {self.drafter.weights_digest.hex()}")
+        if assignment.m_init < 1:
+            raise BadMessage("m_init must be at least 1")
+
+    async def _stop_run(self, run: _SessionRun) -> None:
+        if run.task is not None and not run.task.done():
+            run.task.cancel()
+            await asyncio.wait([run.task])
+
+    # -- the session loop ------------------------------------------------------------------------
+
+    async def _serve(self, run: _SessionRun) -> None:
+        try:
+            await self._prepare(run)
+            await self._propose_until_stopped(run)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s: session %s stopped on an error", self.uri, run.session.hex())
+        finally:
+            if run.opened:
+                await self._close_backend_session(run.session)
+            if self.runs.get(run.session) is run:
+                del self.runs[run.session]
+
+    async def _close_backend_session(self, session: bytes) -> None:
+        # UnknownSession: the open was cancelled before the worker started it.
+        with contextlib.suppress(UnknownSession):
+            await self._worker.run(self.drafter.close_session, session)
+
+    async def _prepare(self, run: _SessionRun) -> None:
+        """SDCP 6.2: bring the drafter's own state to the committed prefix of the assignment."""
+        assignment = run.assignment
+        if isinstance(assignment.prompt, str):
+            run.prompt = decode_token_list(await self.mlc.get(assignment.prompt), "prompt")
+        else:
+            run.prompt = assignment.prompt
+        run.output_digest = prefix_digest(assignment.contract.digest, run.prompt)
+        # Marked before the call: a cancellation may land while the worker is opening it.
+        run.opened = True
+        await self._worker.run(self.drafter.open_session, run.session, list(run.prompt))
+        if assignment.committed > 0 and assignment.committed_tokens is not None:
+            await self._adopt_committed_object(run, assignment.committed_tokens)
+        await self._catch_up(run, assignment.committed, assignment.digest)
+        await self._worker.run(self.drafter.sync, run.session, run.committed_prefix)
+
+    async def _adopt_committed_object(self, run: _SessionRun, uri: str) -> None:
+        assignment = run.assignment
+        try:
+            tokens = decode_token_list(await self.mlc.get(uri), "committed_tokens")
+        except (CacheError, BadMessage) as exc:
+            log.warning("%s: committed tokens %s unusable, asking the verifier: %s", self.uri, uri, exc)
+            return
+        if len(tokens) == assignment.committed and extend_digest(run.output_digest, tokens) == assignment.digest:
+            run.output = list(tokens)
+            run.output_digest = assignment.digest
+        else:
+            log.warning("%s: committed tokens %s do not match the assignment, asking the verifier", self.uri, uri)
+
+    async def _catch_up(self, run: _SessionRun, committed: int, digest: bytes) -> None:
+        """Make the known output the first ``committed`` tokens with digest d[committed] (SDCP 4.2).
+
+        Missing tokens come from the verifier's output resource; when the known tokens turn out
+        to be on another prefix, the whole output is read again from index 0.
+        """
+        d0 = prefix_digest(run.assignment.contract.digest, run.prompt)
+        if committed <= len(run.output):
+            if extend_digest(d0, run.output[:committed]) == digest:
+                del run.output[committed:]
+                run.output_digest = digest
+                return
+        else:
+            missing = await self._read_output(run, len(run.output), committed)
+            if extend_digest(run.output_digest, missing) == digest:
+                run.output.extend(missing)
+                run.output_digest = digest
+                return
+        tokens = await self._read_output(run, 0, committed)
+        if extend_digest(d0, tokens) != digest:
+            raise InconsistentPrefix(f"the verifier's {committed} committed tokens do not give the committed digest")
+        run.output = list(tokens)
+        run.output_digest = digest
+
+    async def _read_output(self, run: _SessionRun, start: int, end: int) -> list[int]:
+        """Output tokens start..end-1 from GET sessions/{id}/output (SDCP 6.7)."""
+        tokens: list[int] = []
+        while start + len(tokens) < end:
+            output = await self._link.output(run.state.verifier, run.session, start + len(tokens))
+            if output.session != run.session or output.from_ != start + len(tokens):
+                raise BadMessage("the verifier's output answers another session or index")
+            if output.epoch != run.state.epoch:
+                raise ProtocolError(ProblemType.STALE_EPOCH, f"the verifier serves epoch {output.epoch}")
+            if not output.tokens:
+                raise InconsistentPrefix(f"the verifier has no output at index {start + len(tokens)} of {end}")
+            tokens.extend(output.tokens)
+        return tokens[: end - start]
+
+    async def _propose_until_stopped(self, run: _SessionRun) -> None:
+        state = run.state
+        ready: DraftResult | None = None
+        rounds_without_verdict = 0
+        while state.stopped_by is None:
+            if rounds_without_verdict >= _MAX_ROUNDS_WITHOUT_VERDICT:
+                log.warning(
+                    "%s: session %s: %d rounds without a verdict; giving it up",
+                    self.uri,
+                    run.session.hex(),
+                    rounds_without_verdict,
+                )
+                return
+            draft = ready if ready is not None else await self._draft(run, self._choose_m(run))
+            ready = None
+            verdict, proposal, predraft = await self._round(run, draft)
+            if verdict is None:
+                rounds_without_verdict += 1
+                await asyncio.sleep(min(_MAX_RETRY_BACKOFF_S, _RETRY_BACKOFF_S * 2**rounds_without_verdict))
+                continue
+            rounds_without_verdict = 0
+            ready = await self._apply_verdict(run, proposal, verdict, predraft)
+
+    def _choose_m(self, run: _SessionRun) -> int:
+        """SDCP 6.2 RECOMMENDED rule."""
+        return run.state.choose_m(*self._costs(run))
+
+    def _costs(self, run: _SessionRun) -> tuple[float, float]:
+        """The cost model's t_d, including the rows' trip to the cache, and t_v (a round trip)."""
+        t_d = self.drafter.seconds_per_token
+        bandwidth = self.mlc.bandwidth_mbps()
+        if get_rule(run.state.contract.rule).needs_q and bandwidth:
+            t_d += self.drafter.vocab_size * _ROW_BYTES_PER_TOKEN / (bandwidth * 1e6)
+        return t_d, self._round_trip.seconds
+
+    async def _draft(self, run: _SessionRun, m: int) -> DraftResult:
+        return await self._worker.run(self.drafter.draft, run.session, m, run.state.sampling)
+
+    async def _round(self, run: _SessionRun, draft: DraftResult) -> tuple[Verdict | None, Proposal, DraftResult | None]:
+        """Publish the rows, send the proposal, pre-draft the next round; the verdict or None."""
+        state = run.state
+        rows_uri = await self._publish_rows(run, draft) if get_rule(state.contract.rule).needs_q else None
+        predraft: asyncio.Future[DraftResult] | None = None
+        try:
+            # SDCP 6.2: base, base_digest and round come from the last verdict; one outstanding.
+            proposal = state.propose(draft.tokens, status=self.status(), q_rows=rows_uri)
+            # SDCP 6.2: the next proposal MAY be prepared assuming full acceptance. The backend
+            # continues after the tentative tokens: one token stands for the verifier's extra token.
+            length = state.m_after_full_acceptance(*self._costs(run)) + 1
+            predraft = self._worker.submit(self.drafter.draft, run.session, length, state.sampling)
+            try:
+                verdict = await self._send(run, proposal)
+            except ProtocolError as error:
+                await self._on_problem(run, proposal, error)
+                return None, proposal, None
+            return verdict, proposal, await _settled(predraft)
+        finally:
+            if predraft is not None and not predraft.done():
+                await _settled(predraft)
+            if rows_uri is not None:
+                # SDCP 6.3: after the verdict the drafter MAY release its leases.
+                await self._discard_rows(rows_uri)
+
+    async def _publish_rows(self, run: _SessionRun, draft: DraftResult) -> str:
+        """SDCP 6.2: the rows go to the MLC under a lease held until the verdict."""
+        uri = q_rows_uri(self.mlc, run.assignment, run.state.round + 1)
+        await self.mlc.put(uri, draft.q_rows_bytes())
+        await self.mlc.lease(uri, self.uri, self.settings.lease_s)
+        return uri
+
+    async def _discard_rows(self, uri: str) -> None:
+        try:
+            await self.mlc.release(uri, self.uri)
+            await self.mlc.delete(uri)
+        except CacheError as exc:
+            log.warning("%s: draft rows %s not cleaned up: %s", self.uri, uri, exc)
+
+    async def _send(self, run: _SessionRun, proposal: Proposal) -> Verdict:
+        """POST proposals; a lost answer is asked for again (SDCP 6.9) while the rows are leased."""
+        deadline = time.monotonic() + self.settings.lease_s
+        attempt = 0
+        while True:
+            started = time.perf_counter()
+            try:
+                verdict = await self._link.propose(run.state.verifier, proposal)
+            except Unanswered as exc:
+                attempt += 1
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("%s: proposal for round %d unanswered (%s); asking again", self.uri, proposal.round, exc)
+                await asyncio.sleep(min(_MAX_RETRY_BACKOFF_S, _RETRY_BACKOFF_S * 2**attempt))
+                continue
+            elapsed = time.perf_counter() - started
+            self._round_trip.record(elapsed)
+            ROUND_SECONDS.labels(self.uri).observe(elapsed)
+            PROPOSALS.labels(self.uri).inc()
+            TOKENS_PROPOSED.labels(self.uri).inc(len(proposal.tokens))
+            return verdict
+
+    async def _on_problem(self, run: _SessionRun, proposal: Proposal, error: ProtocolError) -> None:
+        state = run.state
+        log.info(
+            "%s: round %d of %s refused: %s %s",
+            self.uri,
+            proposal.round,
+            run.session.hex(),
+            error.problem.suffix if error.problem else error.status,
+            error.detail,
+        )
+        if error.problem is ProblemType.LIMIT:
+            if len(proposal.tokens) == 1:
+                # Nothing shorter exists; the verifier and this drafter disagree on the limits.
+                state.stopped_by = ProblemType.LIMIT
+                return
+            state.on_problem(error)
+            state.m_cap = max(1, len(proposal.tokens) // 2)
+        elif error.problem is ProblemType.STALE_BASE and error.state is not None:
+            if error.state.state is not None and error.state.state in _NOT_PROPOSING_STATES:
+                # The verifier decodes the session itself or has ended it: no proposal can land.
+                state.stopped_by = Action.parse(error.state.state)
+                return
+            state.on_problem(error)
+            if state.stopped_by is None:
+                RESYNCS.labels(self.uri).inc()
+                await self._catch_up(run, state.committed, state.digest)
+        else:
+            state.on_problem(error)
+        if state.stopped_by is None:
+            await self._worker.run(self.drafter.sync, run.session, run.committed_prefix)
+
+    async def _apply_verdict(
+        self, run: _SessionRun, proposal: Proposal, verdict: Verdict, predraft: DraftResult | None
+    ) -> DraftResult | None:
+        """SDCP 6.3: keep the accepted tokens, discard the rest; the confirmed pre-draft or None."""
+        state = run.state
+        if verdict.round == proposal.round and verdict.committed != proposal.base + len(verdict.emitted):
+            # SDCP 6.3 Idempotency: a verdict that exists is returned unchanged, so a proposal for
+            # an already decided round gets that round's verdict, built on another base. It still
+            # tells the committed prefix after the round: resynchronise to it.
+            await self._on_problem(
+                run,
+                proposal,
+                ProtocolError(
+                    ProblemType.STALE_BASE,
+                    "the verdict of this round answers another proposal",
+                    state=SessionState(
+                        session=verdict.session,
+                        epoch=verdict.epoch,
+                        round=verdict.round,
+                        committed=verdict.committed,
+                        digest=verdict.digest,
+                    ),
+                ),
+            )
+            return None
+        action = state.apply_verdict(verdict)
+        TOKENS_ACCEPTED.labels(self.uri).inc(verdict.accepted)
+        self._measure_acceptance(verdict.accepted, len(proposal.tokens))
+        if extend_digest(run.output_digest, verdict.emitted) == verdict.digest:
+            run.output.extend(verdict.emitted)
+            run.output_digest = verdict.digest
+        else:
+            await self._catch_up(run, verdict.committed, verdict.digest)
+        if state.stopped_by is not None:
+            log.info("%s: session %s: %s", self.uri, run.session.hex(), action.name.lower())
+            return None
+        ready = confirmed_predraft(proposal, verdict, predraft, self._choose_m(run))
+        if predraft is not None:
+            PREDRAFTS.labels(self.uri, "used" if ready is not None else "discarded").inc()
+        tentative = ready.tokens if ready is not None else ()
+        await self._worker.run(self.drafter.sync, run.session, [*run.committed_prefix, *tentative])
+        return ready
+
+    def _measure_acceptance(self, accepted: int, proposed: int) -> None:
+        self._acceptance.update(accepted, proposed)
+        self._verdicts += 1
+        # The router may be exploring this drafter: the measurement ends that at once.
+        if self._verdicts == MEASURED_AFTER_VERDICTS and self._on_measured is not None:
+            self._on_measured()
+
+
+def confirmed_predraft(
+    proposal: Proposal, verdict: Verdict, predraft: DraftResult | None, m: int
+) -> DraftResult | None:
+    """The next proposal out of the pre-draft, if the verdict confirmed full acceptance.
+
+    The pre-draft continued after x[1..M]; its first token guessed the verifier's extra token.
+    When every x was accepted and the guess equals the emitted extra token, the rest was drafted
+    on exactly the committed prefix, each token from the row it carries (SDCP 5.2).
+    """
+    if predraft is None or len(predraft.tokens) < 2 or verdict.accepted != len(proposal.tokens):
+        return None
+    if verdict.emitted != (*proposal.tokens, predraft.tokens[0]):
+        return None
+    keep = min(m, len(predraft.tokens) - 1)
+    rows = predraft.q_rows[1 : 1 + keep] if predraft.q_rows is not None else None
+    return DraftResult(predraft.tokens[1 : 1 + keep], rows, predraft.seconds)
+
+
+async def _settled(task: asyncio.Future[DraftResult]) -> DraftResult | None:
+    """The pre-draft's result, or None when it failed: it is an optimisation only."""
+    try:
+        return await task
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a pre-draft is an optimisation only
+        log.warning("pre-draft failed: %s", exc)
+        return None
