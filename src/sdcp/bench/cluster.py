@@ -16,24 +16,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sdcp.bench.systems import RunResult
+from sdcp.bench.systems import RunResult, result_from_stats
 from sdcp.bench.workloads import Prompt
 from sdcp.client import ClusterClient, SessionHandle, build_contract
 from sdcp.cluster import DEFAULT_DRAFTERS, LocalCluster
 from sdcp.home import sdcp_home
 from sdcp.protocol.messages import Contract
 
-__all__ = ["ClusterSystem", "GatewaySystem", "non_model_ms"]
+__all__ = ["ClusterSystem", "GatewaySystem"]
 
 # A gateway request decodes at most max_new tokens; this bounds the wait for its answer.
 _GATEWAY_TIMEOUT_S = 600.0
-
-
-def non_model_ms(stats: dict[str, Any]) -> list[float]:
-    """Per round after the first: time between commits minus the model's time in the round."""
-    gaps = stats.get("round_gap_us", [])
-    model = stats.get("round_model_us", [])
-    return [(gap - used) / 1000 for gap, used in list(zip(gaps, model, strict=False))[1:]]
 
 
 class ClusterSystem:
@@ -122,20 +115,9 @@ class ClusterSystem:
         described = await self.client.describe(handle)
         names = {instance.uri: instance.name for instance in self.cluster.instances()}
         served = described.get("served", [])
-        return RunResult(
-            tokens=[],
-            seconds=seconds,
-            rounds=int(stats.get("rounds", 0)),
-            self_decoded=int(stats.get("self_decoded", 0)),
-            accepted=int(stats.get("accepted", 0)),
-            proposed=int(stats.get("proposed", 0)),
-            accepted_by_position=list(stats.get("accepted_by_position", [])),
-            proposed_by_position=list(stats.get("proposed_by_position", [])),
-            overhead_ms=non_model_ms(stats),
-            # Rounds committed from rows of an earlier pass (self-decoding lookahead) report 0.
-            batch_sizes=[size for size in stats.get("round_batch", []) if size > 0],
-            served=[names.get(who, who) for who in served] if isinstance(served, list) else [],
-        )
+        result = result_from_stats(stats, seconds)
+        result.served = [names.get(who, who) for who in served] if isinstance(served, list) else []
+        return result
 
 
 class GatewaySystem(ClusterSystem):

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from sdcp.bench.cluster import ClusterSystem, GatewaySystem
+from sdcp.bench.inprocess import InProcessSDCPSystem
 from sdcp.bench.systems import (
     HFAssistedSystem,
     HFPromptLookupSystem,
     HFTargetSystem,
-    InProcessSDCPSystem,
     RunResult,
     TargetOnlySDCPSystem,
 )
@@ -170,12 +170,16 @@ async def _measure(
     log: Callable[[str], None],
 ) -> tuple[list[Measurement], list[ConcurrencyLevel], dict[str, float]]:
     max_new = config.effective_max_new
+    engines = [system for system in in_process if isinstance(system, InProcessSDCPSystem)]
+    for system in engines:
+        await system.start()
     for cluster in clusters:
         await cluster.connect()
     try:
         runners: list[tuple[str, Callable[[Prompt, int], Any]]] = []
         for system in in_process:
-            runners.append((system.name, _on_this_thread(system.generate)))
+            runner = _engines(system) if isinstance(system, InProcessSDCPSystem) else _on_this_thread(system.generate)
+            runners.append((system.name, runner))
         for cluster in clusters:
             runners.append((cluster.name, _bound(cluster, stop)))
         warm_prompt = next(iter(prompts.values()))[0]
@@ -203,6 +207,15 @@ async def _measure(
     finally:
         for cluster in clusters:
             await cluster.aclose()
+        for system in engines:
+            await system.aclose()
+
+
+def _engines(system: InProcessSDCPSystem) -> Callable[[Prompt, int], Any]:
+    async def run(prompt: Prompt, max_new: int) -> RunResult:
+        return await system.generate(list(prompt.tokens), max_new)
+
+    return run
 
 
 def _on_this_thread(generate: Callable[[list[int], int], RunResult]) -> Callable[[Prompt, int], Any]:

@@ -1,10 +1,8 @@
-"""The in-process systems of the benchmark: transformers greedy, transformers speculative, SDCP core.
+"""The in-process baselines of the benchmark: transformers greedy and speculative, SDCP's backend alone.
 
 Every system decodes greedily with the same model, prompt, max_new and stop tokens and returns a
-``RunResult``. The SDCP in-process system wires the protocol core (``VerifierSession``,
-``DrafterSession``, the rules) to the backends (``TargetModel``, ``NgramDrafter``) without network,
-under the contract the front ends use (``build_contract``), so that its gap to the end-to-end
-system is what transport, serialisation, the MLC and the processes cost.
+``RunResult`` (SDCP's engines in process are ``sdcp.bench.inprocess``, the clusters
+``sdcp.bench.cluster``; both read a session's rounds from the verifier's stats, ``result_from_stats``).
 """
 
 from __future__ import annotations
@@ -16,29 +14,21 @@ from typing import Any
 
 import torch
 
-from sdcp.client import build_contract
-from sdcp.config import RouterConfig
-from sdcp.models.draft import NgramDrafter
 from sdcp.models.target import TargetModel
-from sdcp.protocol import codec
-from sdcp.protocol.drafter import DrafterSession
-from sdcp.protocol.messages import Action, Assignment, Contract, Role, Status
-from sdcp.protocol.verifier import RoundTicket, VerifierSession
 
 __all__ = [
     "HF_PROMPT_LOOKUP_TOKENS",
     "HFAssistedSystem",
     "HFPromptLookupSystem",
     "HFTargetSystem",
-    "InProcessSDCPSystem",
     "RunResult",
     "TargetOnlySDCPSystem",
+    "non_model_ms",
+    "result_from_stats",
 ]
 
 # transformers' documented example value for prompt lookup decoding.
 HF_PROMPT_LOOKUP_TOKENS = 10
-_VERIFIER_URI = "inprocess://verifier"
-_DRAFTER_URI = "inprocess://drafter-ngram"
 
 
 @dataclass
@@ -64,6 +54,30 @@ class RunResult:
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+def non_model_ms(stats: dict[str, Any]) -> list[float]:
+    """Per round after the first: time between commits minus the model's time in the round."""
+    gaps = stats.get("round_gap_us", [])
+    model = stats.get("round_model_us", [])
+    return [(gap - used) / 1000 for gap, used in list(zip(gaps, model, strict=False))[1:]]
+
+
+def result_from_stats(stats: dict[str, Any], seconds: float) -> RunResult:
+    """What a session's rounds did, from the verifier's stats (GET sessions/{id}/stats)."""
+    return RunResult(
+        tokens=[],
+        seconds=seconds,
+        rounds=int(stats.get("rounds", 0)),
+        self_decoded=int(stats.get("self_decoded", 0)),
+        accepted=int(stats.get("accepted", 0)),
+        proposed=int(stats.get("proposed", 0)),
+        accepted_by_position=list(stats.get("accepted_by_position", [])),
+        proposed_by_position=list(stats.get("proposed_by_position", [])),
+        overhead_ms=non_model_ms(stats),
+        # Rounds committed from rows of an earlier pass (self-decoding lookahead) report 0.
+        batch_sizes=[size for size in stats.get("round_batch", []) if size > 0],
+    )
 
 
 class _HFGenerateSystem:
@@ -155,116 +169,3 @@ class TargetOnlySDCPSystem:
         finally:
             self.target.close_session(session)
         return RunResult(tokens=tokens, seconds=time.perf_counter() - started)
-
-
-class InProcessSDCPSystem:
-    """System 3: SDCP's protocol core and backends in one thread, no network, no MLC."""
-
-    name = "sdcp_inprocess"
-
-    def __init__(self, target: TargetModel, stop: Sequence[int]) -> None:
-        self.target = target
-        self.stop = list(stop)
-        self.drafter = NgramDrafter(target.vocab_size)
-        self.m_init = RouterConfig().m_init
-        self._sessions = 0
-        self._status = Status(instance=_DRAFTER_URI, role=Role.DRAFTER, load=0, queue=0, ttl_ms=3000)
-
-    def contract(self, max_new: int) -> Contract:
-        return build_contract(
-            target=self.target.weights_digest,
-            tokenizer=self.target.tokenizer_digest,
-            max_new=max_new,
-            stop=self.stop,
-        )
-
-    def generate(self, prompt: Sequence[int], max_new: int) -> RunResult:
-        self._sessions += 1
-        session = self._sessions.to_bytes(16, "big")
-        contract = self.contract(max_new)
-        prompt_tokens = tuple(prompt)
-        started = time.perf_counter()
-        verifier = VerifierSession(session=session, epoch=1, contract=contract, prompt=prompt_tokens)
-        self.target.open_session(session, prompt_tokens)
-        self.drafter.open_session(session, prompt_tokens)
-        result = RunResult(tokens=[], seconds=0.0)
-        try:
-            drafter = self._assign(verifier, contract, prompt_tokens)
-            verify_s = 0.05
-            round_started = time.perf_counter()
-            while not verifier.ended:
-                if verifier.self_decoding:
-                    model_s = self._self_decode_round(verifier)
-                    if not verifier.self_decoding and not verifier.ended:
-                        # The verifier's event makes the router assign a drafter again (SDCP 6.5.2).
-                        drafter = self._assign(verifier, contract, prompt_tokens)
-                else:
-                    model_s, action = self._proposal_round(verifier, drafter, verify_s)
-                    verify_s = 0.75 * verify_s + 0.25 * model_s
-                    if action == Action.SWITCH:
-                        drafter = self._assign(verifier, contract, prompt_tokens)
-                now = time.perf_counter()
-                if verifier.round > 1:
-                    result.overhead_ms.append(1000 * (now - round_started - model_s))
-                round_started = now
-        finally:
-            self.target.close_session(session)
-            self.drafter.close_session(session)
-        result.seconds = time.perf_counter() - started
-        result.tokens = list(verifier.tokens)
-        stats = verifier.stats
-        result.rounds, result.self_decoded = stats.rounds, stats.self_decoded
-        result.accepted, result.proposed = stats.accepted, stats.proposed
-        result.accepted_by_position = list(stats.accepted_by_position)
-        result.proposed_by_position = list(stats.proposed_by_position)
-        return result
-
-    def _assign(self, verifier: VerifierSession, contract: Contract, prompt: tuple[int, ...]) -> DrafterSession:
-        assignment = Assignment(
-            session=verifier.session,
-            epoch=verifier.epoch,
-            contract=contract,
-            verifier=_VERIFIER_URI,
-            drafter=_DRAFTER_URI,
-            prompt=prompt,
-            round=verifier.round,
-            committed=verifier.committed,
-            digest=verifier.digest,
-            m_init=self.m_init,
-        )
-        verifier.assign(assignment)
-        self.drafter.sync(verifier.session, [*prompt, *verifier.tokens])
-        return DrafterSession(assignment)
-
-    def _proposal_round(
-        self, verifier: VerifierSession, drafter: DrafterSession, verify_s: float
-    ) -> tuple[float, Action]:
-        session = verifier.session
-        m = drafter.choose_m(self.drafter.seconds_per_token, verify_s)
-        draft = self.drafter.draft(session, m, drafter.sampling)
-        proposal = drafter.propose(draft.tokens, status=self._status)
-        ticket = verifier.begin_round(proposal, _DRAFTER_URI)
-        if not isinstance(ticket, RoundTicket):
-            raise RuntimeError(f"the in-process verifier did not admit round {proposal.round}: {ticket}")
-        model_started = time.perf_counter()
-        (logits,) = self.target.score([(session, proposal.tokens)])
-        model_s = time.perf_counter() - model_started
-        pending = verifier.decide(ticket, logits, None, 0)
-        codec.encode(pending.record.to_obj())
-        self.target.commit(session, pending.verdict.accepted, pending.record.emitted)
-        verdict = verifier.apply(pending)
-        action = drafter.apply_verdict(verdict)
-        self.drafter.sync(session, [*verifier.prompt, *verifier.tokens])
-        return model_s, action
-
-    def _self_decode_round(self, verifier: VerifierSession) -> float:
-        session = verifier.session
-        ticket = verifier.begin_self_decode()
-        model_started = time.perf_counter()
-        (logits,) = self.target.score([(session, ())])
-        model_s = time.perf_counter() - model_started
-        pending = verifier.decide_self_decode(ticket, logits, 0)
-        codec.encode(pending.record.to_obj())
-        self.target.commit(session, 0, pending.record.emitted)
-        verifier.apply(pending)
-        return model_s

@@ -365,6 +365,10 @@ class VerifierEngine:
             except TimeoutError:
                 continue
 
+    def state(self, session: bytes) -> SessionState:
+        """Where the session stands: its round, committed length and digest, serving state."""
+        return self._live(session).machine.state()
+
     def stats(self, session: bytes) -> dict[str, object]:
         """GET sessions/{id}/stats (not in Table 1): what the session's rounds did so far."""
         live = self._live(session)

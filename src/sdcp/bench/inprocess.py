@@ -1,0 +1,135 @@
+"""System 3: SDCP's engines in one process, joined by an in-memory link instead of HTTP/2 + mTLS.
+
+The verifier and drafter engines are the ones the services run (``sdcp.engines``), with their model
+threads, batching, host-memory MLC and commit log; messages still travel as deterministic CBOR, so
+that the gap to the end-to-end system is what HTTP/2, TLS, the processes and the router cost. The
+router's part is the least a session needs: open it, assign the n-gram drafter, assign it again
+when the verifier's event asks for one (SDCP 6.5.2).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from sdcp.bench.systems import RunResult, result_from_stats
+from sdcp.cache import MLC, build_uri
+from sdcp.client import build_contract
+from sdcp.config import DrafterConfig, RouterConfig, VerifierConfig
+from sdcp.engines.drafter import DrafterEngine
+from sdcp.engines.verifier import VerifierEngine
+from sdcp.models.draft import NgramDrafter
+from sdcp.models.target import TargetModel
+from sdcp.protocol.messages import Action, Event, Output, Proposal, Verdict
+from sdcp.protocol.router import RouterSession
+
+__all__ = ["InMemoryVerifierLink", "InProcessSDCPSystem"]
+
+VERIFIER_URI = "https://verifier.inprocess"
+DRAFTER_URI = "https://drafter-ngram.inprocess"
+_TTL_MS = 3000
+
+
+class InMemoryVerifierLink:
+    """A ``VerifierLink`` that calls the verifier engine directly, each message encoded and decoded
+    as on the wire, the caller authenticated as ``drafter``."""
+
+    def __init__(self, verifier: VerifierEngine, drafter: str) -> None:
+        self._verifier = verifier
+        self._drafter = drafter
+
+    async def propose(self, verifier: str, proposal: Proposal) -> Verdict:
+        received = Proposal.from_cbor(proposal.to_cbor())
+        verdict = await self._verifier.propose(received, self._drafter)
+        return Verdict.from_cbor(verdict.to_cbor())
+
+    async def output(self, verifier: str, session: bytes, start: int) -> Output:
+        output = await self._verifier.output(session, start)
+        return Output.from_cbor(output.to_cbor())
+
+
+class InProcessSDCPSystem:
+    """The verifier and n-gram drafter engines in this process; ``generate`` decodes one session."""
+
+    name = "sdcp_inprocess"
+
+    def __init__(self, target: TargetModel, stop: Sequence[int]) -> None:
+        self.target = target
+        self.stop = list(stop)
+        self.mlc = MLC.from_config(authority="inprocess")
+        self.verifier = VerifierEngine(
+            uri=VERIFIER_URI,
+            settings=VerifierConfig(),
+            target=target,
+            mlc=self.mlc,
+            ttl_ms=_TTL_MS,
+            events=self._on_event,
+        )
+        self.drafter = DrafterEngine(
+            uri=DRAFTER_URI,
+            settings=DrafterConfig(),
+            drafter=NgramDrafter(target.vocab_size),
+            mlc=self.mlc,
+            link=InMemoryVerifierLink(self.verifier, DRAFTER_URI),
+            ttl_ms=_TTL_MS,
+        )
+        self.m_init = RouterConfig().m_init
+        self._plans: dict[bytes, RouterSession] = {}
+        self._sessions = 0
+
+    async def start(self) -> None:
+        await self.verifier.start()
+        await self.drafter.start()
+
+    async def aclose(self) -> None:
+        await self.drafter.stop()
+        await self.verifier.stop()
+        await self.mlc.close()
+
+    async def generate(self, prompt: Sequence[int], max_new: int) -> RunResult:
+        self._sessions += 1
+        session = self._sessions.to_bytes(16, "big")
+        contract = build_contract(
+            target=self.target.weights_digest, tokenizer=self.target.tokenizer_digest, max_new=max_new, stop=self.stop
+        )
+        plan = RouterSession(
+            session=session,
+            epoch=1,
+            contract=contract,
+            prompt=tuple(prompt),
+            commit_log=build_uri(self.mlc.authority, contract.scope, "log", session.hex()),
+            verifier=VERIFIER_URI,
+        )
+        self._plans[session] = plan
+        started = time.perf_counter()
+        try:
+            await self.verifier.open_session(plan.open_message())
+            await self._assign(plan)
+            tokens: list[int] = []
+            while True:
+                output = await self.verifier.output(session, len(tokens))
+                tokens.extend(output.tokens)
+                if output.final:
+                    break
+            seconds = time.perf_counter() - started
+        finally:
+            del self._plans[session]
+        result = result_from_stats(self.verifier.stats(session), seconds)
+        result.tokens = tokens
+        return result
+
+    async def _assign(self, plan: RouterSession) -> None:
+        """SDCP 6.1: the verifier learns of the drafter first, then the drafter gets the assignment."""
+        state = self.verifier.state(plan.session)
+        assignment = plan.assignment(
+            DRAFTER_URI, round=state.round, committed=state.committed, digest=state.digest, m_init=self.m_init
+        )
+        await self.verifier.assign(assignment)
+        await self.drafter.assign(assignment)
+
+    async def _on_event(self, event: Event) -> None:
+        received = Event.from_cbor(event.to_cbor())
+        plan = self._plans.get(received.session)
+        if plan is not None and received.kind == Action.SWITCH:
+            # A switch or the end of a self-decoding period: the one drafter is assigned again.
+            await self._assign(plan)
