@@ -18,18 +18,23 @@ redis_url = "redis://127.0.0.1:6379/0"
 model = "smollm2"
 ```
 
-Every key is checked: an unknown one is an error naming it, so that a typo never silently falls
-back to a default.
+The sections are pydantic dataclasses: every key is checked for its type and range when a file is
+loaded and when a section is built in code. An unknown key is an error naming it, so that a typo
+never silently falls back to a default; ``load_config`` turns the first problem into one line
+naming the file and the key (``ConfigError``).
 """
 
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any
 from urllib.parse import urlsplit
+
+from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, ValidationInfo
+from pydantic.dataclasses import dataclass
+from pydantic_core import ErrorDetails
 
 from sdcp.threads import usable_cores
 
@@ -51,19 +56,66 @@ class ConfigError(ValueError):
     """A configuration file that cannot be used; the message names the file and key."""
 
 
-@dataclass(frozen=True)
+def _relative_to_file(value: object, info: ValidationInfo) -> object:
+    """A relative path in a file is relative to the file's directory (``load_config``'s context)."""
+    if not isinstance(value, (str, Path)):
+        return value
+    path = Path(value).expanduser()
+    base = info.context.get("base") if isinstance(info.context, dict) else None
+    return base / path if base is not None and not path.is_absolute() else path
+
+
+def _https_uri(value: object) -> object:
+    if isinstance(value, str):
+        parts = urlsplit(value)
+        if parts.scheme != "https" or not parts.hostname:
+            raise ValueError(f"must be an https URI with a host, got {value!r}")
+    return value
+
+
+def _host_port(value: object) -> object:
+    if isinstance(value, str):
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"must be host:port, got {value!r}")
+    return value
+
+
+# Counts, sizes and durations: a negative one is a typo, never a setting; a bool is never a number.
+Count = Annotated[int, Strict(), Field(ge=0)]
+AtLeastOne = Annotated[int, Strict(), Field(ge=1)]
+Seconds = Annotated[float, Field(ge=0), BeforeValidator(lambda v: _number(v))]
+PositiveSeconds = Annotated[float, Field(gt=0), BeforeValidator(lambda v: _number(v))]
+Text = Annotated[str, Strict()]
+FilePath = Annotated[Path, BeforeValidator(_relative_to_file)]
+HttpsURI = Annotated[str, Strict(), BeforeValidator(_https_uri)]
+HostPort = Annotated[str, Strict(), BeforeValidator(_host_port)]
+
+
+def _number(value: object) -> object:
+    # TOML has integers and floats; a string or a bool that pydantic would read as one is a mistake.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be a number")
+    return value
+
+
+# Unknown keys are errors, so that a typo never silently falls back to a default.
+_SECTION = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True, config=_SECTION)
 class InstanceConfig:
-    uri: str
-    cert: Path
-    key: Path
-    ca: Path
-    listen: str | None = None
-    router: str | None = None
+    uri: HttpsURI
+    cert: FilePath
+    key: FilePath
+    ca: FilePath
+    listen: HostPort | None = None
+    router: HttpsURI | None = None
     # At least 1: reports go every ttl_ms / 3, and a zero would send them without pause.
-    ttl_ms: int = field(default=3000, metadata={"min": 1})
+    ttl_ms: AtLeastOne = 3000
     # Threads for the instance's model work (docs/deploy.md, "Threads and cores"); 0: every usable
     # core for the roles that run a model (the verifier, model drafters), one for the others.
-    threads: int = 0
+    threads: Count = 0
 
     @property
     def host(self) -> str:
@@ -81,45 +133,46 @@ class InstanceConfig:
         return parts.hostname or "127.0.0.1", parts.port or 443
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class MLCConfig:
-    authority: str = "local"
-    memory_bytes: int = 256 * 2**20
-    disk_dir: Path | None = None
-    disk_bytes: int = 4096 * 2**20
-    redis_url: str | None = None
-    redis_prefix: str = "sdcp:mlc:"
+    authority: Text = "local"
+    memory_bytes: Count = 256 * 2**20
+    disk_dir: FilePath | None = None
+    disk_bytes: Count = 4096 * 2**20
+    redis_url: Text | None = None
+    redis_prefix: Text = "sdcp:mlc:"
     # Base URI of a remote MLC node (sdcp.services.mlc) to use as the shared store, over mTLS with
     # this instance's certificate; disk_dir then names a local cache (docs/cache.md).
-    mlc_url: str | None = None
+    mlc_url: HttpsURI | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class VerifierConfig:
-    model: str = "smollm2"
-    batch_window_ms: float = 2.0
-    max_batch: int = field(default=16, metadata={"min": 1})
+    model: Text = "smollm2"
+    batch_window_ms: Seconds = 2.0
+    max_batch: AtLeastOne = 16
     # The KV slot pool (docs/models.md): sessions in it, positions per session (0 = the model's
     # context, at most 4096). On a CPU unused slots cost address space only; on a GPU, memory.
-    kv_slots: int = 32
-    kv_capacity: int = 0
-    output_wait_s: float = 10.0
+    kv_slots: Count = 32
+    kv_capacity: Count = 0
+    output_wait_s: Seconds = 10.0
     # How long an ended or fenced session stays readable (output, stats) before it is forgotten.
-    ended_retention_s: float = 600.0
+    ended_retention_s: Seconds = 600.0
     # A session that nothing drives for this long (no proposal, commit or router message) is closed
     # and forgotten; 0 = never.
-    idle_timeout_s: float = 900.0
+    idle_timeout_s: Seconds = 900.0
 
 
 NGRAM_DRAFTER = "ngram"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class DrafterConfig:
-    model: str = NGRAM_DRAFTER
+    model: Text = NGRAM_DRAFTER
     # The target whose vocabulary the drafter's rows must match (SDCP 5.2 q_rows).
-    target: str = "smollm2"
-    lease_s: float = field(default=30.0, metadata={"positive": True})
+    target: Text = "smollm2"
+    # Draft rows are leased this long (SDCP 6.2); a lease of no time would never hold.
+    lease_s: PositiveSeconds = 30.0
 
     @property
     def runs_model(self) -> bool:
@@ -127,29 +180,29 @@ class DrafterConfig:
         return self.model != NGRAM_DRAFTER
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class RouterConfig:
     # How long an ended session can still be looked up (GET sessions/{id}) before it is forgotten.
-    ended_retention_s: float = 600.0
+    ended_retention_s: Seconds = 600.0
     # Assignments start at the contract's own limit (m_init is clamped to m_max): escalation and
     # load lower it where long proposals do not pay (SDCP 6.5).
-    m_init: int = field(default=64, metadata={"min": 1})
-    verifiers: tuple[str, ...] = ()
-    drafters: tuple[str, ...] = ()
+    m_init: AtLeastOne = 64
+    verifiers: tuple[HttpsURI, ...] = ()
+    drafters: tuple[HttpsURI, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class GatewayConfig:
     """The OpenAI-compatible front end: its own listener, without client certificates."""
 
-    listen: str = "127.0.0.1:8000"
-    model: str = "smollm2"
+    listen: HostPort = "127.0.0.1:8000"
+    model: Text = "smollm2"
     # TLS for the front listener; without both, plain HTTP on a loopback address only.
-    cert: Path | None = None
-    key: Path | None = None
+    cert: FilePath | None = None
+    key: FilePath | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class ServiceConfig:
     instance: InstanceConfig
     mlc: MLCConfig = field(default_factory=MLCConfig)
@@ -159,46 +212,7 @@ class ServiceConfig:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
 
-_Section = TypeVar("_Section")
-
-
-def _section(cls: type[_Section], table: object, name: str, base: Path) -> _Section:
-    if not isinstance(table, dict):
-        raise ConfigError(f"[{name}] must be a table")
-    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
-    values: dict[str, Any] = {}
-    for key, value in table.items():
-        if key not in known:
-            raise ConfigError(f"unknown key {name}.{key} (known: {', '.join(sorted(known))})")
-        annotation = str(known[key].type)
-        if "Path" in annotation:
-            if not isinstance(value, str):
-                raise ConfigError(f"{name}.{key} must be a path string")
-            path = Path(value).expanduser()
-            value = path if path.is_absolute() else base / path
-        elif "tuple" in annotation:
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"{name}.{key} must be a list of strings")
-            value = tuple(value)
-        elif annotation.startswith("int") and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ConfigError(f"{name}.{key} must be an integer")
-        elif annotation.startswith("float") and not isinstance(value, (int, float)):
-            raise ConfigError(f"{name}.{key} must be a number")
-        elif annotation.startswith("str") and not isinstance(value, str):
-            raise ConfigError(f"{name}.{key} must be a string")
-        # Counts, sizes and durations all: a negative one is a typo, never a setting.
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            _check_range(f"{name}.{key}", value, known[key].metadata)
-        values[key] = value
-    try:
-        return cls(**values)
-    except TypeError as exc:
-        missing = [
-            key
-            for key, f in known.items()
-            if key not in values and f.default is MISSING and f.default_factory is MISSING
-        ]
-        raise ConfigError(f"[{name}] lacks {', '.join(missing) or 'required keys'}") from exc
+_SERVICE_CONFIG = TypeAdapter(ServiceConfig)
 
 
 def thread_budget(config: ServiceConfig, role: str) -> int:
@@ -210,16 +224,6 @@ def thread_budget(config: ServiceConfig, role: str) -> int:
     return usable_cores() if runs_model else 1
 
 
-def _check_range(name: str, value: float, limits: Mapping[str, object]) -> None:
-    minimum = limits.get("min")
-    if isinstance(minimum, int) and value < minimum:
-        raise ConfigError(f"{name} must be at least {minimum}")
-    if limits.get("positive") and value <= 0:
-        raise ConfigError(f"{name} must be positive")
-    if value < 0:
-        raise ConfigError(f"{name} must not be negative")
-
-
 def load_config(path: Path | str) -> ServiceConfig:
     """Read and check a TOML configuration; relative paths are relative to the file."""
     path = Path(path)
@@ -229,22 +233,47 @@ def load_config(path: Path | str) -> ServiceConfig:
         raise ConfigError(f"{path}: no such configuration file") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
-    sections = {
-        "instance": InstanceConfig,
-        "mlc": MLCConfig,
-        "verifier": VerifierConfig,
-        "drafter": DrafterConfig,
-        "router": RouterConfig,
-        "gateway": GatewayConfig,
-    }
-    unknown = set(document) - set(sections)
-    if unknown:
-        raise ConfigError(f"{path}: unknown section [{sorted(unknown)[0]}] (known: {', '.join(sections)})")
     if "instance" not in document:
         raise ConfigError(f"{path}: the [instance] section is required")
-    base = path.parent
     try:
-        parsed = {name: _section(cls, document[name], name, base) for name, cls in sections.items() if name in document}
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
-    return ServiceConfig(**parsed)
+        return _SERVICE_CONFIG.validate_python(document, context={"base": path.parent})
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {_one_line(exc.errors()[0])}") from exc
+
+
+def _one_line(error: ErrorDetails) -> str:
+    """The first problem of a file, naming its key as section.key."""
+    location = error["loc"]
+    key = ".".join(str(part) for part in location if not isinstance(part, int))
+    kind = error["type"]
+    context: dict[str, Any] = dict(error.get("ctx") or {})
+    if any(isinstance(part, int) for part in location) and kind == "string_type":
+        return f"{key} must be a list of strings"
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+        if len(location) == 1:
+            return f"unknown section [{key}] (known: {', '.join(_SERVICE_CONFIG_FIELDS)})"
+        return f"unknown key {key}"
+    if kind in ("missing", "missing_argument"):
+        return f"{key} is required"
+    if kind in ("dataclass_type", "dataclass_args_type", "model_type"):
+        return f"[{key}] must be a table"
+    if kind in ("greater_than_equal", "greater_than"):
+        limit = context.get("ge", context.get("gt"))
+        if kind == "greater_than":
+            return f"{key} must be positive" if limit == 0 else f"{key} must be above {limit}"
+        return f"{key} must not be negative" if limit == 0 else f"{key} must be at least {limit}"
+    if kind in ("int_type", "int_from_float", "int_parsing"):
+        return f"{key} must be an integer"
+    if kind in ("float_type", "float_parsing"):
+        return f"{key} must be a number"
+    if kind == "string_type":
+        return f"{key} must be a string"
+    if kind in ("tuple_type", "list_type"):
+        return f"{key} must be a list of strings"
+    if kind in ("path_type", "path_parsing"):
+        return f"{key} must be a path string"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{key} {message}" if key else message
+
+
+_SERVICE_CONFIG_FIELDS = ("instance", "mlc", "verifier", "drafter", "router", "gateway")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from sdcp.cli import app
-from sdcp.config import ConfigError, load_config
+from sdcp.config import ConfigError, DrafterConfig, VerifierConfig, load_config
 
 INSTANCE = """
 [instance]
@@ -74,3 +75,40 @@ def test_a_gateway_without_a_router_is_a_one_line_cli_error(tmp_path: Path) -> N
     assert result.exit_code == 1
     assert "the gateway needs instance.router" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[cache]\nsize = 1\n", r"unknown section \[cache\]"),
+        ("[verifier]\nkv_slots = true\n", "verifier.kv_slots must be an integer"),
+        ("[verifier]\noutput_wait_s = '10'\n", "verifier.output_wait_s must be a number"),
+        ("[router]\ndrafters = 'https://a:1'\n", "router.drafters must be a list of strings"),
+        ("[router]\ndrafters = [1]\n", "router.drafters must be a list of strings"),
+        ("[router]\ndrafters = ['http://a:1']\n", "router.drafters must be an https URI"),
+        ("[mlc]\nmlc_url = 'redis://x'\n", "mlc.mlc_url must be an https URI"),
+        ("[gateway]\nlisten = '8000'\n", "gateway.listen must be host:port"),
+        ("verifier = 3\n", r"\[verifier\] must be a table"),
+    ],
+)
+def test_every_error_is_one_line_naming_the_file_and_key(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "instance.toml"
+    path.write_text(text + INSTANCE if not text.startswith("[") else INSTANCE + "\n" + text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: ") and "\n" not in str(err.value)
+
+
+def test_a_missing_instance_key_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "instance.toml"
+    path.write_text(INSTANCE.replace('ca = "certs/ca.pem"\n', ""), encoding="utf-8")
+    with pytest.raises(ConfigError, match="instance.ca is required"):
+        load_config(path)
+
+
+def test_sections_built_in_code_are_checked_too() -> None:
+    with pytest.raises(ValueError, match="greater than 0"):
+        DrafterConfig(lease_s=0)
+    assert dataclasses.replace(VerifierConfig(), max_batch=4).max_batch == 4
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        dataclasses.replace(VerifierConfig(), max_batch=0)

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from prometheus_client import Counter, Histogram
 
 from sdcp.cache import MLC, CacheError, build_uri
-from sdcp.config import ConfigError, DrafterConfig
+from sdcp.config import DrafterConfig
 from sdcp.engines.errors import Unanswered
 from sdcp.engines.ports import VerifierLink
 from sdcp.engines.tasks import BackgroundTasks
@@ -138,8 +138,6 @@ class DrafterEngine:
         cores: CoreGovernor | None = None,
         on_measured: Callable[[], None] | None = None,
     ) -> None:
-        if settings.lease_s <= 0:
-            raise ConfigError(f"drafter.lease_s must be positive, got {settings.lease_s}")
         self.uri = uri
         self.settings = settings
         self.drafter = drafter
