@@ -1,11 +1,12 @@
 """docs/deploy.md's two-host example, run from the document itself: its TOML files and commands.
 
-Only the gateway's port is replaced by a free one, so that a cluster a developer left running on
-port 8000 cannot disturb the test.
+Every port is replaced by a free one (the documented 9100, 9101, 9201, 9202, 6390 and 8000), so that
+a cluster or Redis a developer left running cannot disturb the test; nothing else is changed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -22,6 +23,7 @@ from tests.e2e.support import PROMPTS, sdcp
 
 from sdcp.localhost import free_port
 from sdcp.models.registry import load_tokenizer
+from sdcp.transport import SDCPClient
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -49,14 +51,35 @@ def wait_for(host: str, port: int, process: subprocess.Popen[bytes], log: Path, 
     raise AssertionError(f"{log.name} did not listen on {host}:{port} in {timeout_s} s")
 
 
+async def wait_for_target(root: Path, router: str, timeout_s: float = 60) -> None:
+    """Ask the router (as the gateway, whose certificate the example issues) for its targets."""
+    certs = root / "certs"
+    async with (
+        SDCPClient(
+            router, certs / "localhost_443_gateway.pem", certs / "localhost_443_gateway.key", certs / "ca.pem"
+        ) as client,
+        asyncio.timeout(timeout_s),
+    ):
+        while not (await client.get_cbor("targets"))[1]:
+            await asyncio.sleep(0.1)
+
+
 @pytest.fixture
 def deployment(empty_home: Path) -> Iterator[tuple[Path, int]]:
     root = empty_home / "deploy"
     root.mkdir()
     files = documented_files()
     assert {"router.toml", "verifier.toml", "drafter-1.toml", "gateway.toml"} <= set(files)
-    gateway_port = free_port()
-    files["gateway.toml"] = files["gateway.toml"].replace("127.0.0.1:8000", f"127.0.0.1:{gateway_port}")
+    ports = {
+        documented: free_port(host)
+        for documented, host in [(9100, "127.0.0.2"), (9101, "127.0.0.2"), (9201, "127.0.0.3"), (9202, "127.0.0.3")]
+    }
+    ports[6390] = free_port("127.0.0.2")
+    ports[8000] = gateway_port = free_port()
+    for name, body in files.items():
+        for documented, port in ports.items():
+            body = re.sub(rf"(?<=[:_]){documented}\b", str(port), body)
+        files[name] = body
     for name, body in files.items():
         (root / name).write_text(body, encoding="utf-8")
     uris = sorted(set(re.findall(r'uri = "(https://[^"]+)"', "".join(files.values()))))
@@ -67,7 +90,7 @@ def deployment(empty_home: Path) -> Iterator[tuple[Path, int]]:
         [
             "redis-server",
             "--port",
-            "6390",
+            str(ports[6390]),
             "--bind",
             "127.0.0.2",
             "--daemonize",
@@ -86,10 +109,10 @@ def deployment(empty_home: Path) -> Iterator[tuple[Path, int]]:
     env = {**os.environ, "SDCP_HOME": str(empty_home)}
     try:
         for name, host, port in [
-            ("router", "127.0.0.2", 9100),
-            ("verifier", "127.0.0.2", 9101),
-            ("drafter-1", "127.0.0.3", 9201),
-            ("drafter-2", "127.0.0.3", 9202),
+            ("router", "127.0.0.2", ports[9100]),
+            ("verifier", "127.0.0.2", ports[9101]),
+            ("drafter-1", "127.0.0.3", ports[9201]),
+            ("drafter-2", "127.0.0.3", ports[9202]),
             ("gateway", "127.0.0.1", gateway_port),
         ]:
             role = name.split("-")[0]
@@ -104,7 +127,8 @@ def deployment(empty_home: Path) -> Iterator[tuple[Path, int]]:
                 )
             processes.append(process)
             wait_for(host, port, process, log)
-        time.sleep(1.5)  # every instance reports its status within ttl_ms / 3
+        # Every instance reports its status within ttl_ms / 3: wait until the router lists the verifier.
+        asyncio.run(wait_for_target(root, router=f"https://127.0.0.2:{ports[9100]}"))
         yield root, gateway_port
     finally:
         for process in processes:

@@ -161,8 +161,12 @@ def _serves(view: InstanceView, contract: Contract) -> bool:
 class RouterNode(Node):
     """The router: assigns sessions to verifiers and drafters, and moves them when instances fail."""
 
-    def __init__(self, config: ServiceConfig, *, mlc: MLC | None = None) -> None:
+    def __init__(
+        self, config: ServiceConfig, *, mlc: MLC | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__(config, mlc)
+        # What status TTLs and decision ages are measured with (tests jump it forward).
+        self.clock = clock
         self.registry = InstanceRegistry()
         self.sessions: dict[bytes, _TrackedSession] = {}
         self._wake = asyncio.Event()
@@ -197,7 +201,7 @@ class RouterNode(Node):
         allowed = self._allowed[status.role]
         if allowed and peer not in allowed:
             raise Forbidden(f"{peer} is not a configured {status.role.name.lower()}")
-        now = time.monotonic()
+        now = self.clock()
         if not self.registry.is_live(peer, now):
             # A new or returning instance may unblock sessions waiting for one.
             self._wake.set()
@@ -233,7 +237,7 @@ class RouterNode(Node):
         """GET targets: the live verifiers and the digests a contract must name to use them."""
         await require_peer(request, _anyone)
         targets = []
-        for view in self.registry.live(Role.VERIFIER, time.monotonic()):
+        for view in self.registry.live(Role.VERIFIER, self.clock()):
             if view.status.model is None:
                 continue
             target: dict[str, object] = {"instance": view.uri, "model": view.status.model}
@@ -309,7 +313,7 @@ class RouterNode(Node):
 
     async def maintain(self) -> None:
         """One pass of the periodic task: expire instances, reassign drafters, fail over verifiers."""
-        now = time.monotonic()
+        now = self.clock()
         for view in self.registry.expire(now):
             log.info("%s: status of %s expired", self.uri, view.uri)
         work = []
@@ -358,7 +362,7 @@ class RouterNode(Node):
         this router's request gets a drafter instead."""
         current = tracked.plan.drafter
         if only_if_missing and (
-            tracked.self_decoding or (current is not None and self.registry.is_live(current, time.monotonic()))
+            tracked.self_decoding or (current is not None and self.registry.is_live(current, self.clock()))
         ):
             return
         unreachable: list[str] = []
@@ -402,7 +406,7 @@ class RouterNode(Node):
     ) -> DecodingChoice | None:
         """The expected fastest option for the session among live permitted drafters (those in
         ``avoid`` only when no other is live) and, where permitted, its verifier alone."""
-        now = time.monotonic()
+        now = self.clock()
         contract = tracked.plan.contract
         permitted = [
             view
@@ -470,7 +474,7 @@ class RouterNode(Node):
         plan.drafter = None
         tracked.self_decoding = True
         tracked.exploring = None
-        tracked.decided_at = time.monotonic()
+        tracked.decided_at = self.clock()
         tracked.serve(SELF_DECODING)
         CHOICES.labels(self.uri, "self").inc()
         log.info("%s: session %s decoded by verifier %s alone", self.uri, tracked.path_id, plan.verifier)
@@ -506,7 +510,7 @@ class RouterNode(Node):
             read_at, assignment = await current_assignment()
         await self.peers.get(drafter).post_cbor("assignments", assignment.to_obj(), idempotent=True)
         tracked.self_decoding = False
-        tracked.decided_at = time.monotonic()
+        tracked.decided_at = self.clock()
         tracked.serve(drafter)
         ASSIGNMENTS.labels(self.uri).inc()
         log.info("%s: session %s assigned to %s at round %d", self.uri, tracked.path_id, drafter, read_at)
@@ -514,7 +518,7 @@ class RouterNode(Node):
     async def _fail_over(self, tracked: _TrackedSession) -> None:
         """SDCP 6.9 verifier failure: fence, replay the log, resume at another verifier, reassign."""
         plan = tracked.plan
-        if self.registry.is_live(plan.verifier, time.monotonic()):
+        if self.registry.is_live(plan.verifier, self.clock()):
             return
         verifier = self._pick_verifier(plan.contract, avoid=[plan.verifier])
         if verifier is None:
@@ -537,7 +541,7 @@ class RouterNode(Node):
                 tracked, Policy(session=moved.session, from_round=replay.round + 1, sampling=moved.sampling)
             )
         drafter = moved.drafter
-        if drafter is not None and self.registry.is_live(drafter, time.monotonic()):
+        if drafter is not None and self.registry.is_live(drafter, self.clock()):
             try:
                 await self._send_assignment(tracked, drafter)
                 return
@@ -569,7 +573,7 @@ class RouterNode(Node):
     def _pick_verifier(self, contract: Contract, *, avoid: Sequence[str]) -> str | None:
         candidates = [
             view
-            for view in self.registry.live(Role.VERIFIER, time.monotonic())
+            for view in self.registry.live(Role.VERIFIER, self.clock())
             if _serves(view, contract) and view.uri not in avoid
         ]
         return prefer_idle_and_accepting(candidates).uri if candidates else None
