@@ -27,7 +27,7 @@ from sdcp.engines.ports import VerifierLink
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.models.draft import Drafter, DraftResult
 from sdcp.models.errors import UnknownSession
-from sdcp.models.worker import ModelWorker
+from sdcp.models.worker import InlineModelThread, ModelThread
 from sdcp.protocol.digest import extend_digest, prefix_digest
 from sdcp.protocol.drafter import AcceptanceEstimate, DrafterSession
 from sdcp.protocol.messages import (
@@ -148,7 +148,9 @@ class DrafterEngine:
         self._on_measured = on_measured
         self._tasks = BackgroundTasks(uri, log)
         self.runs: dict[bytes, _SessionRun] = {}
-        self._worker = ModelWorker(f"drafter-{drafter.name}", inline=drafter.runs_inline, cores=cores)
+        self._worker: ModelThread | InlineModelThread = (
+            InlineModelThread() if drafter.runs_inline else ModelThread(f"drafter-{drafter.name}", cores=cores)
+        )
         self._round_trip = _RoundTrip()
         # Acceptance across every session this instance drafted: the alpha of its status reports.
         self._acceptance = AcceptanceEstimate()
@@ -177,7 +179,7 @@ class DrafterEngine:
 
     async def start(self) -> None:
         # An HF drafter hashes and packs its weights once: before the first status report and draft.
-        await self._worker.run(self.drafter.prepare)
+        await self._worker.run_async(self.drafter.prepare)
 
     async def stop(self) -> None:
         await self._tasks.cancel_all()
@@ -242,7 +244,7 @@ class DrafterEngine:
     async def _close_backend_session(self, session: bytes) -> None:
         # UnknownSession: the open was cancelled before the worker started it.
         with contextlib.suppress(UnknownSession):
-            await self._worker.run(self.drafter.close_session, session)
+            await self._worker.run_async(self.drafter.close_session, session)
 
     async def _prepare(self, run: _SessionRun) -> None:
         """SDCP 6.2: bring the drafter's own state to the committed prefix of the assignment."""
@@ -254,11 +256,11 @@ class DrafterEngine:
         run.output_digest = prefix_digest(assignment.contract.digest, run.prompt)
         # Marked before the call: a cancellation may land while the worker is opening it.
         run.opened = True
-        await self._worker.run(self.drafter.open_session, run.session, list(run.prompt))
+        await self._worker.run_async(self.drafter.open_session, run.session, list(run.prompt))
         if assignment.committed > 0 and assignment.committed_tokens is not None:
             await self._adopt_committed_object(run, assignment.committed_tokens)
         await self._catch_up(run, assignment.committed, assignment.digest)
-        await self._worker.run(self.drafter.sync, run.session, run.committed_prefix)
+        await self._worker.run_async(self.drafter.sync, run.session, run.committed_prefix)
 
     async def _adopt_committed_object(self, run: _SessionRun, uri: str) -> None:
         assignment = run.assignment
@@ -347,7 +349,7 @@ class DrafterEngine:
         return t_d, self._round_trip.seconds
 
     async def _draft(self, run: _SessionRun, m: int) -> DraftResult:
-        return await self._worker.run(self.drafter.draft, run.session, m, run.state.sampling)
+        return await self._worker.run_async(self.drafter.draft, run.session, m, run.state.sampling)
 
     async def _round(self, run: _SessionRun, draft: DraftResult) -> tuple[Verdict | None, Proposal, DraftResult | None]:
         """Publish the rows, send the proposal, pre-draft the next round; the verdict or None."""
@@ -360,7 +362,7 @@ class DrafterEngine:
             # SDCP 6.2: the next proposal MAY be prepared assuming full acceptance. The backend
             # continues after the tentative tokens: one token stands for the verifier's extra token.
             length = state.m_after_full_acceptance(*self._costs(run)) + 1
-            predraft = self._worker.submit(self.drafter.draft, run.session, length, state.sampling)
+            predraft = self._worker.schedule(self.drafter.draft, run.session, length, state.sampling)
             try:
                 verdict = await self._send(run, proposal)
             except ProtocolError as error:
@@ -439,7 +441,7 @@ class DrafterEngine:
         else:
             state.on_problem(error)
         if state.stopped_by is None:
-            await self._worker.run(self.drafter.sync, run.session, run.committed_prefix)
+            await self._worker.run_async(self.drafter.sync, run.session, run.committed_prefix)
 
     async def _apply_verdict(
         self, run: _SessionRun, proposal: Proposal, verdict: Verdict, predraft: DraftResult | None
@@ -481,7 +483,7 @@ class DrafterEngine:
         if predraft is not None:
             PREDRAFTS.labels(self.uri, "used" if ready is not None else "discarded").inc()
         tentative = ready.tokens if ready is not None else ()
-        await self._worker.run(self.drafter.sync, run.session, [*run.committed_prefix, *tentative])
+        await self._worker.run_async(self.drafter.sync, run.session, [*run.committed_prefix, *tentative])
         return ready
 
     def _measure_acceptance(self, accepted: int, proposed: int) -> None:

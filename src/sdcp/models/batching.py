@@ -1,38 +1,35 @@
 """A thread-safe batching front for `TargetModel.score` (DESIGN.md section 4).
 
-One worker thread owns the model passes. Callers from any thread `submit` a request and get a
-future; asyncio callers await `score_async`, so model work never runs on an event loop. The rows
-of one pass reach an event loop in one callback, so that all its callers resume together, in one
-loop iteration, rather than one by one between the loop's other work. The worker
-gathers requests for a short window after the first one arrives (or until `max_batch`) and runs
-them as one pass: a packed sequence costs its rows, whatever their widths (sdcp.models.ragged).
-
-Every other use of the model (prefill, commit, rollback, KV export) goes through the same thread with
-`run`/`run_async`: on CPU, each thread that runs torch operators brings its own OpenMP team, and
-two teams on the same cores slow every pass down by a quarter or more (docs/performance.md).
+The target's model thread (``sdcp.models.worker.ModelThread``) also gathers scoring requests into
+passes. Callers from any thread `submit` a request and get a future; asyncio callers await
+`score_async`, so model work never runs on an event loop. The rows of one pass reach an event loop
+in one callback, so that all its callers resume together, in one loop iteration, rather than one by
+one between the loop's other work. The thread gathers requests for a short window after the first
+one arrives (or until `max_batch`) and runs them as one pass: a packed sequence costs its rows,
+whatever their widths (sdcp.models.ragged). Every other use of the model (prefill, commit,
+rollback, KV export) goes through the same thread with `run`/`run_async`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 
 from sdcp.futures import Outcome, settle_soon
 from sdcp.models.errors import ModelError
 from sdcp.models.target import SessionId, TargetModel
+from sdcp.models.worker import Call, ModelThread, ModelThreadClosed
 from sdcp.threads import CoreGovernor
 
-_T = TypeVar("_T")
-_STOP = object()
+# The scorer's name for a closed model thread.
+ScorerClosed = ModelThreadClosed
 
 
 @dataclass(frozen=True)
@@ -70,26 +67,6 @@ class _Outcomes:
 
 
 @dataclass(frozen=True)
-class _Call:
-    """Other model work, run on the worker thread in arrival order."""
-
-    function: Callable[[], object]
-    future: Future[object]
-
-    def run(self) -> None:
-        if not self.future.set_running_or_notify_cancel():
-            return
-        try:
-            self.future.set_result(self.function())
-        except BaseException as exc:  # noqa: BLE001 - the caller learns every failure
-            self.future.set_exception(exc)
-
-
-class ScorerClosed(ModelError):
-    """A request was submitted to a BatchingScorer that has been closed."""
-
-
-@dataclass(frozen=True)
 class PassInfo:
     """The model pass that scored a session's latest request: its duration and batch size."""
 
@@ -97,7 +74,7 @@ class PassInfo:
     batch_size: int
 
 
-class BatchingScorer:
+class BatchingScorer(ModelThread):
     def __init__(
         self,
         target: TargetModel,
@@ -125,14 +102,9 @@ class BatchingScorer:
         # wait for, so a lone session never pays the window.
         self.active_sessions = active_sessions
         self.batches_run = 0
-        # Sizes the worker thread's OpenMP team to the free cores before each piece of work.
-        self.cores = cores
         # Written before a request's future completes, so its caller reads its own pass.
         self.last_pass: dict[SessionId, PassInfo] = {}
-        self._inbox: queue.Queue[object] = queue.Queue()
-        self._closed = threading.Event()
-        self._worker = threading.Thread(target=self._run, name="sdcp-scorer", daemon=True)
-        self._worker.start()
+        super().__init__("sdcp-scorer", cores=cores)
 
     def submit(self, session: SessionId, tokens: Sequence[int]) -> Future[np.ndarray]:
         """Queue one scoring request; the future gives float32 logits (M + 1, V)."""
@@ -153,36 +125,11 @@ class BatchingScorer:
         tokens: Sequence[int],
         waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[np.ndarray]] | None,
     ) -> Future[np.ndarray]:
-        if self._closed.is_set():
-            raise ScorerClosed("the batching scorer is closed")
         future: Future[np.ndarray] = Future()
-        self._inbox.put(_Request(session, tuple(tokens), future, waiter))
+        self._put(_Request(session, tuple(tokens), future, waiter))
         return future
 
-    def run(self, function: Callable[..., _T], *args: object) -> Future[_T]:
-        """Run ``function(*args)`` on the worker thread, between passes."""
-        if self._closed.is_set():
-            raise ScorerClosed("the batching scorer is closed")
-        future: Future[_T] = Future()
-        self._inbox.put(_Call(lambda: function(*args), future))  # type: ignore[arg-type]
-        return future
-
-    async def run_async(self, function: Callable[..., _T], *args: object) -> _T:
-        return await asyncio.wrap_future(self.run(function, *args))
-
-    def close(self) -> None:
-        if not self._closed.is_set():
-            self._closed.set()
-            self._inbox.put(_STOP)
-            self._worker.join()
-
-    def __enter__(self) -> BatchingScorer:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _run(self) -> None:
+    def _serve(self) -> None:
         deferred: deque[_Request] = deque()
         stopping = False
         while not stopping or deferred:
@@ -190,18 +137,19 @@ class BatchingScorer:
             if deferred:
                 batch.append(deferred.popleft())
             else:
-                item = self._inbox.get()
-                if item is _STOP:
+                item = self._take()
+                if self._is_stop(item):
                     break
-                if self.cores is not None:
-                    self.cores.apply()
-                if isinstance(item, _Call):
-                    item.run()
+                if isinstance(item, Call):
+                    with self._working():
+                        item.run()
                     continue
-                batch.append(item)  # type: ignore[arg-type]
-            stopping = self._gather(batch, deferred) or stopping
-            self._score(batch)
-        self._fail_pending()
+                assert isinstance(item, _Request)
+                batch.append(item)
+            with self._working():
+                stopping = self._gather(batch, deferred) or stopping
+                self._score(batch)
+        self._refuse_pending()
 
     def _gather(self, batch: list[_Request], deferred: deque[_Request]) -> bool:
         """Fill `batch` within the window; a second request of a session waits for a later pass."""
@@ -214,15 +162,16 @@ class BatchingScorer:
         while len(batch) < self._batch_limit():
             remaining = deadline - time.monotonic()
             try:
-                item = self._inbox.get(timeout=remaining) if remaining > 0 else self._inbox.get_nowait()
+                item = self._take(max(remaining, 0.0))
             except queue.Empty:
                 return False
-            if item is _STOP:
+            if self._is_stop(item):
                 return True
-            if isinstance(item, _Call):
+            if isinstance(item, Call):
                 item.run()
                 continue
-            request: _Request = item  # type: ignore[assignment]
+            assert isinstance(item, _Request)
+            request = item
             if request.session in sessions:
                 deferred.append(request)
             else:
@@ -270,20 +219,11 @@ class BatchingScorer:
             self.last_pass[request.session] = info
             outcomes.result(request, result)
 
-    def _fail_pending(self) -> None:
+    def _refuse(self, item: object) -> None:
+        if not isinstance(item, _Request):
+            super()._refuse(item)
+            return
         outcomes = _Outcomes()
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item is _STOP:
-                continue
-            if isinstance(item, _Call):
-                if item.future.set_running_or_notify_cancel():
-                    item.future.set_exception(ScorerClosed("the batching scorer was closed"))
-                continue
-            request: _Request = item  # type: ignore[assignment]
-            if request.future.set_running_or_notify_cancel():
-                outcomes.exception(request, ScorerClosed("the batching scorer was closed"))
+        if item.future.set_running_or_notify_cancel():
+            outcomes.exception(item, ScorerClosed("the batching scorer was closed"))
         outcomes.deliver()
