@@ -5,7 +5,7 @@ from __future__ import annotations
 from sdcp.protocol.digest import prefix_digest
 from sdcp.protocol.messages import Action, Contract, Role, Sampling, Status
 from sdcp.protocol.records import FenceRecord, replay_commit_log
-from sdcp.protocol.router import InstanceRegistry, RouterSession, drafter_permitted
+from sdcp.protocol.router import InstanceRegistry, RouterSession, drafter_permitted, prefer_idle_and_accepting
 
 MODEL_A = b"\x0a" * 32
 MODEL_B = b"\x0b" * 32
@@ -41,8 +41,8 @@ def status(
 def test_expired_instances_are_never_picked() -> None:
     registry = InstanceRegistry()
     registry.report(status("https://d1", ttl_ms=500), now=0.0)
-    assert registry.pick(Role.DRAFTER, 0.4) == "https://d1"
-    assert registry.pick(Role.DRAFTER, 0.5) is None
+    assert [v.uri for v in registry.live(Role.DRAFTER, 0.4)] == ["https://d1"]
+    assert registry.live(Role.DRAFTER, 0.5) == []
     assert [v.uri for v in registry.expire(0.6)] == ["https://d1"]
     assert registry.expire(0.7) == []
 
@@ -54,25 +54,15 @@ def test_a_fresh_report_renews_the_ttl() -> None:
     assert registry.is_live("https://d1", 0.8)
 
 
-def test_pick_prefers_low_load_queue_and_high_acceptance() -> None:
+def test_the_policy_prefers_low_load_queue_and_high_acceptance() -> None:
     registry = InstanceRegistry()
     registry.report(status("https://busy", load=80), 0)
     registry.report(status("https://queued", load=10, queue=3), 0)
     registry.report(status("https://idle-poor", load=10, accept_milli=100), 0)
     registry.report(status("https://idle-good", load=10, accept_milli=900), 0)
     registry.report(status("https://verifier", role=Role.VERIFIER), 0)
-    assert registry.pick(Role.DRAFTER, 0) == "https://idle-good"
-    assert registry.pick(Role.VERIFIER, 0) == "https://verifier"
-
-
-def test_pick_avoids_the_current_drafter_when_another_is_live() -> None:
-    registry = InstanceRegistry()
-    registry.report(status("https://d1"), 0)
-    registry.report(status("https://d2", load=50), 0)
-    assert registry.pick(Role.DRAFTER, 0, avoid=["https://d1"]) == "https://d2"
-    registry.expire(5)
-    registry.report(status("https://d1"), 5)
-    assert registry.pick(Role.DRAFTER, 5, avoid=["https://d1"]) == "https://d1"
+    assert prefer_idle_and_accepting(registry.live(Role.DRAFTER, 0)).uri == "https://idle-good"
+    assert prefer_idle_and_accepting(registry.live(Role.VERIFIER, 0)).uri == "https://verifier"
 
 
 def test_only_permitted_drafter_models() -> None:
@@ -81,7 +71,8 @@ def test_only_permitted_drafter_models() -> None:
     registry.report(status("https://b"), 0, model=MODEL_B)
     registry.report(status("https://unknown"), 0)
     only_b = contract([MODEL_B])
-    assert registry.pick(Role.DRAFTER, 0, contract=only_b) == "https://b"
+    permitted = [v.uri for v in registry.live(Role.DRAFTER, 0) if drafter_permitted(only_b, v.model)]
+    assert permitted == ["https://b"]
     assert drafter_permitted(contract(), None)
     assert not drafter_permitted(only_b, None) and not drafter_permitted(only_b, MODEL_A)
 

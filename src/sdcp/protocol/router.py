@@ -27,7 +27,6 @@ __all__ = [
     "InstanceRegistry",
     "InstanceView",
     "RouterSession",
-    "SelectionPolicy",
     "choose_decoding",
     "drafter_costs",
     "drafter_permitted",
@@ -46,9 +45,6 @@ class InstanceView:
     @property
     def uri(self) -> str:
         return self.status.instance
-
-
-SelectionPolicy = Callable[[Sequence[InstanceView]], InstanceView]
 
 
 def prefer_idle_and_accepting(candidates: Sequence[InstanceView]) -> InstanceView:
@@ -197,24 +193,6 @@ class InstanceRegistry:
         for view in gone:
             del self._instances[view.uri]
         return gone
-
-    def pick(
-        self,
-        role: Role,
-        now: float,
-        *,
-        contract: Contract | None = None,
-        avoid: Sequence[str] = (),
-        policy: SelectionPolicy = prefer_idle_and_accepting,
-    ) -> str | None:
-        """A live instance of ``role`` (SDCP 6.1: never an expired one), preferring those not in
-        ``avoid``; for drafters, only those whose model the contract permits."""
-        candidates = self.live(role, now)
-        if contract is not None and role == Role.DRAFTER:
-            candidates = [v for v in candidates if drafter_permitted(contract, v.model)]
-        preferred = [v for v in candidates if v.uri not in avoid]
-        pool = preferred or candidates
-        return policy(pool).uri if pool else None
 
 
 @dataclass
