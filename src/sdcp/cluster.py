@@ -176,6 +176,7 @@ class LocalCluster:
         ]
         if redis_url is not None:
             lines.append(f'redis_url = "{redis_url}"')
+        lines += _trust(uris)
         if role == "verifier":
             lines += ["", "[verifier]", f'model = "{what}"']
         elif role == "drafter":
@@ -237,6 +238,23 @@ class LocalCluster:
                 time.sleep(0.1)
             if instance.alive():
                 os.kill(instance.pid, signal.SIGKILL)
+
+
+def _trust(uris: dict[str, str]) -> list[str]:
+    """Every instance trusts the cluster's own verifier and drafters; the CLI and the gateway open
+    sessions, and the CLI is the operator (docs/security.md)."""
+
+    def listed(values: list[str]) -> str:
+        return "[" + ", ".join(f'"{value}"' for value in values) + "]"
+
+    return [
+        "",
+        "[trust]",
+        f"verifiers = {listed([uris['verifier']])}",
+        f"drafters = {listed([uri for name, uri in uris.items() if name.startswith('drafter-')])}",
+        f"front_ends = {listed([CLIENT_URI, GATEWAY_URI])}",
+        f"operators = {listed([CLIENT_URI])}",
+    ]
 
 
 def _threads(role: str) -> int:

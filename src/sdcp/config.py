@@ -46,6 +46,7 @@ __all__ = [
     "MLCConfig",
     "RouterConfig",
     "ServiceConfig",
+    "TrustConfig",
     "VerifierConfig",
     "load_config",
     "thread_budget",
@@ -187,8 +188,6 @@ class RouterConfig:
     # Assignments start at the contract's own limit (m_init is clamped to m_max): escalation and
     # load lower it where long proposals do not pay (SDCP 6.5).
     m_init: AtLeastOne = 64
-    verifiers: tuple[HttpsURI, ...] = ()
-    drafters: tuple[HttpsURI, ...] = ()
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -203,6 +202,22 @@ class GatewayConfig:
 
 
 @dataclass(frozen=True, config=_SECTION)
+class TrustConfig:
+    """Who may act towards this instance in each role (docs/security.md): a certificate from the CA
+    proves an identity, these lists grant it rights. An empty list trusts nobody in that role, except
+    ``routers``, which defaults to the instance's own ``[instance] router``."""
+
+    routers: tuple[HttpsURI, ...] = ()
+    # The router admits status reports in these roles from these identities only.
+    verifiers: tuple[HttpsURI, ...] = ()
+    drafters: tuple[HttpsURI, ...] = ()
+    # Who may open sessions at the router (the gateway, the CLI) and then read their own sessions.
+    front_ends: tuple[HttpsURI, ...] = ()
+    # Who may read any session's state, output and stats, and every instance's metrics.
+    operators: tuple[HttpsURI, ...] = ()
+
+
+@dataclass(frozen=True, config=_SECTION)
 class ServiceConfig:
     instance: InstanceConfig
     mlc: MLCConfig = field(default_factory=MLCConfig)
@@ -210,6 +225,7 @@ class ServiceConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    trust: TrustConfig = field(default_factory=TrustConfig)
 
 
 _SERVICE_CONFIG = TypeAdapter(ServiceConfig)
@@ -276,4 +292,4 @@ def _one_line(error: ErrorDetails) -> str:
     return f"{key} {message}" if key else message
 
 
-_SERVICE_CONFIG_FIELDS = ("instance", "mlc", "verifier", "drafter", "router", "gateway")
+_SERVICE_CONFIG_FIELDS = ("instance", "mlc", "verifier", "drafter", "router", "gateway", "trust")

@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY
 from tests.services.outputs import output_tokens, read_output
 
 from sdcp.cache import MLC, ObjectNotFound, build_uri
-from sdcp.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
+from sdcp.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig, TrustConfig, VerifierConfig
 from sdcp.engines.drafter import confirmed_predraft, q_rows_uri
 from sdcp.localhost import free_port
 from sdcp.models.draft import DraftResult, NgramDrafter
@@ -86,6 +86,8 @@ class Env:
         return ServiceConfig(
             instance=InstanceConfig(uri=uri, cert=cert, key=key, ca=self.ca, router=ROUTER, ttl_ms=60_000),
             mlc=MLCConfig(disk_dir=self.tmp / "mlc"),
+            # The test reads output as an operator would.
+            trust=TrustConfig(operators=(STRANGER,)),
             **sections,  # type: ignore[arg-type]
         )
 

@@ -27,6 +27,7 @@ from sdcp.config import (
     MLCConfig,
     RouterConfig,
     ServiceConfig,
+    TrustConfig,
     VerifierConfig,
 )
 from sdcp.localhost import free_port
@@ -90,7 +91,14 @@ class Deployment:
         router = None if name == "router" else self.uris["router"]
         ttl_ms = ROUTER_TTL_MS if name == "router" else 600
         instance = InstanceConfig(uri=self.uris[name], cert=cert, key=key, ca=self.ca, router=router, ttl_ms=ttl_ms)
-        return ServiceConfig(instance=instance, mlc=MLCConfig(disk_dir=self.tmp / "mlc"), **sections)  # type: ignore[arg-type]
+        trust = TrustConfig(
+            verifiers=(self.uris["verifier1"], self.uris["verifier2"]),
+            drafters=(self.uris["drafter1"], self.uris["drafter2"]),
+            front_ends=(self.uris["frontend"],),
+            operators=(self.uris["frontend"],),
+        )
+        mlc = MLCConfig(disk_dir=self.tmp / "mlc")
+        return ServiceConfig(instance=instance, mlc=mlc, trust=trust, **sections)  # type: ignore[arg-type]
 
     def client(self, identity: str, peer: str = "router") -> SDCPClient:
         cert, key = self.certs[identity]

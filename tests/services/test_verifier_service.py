@@ -232,7 +232,7 @@ async def test_greedy_session_equals_target_greedy_decoding(
     err = await problem_of(drafter.post_cbor("proposals", proposal(state, (1,)).to_obj()))
     assert err.problem is ProblemType.SESSION_CLOSED and err.status == 410
 
-    _, stats = await drafter.get_cbor(f"sessions/{session_path_id(SESSION)}/stats")
+    _, stats = await cluster.client("router").get_cbor(f"sessions/{session_path_id(SESSION)}/stats")
     assert isinstance(stats, dict)
     assert stats["committed"] == 12 and stats["drafter"] == DRAFTER and stats["state"] == Action.FINISH
     assert stats["rounds"] == state.round and stats["accepted"] <= stats["proposed"]

@@ -153,6 +153,8 @@ class _LiveSession:
     machine: VerifierSession
     log: CommitLog
     etag: str
+    # The front end that opened the session at the router (session-open's owner extension).
+    owner: str | None = None
     rounds: dict[int, asyncio.Future[Verdict]] = field(default_factory=dict)
     committed: asyncio.Event = field(default_factory=asyncio.Event)
     self_decoder: asyncio.Task[None] | None = None
@@ -304,7 +306,7 @@ class VerifierEngine:
         if newest > message.epoch:
             raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log is fenced at epoch {newest}")
         await self._prefill(message, prompt, committed)
-        self.sessions[message.session] = _LiveSession(machine, commit_log, snapshot.etag)
+        self.sessions[message.session] = _LiveSession(machine, commit_log, snapshot.etag, owner=message.owner)
         log.info("%s: session %s open at epoch %d", self.uri, message.session.hex(), message.epoch)
         return machine.state()
 
@@ -364,6 +366,11 @@ class VerifierEngine:
                 await asyncio.wait_for(live.committed.wait(), remaining)
             except TimeoutError:
                 continue
+
+    def parties(self, session: bytes) -> tuple[str | None, str | None]:
+        """Who the session gives rights to here: the front end that opened it, its assigned drafter."""
+        live = self._live(session)
+        return live.owner, live.machine.drafter
 
     def state(self, session: bytes) -> SessionState:
         """Where the session stands: its round, committed length and digest, serving state."""

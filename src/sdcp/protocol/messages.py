@@ -418,6 +418,9 @@ class SessionOpen(_Message):
     prompt_kv: str | None = _optional(_TEXT)
     commit_log: str = _required(_TEXT)
     resume: Resume | None = _optional(_Nested(Resume))
+    # Extension (docs/interpretations.md): the front end that opened the session at the router, which
+    # may then read its output and stats at the verifier (docs/security.md).
+    owner: str | None = _optional(_TEXT)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -209,6 +209,8 @@ class RouterSession:
     sampling: Sampling | None = None
     prompt_kv: str | None = None
     resume: Resume | None = None
+    # The front end that opened the session (docs/security.md).
+    owner: str | None = None
 
     def open_message(self) -> SessionOpen:
         """session-open for the current verifier; carries ``resume`` after a failover."""
@@ -220,6 +222,7 @@ class RouterSession:
             prompt_kv=self.prompt_kv,
             commit_log=self.commit_log,
             resume=self.resume,
+            owner=self.owner,
         )
 
     def assignment(

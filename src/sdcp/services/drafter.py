@@ -19,7 +19,7 @@ from sdcp.models.registry import load_drafter, target_vocab_size
 from sdcp.protocol.messages import Assignment, Output, Proposal, Status, Verdict, session_path_id
 from sdcp.services.node import Node
 from sdcp.threads import CoreGovernor
-from sdcp.transport.asgi import read_cbor_body, require_peer
+from sdcp.transport.asgi import read_cbor_body
 from sdcp.transport.client import PeerClients
 from sdcp.transport.errors import ConnectionLost, PeerServerError, PeerTimeout
 
@@ -54,12 +54,13 @@ class HTTPVerifierLink:
 class DrafterNode(Node):
     """A draft model instance, served over HTTP/2 + mTLS."""
 
+    role = "drafter"
+
     def __init__(self, config: ServiceConfig, *, drafter: Drafter | None = None, mlc: MLC | None = None) -> None:
         super().__init__(config, mlc)
         settings = config.drafter
         if drafter is None:
             drafter = load_drafter(settings.model, vocab_size=target_vocab_size(settings.target))
-        self.routers = frozenset(r for r in (config.instance.router,) if r is not None)
         self.engine = DrafterEngine(
             uri=self.uri,
             settings=settings,
@@ -85,7 +86,7 @@ class DrafterNode(Node):
 
     async def assign(self, request: Request) -> Response:
         """POST assignments (SDCP 6.1)."""
+        self.trust.admit(request, "POST assignments")
         body = await read_cbor_body(request)
-        await require_peer(request, self.routers)
         await self.engine.assign(Assignment.from_obj(body))
         return Response(status_code=204)

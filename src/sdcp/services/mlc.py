@@ -99,6 +99,8 @@ class MLCNode(Node):
     caller's own name, so a peer cannot drop another's protection.
     """
 
+    role = "mlc"
+
     def __init__(self, config: ServiceConfig, mlc: MLC | None = None) -> None:
         if config.instance.router is not None:
             raise ConfigError(

@@ -12,13 +12,14 @@ from urllib.parse import urlsplit
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Mount
+from starlette.routing import BaseRoute, Mount, Route
 
 from sdcp.cache import MLC
 from sdcp.config import ServiceConfig
 from sdcp.engines.errors import SessionNotFound, Unavailable
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.protocol.messages import Status, instance_path_id
+from sdcp.services.authz import Trust
 from sdcp.services.mlc_client import RemoteStore
 from sdcp.transport.asgi import exception_handlers, problem_response
 from sdcp.transport.client import PeerClients
@@ -65,9 +66,13 @@ _ENGINE_ERROR_HANDLERS = {SessionNotFound: _not_found, Unavailable: _unavailable
 class Node(ABC):
     """One running instance of a role: serves its routes and reports status to the router."""
 
+    # The role's name in the authorization table (sdcp.services.authz.TABLE).
+    role: str
+
     def __init__(self, config: ServiceConfig, mlc: MLC | None = None) -> None:
         self.config = config
         self.uri = config.instance.uri
+        self.trust = Trust.from_config(config, self.role)
         self.mlc = mlc if mlc is not None else build_mlc(config)
         instance = config.instance
         self.peers = PeerClients(instance.cert, instance.key, instance.ca)
@@ -90,12 +95,22 @@ class Node(ABC):
         """Role-specific shutdown, after the listener closed."""
 
     def app(self) -> Starlette:
-        routes = [*self.routes(), metrics_route()]
+        routes = [*self.routes(), self._guarded_metrics()]
         prefix = urlsplit(self.uri).path.rstrip("/")
         return Starlette(
             routes=[Mount(prefix, routes=routes)] if prefix else routes,
             exception_handlers={**exception_handlers(), **_ENGINE_ERROR_HANDLERS},
         )
+
+    def _guarded_metrics(self) -> Route:
+        serve = metrics_route().endpoint
+
+        async def metrics(request: Request) -> Response:
+            self.trust.admit(request, "GET metrics")
+            response: Response = await serve(request)
+            return response
+
+        return Route("/metrics", metrics, methods=["GET"])
 
     async def start(self) -> None:
         await self.on_start()

@@ -55,8 +55,9 @@ from sdcp.protocol.router import (
     drafter_rate,
     prefer_idle_and_accepting,
 )
+from sdcp.services.authz import Party, SessionParties
 from sdcp.services.node import Node
-from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
+from sdcp.transport.asgi import cbor_response, read_cbor_body
 from sdcp.transport.errors import Forbidden, NotFound, ServiceUnavailable, TransportError
 
 __all__ = ["RouterNode", "SessionRequest"]
@@ -147,11 +148,6 @@ class _TrackedSession:
         return described
 
 
-def _anyone(_uri: str) -> bool:
-    """The client API admits any peer the deployment's CA authenticated."""
-    return True
-
-
 def _serves(view: InstanceView, contract: Contract) -> bool:
     status = view.status
     # A verifier that reports no tokenizer digest is judged by its target digest alone.
@@ -160,6 +156,8 @@ def _serves(view: InstanceView, contract: Contract) -> bool:
 
 class RouterNode(Node):
     """The router: assigns sessions to verifiers and drafters, and moves them when instances fail."""
+
+    role = "router"
 
     def __init__(
         self, config: ServiceConfig, *, mlc: MLC | None = None, clock: Callable[[], float] = time.monotonic
@@ -170,10 +168,6 @@ class RouterNode(Node):
         self.registry = InstanceRegistry()
         self.sessions: dict[bytes, _TrackedSession] = {}
         self._wake = asyncio.Event()
-        self._allowed = {
-            Role.VERIFIER: frozenset(config.router.verifiers),
-            Role.DRAFTER: frozenset(config.router.drafters),
-        }
 
     async def on_start(self) -> None:
         self.spawn(self._maintain_forever())
@@ -192,15 +186,13 @@ class RouterNode(Node):
 
     async def put_status(self, request: Request) -> Response:
         """PUT instances/{id}/status: only the instance the path names may report for it."""
-        body = await read_cbor_body(request)
         instance = parse_instance_path_id(request.path_params["id"])
-        peer = await require_peer(request, {instance})
-        status = Status.from_obj(body)
+        peer = self.trust.admit(request, "PUT instances/{id}/status", instance=instance)
+        status = Status.from_obj(await read_cbor_body(request))
         if status.instance != peer:
             raise Forbidden(f"{peer} may not report the status of {status.instance}")
-        allowed = self._allowed[status.role]
-        if allowed and peer not in allowed:
-            raise Forbidden(f"{peer} is not a configured {status.role.name.lower()}")
+        if not self.trust.is_member(peer, Party.VERIFIER if status.role == Role.VERIFIER else Party.DRAFTER):
+            raise Forbidden(f"{peer} is not a trusted {status.role.name.lower()} ([trust] {status.role.name.lower()}s)")
         now = self.clock()
         if not self.registry.is_live(peer, now):
             # A new or returning instance may unblock sessions waiting for one.
@@ -213,7 +205,7 @@ class RouterNode(Node):
         body = await read_cbor_body(request)
         event = Event.from_obj(body)
         tracked = self._tracked(event.session)
-        await require_peer(request, {tracked.plan.verifier})
+        self.trust.admit(request, "POST events", SessionParties(verifier=tracked.plan.verifier))
         if event.epoch != tracked.plan.epoch:
             raise ProtocolError(
                 ProblemType.STALE_EPOCH, f"event of epoch {event.epoch}; the session is at epoch {tracked.plan.epoch}"
@@ -235,7 +227,7 @@ class RouterNode(Node):
 
     async def get_targets(self, request: Request) -> Response:
         """GET targets: the live verifiers and the digests a contract must name to use them."""
-        await require_peer(request, _anyone)
+        self.trust.admit(request, "GET targets")
         targets = []
         for view in self.registry.live(Role.VERIFIER, self.clock()):
             if view.status.model is None:
@@ -248,9 +240,8 @@ class RouterNode(Node):
 
     async def open_session(self, request: Request) -> Response:
         """POST sessions: open at a verifier, then assign a drafter (SDCP 6.1 order)."""
-        body = await read_cbor_body(request)
-        await require_peer(request, _anyone)
-        wanted = SessionRequest.from_obj(body)
+        owner = self.trust.admit(request, "POST sessions")
+        wanted = SessionRequest.from_obj(await read_cbor_body(request))
         contract = wanted.contract
         session = secrets.token_bytes(16)
         commit_log = build_uri(self.mlc.authority, contract.scope, "log", session.hex())
@@ -268,6 +259,7 @@ class RouterNode(Node):
                 prompt=wanted.prompt,
                 commit_log=commit_log,
                 verifier=verifier,
+                owner=owner,
             )
             try:
                 # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
@@ -291,16 +283,15 @@ class RouterNode(Node):
 
     async def get_session(self, request: Request) -> Response:
         """GET sessions/{id}: where the session runs now, so that a client can follow a failover."""
-        await require_peer(request, _anyone)
         tracked = self._tracked(parse_session_path_id(request.path_params["id"]))
+        self.trust.admit(request, "GET sessions/{id}", SessionParties(owner=tracked.plan.owner))
         return cbor_response(tracked.describe())
 
     async def post_policy(self, request: Request) -> Response:
         """POST sessions/{id}/policy: forwarded to the verifier, kept for later assignments (SDCP 6.6)."""
-        body = await read_cbor_body(request)
-        await require_peer(request, _anyone)
         tracked = self._tracked(parse_session_path_id(request.path_params["id"]))
-        policy = Policy.from_obj(body)
+        self.trust.admit(request, "POST sessions/{id}/policy", SessionParties(owner=tracked.plan.owner))
+        policy = Policy.from_obj(await read_cbor_body(request))
         if policy.session != tracked.plan.session:
             raise BadMessage("the policy names another session than the path")
         async with tracked.lock:

@@ -28,9 +28,10 @@ from sdcp.protocol.messages import (
     parse_session_path_id,
 )
 from sdcp.protocol.problems import BadMessage
+from sdcp.services.authz import SessionParties
 from sdcp.services.node import Node
 from sdcp.threads import CoreGovernor
-from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
+from sdcp.transport.asgi import cbor_response, read_cbor_body
 from sdcp.transport.peer import peer_uri
 
 __all__ = ["VerifierNode"]
@@ -41,12 +42,13 @@ _RouterMessage = TypeVar("_RouterMessage", Assignment, Policy, SelfDecodeRequest
 class VerifierNode(Node):
     """The target model's verifier, served over HTTP/2 + mTLS."""
 
+    role = "verifier"
+
     def __init__(self, config: ServiceConfig, *, target: TargetModel | None = None, mlc: MLC | None = None) -> None:
         super().__init__(config, mlc)
         settings = config.verifier
         if target is None:
             target = load_target(settings.model, kv_slots=settings.kv_slots, kv_capacity=settings.kv_capacity or None)
-        self.routers = frozenset(r for r in (config.instance.router,) if r is not None)
         self.engine = VerifierEngine(
             uri=self.uri,
             settings=settings,
@@ -84,30 +86,31 @@ class VerifierNode(Node):
 
     async def open_session(self, request: Request) -> Response:
         """POST sessions (SDCP 6.1, 6.9 resume)."""
+        self.trust.admit(request, "POST sessions")
         body = await read_cbor_body(request)
-        await require_peer(request, self.routers)
         state = await self.engine.open_session(SessionOpen.from_obj(body))
         return cbor_response(state.to_obj(), status=201)
 
     async def assign_drafter(self, request: Request) -> Response:
         """PUT sessions/{id}/drafter (SDCP 6.1)."""
-        state = await self.engine.assign(await self._router_message(request, Assignment))
+        state = await self.engine.assign(await self._router_message(request, "PUT sessions/{id}/drafter", Assignment))
         return cbor_response(state.to_obj())
 
     async def policy(self, request: Request) -> Response:
         """POST sessions/{id}/policy (SDCP 6.6)."""
-        state = await self.engine.apply_policy(await self._router_message(request, Policy))
+        state = await self.engine.apply_policy(await self._router_message(request, "POST sessions/{id}/policy", Policy))
         return cbor_response(state.to_obj())
 
     async def self_decode(self, request: Request) -> Response:
         """POST sessions/{id}/self-decode (extension, docs/interpretations.md)."""
-        state = await self.engine.self_decode(await self._router_message(request, SelfDecodeRequest))
+        message = await self._router_message(request, "POST sessions/{id}/self-decode", SelfDecodeRequest)
+        state = await self.engine.self_decode(message)
         return cbor_response(state.to_obj())
 
-    async def _router_message(self, request: Request, kind: type[_RouterMessage]) -> _RouterMessage:
+    async def _router_message(self, request: Request, endpoint: str, kind: type[_RouterMessage]) -> _RouterMessage:
         """A router's message about the session the path names."""
+        self.trust.admit(request, endpoint)
         body = await read_cbor_body(request)
-        await require_peer(request, self.routers)
         session = parse_session_path_id(request.path_params["id"])
         message = kind.from_obj(body)
         if message.session != session:
@@ -122,11 +125,18 @@ class VerifierNode(Node):
 
     async def stats(self, request: Request) -> Response:
         """GET sessions/{id}/stats (not in Table 1)."""
-        return cbor_response(self.engine.stats(parse_session_path_id(request.path_params["id"])))
+        session = parse_session_path_id(request.path_params["id"])
+        self.trust.admit(request, "GET sessions/{id}/stats", self._parties(session))
+        return cbor_response(self.engine.stats(session))
+
+    def _parties(self, session: bytes) -> SessionParties:
+        owner, drafter = self.engine.parties(session)
+        return SessionParties(verifier=self.uri, drafter=drafter, owner=owner)
 
     async def output(self, request: Request) -> Response:
         """GET sessions/{id}/output?from=n (SDCP 6.7)."""
         session = parse_session_path_id(request.path_params["id"])
+        self.trust.admit(request, "GET sessions/{id}/output", self._parties(session))
         start_text = request.query_params.get("from", "0")
         if not (start_text.isascii() and start_text.isdigit() and len(start_text) <= 10):
             raise BadMessage("'from' must be an unsigned integer below 2^32")

@@ -1,0 +1,161 @@
+"""Who may call what: the authorization table of every SDCP endpoint (docs/security.md).
+
+A certificate from the deployment's CA is authentication, not permission. Each endpoint names the
+parties that may call it; configured parties come from ``[trust]`` (``sdcp.config.TrustConfig``),
+session parties from the session itself (its verifier, its assigned drafter, the front end that
+opened it). ``Trust.admit`` is the one check every handler makes; docs/security.md prints ``TABLE``,
+and a test keeps the two equal and every route covered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from starlette.requests import Request
+
+from sdcp.config import ServiceConfig
+from sdcp.transport.errors import Forbidden
+from sdcp.transport.peer import peer_uri
+
+__all__ = ["TABLE", "Party", "SessionParties", "Trust"]
+
+
+class Party(StrEnum):
+    """Who an endpoint admits; the value is how docs/security.md names the party."""
+
+    ROUTER = "routers"
+    VERIFIER = "verifiers"
+    DRAFTER = "drafters"
+    FRONT_END = "front ends"
+    OPERATOR = "operators"
+    INSTANCE = "the instance the path names"
+    SESSION_VERIFIER = "the session's verifier"
+    SESSION_DRAFTER = "the session's drafter"
+    SESSION_OWNER = "the session's front end"
+
+
+_P = Party
+
+# role -> "METHOD path" -> the parties that may call it.
+TABLE: dict[str, dict[str, frozenset[Party]]] = {
+    "router": {
+        # SDCP 6.1: an instance reports only its own status, and only in a role it is trusted with.
+        "PUT instances/{id}/status": frozenset({_P.INSTANCE}),
+        "POST events": frozenset({_P.SESSION_VERIFIER}),
+        "GET targets": frozenset({_P.FRONT_END, _P.OPERATOR}),
+        "POST sessions": frozenset({_P.FRONT_END}),
+        "GET sessions/{id}": frozenset({_P.SESSION_OWNER, _P.OPERATOR}),
+        "POST sessions/{id}/policy": frozenset({_P.SESSION_OWNER}),
+        "GET metrics": frozenset({_P.OPERATOR}),
+    },
+    "verifier": {
+        "POST sessions": frozenset({_P.ROUTER}),
+        "PUT sessions/{id}/drafter": frozenset({_P.ROUTER}),
+        # SDCP 6.3: otherwise 403 sdcp-not-assigned (the protocol core's check).
+        "POST proposals": frozenset({_P.SESSION_DRAFTER}),
+        "GET sessions/{id}/output": frozenset({_P.ROUTER, _P.SESSION_OWNER, _P.SESSION_DRAFTER, _P.OPERATOR}),
+        "POST sessions/{id}/policy": frozenset({_P.ROUTER}),
+        "GET sessions/{id}/stats": frozenset({_P.ROUTER, _P.SESSION_OWNER, _P.OPERATOR}),
+        "POST sessions/{id}/self-decode": frozenset({_P.ROUTER}),
+        "GET metrics": frozenset({_P.OPERATOR}),
+    },
+    "drafter": {
+        "POST assignments": frozenset({_P.ROUTER}),
+        "GET metrics": frozenset({_P.OPERATOR}),
+    },
+    "mlc": {
+        "GET metrics": frozenset({_P.OPERATOR}),
+    },
+}
+
+
+@dataclass(frozen=True)
+class SessionParties:
+    """The identities a session gives rights to; None where the session has none (yet)."""
+
+    verifier: str | None = None
+    drafter: str | None = None
+    owner: str | None = None
+
+
+class Trust:
+    """The configured parties of one instance, and the check of ``TABLE``."""
+
+    def __init__(
+        self,
+        role: str,
+        *,
+        routers: Iterable[str],
+        verifiers: Iterable[str] = (),
+        drafters: Iterable[str] = (),
+        front_ends: Iterable[str] = (),
+        operators: Iterable[str] = (),
+    ) -> None:
+        self.role = role
+        self.members: dict[Party, frozenset[str]] = {
+            Party.ROUTER: frozenset(routers),
+            Party.VERIFIER: frozenset(verifiers),
+            Party.DRAFTER: frozenset(drafters),
+            Party.FRONT_END: frozenset(front_ends),
+            Party.OPERATOR: frozenset(operators),
+        }
+
+    @classmethod
+    def from_config(cls, config: ServiceConfig, role: str) -> Trust:
+        """``[trust]``; routers default to the instance's own ``[instance] router`` (or itself)."""
+        trust = config.trust
+        routers = trust.routers or tuple(r for r in (config.instance.router,) if r is not None)
+        if role == "router":
+            routers = (config.instance.uri,)
+        return cls(
+            role,
+            routers=routers,
+            verifiers=trust.verifiers,
+            drafters=trust.drafters,
+            front_ends=trust.front_ends,
+            operators=trust.operators,
+        )
+
+    def parties(self, endpoint: str) -> frozenset[Party]:
+        try:
+            return TABLE[self.role][endpoint]
+        except KeyError:
+            raise KeyError(f"{endpoint!r} of the {self.role} is not in the authorization table") from None
+
+    def admits(
+        self, peer: str, endpoint: str, session: SessionParties | None = None, *, instance: str | None = None
+    ) -> bool:
+        for party in self.parties(endpoint):
+            if party in self.members and peer in self.members[party]:
+                return True
+            if party is Party.INSTANCE and peer == instance:
+                return True
+            if session is not None and peer == _session_member(session, party):
+                return True
+        return False
+
+    def admit(
+        self, request: Request, endpoint: str, session: SessionParties | None = None, *, instance: str | None = None
+    ) -> str:
+        """The authenticated peer of ``request`` if ``endpoint`` admits it; otherwise 403."""
+        peer = peer_uri(request)
+        if peer is None:
+            raise Forbidden("no authenticated client certificate with a URI SAN")
+        if not self.admits(peer, endpoint, session, instance=instance):
+            raise Forbidden(f"{peer} may not call {endpoint} here")
+        return peer
+
+    def is_member(self, peer: str, party: Party) -> bool:
+        return peer in self.members.get(party, frozenset())
+
+
+def _session_member(session: SessionParties, party: Party) -> str | None:
+    if party is Party.SESSION_VERIFIER:
+        return session.verifier
+    if party is Party.SESSION_DRAFTER:
+        return session.drafter
+    if party is Party.SESSION_OWNER:
+        return session.owner
+    return None
