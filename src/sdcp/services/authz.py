@@ -19,7 +19,7 @@ from sdcp.config import ServiceConfig
 from sdcp.transport.errors import Forbidden
 from sdcp.transport.peer import peer_uri
 
-__all__ = ["TABLE", "Party", "SessionParties", "Trust"]
+__all__ = ["TABLE", "Party", "SessionParties", "Trust", "markdown_table"]
 
 
 class Party(StrEnum):
@@ -159,3 +159,13 @@ def _session_member(session: SessionParties, party: Party) -> str | None:
     if party is Party.SESSION_OWNER:
         return session.owner
     return None
+
+
+def markdown_table() -> str:
+    """``TABLE`` as docs/security.md prints it."""
+    lines = ["| role | endpoint | who may call it |", "|---|---|---|"]
+    for role, endpoints in TABLE.items():
+        for endpoint, parties in endpoints.items():
+            names = ", ".join(party.value for party in Party if party in parties)
+            lines.append(f"| {role} | `{endpoint}` | {names} |")
+    return "\n".join(lines) + "\n"

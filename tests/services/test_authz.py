@@ -1,0 +1,405 @@
+"""The authorization table (docs/security.md), row by row, over real mTLS servers.
+
+For every endpoint: each identity the row admits succeeds; every other role's certificate, all
+issued by the same CA, gets 403 with a problem detail, and the state the endpoint guards is unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+
+from sdcp.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig, TrustConfig, VerifierConfig
+from sdcp.localhost import free_port
+from sdcp.models.target import TargetModel
+from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    Contract,
+    Event,
+    Policy,
+    Proposal,
+    Role,
+    Sampling,
+    SelfDecodeRequest,
+    SessionOpen,
+    SessionState,
+    Status,
+    instance_path_id,
+    session_path_id,
+)
+from sdcp.protocol.problems import ProblemType, ProtocolError
+from sdcp.services.authz import TABLE, markdown_table
+from sdcp.services.drafter import DrafterNode
+from sdcp.services.router import RouterNode
+from sdcp.services.verifier import VerifierNode
+from sdcp.transport import SDCPClient, make_certs
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
+NAMES = ("router", "verifier", "drafter", "other_drafter", "owner", "other_front_end", "operator", "stranger")
+PROMPT = (5, 17, 42, 9, 100, 3)
+
+
+@dataclass
+class World:
+    uris: dict[str, str]
+    certs: dict[str, tuple[Path, Path]]
+    ca: Path
+    target: TargetModel
+    router: RouterNode
+    verifier: VerifierNode
+    clients: list[SDCPClient] = field(default_factory=list)
+
+    def client(self, identity: str, peer: str) -> SDCPClient:
+        cert, key = self.certs[identity]
+        client = SDCPClient(self.uris[peer], cert, key, self.ca)
+        self.clients.append(client)
+        return client
+
+    def contract(self, *, self_decode: bool = False) -> Contract:
+        """A contract that keeps its session open for the test; the router may let the verifier
+        decode it alone only if ``self_decode``."""
+        allowed = {"self_load": 100, "self_max": 1} if self_decode else {}
+        return Contract.from_obj(
+            {
+                "target": self.target.weights_digest,
+                "tokenizer": self.target.tokenizer_digest,
+                "rule": 1,
+                "m_max": 4,
+                "max_new": 64,
+                "stop": [],
+                "low_rounds": 1000,
+                "fallback": [Action.REDUCE, Action.FAIL],
+                **allowed,
+            }
+        )
+
+
+def config(world_uris: dict[str, str], certs: dict[str, tuple[Path, Path]], ca: Path, name: str) -> ServiceConfig:
+    cert, key = certs[name]
+    router = None if name == "router" else world_uris["router"]
+    return ServiceConfig(
+        instance=InstanceConfig(uri=world_uris[name], cert=cert, key=key, ca=ca, router=router, ttl_ms=60_000),
+        mlc=MLCConfig(disk_dir=ca.parent.parent / "mlc"),
+        verifier=VerifierConfig(model="tiny", output_wait_s=0.1),
+        drafter=DrafterConfig(target="tiny"),
+        trust=TrustConfig(
+            verifiers=(world_uris["verifier"],),
+            drafters=(world_uris["drafter"], world_uris["other_drafter"]),
+            front_ends=(world_uris["owner"], world_uris["other_front_end"]),
+            operators=(world_uris["operator"],),
+        ),
+    )
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    uris = {name: f"https://127.0.0.1:{free_port()}" for name in NAMES}
+    issued = make_certs(tmp_path / "certs", list(uris.values()))
+    certs = {name: (issued[uri].cert_path, issued[uri].key_path) for name, uri in uris.items()}
+    ca = tmp_path / "certs" / "ca.pem"
+    target = TargetModel(tiny_model(), tiny_tokenizer(), name="tiny")
+    router = RouterNode(config(uris, certs, ca, "router"))
+    verifier = VerifierNode(config(uris, certs, ca, "verifier"), target=target)
+    await router.start()
+    await verifier.start()
+    world = World(uris, certs, ca, target, router, verifier)
+    try:
+        yield world
+    finally:
+        for client in world.clients:
+            await client.aclose()
+        await verifier.stop()
+        await router.stop()
+
+
+async def registered(world: World) -> None:
+    """The verifier reports itself (and so becomes a target); the played drafter reports too."""
+    await world.verifier.report_status(world.uris["router"])
+    status = Status(instance=world.uris["drafter"], role=Role.DRAFTER, load=0, queue=0, ttl_ms=60_000)
+    path = f"instances/{instance_path_id(world.uris['drafter'])}/status"
+    await world.client("drafter", "router").put_cbor(path, status.to_obj())
+
+
+async def opened(world: World, *, self_decode: bool = False) -> bytes:
+    """A session the owner opened, at the verifier, with the played drafter assigned there."""
+    await registered(world)
+    request = {"prompt": list(PROMPT), "contract": world.contract(self_decode=self_decode).to_obj()}
+    _, body = await world.client("owner", "router").post_cbor("sessions", request)
+    assert isinstance(body, dict)
+    session = body["session"]
+    assert isinstance(session, bytes)
+    state = world.verifier.engine.state(session)
+    assignment = assignment_for(world, session, state, self_decode=self_decode)
+    await world.client("router", "verifier").put_cbor(
+        f"sessions/{session_path_id(session)}/drafter", assignment.to_obj()
+    )
+    return session
+
+
+def assignment_for(world: World, session: bytes, state: SessionState, *, self_decode: bool = False) -> Assignment:
+    return Assignment(
+        session=session,
+        epoch=state.epoch,
+        contract=world.contract(self_decode=self_decode),
+        verifier=world.uris["verifier"],
+        drafter=world.uris["drafter"],
+        prompt=PROMPT,
+        round=state.round,
+        committed=state.committed,
+        digest=state.digest,
+        m_init=4,
+    )
+
+
+Call = Callable[[SDCPClient], Awaitable[object]]
+
+
+async def check_row(
+    world: World,
+    peer: str,
+    call: Call,
+    admitted: set[str],
+    state: Callable[[], object],
+    *,
+    refusal: ProblemType | None = None,
+) -> None:
+    """Every identity outside ``admitted`` is refused with 403 and changes nothing; then each admitted
+    identity succeeds."""
+    for identity in sorted(set(NAMES) - admitted):
+        before = state()
+        with pytest.raises(ProtocolError) as refused:
+            await call(world.client(identity, peer))
+        assert refused.value.status == 403, (identity, refused.value)
+        assert refused.value.problem is refusal and refused.value.detail, identity
+        assert state() == before, identity
+    for identity in sorted(admitted):
+        await call(world.client(identity, peer))
+
+
+def test_the_table_in_docs_is_the_table_in_the_code() -> None:
+    text = DOC.read_text(encoding="utf-8")
+    block = re.search(r"<!-- authorization table:.*?-->\n(.*?)<!-- end of the authorization table -->", text, re.S)
+    assert block is not None and block.group(1) == markdown_table()
+
+
+def test_every_route_of_every_role_is_in_the_table(tmp_path: Path) -> None:
+    uris = {name: f"https://127.0.0.1:{1000 + index}" for index, name in enumerate(NAMES)}
+    issued = make_certs(tmp_path / "certs", [uris["router"]])
+    certs = {name: (issued[uris["router"]].cert_path, issued[uris["router"]].key_path) for name in NAMES}
+    ca = tmp_path / "certs" / "ca.pem"
+    target = TargetModel(tiny_model(), tiny_tokenizer(), name="tiny")
+    nodes = [
+        RouterNode(config(uris, certs, ca, "router")),
+        VerifierNode(config(uris, certs, ca, "verifier"), target=target),
+        DrafterNode(config(uris, certs, ca, "drafter")),
+    ]
+    for node in nodes:
+        endpoints = {
+            f"{method} {route.path.lstrip('/')}"
+            for route in node.app().routes
+            for method in (getattr(route, "methods", None) or ())
+            if method != "HEAD"
+        }
+        assert endpoints == set(TABLE[node.role]), node.role
+    nodes[1].engine.scorer.close()
+
+
+# -- the router ---------------------------------------------------------------------------------------
+
+
+async def test_router_status_reports(world: World) -> None:
+    router = world.router
+    await registered(world)
+    uri = world.uris["verifier"]
+    status = replace(world.verifier.engine.status(), load=50)
+    path = f"instances/{instance_path_id(uri)}/status"
+
+    def reported() -> object:
+        view = router.registry.get(uri)
+        return view.status if view is not None else None
+
+    await check_row(world, "router", lambda c: c.put_cbor(path, status.to_obj()), {"verifier"}, reported)
+    assert reported() == status
+    # Its own path, a trusted drafter, but a verifier's role: a drafter cannot register as a verifier.
+    drafter = world.uris["drafter"]
+    claim = Status(instance=drafter, role=Role.VERIFIER, load=0, queue=0, ttl_ms=60_000, model=status.model)
+    with pytest.raises(ProtocolError) as refused:
+        await world.client("drafter", "router").put_cbor(
+            f"instances/{instance_path_id(drafter)}/status", claim.to_obj()
+        )
+    view = router.registry.get(drafter)
+    assert refused.value.status == 403 and view is not None and view.status.role == Role.DRAFTER
+
+
+async def test_router_events(world: World) -> None:
+    session = await opened(world)
+    state = world.verifier.engine.state(session)
+    event = Event(session=session, epoch=1, kind=Action.CONTINUE, committed=state.committed, digest=state.digest)
+    tracked = world.router.sessions[session]
+    await check_row(
+        world, "router", lambda c: c.post_cbor("events", event.to_obj()), {"verifier"}, lambda: tracked.ended
+    )
+    ending = Event(session=session, epoch=1, kind=Action.FAIL, committed=state.committed, digest=state.digest)
+    with pytest.raises(ProtocolError):
+        await world.client("drafter", "router").post_cbor("events", ending.to_obj())
+    assert not tracked.ended
+
+
+async def test_router_targets_and_metrics(world: World) -> None:
+    await registered(world)
+    await check_row(world, "router", lambda c: c.get_cbor("targets"), {"owner", "other_front_end", "operator"}, dict)
+    await check_row(world, "router", lambda c: c.get_bytes("metrics"), {"operator"}, dict)
+
+
+async def test_router_session_requests(world: World) -> None:
+    await registered(world)
+    request = {"prompt": list(PROMPT), "contract": world.contract().to_obj()}
+    await check_row(
+        world,
+        "router",
+        lambda c: c.post_cbor("sessions", request),
+        {"owner", "other_front_end"},
+        lambda: len(world.router.sessions),
+    )
+
+
+async def test_router_session_lookup_and_policy(world: World) -> None:
+    session = await opened(world)
+    path = f"sessions/{session_path_id(session)}"
+    await check_row(world, "router", lambda c: c.get_cbor(path), {"owner", "operator"}, dict)
+    policy = Policy(session=session, from_round=1, sampling=Sampling(temperature_milli=500))
+    machine = world.verifier.engine.sessions[session].machine
+    await check_row(
+        world,
+        "router",
+        lambda c: c.post_cbor(f"{path}/policy", policy.to_obj()),
+        {"owner"},
+        lambda: (machine.sampling_for(1), world.router.sessions[session].plan.sampling),
+    )
+
+
+# -- the verifier -------------------------------------------------------------------------------------
+
+
+async def test_verifier_session_open(world: World) -> None:
+    await registered(world)
+    session = b"\x07" * 16
+    message = SessionOpen(
+        session=session, epoch=1, contract=world.contract(), prompt=PROMPT, commit_log="mlc://local/-/log/authz"
+    )
+    await check_row(
+        world,
+        "verifier",
+        lambda c: c.post_cbor("sessions", message.to_obj()),
+        {"router"},
+        lambda: session in world.verifier.engine.sessions,
+    )
+
+
+async def opened_at_verifier(world: World) -> bytes:
+    """A session the router would let the verifier decode alone, opened at the verifier directly so
+    that nothing advances it while the test looks."""
+    session = b"\x09" * 16
+    contract = world.contract(self_decode=True)
+    message = SessionOpen(session=session, epoch=1, contract=contract, prompt=PROMPT, commit_log="mlc://local/-/log/x")
+    await world.client("router", "verifier").post_cbor("sessions", message.to_obj())
+    assignment = assignment_for(world, session, world.verifier.engine.state(session), self_decode=True)
+    path = f"sessions/{session_path_id(session)}/drafter"
+    await world.client("router", "verifier").put_cbor(path, assignment.to_obj())
+    return session
+
+
+async def test_verifier_router_messages(world: World) -> None:
+    session = await opened_at_verifier(world)
+    engine = world.verifier.engine
+    path = f"sessions/{session_path_id(session)}"
+    machine = engine.sessions[session].machine
+    other = assignment_for(world, session, engine.state(session), self_decode=True)
+    await check_row(
+        world,
+        "verifier",
+        lambda c: c.put_cbor(f"{path}/drafter", other.to_obj()),
+        {"router"},
+        lambda: machine.drafter,
+    )
+    policy = Policy(session=session, from_round=1, sampling=Sampling(temperature_milli=700))
+    await check_row(
+        world,
+        "verifier",
+        lambda c: c.post_cbor(f"{path}/policy", policy.to_obj()),
+        {"router"},
+        lambda: machine.sampling_for(1),
+    )
+    request = SelfDecodeRequest(session=session, epoch=1)
+    await check_row(
+        world,
+        "verifier",
+        lambda c: c.post_cbor(f"{path}/self-decode", request.to_obj()),
+        {"router"},
+        lambda: (machine.self_decoding, machine.committed),
+    )
+
+
+async def test_verifier_proposals_only_from_the_assigned_drafter(world: World) -> None:
+    session = await opened(world)
+    engine = world.verifier.engine
+    state = engine.state(session)
+    proposal = Proposal(
+        session=session,
+        epoch=1,
+        round=state.round + 1,
+        drafter=world.uris["drafter"],
+        base=state.committed,
+        base_digest=state.digest,
+        tokens=(1,),
+        status=Status(instance=world.uris["drafter"], role=Role.DRAFTER, load=0, queue=0, ttl_ms=60_000),
+    )
+    await check_row(
+        world,
+        "verifier",
+        lambda c: c.post_cbor("proposals", proposal.to_obj(), idempotent=True),
+        {"drafter"},
+        lambda: engine.state(session),
+        refusal=ProblemType.NOT_ASSIGNED,
+    )
+
+
+async def test_verifier_output_stats_and_metrics(world: World) -> None:
+    session = await opened(world)
+    path = f"sessions/{session_path_id(session)}"
+    await check_row(
+        world,
+        "verifier",
+        lambda c: c.get_cbor(f"{path}/output", {"from": "0"}),
+        {"router", "owner", "drafter", "operator"},
+        dict,
+    )
+    await check_row(world, "verifier", lambda c: c.get_cbor(f"{path}/stats"), {"router", "owner", "operator"}, dict)
+    await check_row(world, "verifier", lambda c: c.get_bytes("metrics"), {"operator"}, dict)
+
+
+# -- the drafter --------------------------------------------------------------------------------------
+
+
+async def test_drafter_assignments_and_metrics(world: World) -> None:
+    session = await opened(world)
+    drafter = DrafterNode(config(world.uris, world.certs, world.ca, "drafter"))
+    await drafter.start()
+    try:
+        assignment = assignment_for(world, session, world.verifier.engine.state(session))
+        await check_row(
+            world,
+            "drafter",
+            lambda c: c.post_cbor("assignments", assignment.to_obj()),
+            {"router"},
+            lambda: set(drafter.engine.runs),
+        )
+        await check_row(world, "drafter", lambda c: c.get_bytes("metrics"), {"operator"}, dict)
+    finally:
+        await drafter.stop()
