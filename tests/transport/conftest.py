@@ -84,6 +84,8 @@ async def serving(app: ASGIApp, listener: Listener) -> AsyncIterator[Server]:
 
 
 def client_for(server: Server, pki: PKI, identity: Identity, **options: object) -> SDCPClient:
-    """A client presenting ``identity`` that trusts the server's CA; fast retries for tests."""
+    """A client presenting ``identity`` that trusts the server's CA; fast retries for tests. The test
+    server listens on an ephemeral port under the certificate of ``SERVER_URI``, its identity."""
     options.setdefault("retry", RetryPolicy(attempts=4, backoff_s=0.01, max_backoff_s=0.05))
+    options.setdefault("server_identity", pki.server.uri)
     return SDCPClient(server.base_url, identity.cert, identity.key, pki.ca, **options)  # type: ignore[arg-type]

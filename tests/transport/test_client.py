@@ -93,6 +93,7 @@ def proxied_client(pki: PKI, proxy: CuttingProxy) -> SDCPClient:
         pki.drafter_a.key,
         pki.ca,
         retry=RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.02),
+        server_identity=pki.server.uri,
     )
 
 
@@ -229,7 +230,7 @@ async def test_peer_clients_keep_one_client_per_peer(pki: PKI) -> None:
         serving(counting_app([], []), mtls_listener(pki)) as first,
         serving(counting_app([], []), mtls_listener(pki)) as second,
     ):
-        peers = PeerClients(pki.drafter_a.cert, pki.drafter_a.key, pki.ca)
+        peers = PeerClients(pki.drafter_a.cert, pki.drafter_a.key, pki.ca, server_identity=pki.server.uri)
         try:
             assert peers.get(first.base_url) is peers.get(first.base_url)
             assert peers.get(first.base_url) is not peers.get(second.base_url)
@@ -289,7 +290,9 @@ async def test_an_answer_before_the_whole_body_was_sent_is_the_outcome(pki: PKI,
         lambda: EarlyAnswerServer(reset), "127.0.0.1", 0, ssl=server_context(pki.server.cert, pki.server.key, pki.ca)
     )
     port = server.sockets[0].getsockname()[1]
-    client = SDCPClient(f"https://127.0.0.1:{port}/", pki.drafter_a.cert, pki.drafter_a.key, pki.ca)
+    client = SDCPClient(
+        f"https://127.0.0.1:{port}/", pki.drafter_a.cert, pki.drafter_a.key, pki.ca, server_identity=pki.server.uri
+    )
     try:
         # Four times the initial flow-control window: the client is still sending when the answer
         # arrives. The peer takes one stream at a time: the second request needs the first closed.

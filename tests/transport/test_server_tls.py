@@ -34,6 +34,7 @@ from sdcp.transport import (
     peer_uri,
 )
 from sdcp.transport.peer import peer_tls
+from sdcp.transport.tls import server_context
 
 from .conftest import PKI, client_for, mtls_listener, serving
 
@@ -151,14 +152,43 @@ async def test_http1_over_the_sdcp_listener_gets_505(pki: PKI) -> None:
     assert response.json()["status"] == 505
 
 
-async def test_client_checks_the_server_identity_when_asked(pki: PKI) -> None:
+async def test_client_checks_the_server_identity(pki: PKI) -> None:
     async with serving(whoami_app(), mtls_listener(pki)) as server:
         async with client_for(server, pki, pki.drafter_a, server_identity=pki.server.uri) as right:
             status, body = await right.get_cbor("ok")
         assert (status, body) == (200, {"ok": True})
         async with client_for(server, pki, pki.drafter_a, server_identity=pki.drafter_b.uri) as wrong:
-            with pytest.raises(TLSFailure, match="expected"):
+            with pytest.raises(TLSFailure, match="nothing was sent"):
                 await wrong.get_cbor("whoami")
+
+
+class _Recorder(asyncio.Protocol):
+    """A TLS server that only records what arrives after the handshake."""
+
+    received = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        _Recorder.received.extend(data)
+
+
+async def test_an_impostor_with_a_valid_certificate_gets_not_a_byte(pki: PKI) -> None:
+    # Another instance of the same CA (drafter A) listens on the port where the client expects the
+    # server: the TLS handshake succeeds, and the client closes before sending its HTTP/2 preface.
+    _Recorder.received = bytearray()
+    impostor = await asyncio.get_running_loop().create_server(
+        _Recorder, "127.0.0.1", 0, ssl=server_context(pki.drafter_a.cert, pki.drafter_a.key, pki.ca)
+    )
+    port = impostor.sockets[0].getsockname()[1]
+    expected = f"https://127.0.0.1:{port}/"
+    try:
+        async with SDCPClient(expected, pki.drafter_b.cert, pki.drafter_b.key, pki.ca) as client:
+            with pytest.raises(TLSFailure, match=f"certificate for .*{pki.drafter_a.uri}.*, not {expected}"):
+                await client.post_cbor("proposals", {"secret": "prompt"})
+        await asyncio.sleep(0.1)
+        assert bytes(_Recorder.received) == b""
+    finally:
+        impostor.close()
+        await impostor.wait_closed()
 
 
 async def test_client_refuses_a_server_from_another_ca(pki: PKI) -> None:

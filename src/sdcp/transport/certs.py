@@ -49,8 +49,6 @@ DEFAULT_VALIDITY = datetime.timedelta(days=365)
 _CLOCK_SKEW = datetime.timedelta(minutes=5)
 # Instance certificates this close to expiry are re-issued by make_certs instead of reused.
 _RENEW_BEFORE = datetime.timedelta(days=7)
-_LOOPBACK_DNS = ("localhost",)
-_LOOPBACK_IPS = (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
 _UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9.-]+")
 
 
@@ -236,19 +234,13 @@ def _split_instance_uri(uri: str) -> SplitResult:
 
 
 def _subject_alt_names(uri: str, host: str) -> list[x509.GeneralName]:
+    """The instance's URI and the host of that URI, nothing else: a certificate names one instance,
+    so that no other instance on the same host can pass for it (docs/security.md)."""
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(uri)]
-    dns = list(_LOOPBACK_DNS)
-    ips = list(_LOOPBACK_IPS)
     try:
-        host_ip = ipaddress.ip_address(host)
+        names.append(x509.IPAddress(ipaddress.ip_address(host)))
     except ValueError:
-        if host not in dns:
-            dns.append(host)
-    else:
-        if host_ip not in ips:
-            ips.append(host_ip)
-    names.extend(x509.DNSName(name) for name in dns)
-    names.extend(x509.IPAddress(ip) for ip in ips)
+        names.append(x509.DNSName(host))
     return names
 
 
@@ -260,7 +252,9 @@ def _reusable(cert_path: Path, key_path: Path, uri: str, ca: CertificateAuthorit
         cert.verify_directly_issued_by(ca.cert)
     except (ValueError, TypeError, InvalidSignature):
         return False
-    return uri_sans(cert) == [uri] and cert.not_valid_after_utc - _now() > _RENEW_BEFORE
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    expected = _subject_alt_names(uri, _split_instance_uri(uri).hostname or "")
+    return list(names) == expected and cert.not_valid_after_utc - _now() > _RENEW_BEFORE
 
 
 def _write_pair(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey, cert_path: Path, key_path: Path) -> None:

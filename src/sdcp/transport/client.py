@@ -20,11 +20,8 @@ from types import TracebackType
 from typing import Any, NoReturn
 from urllib.parse import urlencode, urlsplit
 
-from cryptography import x509
-
 from sdcp.protocol.codec import DEFAULT_MAX_SIZE, MEDIA_TYPE, decode, encode
 from sdcp.protocol.problems import PROBLEM_MEDIA_TYPE, BadMessage, ProtocolError
-from sdcp.transport.certs import uri_sans
 from sdcp.transport.errors import (
     ClientCertificateRejected,
     ConnectionLost,
@@ -35,7 +32,7 @@ from sdcp.transport.errors import (
     TransportError,
     UnexpectedResponse,
 )
-from sdcp.transport.h2conn import ConnectionClosed, H2Connection, H2Response
+from sdcp.transport.h2conn import ConnectionClosed, H2Connection, H2Response, WrongServer
 from sdcp.transport.tls import client_context
 
 __all__ = ["CONNECT_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "BytesResponse", "PeerClients", "RetryPolicy", "SDCPClient"]
@@ -81,8 +78,9 @@ class BytesResponse:
 class SDCPClient:
     """A client for one peer, identified by its base URI.
 
-    ``server_identity``, when given, is the URI SAN the peer's certificate must carry; without it the
-    peer is authenticated by the CA and host name only.
+    The peer's certificate must carry ``server_identity`` as its URI SAN, by default the base URI
+    itself: checked when the TLS handshake completes, before a byte of HTTP/2 is sent, so that another
+    instance with a certificate from the same CA cannot answer in the peer's place (docs/security.md).
     """
 
     def __init__(
@@ -108,7 +106,7 @@ class SDCPClient:
         self._timeout = timeout
         self._retry = retry
         self._max_response_size = max_response_size
-        self._server_identity = server_identity
+        self._server_identity = server_identity if server_identity is not None else base_uri
         self._peer_answered = False
         self._connection: H2Connection | None = None
         self._connecting = asyncio.Lock()
@@ -290,7 +288,6 @@ class SDCPClient:
             except TimeoutError as error:
                 raise PeerTimeout(f"{method} {path} to {self.base_uri} timed out") from error
             else:
-                self._check_server_identity(connection)
                 self._peer_answered = True
                 return response
             await asyncio.sleep(self._retry.delay(attempt - 1))
@@ -308,8 +305,10 @@ class SDCPClient:
                 return connection
             try:
                 connection = await H2Connection.open(
-                    self._host, self._port, self._ssl_context, timeout=CONNECT_TIMEOUT_S
+                    self._host, self._port, self._ssl_context, timeout=CONNECT_TIMEOUT_S, identity=self._server_identity
                 )
+            except WrongServer as error:
+                raise TLSFailure(f"{self.base_uri}: {error}; nothing was sent") from error
             except ssl.SSLError:
                 raise
             except TimeoutError as error:
@@ -338,16 +337,6 @@ class SDCPClient:
         finally:
             writer.close()
         return first == b""
-
-    def _check_server_identity(self, connection: H2Connection) -> None:
-        if self._server_identity is None:
-            return
-        der = connection.peer_certificate
-        presented = uri_sans(x509.load_der_x509_certificate(der)) if der is not None else []
-        if presented != [self._server_identity]:
-            raise TLSFailure(
-                f"{self.base_uri} presented a certificate for {presented or 'no URI'}, expected {self._server_identity}"
-            )
 
     def _interpret(self, response: H2Response) -> tuple[int, object | None]:
         status = response.status

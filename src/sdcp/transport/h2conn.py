@@ -21,8 +21,11 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+from cryptography import x509
 
-__all__ = ["ConnectionClosed", "H2Connection", "H2Response", "send_within_windows"]
+from sdcp.transport.certs import uri_sans
+
+__all__ = ["ConnectionClosed", "H2Connection", "H2Response", "WrongServer", "send_within_windows"]
 
 # Our receive windows: large objects (KV caches) flow without a WINDOW_UPDATE round trip per 64 KiB.
 _RECEIVE_WINDOW = 1 << 24
@@ -42,6 +45,14 @@ class ConnectionClosed(Exception):
     def __init__(self, message: str, *, unprocessed: bool = False) -> None:
         super().__init__(message)
         self.unprocessed = unprocessed
+
+
+class WrongServer(Exception):
+    """The server's certificate, valid for the CA, names another instance than the one meant."""
+
+
+def _uri_sans(der: bytes | None) -> list[str]:
+    return uri_sans(x509.load_der_x509_certificate(der)) if der is not None else []
 
 
 @dataclass(frozen=True)
@@ -93,8 +104,11 @@ async def send_within_windows(
 class H2Connection(asyncio.Protocol):
     """A connection to one peer; open it with ``await H2Connection.open(...)``."""
 
-    def __init__(self, authority: str) -> None:
+    def __init__(self, authority: str, identity: str | None = None) -> None:
         config = h2.config.H2Configuration(client_side=True, header_encoding=None)
+        # The URI SAN the server's certificate must carry; checked before the preface is sent.
+        self._identity = identity
+        self.identity_error: str | None = None
         self._h2 = h2.connection.H2Connection(config)
         self._authority = authority.encode("ascii")
         self._transport: asyncio.Transport | None = None
@@ -107,16 +121,21 @@ class H2Connection(asyncio.Protocol):
         self.peer_certificate: bytes | None = None
 
     @classmethod
-    async def open(cls, host: str, port: int, ssl_context: ssl.SSLContext, *, timeout: float) -> H2Connection:
-        """Connect and complete TLS; raises ``OSError``, ``ssl.SSLError`` or ``TimeoutError``."""
+    async def open(
+        cls, host: str, port: int, ssl_context: ssl.SSLContext, *, timeout: float, identity: str | None = None
+    ) -> H2Connection:
+        """Connect and complete TLS; raises ``OSError``, ``ssl.SSLError``, ``TimeoutError``, or
+        ``WrongServer`` when the server's certificate does not name ``identity``."""
         loop = asyncio.get_running_loop()
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         # asyncio.timeout, not wait_for: on 3.11 wait_for turns a cancellation that meets a finished
         # connect into that connect's result or error, and the cancellation is lost.
         async with asyncio.timeout(timeout):
             _, connection = await loop.create_connection(
-                lambda: cls(authority), host, port, ssl=ssl_context, server_hostname=host
+                lambda: cls(authority, identity), host, port, ssl=ssl_context, server_hostname=host
             )
+        if connection.identity_error is not None:
+            raise WrongServer(connection.identity_error)
         if connection._transport is None:
             raise ConnectionClosed("the peer did not agree to HTTP/2 (ALPN h2), which SDCP requires")
         return connection
@@ -202,8 +221,17 @@ class H2Connection(asyncio.Protocol):
             # SDCP 5.1: HTTP/2 is required; a peer that does not speak it is not an SDCP peer.
             transport.abort()
             return
-        self._transport = transport
         self.peer_certificate = ssl_object.getpeercert(binary_form=True)
+        if self._identity is not None:
+            presented = _uri_sans(self.peer_certificate)
+            if [uri.rstrip("/") for uri in presented] != [self._identity.rstrip("/")]:
+                # Not a byte of HTTP/2 goes to a server that is not the one we meant to reach.
+                self.identity_error = (
+                    f"the server presented a certificate for {presented or 'no URI'}, not {self._identity}"
+                )
+                transport.abort()
+                return
+        self._transport = transport
         self._h2.local_settings = h2.settings.Settings(
             client=True,
             initial_values={
