@@ -25,6 +25,7 @@ from tests.cache.racing import race_appenders
 
 from sdcp.cache import (
     MLC,
+    AccessDenied,
     CacheFull,
     CommitLog,
     CorruptRecord,
@@ -39,7 +40,7 @@ from sdcp.cache import (
     content_etag,
 )
 from sdcp.cache.commitlog import EMPTY_LOG_ETAG
-from sdcp.config import ConfigError, InstanceConfig, MLCConfig, ServiceConfig
+from sdcp.config import ConfigError, InstanceConfig, MLCConfig, ServiceConfig, TrustConfig
 from sdcp.localhost import free_port
 from sdcp.protocol.problems import ProtocolError
 from sdcp.services.mlc import MLCNode
@@ -61,8 +62,9 @@ def uri(name: str, kind: str = "q-rows") -> str:
     return build_uri("mlc.test", bytes(16), kind, name)
 
 
-def commit(epoch: int, round_: int) -> dict[str, object]:
-    return {"epoch": epoch, "round": round_, "emitted": [round_], "committed": round_, "digest": bytes(32)}
+def commit(epoch: int, round_: int, writer: str = DRAFTER_A) -> dict[str, object]:
+    record = {"epoch": epoch, "round": round_, "emitted": [round_], "committed": round_, "digest": bytes(32)}
+    return {**record, "writer": writer}
 
 
 class Cluster:
@@ -115,7 +117,12 @@ async def start_node(
     async def start(*, backend: str = "disk", store_bytes: int = 64 << 20, max_object_bytes: int = 64 << 20) -> Cluster:
         node_uri = f"https://127.0.0.1:{free_port()}"
         cert = make_certs(certs_dir, [node_uri])[node_uri]
-        config = ServiceConfig(instance=InstanceConfig(node_uri, cert.cert_path, cert.key_path, certs_dir / "ca.pem"))
+        # Both test identities may play every role here; tests/services/test_authz.py separates them.
+        both = (DRAFTER_A, DRAFTER_B)
+        config = ServiceConfig(
+            instance=InstanceConfig(node_uri, cert.cert_path, cert.key_path, certs_dir / "ca.pem"),
+            trust=TrustConfig(routers=both, verifiers=both, drafters=both),
+        )
         if backend == "redis":
             shared: dict[str, object] = {
                 "redis_url": request.getfixturevalue("redis_url"),
@@ -214,7 +221,7 @@ async def test_leases_protect_and_only_the_holder_releases(start_node, backend: 
     await other.lease(uri("d"), DRAFTER_B, 30.0)
     with pytest.raises(CacheFull):
         await other.put(uri("e"), bytes(KB))
-    with pytest.raises(InvalidArgument):  # a peer cannot release another's lease ...
+    with pytest.raises(AccessDenied):  # a peer cannot release another's lease ...
         await other.release(uri("c"), DRAFTER_A)
     assert not await other.release(uri("c"), DRAFTER_B)  # ... and holds none of its own there
     assert await holder.release(uri("c"), DRAFTER_A)
@@ -230,7 +237,7 @@ async def test_leases_protect_and_only_the_holder_releases(start_node, backend: 
 
 async def test_16_concurrent_appenders_one_winner_per_version(start_node, backend: str) -> None:
     cluster: Cluster = await start_node(backend=backend)
-    mlcs = [cluster.remote(DRAFTER_A if i % 2 else DRAFTER_B) for i in range(4)]
+    mlcs = [cluster.remote(DRAFTER_A) for _ in range(4)]
     logs: list[CommitLog] = [mlcs[i % 4].commit_log(LOG) for i in range(16)]
     await race_appenders(logs, lambda writer: commit(1, writer))
 
@@ -246,15 +253,15 @@ async def test_fence_stops_stale_epochs(start_node, backend: str) -> None:
         await verifier_log.append(commit(1, 2), if_match=etag)
     with pytest.raises(Fenced):  # and cannot get in with the current etag either
         await verifier_log.append(commit(1, 2), if_match=fenced)
-    after = await router_log.append(commit(2, 2), if_match=fenced)
+    after = await router_log.append(commit(2, 2, DRAFTER_B), if_match=fenced)
     assert await router_log.fence(2) == after  # a retried fence appends nothing
     with pytest.raises(Fenced):
         await router_log.fence(1)
     with pytest.raises(InvalidRecord):
         await verifier_log.append({"round": 3}, if_match=after)
     snapshot = await verifier_log.read()
-    assert snapshot.records == [commit(1, 1), {"epoch": 2}, commit(2, 2)] and snapshot.etag == after
-    assert await verifier_log.last_commit() == commit(2, 2)
+    assert snapshot.records == [commit(1, 1), {"epoch": 2}, commit(2, 2, DRAFTER_B)] and snapshot.etag == after
+    assert await verifier_log.last_commit() == commit(2, 2, DRAFTER_B)
 
 
 async def test_corrupt_log_reads_as_corrupt_record(start_node, tmp_path: Path) -> None:

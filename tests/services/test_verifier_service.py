@@ -356,6 +356,7 @@ async def test_commit_records_precede_verdicts(cluster: Cluster, target: TargetM
             "emitted": list(verdict.emitted),
             "committed": verdict.committed,
             "digest": verdict.digest,
+            "writer": cluster.node.uri,
         }
     ]
     assert cbor2.loads(cbor2.dumps(records[0])) == records[0]

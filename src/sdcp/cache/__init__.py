@@ -2,6 +2,7 @@
 
 from sdcp.cache.commitlog import CommitLog, FileCommitLog, LogSnapshot, MemoryCommitLog
 from sdcp.cache.errors import (
+    AccessDenied,
     CacheError,
     CacheFull,
     CorruptRecord,
@@ -20,6 +21,7 @@ from sdcp.cache.uri import ObjectURI, build_uri, parse_uri
 
 __all__ = [
     "MLC",
+    "AccessDenied",
     "CacheError",
     "CacheFull",
     "CommitLog",

@@ -191,6 +191,11 @@ class DiskTier:
             db.execute("DELETE FROM leases WHERE uri = ? AND holder = ?", (uri, holder))
         return cursor.rowcount > 0
 
+    def lease_holders_sync(self, uri: str) -> frozenset[str]:
+        with self._transaction() as db:
+            rows = db.execute("SELECT holder FROM leases WHERE uri = ? AND expires > ?", (uri, time.time())).fetchall()
+        return frozenset(row[0] for row in rows)
+
     # -- async API ------------------------------------------------------------------------------
 
     async def head(self, uri: str) -> str | None:
@@ -213,6 +218,9 @@ class DiskTier:
 
     async def release(self, uri: str, holder: str) -> bool:
         return await asyncio.to_thread(self.release_sync, uri, holder)
+
+    async def lease_holders(self, uri: str) -> frozenset[str]:
+        return await asyncio.to_thread(self.lease_holders_sync, uri)
 
     def commit_log(self, uri: str) -> CommitLog:
         name = hashlib.sha256(uri.encode()).hexdigest()[:40]

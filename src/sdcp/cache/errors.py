@@ -43,5 +43,9 @@ class LeaseNotHeld(CacheError):
     """The holder has no live lease on the object (never taken, released, or expired)."""
 
 
+class AccessDenied(CacheError):
+    """The store refused the caller: its role may not do this to the object (docs/security.md)."""
+
+
 class InvalidArgument(CacheError):
     """An argument has the wrong type or range (object data not bytes, non-positive TTL, ...)."""

@@ -174,6 +174,11 @@ class MemoryStore:
             expires = self._leases.get(uri, {}).pop(holder, 0.0)
             return expires > time.time()
 
+    async def lease_holders(self, uri: str) -> frozenset[str]:
+        with self._lock:
+            now = time.time()
+            return frozenset(holder for holder, expires in self._leases.get(uri, {}).items() if expires > now)
+
     def _is_leased(self, uri: str) -> bool:
         now = time.time()
         return any(expires > now for expires in self._leases.get(uri, {}).values())

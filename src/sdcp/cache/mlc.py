@@ -243,6 +243,10 @@ class MLC:
         _check_lease_args(holder, 1.0)
         return await self.shared.release(uri, holder)
 
+    async def lease_holders(self, uri: str) -> frozenset[str]:
+        """Who holds a live lease on the object now."""
+        return await self.shared.lease_holders(canonical(uri))
+
     # -- commit logs and telemetry --------------------------------------------------------------
 
     def commit_log(self, uri: str) -> CommitLog:

@@ -100,6 +100,19 @@ return now + ttl
 """
 )
 
+# KEYS: lease. Returns the holders of live leases.
+_HOLDERS = (
+    _NOW_MS
+    + """
+local fields = redis.call('HGETALL', KEYS[1])
+local live = {}
+for i = 1, #fields, 2 do
+  if tonumber(fields[i + 1]) > now then live[#live + 1] = fields[i] end
+end
+return live
+"""
+)
+
 # KEYS: lease. ARGV: holder. Returns 1 if a live lease was dropped.
 _RELEASE = (
     _NOW_MS
@@ -160,6 +173,7 @@ class RedisStore:
         self._delete = self.client.register_script(_DELETE)
         self._lease = self.client.register_script(_LEASE)
         self._release = self.client.register_script(_RELEASE)
+        self._holders = self.client.register_script(_HOLDERS)
         self.append_script = self.client.register_script(_APPEND)
 
     def _key(self, kind: str, uri: str) -> str:
@@ -208,6 +222,10 @@ class RedisStore:
 
     async def release(self, uri: str, holder: str) -> bool:
         return bool(await self._release(keys=[self._key("l", uri)], args=[holder]))
+
+    async def lease_holders(self, uri: str) -> frozenset[str]:
+        holders = await self._holders(keys=[self._key("l", uri)])
+        return frozenset(holder.decode() if isinstance(holder, bytes) else str(holder) for holder in holders)
 
     def commit_log(self, uri: str) -> CommitLog:
         return RedisCommitLog(uri, self)

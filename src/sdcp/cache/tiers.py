@@ -59,6 +59,9 @@ class SharedStore(Protocol):
     async def release(self, uri: str, holder: str) -> bool:
         """Drop a lease; True if a live one was dropped."""
 
+    async def lease_holders(self, uri: str) -> frozenset[str]:
+        """Who holds a live lease on the object now."""
+
     def commit_log(self, uri: str) -> CommitLog: ...
 
     async def close(self) -> None: ...

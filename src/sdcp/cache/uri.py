@@ -15,6 +15,11 @@ from sdcp.cache.errors import InvalidURI
 SCHEME = "mlc"
 SCOPE_BYTES = 16
 NO_SCOPE = "-"
+# The kinds this implementation names its objects with: commit logs (the router), committed-token
+# lists (the router, at failover), draft rows (drafters, SDCP 5.2 q_rows).
+LOG_KIND = "log"
+TOKENS_KIND = "tokens"
+Q_ROWS_KIND = "q-rows"
 
 _AUTHORITY = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5})?")
 _KIND = re.compile(r"[a-z0-9][a-z0-9_-]*")

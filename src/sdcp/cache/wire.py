@@ -5,7 +5,7 @@ that answers (`sdcp.services.mlc`) and the client that reads the answer (`sdcp.s
 |---|---|---|
 | `InvalidURI`, `InvalidArgument` | 400 | `InvalidArgument` (objects, leases) |
 | `InvalidRecord` | 400 | `InvalidRecord` (logs) |
-| (a lease in another holder's name) | 403 | `InvalidArgument` |
+| (a caller whose role may not do this, docs/security.md) | 403 | `AccessDenied` |
 | `ObjectNotFound` | 404 | `ObjectNotFound` |
 | `Fenced` | 409 | `Fenced` (logs) |
 | `LeaseNotHeld` | 409 | `LeaseNotHeld` (leases) |
@@ -21,6 +21,7 @@ that a client reads 409 on a log as Fenced without parsing details (docs/interpr
 from __future__ import annotations
 
 from sdcp.cache.errors import (
+    AccessDenied,
     CacheError,
     CacheFull,
     CorruptRecord,
@@ -55,7 +56,7 @@ _STATUS_OF: dict[type[CacheError], int] = {
 # The client's side, per kind of resource.
 OBJECT_ERRORS: ErrorMap = {
     400: InvalidArgument,
-    403: InvalidArgument,
+    403: AccessDenied,
     404: ObjectNotFound,
     412: PreconditionFailed,
     413: ObjectTooLarge,

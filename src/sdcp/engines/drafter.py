@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from prometheus_client import Counter, Histogram
 
 from sdcp.cache import MLC, CacheError, build_uri
+from sdcp.cache.uri import Q_ROWS_KIND
 from sdcp.config import DrafterConfig
 from sdcp.engines.errors import Unanswered
 from sdcp.engines.ports import VerifierLink
@@ -48,7 +49,6 @@ __all__ = [
     "DrafterEngine",
     "InconsistentPrefix",
     "MEASURED_AFTER_VERDICTS",
-    "Q_ROWS_KIND",
     "confirmed_predraft",
     "q_rows_uri",
 ]
@@ -62,7 +62,6 @@ RESYNCS = Counter("sdcp_drafter_resyncs_total", "Resynchronisations after sdcp-s
 PREDRAFTS = Counter("sdcp_drafter_predrafts_total", "Pre-drafted rounds by outcome", ["instance", "outcome"])
 ROUND_SECONDS = Histogram("sdcp_drafter_round_seconds", "Time from sending a proposal to its verdict", ["instance"])
 
-Q_ROWS_KIND = "q-rows"
 _ROW_BYTES_PER_TOKEN = 4  # one binary32 value per vocabulary entry (SDCP 5.2 q_rows)
 # Verification time assumed before the first verdict has been timed.
 _INITIAL_ROUND_TRIP_S = 0.05

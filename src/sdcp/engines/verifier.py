@@ -470,7 +470,9 @@ class VerifierEngine:
 
     async def _append(self, live: _LiveSession, pending: PendingCommit) -> None:
         machine = live.machine
-        record = pending.record.to_obj()
+        # The writer's identity goes with the record: an MLC node admits commit records only from
+        # the verifier they name (docs/security.md); readers treat the member as opaque.
+        record = {**pending.record.to_obj(), "writer": self.uri}
         try:
             live.etag = await live.log.append(record, live.etag)
             return

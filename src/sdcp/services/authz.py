@@ -66,6 +66,20 @@ TABLE: dict[str, dict[str, frozenset[Party]]] = {
         "GET metrics": frozenset({_P.OPERATOR}),
     },
     "mlc": {
+        "GET objects": frozenset({_P.ROUTER, _P.VERIFIER, _P.DRAFTER, _P.OPERATOR}),
+        "HEAD objects": frozenset({_P.ROUTER, _P.VERIFIER, _P.DRAFTER, _P.OPERATOR}),
+        # By kind besides: draft rows by drafters (the lease holder while leased), committed tokens
+        # by routers, other objects by routers and verifiers, logs never (sdcp.services.mlc).
+        "PUT objects": frozenset({_P.ROUTER, _P.VERIFIER, _P.DRAFTER}),
+        "DELETE objects": frozenset({_P.ROUTER, _P.VERIFIER, _P.DRAFTER}),
+        "GET leases": frozenset({_P.ROUTER, _P.VERIFIER, _P.DRAFTER}),
+        "POST leases": frozenset({_P.ROUTER, _P.VERIFIER, _P.DRAFTER}),
+        "POST leases/renew": frozenset({_P.ROUTER, _P.VERIFIER, _P.DRAFTER}),
+        "POST leases/release": frozenset({_P.ROUTER, _P.VERIFIER, _P.DRAFTER}),
+        "GET logs": frozenset({_P.ROUTER, _P.VERIFIER, _P.OPERATOR}),
+        # Only commit records naming the caller as writer, one verifier per epoch.
+        "POST logs/append": frozenset({_P.VERIFIER}),
+        "POST logs/fence": frozenset({_P.ROUTER}),
         "GET metrics": frozenset({_P.OPERATOR}),
     },
 }

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -43,11 +43,12 @@ from sdcp.cache import (
     InvalidURI,
     ObjectNotFound,
 )
-from sdcp.cache.uri import canonical
+from sdcp.cache.uri import LOG_KIND, Q_ROWS_KIND, TOKENS_KIND, canonical, parse_uri
 from sdcp.cache.wire import status_of
 from sdcp.config import ConfigError, ServiceConfig
+from sdcp.services.authz import Party
 from sdcp.services.node import Node
-from sdcp.transport.asgi import cbor_response, read_cbor_body, require_peer
+from sdcp.transport.asgi import cbor_response, read_cbor_body
 from sdcp.transport.errors import Forbidden, HTTPProblem, PayloadTooLarge, UnsupportedMediaType
 
 __all__ = ["OCTETS", "CacheProblem", "MLCNode"]
@@ -56,6 +57,7 @@ OCTETS = "application/octet-stream"
 # Commit-log handles kept open: a file log caches its parsed records, so reusing the handle saves
 # re-reading the whole log on every append of a busy session.
 _OPEN_LOGS = 1024
+_V = TypeVar("_V")
 
 
 class CacheProblem(HTTPProblem):
@@ -91,12 +93,14 @@ def _translating(handler: Handler) -> Handler:
 
 
 class MLCNode(Node):
-    """Serves this process's MLC (disk or Redis shared store behind it) to authenticated peers.
+    """Serves this process's MLC (disk or Redis shared store behind it) to the deployment's roles.
 
-    Any peer whose certificate the deployment's CA issued may read and write objects and logs: the
-    MLC is shared infrastructure (SDCP 1.4), and who may commit to a log is decided by the epochs and
-    fences in it (SDCP 6.8), not by the store. A lease is taken, renewed and released only in the
-    caller's own name, so a peer cannot drop another's protection.
+    Who may do what is the authorization table (sdcp.services.authz, docs/security.md), and within
+    it: commit records come only from the verifier they name, and an epoch's records from one
+    verifier; fences only from routers; draft rows (kind ``q-rows``) are written only by drafters,
+    and only by the lease holder while a lease is live; committed-token objects only by routers; logs
+    never through the object resources. A lease is taken, renewed and released only in the caller's
+    own name, so a peer cannot drop another's protection.
     """
 
     role = "mlc"
@@ -111,6 +115,8 @@ class MLCNode(Node):
             raise ConfigError("an MLC node cannot use itself as its shared store (mlc.mlc_url is its own URI)")
         super().__init__(config, mlc)
         self._logs: OrderedDict[str, CommitLog] = OrderedDict()
+        # Per log, the epoch and verifier of its latest commit record: who may append in that epoch.
+        self._claims: OrderedDict[str, tuple[int, str]] = OrderedDict()
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -118,6 +124,7 @@ class MLCNode(Node):
             Route("/objects", _translating(self._get_object), methods=["GET"]),
             Route("/objects", _translating(self._put_object), methods=["PUT"]),
             Route("/objects", _translating(self._delete_object), methods=["DELETE"]),
+            Route("/leases", _translating(self._lease_holders), methods=["GET"]),
             Route("/leases", _translating(self._lease), methods=["POST"]),
             Route("/leases/renew", _translating(self._renew), methods=["POST"]),
             Route("/leases/release", _translating(self._release), methods=["POST"]),
@@ -131,7 +138,7 @@ class MLCNode(Node):
     async def _head_object(self, request: Request) -> Response:
         # A HEAD answer carries no body, not even a problem (RFC 9110 9.3.2): errors are bare statuses.
         try:
-            await _authenticated(request)
+            self.trust.admit(request, "HEAD objects")
             uri = _uri_param(request)
             etag = await self.mlc.shared.head(uri)
             if etag is None:
@@ -146,13 +153,14 @@ class MLCNode(Node):
         return response
 
     async def _get_object(self, request: Request) -> Response:
-        await _authenticated(request)
+        self.trust.admit(request, "GET objects")
         data, info = await self.mlc.fetch(_uri_param(request))
         return Response(content=data, media_type=OCTETS, headers={"etag": info.etag})
 
     async def _put_object(self, request: Request) -> Response:
-        await _authenticated(request)
+        caller = self.trust.admit(request, "PUT objects")
         uri = _uri_param(request)
+        await self._check_object_writer(caller, uri)
         data = await _read_octets(request, self.mlc.max_object_bytes)
         if_match = request.headers.get("if-match")
         # Only the status code depends on this look-up; a creation racing it is reported as 204.
@@ -161,46 +169,91 @@ class MLCNode(Node):
         return Response(status_code=201 if created else 204, headers={"etag": info.etag})
 
     async def _delete_object(self, request: Request) -> Response:
-        await _authenticated(request)
+        caller = self.trust.admit(request, "DELETE objects")
         uri = _uri_param(request)
+        await self._check_object_writer(caller, uri)
         if not await self.mlc.delete(uri):
             raise ObjectNotFound(uri)
         return Response(status_code=204)
 
+    async def _check_object_writer(self, caller: str, uri: str) -> None:
+        """Who may write or delete an object, by its kind (see the class doc)."""
+        kind = _kind(uri)
+        if kind == LOG_KIND:
+            raise Forbidden("commit logs change only through logs/append and logs/fence")
+        if kind == Q_ROWS_KIND:
+            if not self.trust.is_member(caller, Party.DRAFTER):
+                raise Forbidden(f"{caller} is not a drafter: draft rows are the drafters'")
+            holders = await self.mlc.lease_holders(uri)
+            if holders and caller not in holders:
+                raise Forbidden(f"{uri} is leased by another drafter")
+        elif kind == TOKENS_KIND:
+            if not self.trust.is_member(caller, Party.ROUTER):
+                raise Forbidden(f"{caller} is not a router: committed-token objects are the router's")
+        elif not (self.trust.is_member(caller, Party.ROUTER) or self.trust.is_member(caller, Party.VERIFIER)):
+            raise Forbidden(f"{caller} may not write {kind or 'these'} objects")
+
     # -- leases ---------------------------------------------------------------------------------
 
+    async def _lease_holders(self, request: Request) -> Response:
+        self.trust.admit(request, "GET leases")
+        return cbor_response({"holders": sorted(await self.mlc.lease_holders(_uri_param(request)))})
+
     async def _lease(self, request: Request) -> Response:
-        uri, holder, ttl_s = await _lease_request(request, with_ttl=True)
+        uri, holder, ttl_s = await self._lease_request(request, "POST leases", with_ttl=True)
         lease = await self.mlc.lease(uri, holder, ttl_s)
         return cbor_response({"expires_ms": math.floor(lease.expires_at * 1000)})
 
     async def _renew(self, request: Request) -> Response:
-        uri, holder, ttl_s = await _lease_request(request, with_ttl=True)
+        uri, holder, ttl_s = await self._lease_request(request, "POST leases/renew", with_ttl=True)
         lease = await self.mlc.renew(uri, holder, ttl_s)
         return cbor_response({"expires_ms": math.floor(lease.expires_at * 1000)})
 
     async def _release(self, request: Request) -> Response:
-        uri, holder, _ = await _lease_request(request, with_ttl=False)
+        uri, holder, _ = await self._lease_request(request, "POST leases/release", with_ttl=False)
         return cbor_response({"released": await self.mlc.release(uri, holder)})
 
     # -- commit logs (SDCP 6.8) -----------------------------------------------------------------
 
     def _log(self, uri: str) -> CommitLog:
-        log = self._logs.pop(uri, None) or self.mlc.commit_log(uri)
-        self._logs[uri] = log
-        while len(self._logs) > _OPEN_LOGS:
-            self._logs.popitem(last=False)
+        log = self._logs.get(uri) or self.mlc.commit_log(uri)
+        self._remember(self._logs, uri, log)
         return log
 
+    @staticmethod
+    def _remember(cache: OrderedDict[str, _V], uri: str, value: _V) -> None:
+        cache.pop(uri, None)
+        cache[uri] = value
+        while len(cache) > _OPEN_LOGS:
+            cache.popitem(last=False)
+
+    async def _lease_request(self, request: Request, endpoint: str, *, with_ttl: bool) -> tuple[str, str, float]:
+        caller = self.trust.admit(request, endpoint)
+        body = await read_cbor_body(request)
+        if not isinstance(body, dict):
+            raise InvalidArgument(f"a lease request is a map, got {type(body).__name__}")
+        uri, holder, ttl_ms = body.get("uri"), body.get("holder"), body.get("ttl_ms")
+        if not isinstance(uri, str):
+            raise InvalidURI(f"a lease request names the object in uri (text), got {uri!r}")
+        if not isinstance(holder, str) or not holder:
+            raise InvalidArgument(f"a lease holder is a non-empty text, got {holder!r}")
+        if holder != caller:
+            raise Forbidden(f"{caller} may hold leases only in its own name, not as {holder}")
+        if not with_ttl:
+            return canonical(uri), holder, 0.0
+        if not isinstance(ttl_ms, int) or isinstance(ttl_ms, bool) or ttl_ms <= 0:
+            raise InvalidArgument(f"ttl_ms is a positive integer, got {ttl_ms!r}")
+        return canonical(uri), holder, ttl_ms / 1000
+
     async def _read_log(self, request: Request) -> Response:
-        await _authenticated(request)
+        self.trust.admit(request, "GET logs")
         snapshot = await self._log(_uri_param(request)).read()
         response = cbor_response({"records": snapshot.records, "etag": snapshot.etag})
         response.headers["etag"] = snapshot.etag
         return response
 
     async def _append(self, request: Request) -> Response:
-        await _authenticated(request)
+        caller = self.trust.admit(request, "POST logs/append")
         uri = _uri_param(request)
         record = await read_cbor_body(request)
         if_match = request.headers.get("if-match")
@@ -209,11 +262,28 @@ class MLCNode(Node):
             raise PreconditionRequired("logs/append needs If-Match with the ETag of the version read")
         if not isinstance(record, dict):
             raise InvalidRecord(f"a record is a map, got {type(record).__name__}")
-        etag = await self._log(uri).append(record, if_match)
+        epoch = record.get("epoch")
+        if record.get("writer") != caller or not isinstance(epoch, int):
+            raise Forbidden(f"{caller} may append only commit records that name it as their writer")
+        log = self._log(uri)
+        await self._check_claim(uri, log, epoch, caller)
+        etag = await log.append(record, if_match)
+        self._remember(self._claims, uri, (epoch, caller))
         return _etag_response(etag)
 
+    async def _check_claim(self, uri: str, log: CommitLog, epoch: int, caller: str) -> None:
+        """One verifier per epoch: the first commit record of an epoch claims it (SDCP 6.9 gives a
+        new verifier a new epoch, after the router's fence)."""
+        claim = self._claims.get(uri)
+        if claim is None or claim[0] != epoch:
+            records = (await log.read()).records
+            writers = [r.get("writer") for r in records if r.get("epoch") == epoch and "writer" in r]
+            claim = (epoch, str(writers[-1])) if writers else None
+        if claim is not None and claim[1] != caller:
+            raise Forbidden(f"epoch {epoch} of {uri} is written by another verifier")
+
     async def _fence(self, request: Request) -> Response:
-        await _authenticated(request)
+        self.trust.admit(request, "POST logs/fence")
         uri = _uri_param(request)
         body = await read_cbor_body(request)
         epoch = body.get("epoch") if isinstance(body, dict) else None
@@ -232,9 +302,12 @@ def _etag_response(etag: str) -> Response:
     return response
 
 
-async def _authenticated(request: Request) -> str:
-    """The caller's URI; any certificate of the deployment's CA with one URI SAN is admitted."""
-    return await require_peer(request, lambda _uri: True)
+def _kind(uri: str) -> str | None:
+    """The kind of one of our own object URIs; None for a URI of another grammar."""
+    try:
+        return parse_uri(uri).kind
+    except InvalidURI:
+        return None
 
 
 def _uri_param(request: Request) -> str:
@@ -258,22 +331,3 @@ async def _read_octets(request: Request, limit: int) -> bytes:
     if received > limit:
         raise PayloadTooLarge(f"object of {received} bytes exceeds the maximum object size {limit}")
     return b"".join(chunks)
-
-
-async def _lease_request(request: Request, *, with_ttl: bool) -> tuple[str, str, float]:
-    caller = await _authenticated(request)
-    body = await read_cbor_body(request)
-    if not isinstance(body, dict):
-        raise InvalidArgument(f"a lease request is a map, got {type(body).__name__}")
-    uri, holder, ttl_ms = body.get("uri"), body.get("holder"), body.get("ttl_ms")
-    if not isinstance(uri, str):
-        raise InvalidURI(f"a lease request names the object in uri (text), got {uri!r}")
-    if not isinstance(holder, str) or not holder:
-        raise InvalidArgument(f"a lease holder is a non-empty text, got {holder!r}")
-    if holder != caller:
-        raise Forbidden(f"{caller} may hold leases only in its own name, not as {holder}")
-    if not with_ttl:
-        return canonical(uri), holder, 0.0
-    if not isinstance(ttl_ms, int) or isinstance(ttl_ms, bool) or ttl_ms <= 0:
-        raise InvalidArgument(f"ttl_ms is a positive integer, got {ttl_ms!r}")
-    return canonical(uri), holder, ttl_ms / 1000

@@ -119,6 +119,12 @@ class RemoteStore:
             _, body = await self.client.post_cbor("leases/release", {"uri": uri, "holder": holder}, idempotent=True)
         return _member(body, "released", bool, self.base_uri)
 
+    async def lease_holders(self, uri: str) -> frozenset[str]:
+        with _cache_errors(LEASE_ERRORS):
+            _, body = await self.client.get_cbor("leases", {"uri": uri})
+        holders = _member(body, "holders", list, self.base_uri)
+        return frozenset(holder for holder in holders if isinstance(holder, str))
+
     def commit_log(self, uri: str) -> CommitLog:
         return RemoteCommitLog(uri, self.client)
 

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from sdcp.cache import MLC, build_uri
+from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
 from sdcp.config import ServiceConfig
 from sdcp.protocol.messages import (
     TOKEN_MAX,
@@ -244,7 +245,7 @@ class RouterNode(Node):
         wanted = SessionRequest.from_obj(await read_cbor_body(request))
         contract = wanted.contract
         session = secrets.token_bytes(16)
-        commit_log = build_uri(self.mlc.authority, contract.scope, "log", session.hex())
+        commit_log = build_uri(self.mlc.authority, contract.scope, LOG_KIND, session.hex())
         tried: list[str] = []
         while True:
             verifier = self._pick_verifier(contract, avoid=tried)
@@ -546,7 +547,9 @@ class RouterNode(Node):
         snapshot = await self.mlc.commit_log(plan.commit_log).read()
         replay = replay_commit_log(snapshot.records, plan.contract.digest, tracked.prompt)
         # The committed prefix of a given length never changes, so the name can say only its length.
-        uri = build_uri(self.mlc.authority, plan.contract.scope, "tokens", f"{plan.session.hex()}-{len(replay.tokens)}")
+        uri = build_uri(
+            self.mlc.authority, plan.contract.scope, TOKENS_KIND, f"{plan.session.hex()}-{len(replay.tokens)}"
+        )
         await self.mlc.put(uri, encode_token_list(replay.tokens))
         return replay, uri
 
