@@ -568,3 +568,19 @@ async def test_the_verifier_decodes_alone_at_the_routers_request(
             break
         await asyncio.sleep(0.02)
     assert stats["state"] == Action.CONTINUE and stats["self_decoded"] == 5 and stats["committed"] == 5
+
+
+async def test_token_ids_outside_the_vocabulary_are_bad_messages(cluster: Cluster, target: TargetModel) -> None:
+    router, drafter = cluster.client("router"), cluster.client("drafter")
+    outside = target.vocab_size
+    message = SessionOpen(
+        session=b"\x05" * 16, epoch=1, contract=contract(target), prompt=(1, outside), commit_log="mlc://local/-/log/v"
+    )
+    err = await problem_of(router.post_cbor("sessions", message.to_obj()))
+    assert err.status == 400 and "vocabulary" in err.detail and b"\x05" * 16 not in cluster.node.engine.sessions
+    state = await open_and_assign(cluster, contract(target))
+    err = await problem_of(drafter.post_cbor("proposals", proposal(state, (1, outside)).to_obj()))
+    assert err.status == 400 and "vocabulary" in err.detail
+    # Nothing was committed, and the next proposal of the same round is verified as usual.
+    _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
+    assert Verdict.from_obj(body).round == state.round + 1

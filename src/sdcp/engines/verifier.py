@@ -283,9 +283,11 @@ class VerifierEngine:
         prompt = await self._tokens(message.prompt, "prompt")
         if not prompt:
             raise BadMessage("the prompt holds no tokens")
+        self._check_vocabulary(prompt, "prompt")
         committed: tuple[int, ...] = ()
         if message.resume is not None:
             committed = await self._tokens(message.resume.committed_tokens, "resume.committed_tokens")
+            self._check_vocabulary(committed, "resume.committed_tokens")
         context = getattr(self.target.model.config, "max_position_embeddings", None)
         if context is not None and len(prompt) + contract.max_new > context:
             raise BadContract(
@@ -349,6 +351,11 @@ class VerifierEngine:
             return admitted.verdict
         if isinstance(admitted, Wait):
             return await asyncio.shield(live.rounds[admitted.round])
+        try:
+            self._check_vocabulary(proposal.tokens, "proposal tokens")
+        except BadMessage:
+            live.machine.abandon(admitted)
+            raise
         with ROUND_SECONDS.labels(self.uri).time():
             return await self._verify(live, admitted)
 
@@ -700,6 +707,12 @@ class VerifierEngine:
         live = self._live(session)
         live.driven()
         return live
+
+    def _check_vocabulary(self, tokens: Sequence[int], what: str) -> None:
+        vocab = self.target.vocab_size
+        outside = next((token for token in tokens if token >= vocab), None)
+        if outside is not None:
+            raise BadMessage(f"{what}: token id {outside} is outside the target's vocabulary of {vocab}")
 
     async def _tokens(self, value: tuple[int, ...] | str, what: str) -> tuple[int, ...]:
         if isinstance(value, tuple):
