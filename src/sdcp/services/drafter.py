@@ -6,6 +6,8 @@ A route handler over ``sdcp.engines.DrafterEngine``, and the engine's way to ver
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -88,5 +90,5 @@ class DrafterNode(Node):
         """POST assignments (SDCP 6.1)."""
         self.trust.admit(request, "POST assignments")
         body = await read_cbor_body(request)
-        await self.engine.assign(Assignment.from_obj(body))
+        await asyncio.shield(self.engine.assign(Assignment.from_obj(body)))
         return Response(status_code=204)

@@ -118,6 +118,11 @@ class MLCNode(Node):
         # Per log, the epoch and verifier of its latest commit record: who may append in that epoch.
         self._claims: OrderedDict[str, tuple[int, str]] = OrderedDict()
 
+    @property
+    def max_body_bytes(self) -> int:
+        """An object of the largest size the store takes, with room for the request around it."""
+        return self.mlc.max_object_bytes + (1 << 16)
+
     def routes(self) -> list[BaseRoute]:
         return [
             Route("/objects", self._head_object, methods=["HEAD"]),

@@ -18,6 +18,7 @@ from sdcp.cache import MLC
 from sdcp.config import ServiceConfig
 from sdcp.engines.errors import SessionNotFound, Unavailable
 from sdcp.engines.tasks import BackgroundTasks
+from sdcp.protocol.codec import DEFAULT_MAX_SIZE
 from sdcp.protocol.messages import Status, instance_path_id
 from sdcp.services.authz import Trust
 from sdcp.services.mlc_client import RemoteStore
@@ -83,6 +84,11 @@ class Node(ABC):
     def routes(self) -> list[BaseRoute]:
         """The role's resources of SDCP Table 1, relative to the base URI."""
 
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body the listener takes: an SDCP message (sdcp.protocol.codec)."""
+        return DEFAULT_MAX_SIZE
+
     def status(self) -> Status | None:
         """This instance's current status report (SDCP 5.2); None for instances that report none
         (the router itself, an MLC node: status roles are drafter and verifier only)."""
@@ -115,7 +121,14 @@ class Node(ABC):
     async def start(self) -> None:
         await self.on_start()
         instance = self.config.instance
-        listener = Listener.mtls(instance.host, instance.port, cert=instance.cert, key=instance.key, ca=instance.ca)
+        listener = Listener.mtls(
+            instance.host,
+            instance.port,
+            cert=instance.cert,
+            key=instance.key,
+            ca=instance.ca,
+            max_body_bytes=self.max_body_bytes,
+        )
         self._server = MTLSServer(self.app(), listener)
         await self._server.start()
         if instance.router is not None and instance.router != self.uri and self.status() is not None:

@@ -243,6 +243,11 @@ class RouterNode(Node):
         """POST sessions: open at a verifier, then assign a drafter (SDCP 6.1 order)."""
         owner = self.trust.admit(request, "POST sessions")
         wanted = SessionRequest.from_obj(await read_cbor_body(request))
+        # Runs to its end even if the client goes away: a session half opened is tracked nowhere.
+        tracked = await asyncio.shield(self._open_session(owner, wanted))
+        return cbor_response({key: value for key, value in tracked.describe().items() if key != "ended"}, status=201)
+
+    async def _open_session(self, owner: str, wanted: SessionRequest) -> _TrackedSession:
         contract = wanted.contract
         session = secrets.token_bytes(16)
         commit_log = build_uri(self.mlc.authority, contract.scope, LOG_KIND, session.hex())
@@ -280,7 +285,7 @@ class RouterNode(Node):
                 await self._assign_drafter(tracked)
             except (ProtocolError, TransportError) as exc:
                 log.warning("%s: session %s opened without a drafter: %s", self.uri, tracked.path_id, exc)
-        return cbor_response({key: value for key, value in tracked.describe().items() if key != "ended"}, status=201)
+        return tracked
 
     async def get_session(self, request: Request) -> Response:
         """GET sessions/{id}: where the session runs now, so that a client can follow a failover."""
@@ -295,11 +300,14 @@ class RouterNode(Node):
         policy = Policy.from_obj(await read_cbor_body(request))
         if policy.session != tracked.plan.session:
             raise BadMessage("the policy names another session than the path")
+        state = await asyncio.shield(self._change_policy(tracked, policy))
+        return cbor_response(state.to_obj())
+
+    async def _change_policy(self, tracked: _TrackedSession, policy: Policy) -> SessionState:
         async with tracked.lock:
             if tracked.ended:
                 raise ProtocolError(ProblemType.SESSION_CLOSED, "the session has ended")
-            state = await self._send_policy(tracked, policy)
-        return cbor_response(state.to_obj())
+            return await self._send_policy(tracked, policy)
 
     # -- assignment, failover and the periodic task ----------------------------------------------
 

@@ -1,11 +1,15 @@
 """The verifier role over HTTP/2 + mTLS (SDCP Table 1, 6.1, 6.3, 6.5.2, 6.6, 6.7).
 
 Route handlers over ``sdcp.engines.VerifierEngine``: each reads and checks the request (body,
-caller, path), calls the engine and answers in CBOR. Events go to the router over mTLS.
+caller, path), calls the engine and answers in CBOR. Events go to the router over mTLS. A call that
+changes a session runs to its end even when its client resets the stream or goes away (the server
+cancels the handler then): a round cut off between its commit-log append and its release would
+leave a durable record unreleased (SDCP 6.3).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -88,23 +92,25 @@ class VerifierNode(Node):
         """POST sessions (SDCP 6.1, 6.9 resume)."""
         self.trust.admit(request, "POST sessions")
         body = await read_cbor_body(request)
-        state = await self.engine.open_session(SessionOpen.from_obj(body))
+        state = await asyncio.shield(self.engine.open_session(SessionOpen.from_obj(body)))
         return cbor_response(state.to_obj(), status=201)
 
     async def assign_drafter(self, request: Request) -> Response:
         """PUT sessions/{id}/drafter (SDCP 6.1)."""
-        state = await self.engine.assign(await self._router_message(request, "PUT sessions/{id}/drafter", Assignment))
+        message = await self._router_message(request, "PUT sessions/{id}/drafter", Assignment)
+        state = await asyncio.shield(self.engine.assign(message))
         return cbor_response(state.to_obj())
 
     async def policy(self, request: Request) -> Response:
         """POST sessions/{id}/policy (SDCP 6.6)."""
-        state = await self.engine.apply_policy(await self._router_message(request, "POST sessions/{id}/policy", Policy))
+        policy = await self._router_message(request, "POST sessions/{id}/policy", Policy)
+        state = await asyncio.shield(self.engine.apply_policy(policy))
         return cbor_response(state.to_obj())
 
     async def self_decode(self, request: Request) -> Response:
         """POST sessions/{id}/self-decode (extension, docs/interpretations.md)."""
         message = await self._router_message(request, "POST sessions/{id}/self-decode", SelfDecodeRequest)
-        state = await self.engine.self_decode(message)
+        state = await asyncio.shield(self.engine.self_decode(message))
         return cbor_response(state.to_obj())
 
     async def _router_message(self, request: Request, endpoint: str, kind: type[_RouterMessage]) -> _RouterMessage:
@@ -120,7 +126,7 @@ class VerifierNode(Node):
     async def propose(self, request: Request) -> Response:
         """POST proposals (SDCP 6.3)."""
         body = await read_cbor_body(request)
-        verdict = await self.engine.propose(Proposal.from_obj(body), peer_uri(request))
+        verdict = await asyncio.shield(self.engine.propose(Proposal.from_obj(body), peer_uri(request)))
         return cbor_response(verdict.to_obj())
 
     async def stats(self, request: Request) -> Response:

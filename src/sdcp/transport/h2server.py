@@ -6,11 +6,21 @@ request; on the cores the model also uses, that came out of its passes (docs/per
 server does what those listeners need and no more:
 
 - one task per request running the ASGI app, with the ASGI TLS extension (and ``peer_uri``) of the
-  connection in ``scope["extensions"]["tls"]``;
-- flow control both ways, with 16 MiB receive windows;
-- ``max_concurrent_streams`` advertised; after ``keep_alive_max_requests`` requests, or when the
-  server stops, new streams are refused (REFUSED_STREAM, safe to retry, RFC 9113 8.7) and GOAWAY
-  closes the connection once its requests are answered (h2 can send nothing after a GOAWAY);
+  connection in ``scope["extensions"]["tls"]``; a stream the client resets, or a connection that is
+  lost, cancels its task;
+- flow control both ways: request data is credited back to the client only as the app reads it, so
+  what a client can make the server hold is bounded by the windows (1 MiB a stream, 16 MiB a
+  connection), whatever it sends;
+- request bodies limited while they arrive (``max_body_bytes``: a declared or received excess is
+  answered 413 at once and the upload stopped with RST_STREAM), and a body that stalls for
+  ``body_timeout_s`` ends its stream;
+- ``max_concurrent_streams`` advertised and enforced (a stream beyond it is refused); a client that
+  resets streams faster than ``_RESET_RATE`` a second (the rapid-reset pattern) gets GOAWAY
+  ENHANCE_YOUR_CALM; after ``keep_alive_max_requests`` requests, or when the server stops, new
+  streams are refused (REFUSED_STREAM, safe to retry, RFC 9113 8.7) and GOAWAY closes the
+  connection once its requests are answered (h2 can send nothing after a GOAWAY);
+- the rest of a body that the app did not read (it answered early) is credited back as it comes,
+  never buffered; a refused body's upload is ended with RST_STREAM NO_ERROR (RFC 9113 8.1);
 - idle connections closed after ``keep_alive_timeout_s``;
 - a client that did not negotiate ``h2`` gets one HTTP/1.1 505 problem answer, then the connection
   closes.
@@ -36,11 +46,11 @@ import h2.settings
 
 from sdcp.protocol.problems import PROBLEM_MEDIA_TYPE
 from sdcp.transport.asgi import problem_body
-from sdcp.transport.errors import HTTPVersionNotSupported, InternalServerError
+from sdcp.transport.errors import HTTPProblem, HTTPVersionNotSupported, InternalServerError, PayloadTooLarge
 from sdcp.transport.h2conn import send_within_windows
 from sdcp.transport.peer import PeerTLS
 
-__all__ = ["H2Listener", "H2ServerProtocol", "H2ServerState", "run_lifespan"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "H2Listener", "H2ServerProtocol", "H2ServerState", "run_lifespan"]
 
 _log = logging.getLogger("sdcp.transport.h2server")
 
@@ -49,7 +59,14 @@ ASGIApp = Callable[
     Awaitable[None],
 ]
 
+# The connection's receive window, and each stream's: the most a client can have the server buffer.
 _RECEIVE_WINDOW = 1 << 24
+_STREAM_WINDOW = 1 << 20
+# Stream resets a client may send: a burst, then this many a second (rapid reset, CVE-2023-44487).
+_RESET_BURST = 200
+_RESET_RATE = 100.0
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+DEFAULT_BODY_TIMEOUT_S = 30.0
 _ALPN_H2 = "h2"
 _ABORT_WAIT_S = 1.0
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
@@ -62,6 +79,8 @@ class H2ServerState:
     max_concurrent_streams: int
     keep_alive_max_requests: int
     keep_alive_timeout_s: float
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     connections: set[H2ServerProtocol] = field(default_factory=set)
     in_flight: int = 0
     stopping: bool = False
@@ -80,7 +99,11 @@ class H2ServerState:
 @dataclass
 class _Stream:
     stream_id: int
-    body: deque[bytes] = field(default_factory=deque)
+    # Received chunks not yet read by the app, each with its flow-controlled length (padding too).
+    body: deque[tuple[bytes, int]] = field(default_factory=deque)
+    received: int = 0
+    # A problem to answer instead of running (or after cancelling) the app.
+    refusal: HTTPProblem | None = None
     complete: bool = False
     body_delivered: bool = False
     disconnected: bool = False
@@ -111,6 +134,8 @@ class H2ServerProtocol(asyncio.Protocol):
         self._tls: dict[str, Any] | None = None
         self._client: tuple[str, int] | None = None
         self._server: tuple[str, int] | None = None
+        self._reset_allowance = float(_RESET_BURST)
+        self._reset_checked = 0.0
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -130,11 +155,11 @@ class H2ServerProtocol(asyncio.Protocol):
             client=False,
             initial_values={
                 h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._state.max_concurrent_streams,
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _RECEIVE_WINDOW,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _STREAM_WINDOW,
             },
         )
         self._h2.initiate_connection()
-        self._h2.increment_flow_control_window(_RECEIVE_WINDOW)
+        self._h2.increment_flow_control_window(_RECEIVE_WINDOW - 65535)
         self._flush()
         if self._state.stopping:
             self.drain()
@@ -152,6 +177,8 @@ class H2ServerProtocol(asyncio.Protocol):
             self.abort()
             return
         for event in events:
+            if self._transport is None or self._transport.is_closing():
+                break  # closed meanwhile (GOAWAY): what else the client sent is not answered
             self._handle(event)
         self._flush()
 
@@ -162,6 +189,8 @@ class H2ServerProtocol(asyncio.Protocol):
         for stream in self._streams.values():
             stream.disconnected = True
             stream.changed.set()
+            if stream.task is not None:
+                stream.task.cancel()
         self._capacity.set()
 
     # -- control from the listener ---------------------------------------------------------------
@@ -186,11 +215,18 @@ class H2ServerProtocol(asyncio.Protocol):
         if isinstance(event, h2.events.RequestReceived):
             self._start_request(event.stream_id, event.headers)
         elif isinstance(event, h2.events.DataReceived):
-            self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
             stream = self._streams.get(event.stream_id)
-            if stream is not None:
-                stream.body.append(event.data)
-                stream.changed.set()
+            if stream is None or stream.disconnected or stream.refusal is not None:
+                # Nobody will read it: credit the connection window back at once.
+                self._acknowledge(event.flow_controlled_length, event.stream_id)
+                return
+            stream.received += len(event.data)
+            if stream.received > self._state.max_body_bytes:
+                self._acknowledge(event.flow_controlled_length, event.stream_id)
+                self._refuse(stream, PayloadTooLarge(f"request body exceeds {self._state.max_body_bytes} bytes"))
+                return
+            stream.body.append((event.data, event.flow_controlled_length))
+            stream.changed.set()
         elif isinstance(event, h2.events.StreamEnded):
             stream = self._streams.get(event.stream_id)
             if stream is not None:
@@ -201,6 +237,9 @@ class H2ServerProtocol(asyncio.Protocol):
             if stream is not None:
                 stream.disconnected = True
                 stream.changed.set()
+                if stream.task is not None:
+                    stream.task.cancel()
+                self._count_reset()
             self._capacity.set()
         elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
             self._capacity.set()
@@ -209,8 +248,10 @@ class H2ServerProtocol(asyncio.Protocol):
 
     def _start_request(self, stream_id: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
         assert self._h2 is not None
-        if self._draining:
-            self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+        if self._draining or len(self._streams) >= self._state.max_concurrent_streams:
+            # Handlers of reset streams may still be ending: the advertised limit holds for tasks too.
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             return
         self._requests += 1
         if self._requests >= self._state.keep_alive_max_requests:
@@ -242,43 +283,80 @@ class H2ServerProtocol(asyncio.Protocol):
             "state": {},
         }
         stream = _Stream(stream_id, bodiless=scope["method"] == "HEAD")
+        declared = _content_length(headers)
+        if declared is not None and declared > self._state.max_body_bytes:
+            stream.refusal = PayloadTooLarge(f"request body of {declared} bytes exceeds {self._state.max_body_bytes}")
         self._streams[stream_id] = stream
         self._state.in_flight += 1
         self._disarm_idle_timer()
         stream.task = asyncio.get_running_loop().create_task(self._run(stream, scope))
+        stream.task.add_done_callback(lambda _: self._finished(stream))
 
     # -- one request ------------------------------------------------------------------------------
 
     async def _run(self, stream: _Stream, scope: dict[str, Any]) -> None:
         try:
-            await self._app(scope, lambda: self._receive(stream), lambda message: self._send(stream, message))
+            if stream.refusal is None:
+                await self._app(
+                    scope, lambda: self._receive(stream), lambda message: self._send_from_app(stream, message)
+                )
+        except asyncio.CancelledError:
+            pass  # the client reset the stream or left, or its body was refused: settled below
         except Exception:  # noqa: BLE001 - the app's failure is logged and answered, not raised
             _log.exception("unhandled error answering %s %s", scope["method"], scope["path"])
         finally:
-            try:
-                if not stream.disconnected and not stream.ended:
+            if not stream.disconnected and not stream.ended:
+                if stream.refusal is not None and not stream.headers_sent:
+                    await self._answer_problem(stream, stream.refusal)
+                else:
                     await self._finish_unanswered(stream)
-            finally:
-                self._streams.pop(stream.stream_id, None)
-                self._state.in_flight -= 1
-                self._capacity.set()
-                self._close_if_drained()
-                self._arm_idle_timer()
+            if stream.refusal is not None and not stream.complete and not stream.disconnected:
+                # RFC 9113 8.1: the answer is complete; the rest of a refused body is not wanted.
+                self._reset(stream, h2.errors.ErrorCodes.NO_ERROR)
+
+    def _finished(self, stream: _Stream) -> None:
+        """The stream's task is done, also when it was cancelled before it ever ran."""
+        self._release(stream)
+        self._state.in_flight -= 1
+        self._capacity.set()
+        self._close_if_drained()
+        self._arm_idle_timer()
+
+    def _release(self, stream: _Stream) -> None:
+        """Credit back what the app did not read and forget the stream."""
+        for _, flow_length in stream.body:
+            self._acknowledge(flow_length, stream.stream_id)
+        stream.body.clear()
+        self._streams.pop(stream.stream_id, None)
 
     async def _receive(self, stream: _Stream) -> dict[str, Any]:
         while True:
             if stream.body:
-                chunk = stream.body.popleft()
+                chunk, flow_length = stream.body.popleft()
+                # Credited back only now that the app has it: the windows bound what is buffered.
+                self._acknowledge(flow_length, stream.stream_id)
+                self._flush()
                 last = stream.complete and not stream.body
                 stream.body_delivered = last
                 return {"type": "http.request", "body": chunk, "more_body": not last}
             if stream.complete and not stream.body_delivered:
                 stream.body_delivered = True
                 return {"type": "http.request", "body": b"", "more_body": False}
-            if stream.disconnected or stream.ended:
+            if stream.disconnected or stream.ended or stream.refusal is not None:
                 return {"type": "http.disconnect"}
             stream.changed.clear()
-            await stream.changed.wait()
+            try:
+                async with asyncio.timeout(self._state.body_timeout_s):
+                    await stream.changed.wait()
+            except TimeoutError:
+                # A body that stalls (headers, then silence) would hold its task forever.
+                self._reset(stream, h2.errors.ErrorCodes.CANCEL)
+                return {"type": "http.disconnect"}
+
+    async def _send_from_app(self, stream: _Stream, message: dict[str, Any]) -> None:
+        if stream.refusal is not None and not stream.headers_sent:
+            return  # the server answers this stream itself
+        await self._send(stream, message)
 
     async def _send(self, stream: _Stream, message: dict[str, Any]) -> None:
         kind = message["type"]
@@ -322,11 +400,11 @@ class H2ServerProtocol(asyncio.Protocol):
         """The app returned or failed without completing its answer."""
         assert self._h2 is not None
         if stream.headers_sent:
-            self._h2.reset_stream(stream.stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
-            stream.ended = True
-            self._flush()
+            self._reset(stream, h2.errors.ErrorCodes.INTERNAL_ERROR)
             return
-        problem = InternalServerError()
+        await self._answer_problem(stream, InternalServerError())
+
+    async def _answer_problem(self, stream: _Stream, problem: HTTPProblem) -> None:
         body = problem_body(problem)
         stream.status = problem.status
         stream.headers = [
@@ -334,6 +412,46 @@ class H2ServerProtocol(asyncio.Protocol):
             (b"content-length", str(len(body)).encode()),
         ]
         await self._send(stream, {"type": "http.response.body", "body": body})
+
+    # -- limits -----------------------------------------------------------------------------------
+
+    def _refuse(self, stream: _Stream, problem: HTTPProblem) -> None:
+        """Answer ``problem`` in place of the app: its body reads end, what it sends is dropped, and
+        the buffered data is credited back."""
+        stream.refusal = problem
+        for _, flow_length in stream.body:
+            self._acknowledge(flow_length, stream.stream_id)
+        stream.body.clear()
+        stream.changed.set()
+
+    def _reset(self, stream: _Stream, code: h2.errors.ErrorCodes) -> None:
+        assert self._h2 is not None
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self._h2.reset_stream(stream.stream_id, code)
+        stream.ended = True
+        stream.disconnected = True
+        stream.changed.set()
+        self._flush()
+
+    def _acknowledge(self, flow_length: int, stream_id: int) -> None:
+        if self._h2 is not None and flow_length:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self._h2.acknowledge_received_data(flow_length, stream_id)
+
+    def _count_reset(self) -> None:
+        """Rapid reset: a client that resets streams faster than ``_RESET_RATE`` a second (after a
+        burst of ``_RESET_BURST``) is told to calm down and disconnected."""
+        now = asyncio.get_running_loop().time()
+        if self._reset_checked:
+            self._reset_allowance = min(_RESET_BURST, self._reset_allowance + (now - self._reset_checked) * _RESET_RATE)
+        self._reset_checked = now
+        self._reset_allowance -= 1
+        if self._reset_allowance < 0 and self._h2 is not None and self._transport is not None:
+            _log.warning("%s reset streams too fast; connection closed", self._client)
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self._h2.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+            self._flush_now()
+            self._transport.close()
 
     # -- connection housekeeping ------------------------------------------------------------------
 
@@ -418,6 +536,13 @@ async def run_lifespan(app: ASGIApp, started: asyncio.Future[str | None], stop: 
             started.set_result(None)
 
 
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
 def _address(value: object) -> tuple[str, int] | None:
     if isinstance(value, tuple) and len(value) >= 2:
         return str(value[0]), int(value[1])
@@ -435,10 +560,14 @@ class H2Listener:
         max_concurrent_streams: int,
         keep_alive_max_requests: int,
         keep_alive_timeout_s: float,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     ) -> None:
         self._app = app
         self._ssl_context = ssl_context
-        self.state = H2ServerState(max_concurrent_streams, keep_alive_max_requests, keep_alive_timeout_s)
+        self.state = H2ServerState(
+            max_concurrent_streams, keep_alive_max_requests, keep_alive_timeout_s, max_body_bytes, body_timeout_s
+        )
         self._server: asyncio.Server | None = None
         self._lifespan: asyncio.Task[None] | None = None
         self._lifespan_stop = asyncio.Event()

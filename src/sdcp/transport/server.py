@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sdcp.transport.asgi import DrainRequestBody
 from sdcp.transport.h2fix import install_h2_closed_connection_fix, install_hypercorn_connection_tracking
-from sdcp.transport.h2server import H2Listener
+from sdcp.transport.h2server import DEFAULT_MAX_BODY_BYTES, H2Listener
 from sdcp.transport.tls import server_context
 
 __all__ = ["FrontEndServer", "Listener", "MTLSServer", "Server", "ServerStartError", "server_for"]
@@ -58,6 +58,8 @@ class Listener:
     keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
     max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
     graceful_timeout_s: float = DEFAULT_GRACEFUL_TIMEOUT_S
+    # Request bodies past this are answered 413 while they arrive (the mTLS listener).
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     @classmethod
     def mtls(
@@ -70,6 +72,8 @@ class Listener:
         ca: Path | str,
         keep_alive_max_requests: int = DEFAULT_KEEP_ALIVE_MAX_REQUESTS,
         keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+        max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> Listener:
         """The SDCP listener: HTTP/2 over TLS 1.3, client certificate required (SDCP 5.1)."""
         return cls(
@@ -79,6 +83,8 @@ class Listener:
             require_http2=True,
             keep_alive_max_requests=keep_alive_max_requests,
             keep_alive_timeout_s=keep_alive_timeout_s,
+            max_concurrent_streams=max_concurrent_streams,
+            max_body_bytes=max_body_bytes,
         )
 
     @classmethod
@@ -171,11 +177,12 @@ class MTLSServer(Server):
             raise ValueError("an mTLS server serves a Listener.mtls")
         super().__init__(listener)
         self._h2 = H2Listener(
-            DrainRequestBody(app),
+            app,
             listener.ssl_context,
             max_concurrent_streams=listener.max_concurrent_streams,
             keep_alive_max_requests=listener.keep_alive_max_requests,
             keep_alive_timeout_s=listener.keep_alive_timeout_s,
+            max_body_bytes=listener.max_body_bytes,
         )
         self._running = False
 
