@@ -91,8 +91,8 @@ def test_size_limit() -> None:
         codec.decode(data, max_size=len(data) - 1)
 
 
-def test_default_size_limit_is_16_mib() -> None:
-    assert codec.DEFAULT_MAX_SIZE == 16 * 1024 * 1024
+def test_default_size_limit_is_1_mib() -> None:
+    assert codec.DEFAULT_MAX_SIZE == 1024 * 1024
     with pytest.raises(BadMessage, match="exceeds"):
         codec.decode(b"\x00" * (codec.DEFAULT_MAX_SIZE + 1))
 

@@ -31,7 +31,9 @@ __all__ = [
 ]
 
 MEDIA_TYPE = "application/sdcp+cbor"
-DEFAULT_MAX_SIZE = 16 * 1024 * 1024
+# The largest SDCP message: a prompt of about 200,000 token ids inline (larger ones travel as MLC
+# objects, SDCP 5.2 cache-ref). It bounds how long decoding one body holds the event loop (~0.1 s).
+DEFAULT_MAX_SIZE = 1024 * 1024
 # The deepest SDCP message (session-open > contract > sampling > value) nests 4 levels.
 DEFAULT_MAX_DEPTH = 16
 
