@@ -162,6 +162,10 @@ class VerifierConfig:
     # A session that nothing drives for this long (no proposal, commit or router message) is closed
     # and forgotten; 0 = never.
     idle_timeout_s: Seconds = 900.0
+    # Quotas (docs/security.md): sessions being decoded here, and output reads waiting for tokens;
+    # past them, 503 with Retry-After.
+    max_sessions: AtLeastOne = 256
+    max_long_polls: AtLeastOne = 1024
 
 
 NGRAM_DRAFTER = "ngram"
@@ -188,6 +192,10 @@ class RouterConfig:
     # Assignments start at the contract's own limit (m_init is clamped to m_max): escalation and
     # load lower it where long proposals do not pay (SDCP 6.5).
     m_init: AtLeastOne = 64
+    # Quotas (docs/security.md): open sessions per front end (past it, 429 with Retry-After), and
+    # the longest validity a status report may claim (a longer ttl_ms is cut to it).
+    max_sessions_per_front_end: AtLeastOne = 256
+    max_ttl_ms: AtLeastOne = 60_000
 
 
 @dataclass(frozen=True, config=_SECTION)

@@ -6,11 +6,14 @@ issued by the same CA, gets 403 with a problem detail, and the state the endpoin
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import cbor2
+import httpx
 import pytest
 
 from sdcp.cache import build_uri
@@ -18,6 +21,7 @@ from sdcp.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig,
 from sdcp.localhost import free_port
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.protocol.codec import MEDIA_TYPE
 from sdcp.protocol.messages import (
     Action,
     Assignment,
@@ -40,7 +44,7 @@ from sdcp.services.drafter import DrafterNode
 from sdcp.services.mlc import MLCNode
 from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode
-from sdcp.transport import SDCPClient, make_certs
+from sdcp.transport import SDCPClient, client_context, make_certs
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 NAMES = (
@@ -578,3 +582,73 @@ async def test_mlc_fences_and_epoch_claims(world: World, mlc_node: MLCFixture) -
     assert fenced.value.status == 409
     writers = [r["writer"] for r in (await log.read()).records if "writer" in r]
     assert writers == [world.uris["verifier"], world.uris["other_verifier"]]
+
+
+# -- quotas ---------------------------------------------------------------------------------------------
+
+
+async def raw_status(
+    world: World, identity: str, peer: str, method: str, path: str, body: bytes = b""
+) -> tuple[int, str | None]:
+    """Status and Retry-After of one request, over HTTP/2 + mTLS with httpx (which shows headers)."""
+    cert, key = world.certs[identity]
+    context = client_context(cert, key, world.ca)
+    async with httpx.AsyncClient(http1=False, http2=True, verify=context, timeout=20) as client:
+        response = await client.request(
+            method, world.uris[peer] + "/" + path, content=body or None, headers={"content-type": MEDIA_TYPE}
+        )
+    return response.status_code, response.headers.get("retry-after")
+
+
+async def test_a_verifier_takes_max_sessions_then_answers_503_with_retry_after(world: World) -> None:
+    engine = world.verifier.engine
+    engine.settings = replace(engine.settings, max_sessions=1)
+    await opened(world)
+
+    def open_message(session: bytes) -> bytes:
+        message = SessionOpen(
+            session=session, epoch=1, contract=world.contract(), prompt=PROMPT, commit_log="mlc://local/-/log/q"
+        )
+        return message.to_cbor()
+
+    status, retry_after = await raw_status(world, "router", "verifier", "POST", "sessions", open_message(b"\x0a" * 16))
+    assert (status, retry_after) == (503, "5") and b"\x0a" * 16 not in engine.sessions
+
+
+async def test_output_long_polls_are_limited(world: World) -> None:
+    session = await opened(world)
+    engine = world.verifier.engine
+    engine.settings = replace(engine.settings, max_long_polls=2, output_wait_s=5.0)
+    path = f"sessions/{session_path_id(session)}/output"
+    state = engine.state(session)
+    waiting = [
+        asyncio.create_task(world.client("owner", "verifier").get_cbor(path, {"from": str(state.committed)}))
+        for _ in range(2)
+    ]
+    await asyncio.sleep(0.3)
+    status, retry_after = await raw_status(world, "owner", "verifier", "GET", f"{path}?from={state.committed}")
+    assert (status, retry_after) == (503, "1")
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_a_front_end_holds_at_most_its_quota_of_sessions(world: World) -> None:
+    router = world.router
+    router.config = replace(router.config, router=replace(router.config.router, max_sessions_per_front_end=1))
+    await opened(world)
+    request = cbor2.dumps({"prompt": list(PROMPT), "contract": world.contract().to_obj()})
+    status, retry_after = await raw_status(world, "owner", "router", "POST", "sessions", request)
+    assert (status, retry_after) == (429, "5") and len(router.sessions) == 1
+    status, _ = await raw_status(world, "other_front_end", "router", "POST", "sessions", request)
+    assert status == 201 and len(router.sessions) == 2
+
+
+async def test_the_router_caps_the_validity_a_status_claims(world: World) -> None:
+    router = world.router
+    status = replace(world.verifier.engine.status(), ttl_ms=10**9)
+    await world.client("verifier", "router").put_cbor(
+        f"instances/{instance_path_id(status.instance)}/status", status.to_obj()
+    )
+    view = router.registry.get(status.instance)
+    assert view is not None and view.expires_at <= router.clock() + router.config.router.max_ttl_ms / 1000

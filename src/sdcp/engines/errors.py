@@ -14,8 +14,12 @@ class SessionNotFound(EngineError):
 
 
 class Unavailable(EngineError):
-    """The engine cannot answer now (its MLC or model failed, or it is stopping); the request may
-    be repeated."""
+    """The engine cannot answer now (its MLC or model failed, it is stopping, or it holds as many
+    sessions or waiters as it may); the request may be repeated, after ``retry_after_s`` if set."""
+
+    def __init__(self, message: str, *, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Unanswered(EngineError):

@@ -69,6 +69,8 @@ _PROBE_SESSION = b"sdcp-pass-probe!"
 _PROBE_PROMPT_TOKENS = 64
 # How long a router's message waits for the round in flight to be decided.
 _ROUTER_WAIT_S = 5.0
+# When a refused session-open may be tried again (sessions end at their own pace).
+_RETRY_AFTER_S = 5
 
 
 @dataclass
@@ -206,6 +208,7 @@ class VerifierEngine:
         self._events = events
         self._tasks = BackgroundTasks(uri, log)
         self._scoring = 0
+        self._long_polls = 0
         # Seconds per self-decoded token, for the router's choice between drafters and this
         # verifier alone (status self_us); timed with one pass before serving.
         self.self_decode_time = TokenTimer(initial=_PASS_MS / 1000)
@@ -272,6 +275,10 @@ class VerifierEngine:
         except DigestMismatch as exc:
             raise BadContract(str(exc)) from exc
         existing = self.sessions.get(message.session)
+        if existing is None and self._active_sessions() >= self.settings.max_sessions:
+            raise Unavailable(
+                f"this verifier decodes {self.settings.max_sessions} sessions, its limit", retry_after_s=_RETRY_AFTER_S
+            )
         if existing is not None:
             if existing.machine.epoch >= message.epoch:
                 if existing.machine.epoch == message.epoch and existing.machine.contract.digest == contract.digest:
@@ -362,17 +369,26 @@ class VerifierEngine:
     async def output(self, session: bytes, start: int) -> Output:
         """GET sessions/{id}/output?from=n (SDCP 6.7), waiting up to ``output_wait_s`` for tokens."""
         live = self._live(session)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.output_wait_s
-        while True:
-            output = live.machine.output(start)
-            remaining = deadline - loop.time()
-            if output.tokens or output.final or remaining <= 0:
-                return output
-            try:
-                await asyncio.wait_for(live.committed.wait(), remaining)
-            except TimeoutError:
-                continue
+        output = live.machine.output(start)
+        if output.tokens or output.final:
+            return output
+        if self._long_polls >= self.settings.max_long_polls:
+            raise Unavailable(f"{self._long_polls} output reads are waiting already", retry_after_s=1)
+        self._long_polls += 1
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.settings.output_wait_s
+            while True:
+                output = live.machine.output(start)
+                remaining = deadline - loop.time()
+                if output.tokens or output.final or remaining <= 0:
+                    return output
+                try:
+                    await asyncio.wait_for(live.committed.wait(), remaining)
+                except TimeoutError:
+                    continue
+        finally:
+            self._long_polls -= 1
 
     def parties(self, session: bytes) -> tuple[str | None, str | None]:
         """Who the session gives rights to here: the front end that opened it, its assigned drafter."""

@@ -57,7 +57,8 @@ async def _not_found(_request: Request, exc: Exception) -> Response:
 
 
 async def _unavailable(_request: Request, exc: Exception) -> Response:
-    return problem_response(ServiceUnavailable(str(exc)))
+    retry_after = exc.retry_after_s if isinstance(exc, Unavailable) else None
+    return problem_response(ServiceUnavailable(str(exc), retry_after_s=retry_after))
 
 
 # What the engines raise besides protocol problems, as the problem answers of RFC 9457.

@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client import Counter, Gauge
 from starlette.requests import Request
@@ -59,11 +59,13 @@ from sdcp.protocol.router import (
 from sdcp.services.authz import Party, SessionParties
 from sdcp.services.node import Node
 from sdcp.transport.asgi import cbor_response, read_cbor_body
-from sdcp.transport.errors import Forbidden, NotFound, ServiceUnavailable, TransportError
+from sdcp.transport.errors import Forbidden, NotFound, ServiceUnavailable, TooManyRequests, TransportError
 
 __all__ = ["RouterNode", "SessionRequest"]
 
 log = logging.getLogger("sdcp.router")
+# When a refused session request may be tried again (sessions end at their own pace).
+_RETRY_AFTER_S = 5
 
 SESSIONS_OPEN = Gauge("sdcp_router_sessions_open", "Sessions neither finished nor failed", ["instance"])
 ASSIGNMENTS = Counter("sdcp_router_assignments_total", "Assignments sent to drafters", ["instance"])
@@ -198,7 +200,9 @@ class RouterNode(Node):
         if not self.registry.is_live(peer, now):
             # A new or returning instance may unblock sessions waiting for one.
             self._wake.set()
-        self.registry.report(status, now, model=status.model)
+        # An instance cannot claim to stay live longer than the router allows.
+        capped = replace(status, ttl_ms=min(status.ttl_ms, self.config.router.max_ttl_ms))
+        self.registry.report(capped, now, model=status.model)
         return Response(status_code=204)
 
     async def post_event(self, request: Request) -> Response:
@@ -242,6 +246,9 @@ class RouterNode(Node):
     async def open_session(self, request: Request) -> Response:
         """POST sessions: open at a verifier, then assign a drafter (SDCP 6.1 order)."""
         owner = self.trust.admit(request, "POST sessions")
+        quota = self.config.router.max_sessions_per_front_end
+        if sum(1 for t in self.sessions.values() if t.plan.owner == owner and not t.ended) >= quota:
+            raise TooManyRequests(f"{owner} has {quota} open sessions, its quota", retry_after_s=_RETRY_AFTER_S)
         wanted = SessionRequest.from_obj(await read_cbor_body(request))
         # Runs to its end even if the client goes away: a session half opened is tracked nowhere.
         tracked = await asyncio.shield(self._open_session(owner, wanted))
@@ -256,7 +263,9 @@ class RouterNode(Node):
             verifier = self._pick_verifier(contract, avoid=tried)
             if verifier is None:
                 if tried:
-                    raise ServiceUnavailable(f"no verifier for this target answered (tried {', '.join(tried)})")
+                    raise ServiceUnavailable(
+                        f"no verifier for this target answered (tried {', '.join(tried)})", retry_after_s=_RETRY_AFTER_S
+                    )
                 raise BadContract("no live verifier serves the contract's target and tokenizer")
             plan = RouterSession(
                 session=session,

@@ -67,8 +67,12 @@ def problem_body(err: Problem) -> bytes:
 
 
 def problem_response(err: Problem) -> Response:
-    """An ``application/problem+json`` response (RFC 9457) for ``err``."""
-    return Response(content=problem_body(err), status_code=err.status, media_type=PROBLEM_MEDIA_TYPE)
+    """An ``application/problem+json`` response (RFC 9457) for ``err``, with Retry-After if it says."""
+    response = Response(content=problem_body(err), status_code=err.status, media_type=PROBLEM_MEDIA_TYPE)
+    retry_after = getattr(err, "retry_after_s", None)
+    if retry_after is not None:
+        response.headers["retry-after"] = str(retry_after)
+    return response
 
 
 async def read_cbor_body(request: Request, *, max_size: int = DEFAULT_MAX_SIZE) -> object:

@@ -22,6 +22,7 @@ __all__ = [
     "PeerServerError",
     "PeerTimeout",
     "StatusError",
+    "TooManyRequests",
     "TLSFailure",
     "TransportError",
     "UnexpectedResponse",
@@ -76,14 +77,19 @@ class PeerServerError(StatusError):
 
 
 class HTTPProblem(Exception):
-    """A problem answer produced by the transport helpers (RFC 9457, type ``about:blank``)."""
+    """A problem answer produced by the transport helpers (RFC 9457, type ``about:blank``).
+
+    ``retry_after_s``, when set, goes out as the Retry-After header (RFC 9110 10.2.3): a limit that
+    will free up.
+    """
 
     status = 500
     title = "Internal Server Error"
 
-    def __init__(self, detail: str | None = None) -> None:
+    def __init__(self, detail: str | None = None, *, retry_after_s: int | None = None) -> None:
         super().__init__(detail or self.title)
         self.detail = detail
+        self.retry_after_s = retry_after_s
 
     @classmethod
     def for_status(cls, status: int, detail: str | None = None) -> HTTPProblem:
@@ -119,6 +125,13 @@ class ServiceUnavailable(HTTPProblem):
 
     status = 503
     title = "Service Unavailable"
+
+
+class TooManyRequests(HTTPProblem):
+    """The caller holds as much as its quota allows (docs/security.md)."""
+
+    status = 429
+    title = "Too Many Requests"
 
 
 class PayloadTooLarge(HTTPProblem):
