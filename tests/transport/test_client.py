@@ -20,6 +20,7 @@ from sdcp.transport import (
     PeerTimeout,
     RetryPolicy,
     SDCPClient,
+    UnexpectedResponse,
     cbor_response,
     exception_handlers,
     read_cbor_body,
@@ -304,3 +305,26 @@ async def test_an_answer_before_the_whole_body_was_sent_is_the_outcome(pki: PKI,
         await client.aclose()
         server.close()
         await server.wait_closed()
+
+
+async def test_an_answer_past_the_limit_is_refused_while_it_arrives(pki: PKI) -> None:
+    big = bytes(3 << 20)
+
+    async def octets(_request: Request) -> Response:
+        return Response(big, media_type="application/octet-stream")
+
+    async def cbor(_request: Request) -> Response:
+        return Response(b"\x5a" + len(big).to_bytes(4, "big") + big, media_type="application/sdcp+cbor")
+
+    app = Starlette(routes=[Route("/octets", octets), Route("/cbor", cbor)])
+    async with (
+        serving(app, mtls_listener(pki)) as server,
+        client_for(server, pki, pki.drafter_a, max_object_size=1 << 20) as client,
+    ):
+        with pytest.raises(UnexpectedResponse, match="exceeds"):
+            await client.get_bytes("octets")
+        with pytest.raises(UnexpectedResponse, match="exceeds"):
+            await client.get_cbor("cbor")  # the default limit of an SDCP message, 1 MiB
+        # The connection carries on.
+        async with client_for(server, pki, pki.drafter_a) as roomy:
+            assert (await roomy.get_bytes("octets")).content == big

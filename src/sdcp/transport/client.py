@@ -32,7 +32,7 @@ from sdcp.transport.errors import (
     TransportError,
     UnexpectedResponse,
 )
-from sdcp.transport.h2conn import ConnectionClosed, H2Connection, H2Response, WrongServer
+from sdcp.transport.h2conn import ConnectionClosed, H2Connection, H2Response, ResponseTooLarge, WrongServer
 from sdcp.transport.tls import client_context
 
 __all__ = ["CONNECT_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "BytesResponse", "PeerClients", "RetryPolicy", "SDCPClient"]
@@ -40,6 +40,8 @@ __all__ = ["CONNECT_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "BytesResponse", "PeerClien
 CONNECT_TIMEOUT_S = 5.0
 # The whole exchange, answer included: longer than any server-chosen wait of an output request.
 DEFAULT_TIMEOUT_S = 30.0
+# The longest octet answer taken (an MLC object of the default largest size): refused while it arrives.
+DEFAULT_MAX_OBJECT_SIZE = 64 * 1024 * 1024
 _OCTETS = "application/octet-stream"
 # How long the certificate-refusal probe waits for the server's HTTP/2 preface.
 _PROBE_TIMEOUT_S = 5.0
@@ -93,6 +95,7 @@ class SDCPClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         retry: RetryPolicy = RetryPolicy(),
         max_response_size: int = DEFAULT_MAX_SIZE,
+        max_object_size: int = DEFAULT_MAX_OBJECT_SIZE,
         server_identity: str | None = None,
     ) -> None:
         parts = urlsplit(base_uri)
@@ -106,6 +109,7 @@ class SDCPClient:
         self._timeout = timeout
         self._retry = retry
         self._max_response_size = max_response_size
+        self._max_object_size = max_object_size
         self._server_identity = server_identity if server_identity is not None else base_uri
         self._peer_answered = False
         self._connection: H2Connection | None = None
@@ -212,6 +216,7 @@ class SDCPClient:
             timeout=timeout,
             headers={**(headers or {}), "accept": f"{MEDIA_TYPE}, {PROBLEM_MEDIA_TYPE}"},
             content_type=MEDIA_TYPE,
+            max_size=self._max_response_size,
         )
         return self._interpret(response)
 
@@ -236,6 +241,7 @@ class SDCPClient:
             timeout=timeout,
             headers={**(headers or {}), "accept": f"{_OCTETS}, {PROBLEM_MEDIA_TYPE}"},
             content_type=content_type,
+            max_size=self._max_object_size,
         )
         status = response.status
         if not 200 <= status < 300:
@@ -253,6 +259,7 @@ class SDCPClient:
         idempotent: bool,
         timeout: float | None,
         content_type: str | None,
+        max_size: int,
     ) -> H2Response:
         if body is not None and content_type is not None:
             headers["content-type"] = content_type
@@ -266,10 +273,17 @@ class SDCPClient:
             try:
                 connection = await self._connect()
                 response = await connection.request(
-                    method, target, encoded, body, timeout=self._timeout if timeout is None else timeout
+                    method,
+                    target,
+                    encoded,
+                    body,
+                    timeout=self._timeout if timeout is None else timeout,
+                    max_size=max_size,
                 )
             except ssl.SSLError as error:
                 raise TLSFailure(f"TLS handshake with {self.base_uri} failed: {error}") from error
+            except ResponseTooLarge as error:
+                raise UnexpectedResponse(f"{method} {path} to {self.base_uri}: {error}") from error
             except _ConnectFailed as failure:
                 # Nothing was sent on a connection that never opened: retrying is always safe.
                 if attempt >= self._retry.attempts:

@@ -25,7 +25,7 @@ from cryptography import x509
 
 from sdcp.transport.certs import uri_sans
 
-__all__ = ["ConnectionClosed", "H2Connection", "H2Response", "WrongServer", "send_within_windows"]
+__all__ = ["ConnectionClosed", "H2Connection", "H2Response", "ResponseTooLarge", "WrongServer", "send_within_windows"]
 
 # Our receive windows: large objects (KV caches) flow without a WINDOW_UPDATE round trip per 64 KiB.
 _RECEIVE_WINDOW = 1 << 24
@@ -47,6 +47,10 @@ class ConnectionClosed(Exception):
         self.unprocessed = unprocessed
 
 
+class ResponseTooLarge(Exception):
+    """An answer longer than the client takes (``max_response_size``); the stream was reset."""
+
+
 class WrongServer(Exception):
     """The server's certificate, valid for the CA, names another instance than the one meant."""
 
@@ -65,9 +69,11 @@ class H2Response:
 @dataclass
 class _Stream:
     answer: asyncio.Future[H2Response]
+    max_size: int
     status: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
     chunks: list[bytes] = field(default_factory=list)
+    received: int = 0
 
 
 async def send_within_windows(
@@ -146,16 +152,24 @@ class H2Connection(asyncio.Protocol):
         return self._transport is not None and not self._closed.done() and not self._goaway
 
     async def request(
-        self, method: str, path: str, headers: Sequence[Header], body: bytes | None, *, timeout: float
+        self,
+        method: str,
+        path: str,
+        headers: Sequence[Header],
+        body: bytes | None,
+        *,
+        timeout: float,
+        max_size: int = 1 << 30,
     ) -> H2Response:
-        """One exchange; raises ``ConnectionClosed`` or ``TimeoutError``."""
+        """One exchange; raises ``ConnectionClosed``, ``TimeoutError``, or ``ResponseTooLarge`` for
+        an answer body past ``max_size`` bytes (refused as it arrives)."""
         answer: asyncio.Future[H2Response] = asyncio.get_running_loop().create_future()
         stream_id: int | None = None
         try:
             async with asyncio.timeout(timeout):
                 await self._wait_for_stream_slot()
                 stream_id = self._h2.get_next_available_stream_id()
-                self._streams[stream_id] = _Stream(answer)
+                self._streams[stream_id] = _Stream(answer, max_size)
                 request_headers: list[Header] = [
                     (b":method", method.encode("ascii")),
                     (b":scheme", b"https"),
@@ -194,6 +208,8 @@ class H2Connection(asyncio.Protocol):
             if stream_id is not None:
                 self._streams.pop(stream_id, None)
                 self._capacity.set()
+                if self._goaway:
+                    self._close_when_done()
 
     async def close(self) -> None:
         """Send GOAWAY and close; streams still open fail with ``ConnectionClosed``."""
@@ -277,8 +293,15 @@ class H2Connection(asyncio.Protocol):
             # The stream may be gone already (abandoned); the connection window is restored anyway.
             self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
             stream = self._streams.get(event.stream_id)
-            if stream is not None:
-                stream.chunks.append(event.data)
+            if stream is not None and not stream.answer.done():
+                stream.received += len(event.data)
+                if stream.received > stream.max_size:
+                    # Refused while it arrives: a peer cannot make us buffer more than the limit.
+                    stream.chunks.clear()
+                    stream.answer.set_exception(ResponseTooLarge(f"the answer exceeds {stream.max_size} bytes"))
+                    self._abandon(event.stream_id)
+                else:
+                    stream.chunks.append(event.data)
         elif isinstance(event, h2.events.StreamEnded):
             stream = self._streams.get(event.stream_id)
             if stream is not None and not stream.answer.done():
@@ -297,17 +320,18 @@ class H2Connection(asyncio.Protocol):
                 )
             self._capacity.set()
         elif isinstance(event, h2.events.ConnectionTerminated):
-            # Streams up to last_stream_id may have been processed; they fail as lost in flight
-            # (retried only when idempotent) rather than wait for answers that some servers never
-            # send after their GOAWAY (hypercorn 0.18 after keep_alive_max_requests).
+            # RFC 9113 6.8: streams above last_stream_id were not processed and may be retried;
+            # after a graceful GOAWAY (NO_ERROR) those up to it may still be answered, so they wait
+            # (bounded by their timeouts), and the connection closes once they are done. (h2 takes
+            # no frame after a GOAWAY, so a server that still sends one fails them as lost.)
             self._goaway = True
             last = event.last_stream_id if event.last_stream_id is not None else 0
+            graceful = event.error_code == h2.errors.ErrorCodes.NO_ERROR
             for stream_id, stream in self._streams.items():
-                if not stream.answer.done():
+                if not stream.answer.done() and (stream_id > last or not graceful):
                     unprocessed = stream_id > last
                     stream.answer.set_exception(ConnectionClosed("the peer sent GOAWAY", unprocessed=unprocessed))
-            if self._transport is not None:
-                self._transport.close()
+            self._close_when_done()
         elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
             self._capacity.set()
 
@@ -319,6 +343,10 @@ class H2Connection(asyncio.Protocol):
                 return
             self._capacity.clear()
             await self._capacity.wait()
+
+    def _close_when_done(self) -> None:
+        if self._transport is not None and not any(not s.answer.done() for s in self._streams.values()):
+            self._transport.close()
 
     def _abandon(self, stream_id: int) -> None:
         """A request given up (timeout, cancellation): tell the peer, unless the stream is done."""
