@@ -2,9 +2,10 @@
 
 hypercorn 0.18's HTTP/2 path drops the whole connection, with every stream on it, when request
 body data arrives for a stream that has already been answered (a KeyError in its h2 handling).
-``DrainRequestBody`` therefore reads whatever is left of the request body before the response
-starts, on every path (403, 404, 413, 415, handlers that ignore the body), and
-``read_cbor_body`` reads the whole body before it raises.
+``DrainRequestBody``, which the front end's server installs, therefore reads whatever is left of the
+request body before the response starts, on every path (403, 404, 413, 415, handlers that ignore
+the body), and ``read_cbor_body`` reads the whole body before it raises. The mTLS server drops an
+unread body itself.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ async def require_peer(request: Request, allowed: PeerPolicy) -> str:
     answer with an SDCP problem type instead (``sdcp-not-assigned``, SDCP 6.3) check ``peer_uri``
     themselves.
     """
-    # The refusal leaves before the body is read; DrainRequestBody, which every listener of
-    # sdcp.transport.server installs, reads the body before the 403 starts.
+    # The refusal leaves before the body is read: the mTLS server drops the rest of it, the front
+    # end's DrainRequestBody reads it before the 403 starts.
     uri = peer_uri(request)
     if uri is None:
         raise Forbidden("no authenticated client certificate with a URI SAN")
