@@ -231,3 +231,17 @@ async def test_5_1_2_streams_past_the_advertised_limit_are_refused_or_end_the_co
         )
         wire.close()
         await still_serving(target, pki)
+
+
+async def test_6_7_a_peer_that_answers_no_ping_is_dropped_and_a_live_one_kept(pki: PKI) -> None:
+    async with server(pki) as target:
+        target._h2.state.ping_interval_s = 0.3
+        async with client_for(target, pki, pki.drafter_b) as live:
+            assert await live.get_cbor("ok") == (200, {"ok": True})
+            silent = await Wire.open(target, pki)  # sends nothing more, answers no PING
+            seen = await silent.until((frames.GoAwayFrame,), timeout=3.0)
+            assert any(isinstance(f, frames.PingFrame) and "ACK" not in f.flags for f in seen)
+            assert silent.reader.at_eof()  # dropped after its PING went unanswered
+            assert len(target._h2.state.connections) == 1  # the h2 client answered every PING
+            assert await live.get_cbor("ok") == (200, {"ok": True})
+            silent.close()

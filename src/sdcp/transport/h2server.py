@@ -21,7 +21,9 @@ server does what those listeners need and no more:
   connection once its requests are answered (h2 can send nothing after a GOAWAY);
 - the rest of a body that the app did not read (it answered early) is credited back as it comes,
   never buffered; a refused body's upload is ended with RST_STREAM NO_ERROR (RFC 9113 8.1);
-- idle connections closed after ``keep_alive_timeout_s``;
+- idle connections closed after ``keep_alive_timeout_s``; a connection silent for
+  ``ping_interval_s`` is sent a PING, and one that does not answer it within as long again is
+  dropped, so that a vanished peer holds no stream;
 - a client that did not negotiate ``h2`` gets one HTTP/1.1 505 problem answer, then the connection
   closes.
 """
@@ -67,6 +69,8 @@ _RESET_BURST = 200
 _RESET_RATE = 100.0
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_PING_INTERVAL_S = 20.0
+_PING_PAYLOAD = b"sdcp-ka!"
 _ALPN_H2 = "h2"
 _ABORT_WAIT_S = 1.0
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
@@ -81,6 +85,7 @@ class H2ServerState:
     keep_alive_timeout_s: float
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    ping_interval_s: float = DEFAULT_PING_INTERVAL_S
     connections: set[H2ServerProtocol] = field(default_factory=set)
     in_flight: int = 0
     stopping: bool = False
@@ -136,6 +141,9 @@ class H2ServerProtocol(asyncio.Protocol):
         self._server: tuple[str, int] | None = None
         self._reset_allowance = float(_RESET_BURST)
         self._reset_checked = 0.0
+        self._heard_at = 0.0
+        self._ping_sent_at: float | None = None
+        self._keepalive: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -164,11 +172,14 @@ class H2ServerProtocol(asyncio.Protocol):
         if self._state.stopping:
             self.drain()
         self._arm_idle_timer()
+        self._heard_at = asyncio.get_running_loop().time()
+        self._schedule_keepalive()
 
     def data_received(self, data: bytes) -> None:
         if self._h2 is None:
             self._refuse_http1()
             return
+        self._heard_at = asyncio.get_running_loop().time()
         try:
             events = self._h2.receive_data(data)
         except h2.exceptions.ProtocolError as error:
@@ -186,6 +197,8 @@ class H2ServerProtocol(asyncio.Protocol):
         self._state.connections.discard(self)
         if self._idle_timer is not None:
             self._idle_timer.cancel()
+        if self._keepalive is not None:
+            self._keepalive.cancel()
         for stream in self._streams.values():
             stream.disconnected = True
             stream.changed.set()
@@ -243,6 +256,8 @@ class H2ServerProtocol(asyncio.Protocol):
             self._capacity.set()
         elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
             self._capacity.set()
+        elif isinstance(event, h2.events.PingAckReceived):
+            self._ping_sent_at = None
         elif isinstance(event, h2.events.ConnectionTerminated):
             self.drain()
 
@@ -454,6 +469,28 @@ class H2ServerProtocol(asyncio.Protocol):
             self._transport.close()
 
     # -- connection housekeeping ------------------------------------------------------------------
+
+    def _schedule_keepalive(self) -> None:
+        interval = self._state.ping_interval_s
+        self._keepalive = asyncio.get_running_loop().call_later(interval / 2, self._check_alive)
+
+    def _check_alive(self) -> None:
+        """A PING after ``ping_interval_s`` of silence; no answer within as long again: dropped."""
+        if self._transport is None or self._transport.is_closing() or self._h2 is None:
+            return
+        now = asyncio.get_running_loop().time()
+        interval = self._state.ping_interval_s
+        if self._ping_sent_at is not None:
+            if now - self._ping_sent_at >= interval:
+                _log.info("%s did not answer a PING within %.0f s; connection dropped", self._client, interval)
+                self.abort()
+                return
+        elif now - self._heard_at >= interval:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self._h2.ping(_PING_PAYLOAD)
+                self._ping_sent_at = now
+                self._flush()
+        self._schedule_keepalive()
 
     def _close_if_drained(self) -> None:
         if not self._draining or self._streams or self._transport is None or self._transport.is_closing():
