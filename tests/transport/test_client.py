@@ -328,3 +328,65 @@ async def test_an_answer_past_the_limit_is_refused_while_it_arrives(pki: PKI) ->
         # The connection carries on.
         async with client_for(server, pki, pki.drafter_a) as roomy:
             assert (await roomy.get_bytes("octets")).content == big
+
+
+class TwoStepShutdownServer(asyncio.Protocol):
+    """A raw HTTP/2 server that shuts down as RFC 9113 6.8 describes, as Go's server does: on each
+    request, GOAWAY with 2^31-1 and a PING, then GOAWAY with the last stream it took, then the answer."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        import h2.config
+        import h2.connection
+
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        self.h2.initiate_connection()
+        transport.write(self.h2.data_to_send())
+
+    def data_received(self, data: bytes) -> None:
+        import h2.events
+        import hyperframe.frame
+
+        def goaway(last: int) -> bytes:
+            frame = hyperframe.frame.GoAwayFrame(0)
+            frame.last_stream_id, frame.error_code = last, 0
+            return frame.serialize()
+
+        for event in self.h2.receive_data(data):
+            if isinstance(event, h2.events.RequestReceived):
+                self.transport.write(self.h2.data_to_send() + goaway(2**31 - 1))
+                self.h2.ping(b"shutdown")
+                self.transport.write(self.h2.data_to_send() + goaway(event.stream_id))
+                body = cbor2_dumps({"answered": event.stream_id})
+                headers = [(":status", "200"), ("content-type", "application/sdcp+cbor")]
+                self.h2.send_headers(event.stream_id, headers)
+                self.h2.send_data(event.stream_id, body, end_stream=True)
+        self.transport.write(self.h2.data_to_send())
+
+
+def cbor2_dumps(obj: object) -> bytes:
+    from sdcp.protocol.codec import encode
+
+    return encode(obj)
+
+
+async def test_a_two_step_goaway_still_delivers_the_answers_it_promises(pki: PKI) -> None:
+    from sdcp.transport.tls import server_context
+
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        TwoStepShutdownServer, "127.0.0.1", 0, ssl=server_context(pki.server.cert, pki.server.key, pki.ca)
+    )
+    port = server.sockets[0].getsockname()[1]
+    client = SDCPClient(
+        f"https://127.0.0.1:{port}/", pki.drafter_a.cert, pki.drafter_a.key, pki.ca, server_identity=pki.server.uri
+    )
+    try:
+        # Each request is answered after the server's two GOAWAYs; the next one opens a new connection.
+        assert await client.get_cbor("first") == (200, {"answered": 1})
+        assert await client.get_cbor("second") == (200, {"answered": 1})
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()

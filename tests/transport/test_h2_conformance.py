@@ -72,10 +72,12 @@ class Wire:
         with contextlib.suppress(ConnectionError):
             await self.writer.drain()
 
-    def headers(self, stream_id: int, *, extra: list[tuple[bytes, bytes]] | None = None) -> frames.HeadersFrame:
+    def headers(
+        self, stream_id: int, *, path: bytes = b"/ok", extra: list[tuple[bytes, bytes]] | None = None
+    ) -> frames.HeadersFrame:
         encoder = self.h2.encoder
         block = encoder.encode(
-            [(b":method", b"GET"), (b":path", b"/ok"), (b":scheme", b"https"), (b":authority", b"x"), *(extra or [])]
+            [(b":method", b"GET"), (b":path", path), (b":scheme", b"https"), (b":authority", b"x"), *(extra or [])]
         )
         frame = frames.HeadersFrame(stream_id)
         frame.data = block

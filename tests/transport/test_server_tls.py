@@ -10,6 +10,7 @@ import ssl
 import subprocess
 
 import httpx
+import hyperframe.frame as frames
 import pytest
 from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.protocol.h2 import H2Protocol
@@ -239,15 +240,47 @@ async def test_graceful_shutdown_lets_a_request_in_flight_finish(pki: PKI) -> No
     app = Starlette(routes=[Route("/slow", slow)])
     server = MTLSServer(app, mtls_listener(pki))
     await server.start()
-    context = client_context(pki.drafter_a.cert, pki.drafter_a.key, pki.ca)
-    async with httpx_client(pki, context) as client:
-        in_flight = asyncio.create_task(client.get(server.base_url + "slow"))
+    async with client_for(server, pki, pki.drafter_a) as client:
+        in_flight = asyncio.create_task(client.get_bytes("slow"))
         await entered.wait()
         await server.stop()
         response = await in_flight
     assert response.content == b"done"
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", server.port)
+
+
+async def test_graceful_shutdown_is_two_goaways_and_answers_what_it_took(pki: PKI) -> None:
+    # RFC 9113 6.8: GOAWAY with 2^31-1 and a PING, then GOAWAY with the last stream taken; the
+    # stream in flight is answered after both.
+    from .test_h2_conformance import Wire
+
+    entered = asyncio.Event()
+
+    async def slow(_request: Request) -> Response:
+        entered.set()
+        await asyncio.sleep(0.3)
+        return Response(b"done")
+
+    server = MTLSServer(Starlette(routes=[Route("/slow", slow)]), mtls_listener(pki))
+    await server.start()
+    wire = await Wire.open(server, pki)
+    await wire.send(wire.headers(1, path=b"/slow"))
+    async with asyncio.timeout(10):
+        await entered.wait()
+    stopping = asyncio.create_task(server.stop())
+    seen = await wire.until((frames.PingFrame,))
+    ping = next(f for f in seen if isinstance(f, frames.PingFrame))
+    answer = frames.PingFrame(0, flags=["ACK"])
+    answer.opaque_data = ping.opaque_data
+    await wire.send(answer)  # the client has seen the first GOAWAY
+    seen += await wire.until((frames.DataFrame,))
+    await stopping
+    goaways = [f.last_stream_id for f in seen if isinstance(f, frames.GoAwayFrame)]
+    assert goaways[:2] == [2**31 - 1, 1]
+    data = [f for f in seen if isinstance(f, frames.DataFrame) and f.stream_id == 1]
+    assert data and data[0].data == b"done"
+    wire.close()
 
 
 async def test_bind_failure_and_startup_failure_are_reported(pki: PKI) -> None:

@@ -31,6 +31,8 @@ __all__ = ["ConnectionClosed", "H2Connection", "H2Response", "ResponseTooLarge",
 _RECEIVE_WINDOW = 1 << 24
 _ALPN_H2 = "h2"
 _CLOSE_WAIT_S = 1.0
+_FRAME_HEADER = 9
+_GOAWAY = 0x7
 
 Header = tuple[bytes, bytes]
 
@@ -124,6 +126,8 @@ class H2Connection(asyncio.Protocol):
         self._closed = asyncio.get_running_loop().create_future()
         self._goaway = False
         self._flush_scheduled = False
+        # Received bytes of a frame not yet complete (see _take_goaways).
+        self._inbound = bytearray()
         self.peer_certificate: bytes | None = None
 
     @classmethod
@@ -260,6 +264,9 @@ class H2Connection(asyncio.Protocol):
         self._flush()
 
     def data_received(self, data: bytes) -> None:
+        data = self._take_goaways(data)
+        if not data:
+            return
         try:
             events = self._h2.receive_data(data)
         except h2.exceptions.ProtocolError as error:
@@ -319,19 +326,6 @@ class H2Connection(asyncio.Protocol):
                     ConnectionClosed(f"the peer reset the stream ({event.error_code!r})", unprocessed=refused)
                 )
             self._capacity.set()
-        elif isinstance(event, h2.events.ConnectionTerminated):
-            # RFC 9113 6.8: streams above last_stream_id were not processed and may be retried;
-            # after a graceful GOAWAY (NO_ERROR) those up to it may still be answered, so they wait
-            # (bounded by their timeouts), and the connection closes once they are done. (h2 takes
-            # no frame after a GOAWAY, so a server that still sends one fails them as lost.)
-            self._goaway = True
-            last = event.last_stream_id if event.last_stream_id is not None else 0
-            graceful = event.error_code == h2.errors.ErrorCodes.NO_ERROR
-            for stream_id, stream in self._streams.items():
-                if not stream.answer.done() and (stream_id > last or not graceful):
-                    unprocessed = stream_id > last
-                    stream.answer.set_exception(ConnectionClosed("the peer sent GOAWAY", unprocessed=unprocessed))
-            self._close_when_done()
         elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
             self._capacity.set()
 
@@ -343,6 +337,39 @@ class H2Connection(asyncio.Protocol):
                 return
             self._capacity.clear()
             await self._capacity.wait()
+
+    def _take_goaways(self, data: bytes) -> bytes:
+        """The received bytes less their GOAWAY frames, which are handled here: h2 moves to CLOSED
+        on a GOAWAY and then refuses every frame, also the answers that a graceful GOAWAY still
+        promises (RFC 9113 6.8, e.g. the two-step shutdown of Go's server). Only whole frames go on."""
+        self._inbound += data
+        passed = bytearray()
+        while len(self._inbound) >= _FRAME_HEADER:
+            length = int.from_bytes(self._inbound[0:3], "big")
+            end = _FRAME_HEADER + length
+            if len(self._inbound) < end:
+                break
+            frame = self._inbound[:end]
+            del self._inbound[:end]
+            stream_id = int.from_bytes(frame[5:9], "big") & 0x7FFFFFFF
+            if frame[3] == _GOAWAY and stream_id == 0 and length >= 8:
+                payload = frame[_FRAME_HEADER:]
+                self._on_goaway(int.from_bytes(payload[0:4], "big") & 0x7FFFFFFF, int.from_bytes(payload[4:8], "big"))
+            else:
+                passed += frame
+        return bytes(passed)
+
+    def _on_goaway(self, last: int, error_code: int) -> None:
+        """RFC 9113 6.8: streams above ``last`` were not processed and may be retried; after a
+        graceful GOAWAY (NO_ERROR) those up to it are still answered, so they wait (bounded by their
+        timeouts). No new request uses the connection, which closes once its streams are done."""
+        self._goaway = True
+        graceful = error_code == h2.errors.ErrorCodes.NO_ERROR
+        for stream_id, stream in self._streams.items():
+            if not stream.answer.done() and (stream_id > last or not graceful):
+                unprocessed = stream_id > last
+                stream.answer.set_exception(ConnectionClosed("the peer sent GOAWAY", unprocessed=unprocessed))
+        self._close_when_done()
 
     def _close_when_done(self) -> None:
         if self._transport is not None and not any(not s.answer.done() for s in self._streams.values()):

@@ -16,9 +16,12 @@ server does what those listeners need and no more:
   ``body_timeout_s`` ends its stream;
 - ``max_concurrent_streams`` advertised and enforced (a stream beyond it is refused); a client that
   resets streams faster than ``_RESET_RATE`` a second (the rapid-reset pattern) gets GOAWAY
-  ENHANCE_YOUR_CALM; after ``keep_alive_max_requests`` requests, or when the server stops, new
-  streams are refused (REFUSED_STREAM, safe to retry, RFC 9113 8.7) and GOAWAY closes the
-  connection once its requests are answered (h2 can send nothing after a GOAWAY);
+  ENHANCE_YOUR_CALM;
+- graceful shutdown as RFC 9113 6.8 describes it, after ``keep_alive_max_requests`` requests or when
+  the server stops: GOAWAY with 2^31-1 and a PING; once the PING is answered (or after
+  ``_GOAWAY_GRACE_S``), GOAWAY with the last stream taken, after which new streams are refused
+  (REFUSED_STREAM, safe to retry, RFC 9113 8.7); the streams taken are answered, and the connection
+  closes then. The GOAWAY frames are written past h2, which could send nothing after one;
 - the rest of a body that the app did not read (it answered early) is credited back as it comes,
   never buffered; a refused body's upload is ended with RST_STREAM NO_ERROR (RFC 9113 8.1);
 - idle connections closed after ``keep_alive_timeout_s``; a connection silent for
@@ -45,6 +48,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import hyperframe.frame
 
 from sdcp.protocol.problems import PROBLEM_MEDIA_TYPE
 from sdcp.transport.asgi import problem_body
@@ -71,6 +75,10 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_PING_INTERVAL_S = 20.0
 _PING_PAYLOAD = b"sdcp-ka!"
+_SHUTDOWN_PING = b"sdcp-end"
+# The longest wait for the shutdown PING's answer before the final GOAWAY.
+_GOAWAY_GRACE_S = 1.0
+_LAST_POSSIBLE_STREAM = 2**31 - 1
 _ALPN_H2 = "h2"
 _ABORT_WAIT_S = 1.0
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
@@ -143,6 +151,10 @@ class H2ServerProtocol(asyncio.Protocol):
         self._reset_checked = 0.0
         self._heard_at = 0.0
         self._ping_sent_at: float | None = None
+        # Graceful shutdown: the first GOAWAY sent; the highest stream taken; the final GOAWAY's timer.
+        self._announced = False
+        self._last_stream_id = 0
+        self._final_goaway_timer: asyncio.TimerHandle | None = None
         self._keepalive: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
@@ -199,6 +211,8 @@ class H2ServerProtocol(asyncio.Protocol):
             self._idle_timer.cancel()
         if self._keepalive is not None:
             self._keepalive.cancel()
+        if self._final_goaway_timer is not None:
+            self._final_goaway_timer.cancel()
         for stream in self._streams.values():
             stream.disconnected = True
             stream.changed.set()
@@ -209,9 +223,42 @@ class H2ServerProtocol(asyncio.Protocol):
     # -- control from the listener ---------------------------------------------------------------
 
     def drain(self) -> None:
-        """Refuse new streams; GOAWAY and close once the streams in progress are answered."""
+        """Shut the connection down gracefully (RFC 9113 6.8, see the module doc)."""
+        if self._h2 is None or self._transport is None or self._transport.is_closing() or self._announced:
+            self._draining = self._draining or self._h2 is None or self._transport is None
+            self._close_if_drained()
+            return
+        self._announced = True
+        self._write_goaway(_LAST_POSSIBLE_STREAM)
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self._h2.ping(_SHUTDOWN_PING)
+        self._flush_now()
+        self._final_goaway_timer = asyncio.get_running_loop().call_later(_GOAWAY_GRACE_S, self._final_goaway)
+
+    def _final_goaway(self) -> None:
+        """The client has seen the first GOAWAY (its PING answer came after it): streams past the
+        last one taken will not be processed."""
+        if self._draining:
+            return
+        if self._final_goaway_timer is not None:
+            self._final_goaway_timer.cancel()
         self._draining = True
+        if self._transport is not None and not self._transport.is_closing():
+            self._write_goaway(self._last_stream_id)
         self._close_if_drained()
+
+    def _write_goaway(self, last_stream_id: int) -> None:
+        """A graceful GOAWAY written past h2, which would refuse to send anything after it."""
+        assert self._transport is not None
+        self._flush_now()
+        frame = hyperframe.frame.GoAwayFrame(0)
+        frame.last_stream_id, frame.error_code = last_stream_id, h2.errors.ErrorCodes.NO_ERROR
+        self._transport.write(frame.serialize())
+
+    @property
+    def settled(self) -> bool:
+        """Shut down and every stream answered: nothing is lost by cutting the connection."""
+        return self._draining and not self._streams
 
     def abort(self) -> None:
         if self._transport is not None:
@@ -257,7 +304,10 @@ class H2ServerProtocol(asyncio.Protocol):
         elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
             self._capacity.set()
         elif isinstance(event, h2.events.PingAckReceived):
-            self._ping_sent_at = None
+            if event.ping_data == _SHUTDOWN_PING:
+                self._final_goaway()
+            else:
+                self._ping_sent_at = None
         elif isinstance(event, h2.events.ConnectionTerminated):
             self.drain()
 
@@ -269,8 +319,9 @@ class H2ServerProtocol(asyncio.Protocol):
                 self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             return
         self._requests += 1
+        self._last_stream_id = max(self._last_stream_id, stream_id)
         if self._requests >= self._state.keep_alive_max_requests:
-            self._draining = True
+            self.drain()
         pseudo: dict[bytes, bytes] = {}
         headers: list[tuple[bytes, bytes]] = []
         for name, value in raw_headers:
@@ -497,7 +548,7 @@ class H2ServerProtocol(asyncio.Protocol):
             return
         if self._h2 is not None:
             with contextlib.suppress(h2.exceptions.ProtocolError):
-                self._h2.close_connection()
+                self._h2.close_connection(last_stream_id=self._last_stream_id)
             self._flush_now()
         self._transport.close()
 
@@ -639,10 +690,11 @@ class H2Listener:
         while self.state.connections and loop.time() < give_up:
             if loop.time() >= deadline:
                 self.state.abort_all()
-            elif self.state.in_flight == 0:
-                # TLS close waits for the peer's close_notify; answered and flushed, nothing is lost.
+            else:
+                # TLS close waits for the peer's close_notify; shut down, answered and flushed,
+                # nothing is lost by cutting a connection.
                 for connection in list(self.state.connections):
-                    if connection.flushed:
+                    if connection.settled and connection.flushed:
                         connection.abort()
             await asyncio.sleep(poll_s)
         if self._server is not None:
