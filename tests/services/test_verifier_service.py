@@ -584,3 +584,17 @@ async def test_token_ids_outside_the_vocabulary_are_bad_messages(cluster: Cluste
     # Nothing was committed, and the next proposal of the same round is verified as usual.
     _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
     assert Verdict.from_obj(body).round == state.round + 1
+
+
+async def test_a_commit_log_this_verifier_cannot_resolve_is_a_bad_message(
+    cluster: Cluster, target: TargetModel
+) -> None:
+    message = SessionOpen(
+        session=b"\x06" * 16,
+        epoch=1,
+        contract=contract(target),
+        prompt=PROMPT,
+        commit_log="mlc://conformance/log/7t0bxONvFsbjPaNb1aAvLg",
+    )
+    err = await problem_of(cluster.client("router").post_cbor("sessions", message.to_obj()))
+    assert err.status == 400 and "commit_log" in err.detail and b"\x06" * 16 not in cluster.node.engine.sessions

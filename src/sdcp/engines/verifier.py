@@ -18,7 +18,7 @@ from typing import NoReturn
 import numpy as np
 from prometheus_client import Counter, Histogram
 
-from sdcp.cache import MLC, CacheError, CommitLog, Fenced, PreconditionFailed
+from sdcp.cache import MLC, CacheError, CommitLog, Fenced, InvalidURI, PreconditionFailed
 from sdcp.config import VerifierConfig
 from sdcp.engines.errors import SessionNotFound, Unavailable
 from sdcp.engines.ports import EventSink
@@ -309,8 +309,14 @@ class VerifierEngine:
             resume=message.resume,
             committed_tokens=committed,
         )
-        commit_log = self.mlc.commit_log(message.commit_log)
-        snapshot = await commit_log.read()
+        try:
+            commit_log = self.mlc.commit_log(message.commit_log)
+            snapshot = await commit_log.read()
+        except InvalidURI as exc:
+            # A reference this instance cannot resolve is the request's fault, not a server error.
+            raise BadMessage(f"commit_log {message.commit_log!r} cannot be resolved here: {exc}") from exc
+        except CacheError as exc:
+            raise Unavailable(f"the commit log cannot be read: {exc}") from exc
         newest = max((record.get("epoch", 0) for record in snapshot.records), default=0)
         if newest > message.epoch:
             raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log is fenced at epoch {newest}")
