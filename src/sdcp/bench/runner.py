@@ -39,6 +39,7 @@ from sdcp.bench.workloads import (
 from sdcp.cache.redis_process import local_redis_server, redis_server_available
 from sdcp.models.registry import TINY_DRAFT_NAME, TINY_NAME, end_of_text_tokens, load_model
 from sdcp.models.target import TargetModel
+from sdcp.models.worker import ModelThread
 
 __all__ = ["BenchConfig", "Measurement", "run_bench"]
 
@@ -177,9 +178,14 @@ async def _measure(
         await cluster.connect()
     try:
         runners: list[tuple[str, Callable[[Prompt, int], Any]]] = []
+        # One thread runs every in-process system's model work: the engines' model thread. Two threads
+        # that run torch each bring an OpenMP team, whose spinning workers slow the other's passes.
+        model_thread = engines[0].verifier.scorer if engines else None
         for system in in_process:
-            runner = _engines(system) if isinstance(system, InProcessSDCPSystem) else _on_this_thread(system.generate)
-            runners.append((system.name, runner))
+            if isinstance(system, InProcessSDCPSystem):
+                runners.append((system.name, _engines(system)))
+            else:
+                runners.append((system.name, _on_model_thread(model_thread, system.generate)))
         for cluster in clusters:
             runners.append((cluster.name, _bound(cluster, stop)))
         warm_prompt = next(iter(prompts.values()))[0]
@@ -218,11 +224,16 @@ def _engines(system: InProcessSDCPSystem) -> Callable[[Prompt, int], Any]:
     return run
 
 
-def _on_this_thread(generate: Callable[[list[int], int], RunResult]) -> Callable[[Prompt, int], Any]:
-    # Blocking the loop is intended: nothing else runs meanwhile, and the model then runs on the
-    # thread that loaded it, as in a plain transformers script.
+def _on_model_thread(
+    thread: ModelThread | None, generate: Callable[[list[int], int], RunResult]
+) -> Callable[[Prompt, int], Any]:
+    """A baseline's generation, on the model thread when there is one (else on this thread, which
+    then blocks the loop: nothing else runs meanwhile)."""
+
     async def run(prompt: Prompt, max_new: int) -> RunResult:
-        return generate(list(prompt.tokens), max_new)
+        if thread is None:
+            return generate(list(prompt.tokens), max_new)
+        return await thread.run_async(generate, list(prompt.tokens), max_new)
 
     return run
 
