@@ -38,6 +38,7 @@ import cbor2
 
 from sdcp.cache.errors import CorruptRecord, Fenced, InvalidRecord, PreconditionFailed
 from sdcp.futures import Outcome, settle, settle_soon
+from sdcp.protocol import codec
 
 EMPTY_LOG_ETAG = '"0"'
 _FRAME_HEADER = struct.Struct(">II")  # payload length, CRC-32 of the payload
@@ -59,9 +60,10 @@ def encode_record(record: object) -> tuple[bytes, int, bool]:
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
         raise InvalidRecord(f"a record carries a non-negative integer epoch, got {epoch!r}")
     try:
-        payload = cbor2.dumps(record, canonical=True)
-    except (cbor2.CBOREncodeError, TypeError, ValueError) as exc:
-        raise InvalidRecord(f"record is not CBOR-encodable: {exc}") from exc
+        # Deterministic, and within SDCP's data model: a record goes back out as it came in.
+        payload = codec.encode(record)
+    except ValueError as exc:
+        raise InvalidRecord(f"record is outside SDCP's data model: {exc}") from exc
     return payload, epoch, set(record) == {"epoch"}
 
 

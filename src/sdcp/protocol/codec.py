@@ -13,7 +13,6 @@ import binascii
 import io
 import re
 from collections.abc import Iterator
-from typing import NoReturn
 
 import cbor2
 
@@ -42,8 +41,9 @@ _INT_MAX = 2**64 - 1
 _B64URL = re.compile(r"[A-Za-z0-9_-]*")
 
 
-class _RejectEveryTag(dict[int, object]):
-    """A semantic-decoder table that claims every tag, so cbor2 applies none of its own."""
+class _KeepEveryTag(dict[int, object]):
+    """A semantic-decoder table that claims every tag, so cbor2 applies none of its own: a tagged
+    item stays a ``cbor2.CBORTag``, which no message member accepts and every unknown member may be."""
 
     def __contains__(self, tag: object) -> bool:
         return True
@@ -52,17 +52,18 @@ class _RejectEveryTag(dict[int, object]):
         return self[tag]
 
     def __getitem__(self, tag: object) -> object:
-        def reject(*_decoder_and_value: object) -> NoReturn:
-            raise BadMessage(f"CBOR tag {tag} is not part of SDCP")
+        def keep(value: object, *_: object) -> cbor2.CBORTag:
+            # cbor2 (6.x) calls a semantic decoder with the decoded tagged item.
+            return cbor2.CBORTag(int(tag), value)  # type: ignore[call-overload]
 
-        return reject
-
-
-_NO_TAGS = _RejectEveryTag()
+        return keep
 
 
-def _reject_tag(_decoder: cbor2.CBORDecoder, tag: cbor2.CBORTag) -> NoReturn:
-    raise BadMessage(f"CBOR tag {tag.tag} is not part of SDCP")
+_TAGS_AS_THEY_ARE = _KeepEveryTag()
+
+
+def _keep_tag(_decoder: cbor2.CBORDecoder, tag: cbor2.CBORTag) -> cbor2.CBORTag:
+    return tag
 
 
 def _walk(obj: object) -> Iterator[object]:
@@ -122,7 +123,13 @@ def decode(
     max_size: int = DEFAULT_MAX_SIZE,
     max_depth: int = DEFAULT_MAX_DEPTH,
 ) -> object:
-    """Decode exactly one CBOR data item of SDCP's data model; anything else raises BadMessage."""
+    """Decode exactly one well-formed CBOR data item; anything else raises BadMessage.
+
+    SDCP 5.2: unknown members MUST be ignored, whatever they hold. So items outside SDCP's data model
+    (floats, null, undefined, simple values, tags, keys that are not text) are decoded as they are;
+    the message parsers (``sdcp.protocol.messages``) refuse them wherever a known member is expected,
+    and ``encode`` never sends them.
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"CBOR input must be bytes, not {type(data).__name__}")
     size = len(data)
@@ -133,11 +140,11 @@ def decode(
         stream,
         # cbor2's decoder calls tag_hook(decoder, tag) and only looks tags up in semantic_decoders;
         # its type hints declare other signatures for both.
-        tag_hook=_reject_tag,  # type: ignore[arg-type]
-        semantic_decoders=_NO_TAGS,  # type: ignore[arg-type]
+        tag_hook=_keep_tag,  # type: ignore[arg-type]
+        semantic_decoders=_TAGS_AS_THEY_ARE,  # type: ignore[arg-type]
         max_depth=max_depth,
         allow_duplicate_keys=False,
-        strict_hashable_types=True,
+        strict_hashable_types=False,
     )
     try:
         obj = decoder.decode()
@@ -146,9 +153,6 @@ def decode(
         raise BadMessage(str(ours) if ours is not None else f"malformed CBOR: {exc}") from exc
     if stream.tell() != size:
         raise BadMessage(f"{size - stream.tell()} trailing bytes after the CBOR data item")
-    problem = _outside_data_model(obj)
-    if problem is not None:
-        raise BadMessage(problem)
     return obj
 
 
@@ -164,6 +168,9 @@ def decode_deterministic(
     comparing catches all of them at once.
     """
     obj = decode(data, max_size=max_size, max_depth=max_depth)
+    problem = _outside_data_model(obj)
+    if problem is not None:
+        raise BadMessage(problem)
     if encode(obj) != bytes(data):
         raise BadMessage("CBOR input is not in core deterministic encoding (RFC 8949 4.2.1)")
     return obj
