@@ -16,7 +16,7 @@ import cbor2
 import httpx
 import pytest
 
-from sdcp.cache import build_uri
+from sdcp.cache import CommitLog, build_uri
 from sdcp.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig, TrustConfig, VerifierConfig
 from sdcp.localhost import free_port
 from sdcp.models.target import TargetModel
@@ -472,6 +472,12 @@ READERS = {"router", "verifier", "other_verifier", "drafter", "other_drafter", "
 ROLES = {"router", "verifier", "other_verifier", "drafter", "other_drafter"}
 
 
+async def append_as(client: SDCPClient, log: CommitLog, entry: dict[str, object]) -> object:
+    """A conditional append through the MLC node, on the log's current version."""
+    etag = (await log.read()).etag
+    return await client.post_cbor("logs/append", entry, params={"uri": LOG}, headers={"if-match": etag})
+
+
 def record(epoch: int, round_: int, writer: str) -> dict[str, object]:
     return {"epoch": epoch, "round": round_, "emitted": [7], "committed": round_, "digest": bytes(32), "writer": writer}
 
@@ -535,9 +541,8 @@ async def test_mlc_logs_take_records_only_from_the_verifier_they_name(world: Wor
     node, client = mlc_node
     log = node.mlc.commit_log(LOG)
 
-    async def append(identity: str, entry: dict[str, object]) -> object:
-        etag = (await log.read()).etag
-        return await client(identity).post_cbor("logs/append", entry, params={"uri": LOG}, headers={"if-match": etag})
+    def append(identity: str, entry: dict[str, object]) -> Awaitable[object]:
+        return append_as(client(identity), log, entry)
 
     mine = record(1, 1, world.uris["verifier"])
     # A forged record, in the verifier's name or the forger's own: refused, the log unchanged.
@@ -558,9 +563,8 @@ async def test_mlc_fences_and_epoch_claims(world: World, mlc_node: MLCFixture) -
     node, client = mlc_node
     log = node.mlc.commit_log(LOG)
 
-    async def append(identity: str, entry: dict[str, object]) -> object:
-        etag = (await log.read()).etag
-        return await client(identity).post_cbor("logs/append", entry, params={"uri": LOG}, headers={"if-match": etag})
+    def append(identity: str, entry: dict[str, object]) -> Awaitable[object]:
+        return append_as(client(identity), log, entry)
 
     await append("verifier", record(1, 1, world.uris["verifier"]))
     # Epoch 1 belongs to the verifier that wrote its first record: another trusted verifier cannot
