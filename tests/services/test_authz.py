@@ -529,6 +529,9 @@ async def test_mlc_objects_by_role_and_kind(
     assert await stored(ROWS) == contents[ROWS] == b"rows"
     await put(ROWS, b"rows again")(client("drafter"))
     assert await stored(ROWS) == b"rows again"
+    # Who holds leases: the deployment's roles may ask, nobody else.
+    await check_row(client, "mlc", lambda c: c.get_cbor("leases", {"uri": ROWS}), ROLES, lambda: None)
+    assert (await client("other_drafter").get_cbor("leases", {"uri": ROWS}))[1] == {"holders": [world.uris["drafter"]]}
     # Leases only in the caller's own name, and only for the deployment's roles.
     for identity in ("owner", "stranger", "operator"):
         own = {"uri": ROWS, "holder": world.uris[identity], "ttl_ms": 1000}
