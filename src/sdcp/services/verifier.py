@@ -137,7 +137,7 @@ class VerifierNode(Node):
 
     def _parties(self, session: bytes) -> SessionParties:
         owner, drafter = self.engine.parties(session)
-        return SessionParties(verifier=self.uri, drafter=drafter, owner=owner)
+        return SessionParties(drafter=drafter, owner=owner)
 
     async def output(self, request: Request) -> Response:
         """GET sessions/{id}/output?from=n (SDCP 6.7)."""

@@ -341,22 +341,33 @@ class H2Connection(asyncio.Protocol):
     def _take_goaways(self, data: bytes) -> bytes:
         """The received bytes less their GOAWAY frames, which are handled here: h2 moves to CLOSED
         on a GOAWAY and then refuses every frame, also the answers that a graceful GOAWAY still
-        promises (RFC 9113 6.8, e.g. the two-step shutdown of Go's server). Only whole frames go on."""
-        self._inbound += data
+        promises (RFC 9113 6.8, e.g. the two-step shutdown of Go's server). Only whole frames go on.
+
+        On the hot path (no frame left over, no GOAWAY) the bytes go on as they came, uncopied."""
+        buffer: bytes | bytearray = data
+        if self._inbound:
+            self._inbound += data
+            buffer = self._inbound
         passed = bytearray()
-        while len(self._inbound) >= _FRAME_HEADER:
-            length = int.from_bytes(self._inbound[0:3], "big")
-            end = _FRAME_HEADER + length
-            if len(self._inbound) < end:
+        start = offset = 0
+        while len(buffer) - offset >= _FRAME_HEADER:
+            length = int.from_bytes(buffer[offset : offset + 3], "big")
+            end = offset + _FRAME_HEADER + length
+            if end > len(buffer):
                 break
-            frame = self._inbound[:end]
-            del self._inbound[:end]
-            stream_id = int.from_bytes(frame[5:9], "big") & 0x7FFFFFFF
-            if frame[3] == _GOAWAY and stream_id == 0 and length >= 8:
-                payload = frame[_FRAME_HEADER:]
+            stream_id = int.from_bytes(buffer[offset + 5 : offset + 9], "big") & 0x7FFFFFFF
+            if buffer[offset + 3] == _GOAWAY and stream_id == 0 and length >= 8:
+                passed += buffer[start:offset]
+                payload = buffer[offset + _FRAME_HEADER : end]
                 self._on_goaway(int.from_bytes(payload[0:4], "big") & 0x7FFFFFFF, int.from_bytes(payload[4:8], "big"))
-            else:
-                passed += frame
+                start = end
+            offset = end
+        if start == 0 and offset == len(buffer):
+            whole = bytes(buffer) if buffer is self._inbound else data
+            self._inbound = bytearray()
+            return whole
+        passed += buffer[start:offset]
+        self._inbound = bytearray(buffer[offset:])
         return bytes(passed)
 
     def _on_goaway(self, last: int, error_code: int) -> None:

@@ -224,9 +224,11 @@ class H2ServerProtocol(asyncio.Protocol):
 
     def drain(self) -> None:
         """Shut the connection down gracefully (RFC 9113 6.8, see the module doc)."""
-        if self._h2 is None or self._transport is None or self._transport.is_closing() or self._announced:
-            self._draining = self._draining or self._h2 is None or self._transport is None
+        if self._h2 is None or self._transport is None or self._transport.is_closing():
+            self._draining = True
             self._close_if_drained()
+            return
+        if self._announced:
             return
         self._announced = True
         self._write_goaway(_LAST_POSSIBLE_STREAM)
