@@ -29,7 +29,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, ValidationInfo
@@ -44,6 +44,7 @@ __all__ = [
     "GatewayConfig",
     "InstanceConfig",
     "MLCConfig",
+    "OWN_MLC",
     "RouterConfig",
     "ServiceConfig",
     "TrustConfig",
@@ -91,6 +92,8 @@ Text = Annotated[str, Strict()]
 FilePath = Annotated[Path, BeforeValidator(_relative_to_file)]
 HttpsURI = Annotated[str, Strict(), BeforeValidator(_https_uri)]
 HostPort = Annotated[str, Strict(), BeforeValidator(_host_port)]
+OWN_MLC = "own"
+MLCRoute = Annotated[str, Strict(), BeforeValidator(lambda v: v if v == OWN_MLC else _https_uri(v))]
 
 
 def _number(value: object) -> object:
@@ -145,6 +148,10 @@ class MLCConfig:
     # Base URI of a remote MLC node (sdcp.services.mlc) to use as the shared store, over mTLS with
     # this instance's certificate; disk_dir then names a local cache (docs/cache.md).
     mlc_url: HttpsURI | None = None
+    # Which MLC serves a received cache-ref (SDCP 5.2), by the URI's authority: "own" (this
+    # instance's MLC) or the base URI of an MLC node. Authorities not listed: `unlisted`.
+    authorities: dict[str, MLCRoute] = field(default_factory=dict)
+    unlisted: Literal["own", "refuse"] = "own"
 
 
 @dataclass(frozen=True, config=_SECTION)

@@ -9,7 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from sdcp.cli import app
+from sdcp.cache import UnresolvableRef
 from sdcp.config import ConfigError, DrafterConfig, VerifierConfig, load_config
+from sdcp.services.node import build_mlc
+from sdcp.transport.certs import make_certs
 
 INSTANCE = """
 [instance]
@@ -87,6 +90,8 @@ def test_a_gateway_without_a_router_is_a_one_line_cli_error(tmp_path: Path) -> N
         ("[trust]\ndrafters = [1]\n", "trust.drafters must be a list of strings"),
         ("[trust]\ndrafters = ['http://a:1']\n", "trust.drafters must be an https URI"),
         ("[mlc]\nmlc_url = 'redis://x'\n", "mlc.mlc_url must be an https URI"),
+        ("[mlc.authorities]\n'cache-b' = 'redis://x'\n", "mlc.authorities.cache-b must be an https URI"),
+        ("[mlc]\nunlisted = 'proxy'\n", "mlc.unlisted"),
         ("[gateway]\nlisten = '8000'\n", "gateway.listen must be host:port"),
         ("verifier = 3\n", r"\[verifier\] must be a table"),
     ],
@@ -112,3 +117,21 @@ def test_sections_built_in_code_are_checked_too() -> None:
     assert dataclasses.replace(VerifierConfig(), max_batch=4).max_batch == 4
     with pytest.raises(ValueError, match="greater than or equal to 1"):
         dataclasses.replace(VerifierConfig(), max_batch=0)
+
+
+def test_cache_ref_authorities_build_the_instance_mlc(tmp_path: Path) -> None:
+    issued = make_certs(tmp_path / "certs", ["https://127.0.0.1:9101"])["https://127.0.0.1:9101"]
+    issued.cert_path.rename(tmp_path / "certs" / "a.pem")
+    issued.key_path.rename(tmp_path / "certs" / "a.key")
+    path = tmp_path / "instance.toml"
+    path.write_text(
+        INSTANCE + "\n[mlc]\nauthority = 'here'\nunlisted = 'refuse'\n[mlc.authorities]\n"
+        "'alias' = 'own'\n'Cache-B:7000' = 'https://mlc-b.example:8450'\n",
+        encoding="utf-8",
+    )
+    mlc = build_mlc(load_config(path))
+    assert mlc.serving("mlc://alias/-/tokens/x") is mlc and mlc.serving("mlc://here/-/tokens/x") is mlc
+    remote = mlc.serving("mlc://cache-b:7000/-/log/s")
+    assert remote is not mlc and remote.shared.name == "remote"
+    with pytest.raises(UnresolvableRef):
+        mlc.serving("mlc://elsewhere/-/log/s")

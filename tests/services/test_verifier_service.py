@@ -88,7 +88,9 @@ class Cluster:
 
 
 @asynccontextmanager
-async def running_cluster(tmp_path: Path, target: TargetModel, **verifier: float) -> AsyncIterator[Cluster]:
+async def running_cluster(
+    tmp_path: Path, target: TargetModel, mlc_unlisted: str = "own", **verifier: float
+) -> AsyncIterator[Cluster]:
     verifier_uri = f"https://127.0.0.1:{free_port()}"
     router_uri = "https://127.0.0.1:1"
     identities = {
@@ -104,7 +106,7 @@ async def running_cluster(tmp_path: Path, target: TargetModel, **verifier: float
         instance=InstanceConfig(
             uri=verifier_uri, cert=certs["verifier"][0], key=certs["verifier"][1], ca=ca, router=router_uri
         ),
-        mlc=MLCConfig(disk_dir=tmp_path / "mlc"),
+        mlc=MLCConfig(disk_dir=tmp_path / "mlc", unlisted=mlc_unlisted),  # type: ignore[arg-type]
         verifier=VerifierConfig(model="tiny", output_wait_s=0.5, **verifier),  # type: ignore[arg-type]
     )
     for session in list(target._sessions):
@@ -146,9 +148,9 @@ SESSION = bytes(range(16))
 DRAFTER = "https://127.0.0.1:2"
 
 
-async def open_and_assign(env: Cluster, c: Contract, epoch: int = 1) -> SessionState:
+async def open_and_assign(env: Cluster, c: Contract, epoch: int = 1, log_uri: str | None = None) -> SessionState:
     router = env.client("router")
-    log_uri = build_uri("local", None, "log", SESSION.hex())
+    log_uri = log_uri or build_uri("local", None, "log", SESSION.hex())
     opened = SessionOpen(session=SESSION, epoch=epoch, contract=c, prompt=PROMPT, commit_log=log_uri)
     status, body = await router.post_cbor("sessions", opened.to_obj())
     assert status == 201
@@ -586,15 +588,29 @@ async def test_token_ids_outside_the_vocabulary_are_bad_messages(cluster: Cluste
     assert Verdict.from_obj(body).round == state.round + 1
 
 
-async def test_a_commit_log_this_verifier_cannot_resolve_is_a_bad_message(
-    cluster: Cluster, target: TargetModel
-) -> None:
-    message = SessionOpen(
-        session=b"\x06" * 16,
-        epoch=1,
-        contract=contract(target),
-        prompt=PROMPT,
-        commit_log="mlc://conformance/log/7t0bxONvFsbjPaNb1aAvLg",
-    )
-    err = await problem_of(cluster.client("router").post_cbor("sessions", message.to_obj()))
-    assert err.status == 400 and "commit_log" in err.detail and b"\x06" * 16 not in cluster.node.engine.sessions
+FOREIGN_LOG = "mlc://conformance/log/7t0bxONvFsbjPaNb1aAvLg"
+
+
+async def test_a_foreign_commit_log_uri_is_an_opaque_reference(cluster: Cluster, target: TargetModel) -> None:
+    state = await open_and_assign(cluster, contract(target), log_uri=FOREIGN_LOG)
+    _, body = await cluster.client("drafter").post_cbor("proposals", proposal(state, (1, 2)).to_obj())
+    verdict = Verdict.from_obj(body)
+    records = (await cluster.mlc.commit_log(FOREIGN_LOG).read()).records
+    assert [(r["round"], r["committed"]) for r in records] == [(1, verdict.committed)]
+
+
+async def test_references_this_verifier_cannot_resolve_are_bad_messages(tmp_path: Path, target: TargetModel) -> None:
+    async with running_cluster(tmp_path, target, mlc_unlisted="refuse") as env:
+        router = env.client("router")
+        opened = SessionOpen(
+            session=b"\x06" * 16, epoch=1, contract=contract(target), prompt=PROMPT, commit_log=FOREIGN_LOG
+        )
+        err = await problem_of(router.post_cbor("sessions", opened.to_obj()))
+        assert err.status == 400 and "commit_log" in err.detail and "'conformance'" in err.detail
+        by_reference = replace(opened, prompt="kvsp://elsewhere/prompt/1", commit_log="mlc://local/-/log/y")
+        err = await problem_of(router.post_cbor("sessions", by_reference.to_obj()))
+        assert err.status == 400 and "prompt" in err.detail
+        not_a_uri = replace(opened, commit_log="log 7")
+        err = await problem_of(router.post_cbor("sessions", not_a_uri.to_obj()))
+        assert err.status == 400 and "commit_log" in err.detail
+        assert b"\x06" * 16 not in env.node.engine.sessions

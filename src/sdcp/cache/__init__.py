@@ -1,4 +1,4 @@
-"""The multi-level cache (MLC): objects named by `mlc://` URIs, leases and commit logs (SDCP 6.8)."""
+"""The multi-level cache (MLC): objects named by URIs, leases and commit logs (SDCP 6.8)."""
 
 from sdcp.cache.commitlog import CommitLog, FileCommitLog, LogSnapshot, MemoryCommitLog
 from sdcp.cache.errors import (
@@ -14,10 +14,11 @@ from sdcp.cache.errors import (
     ObjectNotFound,
     ObjectTooLarge,
     PreconditionFailed,
+    UnresolvableRef,
 )
 from sdcp.cache.etags import content_etag
 from sdcp.cache.mlc import MLC, Lease, ObjectInfo
-from sdcp.cache.uri import ObjectURI, build_uri, parse_uri
+from sdcp.cache.uri import ObjectURI, build_uri, check_ref, parse_uri
 
 __all__ = [
     "MLC",
@@ -40,7 +41,9 @@ __all__ = [
     "ObjectTooLarge",
     "ObjectURI",
     "PreconditionFailed",
+    "UnresolvableRef",
     "build_uri",
+    "check_ref",
     "content_etag",
     "parse_uri",
 ]

@@ -8,7 +8,11 @@ class CacheError(Exception):
 
 
 class InvalidURI(CacheError):
-    """The object name is not an `mlc://` URI of the documented shape."""
+    """The object name is not an absolute URI, or not of the shape a parser of our own names expects."""
+
+
+class UnresolvableRef(InvalidURI):
+    """No MLC is configured for the authority of the object's URI (SDCP 5.2 cache-ref)."""
 
 
 class ObjectNotFound(CacheError):

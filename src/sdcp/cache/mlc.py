@@ -13,6 +13,11 @@ in a slower tier is promoted into every faster tier; an entry evicted from a cac
 pressure (LRU) is demoted to the next slower cache tier, or dropped when there is none, since the
 shared store keeps it. Only eviction in the shared store loses an object, and it never takes a
 leased one: a put that could only make room by evicting leased objects fails with `CacheFull`.
+
+Resolution. A `cache-ref` is an opaque URI (SDCP 5.2); which MLC serves it is configuration: its
+authority is looked up in `routes` (other MLCs, such as a remote MLC node), and an authority not
+listed is served here (as are `own_authorities`) unless `serves_unlisted` is off, when the
+reference is `UnresolvableRef`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -27,11 +33,11 @@ from sdcp.cache.bandwidth import BandwidthMeter
 from sdcp.cache.commitlog import CommitLog
 from sdcp.cache.device import DeviceTier, cuda_available
 from sdcp.cache.disk import DiskTier
-from sdcp.cache.errors import InvalidArgument, ObjectNotFound, ObjectTooLarge
+from sdcp.cache.errors import InvalidArgument, ObjectNotFound, ObjectTooLarge, UnresolvableRef
 from sdcp.cache.etags import content_etag
 from sdcp.cache.memory import MemoryStore, MemoryTier
 from sdcp.cache.tiers import CachedObject, CacheTier, SharedStore
-from sdcp.cache.uri import canonical
+from sdcp.cache.uri import authority_of
 
 MiB = 1 << 20
 DEFAULT_MAX_OBJECT_BYTES = 64 * MiB
@@ -63,10 +69,16 @@ class MLC:
         shared: SharedStore,
         caches: list[CacheTier],
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+        routes: Mapping[str, MLC] | None = None,
+        own_authorities: Iterable[str] = (),
+        serves_unlisted: bool = True,
     ) -> None:
         if max_object_bytes <= 0:
             raise InvalidArgument(f"max_object_bytes must be positive, got {max_object_bytes}")
         self.authority = authority
+        self.routes = {name.lower(): mlc for name, mlc in (routes or {}).items()}
+        self.own_authorities = frozenset(name.lower() for name in (*own_authorities, authority))
+        self.serves_unlisted = serves_unlisted
         self.shared = shared
         self.caches = caches
         self.max_object_bytes = max_object_bytes
@@ -86,6 +98,9 @@ class MLC:
         device_bytes: int = 0,
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
         remote: SharedStore | None = None,
+        routes: Mapping[str, MLC] | None = None,
+        own_authorities: Iterable[str] = (),
+        serves_unlisted: bool = True,
     ) -> MLC:
         """Build the tiers from configuration.
 
@@ -96,7 +111,8 @@ class MLC:
         `redis_prefix` namespaces the keys, so that several clusters can share one Redis server.
         `remote` (a remote MLC node's store, `sdcp.services.mlc_client.RemoteStore`, which the
         services build since it speaks the transport) is the shared store instead; `disk_dir` is
-        then a local cache, as with Redis.
+        then a local cache, as with Redis. `routes`, `own_authorities` and `serves_unlisted` say
+        which MLC serves a reference by its authority (`serving`).
         """
         shared: SharedStore
         caches: list[CacheTier] = []
@@ -124,7 +140,15 @@ class MLC:
                 caches.append(MemoryTier(memory_bytes))
         else:
             shared = MemoryStore(memory_bytes)
-        return cls(authority=authority, shared=shared, caches=caches, max_object_bytes=max_object_bytes)
+        return cls(
+            authority=authority,
+            shared=shared,
+            caches=caches,
+            max_object_bytes=max_object_bytes,
+            routes=routes,
+            own_authorities=own_authorities,
+            serves_unlisted=serves_unlisted,
+        )
 
     async def __aenter__(self) -> MLC:
         return self
@@ -135,16 +159,29 @@ class MLC:
         await self.close()
 
     async def close(self) -> None:
+        for route in self.routes.values():
+            await route.close()
         await self.shared.close()
         for tier in self.caches:
             if isinstance(tier, DiskTier):
                 await tier.close()
 
+    def serving(self, uri: str) -> MLC:
+        """The MLC that serves `uri`, chosen by its authority (SDCP 5.2 cache-ref, docs/wire.md)."""
+        authority = authority_of(uri)
+        route = self.routes.get(authority)
+        if route is not None:
+            return route
+        if self.serves_unlisted or authority in self.own_authorities:
+            return self
+        raise UnresolvableRef(f"no MLC is configured for authority {authority!r} of {uri[:100]!r}")
+
     # -- objects --------------------------------------------------------------------------------
 
     async def put(self, uri: str, data: bytes, *, if_match: str | None = None) -> ObjectInfo:
         """Store `data` under `uri`; with `if_match`, only if that is the current ETag."""
-        uri = canonical(uri)
+        if (mlc := self.serving(uri)) is not self:
+            return await mlc.put(uri, data, if_match=if_match)
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"object data must be bytes, got {type(data).__name__}")
         data = bytes(data)
@@ -163,7 +200,8 @@ class MLC:
 
     async def fetch(self, uri: str) -> tuple[bytes, ObjectInfo]:
         """The object and its info; raises `ObjectNotFound` when no tier has it."""
-        uri = canonical(uri)
+        if (mlc := self.serving(uri)) is not self:
+            return await mlc.fetch(uri)
         started = time.perf_counter()
         obj = await self._read(uri)
         self._meter.record(len(obj.data), time.perf_counter() - started)
@@ -205,7 +243,8 @@ class MLC:
             await tier.discard(uri)
 
     async def exists(self, uri: str) -> bool:
-        uri = canonical(uri)
+        if (mlc := self.serving(uri)) is not self:
+            return await mlc.exists(uri)
         if await self.shared.head(uri) is None:
             await self._forget(uri)
             return False
@@ -213,13 +252,16 @@ class MLC:
 
     async def delete(self, uri: str) -> bool:
         """Remove from every tier; True if the object existed. Explicit deletes ignore leases."""
-        uri = canonical(uri)
+        if (mlc := self.serving(uri)) is not self:
+            return await mlc.delete(uri)
         existed = await self.shared.remove(uri)
         await self._forget(uri)
         return existed
 
     async def locate(self, uri: str) -> list[str]:
         """Names of the tiers holding a copy, fastest first (for tests, metrics and debugging)."""
+        if (mlc := self.serving(uri)) is not self:
+            return await mlc.locate(uri)
         if not await self.exists(uri):
             return []
         return [tier.name for tier in self.caches if tier.holds(uri)] + [self.shared.name]
@@ -228,30 +270,37 @@ class MLC:
 
     async def lease(self, uri: str, holder: str, ttl_s: float) -> Lease:
         """Protect the object from capacity eviction until released or `ttl_s` seconds pass."""
-        uri = canonical(uri)
+        if (mlc := self.serving(uri)) is not self:
+            return await mlc.lease(uri, holder, ttl_s)
         _check_lease_args(holder, ttl_s)
         return Lease(uri, holder, await self.shared.lease(uri, holder, ttl_s))
 
     async def renew(self, uri: str, holder: str, ttl_s: float) -> Lease:
-        uri = canonical(uri)
+        if (mlc := self.serving(uri)) is not self:
+            return await mlc.renew(uri, holder, ttl_s)
         _check_lease_args(holder, ttl_s)
         return Lease(uri, holder, await self.shared.renew(uri, holder, ttl_s))
 
     async def release(self, uri: str, holder: str) -> bool:
         """Drop the holder's lease; True if it was live. Releasing twice is harmless."""
-        uri = canonical(uri)
+        if (mlc := self.serving(uri)) is not self:
+            return await mlc.release(uri, holder)
         _check_lease_args(holder, 1.0)
         return await self.shared.release(uri, holder)
 
     async def lease_holders(self, uri: str) -> frozenset[str]:
         """Who holds a live lease on the object now."""
-        return await self.shared.lease_holders(canonical(uri))
+        if (mlc := self.serving(uri)) is not self:
+            return await mlc.lease_holders(uri)
+        return await self.shared.lease_holders(uri)
 
     # -- commit logs and telemetry --------------------------------------------------------------
 
     def commit_log(self, uri: str) -> CommitLog:
-        """The commit log named `uri` (SDCP 6.8), kept in the shared store."""
-        return self.shared.commit_log(canonical(uri))
+        """The commit log named `uri` (SDCP 6.8), kept in the shared store of the MLC serving it."""
+        if (mlc := self.serving(uri)) is not self:
+            return mlc.commit_log(uri)
+        return self.shared.commit_log(uri)
 
     def bandwidth_mbps(self) -> float | None:
         """MB/s achieved by the gets and puts of the last seconds; None before any transfer."""

@@ -1,14 +1,21 @@
-"""Object names: `mlc://<authority>/<scope-hex>/<kind>/<name>`.
+"""Object names: any absolute URI on receipt; `mlc://<authority>/<scope-hex>/<kind>/<name>` when we create one.
 
-The scope is the contract's 16-byte KVSP scope as 32 lowercase hex characters, or `-` when the
-contract has none (SDCP 4.1, `scope`). Kind and name are restricted to URI unreserved characters so
-that a URI is its own canonical form and can be used verbatim as a storage key and an HTTP path.
+A `cache-ref` is "URI of an MLC object" (SDCP 5.2) and nothing more: another implementation may
+name its objects as it likes, so a received reference is only checked to be an absolute URI
+(`check_ref`) and is used verbatim as the storage key; its authority decides which MLC serves it
+(`authority_of`, `sdcp.cache.mlc.MLC.serving`).
+
+The objects this implementation creates follow one grammar (`build_uri`, `parse_uri`). The scope
+is the contract's 16-byte KVSP scope as 32 lowercase hex characters, or `-` when the contract has
+none (SDCP 4.1, `scope`). Kind and name are restricted to URI unreserved characters so that a URI
+is its own canonical form and can be used verbatim as a storage key and an HTTP path.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from sdcp.cache.errors import InvalidURI
 
@@ -25,6 +32,9 @@ _AUTHORITY = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5
 _KIND = re.compile(r"[a-z0-9][a-z0-9_-]*")
 _NAME = re.compile(r"[A-Za-z0-9._~-]+")
 _SCOPE = re.compile(r"[0-9a-f]{32}")
+# RFC 3986 3.1 scheme, then only characters a URI may hold (unreserved, reserved, '%').
+_ABSOLUTE_URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]+")
+MAX_REF_LENGTH = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +88,24 @@ def parse_uri(uri: str) -> ObjectURI:
     return ObjectURI(authority, scope, kind, name)
 
 
-def canonical(uri: str) -> str:
-    """Validate `uri` and return it unchanged: the grammar admits exactly one spelling per object."""
-    parse_uri(uri)
+def check_ref(uri: object) -> str:
+    """A received object name: any absolute URI (RFC 3986) of at most MAX_REF_LENGTH characters.
+
+    It is returned unchanged and used verbatim as the storage key: two spellings of one URI are
+    two objects, since only the implementation that created a name knows its equivalences.
+    """
+    if not isinstance(uri, str):
+        raise InvalidURI(f"an object name is a URI (text), got {type(uri).__name__}")
+    if len(uri) > MAX_REF_LENGTH:
+        raise InvalidURI(f"an object name is at most {MAX_REF_LENGTH} characters, got {len(uri)}")
+    if not _ABSOLUTE_URI.fullmatch(uri):
+        raise InvalidURI(f"not an absolute URI: {uri[:100]!r}")
     return uri
+
+
+def authority_of(uri: str) -> str:
+    """The authority of an absolute URI, lowercased; '' for a URI without one (e.g. a URN)."""
+    try:
+        return urlsplit(check_ref(uri)).netloc.lower()
+    except ValueError as exc:  # urlsplit refuses a malformed IPv6 literal or port
+        raise InvalidURI(f"not an absolute URI: {uri[:100]!r}: {exc}") from exc

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client import Counter, Histogram
 
-from sdcp.cache import MLC, CacheError, build_uri
+from sdcp.cache import MLC, CacheError, InvalidURI, build_uri
 from sdcp.cache.uri import Q_ROWS_KIND
 from sdcp.config import DrafterConfig
 from sdcp.engines.errors import Unanswered
@@ -218,6 +218,13 @@ class DrafterEngine:
             raise BadContract(f"the contract does not permit this drafter's model {self.drafter.weights_digest.hex()}")
         if assignment.m_init < 1:
             raise BadMessage("m_init must be at least 1")
+        references = {"prompt": assignment.prompt, "committed_tokens": assignment.committed_tokens}
+        for member, reference in references.items():
+            if isinstance(reference, str):
+                try:
+                    self.mlc.serving(reference)
+                except InvalidURI as exc:
+                    raise BadMessage(f"{member}: {exc}") from exc
 
     async def _stop_run(self, run: _SessionRun) -> None:
         if run.task is not None and not run.task.done():

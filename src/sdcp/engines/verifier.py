@@ -18,7 +18,7 @@ from typing import NoReturn
 import numpy as np
 from prometheus_client import Counter, Histogram
 
-from sdcp.cache import MLC, CacheError, CommitLog, Fenced, InvalidURI, PreconditionFailed
+from sdcp.cache import MLC, CacheError, CommitLog, Fenced, InvalidURI, ObjectNotFound, PreconditionFailed
 from sdcp.config import VerifierConfig
 from sdcp.engines.errors import SessionNotFound, Unavailable
 from sdcp.engines.ports import EventSink
@@ -741,8 +741,11 @@ class VerifierEngine:
             return value
         try:
             return decode_token_list(await self.mlc.get(value), what)
+        except (InvalidURI, ObjectNotFound) as exc:
+            # A reference this instance cannot resolve is the request's fault (SDCP 5.2 cache-ref).
+            raise BadMessage(f"{what} {value!r} cannot be resolved here: {exc}") from exc
         except CacheError as exc:
-            raise BadMessage(f"{what} {value} cannot be read from the MLC: {exc}") from exc
+            raise Unavailable(f"{what} {value!r} cannot be read from the MLC now: {exc}") from exc
 
     async def _prefill(self, message: SessionOpen, prompt: tuple[int, ...], committed: tuple[int, ...]) -> None:
         tokens = prompt + committed

@@ -43,7 +43,7 @@ from sdcp.cache import (
     InvalidURI,
     ObjectNotFound,
 )
-from sdcp.cache.uri import LOG_KIND, Q_ROWS_KIND, TOKENS_KIND, canonical, parse_uri
+from sdcp.cache.uri import LOG_KIND, Q_ROWS_KIND, TOKENS_KIND, check_ref, parse_uri
 from sdcp.cache.wire import status_of
 from sdcp.config import ConfigError, ServiceConfig
 from sdcp.services.authz import Party
@@ -58,6 +58,7 @@ OCTETS = "application/octet-stream"
 # re-reading the whole log on every append of a busy session.
 _OPEN_LOGS = 1024
 _V = TypeVar("_V")
+_WRITERS_OF_FOREIGN_NAMES = (Party.ROUTER, Party.VERIFIER, Party.DRAFTER)
 
 
 class CacheProblem(HTTPProblem):
@@ -195,8 +196,16 @@ class MLCNode(Node):
         elif kind == TOKENS_KIND:
             if not self.trust.is_member(caller, Party.ROUTER):
                 raise Forbidden(f"{caller} is not a router: committed-token objects are the router's")
+        elif kind is None:
+            # Another implementation's name (SDCP 5.2 cache-ref): its kind is unknown, so any
+            # deployment role may write it, and a lease keeps it its holder's.
+            if not any(self.trust.is_member(caller, party) for party in _WRITERS_OF_FOREIGN_NAMES):
+                raise Forbidden(f"{caller} is not a router, verifier or drafter of this deployment")
+            holders = await self.mlc.lease_holders(uri)
+            if holders and caller not in holders:
+                raise Forbidden(f"{uri} is leased by another instance")
         elif not (self.trust.is_member(caller, Party.ROUTER) or self.trust.is_member(caller, Party.VERIFIER)):
-            raise Forbidden(f"{caller} may not write {kind or 'these'} objects")
+            raise Forbidden(f"{caller} may not write {kind} objects")
 
     # -- leases ---------------------------------------------------------------------------------
 
@@ -245,10 +254,10 @@ class MLCNode(Node):
         if holder != caller:
             raise Forbidden(f"{caller} may hold leases only in its own name, not as {holder}")
         if not with_ttl:
-            return canonical(uri), holder, 0.0
+            return check_ref(uri), holder, 0.0
         if not isinstance(ttl_ms, int) or isinstance(ttl_ms, bool) or ttl_ms <= 0:
             raise InvalidArgument(f"ttl_ms is a positive integer, got {ttl_ms!r}")
-        return canonical(uri), holder, ttl_ms / 1000
+        return check_ref(uri), holder, ttl_ms / 1000
 
     async def _read_log(self, request: Request) -> Response:
         self.trust.admit(request, "GET logs")
@@ -319,7 +328,7 @@ def _uri_param(request: Request) -> str:
     values = request.query_params.getlist("uri")
     if len(values) != 1:
         raise InvalidURI(f"exactly one query parameter uri= names the object, got {len(values)}")
-    return canonical(values[0])
+    return check_ref(values[0])
 
 
 async def _read_octets(request: Request, limit: int) -> bytes:

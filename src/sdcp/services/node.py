@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
 from sdcp.cache import MLC
-from sdcp.config import ServiceConfig
+from sdcp.config import OWN_MLC, ServiceConfig
 from sdcp.engines.errors import SessionNotFound, Unavailable
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.protocol.codec import DEFAULT_MAX_SIZE
@@ -34,13 +34,13 @@ log = logging.getLogger("sdcp.services")
 
 
 def build_mlc(config: ServiceConfig) -> MLC:
+    """The instance's MLC, with the MLC nodes that serve other authorities' cache-refs (SDCP 5.2)."""
     mlc = config.mlc
     instance = config.instance
-    remote = (
-        RemoteStore(mlc.mlc_url, cert=instance.cert, key=instance.key, ca=instance.ca)
-        if mlc.mlc_url is not None
-        else None
-    )
+
+    def node(url: str) -> RemoteStore:
+        return RemoteStore(url, cert=instance.cert, key=instance.key, ca=instance.ca)
+
     return MLC.from_config(
         authority=mlc.authority,
         memory_bytes=mlc.memory_bytes,
@@ -48,7 +48,14 @@ def build_mlc(config: ServiceConfig) -> MLC:
         disk_bytes=mlc.disk_bytes,
         redis_url=mlc.redis_url,
         redis_prefix=mlc.redis_prefix,
-        remote=remote,
+        remote=node(mlc.mlc_url) if mlc.mlc_url is not None else None,
+        routes={
+            authority: MLC.from_config(authority=authority, memory_bytes=0, remote=node(target))
+            for authority, target in mlc.authorities.items()
+            if target != OWN_MLC
+        },
+        own_authorities=[authority for authority, target in mlc.authorities.items() if target == OWN_MLC],
+        serves_unlisted=mlc.unlisted == OWN_MLC,
     )
 
 
