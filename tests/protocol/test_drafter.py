@@ -331,6 +331,20 @@ def test_resync_to_another_epoch_stops_the_drafter() -> None:
     assert session.stopped_by is ProblemType.STALE_EPOCH and session.round == 0
 
 
+def test_without_a_session_state_the_round_is_found_within_the_tokens_committed_since() -> None:
+    # The verifier self-decoded 3 tokens (3 rounds) after round 0: the output tells the prefix,
+    # and the next rounds are tried, up to 3, the most the verifier can have reached.
+    session = DrafterSession(make_assignment())
+    session.propose((5,), status=STATUS)
+    session.on_problem(ProtocolError(ProblemType.STALE_BASE, "moved on"))
+    session.learn_prefix(3, b"\x02" * 32)
+    assert (session.committed, session.digest, session.round) == (3, b"\x02" * 32, 0)
+    assert [session.try_later_round() for _ in range(4)] == [True, True, True, False]
+    assert session.propose((5,), status=STATUS).round == 4
+    with pytest.raises(BadMessage):
+        session.learn_prefix(2, b"\x03" * 32)
+
+
 def test_resync_to_another_session_is_refused() -> None:
     session = DrafterSession(make_assignment())
     with pytest.raises(BadMessage):

@@ -82,9 +82,9 @@ def test_stale_base_carries_session_state_as_base64url_cbor() -> None:
     }
 
 
-def test_stale_base_requires_state() -> None:
+def test_stale_base_is_sent_only_with_state() -> None:
     with pytest.raises(ValueError, match="session-state"):
-        ProtocolError(ProblemType.STALE_BASE, "no state")
+        ProtocolError(ProblemType.STALE_BASE, "no state").to_problem()
 
 
 def test_status_must_agree_with_problem_type() -> None:
@@ -126,7 +126,6 @@ def test_unknown_type_with_other_status_is_generic_error_of_that_status() -> Non
         {"type": "about:blank", "status": True},
         {"type": "about:blank", "status": 42},
         {"type": ProblemType.LIMIT.uri, "status": 409},
-        {"type": ProblemType.STALE_BASE.uri, "status": 409},
         {"type": ProblemType.STALE_BASE.uri, "session_state": 7},
         {"type": ProblemType.STALE_BASE.uri, "session_state": "***"},
         {"type": ProblemType.STALE_BASE.uri, "session_state": "oA"},
@@ -135,6 +134,12 @@ def test_unknown_type_with_other_status_is_generic_error_of_that_status() -> Non
 def test_malformed_problem_bodies_raise_bad_message(body: object) -> None:
     with pytest.raises(BadMessage):
         ProtocolError.from_problem(body)
+
+
+def test_stale_base_without_session_state_is_accepted() -> None:
+    # Our session_state member is a private extension: another verifier need not send it.
+    error = ProtocolError.from_problem({"type": "urn:ietf:params:sdcp:problem:sdcp-stale-base", "status": 409})
+    assert error.problem is ProblemType.STALE_BASE and error.state is None
 
 
 @pytest.mark.parametrize("data", [b"\xff", b"{", b"not json"])

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sdcp.cli import app
 from sdcp.cache import UnresolvableRef
+from sdcp.cli import app
 from sdcp.config import ConfigError, DrafterConfig, VerifierConfig, load_config
 from sdcp.services.node import build_mlc
 from sdcp.transport.certs import make_certs

@@ -401,8 +401,20 @@ async def test_speculative_sampling_with_an_hf_drafter(env: Env, target: TargetM
         await verifier.stop()
 
 
-@pytest.mark.parametrize("outdated", ["prefix", "round"])
-async def test_stale_assignment_resyncs_from_the_verifier(env: Env, target: TargetModel, outdated: str) -> None:
+@pytest.mark.parametrize("outdated", ["prefix", "round", "prefix, a verifier without session_state"])
+async def test_stale_assignment_resyncs_from_the_verifier(
+    env: Env, target: TargetModel, outdated: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if "without session_state" in outdated:
+        # Another implementation's verifier: sdcp-stale-base with no session-state member.
+        encode = ProtocolError.to_problem
+
+        def without_state(error: ProtocolError) -> dict[str, object]:
+            body = encode(error)
+            body.pop("session_state", None)
+            return body
+
+        monkeypatch.setattr(ProtocolError, "to_problem", without_state)
     verifier = await verifier_node(env, target)
     drafter = await drafter_node(env)
     try:
@@ -420,7 +432,7 @@ async def test_stale_assignment_resyncs_from_the_verifier(env: Env, target: Targ
         await wait_for(lambda: _idle(live))
         assert 3 <= live.committed < contract.max_new
         state = live.state()
-        if outdated == "prefix":
+        if outdated.startswith("prefix"):
             # The current round on an outdated prefix: the verifier answers sdcp-stale-base with
             # its session-state and the drafter reads the missing tokens from the output.
             stale = make_assignment(env, contract, session, round=state.round)

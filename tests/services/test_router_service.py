@@ -47,6 +47,7 @@ from sdcp.protocol.messages import (
     session_path_id,
 )
 from sdcp.protocol.problems import ProblemType, ProtocolError
+from sdcp.services import node as node_module
 from sdcp.services.drafter import DrafterNode
 from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode
@@ -392,6 +393,36 @@ async def test_a_session_opened_through_the_router_reaches_finish(deployment: De
         "ended": True,
         "served": [drafter.uri],
     }
+
+
+async def test_instances_without_our_private_status_members_are_used(
+    deployment: Deployment, target: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another vendor's instances: an {id} of their own in the status path, and only the status
+    # members of SDCP 5.2 (no `model`, `tokenizer` or cost terms).
+    drafted_members = {"instance", "role", "load", "queue", "accept_milli", "cache_mbps", "ttl_ms"}
+    to_obj = Status.to_obj
+    monkeypatch.setattr(
+        Status, "to_obj", lambda status: {k: v for k, v in to_obj(status).items() if k in drafted_members}
+    )
+    monkeypatch.setattr(
+        node_module, "instance_path_id", lambda uri: "vendor-" + hashlib.sha256(uri.encode()).hexdigest()[:8]
+    )
+    router = deployment.router
+    assert router is not None
+    verifier = await start_verifier(deployment, "verifier1")
+    drafter = await start_drafter(deployment, "drafter1")
+    assert router.registry.get(verifier.uri).status.model is None  # type: ignore[union-attr]
+
+    opened = await open_session(deployment, tiny_contract(target, max_new=12))
+    assert (opened["verifier"], opened["drafter"]) == (verifier.uri, drafter.uri)
+    outputs = await read_output(deployment.client("frontend", peer="verifier1"), opened["session"])  # type: ignore[arg-type]
+    assert [t for output in outputs for t in output.tokens] == greedy_reference(target, 12)
+    # Asked, the verifier refuses a target it does not serve (SDCP 6.1): the front end gets 422.
+    unknown = tiny_contract(target, target=hashlib.sha256(b"another model").digest())
+    with pytest.raises(ProtocolError) as refused:
+        await open_session(deployment, unknown)
+    assert refused.value.problem is ProblemType.BAD_CONTRACT
 
 
 async def test_a_switch_event_moves_the_session_to_the_other_drafter(

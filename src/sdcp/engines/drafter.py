@@ -305,6 +305,26 @@ class DrafterEngine:
         run.output = list(tokens)
         run.output_digest = digest
 
+    async def _resync_from_output(self, run: _SessionRun) -> None:
+        """sdcp-stale-base without the session-state (another implementation's verifier need not
+        send our member): the output tells the committed prefix, and the round is found by trying
+        the next one (docs/interpretations.md, "we send session_state; we accept its absence")."""
+        state = run.state
+        output = await self._link.output(state.verifier, run.session, len(run.output))
+        if output.session != run.session or output.from_ != len(run.output):
+            raise BadMessage("the verifier's output answers another session or index")
+        if output.epoch != state.epoch:
+            state.stopped_by = ProblemType.STALE_EPOCH
+            return
+        if output.tokens:
+            run.output.extend(output.tokens)
+            run.output_digest = extend_digest(run.output_digest, output.tokens)
+            state.learn_prefix(len(run.output), run.output_digest)
+        elif output.final:
+            state.stopped_by = output.finish if output.finish is not None else Action.FAIL
+        elif not state.try_later_round():
+            state.stopped_by = ProblemType.STALE_BASE
+
     async def _read_output(self, run: _SessionRun, start: int, end: int) -> list[int]:
         """Output tokens start..end-1 from GET sessions/{id}/output (SDCP 6.7)."""
         tokens: list[int] = []
@@ -444,6 +464,9 @@ class DrafterEngine:
             if state.stopped_by is None:
                 RESYNCS.labels(self.uri).inc()
                 await self._catch_up(run, state.committed, state.digest)
+        elif error.problem is ProblemType.STALE_BASE:
+            RESYNCS.labels(self.uri).inc()
+            await self._resync_from_output(run)
         else:
             state.on_problem(error)
         if state.stopped_by is None:

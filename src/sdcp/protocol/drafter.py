@@ -133,6 +133,9 @@ class DrafterSession:
         self.round = assignment.round
         self.committed = assignment.committed
         self.digest = assignment.digest
+        # The round and committed length last told by the verifier (or the router), which bound
+        # the rounds decided since then: each round commits at least one token.
+        self._known = (assignment.round, assignment.committed)
         # SDCP 6.2: m_init limits M before the first verdict.
         self.m_cap = self._clamp(assignment.m_init)
         self.estimate = estimate if estimate is not None else AcceptanceEstimate()
@@ -220,6 +223,7 @@ class DrafterSession:
         self.estimate.update(verdict.accepted, len(proposal.tokens))
         self.round = verdict.round
         self.committed = verdict.committed
+        self._known = (verdict.round, verdict.committed)
         self.digest = verdict.digest
         self.m_cap = self._clamp(verdict.m_cap)
         self.outstanding = None
@@ -240,7 +244,27 @@ class DrafterSession:
         self.round = state.round
         self.committed = state.committed
         self.digest = state.digest
+        self._known = (state.round, state.committed)
         self.outstanding = None
+
+    def learn_prefix(self, committed: int, digest: bytes) -> None:
+        """Adopt a longer committed prefix read from the output, after sdcp-stale-base without a
+        session-state (docs/interpretations.md). The round stays: a round the verifier decided
+        since is answered with its verdict (SDCP 6.3 Idempotency), from which the drafter resyncs."""
+        if committed < self.committed:
+            raise BadMessage(f"the output holds {committed} tokens, fewer than the {self.committed} committed")
+        self.committed, self.digest, self.outstanding = committed, digest, None
+
+    def try_later_round(self) -> bool:
+        """After sdcp-stale-base without a session-state on the current prefix, move to the next
+        round number, which rounds without a verdict to replay (self-decoded ones) make necessary.
+        False once the round would pass the latest the verifier can have reached."""
+        known_round, known_committed = self._known
+        self.outstanding = None
+        if self.round >= known_round + (self.committed - known_committed):
+            return False
+        self.round += 1
+        return True
 
     def on_problem(self, error: ProtocolError) -> None:
         """React to a problem answering the outstanding proposal (SDCP 6.3 Table 2)."""

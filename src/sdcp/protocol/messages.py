@@ -554,9 +554,15 @@ def instance_path_id(instance: str) -> str:
     return codec.b64url_encode(instance.encode("utf-8"))
 
 
-def parse_instance_path_id(path_id: str) -> str:
-    """The instance base URI a path {id} names; anything but base64url of UTF-8 raises BadMessage."""
+def parse_instance_path_id(path_id: str) -> str | None:
+    """The instance base URI a path {id} names when it is our encoding of one, else None.
+
+    Table 1 fixes {id} only for sessions; for instances it is ours to choose (base64url of the
+    URI), and another implementation's instance may use any id, which then names nobody: the
+    status's `instance` and the caller's certificate identify the reporter.
+    """
     try:
-        return codec.b64url_decode(path_id).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadMessage("instance path id is not base64url of a UTF-8 URI") from exc
+        uri = codec.b64url_decode(path_id).decode("utf-8")
+    except (BadMessage, UnicodeDecodeError):
+        return None
+    return uri if uri.startswith("https://") else None

@@ -82,9 +82,6 @@ class ProtocolError(Exception):
         status: int | None = None,
     ) -> None:
         super().__init__(detail)
-        if problem is ProblemType.STALE_BASE and state is None:
-            # SDCP 6.3: sdcp-stale-base carries the current session-state for resynchronisation.
-            raise ValueError("sdcp-stale-base requires the current session-state")
         if problem is not None and status is not None and status != problem.status:
             raise ValueError(f"{problem.suffix} has status {problem.status}, not {status}")
         self.problem = problem
@@ -102,6 +99,10 @@ class ProtocolError(Exception):
 
     def to_problem(self) -> dict[str, Any]:
         """The RFC 9457 problem-details body as a JSON-ready dict."""
+        if self.problem is ProblemType.STALE_BASE and self.state is None:
+            # SDCP 6.3: the sdcp-stale-base we send carries the current session-state; on receipt
+            # its absence is accepted (another verifier need not use our member).
+            raise ValueError("sdcp-stale-base requires the current session-state")
         body: dict[str, Any] = {
             "type": self.type_uri,
             "title": self.title,
@@ -137,8 +138,6 @@ class ProtocolError(Exception):
             raise BadMessage(f"{problem.suffix} must have status {problem.status}, got {status}")
         if problem is ProblemType.BAD_CONTRACT:
             return BadContract(detail)
-        if problem is ProblemType.STALE_BASE and state is None:
-            raise BadMessage("sdcp-stale-base problem lacks 'session_state'")
         return ProtocolError(problem, detail, state=state)
 
 

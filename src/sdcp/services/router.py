@@ -60,6 +60,7 @@ from sdcp.services.authz import Party, SessionParties
 from sdcp.services.node import Node
 from sdcp.transport.asgi import cbor_response, read_cbor_body
 from sdcp.transport.errors import Forbidden, NotFound, ServiceUnavailable, TooManyRequests, TransportError
+from sdcp.transport.peer import peer_uri
 
 __all__ = ["RouterNode", "SessionRequest"]
 
@@ -157,6 +158,13 @@ def _serves(view: InstanceView, contract: Contract) -> bool:
     return status.model == contract.target and status.tokenizer in (None, contract.tokenizer)
 
 
+def _unreported(views: Sequence[InstanceView]) -> list[InstanceView]:
+    """Instances whose status lacks our private `model` member (another implementation's): the
+    contract's digests cannot be matched here, so they are asked, and refuse with
+    sdcp-bad-contract what they do not serve (SDCP 6.1); tried only when no reporting one fits."""
+    return [view for view in views if view.status.model is None]
+
+
 class RouterNode(Node):
     """The router: assigns sessions to verifiers and drafters, and moves them when instances fail."""
 
@@ -189,8 +197,8 @@ class RouterNode(Node):
 
     async def put_status(self, request: Request) -> Response:
         """PUT instances/{id}/status: only the instance the path names may report for it."""
-        instance = parse_instance_path_id(request.path_params["id"])
-        peer = self.trust.admit(request, "PUT instances/{id}/status", instance=instance)
+        named = parse_instance_path_id(request.path_params["id"])
+        peer = self.trust.admit(request, "PUT instances/{id}/status", instance=named or peer_uri(request))
         status = Status.from_obj(await read_cbor_body(request))
         if status.instance != peer:
             raise Forbidden(f"{peer} may not report the status of {status.instance}")
@@ -259,8 +267,9 @@ class RouterNode(Node):
         session = secrets.token_bytes(16)
         commit_log = build_uri(self.mlc.authority, contract.scope, LOG_KIND, session.hex())
         tried: list[str] = []
+        refused: list[str] = []
         while True:
-            verifier = self._pick_verifier(contract, avoid=tried)
+            verifier = self._pick_verifier(contract, avoid=tried + refused)
             if verifier is None:
                 if tried:
                     raise ServiceUnavailable(
@@ -283,6 +292,12 @@ class RouterNode(Node):
             except TransportError as exc:
                 log.warning("%s: verifier %s did not open a session: %s", self.uri, verifier, exc)
                 tried.append(verifier)
+            except BadContract as exc:
+                view = self.registry.get(verifier)
+                if view is None or view.status.model is not None:
+                    raise
+                log.info("%s: verifier %s, which reports no model, refused the contract: %s", self.uri, verifier, exc)
+                refused.append(verifier)
         tracked = _TrackedSession(plan, wanted.prompt)
         self.sessions[session] = tracked
         SESSIONS_OPEN.labels(self.uri).inc()
@@ -400,6 +415,11 @@ class RouterNode(Node):
                 log.warning("%s: drafter %s took no assignment: %s", self.uri, choice.drafter, exc)
                 unreachable.append(choice.drafter)
                 continue
+            except BadContract as exc:
+                # A drafter reporting no model learns the contract only here (SDCP 6.1).
+                log.info("%s: drafter %s refused the contract: %s", self.uri, choice.drafter, exc)
+                unreachable.append(choice.drafter)
+                continue
             except ProtocolError as exc:
                 if exc.state is None or exc.state.state != Action.SELF_DECODE:
                     raise
@@ -417,11 +437,8 @@ class RouterNode(Node):
         ``avoid`` only when no other is live) and, where permitted, its verifier alone."""
         now = self.clock()
         contract = tracked.plan.contract
-        permitted = [
-            view
-            for view in self.registry.live(Role.DRAFTER, now)
-            if drafter_permitted(contract, view.model) and view.uri not in skip
-        ]
+        live = [view for view in self.registry.live(Role.DRAFTER, now) if view.uri not in skip]
+        permitted = [view for view in live if drafter_permitted(contract, view.model)] or _unreported(live)
         pool = [view for view in permitted if view.uri not in avoid] or permitted
         verifier = self.registry.get(tracked.plan.verifier)
 
@@ -582,11 +599,8 @@ class RouterNode(Node):
     # -- helpers ---------------------------------------------------------------------------------
 
     def _pick_verifier(self, contract: Contract, *, avoid: Sequence[str]) -> str | None:
-        candidates = [
-            view
-            for view in self.registry.live(Role.VERIFIER, self.clock())
-            if _serves(view, contract) and view.uri not in avoid
-        ]
+        live = [view for view in self.registry.live(Role.VERIFIER, self.clock()) if view.uri not in avoid]
+        candidates = [view for view in live if _serves(view, contract)] or _unreported(live)
         return prefer_idle_and_accepting(candidates).uri if candidates else None
 
     def _tracked(self, session: bytes) -> _TrackedSession:
