@@ -15,7 +15,7 @@ FAST_TESTS := tests/protocol tests/cache tests/transport tests/services tests/te
 test-fast: install redis
 	$(PY) -m pytest -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
 
-# ruff (lint and format check) and mypy (strict on sdcp.protocol, sdcp.cache, sdcp.engines, sdcp.config), pyproject.toml.
+# ruff (lint and format check) and mypy (strict on sdcp.protocol, sdcp.cache, sdcp.engines, sdcp.conformance, sdcp.config), pyproject.toml.
 lint: install
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests

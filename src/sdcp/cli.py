@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import typer
 from rich.console import Console
 
+from sdcp.conformance.cli import conformance_app
 from sdcp.models.cli import models_app
 
 app = typer.Typer(
@@ -29,6 +30,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(models_app, name="models")
+app.add_typer(conformance_app, name="conformance")
 
 err_console = Console(stderr=True)
 

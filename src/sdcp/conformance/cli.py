@@ -1,0 +1,77 @@
+"""`sdcp conformance verifier|drafter|router URL`: run the kit against a remote instance."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from sdcp.conformance.report import Report
+from sdcp.conformance.wire import Identity
+
+conformance_app = typer.Typer(
+    help="Check a verifier, drafter or router over the wire against the draft; exit 0 only if all pass.",
+    no_args_is_help=True,
+)
+
+_CA = typer.Option(..., exists=True, dir_okay=False, help="The CA that issued every certificate.")
+
+
+def _identity(cert: Path | None, key: Path | None, role: str) -> Identity:
+    if cert is None or key is None:
+        raise typer.BadParameter(f"give --{role}-cert and --{role}-key: the kit plays the {role}")
+    try:
+        return Identity.from_files(cert, key)
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
+def _run(checks: Callable[[Report], Coroutine[Any, Any, Report]]) -> None:
+    report = asyncio.run(checks(Report(echo=print)))
+    failed = report.failed()
+    print(f"{len(report.results) - len(failed)} of {len(report.results)} checks passed")
+    raise typer.Exit(0 if report.passed else 1)
+
+
+def _file_option(role: str, what: str) -> Any:
+    return typer.Option(None, f"--{role}-{what}", exists=True, dir_okay=False, help=f"The played {role}'s {what}.")
+
+
+_ROUTER_CERT, _ROUTER_KEY = _file_option("router", "cert"), _file_option("router", "key")
+_DRAFTER_CERT, _DRAFTER_KEY = _file_option("drafter", "cert"), _file_option("drafter", "key")
+
+
+@conformance_app.command("verifier")
+def verifier(
+    url: str = typer.Argument(..., help="The verifier's base URI."),
+    ca: Path = _CA,
+    router_cert: Path | None = _ROUTER_CERT,
+    router_key: Path | None = _ROUTER_KEY,
+    drafter_cert: Path | None = _DRAFTER_CERT,
+    drafter_key: Path | None = _DRAFTER_KEY,
+    target: str = typer.Option(..., help="The verifier's target digest, hex (`sdcp models digest`)."),
+    tokenizer: str = typer.Option(..., help="Its tokenizer digest, hex."),
+    mlc: str | None = typer.Option(None, help="An MLC node the verifier reads draft rows from (rule-2 checks)."),
+    vocab: int | None = typer.Option(None, help="The target's vocabulary size (rule-2 checks)."),
+) -> None:
+    """Play the router and the drafter of sessions at a verifier (SDCP 4, 5, 6.1-6.7)."""
+    from sdcp.conformance.verifier import VerifierUnderTest, check_verifier
+
+    try:
+        digests = bytes.fromhex(target), bytes.fromhex(tokenizer)
+    except ValueError as exc:
+        raise typer.BadParameter(f"digests are hex: {exc}") from exc
+    under_test = VerifierUnderTest(
+        url=url,
+        ca=ca,
+        router=_identity(router_cert, router_key, "router"),
+        drafter=_identity(drafter_cert, drafter_key, "drafter"),
+        target=digests[0],
+        tokenizer=digests[1],
+        mlc=mlc,
+        vocab=vocab,
+    )
+    _run(lambda report: check_verifier(under_test, report))
