@@ -37,8 +37,10 @@ def roles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnRoles]:
     mlc_node = f'[mlc]\nmlc_url = "{roles.uris["mlc"]}"\n'
     roles.start("mlc", "mlc", roles.instance("mlc") + f'[mlc]\ndisk_dir = "{roles.tmp / "mlc-store"}"\n' + trust)
     roles.start("verifier", "verifier", roles.instance("verifier") + mlc_node + '[verifier]\nmodel = "tiny"\n' + trust)
+    drafter = '[drafter]\nmodel = "ngram"\ntarget = "tiny"\n'
+    roles.start("drafter", "drafter", roles.instance("drafter") + mlc_node + drafter + trust)
     try:
-        roles.wait_listening(["mlc", "verifier"])
+        roles.wait_listening(["mlc", "verifier", "drafter"])
         yield roles
     finally:
         roles.stop()
@@ -77,6 +79,29 @@ def test_the_kit_passes_against_the_projects_verifier(roles: OwnRoles, tiny_dige
     print(run.stdout, run.stderr)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "FAIL" not in run.stdout and run.stdout.count("PASS") >= 18
+
+
+def test_the_kit_passes_against_the_projects_drafter(roles: OwnRoles, tiny_digests: tuple[str, str, int]) -> None:
+    target, tokenizer, vocab = tiny_digests
+    run = conformance(
+        "drafter",
+        roles.uris["drafter"],
+        "--ca",
+        str(roles.ca),
+        *roles.played("kit-router", "router"),
+        *roles.played("kit-verifier", "verifier"),
+        "--target",
+        target,
+        "--tokenizer",
+        tokenizer,
+        "--mlc",
+        roles.uris["mlc"],
+        "--vocab",
+        str(vocab),
+    )
+    print(run.stdout, run.stderr)
+    assert run.returncode == 0, run.stdout + run.stderr + roles.log("drafter")[-3000:]
+    assert "FAIL" not in run.stdout and run.stdout.count("PASS") >= 9
 
 
 def _wrong_digest(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,6 +42,18 @@ def _file_option(role: str, what: str) -> Any:
 
 _ROUTER_CERT, _ROUTER_KEY = _file_option("router", "cert"), _file_option("router", "key")
 _DRAFTER_CERT, _DRAFTER_KEY = _file_option("drafter", "cert"), _file_option("drafter", "key")
+_VERIFIER_CERT, _VERIFIER_KEY = _file_option("verifier", "cert"), _file_option("verifier", "key")
+_TARGET = typer.Option(..., help="The target digest, hex (`sdcp models digest`).")
+_TOKENIZER = typer.Option(..., help="The tokenizer digest, hex.")
+_MLC = typer.Option(None, help="The MLC node that holds draft rows (rule-2 checks).")
+_VOCAB = typer.Option(None, help="The target's vocabulary size (rule-2 checks).")
+
+
+def _digests(target: str, tokenizer: str) -> tuple[bytes, bytes]:
+    try:
+        return bytes.fromhex(target), bytes.fromhex(tokenizer)
+    except ValueError as exc:
+        raise typer.BadParameter(f"digests are hex: {exc}") from exc
 
 
 @conformance_app.command("verifier")
@@ -52,18 +64,15 @@ def verifier(
     router_key: Path | None = _ROUTER_KEY,
     drafter_cert: Path | None = _DRAFTER_CERT,
     drafter_key: Path | None = _DRAFTER_KEY,
-    target: str = typer.Option(..., help="The verifier's target digest, hex (`sdcp models digest`)."),
-    tokenizer: str = typer.Option(..., help="Its tokenizer digest, hex."),
-    mlc: str | None = typer.Option(None, help="An MLC node the verifier reads draft rows from (rule-2 checks)."),
-    vocab: int | None = typer.Option(None, help="The target's vocabulary size (rule-2 checks)."),
+    target: str = _TARGET,
+    tokenizer: str = _TOKENIZER,
+    mlc: str | None = _MLC,
+    vocab: int | None = _VOCAB,
 ) -> None:
     """Play the router and the drafter of sessions at a verifier (SDCP 4, 5, 6.1-6.7)."""
     from sdcp.conformance.verifier import VerifierUnderTest, check_verifier
 
-    try:
-        digests = bytes.fromhex(target), bytes.fromhex(tokenizer)
-    except ValueError as exc:
-        raise typer.BadParameter(f"digests are hex: {exc}") from exc
+    digests = _digests(target, tokenizer)
     under_test = VerifierUnderTest(
         url=url,
         ca=ca,
@@ -75,3 +84,33 @@ def verifier(
         vocab=vocab,
     )
     _run(lambda report: check_verifier(under_test, report))
+
+
+@conformance_app.command("drafter")
+def drafter(
+    url: str = typer.Argument(..., help="The drafter's base URI."),
+    ca: Path = _CA,
+    router_cert: Path | None = _ROUTER_CERT,
+    router_key: Path | None = _ROUTER_KEY,
+    verifier_cert: Path | None = _VERIFIER_CERT,
+    verifier_key: Path | None = _VERIFIER_KEY,
+    target: str = _TARGET,
+    tokenizer: str = _TOKENIZER,
+    mlc: str | None = _MLC,
+    vocab: int | None = _VOCAB,
+) -> None:
+    """Play a drafter's router and, listening on its certificate's URI, its verifier (SDCP 6.2-6.5, 6.9)."""
+    from sdcp.conformance.drafter import DrafterUnderTest, check_drafter
+
+    digests = _digests(target, tokenizer)
+    under_test = DrafterUnderTest(
+        url=url,
+        ca=ca,
+        router=_identity(router_cert, router_key, "router"),
+        verifier=_identity(verifier_cert, verifier_key, "verifier"),
+        target=digests[0],
+        tokenizer=digests[1],
+        mlc=mlc,
+        vocab=vocab,
+    )
+    _run(lambda report: check_drafter(under_test, report))
