@@ -39,8 +39,9 @@ def roles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnRoles]:
     roles.start("verifier", "verifier", roles.instance("verifier") + mlc_node + '[verifier]\nmodel = "tiny"\n' + trust)
     drafter = '[drafter]\nmodel = "ngram"\ntarget = "tiny"\n'
     roles.start("drafter", "drafter", roles.instance("drafter") + mlc_node + drafter + trust)
+    roles.start("router", "router", roles.instance("router") + mlc_node + trust)
     try:
-        roles.wait_listening(["mlc", "verifier", "drafter"])
+        roles.wait_listening(["mlc", "verifier", "drafter", "router"])
         yield roles
     finally:
         roles.stop()
@@ -102,6 +103,27 @@ def test_the_kit_passes_against_the_projects_drafter(roles: OwnRoles, tiny_diges
     print(run.stdout, run.stderr)
     assert run.returncode == 0, run.stdout + run.stderr + roles.log("drafter")[-3000:]
     assert "FAIL" not in run.stdout and run.stdout.count("PASS") >= 9
+
+
+def test_the_kit_passes_against_the_projects_router(roles: OwnRoles, tiny_digests: tuple[str, str, int]) -> None:
+    target, tokenizer, _ = tiny_digests
+    run = conformance(
+        "router",
+        roles.uris["router"],
+        "--ca",
+        str(roles.ca),
+        *roles.played("kit-front-end", "front-end"),
+        *roles.played("kit-verifier", "verifier"),
+        *roles.played("kit-drafter", "drafter"),
+        *roles.played("kit-drafter2", "drafter2"),
+        "--target",
+        target,
+        "--tokenizer",
+        tokenizer,
+    )
+    print(run.stdout, run.stderr)
+    assert run.returncode == 0, run.stdout + run.stderr + roles.log("router")[-3000:]
+    assert "FAIL" not in run.stdout and run.stdout.count("PASS") >= 7
 
 
 def _wrong_digest(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -43,6 +43,8 @@ def _file_option(role: str, what: str) -> Any:
 _ROUTER_CERT, _ROUTER_KEY = _file_option("router", "cert"), _file_option("router", "key")
 _DRAFTER_CERT, _DRAFTER_KEY = _file_option("drafter", "cert"), _file_option("drafter", "key")
 _VERIFIER_CERT, _VERIFIER_KEY = _file_option("verifier", "cert"), _file_option("verifier", "key")
+_DRAFTER2_CERT, _DRAFTER2_KEY = _file_option("drafter2", "cert"), _file_option("drafter2", "key")
+_FRONT_END_CERT, _FRONT_END_KEY = _file_option("front-end", "cert"), _file_option("front-end", "key")
 _TARGET = typer.Option(..., help="The target digest, hex (`sdcp models digest`).")
 _TOKENIZER = typer.Option(..., help="The tokenizer digest, hex.")
 _MLC = typer.Option(None, help="The MLC node that holds draft rows (rule-2 checks).")
@@ -114,3 +116,35 @@ def drafter(
         vocab=vocab,
     )
     _run(lambda report: check_drafter(under_test, report))
+
+
+@conformance_app.command("router")
+def router(
+    url: str = typer.Argument(..., help="The router's base URI."),
+    ca: Path = _CA,
+    front_end_cert: Path | None = _FRONT_END_CERT,
+    front_end_key: Path | None = _FRONT_END_KEY,
+    verifier_cert: Path | None = _VERIFIER_CERT,
+    verifier_key: Path | None = _VERIFIER_KEY,
+    drafter_cert: Path | None = _DRAFTER_CERT,
+    drafter_key: Path | None = _DRAFTER_KEY,
+    drafter2_cert: Path | None = _DRAFTER2_CERT,
+    drafter2_key: Path | None = _DRAFTER2_KEY,
+    target: str = _TARGET,
+    tokenizer: str = _TOKENIZER,
+) -> None:
+    """Play a router's verifier and two drafters, listening on their certificates' URIs, and a
+    front end that asks for a session (SDCP 5.2, 6.1, 6.5.2)."""
+    from sdcp.conformance.router import RouterUnderTest, check_router
+
+    digests = _digests(target, tokenizer)
+    under_test = RouterUnderTest(
+        url=url,
+        ca=ca,
+        front_end=_identity(front_end_cert, front_end_key, "front-end"),
+        verifier=_identity(verifier_cert, verifier_key, "verifier"),
+        drafters=(_identity(drafter_cert, drafter_key, "drafter"), _identity(drafter2_cert, drafter2_key, "drafter2")),
+        target=digests[0],
+        tokenizer=digests[1],
+    )
+    _run(lambda report: check_router(under_test, report))
