@@ -198,10 +198,14 @@ async def test_node_limits_map_to_cache_errors(start_node) -> None:
         await mlc.put(uri("big"), bytes(10 * KB + 1))
     assert not await mlc.exists(uri("big"))
     client = cluster.client()
-    for params in ({}, {"uri": "s3://bucket/key"}):
+    for params in ({}, {"uri": "bucket/key"}):
         with pytest.raises(ProtocolError) as bad:
             await client.get_bytes("objects", params)
         assert bad.value.status == 400
+    # Another implementation's name is a name like any other (SDCP 5.2 cache-ref): not found here.
+    with pytest.raises(ProtocolError) as missing:
+        await client.get_bytes("objects", {"uri": "s3://bucket/key"})
+    assert missing.value.status == 404
     with pytest.raises(ProtocolError) as unconditional:
         await client.post_cbor("logs/append", commit(1, 1), params={"uri": LOG})
     assert unconditional.value.status == 428
