@@ -589,6 +589,21 @@ async def test_mlc_fences_and_epoch_claims(world: World, mlc_node: MLCFixture) -
     assert fenced.value.status == 409
     writers = [r["writer"] for r in (await log.read()).records if "writer" in r]
     assert writers == [world.uris["verifier"], world.uris["other_verifier"]]
+    # A record without `writer` (another implementation's verifier) is stored naming its caller,
+    # and claims the epoch all the same.
+    anonymous = {key: value for key, value in record(3, 3, "").items() if key != "writer"}
+    await check_row(
+        client,
+        "mlc",
+        lambda c: c.post_cbor("logs/fence", {"epoch": 3}, params={"uri": LOG}),
+        {"router"},
+        lambda: None,
+    )
+    await append("verifier", anonymous)
+    assert (await log.read()).records[-1] == {**anonymous, "writer": world.uris["verifier"]}
+    with pytest.raises(ProtocolError) as taken:
+        await append("other_verifier", {**anonymous, "round": 4})
+    assert taken.value.status == 403
 
 
 # -- quotas ---------------------------------------------------------------------------------------------
