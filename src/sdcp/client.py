@@ -8,6 +8,7 @@ never duplicates or loses tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ __all__ = ["ClusterClient", "OutputChunk", "SessionHandle", "build_contract"]
 # Self-decoding periods keep a session going where drafts keep failing; each entry of the ladder is
 # used once until R good rounds reset it, so the ladder holds enough of them for max_new tokens.
 DEFAULT_SELF_MAX = 48
+# While an output read is outstanding, how often the router is asked whether the session moved.
+LOCATE_EVERY_S = 3.0
 
 
 def build_contract(
@@ -137,10 +140,11 @@ class ClusterClient:
         failures = 0
         while True:
             try:
-                _, body = await self.peers.get(handle.verifier).get_cbor(
-                    f"sessions/{handle.path_id}/output", {"from": str(position)}
-                )
-                output = Output.from_obj(body)
+                read = await self._read_or_move(handle, position)
+                if isinstance(read, SessionHandle):
+                    handle = read  # the session moved while its old verifier kept us waiting
+                    continue
+                output = read
             except (TransportError, ProtocolError) as exc:
                 if isinstance(exc, ProtocolError) and exc.problem not in (ProblemType.STALE_EPOCH, None):
                     raise
@@ -167,6 +171,25 @@ class ClusterClient:
                 moved = await self.locate(handle)
                 if moved.epoch > handle.epoch:
                     handle = moved
+
+    async def _read_or_move(self, handle: SessionHandle, position: int) -> Output | SessionHandle:
+        """GET output at the session's verifier; while the answer is outstanding, the router is
+        asked every ``LOCATE_EVERY_S`` where the session runs, and a higher epoch elsewhere wins
+        (a paused or cut-off verifier answers nothing, not even its fencing, SDCP 6.9)."""
+        read = asyncio.ensure_future(
+            self.peers.get(handle.verifier).get_cbor(f"sessions/{handle.path_id}/output", {"from": str(position)})
+        )
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=LOCATE_EVERY_S)
+                if done:
+                    return Output.from_obj(read.result()[1])
+                with contextlib.suppress(TransportError, ProtocolError):
+                    moved = await self.locate(handle)
+                    if moved.epoch > handle.epoch:
+                        return moved
+        finally:
+            read.cancel()
 
 
 def _handle(body: object) -> SessionHandle:

@@ -21,6 +21,7 @@ from prometheus_client import REGISTRY
 from tests.services.outputs import read_output
 
 from sdcp.cache import MLC, build_uri
+from sdcp.client import ClusterClient, SessionHandle
 from sdcp.config import (
     DrafterConfig,
     InstanceConfig,
@@ -498,6 +499,39 @@ async def test_failover_to_a_second_verifier_loses_and_repeats_no_token(
     assert set(epochs[:fence]) == {1} and set(epochs[fence + 1 :]) == {2}
     emitted = [t for record in snapshot.records if "emitted" in record for t in record["emitted"]]
     assert emitted == tokens
+
+
+async def test_a_reader_stuck_at_a_silent_verifier_follows_the_failover(
+    deployment: Deployment, target: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router = deployment.router
+    assert router is not None
+    await start_verifier(deployment, "verifier1")
+    await start_drafter(deployment, "drafter1")
+    max_new = 60
+    await start_verifier(deployment, "verifier2")
+    opened = await open_session(deployment, tiny_contract(target, max_new=max_new))
+    session = opened["session"]
+    assert isinstance(session, bytes)
+    first = next(node for node in deployment.nodes if getattr(node, "uri", None) == opened["verifier"])
+    assert isinstance(first, VerifierNode)
+
+    # The first verifier goes silent as a paused process does: no status, and neither proposals
+    # nor output reads are answered.
+    async def unanswered(*_args: object, **_kwargs: object) -> None:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(first.engine, "output", unanswered)
+    monkeypatch.setattr(first.engine, "propose", unanswered)
+    monkeypatch.setattr(first, "status", lambda: None)
+    cert, key = deployment.certs["frontend"]
+    async with ClusterClient(deployment.uris["router"], cert=cert, key=key, ca=deployment.ca) as client:
+        handle = await client.locate(SessionHandle(session, 1, first.uri, None))
+        # Well within the 30 s a read waits for its answer: the router's new epoch is followed.
+        async with asyncio.timeout(20):
+            chunks = [chunk async for chunk in client.stream(handle)]
+    assert [t for chunk in chunks for t in chunk.tokens] == greedy_reference(target, max_new)
+    assert chunks[-1].epoch == 2 and chunks[-1].finish == Action.FINISH
 
 
 async def test_a_policy_is_forwarded_and_carried_by_later_assignments(
