@@ -169,6 +169,9 @@ class VerifierConfig:
     # A session that nothing drives for this long (no proposal, commit or router message) is closed
     # and forgotten; 0 = never.
     idle_timeout_s: Seconds = 900.0
+    # A session no drafter has proposed for in this long is reported to the router with a switch
+    # event, on which it assigns a drafter again; 0 = never.
+    drafter_silence_s: Seconds = 10.0
     # Quotas (docs/security.md): sessions being decoded here, and output reads waiting for tokens;
     # past them, 503 with Retry-After.
     max_sessions: AtLeastOne = 256

@@ -49,11 +49,13 @@ from sdcp.protocol.messages import (
 )
 from sdcp.protocol.problems import ProblemType, ProtocolError
 from sdcp.services import node as node_module
+from sdcp.services import router as router_module
 from sdcp.services.drafter import DrafterNode
 from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import RetryPolicy, SDCPClient
+from sdcp.transport.errors import ServiceUnavailable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -284,9 +286,10 @@ def target() -> TargetModel:
     return TargetModel(tiny_model(), tiny_tokenizer(), name="tiny")
 
 
-async def start_verifier(env: Deployment, name: str) -> VerifierNode:
+async def start_verifier(env: Deployment, name: str, drafter_silence_s: float = 10.0) -> VerifierNode:
+    settings = VerifierConfig(model="tiny", output_wait_s=0.5, drafter_silence_s=drafter_silence_s)
     node = VerifierNode(
-        env.config(name, verifier=VerifierConfig(model="tiny", output_wait_s=0.5)),
+        env.config(name, verifier=settings),
         target=TargetModel(tiny_model(), tiny_tokenizer(), name="tiny"),
     )
     await env.start(node)
@@ -532,6 +535,38 @@ async def test_a_reader_stuck_at_a_silent_verifier_follows_the_failover(
             chunks = [chunk async for chunk in client.stream(handle)]
     assert [t for chunk in chunks for t in chunk.tokens] == greedy_reference(target, max_new)
     assert chunks[-1].epoch == 2 and chunks[-1].finish == Action.FINISH
+
+
+async def test_a_session_no_drafter_drives_is_assigned_again(
+    deployment: Deployment, target: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router = deployment.router
+    assert router is not None
+    verifier = await start_verifier(deployment, "verifier1", drafter_silence_s=1.0)
+    drafter = await start_drafter(deployment, "drafter1")
+    # The router fails the first two events it gets (503): the verifier must send them again.
+    failures = [ServiceUnavailable("restarting"), ServiceUnavailable("restarting")]
+
+    class FlakyEvent(Event):
+        @classmethod
+        def from_obj(cls, obj: object) -> Event:  # type: ignore[override]
+            if failures:
+                raise failures.pop()
+            return Event.from_obj(obj)
+
+    monkeypatch.setattr(router_module, "Event", FlakyEvent)
+    max_new = 80
+    opened = await open_session(deployment, tiny_contract(target, max_new=max_new))
+    session = opened["session"]
+    assert isinstance(session, bytes)
+    # The drafter gives the session up without telling anyone (as after rounds without verdicts).
+    await eventually(lambda: session in drafter.engine.runs)
+    task = drafter.engine.runs[session].task
+    assert task is not None
+    task.cancel()
+    outputs = await asyncio.wait_for(read_output(deployment.client("frontend", peer="verifier1"), session), 60)
+    assert [t for output in outputs for t in output.tokens] == greedy_reference(target, max_new)
+    assert not failures and verifier.engine.sessions[session].machine.ended
 
 
 async def test_a_policy_is_forwarded_and_carried_by_later_assignments(

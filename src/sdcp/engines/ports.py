@@ -9,8 +9,9 @@ from sdcp.protocol.messages import Event, Output, Proposal, Verdict
 
 __all__ = ["EventSink", "VerifierLink"]
 
-# Where a verifier's events go (SDCP 6.5.2: POST events at the router). A failure raises; the
-# engine logs it, since events are advisory and the router's maintenance catches up.
+# Where a verifier's events go (SDCP 6.5.2: POST events at the router). It raises
+# ``sdcp.protocol.problems.ProtocolError`` when the router refuses the event and
+# ``sdcp.engines.errors.Unanswered`` when no answer came; the engine sends an unanswered one again.
 EventSink = Callable[[Event], Awaitable[None]]
 
 

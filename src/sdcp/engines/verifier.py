@@ -20,7 +20,7 @@ from prometheus_client import Counter, Histogram
 
 from sdcp.cache import MLC, CacheError, CommitLog, Fenced, InvalidURI, ObjectNotFound, PreconditionFailed
 from sdcp.config import VerifierConfig
-from sdcp.engines.errors import SessionNotFound, Unavailable
+from sdcp.engines.errors import SessionNotFound, Unanswered, Unavailable
 from sdcp.engines.ports import EventSink
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.models.batching import BatchingScorer, ScorerClosed
@@ -71,6 +71,8 @@ _PROBE_PROMPT_TOKENS = 64
 _ROUTER_WAIT_S = 5.0
 # When a refused session-open may be tried again (sessions end at their own pace).
 _RETRY_AFTER_S = 5
+# An event the router did not answer is sent again, after a growing wait, for this long.
+_EVENT_RETRY_S, _EVENT_RETRY_MAX_S, _EVENT_RETRY_FOR_S = 0.2, 5.0, 300.0
 
 
 @dataclass
@@ -165,6 +167,10 @@ class _LiveSession:
     lookahead_hits: float = 0.4
     # When a proposal, a commit or a router message last concerned the session (time.monotonic).
     driven_at: float = field(default_factory=time.monotonic)
+    # When the router was last told that no drafter drives the session (a switch event), and the
+    # delivery of that event while it is retried.
+    nudged_at: float = 0.0
+    nudge: asyncio.Task[None] | None = None
 
     def driven(self) -> None:
         self.driven_at = time.monotonic()
@@ -222,6 +228,8 @@ class VerifierEngine:
         await self.scorer.run_async(self.target.prepare)
         await self.scorer.run_async(self._time_one_pass)
         self._tasks.spawn(self._forget_idle_sessions())
+        if self.settings.drafter_silence_s > 0 and self._events is not None:
+            self._tasks.spawn(self._nudge_for_silent_drafters())
 
     async def stop(self) -> None:
         await self._tasks.cancel_all()
@@ -703,13 +711,61 @@ class VerifierEngine:
         if self.sessions.get(live.machine.session) is live:
             del self.sessions[live.machine.session]
 
+    async def _nudge_for_silent_drafters(self) -> None:
+        """A session waiting for proposals that no drafter sends (a drafter that gave up, or a
+        switch the router never got) is driven by nobody: after ``drafter_silence_s`` the router
+        gets a switch event, on which it assigns a drafter again (SDCP 6.5.2, docs/interpretations.md)."""
+        silence = self.settings.drafter_silence_s
+        while True:
+            await asyncio.sleep(silence / 4)
+            now = time.monotonic()
+            for live in list(self.sessions.values()):
+                machine = live.machine
+                if machine.ended or machine.fenced or machine.self_decoding or live.rounds:
+                    continue
+                if now - max(live.driven_at, live.nudged_at) < silence or (live.nudge and not live.nudge.done()):
+                    continue
+                live.nudged_at = now
+                log.info(
+                    "%s: session %s: no proposal for %.0f s, asking for a drafter",
+                    self.uri,
+                    machine.session.hex(),
+                    silence,
+                )
+                event = Event(
+                    session=machine.session,
+                    epoch=machine.epoch,
+                    kind=Action.SWITCH,
+                    committed=machine.committed,
+                    digest=machine.digest,
+                )
+                live.nudge = self._tasks.spawn(self._send_event(event))
+
     async def _send_event(self, event: Event) -> None:
+        """POST events at the router; one left unanswered is sent again (it is idempotent: the
+        router acts on a switch or an end of self-decoding once per epoch and state) until the
+        router answers, the session leaves this verifier, or ``_EVENT_RETRY_FOR_S`` passes."""
         if self._events is None:
             return
-        try:
-            await self._events(event)
-        except Exception as exc:  # noqa: BLE001 - an event is advisory; the router's maintenance catches up
-            log.warning("%s: event %s failed: %s", self.uri, event.kind.name, exc)
+        deadline = time.monotonic() + _EVENT_RETRY_FOR_S
+        wait = _EVENT_RETRY_S
+        while True:
+            try:
+                await self._events(event)
+                return
+            except ProtocolError as exc:
+                log.info("%s: the router refused event %s: %s", self.uri, event.kind.name, exc.detail)
+                return
+            except Unanswered as exc:
+                live = self.sessions.get(event.session)
+                if live is None or live.machine.epoch != event.epoch or live.machine.fenced:
+                    return
+                if time.monotonic() + wait > deadline:
+                    log.warning("%s: event %s unanswered, given up: %s", self.uri, event.kind.name, exc)
+                    return
+                log.info("%s: event %s unanswered, again in %.1f s: %s", self.uri, event.kind.name, wait, exc)
+                await asyncio.sleep(wait)
+                wait = min(2 * wait, _EVENT_RETRY_MAX_S)
 
     async def _close_model_session(self, session: bytes) -> None:
         # The KV cache of an ended session is no longer needed; its output stays readable.

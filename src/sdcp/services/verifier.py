@@ -18,6 +18,7 @@ from starlette.routing import BaseRoute, Route
 
 from sdcp.cache import MLC
 from sdcp.config import ServiceConfig, thread_budget
+from sdcp.engines.errors import Unanswered
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.models.registry import load_target
 from sdcp.models.target import TargetModel
@@ -31,11 +32,12 @@ from sdcp.protocol.messages import (
     Status,
     parse_session_path_id,
 )
-from sdcp.protocol.problems import BadMessage
+from sdcp.protocol.problems import BadMessage, ProtocolError
 from sdcp.services.authz import SessionParties
 from sdcp.services.node import Node
 from sdcp.threads import CoreGovernor
 from sdcp.transport.asgi import cbor_response, read_cbor_body
+from sdcp.transport.errors import ConnectionLost, PeerClientError, PeerServerError, PeerTimeout
 from sdcp.transport.peer import peer_uri
 
 __all__ = ["VerifierNode"]
@@ -75,7 +77,12 @@ class VerifierNode(Node):
     async def _post_event(self, event: Event) -> None:
         router = self.config.instance.router
         assert router is not None  # the engine gets this sink only where a router is configured
-        await self.peers.get(router).post_cbor("events", event.to_obj(), idempotent=True)
+        try:
+            await self.peers.get(router).post_cbor("events", event.to_obj(), idempotent=True)
+        except PeerClientError as exc:
+            raise ProtocolError(None, exc.detail, status=exc.status) from exc
+        except (ConnectionLost, PeerTimeout, PeerServerError) as exc:
+            raise Unanswered(str(exc)) from exc
 
     def routes(self) -> list[BaseRoute]:
         return [
