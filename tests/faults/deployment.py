@@ -1,0 +1,217 @@
+"""An SDCP deployment on test hosts: Redis, a router, two verifiers and two drafters, each its own
+process on its own host, started with `ip netns exec HOST python -m sdcp ROLE --config FILE` from
+the TOML a user writes, with certificates from `sdcp certs` naming each host's URI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.faults.testnet import Testnet
+
+from sdcp.transport.certs import make_certs
+
+HOSTS = ("router", "verifier-a", "verifier-b", "drafter-1", "drafter-2", "redis", "client")
+ROLES = {
+    "router": "router",
+    "verifier-a": "verifier",
+    "verifier-b": "verifier",
+    "drafter-1": "drafter",
+    "drafter-2": "drafter",
+}
+PORT = 8443
+TTL_MS = 1500
+STARTUP_S = 120.0
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Deployment:
+    tmp: Path
+    net: Testnet = field(default_factory=lambda: Testnet(HOSTS))
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def uri(self, host: str) -> str:
+        return f"https://{self.net.address(host)}:{PORT}"
+
+    @property
+    def ca(self) -> Path:
+        return self.tmp / "certs" / "ca.pem"
+
+    def cert(self, host: str) -> tuple[Path, Path]:
+        name = f"{self.net.address(host)}_{PORT}"
+        return self.tmp / "certs" / f"{name}.pem", self.tmp / "certs" / f"{name}.key"
+
+    def up(self) -> None:
+        self.net.up()
+        make_certs(self.tmp / "certs", [self.uri(host) for host in HOSTS if host != "redis"])
+        self.start_redis()
+        for host in ROLES:
+            self.start(host)
+        self.wait_ready(["redis", *ROLES])
+
+    def start_redis(self) -> None:
+        address = self.net.address("redis")
+        command = ["redis-server", "--bind", address, "--port", "6379", "--save", "", "--appendonly", "no"]
+        self._spawn("redis", command + ["--protected-mode", "no"])
+
+    def config(self, host: str) -> str:
+        cert, key = self.cert(host)
+        role = ROLES[host]
+        lines = [
+            "[instance]",
+            f'uri = "{self.uri(host)}"',
+            f'cert = "{cert}"',
+            f'key = "{key}"',
+            f'ca = "{self.ca}"',
+            f"ttl_ms = {TTL_MS}",
+        ]
+        if role != "router":
+            lines.append(f'router = "{self.uri("router")}"')
+        lines += ["[mlc]", f'redis_url = "redis://{self.net.address("redis")}:6379/0"', "memory_bytes = 0"]
+        quoted = lambda hosts: "[" + ", ".join(f'"{self.uri(h)}"' for h in hosts) + "]"  # noqa: E731
+        lines += [
+            "[trust]",
+            f"routers = {quoted(['router'])}",
+            f"verifiers = {quoted(['verifier-a', 'verifier-b'])}",
+            f"drafters = {quoted(['drafter-1', 'drafter-2'])}",
+            f"front_ends = {quoted(['client'])}",
+            f"operators = {quoted(['client'])}",
+        ]
+        if role == "verifier":
+            lines += ["[verifier]", 'model = "tiny"', "output_wait_s = 1.0", "drafter_silence_s = 3.0"]
+        elif role == "drafter":
+            lines += ["[drafter]", 'model = "ngram"', 'target = "tiny"']
+        return "\n".join(lines) + "\n"
+
+    def start(self, host: str) -> None:
+        path = self.tmp / f"{host}.toml"
+        path.write_text(self.config(host), encoding="utf-8")
+        self._spawn(host, [sys.executable, "-m", "sdcp", ROLES[host], "--config", str(path)])
+
+    def _spawn(self, host: str, command: list[str]) -> None:
+        log = (self.tmp / f"{host}.log").open("ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+        self.processes[host] = subprocess.Popen(
+            self.net.exec_prefix(host) + command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.tmp
+        )
+
+    def log(self, host: str) -> str:
+        return (self.tmp / f"{host}.log").read_text(errors="replace")
+
+    def wait_ready(self, hosts: list[str]) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        marks = {"redis": "Ready to accept connections"}
+        for host in hosts:
+            while marks.get(host, "listening on") not in self.log(host):
+                if self.processes[host].poll() is not None:
+                    raise RuntimeError(f"{host} exited: {self.log(host)[-2000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{host} did not start: {self.log(host)[-2000:]}")
+                time.sleep(0.2)
+
+    def signal(self, host: str, signum: int) -> None:
+        self.processes[host].send_signal(signum)
+
+    def kill(self, host: str) -> None:
+        self.processes[host].kill()
+        self.processes[host].wait(timeout=30)
+
+    def drive(self, sessions: int, max_new: int) -> subprocess.Popen[str]:
+        """The client host's program (tests/faults/drive.py); its stdout is JSON lines."""
+        cert, key = self.cert("client")
+        command = [sys.executable, "-m", "tests.faults.drive", "--router", self.uri("router")]
+        command += ["--cert", str(cert), "--key", str(key), "--ca", str(self.ca)]
+        command += ["--sessions", str(sessions), "--max-new", str(max_new)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+        stderr = (self.tmp / "client.log").open("ab")
+        command = self.net.exec_prefix("client") + command
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO)
+
+    def commit_log(self, session_hex: str) -> list[dict[str, Any]]:
+        """The session's commit-log records, read from Redis on the client host (epoch, round,
+        committed of each; a fence record has only its epoch)."""
+        script = (
+            "import asyncio, json\n"
+            "from sdcp.cache import MLC\n"
+            "async def main():\n"
+            f"    async with MLC.from_config(redis_url='redis://{self.net.address('redis')}:6379/0') as mlc:\n"
+            f"        records = (await mlc.commit_log('mlc://local/-/log/{session_hex}').read()).records\n"
+            "    keep = ('epoch', 'round', 'committed')\n"
+            "    print(json.dumps([{k: r[k] for k in keep if k in r} for r in records]))\n"
+            "asyncio.run(main())\n"
+        )
+        command = self.net.exec_prefix("client") + [sys.executable, "-c", script]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True, cwd=REPO)
+        return json.loads(done.stdout)
+
+    def down(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.net.down()
+
+
+class Run:
+    """What the client host prints, read by a thread as it comes."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+        self.progress: dict[int, int] = {}
+        self.arrivals: dict[int, list[float]] = {}
+        self.epoch: dict[int, int] = {}
+        self.opened: dict[int, dict[str, Any]] = {}
+        self.done: dict[int, dict[str, Any]] = {}
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            message = json.loads(line)
+            session = message["session"]
+            with self._changed:
+                if message["event"] == "opened":
+                    self.opened[session] = message
+                elif message["event"] == "progress":
+                    self.progress[session] = message["tokens"]
+                    self.arrivals.setdefault(session, []).append(time.monotonic())
+                    self.epoch[session] = message["epoch"]
+                else:
+                    self.done[session] = message
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def longest_stall(self, sessions: list[int], since: float) -> float:
+        """The longest time any of `sessions` went without new tokens after `since`, in seconds."""
+        stalls = [0.0]
+        for session in sessions:
+            times = [since] + [t for t in self.arrivals.get(session, []) if t > since]
+            stalls += [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+        return max(stalls)
+
+    def wait(self, condition: Callable[[Run], bool], timeout: float) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: condition(self) or self.process.poll() is not None, timeout):
+                raise TimeoutError(
+                    f"the client did not get there in {timeout} s: {self.progress}, done {list(self.done)}"
+                )
+            if not condition(self):
+                raise RuntimeError(f"the client exited ({self.process.returncode}) before: {self.progress}")

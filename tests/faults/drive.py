@@ -1,0 +1,81 @@
+"""The client host's program: opens sessions through the router and streams their output,
+following failovers as a front end does (SDCP 6.7). Prints one JSON object per line: `opened`,
+`progress` as tokens arrive, and `done` with every token and the epoch it came with.
+
+python -m tests.faults.drive --router URI --cert F --key F --ca F --sessions N --max-new M
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from sdcp.client import ClusterClient
+from sdcp.protocol.messages import Action, Contract
+
+PROMPT = [5, 17, 42, 9, 100, 3]
+
+
+def _say(**fields: object) -> None:
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+async def _one(client: ClusterClient, index: int, contract: Contract) -> None:
+    tokens: list[int] = []
+    epochs: list[int] = []
+    finish: int | None = None
+    error: str | None = None
+    try:
+        handle = await client.open(PROMPT, contract)
+        _say(event="opened", session=index, id=handle.session.hex(), verifier=handle.verifier, drafter=handle.drafter)
+        async for chunk in client.stream(handle):
+            if chunk.start != len(tokens):
+                error = f"chunk at {chunk.start} after {len(tokens)} tokens"
+                break
+            tokens.extend(chunk.tokens)
+            epochs.extend([chunk.epoch] * len(chunk.tokens))
+            _say(event="progress", session=index, tokens=len(tokens), epoch=chunk.epoch)
+            if chunk.finish is not None:
+                finish = int(chunk.finish)
+    except Exception as exc:  # noqa: BLE001 - a clear error is one of the outcomes the test accepts
+        error = f"{type(exc).__name__}: {exc}"
+    _say(event="done", session=index, tokens=tokens, epochs=epochs, finish=finish, error=error)
+
+
+async def main(args: argparse.Namespace) -> None:
+    async with ClusterClient(args.router, cert=args.cert, key=args.key, ca=args.ca, follow_attempts=60) as client:
+        for _ in range(200):
+            targets = await client.targets()
+            if targets:
+                break
+            await asyncio.sleep(0.1)
+        target = targets[0]
+        contract = Contract.from_obj(
+            {
+                "target": target["model"],
+                "tokenizer": target["tokenizer"],
+                "rule": 1,
+                "m_max": 4,
+                "max_new": args.max_new,
+                "stop": [],
+                # Drafters drive every round: rejections never escalate.
+                "low_rounds": 1_000_000,
+                "fallback": [int(Action.REDUCE), int(Action.FAIL)],
+            }
+        )
+        await asyncio.gather(*(_one(client, index, contract) for index in range(args.sessions)))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--router", required=True)
+    parser.add_argument("--cert", type=Path, required=True)
+    parser.add_argument("--key", type=Path, required=True)
+    parser.add_argument("--ca", type=Path, required=True)
+    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--max-new", type=int, default=200)
+    asyncio.run(main(parser.parse_args()))

@@ -1,0 +1,98 @@
+"""Test hosts on this machine: one network namespace per host, joined by veth pairs to a bridge in
+a switch namespace of their own, with addresses in 10.213.0.0/24 that exist nowhere else.
+
+Nothing touches the root namespace's interfaces or routes: the bridge lives in the switch
+namespace, and deleting the namespaces deletes every link. A link is cut at the switch (`cut`),
+which drops packets without a FIN or RST, as a host that disappears does; `loss` drops a share of a
+host's packets with iptables' statistic match. Needs root, `ip` (iproute2) and `iptables`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["SUBNET", "Testnet"]
+
+SUBNET = "10.213.0"
+_FIRST_HOST = 10
+
+
+def _run(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, timeout=30)
+
+
+@dataclass
+class Testnet:
+    hosts: Sequence[str]
+    tag: str = field(default_factory=lambda: os.urandom(3).hex())
+    _up: bool = False
+
+    @property
+    def switch(self) -> str:
+        return f"sdcp-{self.tag}-sw"
+
+    def namespace(self, host: str) -> str:
+        return f"sdcp-{self.tag}-{host}"
+
+    def address(self, host: str) -> str:
+        return f"{SUBNET}.{_FIRST_HOST + list(self.hosts).index(host)}"
+
+    def _port(self, host: str) -> str:
+        return f"p{list(self.hosts).index(host)}"
+
+    def exec_prefix(self, host: str) -> list[str]:
+        """The command prefix that runs a program on `host`."""
+        return ["ip", "netns", "exec", self.namespace(host)]
+
+    def up(self) -> None:
+        self._up = True
+        _run("ip", "netns", "add", self.switch)
+        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for host in self.hosts:
+            namespace, port = self.namespace(host), self._port(host)
+            _run("ip", "netns", "add", namespace)
+            _run("ip", "-n", namespace, "link", "set", "lo", "up")
+            _run(
+                "ip", "-n", namespace, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", self.switch
+            )
+            _run("ip", "-n", namespace, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
+            _run("ip", "-n", namespace, "link", "set", "eth0", "up")
+            _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+            _run("ip", "-n", self.switch, "link", "set", port, "up")
+
+    def cut(self, host: str) -> None:
+        """Take the host off the network: its packets go nowhere, no connection is closed."""
+        _run("ip", "-n", self.switch, "link", "set", self._port(host), "down")
+
+    def restore(self, host: str) -> None:
+        _run("ip", "-n", self.switch, "link", "set", self._port(host), "up")
+
+    def loss(self, host: str, percent: int) -> None:
+        """Drop `percent` % of the host's incoming and outgoing packets, at random."""
+        for chain in ("INPUT", "OUTPUT"):
+            _run(
+                *self.exec_prefix(host),
+                "iptables", "-A", chain, "-i" if chain == "INPUT" else "-o", "eth0",
+                "-m", "statistic", "--mode", "random", "--probability", f"{percent / 100:.2f}", "-j", "DROP",
+            )  # fmt: skip
+
+    def clear_loss(self, host: str) -> None:
+        for chain in ("INPUT", "OUTPUT"):
+            _run(*self.exec_prefix(host), "iptables", "-F", chain)
+
+    def down(self) -> None:
+        if not self._up:
+            return
+        for namespace in [self.namespace(host) for host in self.hosts] + [self.switch]:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+        self._up = False
+
+
+def leftover_namespaces() -> list[str]:
+    """Namespaces a test left behind (a run killed before its cleanup)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith("sdcp-")]
