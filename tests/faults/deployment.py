@@ -61,8 +61,10 @@ class Deployment:
 
     def start_redis(self) -> None:
         address = self.net.address("redis")
-        command = ["redis-server", "--bind", address, "--port", "6379", "--save", "", "--appendonly", "no"]
-        self._spawn("redis", command + ["--protected-mode", "no"])
+        # The commit log must survive a restart: every write is in the append-only file first.
+        command = ["redis-server", "--bind", address, "--port", "6379", "--save", "", "--protected-mode", "no"]
+        command += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.tmp)]
+        self._spawn("redis", command)
 
     def config(self, host: str) -> str:
         cert, key = self.cert(host)
@@ -126,6 +128,20 @@ class Deployment:
         self.processes[host].kill()
         self.processes[host].wait(timeout=30)
 
+    def restart(self, host: str) -> None:
+        """Start a killed host's process again, as its supervisor would."""
+        mark = len(self.log(host))
+        if host == "redis":
+            self.start_redis()
+        else:
+            self.start(host)
+        deadline = time.monotonic() + STARTUP_S
+        ready = "Ready to accept connections" if host == "redis" else "listening on"
+        while ready not in self.log(host)[mark:]:
+            if time.monotonic() > deadline or self.processes[host].poll() is not None:
+                raise RuntimeError(f"{host} did not restart: {self.log(host)[-2000:]}")
+            time.sleep(0.1)
+
     def drive(self, sessions: int, max_new: int) -> subprocess.Popen[str]:
         """The client host's program (tests/faults/drive.py); its stdout is JSON lines."""
         cert, key = self.cert("client")
@@ -136,6 +152,9 @@ class Deployment:
         stderr = (self.tmp / "client.log").open("ab")
         command = self.net.exec_prefix("client") + command
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO)
+
+    def run(self, sessions: int, max_new: int) -> Run:
+        return Run(self.drive(sessions, max_new), self.tmp / "client-output.jsonl")
 
     def commit_log(self, session_hex: str) -> list[dict[str, Any]]:
         """The session's commit-log records, read from Redis on the client host (epoch, round,
@@ -171,8 +190,9 @@ class Deployment:
 class Run:
     """What the client host prints, read by a thread as it comes."""
 
-    def __init__(self, process: subprocess.Popen[str]) -> None:
+    def __init__(self, process: subprocess.Popen[str], transcript: Path) -> None:
         self.process = process
+        self.transcript = transcript
         self.progress: dict[int, int] = {}
         self.arrivals: dict[int, list[float]] = {}
         self.epoch: dict[int, int] = {}
@@ -184,6 +204,8 @@ class Run:
     def _read(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
+            with self.transcript.open("a") as kept:
+                kept.write(line)
             message = json.loads(line)
             session = message["session"]
             with self._changed:
@@ -214,4 +236,5 @@ class Run:
                     f"the client did not get there in {timeout} s: {self.progress}, done {list(self.done)}"
                 )
             if not condition(self):
-                raise RuntimeError(f"the client exited ({self.process.returncode}) before: {self.progress}")
+                errors = {session: done["error"] for session, done in self.done.items() if done["error"]}
+                raise RuntimeError(f"the client exited ({self.process.returncode}) before: {self.progress} {errors}")

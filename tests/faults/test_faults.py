@@ -8,6 +8,7 @@ of docs/reliability.md come from these figures.
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections import Counter
 from typing import Any
@@ -47,7 +48,7 @@ def _check_outputs(run: Run, reference: list[int]) -> dict[str, int]:
 
 
 def _start(deployment: Deployment, max_new: int) -> Run:
-    run = Run(deployment.drive(SESSIONS, max_new))
+    run = deployment.run(SESSIONS, max_new)
     run.wait(lambda r: len(r.progress) == SESSIONS and min(r.progress.values()) >= 10, 120)
     return run
 
@@ -107,7 +108,7 @@ def test_packet_loss_on_the_drafters_link_slows_and_changes_nothing(
         deployment.net.loss(host, 30)
     try:
         started = time.monotonic()
-        run = Run(deployment.drive(SESSIONS, 40))
+        run = deployment.run(SESSIONS, 40)
         run.wait(lambda r: len(r.done) == SESSIONS, 240)
         elapsed = time.monotonic() - started
     finally:
@@ -135,3 +136,78 @@ def test_a_link_cut_right_after_commits_repeats_no_round(
         rounds = [r["round"] for r in deployment.commit_log(run.opened[session]["id"]) if "round" in r]
         assert rounds == sorted(set(rounds))
     _record(deployment, "drafter links cut for 0.5 s with verdicts in flight", **figures)
+
+
+def test_redis_restarts_and_nothing_committed_is_lost(deployment: Deployment, reference: dict[int, list[int]]) -> None:
+    time.sleep(2 * TTL_MS / 1000)
+    run = _start(deployment, 300)
+    killed_at = time.monotonic()
+    deployment.kill("redis")
+    time.sleep(1.0)
+    deployment.restart("redis")
+    run.wait(lambda r: len(r.done) == SESSIONS, 180)
+    figures = _check_outputs(run, reference[300])
+    stall = run.longest_stall(list(range(SESSIONS)), killed_at)
+    _record(deployment, "Redis killed and restarted (AOF)", recovery_s=round(stall, 2), **figures)
+
+
+def test_redis_unreachable_for_ten_seconds(deployment: Deployment, reference: dict[int, list[int]]) -> None:
+    time.sleep(2 * TTL_MS / 1000)
+    run = _start(deployment, 300)
+    cut_at = time.monotonic()
+    deployment.net.cut("redis")
+    try:
+        time.sleep(10.0)
+    finally:
+        deployment.net.restore("redis")
+    run.wait(lambda r: len(r.done) == SESSIONS, 180)
+    figures = _check_outputs(run, reference[300])
+    stall = run.longest_stall(list(range(SESSIONS)), cut_at)
+    _record(deployment, "Redis unreachable for 10 s", recovery_s=round(stall, 2), **figures)
+
+
+def test_the_router_killed_and_restarted(deployment: Deployment, reference: dict[int, list[int]]) -> None:
+    time.sleep(2 * TTL_MS / 1000)
+    run = _start(deployment, 300)
+    killed_at = time.monotonic()
+    deployment.kill("router")
+    time.sleep(1.0)
+    deployment.restart("router")
+    run.wait(lambda r: len(r.done) == SESSIONS, 180)
+    figures = _check_outputs(run, reference[300])
+    stall = run.longest_stall(list(range(SESSIONS)), killed_at)
+    _record(deployment, "router killed -9 and restarted", recovery_s=round(stall, 2), **figures)
+
+
+def test_kill_9_of_every_role_at_seeded_random_points(deployment: Deployment, reference: dict[int, list[int]]) -> None:
+    time.sleep(2 * TTL_MS / 1000)
+    rng = random.Random(18)
+    sessions, max_new = 32, 300
+    run = deployment.run(sessions, max_new)
+    run.wait(lambda r: len(r.progress) >= sessions // 2, 120)
+    victims = ["router", "verifier-a", "verifier-b", "drafter-1", "drafter-2", "redis"]
+    rng.shuffle(victims)
+    killed = []
+    for victim in victims:
+        if len(run.done) == sessions:
+            break
+        time.sleep(rng.uniform(0.5, 2.0))
+        deployment.kill(victim)
+        killed.append(f"{victim} at {sum(run.progress.values())} tokens")
+        time.sleep(rng.uniform(0.5, 1.5))
+        deployment.restart(victim)
+    run.wait(lambda r: len(r.done) == sessions, 240)
+    completed = failed = 0
+    for session in range(sessions):
+        done = run.done[session]
+        tokens = done["tokens"]
+        # Never a wrong or repeated token: what arrived is the reference's beginning, in order.
+        assert tokens == reference[max_new][: len(tokens)], f"session {session} diverged: {done}"
+        assert done["epochs"] == sorted(done["epochs"])
+        if done["error"] is None:
+            assert tokens == reference[max_new] and done["finish"] == 4
+            completed += 1
+        else:
+            failed += 1
+    assert len(killed) >= 3, f"the run ended before most kills: {killed}"
+    _record(deployment, "kill -9 of each role, seeded order", completed=completed, failed_clearly=failed, kills=killed)

@@ -21,7 +21,7 @@ import torch
 from tests.services.outputs import output_tokens, read_output
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sdcp.cache import MLC, build_uri
+from sdcp.cache import MLC, LogSnapshot, build_uri
 from sdcp.cache.redis_process import local_redis_server
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.localhost import free_port
@@ -454,6 +454,44 @@ async def test_a_failed_append_releases_nothing_and_the_round_can_be_retried(
             await env.close()
             await node.stop()
             await env.mlc.close()
+
+
+async def test_an_append_whose_answer_was_lost_is_found_in_the_log_on_the_retry(
+    cluster: Cluster, target: TargetModel
+) -> None:
+    """A Redis restart after the record was written but before the answer: the first try is 503
+    (the log cannot be read either), and the retried round finds its own record there instead of
+    taking the changed ETag for another writer (which would fence the session)."""
+    state = await open_and_assign(cluster, contract(target))
+    live = cluster.node.engine.sessions[SESSION]
+    log_append, log_read = live.log.append, live.log.read
+    lost = {"append": 1, "read": 1}
+
+    async def append_then_lose_the_answer(record: dict[str, object], if_match: str) -> str:
+        etag = await log_append(record, if_match)
+        if lost["append"]:
+            lost["append"] -= 1
+            raise ConnectionError("Connection closed by server.")
+        return etag
+
+    async def read_once_unreachable() -> LogSnapshot:
+        if lost["read"]:
+            lost["read"] -= 1
+            raise ConnectionError("Error 111 connecting")
+        return await log_read()
+
+    live.log.append = append_then_lose_the_answer  # type: ignore[method-assign]
+    live.log.read = read_once_unreachable  # type: ignore[method-assign]
+    drafter = cluster.client("drafter")
+    message = proposal(state, (1, 2)).to_obj()
+    with pytest.raises(PeerServerError) as unknown:
+        await drafter.post_cbor("proposals", message)
+    assert unknown.value.status == 503
+    status, body = await drafter.post_cbor("proposals", message)
+    verdict = Verdict.from_obj(body)
+    assert status == 200 and verdict.round == 1 and not live.machine.fenced
+    records = (await log_read()).records
+    assert [(r["round"], r["committed"]) for r in records] == [(1, verdict.committed)]
 
 
 async def test_an_ended_session_is_freed_after_its_retention(cluster: Cluster, target: TargetModel) -> None:

@@ -14,6 +14,7 @@ from sdcp.cache.errors import (
     ObjectNotFound,
     ObjectTooLarge,
     PreconditionFailed,
+    StoreUnavailable,
     UnresolvableRef,
 )
 from sdcp.cache.etags import content_etag
@@ -41,6 +42,7 @@ __all__ = [
     "ObjectTooLarge",
     "ObjectURI",
     "PreconditionFailed",
+    "StoreUnavailable",
     "UnresolvableRef",
     "build_uri",
     "check_ref",

@@ -51,5 +51,10 @@ class AccessDenied(CacheError):
     """The store refused the caller: its role may not do this to the object (docs/security.md)."""
 
 
+class StoreUnavailable(CacheError):
+    """The shared store cannot be reached or did not answer (a Redis restart, a lost link): the
+    operation may be repeated later; whether a write took effect is unknown."""
+
+
 class InvalidArgument(CacheError):
     """An argument has the wrong type or range (object data not bytes, non-positive TTL, ...)."""

@@ -9,11 +9,17 @@ compute from the prefix, which a single Redis server (the supported deployment) 
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from sdcp.cache.commitlog import (
     EMPTY_LOG_ETAG,
@@ -23,7 +29,15 @@ from sdcp.cache.commitlog import (
     encode_record,
     validate_fence_epoch,
 )
-from sdcp.cache.errors import CacheFull, Fenced, LeaseNotHeld, ObjectNotFound, ObjectTooLarge, PreconditionFailed
+from sdcp.cache.errors import (
+    CacheFull,
+    Fenced,
+    LeaseNotHeld,
+    ObjectNotFound,
+    ObjectTooLarge,
+    PreconditionFailed,
+    StoreUnavailable,
+)
 from sdcp.cache.tiers import CachedObject
 
 _NOW_MS = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
@@ -160,6 +174,27 @@ def _etag_of(count: int, gen: bytes | str | None) -> str:
     return f'"{count}-{text}"'
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+# A connection the pool kept across a Redis restart fails once: it is opened again and the command
+# repeated, twice at most within a quarter second. A timeout is not repeated (Redis is there but
+# slow or stopped). Past that, or with Redis down, StoreUnavailable.
+_RETRY = Retry(ExponentialBackoff(cap=0.2, base=0.05), 2, supported_errors=(RedisConnectionError,))
+
+
+def _unavailable_on_redis_errors(
+    method: Callable[_P, Coroutine[Any, Any, _R]],
+) -> Callable[_P, Coroutine[Any, Any, _R]]:
+    @functools.wraps(method)
+    async def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return await method(*args, **kwargs)
+        except RedisError as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+
+    return call
+
+
 class RedisStore:
     """Shared store on Redis; `capacity_bytes=None` leaves the bound to the server's own maxmemory."""
 
@@ -168,7 +203,7 @@ class RedisStore:
         self.url = url
         self.capacity_bytes = capacity_bytes
         self.prefix = prefix
-        self.client: aioredis.Redis = aioredis.Redis.from_url(url, decode_responses=False)
+        self.client: aioredis.Redis = aioredis.Redis.from_url(url, decode_responses=False, retry=_RETRY)
         self._put = self.client.register_script(_PUT)
         self._delete = self.client.register_script(_DELETE)
         self._lease = self.client.register_script(_LEASE)
@@ -179,10 +214,12 @@ class RedisStore:
     def _key(self, kind: str, uri: str) -> str:
         return f"{self.prefix}{kind}:{uri}"
 
+    @_unavailable_on_redis_errors
     async def head(self, uri: str) -> str | None:
         etag: bytes | str | None = await self.client.hget(self._key("o", uri), "e")
         return etag.decode() if isinstance(etag, bytes) else etag
 
+    @_unavailable_on_redis_errors
     async def fetch(self, uri: str) -> CachedObject | None:
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hmget(self._key("o", uri), "d", "e")
@@ -192,6 +229,7 @@ class RedisStore:
             return None
         return CachedObject(uri, data, etag.decode())
 
+    @_unavailable_on_redis_errors
     async def store(self, obj: CachedObject, if_match: str | None) -> None:
         if self.capacity_bytes is not None and len(obj.data) > self.capacity_bytes:
             raise ObjectTooLarge(f"{len(obj.data)} bytes exceed the redis capacity {self.capacity_bytes}")
@@ -204,25 +242,30 @@ class RedisStore:
         if outcome == b"FULL":
             raise CacheFull(f"redis: no room for {obj.uri}, the remaining objects are leased")
 
+    @_unavailable_on_redis_errors
     async def remove(self, uri: str) -> bool:
         keys = [self._key("o", uri), self.prefix + "lru", self.prefix + "used", self._key("l", uri)]
         return bool(await self._delete(keys=keys, args=[uri]))
 
+    @_unavailable_on_redis_errors
     async def lease(self, uri: str, holder: str, ttl_s: float) -> float:
         expires = await self._lease(keys=[self._key("o", uri), self._key("l", uri)], args=[holder, _ms(ttl_s), "take"])
         if expires < 0:
             raise ObjectNotFound(uri)
         return int(expires) / 1000
 
+    @_unavailable_on_redis_errors
     async def renew(self, uri: str, holder: str, ttl_s: float) -> float:
         expires = await self._lease(keys=[self._key("o", uri), self._key("l", uri)], args=[holder, _ms(ttl_s), "renew"])
         if expires < 0:
             raise LeaseNotHeld(f"{holder} holds no lease on {uri}")
         return int(expires) / 1000
 
+    @_unavailable_on_redis_errors
     async def release(self, uri: str, holder: str) -> bool:
         return bool(await self._release(keys=[self._key("l", uri)], args=[holder]))
 
+    @_unavailable_on_redis_errors
     async def lease_holders(self, uri: str) -> frozenset[str]:
         holders = await self._holders(keys=[self._key("l", uri)])
         return frozenset(holder.decode() if isinstance(holder, bytes) else str(holder) for holder in holders)
@@ -247,6 +290,7 @@ class RedisCommitLog(CommitLog):
         self._records_key = store._key("log", uri)
         self._meta_key = store._key("logm", uri)
 
+    @_unavailable_on_redis_errors
     async def read(self) -> LogSnapshot:
         async with self._store.client.pipeline(transaction=True) as pipe:
             pipe.lrange(self._records_key, 0, -1)
@@ -255,10 +299,12 @@ class RedisCommitLog(CommitLog):
         records = [decode_record(payload, f"{self.uri} record {index}") for index, payload in enumerate(payloads)]
         return LogSnapshot(records, _etag_of(int(count or 0), gen))
 
+    @_unavailable_on_redis_errors
     async def append(self, record: dict[str, Any], if_match: str) -> str:
         payload, epoch, fence_shaped = encode_record(record)
         return await self._run(payload, epoch, "append", if_match, fence_shaped)
 
+    @_unavailable_on_redis_errors
     async def fence(self, epoch: int) -> str:
         payload, _, _ = encode_record({"epoch": validate_fence_epoch(epoch)})
         return await self._run(payload, epoch, "fence", "", True)

@@ -13,6 +13,7 @@ that answers (`sdcp.services.mlc`) and the client that reads the answer (`sdcp.s
 | `ObjectTooLarge` | 413 | `ObjectTooLarge` |
 | `CorruptRecord` | 500, `cache_error: CorruptRecord` | `CorruptRecord` |
 | `CacheFull` | 507 | `CacheFull` |
+| `StoreUnavailable` | 503 | `StoreUnavailable` |
 
 409 means Fenced on a log and LeaseNotHeld on a lease, and nothing else: a full store is 507, so
 that a client reads 409 on a log as Fenced without parsing details (docs/interpretations.md).
@@ -33,6 +34,7 @@ from sdcp.cache.errors import (
     ObjectNotFound,
     ObjectTooLarge,
     PreconditionFailed,
+    StoreUnavailable,
 )
 
 __all__ = ["LEASE_ERRORS", "LOG_ERRORS", "OBJECT_ERRORS", "ErrorMap", "status_of"]
@@ -51,6 +53,7 @@ _STATUS_OF: dict[type[CacheError], int] = {
     ObjectTooLarge: 413,
     CorruptRecord: 500,
     CacheFull: 507,
+    StoreUnavailable: 503,
 }
 
 # The client's side, per kind of resource.
@@ -60,6 +63,7 @@ OBJECT_ERRORS: ErrorMap = {
     404: ObjectNotFound,
     412: PreconditionFailed,
     413: ObjectTooLarge,
+    503: StoreUnavailable,
     507: CacheFull,
 }
 LEASE_ERRORS: ErrorMap = {**OBJECT_ERRORS, 409: LeaseNotHeld}

@@ -513,9 +513,12 @@ class VerifierEngine:
         try:
             live.etag = await live.log.append(record, live.etag)
             return
-        except (Fenced, PreconditionFailed) as exc:
-            # Another writer changed the log since this verifier's last record: a new epoch.
+        except Fenced as exc:
             self._fenced(live, exc)
+        except PreconditionFailed as exc:
+            # The log changed since this verifier's last record: another writer (a new epoch), or
+            # an earlier try of this very record whose answer was lost (a Redis restart).
+            failure: Exception = exc
         except Exception as exc:  # noqa: BLE001 - a lost MLC node or Redis: the log tells what happened
             failure = exc
         # The append may have landed before the failure was reported: the log says which.
@@ -526,7 +529,7 @@ class VerifierEngine:
         if snapshot.records and snapshot.records[-1] == record:
             live.etag = snapshot.etag
             return
-        if any(r.get("epoch", 0) > machine.epoch for r in snapshot.records):
+        if isinstance(failure, PreconditionFailed) or any(r.get("epoch", 0) > machine.epoch for r in snapshot.records):
             self._fenced(live, failure)
         live.etag = snapshot.etag
         raise Unavailable(f"the commit record was not appended: {failure}") from failure

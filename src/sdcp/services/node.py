@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
-from sdcp.cache import MLC
+from sdcp.cache import MLC, StoreUnavailable
 from sdcp.config import OWN_MLC, ServiceConfig
 from sdcp.engines.errors import SessionNotFound, Unavailable
 from sdcp.engines.tasks import BackgroundTasks
@@ -68,8 +68,13 @@ async def _unavailable(_request: Request, exc: Exception) -> Response:
     return problem_response(ServiceUnavailable(str(exc), retry_after_s=retry_after))
 
 
+async def _store_unavailable(_request: Request, exc: Exception) -> Response:
+    # The shared store (Redis, an MLC node) did not answer: the request may be repeated shortly.
+    return problem_response(ServiceUnavailable(str(exc), retry_after_s=1))
+
+
 # What the engines raise besides protocol problems, as the problem answers of RFC 9457.
-_ENGINE_ERROR_HANDLERS = {SessionNotFound: _not_found, Unavailable: _unavailable}
+_ENGINE_ERROR_HANDLERS = {SessionNotFound: _not_found, Unavailable: _unavailable, StoreUnavailable: _store_unavailable}
 
 
 class Node(ABC):
