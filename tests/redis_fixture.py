@@ -2,7 +2,7 @@
 
 Loaded by tests/conftest.py, so every test directory can ask for `redis_url`.
 If `redis-server` is not installed the tests that need it FAIL, by design:
-`make test` installs it (scripts/install-redis).
+`make test` installs it (scripts/install-system-packages).
 """
 
 from __future__ import annotations
