@@ -100,11 +100,13 @@ def test_the_verifier_host_cut_off_fails_over_and_its_return_changes_nothing(
     _record(deployment, "verifier host cut, then back", recovery_s=recovery_s, sessions=len(affected), **figures)
 
 
-def test_packet_loss_on_the_drafters_link_slows_and_changes_nothing(
+def test_loss_and_delay_on_the_drafters_links_slow_and_change_nothing(
     deployment: Deployment, reference: dict[int, list[int]]
 ) -> None:
     time.sleep(2 * TTL_MS / 1000)
-    for host in ("drafter-1", "drafter-2"):
+    drafters = ("drafter-1", "drafter-2")
+    relays = [deployment.net.delay(host, 50) for host in drafters]
+    for host in drafters:
         deployment.net.loss(host, 30)
     try:
         started = time.monotonic()
@@ -112,10 +114,11 @@ def test_packet_loss_on_the_drafters_link_slows_and_changes_nothing(
         run.wait(lambda r: len(r.done) == SESSIONS, 240)
         elapsed = time.monotonic() - started
     finally:
-        for host in ("drafter-1", "drafter-2"):
+        for host, relay in zip(drafters, relays, strict=True):
             deployment.net.clear_loss(host)
+            deployment.net.clear_delay(host, relay)
     figures = _check_outputs(run, reference[40])
-    _record(deployment, "30% loss on both drafters' links", seconds=round(elapsed, 1), **figures)
+    _record(deployment, "30% loss and 50 ms delay on both drafters' links", seconds=round(elapsed, 1), **figures)
 
 
 def test_a_link_cut_right_after_commits_repeats_no_round(

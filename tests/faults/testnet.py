@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 __all__ = ["SUBNET", "Testnet"]
 
 SUBNET = "10.213.0"
 _FIRST_HOST = 10
+_RELAY_PORT, _RELAY_MARK = 15001, 0x5DC
 
 
 def _run(*args: str) -> None:
@@ -83,6 +87,27 @@ class Testnet:
     def clear_loss(self, host: str) -> None:
         for chain in ("INPUT", "OUTPUT"):
             _run(*self.exec_prefix(host), "iptables", "-F", chain)
+
+    def delay(self, host: str, delay_ms: int) -> subprocess.Popen[bytes]:
+        """Delay every TCP connection the host opens by `delay_ms` each way (tests/faults/delay.py,
+        since this kernel has no netem); stop the returned relay and call `clear_delay` to undo."""
+        relay = subprocess.Popen(
+            [*self.exec_prefix(host), sys.executable, "-m", "tests.faults.delay", "--port", str(_RELAY_PORT)]
+            + ["--delay-ms", str(delay_ms)],
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        time.sleep(1.0)  # the relay listens before connections are sent to it
+        _run(
+            *self.exec_prefix(host),
+            "iptables", "-t", "nat", "-A", "OUTPUT", "-o", "eth0", "-p", "tcp",
+            "-m", "mark", "!", "--mark", str(_RELAY_MARK), "-j", "REDIRECT", "--to-ports", str(_RELAY_PORT),
+        )  # fmt: skip
+        return relay
+
+    def clear_delay(self, host: str, relay: subprocess.Popen[bytes]) -> None:
+        _run(*self.exec_prefix(host), "iptables", "-t", "nat", "-F", "OUTPUT")
+        relay.terminate()
+        relay.wait(timeout=10)
 
     def down(self) -> None:
         if not self._up:
