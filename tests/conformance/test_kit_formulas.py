@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.vectors import from_json
 
 from sdcp.conformance import cbor, formulas
 
@@ -18,26 +19,16 @@ RFC4231 = json.loads((VECTORS / "rfc4231_hmac_sha256.json").read_text())
 KIT = Path(__file__).parent.parent.parent / "src" / "sdcp" / "conformance"
 
 
-def _from_json(value: Any) -> Any:
-    if isinstance(value, dict) and set(value) == {"bstr"}:
-        return bytes.fromhex(value["bstr"])
-    if isinstance(value, dict):
-        return {key: _from_json(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_from_json(item) for item in value]
-    return value
-
-
 @pytest.mark.parametrize("case", APPENDIX_A["deterministic"], ids=lambda c: c["encoded"])
 def test_deterministic_items_round_trip(case: dict[str, Any]) -> None:
-    value = _from_json(case["value"])
+    value = from_json(case["value"])
     assert cbor.decode(bytes.fromhex(case["encoded"])) == value
     assert cbor.encode(value).hex() == case["encoded"]
 
 
 @pytest.mark.parametrize("case", APPENDIX_A["indefinite"], ids=lambda c: c["encoded"])
 def test_indefinite_items_decode(case: dict[str, Any]) -> None:
-    assert cbor.decode(bytes.fromhex(case["encoded"])) == _from_json(case["value"])
+    assert cbor.decode(bytes.fromhex(case["encoded"])) == from_json(case["value"])
 
 
 @pytest.mark.parametrize("case", APPENDIX_A["rejected"], ids=lambda c: c["diagnostic"])

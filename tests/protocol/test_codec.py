@@ -11,22 +11,13 @@ import cbor2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.vectors import from_json
 
 from sdcp.protocol import codec
 from sdcp.protocol.messages import Output
 from sdcp.protocol.problems import BadMessage
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "rfc8949_appendix_a.json").read_text())
-
-
-def _from_json(value: Any) -> Any:
-    if isinstance(value, dict) and set(value) == {"bstr"}:
-        return bytes.fromhex(value["bstr"])
-    if isinstance(value, dict):
-        return {key: _from_json(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_from_json(item) for item in value]
-    return value
 
 
 def _ids(cases: list[dict[str, Any]]) -> list[str]:
@@ -36,7 +27,7 @@ def _ids(cases: list[dict[str, Any]]) -> list[str]:
 @pytest.mark.parametrize("case", VECTORS["deterministic"], ids=_ids(VECTORS["deterministic"]))
 def test_appendix_a_deterministic_items_decode_and_reencode(case: dict[str, Any]) -> None:
     encoded = bytes.fromhex(case["encoded"])
-    value = _from_json(case["value"])
+    value = from_json(case["value"])
     assert codec.decode(encoded) == value
     assert codec.decode_deterministic(encoded) == value
     assert codec.encode(value) == encoded
@@ -45,7 +36,7 @@ def test_appendix_a_deterministic_items_decode_and_reencode(case: dict[str, Any]
 @pytest.mark.parametrize("case", VECTORS["indefinite"], ids=_ids(VECTORS["indefinite"]))
 def test_appendix_a_indefinite_items_decode_but_are_not_deterministic(case: dict[str, Any]) -> None:
     encoded = bytes.fromhex(case["encoded"])
-    assert codec.decode(encoded) == _from_json(case["value"])
+    assert codec.decode(encoded) == from_json(case["value"])
     with pytest.raises(BadMessage, match="deterministic"):
         codec.decode_deterministic(encoded)
 

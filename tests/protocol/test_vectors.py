@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.vectors import from_json
 
 from sdcp.conformance import cbor, formulas
 from sdcp.protocol.digest import extend_digest, prefix_digest
@@ -17,19 +18,9 @@ from sdcp.protocol.rules import verifier_random
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "sdcp_formulas.json").read_text())
 
 
-def _from_json(value: Any) -> Any:
-    if isinstance(value, dict) and set(value) == {"bstr"}:
-        return bytes.fromhex(value["bstr"])
-    if isinstance(value, dict):
-        return {key: _from_json(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_from_json(item) for item in value]
-    return value
-
-
 @pytest.mark.parametrize("case", VECTORS["contracts"], ids=[c["name"] for c in VECTORS["contracts"]])
 def test_contract_encoding_and_digest(case: dict[str, Any]) -> None:
-    obj = _from_json(case["contract"])
+    obj = from_json(case["contract"])
     contract = Contract.from_obj(obj)
     assert contract.to_cbor().hex() == case["deterministic_cbor"]
     assert contract.digest.hex() == case["contract_digest"]
@@ -57,4 +48,4 @@ def test_seeded_verifier_randomness(case: dict[str, Any]) -> None:
 
 def test_the_kit_and_the_core_encode_contracts_alike() -> None:
     for case in VECTORS["contracts"]:
-        assert cbor.encode(_from_json(case["contract"])).hex() == case["deterministic_cbor"]
+        assert cbor.encode(from_json(case["contract"])).hex() == case["deterministic_cbor"]
