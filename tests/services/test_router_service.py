@@ -37,6 +37,7 @@ from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.messages import (
     Action,
+    CancelRequest,
     Contract,
     Event,
     Policy,
@@ -567,6 +568,40 @@ async def test_a_session_no_drafter_drives_is_assigned_again(
     outputs = await asyncio.wait_for(read_output(deployment.client("frontend", peer="verifier1"), session), 60)
     assert [t for output in outputs for t in output.tokens] == greedy_reference(target, max_new)
     assert not failures and verifier.engine.sessions[session].machine.ended
+
+
+async def test_the_front_end_cancels_its_session(deployment: Deployment, target: TargetModel) -> None:
+    router = deployment.router
+    assert router is not None
+    verifier = await start_verifier(deployment, "verifier1")
+    await start_drafter(deployment, "drafter1")
+    max_new = 2000
+    opened = await open_session(deployment, tiny_contract(target, max_new=max_new))
+    session = opened["session"]
+    assert isinstance(session, bytes)
+    path = f"sessions/{session_path_id(session)}/cancel"
+    request = CancelRequest(session=session, epoch=1).to_obj()
+    await read_output(deployment.client("frontend", peer="verifier1"), session, until=5)
+    # Only the session's front end (and, at the verifier, the router) may end it.
+    with pytest.raises(ProtocolError) as refused:
+        await deployment.client("drafter1").post_cbor(path, request)
+    assert refused.value.status == 403
+    _, body = await deployment.client("frontend").post_cbor(path, request)
+    state = SessionState.from_obj(body)
+    assert state.state == Action.FAIL and state.committed < max_new
+    outputs = await read_output(deployment.client("frontend", peer="verifier1"), session)
+    tokens = [t for output in outputs for t in output.tokens]
+    assert tokens == greedy_reference(target, state.committed) and outputs[-1].finish == Action.FAIL
+    assert router.sessions[session].ended
+    machine = verifier.engine.sessions[session].machine
+    async with MLC.from_config(disk_dir=deployment.tmp / "mlc") as mlc:
+        records = (await mlc.commit_log(build_uri("local", None, "log", session.hex())).read()).records
+    # The end is recorded: a last round that commits nothing, after which nothing was committed.
+    assert records[-1]["emitted"] == [] and records[-1]["round"] == machine.round
+    assert records[-1]["committed"] == state.committed == machine.committed
+    # Cancelling again changes nothing.
+    _, again = await deployment.client("frontend").post_cbor(path, request)
+    assert SessionState.from_obj(again).committed == state.committed
 
 
 async def test_a_policy_is_forwarded_and_carried_by_later_assignments(

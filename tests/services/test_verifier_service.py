@@ -610,6 +610,26 @@ async def test_the_verifier_decodes_alone_at_the_routers_request(
     assert stats["state"] == Action.CONTINUE and stats["self_decoded"] == 5 and stats["committed"] == 5
 
 
+async def test_a_cancel_stops_self_decoding_at_a_round_boundary(
+    cluster: Cluster, target: TargetModel, greedy_reference: list[int]
+) -> None:
+    router = cluster.client("router")
+    base = f"sessions/{session_path_id(SESSION)}"
+    await open_and_assign(cluster, contract(target, self_load=100, max_new=4000))
+    await router.post_cbor(f"{base}/self-decode", {"session": SESSION, "epoch": 1})
+    await asyncio.wait_for(read_output(router, SESSION, until=5), 60)
+    _, answer = await router.post_cbor(f"{base}/cancel", {"session": SESSION, "epoch": 1})
+    state = SessionState.from_obj(answer)
+    assert state.state == Action.FAIL and state.committed < 4000
+    outputs = await asyncio.wait_for(read_output(router, SESSION), 60)
+    assert output_tokens(outputs) == greedy_reference[: state.committed] and outputs[-1].finish == Action.FAIL
+    records = (await cluster.mlc.commit_log(build_uri("local", None, "log", SESSION.hex())).read()).records
+    assert records[-1]["emitted"] == [] and records[-1]["committed"] == state.committed
+    # The drafter's next proposal finds the session closed (SDCP Table 2).
+    err = await problem_of(cluster.client("drafter").post_cbor("proposals", proposal(state, (1,)).to_obj()))
+    assert err.status == 410
+
+
 async def test_token_ids_outside_the_vocabulary_are_bad_messages(cluster: Cluster, target: TargetModel) -> None:
     router, drafter = cluster.client("router"), cluster.client("drafter")
     outside = target.vocab_size

@@ -30,6 +30,7 @@ from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import (
     Action,
     Assignment,
+    CancelRequest,
     Event,
     Output,
     Policy,
@@ -171,6 +172,8 @@ class _LiveSession:
     # delivery of that event while it is retried.
     nudged_at: float = 0.0
     nudge: asyncio.Task[None] | None = None
+    # A cancel is waiting for the self-decoding period to stop at its next round boundary.
+    cancelling: bool = False
 
     def driven(self) -> None:
         self.driven_at = time.monotonic()
@@ -353,6 +356,27 @@ class VerifierEngine:
         if not live.machine.self_decoding:
             live.machine.self_decode_instead(message.epoch, self.load)
             self._start_self_decoder(live)
+        return live.machine.state()
+
+    async def cancel(self, message: CancelRequest) -> SessionState:
+        """POST sessions/{id}/cancel (extension): the session ends at the next round boundary with
+        a record that commits nothing, its model state and leases are released, and the router
+        hears of the end (a fail event). Cancelling an ended session changes nothing."""
+        live = self._driven(message.session)
+        if live.machine.ended:
+            return live.machine.state()
+        live.cancelling = True
+        if live.self_decoder is not None:
+            await asyncio.wait([live.self_decoder], timeout=_ROUTER_WAIT_S)
+        await self._between_rounds(live)
+        if live.machine.ended:
+            return live.machine.state()
+        try:
+            pending = live.machine.cancel(message.epoch)
+        except ValueError as exc:
+            raise Unavailable(f"a round is being decided: {exc}", retry_after_s=1) from exc
+        await self._commit(live, pending)
+        log.info("%s: session %s cancelled", self.uri, message.session.hex())
         return live.machine.state()
 
     async def _between_rounds(self, live: _LiveSession) -> None:
@@ -616,7 +640,7 @@ class VerifierEngine:
                 try:
                     pending = machine.decide_self_decode(ticket, row, self.load)
                     decided.extend(pending.record.emitted)
-                    continues = pending.control.self_decoding and pending.control.ended is None
+                    continues = pending.control.self_decoding and pending.control.ended is None and not live.cancelling
                     predicted = position < len(scoring.guess) and pending.record.emitted == (scoring.guess[position],)
                     last = not (predicted and continues)
                     if last:

@@ -20,6 +20,7 @@ from sdcp.protocol.contract import digest_of_encoded_contract
 from sdcp.protocol.problems import BadContract, BadMessage, ProtocolError
 
 __all__ = [
+    "CancelRequest",
     "LADDER_ACTIONS",
     "TOKEN_MAX",
     "UINT_MAX",
@@ -533,6 +534,15 @@ class Policy(_Message):
 class SelfDecodeRequest(_Message):
     """Extension message (not in Table 1): the router asks the verifier to decode the session
     itself, since no drafter is expected to beat that (docs/interpretations.md)."""
+
+    session: bytes = _required(_SESSION)
+    epoch: int = _required(_UINT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelRequest(_Message):
+    """Extension message (not in Table 1): the session's front end, or the router on its behalf,
+    ends the session before max_new (docs/interpretations.md)."""
 
     session: bytes = _required(_SESSION)
     epoch: int = _required(_UINT)

@@ -369,6 +369,21 @@ class VerifierSession:
             session=self.session, epoch=self.epoch, kind=Action.SWITCH, committed=self.committed, digest=self.digest
         )
 
+    def cancel(self, epoch: int) -> PendingCommit:
+        """End the session at the request of its front end (extension, docs/interpretations.md):
+        a round that commits nothing and ends the session with fail, so that the commit log records
+        the end and the router, told by the event, never resumes it. No round may be in flight."""
+        self._require_serving(epoch)
+        self._require_open()
+        if self._in_flight is not None:
+            raise ValueError(f"round {self._in_flight.round} is in flight")
+        ticket = self._ticket(self.round + 1, None)
+        self._in_flight = ticket
+        control = copy.copy(self.control)
+        control.self_decoding = False
+        action, m_cap = control.fail()
+        return self._pending(ticket, control, (), 0, action, m_cap, 0)
+
     def abandon(self, ticket: RoundTicket) -> None:
         """The round could not be verified (e.g. sdcp-q-unavailable): nothing is committed."""
         if self._in_flight is ticket:

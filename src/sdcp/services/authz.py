@@ -48,6 +48,7 @@ TABLE: dict[str, dict[str, frozenset[Party]]] = {
         "POST sessions": frozenset({_P.FRONT_END}),
         "GET sessions/{id}": frozenset({_P.SESSION_OWNER, _P.OPERATOR}),
         "POST sessions/{id}/policy": frozenset({_P.SESSION_OWNER}),
+        "POST sessions/{id}/cancel": frozenset({_P.SESSION_OWNER}),
         "GET metrics": frozenset({_P.OPERATOR}),
     },
     "verifier": {
@@ -59,6 +60,7 @@ TABLE: dict[str, dict[str, frozenset[Party]]] = {
         "POST sessions/{id}/policy": frozenset({_P.ROUTER}),
         "GET sessions/{id}/stats": frozenset({_P.ROUTER, _P.SESSION_OWNER, _P.OPERATOR}),
         "POST sessions/{id}/self-decode": frozenset({_P.ROUTER}),
+        "POST sessions/{id}/cancel": frozenset({_P.ROUTER, _P.SESSION_OWNER}),
         "GET metrics": frozenset({_P.OPERATOR}),
     },
     "drafter": {

@@ -31,6 +31,7 @@ from sdcp.protocol.messages import (
     TOKEN_MAX,
     Action,
     Assignment,
+    CancelRequest,
     Contract,
     Event,
     Policy,
@@ -191,6 +192,7 @@ class RouterNode(Node):
             Route("/sessions", self.open_session, methods=["POST"]),
             Route("/sessions/{id}", self.get_session, methods=["GET"]),
             Route("/sessions/{id}/policy", self.post_policy, methods=["POST"]),
+            Route("/sessions/{id}/cancel", self.cancel_session, methods=["POST"]),
         ]
 
     # -- Table 1 ---------------------------------------------------------------------------------
@@ -316,6 +318,27 @@ class RouterNode(Node):
         tracked = self._tracked(parse_session_path_id(request.path_params["id"]))
         self.trust.admit(request, "GET sessions/{id}", SessionParties(owner=tracked.plan.owner))
         return cbor_response(tracked.describe())
+
+    async def cancel_session(self, request: Request) -> Response:
+        """POST sessions/{id}/cancel (extension): the front end ends its session; the verifier stops
+        at its next round boundary and records the end, and the router assigns no one again."""
+        tracked = self._tracked(parse_session_path_id(request.path_params["id"]))
+        self.trust.admit(request, "POST sessions/{id}/cancel", SessionParties(owner=tracked.plan.owner))
+        message = CancelRequest.from_obj(await read_cbor_body(request))
+        if message.session != tracked.plan.session:
+            raise BadMessage("the cancel request names another session than the path")
+        state = await asyncio.shield(self._cancel(tracked))
+        return cbor_response(state.to_obj())
+
+    async def _cancel(self, tracked: _TrackedSession) -> SessionState:
+        async with tracked.lock:
+            plan = tracked.plan
+            request = CancelRequest(session=plan.session, epoch=plan.epoch)
+            _, body = await self.peers.get(plan.verifier).post_cbor(
+                f"sessions/{tracked.path_id}/cancel", request.to_obj(), idempotent=True
+            )
+            self._end(tracked, Action.FAIL)
+            return SessionState.from_obj(body)
 
     async def post_policy(self, request: Request) -> Response:
         """POST sessions/{id}/policy: forwarded to the verifier, kept for later assignments (SDCP 6.6)."""

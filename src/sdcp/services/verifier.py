@@ -24,6 +24,7 @@ from sdcp.models.registry import load_target
 from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import (
     Assignment,
+    CancelRequest,
     Event,
     Policy,
     Proposal,
@@ -93,6 +94,7 @@ class VerifierNode(Node):
             Route("/sessions/{id}/policy", self.policy, methods=["POST"]),
             Route("/sessions/{id}/stats", self.stats, methods=["GET"]),
             Route("/sessions/{id}/self-decode", self.self_decode, methods=["POST"]),
+            Route("/sessions/{id}/cancel", self.cancel, methods=["POST"]),
         ]
 
     async def open_session(self, request: Request) -> Response:
@@ -118,6 +120,17 @@ class VerifierNode(Node):
         """POST sessions/{id}/self-decode (extension, docs/interpretations.md)."""
         message = await self._router_message(request, "POST sessions/{id}/self-decode", SelfDecodeRequest)
         state = await asyncio.shield(self.engine.self_decode(message))
+        return cbor_response(state.to_obj())
+
+    async def cancel(self, request: Request) -> Response:
+        """POST sessions/{id}/cancel (extension, docs/interpretations.md): the router or the
+        session's front end ends it before max_new."""
+        session = parse_session_path_id(request.path_params["id"])
+        self.trust.admit(request, "POST sessions/{id}/cancel", self._parties(session))
+        message = CancelRequest.from_obj(await read_cbor_body(request))
+        if message.session != session:
+            raise BadMessage("the cancel request names another session than the path")
+        state = await asyncio.shield(self.engine.cancel(message))
         return cbor_response(state.to_obj())
 
     async def _router_message(self, request: Request, endpoint: str, kind: type[_RouterMessage]) -> _RouterMessage:
