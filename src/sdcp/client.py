@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdcp.protocol.messages import Action, Contract, Output, Sampling, session_path_id
+from sdcp.protocol.messages import Action, CancelRequest, Contract, Output, Sampling, session_path_id
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
 from sdcp.transport.client import PeerClients
 from sdcp.transport.errors import TransportError
@@ -132,6 +132,11 @@ class ClusterClient:
         if not isinstance(body, dict):
             raise BadMessage("session stats are not a map")
         return body
+
+    async def cancel(self, handle: SessionHandle) -> None:
+        """End the session early (POST sessions/{id}/cancel at the router, docs/interpretations.md)."""
+        request = CancelRequest(session=handle.session, epoch=handle.epoch)
+        await self.peers.get(self.router).post_cbor(f"sessions/{handle.path_id}/cancel", request.to_obj())
 
     async def stream(self, handle: SessionHandle, start: int = 0) -> AsyncIterator[OutputChunk]:
         """Committed tokens from output index ``start`` on, until the final output (SDCP 6.7)."""

@@ -6,6 +6,7 @@ the verifier, the drafters, the MLC and HTTP/2 + mTLS between processes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from pathlib import Path
@@ -16,6 +17,8 @@ from tests.e2e.support import MAX_NEW, PROMPTS, sdcp
 
 from sdcp.cluster import LocalCluster
 from sdcp.models.registry import load_tokenizer
+from sdcp.protocol.messages import Action, session_path_id
+from sdcp.transport.client import SDCPClient
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -135,3 +138,46 @@ def test_user_errors_are_one_line(tmp_path: Path) -> None:
     bad.write_text('[instance]\nuri = "https://127.0.0.1:1"\ncert = "a"\nkey = "b"\nca = "c"\ntypo = 1\n')
     config = sdcp(tmp_path, "verifier", "--config", str(bad))
     assert config.returncode != 0 and "Traceback" not in config.stderr and "instance.typo" in config.stderr
+
+
+async def _when_ended(home: Path, session: bytes) -> dict[str, object]:
+    """The verifier's statistics of the session once the router says it ended (30 s at most)."""
+    cluster = LocalCluster(home)
+    cert, key, ca = cluster.client_credentials()
+    path = f"sessions/{session_path_id(session)}"
+    async with SDCPClient(cluster.router, cert, key, ca) as router:
+        async with asyncio.timeout(30):
+            while not (described := (await router.get_cbor(path))[1])["ended"]:
+                await asyncio.sleep(0.1)
+    async with SDCPClient(str(described["verifier"]), cert, key, ca) as verifier:
+        return (await verifier.get_cbor(f"{path}/stats"))[1]
+
+
+# A continuation that runs long: the model does not end it within the tokens these tests wait for.
+LONG_PROMPT = "The history of the Roman Empire, from its founding to its fall, is told here in full detail."
+
+
+def test_a_client_that_goes_away_cancels_its_session(home: Path) -> None:
+    client = gateway_client(home)
+    prompt = LONG_PROMPT
+    stream = client.completions.create(model="smollm2", prompt=prompt, max_tokens=1500, temperature=0, stream=True)
+    events = iter(stream)
+    first = next(events)
+    next(events)
+    stream.close()  # the client disconnects after two events
+    stats = asyncio.run(_when_ended(home, bytes.fromhex(first.id.removeprefix("cmpl-"))))
+    assert stats["state"] == Action.FAIL and int(stats["committed"]) < 1500  # type: ignore[call-overload]
+
+
+def test_a_matched_stop_string_cancels_the_session(home: Path) -> None:
+    client = gateway_client(home)
+    tokenizer = load_tokenizer("smollm2")
+    full = client.completions.create(model="smollm2", prompt=LONG_PROMPT, max_tokens=40, temperature=0)
+    text = full.choices[0].text
+    # A stop string of several tokens taken from the middle of the greedy completion.
+    stop = text[len(text) // 2 : len(text) // 2 + 12]
+    assert len(tokenizer(stop, add_special_tokens=False)["input_ids"]) > 1
+    stopped = client.completions.create(model="smollm2", prompt=LONG_PROMPT, max_tokens=1500, temperature=0, stop=stop)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[: text.find(stop)]
+    stats = asyncio.run(_when_ended(home, bytes.fromhex(stopped.id.removeprefix("cmpl-"))))
+    assert stats["state"] == Action.FAIL and int(stats["committed"]) < 1500  # type: ignore[call-overload]

@@ -34,6 +34,9 @@ __all__ = ["GatewayNode", "OpenAIRequestError"]
 
 log = logging.getLogger("sdcp.gateway")
 
+# How long a stopping gateway lets the cancellations of abandoned sessions finish.
+_CANCEL_WAIT_S = 5.0
+
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -78,6 +81,8 @@ class GatewayNode:
         )
         self._server: Server | None = None
         self._target: dict[str, Any] | None = None
+        # Cancellations under way, kept referenced until they are done.
+        self._cancelling: set[asyncio.Future[None]] = set()
 
     @property
     def base_url(self) -> str:
@@ -101,6 +106,8 @@ class GatewayNode:
     async def stop(self) -> None:
         if self._server is not None:
             await self._server.stop()
+        if self._cancelling:
+            await asyncio.wait(self._cancelling, timeout=_CANCEL_WAIT_S)
         await self.client.aclose()
 
     async def run_until(self, shutdown: asyncio.Event) -> None:
@@ -249,7 +256,30 @@ class GatewayNode:
         return self._target
 
     async def _texts(self, handle: Any, parsed: _Request) -> AsyncIterator[tuple[str, str | None, int]]:
-        """Text deltas, the finish reason on the last one, and the number of tokens so far."""
+        """Text deltas, the finish reason on the last one, and the number of tokens so far. A session
+        left before its last piece (the client went away) is cancelled, as is one a stop string ends."""
+        ended = False
+        try:
+            async for piece in self._decoded(handle, parsed):
+                ended = piece[1] is not None
+                yield piece
+        finally:
+            if not ended:
+                self._cancel_soon(handle)
+
+    def _cancel_soon(self, handle: Any) -> None:
+        # In a task of its own: the request's task may be being cancelled (a client that went away).
+        task = asyncio.ensure_future(self._cancel(handle))
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
+
+    async def _cancel(self, handle: Any) -> None:
+        try:
+            await self.client.cancel(handle)
+        except (ProtocolError, TransportError) as exc:
+            log.warning("gateway: session %s not cancelled: %s", handle.session.hex(), exc)
+
+    async def _decoded(self, handle: Any, parsed: _Request) -> AsyncIterator[tuple[str, str | None, int]]:
         tokens: list[int] = []
         sent = ""
         async for chunk in self.client.stream(handle):
@@ -257,6 +287,8 @@ class GatewayNode:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             cut = min((i for i in (text.find(s) for s in parsed.stop_texts) if i >= 0), default=-1)
             if cut >= 0:
+                # A stop string of several tokens: the verifier would decode on to max_tokens.
+                self._cancel_soon(handle)
                 yield text[len(sent) : cut], "stop", len(tokens)
                 return
             if chunk.finish is not None:
