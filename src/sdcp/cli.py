@@ -6,6 +6,7 @@ Every error a user can cause ends with one line on stderr and a non-zero exit, n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -33,6 +34,8 @@ app.add_typer(models_app, name="models")
 app.add_typer(conformance_app, name="conformance")
 
 err_console = Console(stderr=True)
+# How long Ctrl-C in `sdcp generate` waits for the session's cancellation.
+_CANCEL_WAIT_S = 5.0
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -356,6 +359,11 @@ async def _generate(
                     sys.stdout.flush()
                     printed = text
                     live.update(_status_line(len(tokens), now - started, stats))
+        except asyncio.CancelledError:
+            # Ctrl-C: end the session rather than leave the verifier decoding to max_new.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.cancel(handle), _CANCEL_WAIT_S)
+            raise
         finally:
             if live is not None:
                 live.stop()

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import openai
@@ -181,3 +186,31 @@ def test_a_matched_stop_string_cancels_the_session(home: Path) -> None:
     assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[: text.find(stop)]
     stats = asyncio.run(_when_ended(home, bytes.fromhex(stopped.id.removeprefix("cmpl-"))))
     assert stats["state"] == Action.FAIL and int(stats["committed"]) < 1500  # type: ignore[call-overload]
+
+
+async def _committed_by_the_verifier(home: Path) -> float:
+    """The verifier's sdcp_verifier_tokens_committed_total (GET metrics, as the CLI, an operator)."""
+    cluster = LocalCluster(home)
+    cert, key, ca = cluster.client_credentials()
+    verifier = next(instance.uri for instance in cluster.instances() if instance.role == "verifier")
+    async with SDCPClient(verifier, cert, key, ca) as client:
+        text = (await client.get_bytes("metrics")).content.decode()
+    samples = [
+        line.split()[-1] for line in text.splitlines() if line.startswith("sdcp_verifier_tokens_committed_total")
+    ]
+    return sum(float(sample) for sample in samples)
+
+
+def test_ctrl_c_in_generate_cancels_the_session(home: Path) -> None:
+    env = {**os.environ, "SDCP_HOME": str(home)}
+    command = [sys.executable, "-m", "sdcp", "generate", LONG_PROMPT, "--max-new", "1500", "--temperature", "0"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    assert process.stdout is not None
+    os.set_blocking(process.stdout.fileno(), True)
+    process.stdout.read(20)  # some text has streamed
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=30) != 0
+    time.sleep(1.0)
+    before = asyncio.run(_committed_by_the_verifier(home))
+    time.sleep(2.0)
+    assert asyncio.run(_committed_by_the_verifier(home)) == before, "the verifier still decodes the session"
