@@ -43,6 +43,7 @@ from sdcp.protocol.messages import (
     Policy,
     Role,
     Sampling,
+    SessionOpen,
     SessionState,
     Status,
     instance_path_id,
@@ -602,6 +603,38 @@ async def test_the_front_end_cancels_its_session(deployment: Deployment, target:
     # Cancelling again changes nothing.
     _, again = await deployment.client("frontend").post_cbor(path, request)
     assert SessionState.from_obj(again).committed == state.committed
+
+
+async def test_a_session_open_that_times_out_is_cancelled_where_it_was_opened(
+    deployment: Deployment, target: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router = deployment.router
+    assert router is not None
+    settings = replace(router.config.router, open_timeout_s=1.0)
+    monkeypatch.setattr(router, "config", replace(router.config, router=settings))
+    verifiers = [await start_verifier(deployment, "verifier1"), await start_verifier(deployment, "verifier2")]
+    await start_drafter(deployment, "drafter1")
+    slow: list[VerifierNode] = []
+    for node in verifiers:
+        opened_by = node.engine.open_session
+
+        async def open_late(message: SessionOpen, node: VerifierNode = node, opened_by=opened_by) -> SessionState:  # noqa: ANN001
+            state = await opened_by(message)
+            if not slow:  # the first verifier asked answers after the router gave up
+                slow.append(node)
+                await asyncio.sleep(2.5)
+            return state
+
+        monkeypatch.setattr(node.engine, "open_session", open_late)
+    opened = await open_session(deployment, tiny_contract(target, max_new=12))
+    session = opened["session"]
+    assert isinstance(session, bytes) and opened["verifier"] != slow[0].uri
+    # Where it was opened too late, the session is cancelled rather than left for nobody.
+    await eventually(lambda: slow[0].engine.sessions[session].machine.ended, timeout_s=15)
+    assert slow[0].engine.sessions[session].machine.state().state == Action.FAIL
+    peer = "verifier1" if opened["verifier"] == verifiers[0].uri else "verifier2"
+    outputs = await read_output(deployment.client("frontend", peer=peer), session)
+    assert [t for output in outputs for t in output.tokens] == greedy_reference(target, 12)
 
 
 async def test_a_policy_is_forwarded_and_carried_by_later_assignments(

@@ -68,6 +68,8 @@ __all__ = ["RouterNode", "SessionRequest"]
 log = logging.getLogger("sdcp.router")
 # When a refused session request may be tried again (sessions end at their own pace).
 _RETRY_AFTER_S = 5
+# A cancel of a session-open that timed out is tried this often, this far apart.
+_ABANDONED_CANCEL_TRIES, _ABANDONED_CANCEL_WAIT_S = 5, 1.0
 
 SESSIONS_OPEN = Gauge("sdcp_router_sessions_open", "Sessions neither finished nor failed", ["instance"])
 ASSIGNMENTS = Counter("sdcp_router_assignments_total", "Assignments sent to drafters", ["instance"])
@@ -289,11 +291,15 @@ class RouterNode(Node):
             )
             try:
                 # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
-                await self.peers.get(verifier).post_cbor("sessions", plan.open_message().to_obj(), idempotent=True)
+                await self.peers.get(verifier).post_cbor(
+                    "sessions", plan.open_message().to_obj(), idempotent=True, timeout=self.config.router.open_timeout_s
+                )
                 break
             except TransportError as exc:
                 log.warning("%s: verifier %s did not open a session: %s", self.uri, verifier, exc)
                 tried.append(verifier)
+                # It may have opened the session all the same: it must not decode it for nobody.
+                self.spawn(self._cancel_abandoned(plan))
             except BadContract as exc:
                 view = self.registry.get(verifier)
                 if view is None or view.status.model is not None:
@@ -329,6 +335,22 @@ class RouterNode(Node):
             raise BadMessage("the cancel request names another session than the path")
         state = await asyncio.shield(self._cancel(tracked))
         return cbor_response(state.to_obj())
+
+    async def _cancel_abandoned(self, plan: RouterSession) -> None:
+        """Cancel a session-open whose answer never came (extension, docs/interpretations.md); a
+        verifier still opening it answers 404 a little longer."""
+        request = CancelRequest(session=plan.session, epoch=plan.epoch).to_obj()
+        path = f"sessions/{session_path_id(plan.session)}/cancel"
+        for attempt in range(_ABANDONED_CANCEL_TRIES):
+            try:
+                await self.peers.get(plan.verifier).post_cbor(path, request, idempotent=True)
+                log.info("%s: session %s cancelled at %s, which answered too late", self.uri, path, plan.verifier)
+                return
+            except (ProtocolError, TransportError) as exc:
+                if attempt + 1 == _ABANDONED_CANCEL_TRIES:
+                    log.info("%s: abandoned session %s not cancelled at %s: %s", self.uri, path, plan.verifier, exc)
+                    return
+                await asyncio.sleep(_ABANDONED_CANCEL_WAIT_S)
 
     async def _cancel(self, tracked: _TrackedSession) -> SessionState:
         async with tracked.lock:
