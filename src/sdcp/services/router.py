@@ -339,28 +339,41 @@ class RouterNode(Node):
     async def _cancel_abandoned(self, plan: RouterSession) -> None:
         """Cancel a session-open whose answer never came (extension, docs/interpretations.md); a
         verifier still opening it answers 404 a little longer."""
-        request = CancelRequest(session=plan.session, epoch=plan.epoch).to_obj()
-        path = f"sessions/{session_path_id(plan.session)}/cancel"
         for attempt in range(_ABANDONED_CANCEL_TRIES):
             try:
-                await self.peers.get(plan.verifier).post_cbor(path, request, idempotent=True)
-                log.info("%s: session %s cancelled at %s, which answered too late", self.uri, path, plan.verifier)
+                await self._cancel_at_verifier(plan)
+                log.info(
+                    "%s: session %s cancelled at %s, which answered too late",
+                    self.uri,
+                    plan.session.hex(),
+                    plan.verifier,
+                )
                 return
             except (ProtocolError, TransportError) as exc:
                 if attempt + 1 == _ABANDONED_CANCEL_TRIES:
-                    log.info("%s: abandoned session %s not cancelled at %s: %s", self.uri, path, plan.verifier, exc)
+                    log.info(
+                        "%s: abandoned session %s not cancelled at %s: %s",
+                        self.uri,
+                        plan.session.hex(),
+                        plan.verifier,
+                        exc,
+                    )
                     return
                 await asyncio.sleep(_ABANDONED_CANCEL_WAIT_S)
 
     async def _cancel(self, tracked: _TrackedSession) -> SessionState:
         async with tracked.lock:
-            plan = tracked.plan
-            request = CancelRequest(session=plan.session, epoch=plan.epoch)
-            _, body = await self.peers.get(plan.verifier).post_cbor(
-                f"sessions/{tracked.path_id}/cancel", request.to_obj(), idempotent=True
-            )
+            state = await self._cancel_at_verifier(tracked.plan)
             self._end(tracked, Action.FAIL)
-            return SessionState.from_obj(body)
+            return state
+
+    async def _cancel_at_verifier(self, plan: RouterSession) -> SessionState:
+        """POST sessions/{id}/cancel at the session's verifier; its session-state once ended."""
+        request = CancelRequest(session=plan.session, epoch=plan.epoch)
+        _, body = await self.peers.get(plan.verifier).post_cbor(
+            f"sessions/{session_path_id(plan.session)}/cancel", request.to_obj(), idempotent=True
+        )
+        return SessionState.from_obj(body)
 
     async def post_policy(self, request: Request) -> Response:
         """POST sessions/{id}/policy: forwarded to the verifier, kept for later assignments (SDCP 6.6)."""
