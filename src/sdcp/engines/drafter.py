@@ -34,6 +34,7 @@ from sdcp.protocol.drafter import AcceptanceEstimate, DrafterSession
 from sdcp.protocol.messages import (
     Action,
     Assignment,
+    Output,
     Proposal,
     Role,
     SessionState,
@@ -310,10 +311,11 @@ class DrafterEngine:
         send our member): the output tells the committed prefix, and the round is found by trying
         the next one (docs/interpretations.md, "we send session_state; we accept its absence")."""
         state = run.state
-        output = await self._link.output(state.verifier, run.session, len(run.output))
-        if output.session != run.session or output.from_ != len(run.output):
-            raise BadMessage("the verifier's output answers another session or index")
-        if output.epoch != state.epoch:
+        try:
+            output = await self._output_at(run, len(run.output))
+        except ProtocolError as exc:
+            if exc.problem is not ProblemType.STALE_EPOCH:
+                raise
             state.stopped_by = ProblemType.STALE_EPOCH
             return
         if output.tokens:
@@ -325,15 +327,21 @@ class DrafterEngine:
         elif not state.try_later_round():
             state.stopped_by = ProblemType.STALE_BASE
 
+    async def _output_at(self, run: _SessionRun, start: int) -> Output:
+        """GET sessions/{id}/output?from=start (SDCP 6.7), checked to answer this session, index and
+        epoch (another epoch is sdcp-stale-epoch: the session moved, SDCP 6.9)."""
+        output = await self._link.output(run.state.verifier, run.session, start)
+        if output.session != run.session or output.from_ != start:
+            raise BadMessage("the verifier's output answers another session or index")
+        if output.epoch != run.state.epoch:
+            raise ProtocolError(ProblemType.STALE_EPOCH, f"the verifier serves epoch {output.epoch}")
+        return output
+
     async def _read_output(self, run: _SessionRun, start: int, end: int) -> list[int]:
         """Output tokens start..end-1 from GET sessions/{id}/output (SDCP 6.7)."""
         tokens: list[int] = []
         while start + len(tokens) < end:
-            output = await self._link.output(run.state.verifier, run.session, start + len(tokens))
-            if output.session != run.session or output.from_ != start + len(tokens):
-                raise BadMessage("the verifier's output answers another session or index")
-            if output.epoch != run.state.epoch:
-                raise ProtocolError(ProblemType.STALE_EPOCH, f"the verifier serves epoch {output.epoch}")
+            output = await self._output_at(run, start + len(tokens))
             if not output.tokens:
                 raise InconsistentPrefix(f"the verifier has no output at index {start + len(tokens)} of {end}")
             tokens.extend(output.tokens)
