@@ -14,7 +14,16 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdcp.protocol.messages import Action, CancelRequest, Contract, Output, Sampling, session_path_id
+from sdcp.protocol.messages import (
+    Action,
+    CancelRequest,
+    Contract,
+    Output,
+    Sampling,
+    SessionRequest,
+    TokenLogprob,
+    session_path_id,
+)
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
 from sdcp.transport.client import PeerClients
 from sdcp.transport.errors import TransportError
@@ -84,6 +93,8 @@ class OutputChunk:
     tokens: tuple[int, ...]
     epoch: int
     finish: Action | None
+    # One per token when the session was opened with ``logprobs``.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class ClusterClient:
@@ -109,11 +120,22 @@ class ClusterClient:
             raise BadMessage("the router's target list is not an array")
         return body
 
-    async def open(self, prompt: Sequence[int], contract: Contract, sampling: Sampling | None = None) -> SessionHandle:
-        request: dict[str, object] = {"prompt": list(prompt), "contract": contract.to_obj()}
-        if sampling is not None:
-            request["sampling"] = sampling.to_obj()
-        _, body = await self.peers.get(self.router).post_cbor("sessions", request)
+    async def open(
+        self,
+        prompt: Sequence[int],
+        contract: Contract,
+        sampling: Sampling | None = None,
+        *,
+        logprobs: int | None = None,
+        min_new: int | None = None,
+    ) -> SessionHandle:
+        """Open a session; ``logprobs`` asks for log-probabilities with that many alternatives per
+        output token, ``min_new`` holds the contract's stop tokens back until that many tokens are
+        out (extensions, docs/interpretations.md)."""
+        request = SessionRequest(
+            prompt=tuple(prompt), contract=contract, sampling=sampling, logprobs=logprobs, min_new=min_new
+        )
+        _, body = await self.peers.get(self.router).post_cbor("sessions", request.to_obj())
         return _handle(body)
 
     async def locate(self, handle: SessionHandle) -> SessionHandle:
@@ -166,7 +188,8 @@ class ClusterClient:
                 continue
             highest_epoch = output.epoch
             if output.tokens or output.final:
-                yield OutputChunk(position, output.tokens, output.epoch, output.finish if output.final else None)
+                finish = output.finish if output.final else None
+                yield OutputChunk(position, output.tokens, output.epoch, finish, output.logprobs)
                 position += len(output.tokens)
             if output.final:
                 return

@@ -12,6 +12,7 @@ from sdcp.protocol.messages import (
     Action,
     Assignment,
     Contract,
+    Output,
     Policy,
     Proposal,
     Resume,
@@ -413,3 +414,62 @@ def test_an_interrupted_self_decoding_period_asks_for_a_drafter() -> None:
     assert event.kind == Action.SWITCH and event.committed == session.committed
     assert not session.self_decoding and not session.verifying
     assert session.state().state == ServingState.ACTIVE
+
+
+def test_logprobs_are_of_the_emitted_tokens_under_the_unprocessed_target_rows() -> None:
+    session = open_session(logprobs=2)
+    logits = np.log(np.array([[0.5, 0.25, 0.125, 0.125, 0, 0, 0, 0], [0.1, 0.2, 0.7, 0, 0, 0, 0, 0]]) + 1e-30)
+    ticket = session.begin_round(propose(session, (0,)), DRAFTER)
+    assert isinstance(ticket, RoundTicket)
+    session.apply(session.decide(ticket, logits, None, 10))
+    first, extra = session.output(0).logprobs or ()
+    assert first.logprob == round(1e6 * np.log(0.5)) and extra.logprob == round(1e6 * np.log(0.7))
+    assert first.top is not None and [a.token for a in first.top] == [0, 1]
+    assert extra.top is not None and [(a.token, a.logprob) for a in extra.top][0] == (2, extra.logprob)
+    # Slices follow the tokens; without the extension the output carries none.
+    assert session.output(1).logprobs == (extra,)
+    assert open_session().output(0).logprobs is None
+
+
+def test_logprobs_of_tokens_committed_before_a_failover_are_unknown() -> None:
+    contract = make_contract()
+    committed = [4, 5]
+    resume = Resume(round=2, committed=2, digest=chain(PROMPT, contract, committed), committed_tokens="mlc://x/-/t/1")
+    session = VerifierSession(
+        session=SESSION,
+        epoch=2,
+        contract=contract,
+        prompt=PROMPT,
+        resume=resume,
+        committed_tokens=committed,
+        logprobs=0,
+    )
+    out = session.output(0)
+    assert out.logprobs is not None and [e.logprob for e in out.logprobs] == [None, None]
+    assert Output.from_obj(out.to_obj()) == out
+
+
+def test_min_new_holds_stop_tokens_back_until_that_many_tokens_are_out() -> None:
+    # The stop token 7 is the target's favourite everywhere; the runner-up is token 3.
+    rows = np.tile(np.array([0, 0, 0, 4, 0, 0, 0, 5], dtype=np.float32), (3, 1))
+    session = open_session(min_new=2)
+    ticket = session.begin_round(propose(session, (7, 7)), DRAFTER)
+    assert isinstance(ticket, RoundTicket)
+    verdict = session.apply(session.decide(ticket, rows, None, 10))
+    # Positions 0 and 1 cannot stop: the proposal is rejected and 3 comes instead of 7.
+    assert verdict.accepted == 0 and verdict.emitted == (3,)
+    ticket = session.begin_round(propose(session, (3, 7)), DRAFTER)
+    assert isinstance(ticket, RoundTicket)
+    verdict = session.apply(session.decide(ticket, rows, None, 10))
+    assert verdict.emitted == (3, 7) and verdict.action == Action.FINISH
+
+
+def test_min_new_applies_to_self_decoded_tokens() -> None:
+    contract = make_contract(self_load=100, self_max=8)
+    session = VerifierSession(session=SESSION, epoch=1, contract=contract, prompt=PROMPT, min_new=1)
+    session.self_decode_instead(1, 0)
+    row = np.array([[0, 0, 0, 4, 0, 0, 0, 5]], dtype=np.float32)
+    ticket = session.begin_self_decode()
+    assert session.apply(session.decide_self_decode(ticket, row, 0)).emitted == (3,)
+    ticket = session.begin_self_decode()
+    assert session.apply(session.decide_self_decode(ticket, row, 0)).emitted == (7,)

@@ -319,6 +319,8 @@ class VerifierEngine:
             prompt=prompt,
             resume=message.resume,
             committed_tokens=committed,
+            logprobs=message.logprobs,
+            min_new=message.min_new or 0,
         )
         try:
             commit_log = self.mlc.commit_log(message.commit_log)

@@ -24,7 +24,9 @@ __all__ = [
     "LADDER_ACTIONS",
     "TOKEN_MAX",
     "UINT_MAX",
+    "MAX_TOP_LOGPROBS",
     "Action",
+    "Alternative",
     "Assignment",
     "Contract",
     "Event",
@@ -36,8 +38,10 @@ __all__ = [
     "Role",
     "Sampling",
     "SessionOpen",
+    "SessionRequest",
     "SessionState",
     "Status",
+    "TokenLogprob",
     "Verdict",
     "parse_session_path_id",
     "session_path_id",
@@ -49,6 +53,8 @@ TOKEN_MAX = 2**32 - 1
 HASH_SIZE = 32
 SESSION_ID_SIZE = 16
 SCOPE_SIZE = 16
+# The most alternatives per token an output's log-probabilities carry (as vLLM's default max_logprobs).
+MAX_TOP_LOGPROBS = 20
 
 ErrorFactory = Callable[[str], ProtocolError]
 
@@ -121,6 +127,16 @@ class _UInt(_Kind):
 
     def dump(self, value: Any) -> object:
         return int(value)
+
+
+@dataclass(frozen=True)
+class _Int(_UInt):
+    """A signed integer in [low, high]."""
+
+    def parse(self, value: object, ctx: _Context, where: str) -> int:
+        if not _is_int(value):
+            raise ctx.error(f"{where} must be an integer, not {type(value).__name__}")
+        return super().parse(value, ctx, where)
 
 
 @dataclass(frozen=True)
@@ -239,6 +255,8 @@ _TEXT = _Text()
 _HASH = _Bytes(HASH_SIZE)
 _SESSION = _Bytes(SESSION_ID_SIZE)
 _ACTION = _ActionKind()
+# A natural logarithm of a probability in millionths (SDCP bodies carry no floats).
+_LOGPROB = _Int(low=-(2**63), high=0)
 
 
 def _required(kind: _Kind, *, key: str | None = None) -> Any:
@@ -422,6 +440,22 @@ class SessionOpen(_Message):
     # Extension (docs/interpretations.md): the front end that opened the session at the router, which
     # may then read its output and stats at the verifier (docs/security.md).
     owner: str | None = _optional(_TEXT)
+    # Extensions (docs/interpretations.md): the output carries log-probabilities with this many
+    # alternatives per token; the contract's stop tokens cannot be emitted before output index min_new.
+    logprobs: int | None = _optional(_UInt(high=MAX_TOP_LOGPROBS))
+    min_new: int | None = _optional(_UINT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionRequest(_Message):
+    """The body of the router's client API ``POST sessions`` (not in the draft, SDCP 1.4)."""
+
+    prompt: tuple[int, ...] = _required(_Array(_TOKEN, non_empty=True))
+    contract: Contract = _required(_Nested(Contract))
+    sampling: Sampling | None = _optional(_Nested(Sampling))
+    # Passed on in session-open (docs/interpretations.md).
+    logprobs: int | None = _optional(_UInt(high=MAX_TOP_LOGPROBS))
+    min_new: int | None = _optional(_UINT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -505,6 +539,24 @@ class Verdict(_Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Alternative(_Message):
+    """A token and its log-probability in millionths (extension, docs/interpretations.md)."""
+
+    token: int = _required(_TOKEN)
+    logprob: int = _required(_LOGPROB)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenLogprob(_Message):
+    """Extension (docs/interpretations.md): an output token's log-probability under the target's
+    unprocessed distribution, in millionths, and the most probable tokens at its position. Both are
+    absent for a token the verifier did not decide (one committed before a failover)."""
+
+    logprob: int | None = _optional(_LOGPROB)
+    top: tuple[Alternative, ...] | None = _optional(_Array(_Nested(Alternative)))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Output(_Message):
     session: bytes = _required(_SESSION)
     epoch: int = _required(_UINT)
@@ -512,6 +564,8 @@ class Output(_Message):
     tokens: tuple[int, ...] = _required(_TOKENS)
     final: bool = _required(_Bool())
     finish: Action | None = _optional(_ACTION)
+    # Extension: one entry per token, when the session-open asked for log-probabilities.
+    logprobs: tuple[TokenLogprob, ...] | None = _optional(_Array(_Nested(TokenLogprob)))
 
 
 @dataclass(frozen=True, kw_only=True)

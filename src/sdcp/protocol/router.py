@@ -211,6 +211,9 @@ class RouterSession:
     resume: Resume | None = None
     # The front end that opened the session (docs/security.md).
     owner: str | None = None
+    # What the front end asked of the output (session-open extensions, docs/interpretations.md).
+    logprobs: int | None = None
+    min_new: int | None = None
 
     def open_message(self) -> SessionOpen:
         """session-open for the current verifier; carries ``resume`` after a failover."""
@@ -223,6 +226,8 @@ class RouterSession:
             commit_log=self.commit_log,
             resume=self.resume,
             owner=self.owner,
+            logprobs=self.logprobs,
+            min_new=self.min_new,
         )
 
     def assignment(

@@ -17,6 +17,7 @@ around this module does the I/O between them:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ import numpy as np
 
 from sdcp.protocol.control import SpeculationControl
 from sdcp.protocol.digest import extend_digest, prefix_digest
+from sdcp.protocol.logprobs import suppress_stops, token_logprobs
 from sdcp.protocol.messages import (
     Action,
     Assignment,
@@ -37,6 +39,7 @@ from sdcp.protocol.messages import (
     Resume,
     Sampling,
     SessionState,
+    TokenLogprob,
     Verdict,
 )
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
@@ -102,6 +105,8 @@ class PendingCommit:
     verdict: Verdict
     event: Event | None
     control: SpeculationControl = field(repr=False)
+    # One per emitted token when the session-open asked for log-probabilities.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 def _identity(proposal: Proposal) -> tuple[object, ...]:
@@ -182,8 +187,14 @@ class VerifierSession:
         resume: Resume | None = None,
         committed_tokens: Sequence[int] = (),
         m_init: int | None = None,
+        logprobs: int | None = None,
+        min_new: int = 0,
     ) -> None:
         self.rule = get_rule(contract.rule)
+        # Extensions of session-open (docs/interpretations.md): None asks for no log-probabilities.
+        self.top_logprobs = logprobs
+        self.min_new = min_new
+        self.token_logprobs: list[TokenLogprob] = []
         self.session = session
         self.epoch = epoch
         self.contract = contract
@@ -213,6 +224,8 @@ class VerifierSession:
         if digest != resume.digest:
             raise BadMessage("resume digest does not match the committed tokens")
         self.tokens = list(tokens)
+        # Tokens committed before the failover were decided elsewhere: their log-probabilities are unknown here.
+        self.token_logprobs = [TokenLogprob() for _ in tokens]
         self.digest = digest
         self.round = resume.round
         if tokens and tokens[-1] in self.contract.stop:
@@ -411,13 +424,15 @@ class VerifierSession:
             action, m_cap = control.finish()
         else:
             action, m_cap = control.after_round(acceptance.accepted, len(tokens), verifier_load)
-        return self._pending(ticket, control, emitted, acceptance.accepted, action, m_cap, verifier_load)
+        pending = self._pending(ticket, control, emitted, acceptance.accepted, action, m_cap, verifier_load)
+        return self._with_logprobs(pending, logits)
 
     def decide_self_decode(self, ticket: RoundTicket, logits: np.ndarray, verifier_load: int) -> PendingCommit:
         """Commit one target token: argmax under rule 1, a draw from p under rule 2."""
         if self._require_ticket(ticket) is not None:
             raise ValueError("a proposal round is decided by decide")
-        row = np.asarray(logits).reshape(-1, np.shape(logits)[-1])[0]
+        raw = np.asarray(logits).reshape(-1, np.shape(logits)[-1])[:1]
+        row = suppress_stops(raw, self.committed, self.min_new, self.contract.stop)[0]
         if isinstance(self.rule, GreedyRule):
             token = int(np.argmax(row))
         else:
@@ -430,12 +445,13 @@ class VerifierSession:
             action, m_cap = control.finish()
         else:
             action, m_cap = control.after_self_decode_token(verifier_load), control.m_cap
-        return self._pending(ticket, control, emitted, 0, action, m_cap, verifier_load)
+        return self._with_logprobs(self._pending(ticket, control, emitted, 0, action, m_cap, verifier_load), raw)
 
     def apply(self, pending: PendingCommit) -> Verdict:
         """The commit record is durable: commit the tokens and record the verdict together."""
         self._require_ticket(pending.ticket)
         self.tokens.extend(pending.record.emitted)
+        self.token_logprobs.extend(pending.logprobs)
         self.digest = pending.record.digest
         self.round = pending.record.round
         self.control = pending.control
@@ -458,6 +474,7 @@ class VerifierSession:
             tokens=tokens,
             final=final,
             finish=self.control.ended if final else None,
+            logprobs=tuple(self.token_logprobs[start:]) if self.top_logprobs is not None else None,
         )
 
     # -- internals -----------------------------------------------------------------------------
@@ -472,11 +489,18 @@ class VerifierSession:
         return RoundTicket(round_number, proposal, sampling, rng)
 
     def _target_rows(self, logits: np.ndarray, sampling: Sampling | None) -> np.ndarray:
+        logits = suppress_stops(logits, self.committed, self.min_new, self.contract.stop)
         if isinstance(self.rule, GreedyRule):
             # argmax p equals argmax of the logits under every sampling profile (temperature is
             # monotone; top-k and top-p keep the most probable token), so rule 1 skips the softmax.
             return np.asarray(logits)
         return target_distribution(logits, sampling)
+
+    def _with_logprobs(self, pending: PendingCommit, logits: np.ndarray) -> PendingCommit:
+        if self.top_logprobs is None:
+            return pending
+        emitted = pending.record.emitted
+        return dataclasses.replace(pending, logprobs=token_logprobs(logits, emitted, self.top_logprobs))
 
     def _truncate(self, emitted: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
         # SDCP 6.3 Acceptance: truncate after the first stop token and at max_new.

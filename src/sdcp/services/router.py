@@ -28,7 +28,6 @@ from sdcp.cache import MLC, build_uri
 from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
 from sdcp.config import ServiceConfig
 from sdcp.protocol.messages import (
-    TOKEN_MAX,
     Action,
     Assignment,
     CancelRequest,
@@ -36,8 +35,8 @@ from sdcp.protocol.messages import (
     Event,
     Policy,
     Role,
-    Sampling,
     SelfDecodeRequest,
+    SessionRequest,
     SessionState,
     Status,
     parse_instance_path_id,
@@ -63,7 +62,7 @@ from sdcp.transport.asgi import cbor_response, read_cbor_body
 from sdcp.transport.errors import Forbidden, NotFound, ServiceUnavailable, TooManyRequests, TransportError
 from sdcp.transport.peer import peer_uri
 
-__all__ = ["RouterNode", "SessionRequest"]
+__all__ = ["RouterNode"]
 
 log = logging.getLogger("sdcp.router")
 # When a refused session request may be tried again (sessions end at their own pace).
@@ -89,35 +88,6 @@ SWITCH_MARGIN = 1.25
 REDECIDE_AFTER_S = 2.0
 # A verification round at a verifier that reports no timing of its own.
 DEFAULT_VERIFY_S = 0.05
-
-
-@dataclass(frozen=True)
-class SessionRequest:
-    """The body of the client API's ``POST sessions``: ``{prompt: [uint], contract, ? sampling}``."""
-
-    prompt: tuple[int, ...]
-    contract: Contract
-    sampling: Sampling | None = None
-
-    @classmethod
-    def from_obj(cls, obj: object) -> SessionRequest:
-        if not isinstance(obj, dict):
-            raise BadMessage("a session request is a map")
-        prompt = obj.get("prompt")
-        if (
-            not isinstance(prompt, list)
-            or not prompt
-            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= TOKEN_MAX for t in prompt)
-        ):
-            raise BadMessage("prompt must be a non-empty array of token ids (uint32)")
-        if "contract" not in obj:
-            raise BadMessage("a session request lacks the member 'contract'")
-        sampling = obj.get("sampling")
-        return cls(
-            prompt=tuple(prompt),
-            contract=Contract.from_obj(obj["contract"]),
-            sampling=Sampling.from_obj(sampling) if sampling is not None else None,
-        )
 
 
 @dataclass
@@ -268,8 +238,6 @@ class RouterNode(Node):
 
     async def _open_session(self, owner: str, wanted: SessionRequest) -> _TrackedSession:
         contract = wanted.contract
-        session = secrets.token_bytes(16)
-        commit_log = build_uri(self.mlc.authority, contract.scope, LOG_KIND, session.hex())
         tried: list[str] = []
         refused: list[str] = []
         while True:
@@ -280,6 +248,10 @@ class RouterNode(Node):
                         f"no verifier for this target answered (tried {', '.join(tried)})", retry_after_s=_RETRY_AFTER_S
                     )
                 raise BadContract("no live verifier serves the contract's target and tokenizer")
+            # A session of its own for each verifier tried: one that opened it too late cancels it,
+            # and that end must not reach the commit log of the session opened elsewhere.
+            session = secrets.token_bytes(16)
+            commit_log = build_uri(self.mlc.authority, contract.scope, LOG_KIND, session.hex())
             plan = RouterSession(
                 session=session,
                 epoch=1,
@@ -288,6 +260,8 @@ class RouterNode(Node):
                 commit_log=commit_log,
                 verifier=verifier,
                 owner=owner,
+                logprobs=wanted.logprobs,
+                min_new=wanted.min_new,
             )
             try:
                 # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
