@@ -220,6 +220,8 @@ class GatewayConfig:
     # TLS for the front listener; without both, plain HTTP on a loopback address only.
     cert: FilePath | None = None
     key: FilePath | None = None
+    # The largest request body read; a larger one is refused with 413 while it is being read.
+    max_body_bytes: AtLeastOne = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, config=_SECTION)

@@ -170,7 +170,8 @@ def test_a_client_that_goes_away_cancels_its_session(home: Path) -> None:
     first = next(events)
     next(events)
     stream.close()  # the client disconnects after two events
-    stats = asyncio.run(_when_ended(home, bytes.fromhex(first.id.removeprefix("cmpl-"))))
+    assert first.choices[0].index == 0
+    stats = asyncio.run(_when_ended(home, bytes.fromhex(stream.response.headers["x-sdcp-sessions"])))
     assert stats["state"] == Action.FAIL and int(stats["committed"]) < 1500  # type: ignore[call-overload]
 
 
@@ -182,9 +183,12 @@ def test_a_matched_stop_string_cancels_the_session(home: Path) -> None:
     # A stop string of several tokens taken from the middle of the greedy completion.
     stop = text[len(text) // 2 : len(text) // 2 + 12]
     assert len(tokenizer(stop, add_special_tokens=False)["input_ids"]) > 1
-    stopped = client.completions.create(model="smollm2", prompt=LONG_PROMPT, max_tokens=1500, temperature=0, stop=stop)
+    raw = client.completions.with_raw_response.create(
+        model="smollm2", prompt=LONG_PROMPT, max_tokens=1500, temperature=0, stop=stop
+    )
+    stopped = raw.parse()
     assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[: text.find(stop)]
-    stats = asyncio.run(_when_ended(home, bytes.fromhex(stopped.id.removeprefix("cmpl-"))))
+    stats = asyncio.run(_when_ended(home, bytes.fromhex(raw.headers["x-sdcp-sessions"])))
     assert stats["state"] == Action.FAIL and int(stats["committed"]) < 1500  # type: ignore[call-overload]
 
 

@@ -16,12 +16,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from sdcp.models import tiny
 from sdcp.models.draft import Drafter, HFDrafter, NgramDrafter
-from sdcp.models.errors import ModelNotFetched, UnknownModel
-from sdcp.models.fetch import SMOLLM2_NAME, is_fetched, smollm2_dir
+from sdcp.models.errors import UnknownModel
+from sdcp.models.paths import TINY_DRAFT_NAME, TINY_NAME, model_dir
 from sdcp.models.target import DEFAULT_KV_SLOTS, TargetModel
 
-TINY_NAME = "tiny"
-TINY_DRAFT_NAME = "tiny-draft"
 NGRAM_SPEC = "ngram"
 HF_PREFIX = "hf:"
 
@@ -33,26 +31,11 @@ class LoadedModel:
     tokenizer: object
 
 
-def _model_dir(name_or_path: str, home: Path | None) -> Path:
-    if name_or_path == SMOLLM2_NAME:
-        path = smollm2_dir(home)
-        if not is_fetched(path):
-            raise ModelNotFetched(f"{SMOLLM2_NAME} is not in {path}; run `sdcp models fetch`")
-        return path
-    path = Path(name_or_path).expanduser()
-    if not (path / "config.json").is_file():
-        raise UnknownModel(
-            f"{name_or_path!r} is neither {SMOLLM2_NAME}, {TINY_NAME}, {TINY_DRAFT_NAME} "
-            "nor a Hugging Face model directory"
-        )
-    return path
-
-
 def load_tokenizer(name_or_path: str, home: Path | None = None) -> object:
     """Only the tokenizer of a named or local model: what a front end needs, without weights."""
     if name_or_path in (TINY_NAME, TINY_DRAFT_NAME):
         return tiny.tiny_tokenizer()
-    return AutoTokenizer.from_pretrained(_model_dir(name_or_path, home))
+    return AutoTokenizer.from_pretrained(model_dir(name_or_path, home))
 
 
 def target_vocab_size(name_or_path: str, home: Path | None = None) -> int:
@@ -60,7 +43,7 @@ def target_vocab_size(name_or_path: str, home: Path | None = None) -> int:
     a drafter's rows must have the target's (SDCP 5.2 q_rows)."""
     if name_or_path in (TINY_NAME, TINY_DRAFT_NAME):
         return int(tiny.tiny_config().vocab_size)
-    return int(AutoConfig.from_pretrained(_model_dir(name_or_path, home)).vocab_size)
+    return int(AutoConfig.from_pretrained(model_dir(name_or_path, home)).vocab_size)
 
 
 def end_of_text_tokens(tokenizer: Any) -> list[int]:
@@ -79,7 +62,7 @@ def load_model(name_or_path: str, home: Path | None = None) -> LoadedModel:
         return LoadedModel(TINY_NAME, tiny.tiny_model(), tiny.tiny_tokenizer())
     if name_or_path == TINY_DRAFT_NAME:
         return LoadedModel(TINY_DRAFT_NAME, tiny.tiny_model(draft=True), tiny.tiny_tokenizer())
-    path = _model_dir(name_or_path, home)
+    path = model_dir(name_or_path, home)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(name_or_path, model, tokenizer)

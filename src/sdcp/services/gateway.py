@@ -1,67 +1,69 @@
 """An OpenAI-compatible front end for an SDCP deployment (not an SDCP role).
 
 `POST /v1/completions`, `POST /v1/chat/completions` (with and without `stream`), `GET /v1/models`.
-It tokenizes, opens a session through the router with its own client certificate, and reads the
-committed output with the epoch rule of SDCP 6.7 (``sdcp.client.ClusterClient.stream``), so
-retries and failovers never duplicate or lose tokens. Its listener takes no client certificates
-(browsers and the `openai` package carry none): plain HTTP on loopback, or TLS when configured.
+Requests are read and checked by ``sdcp.services.openai_api``; each choice of a request is one SDCP
+session, opened through the router with the gateway's own client certificate, whose committed
+output is read with the epoch rule of SDCP 6.7 (``sdcp.client.ClusterClient.stream``), so retries
+and failovers never duplicate or lose tokens. Its listener takes no client certificates (browsers
+and the `openai` package carry none): plain HTTP on loopback, or TLS when configured. It needs no
+torch: text goes through ``sdcp.text`` (the `tokenizers` library).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from sdcp.client import ClusterClient, build_contract
+from sdcp.client import ClusterClient, SessionHandle, build_contract
 from sdcp.config import ConfigError, ServiceConfig
-from sdcp.models.registry import end_of_text_tokens, load_tokenizer
-from sdcp.protocol.messages import Sampling
+from sdcp.protocol.messages import TokenLogprob
 from sdcp.protocol.problems import ProtocolError
+from sdcp.services.openai_api import (
+    Choice,
+    Generation,
+    OpenAIError,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    parse_generation,
+)
+from sdcp.text import load_text_codec
 from sdcp.transport.errors import TransportError
 from sdcp.transport.server import FrontEndServer, Listener, Server
 
-__all__ = ["GatewayNode", "OpenAIRequestError"]
+__all__ = ["GatewayNode"]
 
 log = logging.getLogger("sdcp.gateway")
 
 # How long a stopping gateway lets the cancellations of abandoned sessions finish.
 _CANCEL_WAIT_S = 5.0
 
-DEFAULT_MAX_TOKENS = 16
+
+@dataclass
+class _Piece:
+    """Text newly decided for one choice, the tokens it came with, and the finish reason on the last."""
+
+    index: int
+    text: str
+    finish: str | None
+    tokens: int
+    logprobs: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
 
 
-class OpenAIRequestError(ValueError):
-    """A request the OpenAI API would refuse with 400 invalid_request_error."""
-
-
-@dataclass(frozen=True)
-class _Request:
-    prompt_ids: list[int]
-    max_tokens: int
-    rule: int
-    sampling: Sampling | None
-    stop_texts: tuple[str, ...]
-    stop_ids: tuple[int, ...]
-    stream: bool
-
-
-def _number(body: dict[str, Any], key: str, low: float, high: float) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise OpenAIRequestError(f"'{key}' must be a number in [{low}, {high}]")
-    return float(value)
+class _ClusterFailed(Exception):
+    """The cluster could not open or finish a session; the client gets 503 and may retry."""
 
 
 class GatewayNode:
@@ -72,13 +74,17 @@ class GatewayNode:
         if instance.router is None:
             raise ConfigError("the gateway needs instance.router")
         self.config = config
+        self.settings = config.gateway
         self.model_name = config.gateway.model
-        self.tokenizer: Any = load_tokenizer(self.model_name)
+        self.codec = load_text_codec(self.model_name)
         self.client = ClusterClient(instance.router, cert=instance.cert, key=instance.key, ca=instance.ca)
         host, _, port = config.gateway.listen.rpartition(":")
-        self.listener = Listener.front_end(
-            host.strip("[]"), int(port), cert=config.gateway.cert, key=config.gateway.key
-        )
+        try:
+            self.listener = Listener.front_end(
+                host.strip("[]"), int(port), cert=config.gateway.cert, key=config.gateway.key
+            )
+        except ValueError as exc:
+            raise ConfigError(f"gateway.listen: {exc}; give gateway.cert and gateway.key for TLS") from exc
         self._server: Server | None = None
         self._target: dict[str, Any] | None = None
         # Cancellations under way, kept referenced until they are done.
@@ -95,7 +101,8 @@ class GatewayNode:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            ]
+            ],
+            exception_handlers={404: _not_found, 405: _method_not_allowed},
         )
 
     async def start(self) -> None:
@@ -120,9 +127,10 @@ class GatewayNode:
     # -- routes ----------------------------------------------------------------------------------
 
     async def models(self, _request: Request) -> Response:
-        return JSONResponse(
-            {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "sdcp"}]}
-        )
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sdcp"}
+        if self.codec.context_length is not None:
+            model["max_model_len"] = self.codec.context_length
+        return JSONResponse({"object": "list", "data": [model]})
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
@@ -131,203 +139,329 @@ class GatewayNode:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: Request, *, chat: bool) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        started = time.perf_counter()
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise OpenAIRequestError("the request body must be a JSON object")
-            parsed = self._parse(body, chat=chat)
-        except (OpenAIRequestError, ValueError) as exc:
-            return _error(400, "invalid_request_error", str(exc))
-        try:
-            target = await self._target_digests()
-            contract = build_contract(
-                target=target["model"],
-                tokenizer=target["tokenizer"],
-                rule=parsed.rule,
-                max_new=parsed.max_tokens,
-                stop=parsed.stop_ids,
-                sampling=parsed.sampling,
+            body = await self._read_json(request)
+            # Tokenizing and rendering a chat template are CPU work: off the event loop.
+            generation = await asyncio.to_thread(
+                parse_generation, body, self.codec, served=(self.model_name,), chat=chat
             )
-            handle = await self.client.open(parsed.prompt_ids, contract)
-        except (ProtocolError, TransportError) as exc:
-            return _error(503, "server_error", f"the SDCP cluster did not open a session: {exc}")
-        # The id names the SDCP session, so that an operator can follow a request into the cluster.
-        completion_id = ("chatcmpl-" if chat else "cmpl-") + handle.session.hex()
-        pieces = self._texts(handle, parsed)
-        if parsed.stream:
+            request_id = generation.request_id or request_id
+            handles = await self._open_all(generation)
+        except OpenAIError as exc:
+            log.info("gateway: request %s refused (%d): %s", request_id, exc.status, exc.message)
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except _ClusterFailed as exc:
+            return _unavailable(str(exc))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        log.info(
+            "gateway: request %s (user %s) opened sessions %s",
+            request_id,
+            generation.user or "-",
+            ", ".join(h.session.hex() for h in handles),
+        )
+        completion_id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        # The sessions of the choices, in choice order, so that an operator can follow them.
+        headers = {"X-Request-Id": request_id, "X-SDCP-Sessions": ",".join(h.session.hex() for h in handles)}
+        streams = [
+            self._texts(handle, generation, choice) for handle, choice in zip(handles, generation.choices, strict=True)
+        ]
+        if generation.stream:
             return StreamingResponse(
-                self._sse(pieces, completion_id, chat),
+                self._sse(_merged(streams), generation, completion_id, request_id, started),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
+                headers={"Cache-Control": "no-cache", **headers},
             )
-        text, finish_reason, completion_tokens = "", "length", 0
-        async for delta, finish, count in pieces:
-            text += delta
-            completion_tokens = count
-            finish_reason = finish or finish_reason
-        usage = {
-            "prompt_tokens": len(parsed.prompt_ids),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(parsed.prompt_ids) + completion_tokens,
-        }
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return JSONResponse(
-            {
-                "id": completion_id,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [choice],
-                "usage": usage,
-            }
+        collecting = [asyncio.ensure_future(_collected(stream)) for stream in streams]
+        try:
+            answers = await asyncio.gather(*collecting)
+        except _ClusterFailed as exc:
+            for task in collecting:
+                task.cancel()
+            await asyncio.gather(*collecting, return_exceptions=True)
+            return _unavailable(str(exc))
+        log.info("gateway: request %s answered in %.3f s", request_id, time.perf_counter() - started)
+        return JSONResponse(self._answer(generation, answers, completion_id), headers=headers)
+
+    async def _read_json(self, request: Request) -> object:
+        """The body, read with the configured limit enforced while reading; then JSON."""
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise OpenAIError(f"the request body exceeds {limit} bytes", status=413)
+        received = bytearray()
+        async for chunk in request.stream():
+            received += chunk
+            if len(received) > limit:
+                raise OpenAIError(f"the request body exceeds {limit} bytes", status=413)
+        try:
+            return json.loads(bytes(received))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise OpenAIError(f"the request body is not valid JSON: {exc}") from exc
+
+    async def _open_all(self, generation: Generation) -> list[SessionHandle]:
+        """One session per choice; if one cannot be opened, those that were are cancelled."""
+        target = await self._target_digests()
+        contract = build_contract(
+            target=target["model"],
+            tokenizer=target["tokenizer"],
+            rule=generation.rule,
+            max_new=generation.max_tokens,
+            stop=generation.stop_ids,
+            sampling=generation.sampling,
         )
-
-    # -- request and output ----------------------------------------------------------------------
-
-    def _parse(self, body: dict[str, Any], *, chat: bool) -> _Request:
-        if chat:
-            messages = body.get("messages")
-            if (
-                not isinstance(messages, list)
-                or not messages
-                or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages
+        opened = await asyncio.gather(
+            *(
+                self.client.open(
+                    choice.prompt.ids,
+                    contract,
+                    logprobs=generation.logprobs,
+                    min_new=generation.min_tokens or None,
                 )
-            ):
-                raise OpenAIRequestError("'messages' must be a non-empty list of {role, content} strings")
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            prompt_ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-        else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str) or not prompt:
-                raise OpenAIRequestError("'prompt' must be a non-empty string")
-            prompt_ids = list(self.tokenizer(prompt)["input_ids"])
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens", DEFAULT_MAX_TOKENS))
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise OpenAIRequestError("'max_tokens' must be a positive integer")
-        temperature = _number(body, "temperature", 0.0, 2.0)
-        top_p = _number(body, "top_p", 0.0, 1.0)
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise OpenAIRequestError("'seed' must be a non-negative integer")
-        stop = body.get("stop")
-        stop_texts = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if not all(isinstance(s, str) and s for s in stop_texts) or len(stop_texts) > 4:
-            raise OpenAIRequestError("'stop' must be a string or a list of up to 4 strings")
-        # OpenAI's default temperature is 1; temperature 0 is greedy decoding, i.e. rule 1.
-        greedy = temperature == 0.0
-        sampling = None
-        if not greedy:
-            sampling = Sampling(
-                temperature_milli=None if temperature is None else round(temperature * 1000),
-                top_p_milli=None if top_p is None else round(top_p * 1000),
-                seed=seed,
-            )
-        return _Request(
-            prompt_ids=prompt_ids,
-            max_tokens=max_tokens,
-            rule=1 if greedy else 2,
-            sampling=sampling,
-            stop_texts=stop_texts,
-            stop_ids=self._stop_ids(stop_texts),
-            stream=bool(body.get("stream", False)),
+                for choice in generation.choices
+            ),
+            return_exceptions=True,
         )
-
-    def _stop_ids(self, stop_texts: tuple[str, ...]) -> tuple[int, ...]:
-        ids = set(end_of_text_tokens(self.tokenizer))
-        # A stop string that is one token stops the session at the verifier itself (SDCP 6.3).
-        for text in stop_texts:
-            encoded = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(encoded) == 1:
-                ids.add(encoded[0])
-        return tuple(sorted(ids))
+        handles = [h for h in opened if isinstance(h, SessionHandle)]
+        failure = next((e for e in opened if isinstance(e, BaseException)), None)
+        if failure is None:
+            return handles
+        for handle in handles:
+            self._cancel_soon(handle)
+        if isinstance(failure, (ProtocolError, TransportError)):
+            if isinstance(failure, ProtocolError) and failure.status == 429:
+                raise OpenAIError(f"too many open sessions: {failure}", status=429, kind="rate_limit_error")
+            raise _ClusterFailed(f"the SDCP cluster did not open a session: {failure}")
+        raise failure
 
     async def _target_digests(self) -> dict[str, Any]:
         if self._target is None:
-            targets = await self.client.targets()
+            try:
+                targets = await self.client.targets()
+            except (ProtocolError, TransportError) as exc:
+                raise _ClusterFailed(f"the router did not answer: {exc}") from exc
             if not targets:
-                raise TransportError("no live verifier is registered at the router")
+                raise _ClusterFailed("no live verifier is registered at the router")
             self._target = targets[0]
         return self._target
 
-    async def _texts(self, handle: Any, parsed: _Request) -> AsyncIterator[tuple[str, str | None, int]]:
-        """Text deltas, the finish reason on the last one, and the number of tokens so far. A session
-        left before its last piece (the client went away) is cancelled, as is one a stop string ends."""
+    # -- output ----------------------------------------------------------------------------------
+
+    async def _texts(self, handle: SessionHandle, generation: Generation, choice: Choice) -> AsyncIterator[_Piece]:
+        """The choice's pieces. A session left before its last piece (the client went away, another
+        choice failed) is cancelled, as is one a stop string ends."""
         ended = False
         try:
-            async for piece in self._decoded(handle, parsed):
-                ended = piece[1] is not None
+            async for piece in self._decoded(handle, generation, choice):
+                ended = piece.finish is not None
                 yield piece
+        except (ProtocolError, TransportError) as exc:
+            raise _ClusterFailed(f"session {handle.session.hex()} failed: {exc}") from exc
         finally:
             if not ended:
                 self._cancel_soon(handle)
 
-    def _cancel_soon(self, handle: Any) -> None:
+    async def _decoded(self, handle: SessionHandle, generation: Generation, choice: Choice) -> AsyncIterator[_Piece]:
+        tokens: list[int] = []
+        entries: list[tuple[int, TokenLogprob | None]] = []
+        released = 0
+        sent = 0
+        prefix = choice.prompt.text if generation.echo else ""
+        stops = generation.stop_texts
+        hold = max((len(s) - 1 for s in stops), default=0)
+
+        def piece(text: str, finish: str | None) -> _Piece:
+            nonlocal released
+            out = _Piece(choice.index, text, finish, len(tokens), entries[released:])
+            released = len(entries)
+            return out
+
+        async for chunk in self.client.stream(handle):
+            tokens.extend(chunk.tokens)
+            logprobs: Sequence[TokenLogprob | None] = chunk.logprobs or [None] * len(chunk.tokens)
+            entries.extend(zip(chunk.tokens, logprobs, strict=True))
+            text = self.codec.decode(tokens, skip_special_tokens=generation.skip_special_tokens)
+            # Stop strings count from min_tokens on, as vLLM's.
+            cut = -1
+            if len(tokens) >= generation.min_tokens:
+                cut, matched = min(((text.find(s), s) for s in stops if s in text), default=(-1, ""))
+            if cut >= 0:
+                # A stop string of several tokens: the verifier would decode on to max_tokens.
+                self._cancel_soon(handle)
+                end = cut + (len(matched) if generation.include_stop_str else 0)
+                yield piece(prefix + text[sent:end], "stop")
+                return
+            if chunk.finish is not None:
+                stopped = bool(tokens) and tokens[-1] in generation.stop_ids
+                yield piece(prefix + text[sent:], "stop" if stopped else "length")
+                return
+            # Hold back a possible start of a stop string until it is decided; an incomplete
+            # multi-byte character decodes as U+FFFD until its last token arrives.
+            ready = text[: max(sent, len(text) - hold)].rstrip("\ufffd")
+            if len(ready) > sent:
+                yield piece(prefix + ready[sent:], None)
+                prefix, sent = "", len(ready)
+
+    def _cancel_soon(self, handle: SessionHandle) -> None:
         # In a task of its own: the request's task may be being cancelled (a client that went away).
         task = asyncio.ensure_future(self._cancel(handle))
         self._cancelling.add(task)
         task.add_done_callback(self._cancelling.discard)
 
-    async def _cancel(self, handle: Any) -> None:
+    async def _cancel(self, handle: SessionHandle) -> None:
         try:
             await self.client.cancel(handle)
         except (ProtocolError, TransportError) as exc:
             log.warning("gateway: session %s not cancelled: %s", handle.session.hex(), exc)
 
-    async def _decoded(self, handle: Any, parsed: _Request) -> AsyncIterator[tuple[str, str | None, int]]:
-        tokens: list[int] = []
-        sent = ""
-        async for chunk in self.client.stream(handle):
-            tokens.extend(chunk.tokens)
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            cut = min((i for i in (text.find(s) for s in parsed.stop_texts) if i >= 0), default=-1)
-            if cut >= 0:
-                # A stop string of several tokens: the verifier would decode on to max_tokens.
-                self._cancel_soon(handle)
-                yield text[len(sent) : cut], "stop", len(tokens)
-                return
-            if chunk.finish is not None:
-                stopped = bool(tokens) and tokens[-1] in parsed.stop_ids
-                yield text[len(sent) :], "stop" if stopped else "length", len(tokens)
-                return
-            # Hold back a possible start of a stop string until it is decided.
-            hold = max((len(s) - 1 for s in parsed.stop_texts), default=0)
-            ready = text[: max(len(sent), len(text) - hold)]
-            # An incomplete multi-byte character decodes as U+FFFD until its last token arrives.
-            ready = ready.rstrip("\ufffd")
-            if len(ready) > len(sent):
-                yield ready[len(sent) :], None, len(tokens)
-                sent = ready
+    # -- answers ---------------------------------------------------------------------------------
+
+    def _logprobs(self, generation: Generation, entries: list[tuple[int, TokenLogprob | None]], offset: int) -> Any:
+        if generation.logprobs is None:
+            return None
+        if generation.chat:
+            return chat_logprobs(entries, self.codec.token_text)
+        return completion_logprobs(entries, self.codec.token_text, offset)
+
+    def _answer(self, generation: Generation, answers: list[list[_Piece]], completion_id: str) -> dict[str, Any]:
+        choices = []
+        completion_tokens = 0
+        for choice, pieces in zip(generation.choices, answers, strict=True):
+            text = "".join(p.text for p in pieces)
+            entries = [entry for p in pieces for entry in p.logprobs]
+            finish = next((p.finish for p in reversed(pieces) if p.finish), "length")
+            completion_tokens += pieces[-1].tokens if pieces else 0
+            answer: dict[str, Any] = {
+                "index": choice.index,
+                "finish_reason": finish,
+                "logprobs": self._logprobs(generation, entries, len(choice.prompt.text) if generation.echo else 0),
+            }
+            if generation.chat:
+                answer["message"] = {"role": "assistant", "content": text}
+            else:
+                answer["text"] = text
+            choices.append(answer)
+        return {
+            "id": completion_id,
+            "object": "chat.completion" if generation.chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(generation.prompt_tokens, completion_tokens),
+        }
 
     async def _sse(
-        self, pieces: AsyncIterator[tuple[str, str | None, int]], completion_id: str, chat: bool
+        self,
+        pieces: AsyncIterator[_Piece],
+        generation: Generation,
+        completion_id: str,
+        request_id: str,
+        started: float,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
-        first = True
-        async for delta, finish, _count in pieces:
-            if chat:
-                content: dict[str, Any] = {"content": delta}
-                if first:
-                    content["role"] = "assistant"
-                choice: dict[str, Any] = {"index": 0, "delta": content, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
-            first = False
-            event = {
+        chat = generation.chat
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        greeted: set[int] = set()
+        counts: dict[int, int] = {}
+        offsets: dict[int, int] = {}
+        prompt_tokens = {c.index: len(c.prompt.ids) for c in generation.choices}
+
+        def event(choices: list[dict[str, Any]], usage: dict[str, int] | None) -> bytes:
+            data: dict[str, Any] = {
                 "id": completion_id,
-                "object": "chat.completion.chunk" if chat else "text_completion",
+                "object": kind,
                 "created": created,
                 "model": self.model_name,
-                "choices": [choice],
+                "choices": choices,
             }
-            yield f"data: {json.dumps(event)}\n\n".encode()
+            if generation.include_usage:
+                data["usage"] = usage
+            return f"data: {json.dumps(data)}\n\n".encode()
+
+        try:
+            async for piece in pieces:
+                counts[piece.index] = piece.tokens
+                logprobs = self._logprobs(generation, piece.logprobs, offsets.get(piece.index, 0))
+                offsets[piece.index] = offsets.get(piece.index, 0) + len(piece.text)
+                if chat:
+                    delta: dict[str, Any] = {"content": piece.text}
+                    if piece.index not in greeted:
+                        greeted.add(piece.index)
+                        delta["role"] = "assistant"
+                    choice: dict[str, Any] = {"index": piece.index, "delta": delta}
+                else:
+                    choice = {"index": piece.index, "text": piece.text}
+                choice |= {"logprobs": logprobs, "finish_reason": piece.finish}
+                usage = _usage(prompt_tokens[piece.index], piece.tokens) if generation.continuous_usage else None
+                yield event([choice], usage)
+        except _ClusterFailed as exc:
+            log.warning("gateway: request %s failed while streaming: %s", request_id, exc)
+            yield f"data: {json.dumps(error_body(str(exc), 'server_error'))}\n\n".encode()
+        else:
+            if generation.include_usage:
+                yield event([], _usage(generation.prompt_tokens, sum(counts.values())))
+            log.info("gateway: request %s streamed in %.3f s", request_id, time.perf_counter() - started)
         yield b"data: [DONE]\n\n"
 
 
-def _error(status: int, kind: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
+async def _collected(stream: AsyncIterator[_Piece]) -> list[_Piece]:
+    return [piece async for piece in stream]
+
+
+async def _merged(streams: list[AsyncIterator[_Piece]]) -> AsyncIterator[_Piece]:
+    """The pieces of every choice as they come; all streams are closed when this one is."""
+    if len(streams) == 1:
+        async for piece in streams[0]:
+            yield piece
+        return
+    queue: asyncio.Queue[_Piece | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[_Piece]) -> None:
+        try:
+            async for piece in stream:
+                await queue.put(piece)
+            await queue.put(None)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put(exc)
+
+    pumps = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        remaining = len(pumps)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _unavailable(message: str) -> JSONResponse:
+    return JSONResponse(error_body(message, "server_error"), status_code=503, headers={"Retry-After": "1"})
+
+
+async def _not_found(request: Request, _exc: Exception) -> Response:
+    return JSONResponse(error_body(f"no route {request.url.path}", "invalid_request_error"), status_code=404)
+
+
+async def _method_not_allowed(request: Request, _exc: Exception) -> Response:
+    message = f"{request.method} is not allowed on {request.url.path}"
+    return JSONResponse(error_body(message, "invalid_request_error"), status_code=405)

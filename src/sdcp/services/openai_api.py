@@ -1,0 +1,509 @@
+"""The OpenAI-compatible API's requests and answers, without I/O (the gateway is the adapter).
+
+Every parameter of `/v1/completions` and `/v1/chat/completions` that vLLM accepts is either
+implemented or refused with a 400 naming it; an unknown one is refused as OpenAI refuses it
+(docs/services.md lists which is which). Errors take OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sdcp.protocol.logprobs import LOGPROB_SCALE
+from sdcp.protocol.messages import MAX_TOP_LOGPROBS, Sampling, TokenLogprob
+from sdcp.text import ChatTemplateError, TextCodec
+
+__all__ = [
+    "Choice",
+    "Generation",
+    "OpenAIError",
+    "Prompt",
+    "chat_logprobs",
+    "completion_logprobs",
+    "error_body",
+    "parse_generation",
+]
+
+# The most choices one request may ask for (n times the number of prompts): each is a session.
+MAX_CHOICES = 16
+# vLLM takes any number of stop strings; this bounds the work of matching them.
+MAX_STOP_STRINGS = 16
+
+
+class OpenAIError(Exception):
+    """An answer other than 200, in OpenAI's error shape."""
+
+    def __init__(
+        self, message: str, param: str | None = None, *, status: int = 400, kind: str = "invalid_request_error"
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.kind = kind
+        self.param = param
+        self.code: str | None = {404: "model_not_found"}.get(status)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _refused(param: str, why: str) -> OpenAIError:
+    return OpenAIError(f"'{param}' is not supported by this server: {why}", param=param)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request: its tokens and (for echo) its text."""
+
+    ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One session of a request: the choice index it answers and the prompt it continues."""
+
+    index: int
+    prompt: Prompt
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A parsed request: what every session of it decodes and how its answer is written."""
+
+    chat: bool
+    choices: tuple[Choice, ...]
+    max_tokens: int
+    rule: int
+    sampling: Sampling | None
+    stop_texts: tuple[str, ...]
+    stop_ids: tuple[int, ...]
+    min_tokens: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    # None: no log-probabilities; else the alternatives per token.
+    logprobs: int | None
+    echo: bool
+    skip_special_tokens: bool
+    include_stop_str: bool
+    user: str | None
+    request_id: str | None
+
+    @property
+    def prompt_tokens(self) -> int:
+        # Usage counts each prompt once, however many choices continue it.
+        return sum(len(prompt.ids) for prompt in {choice.prompt for choice in self.choices})
+
+
+# -- parameters --------------------------------------------------------------------------------------
+#
+# Each parameter either has a reader (implemented) or a default that it may only repeat (accepted
+# at that value, refused otherwise with a 400 naming it).
+
+_COMMON_IMPLEMENTED = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "n",
+        "best_of",
+        "stop",
+        "stop_token_ids",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "min_tokens",
+        "ignore_eos",
+        "user",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "request_id",
+    }
+)
+_COMPLETIONS_IMPLEMENTED = _COMMON_IMPLEMENTED | {"prompt", "echo", "add_special_tokens"}
+_CHAT_IMPLEMENTED = _COMMON_IMPLEMENTED | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "add_generation_prompt",
+    "parallel_tool_calls",
+}
+
+# Accepted at the value that changes nothing (None, which is "absent", always is).
+_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "length_penalty": (1, 1.0),
+    "min_p": (0, 0.0),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "use_beam_search": (False,),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
+    "continue_final_message": (False,),
+    "priority": (0,),
+    "store": (False,),
+    "prompt_logprobs": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structured_outputs": (),
+    "logits_processors": (),
+    "truncate_prompt_tokens": (),
+    "documents": (),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "mm_processor_kwargs": (),
+    "metadata": (),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "service_tier": ("auto", "default"),
+    "web_search_options": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+    "cache_salt": (),
+}
+
+
+def parse_generation(body: object, codec: TextCodec, *, served: Sequence[str], chat: bool) -> Generation:
+    """Validate a completions or chat request and tokenize it; raises OpenAIError (400, or 404 for
+    a model this gateway does not serve). Tokenization makes this CPU work: run it off the loop."""
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    implemented = _CHAT_IMPLEMENTED if chat else _COMPLETIONS_IMPLEMENTED
+    for key, value in body.items():
+        if key in implemented or value is None:
+            continue
+        if key not in _NEUTRAL:
+            raise OpenAIError(f"Unrecognized request argument supplied: {key}", param=key)
+        if not any(_same(value, neutral) for neutral in _NEUTRAL[key]):
+            raise _refused(key, f"only {_neutral_text(key)} is accepted")
+    model = body.get("model")
+    if model is not None and model not in served:
+        raise OpenAIError(f"The model '{model}' does not exist", status=404, param="model")
+    reader = _Reader(body)
+    prompts = _chat_prompt(reader, codec) if chat else _completion_prompts(reader, codec)
+    n = reader.integer("n", 1, low=1, high=MAX_CHOICES)
+    best_of = reader.integer("best_of", n, low=1, high=MAX_CHOICES)
+    if best_of != n:
+        raise _refused("best_of", "it must equal n (choices are not ranked)")
+    if n * len(prompts) > MAX_CHOICES:
+        raise OpenAIError(f"n times the number of prompts must be at most {MAX_CHOICES}", param="n")
+    choices = tuple(Choice(p * n + j, prompt) for p, prompt in enumerate(prompts) for j in range(n))
+    longest = max(len(prompt.ids) for prompt in prompts)
+    max_tokens = _max_tokens(reader, codec.context_length, longest, chat)
+    temperature = reader.number("temperature", 1.0, low=0.0, high=2.0)
+    top_p = reader.number("top_p", 1.0, low=0.0, high=1.0, low_open=True)
+    top_k = reader.integer("top_k", 0, low=-1, high=codec.vocab_size)
+    seed = reader.integer("seed", None, low=0, high=2**64 - 1)
+    stop_texts = reader.strings("stop", MAX_STOP_STRINGS)
+    extra_stop_ids = reader.token_ids("stop_token_ids", codec.vocab_size)
+    ignore_eos = reader.boolean("ignore_eos", False)
+    min_tokens = reader.integer("min_tokens", 0, low=0, high=max_tokens)
+    stream = reader.boolean("stream", False)
+    include_usage, continuous_usage = _stream_options(reader, stream)
+    logprobs = _logprobs(reader, chat)
+    echo = False if chat else reader.boolean("echo", False)
+    if echo and logprobs is not None:
+        raise _refused("echo", "echo with logprobs would need the prompt's log-probabilities")
+    reader.boolean("parallel_tool_calls", True)
+    user = reader.text("user")
+    request_id = reader.text("request_id")
+    # OpenAI's default temperature is 1; temperature 0 is greedy decoding, i.e. rule 1 (SDCP 6.4).
+    greedy = temperature == 0.0
+    sampling = None
+    if not greedy:
+        sampling = Sampling(
+            temperature_milli=round(temperature * 1000),
+            top_k=top_k if top_k > 0 else None,
+            top_p_milli=round(top_p * 1000) if top_p < 1.0 else None,
+            seed=seed,
+        )
+    return Generation(
+        chat=chat,
+        choices=choices,
+        max_tokens=max_tokens,
+        rule=1 if greedy else 2,
+        sampling=sampling,
+        stop_texts=stop_texts,
+        stop_ids=_stop_ids(codec, stop_texts, extra_stop_ids, ignore_eos),
+        min_tokens=min_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        logprobs=logprobs,
+        echo=echo,
+        skip_special_tokens=reader.boolean("skip_special_tokens", True),
+        include_stop_str=reader.boolean("include_stop_str_in_output", False),
+        user=user,
+        request_id=request_id,
+    )
+
+
+def _same(value: object, neutral: object) -> bool:
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return bool(value == neutral)
+
+
+def _neutral_text(key: str) -> str:
+    values = _NEUTRAL[key]
+    shown = " or ".join(repr(v) for v in values)
+    return f"null or {shown}" if shown else "null"
+
+
+class _Reader:
+    """Typed reads of the request's members; each failure names its parameter."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+
+    def _get(self, key: str) -> Any:
+        return self.body.get(key)
+
+    def integer(self, key: str, default: Any, *, low: int, high: int) -> Any:
+        value = self._get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise OpenAIError(f"'{key}' must be an integer in [{low}, {high}]", param=key)
+        return value
+
+    def number(self, key: str, default: float, *, low: float, high: float, low_open: bool = False) -> float:
+        value = self._get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise OpenAIError(f"'{key}' must be a number", param=key)
+        if not (low < value if low_open else low <= value) or value > high:
+            bracket = "(" if low_open else "["
+            raise OpenAIError(f"'{key}' must be a number in {bracket}{low}, {high}]", param=key)
+        return float(value)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self._get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise OpenAIError(f"'{key}' must be a boolean", param=key)
+        return value
+
+    def text(self, key: str) -> str | None:
+        value = self._get(key)
+        if value is not None and not isinstance(value, str):
+            raise OpenAIError(f"'{key}' must be a string", param=key)
+        return value
+
+    def strings(self, key: str, most: int) -> tuple[str, ...]:
+        value = self._get(key)
+        texts = [value] if isinstance(value, str) else value
+        if texts is None:
+            return ()
+        if not isinstance(texts, list) or len(texts) > most or not all(isinstance(s, str) and s for s in texts):
+            raise OpenAIError(f"'{key}' must be a non-empty string or a list of up to {most} of them", param=key)
+        return tuple(texts)
+
+    def token_ids(self, key: str, vocab_size: int) -> tuple[int, ...]:
+        value = self._get(key)
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(_is_token(t, vocab_size) for t in value):
+            raise OpenAIError(f"'{key}' must be a list of token ids below {vocab_size}", param=key)
+        return tuple(value)
+
+
+def _is_token(value: object, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
+def _completion_prompts(reader: _Reader, codec: TextCodec) -> list[Prompt]:
+    """`prompt`: a string, a list of strings, a list of token ids or a list of such lists."""
+    value = reader.body.get("prompt")
+    add_special = reader.boolean("add_special_tokens", True)
+    what = "'prompt' must be a non-empty string, a list of them, a list of token ids or a list of such lists"
+    if isinstance(value, str) or (isinstance(value, list) and value and all(_is_token(t, 2**63) for t in value)):
+        items: list[Any] = [value]
+    elif isinstance(value, list) and value:
+        items = value
+    else:
+        raise OpenAIError(what, param="prompt")
+    if len(items) > MAX_CHOICES:
+        raise OpenAIError(f"at most {MAX_CHOICES} prompts per request", param="prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str) and item:
+            ids = codec.encode(item, add_special_tokens=add_special)
+            prompts.append(Prompt(tuple(ids), item))
+        elif isinstance(item, list) and item and all(_is_token(t, 2**63) for t in item):
+            if not all(_is_token(t, codec.vocab_size) for t in item):
+                raise OpenAIError(
+                    f"prompt token ids must be below the vocabulary size {codec.vocab_size}", param="prompt"
+                )
+            prompts.append(Prompt(tuple(item), codec.decode(item)))
+        else:
+            raise OpenAIError(what, param="prompt")
+        if not prompts[-1].ids:
+            raise OpenAIError("a prompt encodes to no tokens", param="prompt")
+    return prompts
+
+
+def _chat_prompt(reader: _Reader, codec: TextCodec) -> list[Prompt]:
+    messages = reader.body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("'messages' must be a non-empty list", param="messages")
+    rendered = [_message(m, i) for i, m in enumerate(messages)]
+    try:
+        text = codec.render_chat(rendered, add_generation_prompt=reader.boolean("add_generation_prompt", True))
+    except ChatTemplateError as exc:
+        raise OpenAIError(str(exc), param="messages") from exc
+    ids = codec.encode(text, add_special_tokens=False)
+    if not ids:
+        raise OpenAIError("the messages encode to no tokens", param="messages")
+    return [Prompt(tuple(ids), text)]
+
+
+def _message(message: object, index: int) -> dict[str, str]:
+    """A chat message of text: content a string or a list of text parts."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise OpenAIError(f"'{where}' must be an object with a string 'role'", param="messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise OpenAIError(f"'{where}.content': only text parts are supported", param="messages")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise OpenAIError(f"'{where}.content' must be a string or a list of text parts", param="messages")
+    for key in message:
+        if key not in ("role", "content", "name"):
+            raise _refused(f"{where}.{key}", "only role, content and name are read")
+    return {"role": message["role"], "content": content}
+
+
+def _max_tokens(reader: _Reader, context: int | None, prompt_tokens: int, chat: bool) -> int:
+    """By default what fits the context after the longest prompt; more is a 400, as in vLLM."""
+    key = "max_completion_tokens" if chat and reader.body.get("max_completion_tokens") is not None else "max_tokens"
+    room = None if context is None else context - prompt_tokens
+    if room is not None and room < 1:
+        raise OpenAIError(
+            f"This model's maximum context length is {context} tokens. However, your prompt is "
+            f"{prompt_tokens} tokens, which leaves no room for a completion.",
+            param="messages" if chat else "prompt",
+        )
+    requested = reader.integer(key, None, low=1, high=2**32 - 1)
+    if requested is None:
+        if room is None:
+            raise OpenAIError(f"'{key}' is required: the model's context length is unknown", param=key)
+        return room
+    if room is not None and requested > room:
+        raise OpenAIError(
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, {requested} for the "
+            "completion). Please reduce the prompt or the completion length.",
+            param=key,
+        )
+    return int(requested)
+
+
+def _stream_options(reader: _Reader, stream: bool) -> tuple[bool, bool]:
+    options = reader.body.get("stream_options")
+    if options is None:
+        return False, False
+    if not stream:
+        raise OpenAIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if not isinstance(options, dict):
+        raise OpenAIError("'stream_options' must be an object", param="stream_options")
+    for key in options:
+        if key not in ("include_usage", "continuous_usage_stats"):
+            raise OpenAIError(f"Unrecognized stream option: {key}", param="stream_options")
+    inner = _Reader(options)
+    include = inner.boolean("include_usage", False)
+    return include, include and inner.boolean("continuous_usage_stats", False)
+
+
+def _logprobs(reader: _Reader, chat: bool) -> int | None:
+    """Completions: ``logprobs`` is the number of alternatives; chat: a boolean and ``top_logprobs``."""
+    if not chat:
+        return reader.integer("logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
+    wanted = reader.boolean("logprobs", False)
+    top = reader.integer("top_logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise OpenAIError("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _stop_ids(codec: TextCodec, stop_texts: Sequence[str], extra: Sequence[int], ignore_eos: bool) -> tuple[int, ...]:
+    ids = set(extra)
+    if not ignore_eos:
+        ids.update(codec.end_of_text_tokens())
+    # A stop string that is one token stops the session at the verifier itself (SDCP 6.3); a longer
+    # one is matched in the text, which then cancels the session.
+    for text in stop_texts:
+        encoded = codec.encode(text, add_special_tokens=False)
+        if len(encoded) == 1:
+            ids.add(encoded[0])
+    return tuple(sorted(ids))
+
+
+# -- answers -------------------------------------------------------------------------------------------
+
+Logprobs = Sequence[tuple[int, TokenLogprob | None]]
+
+
+def _value(micro: int | None) -> float | None:
+    return None if micro is None else micro / LOGPROB_SCALE
+
+
+def completion_logprobs(entries: Logprobs, token_text: Callable[[int], str], offset: int) -> dict[str, Any]:
+    """The `logprobs` of a completions choice for these tokens; ``offset`` is where the first one's
+    text starts in the choice's text."""
+    tokens, values, tops, offsets = [], [], [], []
+    for token, entry in entries:
+        text = token_text(token)
+        tokens.append(text)
+        values.append(_value(entry.logprob) if entry else None)
+        alternatives = entry.top if entry and entry.top is not None else ()
+        tops.append({token_text(a.token): a.logprob / LOGPROB_SCALE for a in alternatives} if entry else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: Logprobs, token_text: Callable[[int], str]) -> dict[str, Any]:
+    """The `logprobs` of a chat choice for these tokens."""
+
+    def described(token: int, micro: int | None) -> dict[str, Any]:
+        text = token_text(token)
+        return {"token": text, "logprob": _value(micro), "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token, entry in entries:
+        item = described(token, entry.logprob if entry else None)
+        alternatives = entry.top if entry and entry.top is not None else ()
+        item["top_logprobs"] = [described(a.token, a.logprob) for a in alternatives]
+        content.append(item)
+    return {"content": content}

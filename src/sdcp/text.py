@@ -1,0 +1,147 @@
+"""Text in and out of token ids for a front end, with the `tokenizers` library alone (no torch, no
+transformers): a host that runs only the gateway installs neither (docs/deploy.md).
+
+A model directory as `sdcp models fetch` writes it holds `tokenizer.json`, `tokenizer_config.json`
+(special tokens), `chat_template.jinja` (or the template inside the tokenizer configuration) and
+`config.json` (the context length). Chat templates render as transformers renders them: Jinja in a
+sandbox with trim_blocks and lstrip_blocks, then encoded without added special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+__all__ = ["ChatTemplateError", "TextCodec", "load_text_codec"]
+
+# Tokens that end a generation besides the configured eos token (ChatML and GPT-2 style models).
+_END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered with the model's chat template."""
+
+
+class TextCodec:
+    """A model's tokenizer, chat template and context length."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        special_tokens: dict[str, str] | None = None,
+        chat_template: str | None = None,
+        context_length: int | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.special_tokens = dict(special_tokens or {})
+        self.chat_template = chat_template
+        self.context_length = context_length
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_model_dir(cls, path: Path) -> TextCodec:
+        config = _json(path / "tokenizer_config.json")
+        special = {key: _token_text(config[key]) for key in ("bos_token", "eos_token", "unk_token") if config.get(key)}
+        template_file = path / "chat_template.jinja"
+        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
+        model_config = _json(path / "config.json")
+        context = model_config.get("max_position_embeddings")
+        return cls(
+            Tokenizer.from_file(str(path / "tokenizer.json")),
+            special_tokens=special,
+            chat_template=template if isinstance(template, str) else None,
+            context_length=context if isinstance(context, int) else None,
+        )
+
+    # -- ids ---------------------------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token: int) -> str:
+        """One token as text (an incomplete UTF-8 sequence shows as U+FFFD)."""
+        return self.decode([token], skip_special_tokens=False)
+
+    def end_of_text_tokens(self) -> list[int]:
+        """The tokens that end a generation: a contract's default stop list."""
+        names = [self.special_tokens.get("eos_token"), *_END_MARKERS]
+        unknown = self.special_tokens.get("unk_token")
+        ids = {self.tokenizer.token_to_id(name) for name in names if name and name != unknown}
+        return sorted(token for token in ids if token is not None)
+
+    # -- chat --------------------------------------------------------------------------------------
+
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        try:
+            return _compiled(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.special_tokens.get("bos_token", ""),
+                eos_token=self.special_tokens.get("eos_token", ""),
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template refused the messages: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        rendered = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(rendered, add_special_tokens=False)
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+@lru_cache(maxsize=8)
+def _compiled(template: str) -> jinja2.Template:
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    environment.globals["raise_exception"] = _raise
+    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+    return environment.from_string(template)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    loaded = json.loads(path.read_text(encoding="utf-8"))
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _token_text(value: object) -> str:
+    # Older configurations write special tokens as {"content": ...} objects.
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return str(value)
+
+
+def load_text_codec(name_or_path: str, home: Path | None = None) -> TextCodec:
+    """The text codec of the bundled model, a local model directory or a tiny test model."""
+    from sdcp.models.paths import TINY_DRAFT_NAME, TINY_NAME, model_dir
+
+    if name_or_path in (TINY_NAME, TINY_DRAFT_NAME):
+        # Built in code by transformers, for tests only.
+        from sdcp.models import tiny
+
+        tokenizer = tiny.tiny_tokenizer()
+        return TextCodec(
+            tokenizer.backend_tokenizer,
+            special_tokens={"eos_token": tiny.END_OF_TEXT, "bos_token": tiny.END_OF_TEXT},
+            context_length=int(tiny.tiny_config().max_position_embeddings),
+        )
+    return TextCodec.from_model_dir(model_dir(name_or_path, home))
