@@ -249,7 +249,13 @@ def generate(
     temperature: float = typer.Option(None, min=0.0, help="Sampling temperature (0 = greedy)."),
     top_k: int = typer.Option(None, "--top-k", min=0, help="Keep the k most probable tokens."),
     top_p: float = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass."),
-    seed: int = typer.Option(None, min=0, help="Seed of the verifier's random values (reproducible output)."),
+    seed: int = typer.Option(
+        None,
+        min=0,
+        help="Seed of the session's random values (SDCP 6.4): its draws can be recomputed from the seed, "
+        "session id, round and position; every run is a new session, so runs differ. Greedy output is "
+        "always the same.",
+    ),
     rule: RuleName = typer.Option(
         None,
         help="Acceptance rule: greedy (1) or sampling (2); default sampling when --temperature > 0, "

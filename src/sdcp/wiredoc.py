@@ -20,13 +20,16 @@ from sdcp.cache.uri import LOG_KIND, MAX_REF_LENGTH, TOKENS_KIND
 from sdcp.protocol import codec
 from sdcp.protocol.messages import (
     Action,
+    Alternative,
     Assignment,
     Contract,
+    Output,
     Role,
     SelfDecodeRequest,
     SessionOpen,
     SessionState,
     Status,
+    TokenLogprob,
     instance_path_id,
     session_path_id,
 )
@@ -39,6 +42,7 @@ __all__ = ["diagnostic", "render"]
 DRAFT_MEMBERS = {
     "status": {"instance", "role", "load", "queue", "accept_milli", "cache_mbps", "ttl_ms"},
     "session-open": {"session", "epoch", "contract", "prompt", "prompt_kv", "commit_log", "resume"},
+    "output": {"session", "epoch", "from", "tokens", "final", "finish"},
 }
 SESSION = bytes.fromhex("5f0e3a2b9c1d4e6f8a7b6c5d4e3f2a1b")
 DIGEST = hashlib.sha256(b"d[5] of the example session").digest()
@@ -243,6 +247,8 @@ def _session_open() -> str:
         prompt=(1, 2, 3),
         commit_log=build_uri("cache.example:7000", None, LOG_KIND, SESSION.hex()),
         owner="https://gateway.example:8443",
+        logprobs=1,
+        min_new=4,
     )
     request = SelfDecodeRequest(session=SESSION, epoch=1)
     return (
@@ -252,8 +258,40 @@ def _session_open() -> str:
     )
 
 
+def _output() -> str:
+    output = Output(
+        session=SESSION,
+        epoch=2,
+        from_=7,
+        tokens=(791, 2),
+        final=True,
+        finish=Action.FINISH,
+        logprobs=(
+            TokenLogprob(),
+            TokenLogprob(logprob=-105360, top=(Alternative(token=2, logprob=-105360),)),
+        ),
+    )
+    return (
+        _members("Output (SDCP 5.2, 6.7)", "output", [output])
+        + "\n`logprobs`, sent when the session-open asked for it, holds one map per token: its natural "
+        "log-probability under the target's unprocessed distribution in millionths (`logprob`) and the "
+        "session-open's `logprobs` most probable tokens (`top`), both absent for a token committed "
+        "before a failover.\n"
+    )
+
+
 def render() -> str:
-    sections = [_commit_records(), _token_lists(), _q_rows(), _kv(), _uris(), _problems(), _status(), _session_open()]
+    sections = [
+        _commit_records(),
+        _token_lists(),
+        _q_rows(),
+        _kv(),
+        _uris(),
+        _problems(),
+        _status(),
+        _session_open(),
+        _output(),
+    ]
     head = (
         "# Wire formats\n\n"
         "The encodings two SDCP implementations must share beyond the draft's CDDL, each with an "

@@ -1,0 +1,218 @@
+"""The OpenAI-compatible gateway as the `openai` package meets it, on a local SmolLM2 cluster:
+each parameter vLLM accepts is implemented or refused with a 400 naming it (#19)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from tests.e2e.support import MAX_NEW, PROMPTS
+
+from sdcp.cluster import LocalCluster
+from sdcp.models.registry import load_model
+from sdcp.text import load_text_codec
+
+pytestmark = pytest.mark.timeout(600)
+
+CHAT = [{"role": "user", "content": "Say hi."}]
+
+
+def client_of(home: Path) -> openai.OpenAI:
+    gateway = LocalCluster(home).gateway
+    assert gateway is not None
+    return openai.OpenAI(base_url=gateway, api_key="unused", timeout=120, max_retries=0)
+
+
+def post(home: Path, path: str, content: bytes) -> httpx.Response:
+    gateway = LocalCluster(home).gateway
+    assert gateway is not None
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{gateway}/{path}", content=content, headers=headers, timeout=120)
+
+
+def test_n_choices_are_sessions_of_their_own(home: Path, reference: dict[str, list[int]]) -> None:
+    prompt = PROMPTS[0]
+    codec = load_text_codec("smollm2")
+    reply = client_of(home).completions.create(model="smollm2", prompt=prompt, max_tokens=MAX_NEW, temperature=0, n=3)
+    expected = codec.decode(reference[prompt])
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.text for c in reply.choices] == [expected] * 3
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(codec.encode(prompt))
+    assert reply.usage.completion_tokens == 3 * MAX_NEW
+
+
+def test_a_list_of_prompts_gives_n_choices_each(home: Path, reference: dict[str, list[int]]) -> None:
+    codec = load_text_codec("smollm2")
+    reply = client_of(home).completions.create(model="smollm2", prompt=PROMPTS, max_tokens=8, temperature=0, n=2)
+    texts = {c.index: c.text for c in reply.choices}
+    assert texts == {i * 2 + j: codec.decode(reference[p][:8]) for i, p in enumerate(PROMPTS) for j in range(2)}
+
+
+def test_logprobs_are_the_targets(home: Path, reference: dict[str, list[int]]) -> None:
+    prompt = PROMPTS[0]
+    reply = client_of(home).completions.create(
+        model="smollm2", prompt=prompt, max_tokens=MAX_NEW, temperature=0, logprobs=3
+    )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    # transformers' log-softmax of the target's logits at each position of the greedy continuation.
+    loaded = load_model("smollm2")
+    ids = loaded.tokenizer(prompt, return_tensors="pt")["input_ids"]
+    full = torch.cat([ids, torch.tensor([reference[prompt]])], dim=1)
+    with torch.inference_mode():
+        expected = torch.log_softmax(loaded.model(full).logits[0, ids.shape[1] - 1 : -1].double(), dim=-1)
+    chosen = [float(expected[i, t]) for i, t in enumerate(reference[prompt])]
+    assert logprobs.token_logprobs == pytest.approx(chosen, abs=2e-3)
+    codec = load_text_codec("smollm2")
+    assert logprobs.tokens == [codec.token_text(t) for t in reference[prompt]]
+    assert logprobs.text_offset is not None and logprobs.text_offset[0] == 0
+    for position, alternatives in enumerate(logprobs.top_logprobs):
+        assert len(alternatives) == 3
+        # Greedy decoding: the chosen token is the most probable one.
+        best = max(alternatives, key=alternatives.__getitem__)
+        assert best == logprobs.tokens[position] and alternatives[best] == pytest.approx(chosen[position], abs=2e-3)
+
+
+def test_chat_logprobs_streamed_with_usage(home: Path) -> None:
+    client = client_of(home)
+    whole = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12, temperature=0)
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=CHAT,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    *pieces, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert whole.usage is not None and last.usage.completion_tokens == whole.usage.completion_tokens
+    assert all(chunk.usage is None for chunk in pieces)
+    assert pieces[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in pieces)
+    assert text == whole.choices[0].message.content
+    entries = [e for c in pieces if c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert len(entries) == whole.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+
+
+def test_default_max_tokens_fills_the_context(home: Path) -> None:
+    reply = client_of(home).chat.completions.create(model="smollm2", messages=CHAT, temperature=0)
+    # The model ends its answer itself, well after OpenAI's old default of 16 tokens.
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None and reply.usage.completion_tokens > 16
+
+
+def test_min_tokens_and_ignore_eos_keep_the_session_going(home: Path) -> None:
+    client = client_of(home)
+    natural = client.chat.completions.create(model="smollm2", messages=CHAT, temperature=0, max_tokens=200)
+    assert natural.choices[0].finish_reason == "stop" and natural.usage is not None
+    ended_at = natural.usage.completion_tokens
+    longer = client.chat.completions.create(
+        model="smollm2", messages=CHAT, temperature=0, max_tokens=200, extra_body={"min_tokens": ended_at + 10}
+    )
+    assert longer.usage is not None and longer.usage.completion_tokens >= ended_at + 10
+    ignoring = client.chat.completions.create(
+        model="smollm2", messages=CHAT, temperature=0, max_tokens=ended_at + 10, extra_body={"ignore_eos": True}
+    )
+    assert ignoring.choices[0].finish_reason == "length"
+    assert ignoring.usage is not None and ignoring.usage.completion_tokens == ended_at + 10
+
+
+def test_top_k_one_samples_the_greedy_continuation(home: Path, reference: dict[str, list[int]]) -> None:
+    prompt = PROMPTS[1]
+    reply = client_of(home).completions.create(
+        model="smollm2", prompt=prompt, max_tokens=MAX_NEW, temperature=1.0, extra_body={"top_k": 1}
+    )
+    assert reply.choices[0].text == load_text_codec("smollm2").decode(reference[prompt])
+
+
+def test_echo_returns_the_prompt_first(home: Path) -> None:
+    reply = client_of(home).completions.create(
+        model="smollm2", prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True
+    )
+    assert reply.choices[0].text.startswith(PROMPTS[0]) and len(reply.choices[0].text) > len(PROMPTS[0])
+
+
+def test_an_unknown_model_is_a_404(home: Path) -> None:
+    with pytest.raises(openai.NotFoundError) as refused:
+        client_of(home).completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert refused.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": 1.0}, "presence_penalty"),
+        ({"logit_bias": {"42": 10}}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+        ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+        ({"extra_body": {"no_such_parameter": 1}}, "no_such_parameter"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"n": 2, "extra_body": {"best_of": 3}}, "best_of"),
+        ({"max_tokens": 300_000_000}, "max_tokens"),
+        ({"temperature": 3}, "temperature"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_what_is_not_implemented_is_a_400_naming_it(home: Path, params: dict[str, object], named: str) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client_of(home).chat.completions.create(model="smollm2", messages=CHAT, **params)  # type: ignore[call-overload]
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == named and error["type"] == "invalid_request_error"
+    assert named in error["message"] or "context length" in error["message"]
+
+
+def test_a_prompt_longer_than_the_context_is_a_400(home: Path) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client_of(home).completions.create(model="smollm2", prompt="word " * 9000, max_tokens=4)
+    assert "maximum context length" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"{",
+        b"[1, 2]",
+        b"\xff\xfe",
+        b'{"prompt": 5}',
+        b'{"prompt": [[]]}',
+        b'{"prompt": [1e400]}',
+        b'{"prompt": "hi", "max_tokens": "ten"}',
+        b'{"prompt": "hi", "stream_options": {"include_usage": true}}',
+        b'{"prompt": "hi", "n": 100}',
+        b'{"prompt": [99999999]}',
+        b"[" * 100_000 + b"]" * 100_000,
+    ],
+)
+def test_malformed_completions_are_4xx_and_the_gateway_serves_on(home: Path, body: bytes) -> None:
+    answer = post(home, "completions", body)
+    assert 400 <= answer.status_code < 500 and "error" in answer.json()
+    ok = client_of(home).completions.create(model="smollm2", prompt="hi", max_tokens=1, temperature=0)
+    assert len(ok.choices) == 1
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[], [{"content": "x"}], [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]],
+)
+def test_malformed_messages_are_a_400(home: Path, messages: list[object]) -> None:
+    answer = post(home, "chat/completions", json.dumps({"messages": messages}).encode())
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+
+
+def test_a_body_over_the_limit_is_refused_while_read(home: Path) -> None:
+    body = json.dumps({"prompt": "x" * (5 * 1024 * 1024), "max_tokens": 1}).encode()
+    answer = post(home, "completions", body)
+    assert answer.status_code == 413 and "exceeds" in answer.json()["error"]["message"]
