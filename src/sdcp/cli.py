@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import signal
 import sys
 import time
@@ -102,13 +101,25 @@ class Role(StrEnum):
     gateway = "gateway"
 
 
-def _serve(role: Role, config_path: Path) -> None:
+class LogLevel(StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+def _serve(role: Role, config_path: Path, log_level: LogLevel, log_json: bool, api_key: str | None = None) -> None:
+    from dataclasses import replace
+
     from sdcp.config import load_config, thread_budget
+    from sdcp.logs import configure_logging
     from sdcp.threads import limit_native_threads
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(log_level.value, json_lines=log_json)
     with user_errors():
         config = load_config(config_path)
+        if api_key is not None:
+            config = replace(config, gateway=replace(config.gateway, api_key=api_key))
         # Before the role's modules import torch: its thread pools read these once.
         limit_native_threads(thread_budget(config, role.value))
         node = _build_node(role, config)
@@ -145,11 +156,35 @@ def _build_node(role: Role, config: Any) -> Any:
     return MLCNode(config)
 
 
-def _role_command(role: Role) -> Callable[[Path], None]:
-    def command(
-        config: Path = typer.Option(..., "--config", help="The instance's TOML configuration (docs/deploy.md)."),
-    ) -> None:
-        _serve(role, config)
+_CONFIG_HELP = "The instance's TOML configuration (docs/deploy.md)."
+_LEVEL_HELP = "Log level."
+_JSON_HELP = "Log one JSON object per line (time, level, logger, message) instead of text lines."
+
+
+def _role_command(role: Role) -> Callable[..., None]:
+    if role is Role.gateway:
+
+        def command(
+            config: Path = typer.Option(..., "--config", help=_CONFIG_HELP),
+            log_level: LogLevel = typer.Option(LogLevel.info, "--log-level", help=_LEVEL_HELP),
+            log_json: bool = typer.Option(False, "--log-json", help=_JSON_HELP),
+            api_key: str = typer.Option(
+                None,
+                "--api-key",
+                envvar="SDCP_API_KEY",
+                help="Require 'Authorization: Bearer KEY' on /v1 (overrides \\[gateway] api_key).",
+            ),
+        ) -> None:
+            _serve(role, config, log_level, log_json, api_key)
+
+    else:
+
+        def command(
+            config: Path = typer.Option(..., "--config", help=_CONFIG_HELP),
+            log_level: LogLevel = typer.Option(LogLevel.info, "--log-level", help=_LEVEL_HELP),
+            log_json: bool = typer.Option(False, "--log-json", help=_JSON_HELP),
+        ) -> None:
+            _serve(role, config, log_level, log_json)
 
     what = "the OpenAI-compatible front end" if role is Role.gateway else f"an SDCP {role.value} instance"
     command.__doc__ = f"Run {what} until SIGINT or SIGTERM."
@@ -222,12 +257,16 @@ def status(home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME o
 def _print_instances(instances: list[Any]) -> None:
     from rich.table import Table
 
-    table = Table("name", "role", "uri", "pid", "state")
+    table = Table()
+    for column in ("name", "role", "uri", "admin", "pid", "state"):
+        # Folded, never cut: a URI is copied from here.
+        table.add_column(column, overflow="fold")
     for instance in instances:
         table.add_row(
             instance.name,
             instance.role,
             instance.uri,
+            instance.admin or "-",
             str(instance.pid),
             "running" if instance.alive() else "[red]stopped[/red]",
         )

@@ -128,14 +128,21 @@ class ClusterClient:
         *,
         logprobs: int | None = None,
         min_new: int | None = None,
+        request: str | None = None,
     ) -> SessionHandle:
         """Open a session; ``logprobs`` asks for log-probabilities with that many alternatives per
         output token, ``min_new`` holds the contract's stop tokens back until that many tokens are
-        out (extensions, docs/interpretations.md)."""
-        request = SessionRequest(
-            prompt=tuple(prompt), contract=contract, sampling=sampling, logprobs=logprobs, min_new=min_new
+        out, ``request`` names the front end's request in every role's log (extensions,
+        docs/interpretations.md)."""
+        wanted = SessionRequest(
+            prompt=tuple(prompt),
+            contract=contract,
+            sampling=sampling,
+            logprobs=logprobs,
+            min_new=min_new,
+            request=request,
         )
-        _, body = await self.peers.get(self.router).post_cbor("sessions", request.to_obj())
+        _, body = await self.peers.get(self.router).post_cbor("sessions", wanted.to_obj())
         return _handle(body)
 
     async def locate(self, handle: SessionHandle) -> SessionHandle:

@@ -49,6 +49,8 @@ class Instance:
     role: str
     uri: str
     pid: int
+    # Base URL of its admin listener (/health, /ready, /metrics, /version).
+    admin: str | None = None
 
     @property
     def port(self) -> int:
@@ -135,12 +137,13 @@ class LocalCluster:
         uris = {name: f"https://127.0.0.1:{free_port()}" for name, _, _ in plan}
         # The gateway's SDCP identity is a client one; its own URI is where the OpenAI API listens.
         uris["gateway"] = f"http://127.0.0.1:{gateway_port or free_port()}/v1"
+        admins = {name: f"http://127.0.0.1:{free_port()}" for name, _, _ in plan}
         make_certs(self.certs, [*(uri for name, uri in uris.items() if name != "gateway"), CLIENT_URI, GATEWAY_URI])
         started: list[Instance] = []
         try:
             for name, role, what in plan:
-                config = self._write_config(name, role, what, uris, model, redis_url)
-                started.append(self._spawn(name, role, uris[name], config))
+                config = self._write_config(name, role, what, uris, admins[name], model, redis_url)
+                started.append(self._spawn(name, role, uris[name], admins[name], config))
                 self._save(started)
             self._wait_ready(started, timeout_s)
         except BaseException:
@@ -157,7 +160,7 @@ class LocalCluster:
         return instances
 
     def _write_config(
-        self, name: str, role: str, what: str, uris: dict[str, str], model: str, redis_url: str | None
+        self, name: str, role: str, what: str, uris: dict[str, str], admin: str, model: str, redis_url: str | None
     ) -> Path:
         uri = GATEWAY_URI if role == "gateway" else uris[name]
         stem = instance_name(uri)
@@ -177,6 +180,7 @@ class LocalCluster:
         if redis_url is not None:
             lines.append(f'redis_url = "{redis_url}"')
         lines += _trust(uris)
+        lines += ["", "[admin]", f'listen = "{admin.removeprefix("http://")}"']
         if role == "verifier":
             lines += ["", "[verifier]", f'model = "{what}"']
         elif role == "drafter":
@@ -188,7 +192,7 @@ class LocalCluster:
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return path
 
-    def _spawn(self, name: str, role: str, uri: str, config: Path) -> Instance:
+    def _spawn(self, name: str, role: str, uri: str, admin: str, config: Path) -> Instance:
         log = open(self.root / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
         with log:
             process = subprocess.Popen(
@@ -199,7 +203,7 @@ class LocalCluster:
                 start_new_session=True,
                 cwd=self.root,
             )
-        return Instance(name=name, role=role, uri=uri, pid=process.pid)
+        return Instance(name=name, role=role, uri=uri, pid=process.pid, admin=admin)
 
     def _save(self, instances: list[Instance]) -> None:
         state = {"instances": [asdict(instance) for instance in instances]}

@@ -222,6 +222,17 @@ class GatewayConfig:
     key: FilePath | None = None
     # The largest request body read; a larger one is refused with 413 while it is being read.
     max_body_bytes: AtLeastOne = 4 * 1024 * 1024
+    # When set, every /v1 request must carry "Authorization: Bearer <api_key>" (else 401).
+    api_key: Text | None = None
+
+
+@dataclass(frozen=True, config=_SECTION)
+class AdminConfig:
+    """The optional operator listener: plain HTTP/1.1 without certificates, serving /health,
+    /ready, /metrics and /version (docs/deploy.md). Off unless ``listen`` is set; an address other
+    than loopback exposes load figures to whoever reaches it."""
+
+    listen: HostPort | None = None
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -249,6 +260,7 @@ class ServiceConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     trust: TrustConfig = field(default_factory=TrustConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
 
 
 _SERVICE_CONFIG = TypeAdapter(ServiceConfig)

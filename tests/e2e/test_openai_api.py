@@ -4,6 +4,11 @@ each parameter vLLM accepts is implemented or refused with a 400 naming it (#19)
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -12,7 +17,9 @@ import pytest
 import torch
 from tests.e2e.support import MAX_NEW, PROMPTS
 
+import sdcp
 from sdcp.cluster import LocalCluster
+from sdcp.localhost import accepts, free_port
 from sdcp.models.registry import load_model
 from sdcp.text import load_text_codec
 
@@ -216,3 +223,71 @@ def test_a_body_over_the_limit_is_refused_while_read(home: Path) -> None:
     body = json.dumps({"prompt": "x" * (5 * 1024 * 1024), "max_tokens": 1}).encode()
     answer = post(home, "completions", body)
     assert answer.status_code == 413 and "exceeds" in answer.json()["error"]["message"]
+
+
+# -- operating the gateway (#19 item 4) -----------------------------------------------------------------
+
+
+def test_every_role_serves_health_readiness_metrics_and_version(home: Path) -> None:
+    for instance in LocalCluster(home).instances():
+        assert instance.admin is not None
+        health = httpx.get(f"{instance.admin}/health", timeout=10)
+        assert health.status_code == 200 and health.json()["role"] == instance.role
+        ready = httpx.get(f"{instance.admin}/ready", timeout=10)
+        assert ready.status_code == 200 and ready.json()["ready"] is True, ready.text
+        version = httpx.get(f"{instance.admin}/version", timeout=10)
+        assert version.json() == {"version": sdcp.__version__, "role": instance.role}
+        # A Prometheus scrape over plain HTTP/1.1, without a client certificate.
+        metrics = httpx.get(f"{instance.admin}/metrics", timeout=10)
+        assert metrics.status_code == 200 and "process_cpu_seconds_total" in metrics.text
+
+
+def test_one_request_id_in_the_gateways_routers_and_verifiers_logs(home: Path) -> None:
+    request_id = f"test-{uuid.uuid4().hex}"
+    client_of(home).completions.create(
+        model="smollm2", prompt="Hi", max_tokens=2, temperature=0, extra_headers={"X-Request-Id": request_id}
+    )
+    logs = home / "cluster" / "logs"
+    for name in ("gateway", "router", "verifier"):
+        lines = [line for line in (logs / f"{name}.log").read_text().splitlines() if request_id in line]
+        assert lines, f"{name}.log does not name {request_id}"
+    access = [line for line in (logs / "gateway.log").read_text().splitlines() if request_id in line][-1]
+    assert "POST /v1/completions 200" in access
+
+
+def test_an_api_key_and_json_logs(home: Path, tmp_path: Path) -> None:
+    root = home / "cluster"
+    config = (root / "gateway.toml").read_text()
+    port, admin = free_port(), free_port()
+    config = re.sub(r'listen = "127.0.0.1:\d+"\n(model)', f'listen = "127.0.0.1:{port}"\n\\1', config)
+    config = re.sub(r'\[admin\]\nlisten = "[^"]+"', f'[admin]\nlisten = "127.0.0.1:{admin}"', config)
+    path = root / "gateway-with-key.toml"
+    path.write_text(config)
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sdcp", "gateway", "--config", str(path), "--api-key", "s3cret", "--log-json"],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            cwd=root,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not accepts(port):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        base = f"http://127.0.0.1:{port}/v1"
+        refused = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            refused.completions.create(model="smollm2", prompt="Hi", max_tokens=1)
+        with pytest.raises(openai.AuthenticationError):
+            refused.models.list()
+        allowed = openai.OpenAI(base_url=base, api_key="s3cret", max_retries=0, timeout=120)
+        assert allowed.completions.create(model="smollm2", prompt="Hi", max_tokens=1).choices
+        assert httpx.get(f"http://127.0.0.1:{admin}/health", timeout=10).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    entries = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    assert {"time", "level", "logger", "message"} <= set(entries[0])
+    assert any(" 401 " in entry["message"] for entry in entries)

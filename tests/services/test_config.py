@@ -135,3 +135,12 @@ def test_cache_ref_authorities_build_the_instance_mlc(tmp_path: Path) -> None:
     assert remote is not mlc and remote.shared.name == "remote"
     with pytest.raises(UnresolvableRef):
         mlc.serving("mlc://elsewhere/-/log/s")
+
+
+def test_a_gateway_on_every_address_without_tls_is_a_one_line_cli_error(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    text = INSTANCE.replace("[instance]", "[instance]\nrouter = 'https://127.0.0.1:9'")
+    path.write_text(text + "\n[gateway]\nmodel = 'tiny'\nlisten = '0.0.0.0:8000'\n", encoding="utf-8")
+    result = CliRunner().invoke(app, ["gateway", "--config", str(path)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "plain HTTP is only allowed on a loopback address" in result.output and "gateway.cert" in result.output

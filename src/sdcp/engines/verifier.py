@@ -335,7 +335,13 @@ class VerifierEngine:
             raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log is fenced at epoch {newest}")
         await self._prefill(message, prompt, committed)
         self.sessions[message.session] = _LiveSession(machine, commit_log, snapshot.etag, owner=message.owner)
-        log.info("%s: session %s open at epoch %d", self.uri, message.session.hex(), message.epoch)
+        log.info(
+            "%s: session %s open at epoch %d (request %s)",
+            self.uri,
+            message.session.hex(),
+            message.epoch,
+            message.request or "-",
+        )
         return machine.state()
 
     async def assign(self, assignment: Assignment) -> SessionState:

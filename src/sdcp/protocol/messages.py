@@ -158,6 +158,19 @@ class _Text(_Kind):
         return value
 
 
+@dataclass(frozen=True)
+class _ShortText(_Text):
+    """Printable ASCII text of at most ``most`` characters (it goes into log lines)."""
+
+    most: int
+
+    def parse(self, value: object, ctx: _Context, where: str) -> str:
+        text = super().parse(value, ctx, where)
+        if not 0 < len(text) <= self.most or not text.isascii() or not text.isprintable():
+            raise ctx.error(f"{where} must be 1 to {self.most} printable ASCII characters")
+        return text
+
+
 class _Bool(_Kind):
     def parse(self, value: object, ctx: _Context, where: str) -> bool:
         if not isinstance(value, bool):
@@ -255,6 +268,7 @@ _TEXT = _Text()
 _HASH = _Bytes(HASH_SIZE)
 _SESSION = _Bytes(SESSION_ID_SIZE)
 _ACTION = _ActionKind()
+_REQUEST_ID = _ShortText(128)
 # A natural logarithm of a probability in millionths (SDCP bodies carry no floats).
 _LOGPROB = _Int(low=-(2**63), high=0)
 
@@ -444,6 +458,8 @@ class SessionOpen(_Message):
     # alternatives per token; the contract's stop tokens cannot be emitted before output index min_new.
     logprobs: int | None = _optional(_UInt(high=MAX_TOP_LOGPROBS))
     min_new: int | None = _optional(_UINT)
+    # Extension: the front end's request id, for the logs of every role (docs/interpretations.md).
+    request: str | None = _optional(_REQUEST_ID)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -456,6 +472,7 @@ class SessionRequest(_Message):
     # Passed on in session-open (docs/interpretations.md).
     logprobs: int | None = _optional(_UInt(high=MAX_TOP_LOGPROBS))
     min_new: int | None = _optional(_UINT)
+    request: str | None = _optional(_REQUEST_ID)
 
 
 @dataclass(frozen=True, kw_only=True)

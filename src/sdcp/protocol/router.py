@@ -214,6 +214,7 @@ class RouterSession:
     # What the front end asked of the output (session-open extensions, docs/interpretations.md).
     logprobs: int | None = None
     min_new: int | None = None
+    request: str | None = None
 
     def open_message(self) -> SessionOpen:
         """session-open for the current verifier; carries ``resume`` after a failover."""
@@ -228,6 +229,7 @@ class RouterSession:
             owner=self.owner,
             logprobs=self.logprobs,
             min_new=self.min_new,
+            request=self.request,
         )
 
     def assignment(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -30,6 +31,7 @@ from sdcp.client import ClusterClient, SessionHandle, build_contract
 from sdcp.config import ConfigError, ServiceConfig
 from sdcp.protocol.messages import TokenLogprob
 from sdcp.protocol.problems import ProtocolError
+from sdcp.services.admin import AdminServer, Readiness
 from sdcp.services.openai_api import (
     Choice,
     Generation,
@@ -86,6 +88,7 @@ class GatewayNode:
         except ValueError as exc:
             raise ConfigError(f"gateway.listen: {exc}; give gateway.cert and gateway.key for TLS") from exc
         self._server: Server | None = None
+        self._admin: AdminServer | None = None
         self._target: dict[str, Any] | None = None
         # Cancellations under way, kept referenced until they are done.
         self._cancelling: set[asyncio.Future[None]] = set()
@@ -108,9 +111,14 @@ class GatewayNode:
     async def start(self) -> None:
         self._server = FrontEndServer(self.app(), self.listener)
         await self._server.start()
+        if self.config.admin.listen is not None:
+            self._admin = AdminServer("gateway", self.config.admin.listen, self.readiness)
+            await self._admin.start()
         log.info("OpenAI-compatible API on %s", self._server.base_url)
 
     async def stop(self) -> None:
+        if self._admin is not None:
+            await self._admin.stop()
         if self._server is not None:
             await self._server.stop()
         if self._cancelling:
@@ -124,9 +132,22 @@ class GatewayNode:
         finally:
             await self.stop()
 
+    async def readiness(self) -> Readiness:
+        """Ready while the router answers and lists a verifier of a target."""
+        try:
+            targets = await self.client.targets()
+        except (ProtocolError, TransportError) as exc:
+            return Readiness(False, f"the router did not answer: {exc}")
+        if not targets:
+            return Readiness(False, "the router lists no verifier")
+        return Readiness(True, f"the router lists {len(targets)} verifier(s)")
+
     # -- routes ----------------------------------------------------------------------------------
 
-    async def models(self, _request: Request) -> Response:
+    async def models(self, request: Request) -> Response:
+        if not self._authorized(request):
+            error = OpenAIError("Incorrect API key provided", status=401, kind="authentication_error")
+            return JSONResponse(error.body(), status_code=401)
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sdcp"}
         if self.codec.context_length is not None:
             model["max_model_len"] = self.codec.context_length
@@ -138,30 +159,37 @@ class GatewayNode:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, chat=True)
 
+    def _authorized(self, request: Request) -> bool:
+        expected = self.settings.api_key
+        if expected is None:
+            return True
+        offered = request.headers.get("authorization", "")
+        return hmac.compare_digest(offered.encode(), f"Bearer {expected}".encode())
+
     async def _serve(self, request: Request, *, chat: bool) -> Response:
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = _request_id(request.headers.get("x-request-id"))
         started = time.perf_counter()
         try:
+            if not self._authorized(request):
+                raise OpenAIError("Incorrect API key provided", status=401, kind="authentication_error")
             body = await self._read_json(request)
             # Tokenizing and rendering a chat template are CPU work: off the event loop.
             generation = await asyncio.to_thread(
                 parse_generation, body, self.codec, served=(self.model_name,), chat=chat
             )
-            request_id = generation.request_id or request_id
-            handles = await self._open_all(generation)
+            request_id = _request_id(generation.request_id) if generation.request_id else request_id
+            handles = await self._open_all(generation, request_id)
         except OpenAIError as exc:
-            log.info("gateway: request %s refused (%d): %s", request_id, exc.status, exc.message)
+            _access(request, exc.status, request_id, started, exc.message)
             return JSONResponse(exc.body(), status_code=exc.status)
         except _ClusterFailed as exc:
+            _access(request, 503, request_id, started, str(exc))
             return _unavailable(str(exc))
         except ClientDisconnect:
+            _access(request, 499, request_id, started, "the client went away")
             return Response(status_code=499)
-        log.info(
-            "gateway: request %s (user %s) opened sessions %s",
-            request_id,
-            generation.user or "-",
-            ", ".join(h.session.hex() for h in handles),
-        )
+        sessions = ",".join(h.session.hex() for h in handles)
+        log.info("gateway: request %s (user %s) opened sessions %s", request_id, generation.user or "-", sessions)
         completion_id = ("chatcmpl-" if chat else "cmpl-") + request_id
         # The sessions of the choices, in choice order, so that an operator can follow them.
         headers = {"X-Request-Id": request_id, "X-SDCP-Sessions": ",".join(h.session.hex() for h in handles)}
@@ -170,7 +198,7 @@ class GatewayNode:
         ]
         if generation.stream:
             return StreamingResponse(
-                self._sse(_merged(streams), generation, completion_id, request_id, started),
+                self._sse(_merged(streams), generation, completion_id, request, request_id, started),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **headers},
             )
@@ -181,8 +209,9 @@ class GatewayNode:
             for task in collecting:
                 task.cancel()
             await asyncio.gather(*collecting, return_exceptions=True)
+            _access(request, 503, request_id, started, str(exc))
             return _unavailable(str(exc))
-        log.info("gateway: request %s answered in %.3f s", request_id, time.perf_counter() - started)
+        _access(request, 200, request_id, started, f"sessions {sessions}")
         return JSONResponse(self._answer(generation, answers, completion_id), headers=headers)
 
     async def _read_json(self, request: Request) -> object:
@@ -201,7 +230,7 @@ class GatewayNode:
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise OpenAIError(f"the request body is not valid JSON: {exc}") from exc
 
-    async def _open_all(self, generation: Generation) -> list[SessionHandle]:
+    async def _open_all(self, generation: Generation, request_id: str) -> list[SessionHandle]:
         """One session per choice; if one cannot be opened, those that were are cancelled."""
         target = await self._target_digests()
         contract = build_contract(
@@ -219,6 +248,7 @@ class GatewayNode:
                     contract,
                     logprobs=generation.logprobs,
                     min_new=generation.min_tokens or None,
+                    request=request_id,
                 )
                 for choice in generation.choices
             ),
@@ -357,6 +387,7 @@ class GatewayNode:
         pieces: AsyncIterator[_Piece],
         generation: Generation,
         completion_id: str,
+        request: Request,
         request_id: str,
         started: float,
     ) -> AsyncIterator[bytes]:
@@ -402,7 +433,7 @@ class GatewayNode:
         else:
             if generation.include_usage:
                 yield event([], _usage(generation.prompt_tokens, sum(counts.values())))
-            log.info("gateway: request %s streamed in %.3f s", request_id, time.perf_counter() - started)
+            _access(request, 200, request_id, started, "streamed")
         yield b"data: [DONE]\n\n"
 
 
@@ -444,6 +475,22 @@ async def _merged(streams: list[AsyncIterator[_Piece]]) -> AsyncIterator[_Piece]
         for stream in streams:
             with contextlib.suppress(Exception):
                 await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _access(request: Request, status: int, request_id: str, started: float, note: str) -> None:
+    """The access log: one line a request, with its request id (also in the router's and the
+    verifier's lines for its sessions)."""
+    elapsed = time.perf_counter() - started
+    client = request.client.host if request.client else "-"
+    path = request.url.path
+    log.info("%s %s %s %d request %s %.3f s: %s", client, request.method, path, status, request_id, elapsed, note)
+
+
+def _request_id(offered: str | None) -> str:
+    """The client's request id when it is one we can log safely, else a new one."""
+    if offered and len(offered) <= 128 and offered.isascii() and offered.isprintable():
+        return offered
+    return uuid.uuid4().hex
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

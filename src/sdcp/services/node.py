@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine
 from typing import Any
@@ -20,6 +21,7 @@ from sdcp.engines.errors import SessionNotFound, Unavailable
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.protocol.codec import DEFAULT_MAX_SIZE
 from sdcp.protocol.messages import Status, instance_path_id
+from sdcp.services.admin import AdminServer, Readiness
 from sdcp.services.authz import Trust
 from sdcp.services.mlc_client import RemoteStore
 from sdcp.transport.asgi import exception_handlers, problem_response
@@ -91,7 +93,10 @@ class Node(ABC):
         instance = config.instance
         self.peers = PeerClients(instance.cert, instance.key, instance.ca)
         self._server: Server | None = None
+        self._admin: AdminServer | None = None
         self._tasks = BackgroundTasks(self.uri, log)
+        # When the router last took this instance's status report (time.monotonic).
+        self._reported_at: float | None = None
 
     @abstractmethod
     def routes(self) -> list[BaseRoute]:
@@ -106,6 +111,16 @@ class Node(ABC):
         """This instance's current status report (SDCP 5.2); None for instances that report none
         (the router itself, an MLC node: status roles are drafter and verifier only)."""
         return None
+
+    async def readiness(self) -> Readiness:
+        """Whether the instance can do its work (GET /ready on the admin listener): an instance that
+        reports status is ready while the router holds a report of it that has not expired."""
+        if self.status() is None:
+            return Readiness(True, "serving")
+        ttl_s = self.config.instance.ttl_ms / 1000
+        if self._reported_at is None or time.monotonic() - self._reported_at > ttl_s:
+            return Readiness(False, "not registered at the router")
+        return Readiness(True, "registered at the router")
 
     async def on_start(self) -> None:  # noqa: B027 - an optional hook
         """Role-specific start-up, before the listener opens."""
@@ -146,10 +161,15 @@ class Node(ABC):
         await self._server.start()
         if instance.router is not None and instance.router != self.uri and self.status() is not None:
             self.spawn(self._report_status_forever(instance.router))
+        if self.config.admin.listen is not None:
+            self._admin = AdminServer(self.role, self.config.admin.listen, self.readiness)
+            await self._admin.start()
         log.info("%s listening on %s", type(self).__name__, self.uri)
 
     async def stop(self) -> None:
         await self._tasks.cancel_all()
+        if self._admin is not None:
+            await self._admin.stop()
         if self._server is not None:
             await self._server.stop()
         await self.on_stop()
@@ -179,6 +199,7 @@ class Node(ABC):
         if status is not None:
             path = f"instances/{instance_path_id(self.uri)}/status"
             await self.peers.get(router).put_cbor(path, status.to_obj())
+            self._reported_at = time.monotonic()
 
     def report_status_soon(self) -> None:
         """Send a status report now, besides the periodic ones (a measurement the router awaits)."""

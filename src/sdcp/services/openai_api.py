@@ -44,7 +44,7 @@ class OpenAIError(Exception):
         self.status = status
         self.kind = kind
         self.param = param
-        self.code: str | None = {404: "model_not_found"}.get(status)
+        self.code: str | None = {401: "invalid_api_key", 404: "model_not_found"}.get(status)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.kind, self.param, self.code)

@@ -56,6 +56,7 @@ from sdcp.protocol.router import (
     drafter_rate,
     prefer_idle_and_accepting,
 )
+from sdcp.services.admin import Readiness
 from sdcp.services.authz import Party, SessionParties
 from sdcp.services.node import Node
 from sdcp.transport.asgi import cbor_response, read_cbor_body
@@ -153,6 +154,13 @@ class RouterNode(Node):
         self.sessions: dict[bytes, _TrackedSession] = {}
         self._wake = asyncio.Event()
 
+    async def readiness(self) -> Readiness:
+        """Ready once a verifier and a drafter are registered (their reports have not expired)."""
+        now = self.clock()
+        verifiers, drafters = (len(self.registry.live(role, now)) for role in (Role.VERIFIER, Role.DRAFTER))
+        reason = f"{verifiers} verifier(s) and {drafters} drafter(s) registered"
+        return Readiness(verifiers > 0 and drafters > 0, reason)
+
     async def on_start(self) -> None:
         self.spawn(self._maintain_forever())
 
@@ -207,7 +215,12 @@ class RouterNode(Node):
         elif event.kind in (Action.FINISH, Action.FAIL):
             self._end(tracked, event.kind)
         else:
-            log.info("%s: event %s for session %s needs no router action", self.uri, event.kind.name, tracked.path_id)
+            log.info(
+                "%s: event %s for session %s needs no router action",
+                self.uri,
+                event.kind.name,
+                tracked.plan.session.hex(),
+            )
         return Response(status_code=204)
 
     # -- client API ------------------------------------------------------------------------------
@@ -262,6 +275,7 @@ class RouterNode(Node):
                 owner=owner,
                 logprobs=wanted.logprobs,
                 min_new=wanted.min_new,
+                request=wanted.request,
             )
             try:
                 # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
@@ -282,6 +296,7 @@ class RouterNode(Node):
                 refused.append(verifier)
         tracked = _TrackedSession(plan, wanted.prompt)
         self.sessions[session] = tracked
+        log.info("%s: session %s opened at %s (request %s)", self.uri, session.hex(), verifier, wanted.request or "-")
         SESSIONS_OPEN.labels(self.uri).inc()
         async with tracked.lock:
             if wanted.sampling is not None:
@@ -290,7 +305,7 @@ class RouterNode(Node):
             try:
                 await self._assign_drafter(tracked)
             except (ProtocolError, TransportError) as exc:
-                log.warning("%s: session %s opened without a drafter: %s", self.uri, tracked.path_id, exc)
+                log.warning("%s: session %s opened without a drafter: %s", self.uri, tracked.plan.session.hex(), exc)
         return tracked
 
     async def get_session(self, request: Request) -> Response:
@@ -406,9 +421,9 @@ class RouterNode(Node):
                 if exc.problem is ProblemType.SESSION_CLOSED:
                     self._end(tracked, Action.FINISH)
                     return
-                log.warning("%s: session %s: %s", self.uri, tracked.path_id, exc)
+                log.warning("%s: session %s: %s", self.uri, tracked.plan.session.hex(), exc)
             except Exception as exc:  # noqa: BLE001 - the change is retried on the next tick
-                log.warning("%s: session %s: %r", self.uri, tracked.path_id, exc)
+                log.warning("%s: session %s: %r", self.uri, tracked.plan.session.hex(), exc)
 
     async def _assign_drafter(
         self, tracked: _TrackedSession, *, avoid: Sequence[str] = (), only_if_missing: bool = False
@@ -427,7 +442,7 @@ class RouterNode(Node):
             choice = self._choose(tracked, avoid=avoid, skip=unreachable, self_decode=self_decode)
             if choice is None:
                 tracked.plan.drafter = None
-                log.info("%s: session %s waits for a drafter", self.uri, tracked.path_id)
+                log.info("%s: session %s waits for a drafter", self.uri, tracked.plan.session.hex())
                 return
             if choice.drafter is None:
                 try:
@@ -535,7 +550,7 @@ class RouterNode(Node):
         tracked.decided_at = self.clock()
         tracked.serve(SELF_DECODING)
         CHOICES.labels(self.uri, "self").inc()
-        log.info("%s: session %s decoded by verifier %s alone", self.uri, tracked.path_id, plan.verifier)
+        log.info("%s: session %s decoded by verifier %s alone", self.uri, tracked.plan.session.hex(), plan.verifier)
 
     async def _after_switch(self, tracked: _TrackedSession, *, avoid: Sequence[str]) -> None:
         tracked.self_decoding = False
@@ -571,7 +586,7 @@ class RouterNode(Node):
         tracked.decided_at = self.clock()
         tracked.serve(drafter)
         ASSIGNMENTS.labels(self.uri).inc()
-        log.info("%s: session %s assigned to %s at round %d", self.uri, tracked.path_id, drafter, read_at)
+        log.info("%s: session %s assigned to %s at round %d", self.uri, tracked.plan.session.hex(), drafter, read_at)
 
     async def _fail_over(self, tracked: _TrackedSession) -> None:
         """SDCP 6.9 verifier failure: fence, replay the log, resume at another verifier, reassign."""
@@ -580,7 +595,7 @@ class RouterNode(Node):
             return
         verifier = self._pick_verifier(plan.contract, avoid=[plan.verifier])
         if verifier is None:
-            log.info("%s: session %s waits for a verifier", self.uri, tracked.path_id)
+            log.info("%s: session %s waits for a verifier", self.uri, tracked.plan.session.hex())
             return
         # SDCP 6.9: the fence comes first, so the old verifier can no longer commit or release output.
         # Fencing the same epoch again appends nothing, so a failover retried next tick is safe.
@@ -592,7 +607,7 @@ class RouterNode(Node):
         # The new verifier knows nothing of a self-decoding period the old one was asked for.
         tracked.self_decoding = False
         FAILOVERS.labels(self.uri).inc()
-        log.info("%s: session %s moved to %s at epoch %d", self.uri, tracked.path_id, verifier, moved.epoch)
+        log.info("%s: session %s moved to %s at epoch %d", self.uri, tracked.plan.session.hex(), verifier, moved.epoch)
         if moved.sampling is not None:
             # The new verifier knows only the contract; the current profile must follow the session.
             await self._send_policy(
@@ -647,7 +662,7 @@ class RouterNode(Node):
         tracked.ended = True
         tracked.plan.drafter = None
         SESSIONS_OPEN.labels(self.uri).dec()
-        log.info("%s: session %s ended (%s)", self.uri, tracked.path_id, kind.name.lower())
+        log.info("%s: session %s ended (%s)", self.uri, tracked.plan.session.hex(), kind.name.lower())
         self.spawn(self._forget_later(tracked))
 
     async def _forget_later(self, tracked: _TrackedSession) -> None:

@@ -102,6 +102,12 @@ class Listener:
             raise ValueError(f"plain HTTP is only allowed on a loopback address, not {host!r}")
         return cls(host, port, None, require_http2=False)
 
+    @classmethod
+    def admin(cls, host: str, port: int) -> Listener:
+        """The operator listener: plain HTTP/1.1 on any address, for probes and scrapers that carry
+        no certificate (health, readiness, metrics; no session content)."""
+        return cls(host, port, None, require_http2=False)
+
     @property
     def scheme(self) -> str:
         return "https" if self.ssl_context is not None else "http"
