@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from sdcp.conformance.cli import conformance_app
 from sdcp.models.cli import models_app
@@ -38,7 +39,7 @@ _CANCEL_WAIT_S = 5.0
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    err_console.print(f"[red]sdcp:[/red] {message}", highlight=False)
+    err_console.print(f"[red]sdcp:[/red] {escape(message)}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -55,6 +56,8 @@ def user_errors() -> Iterator[None]:
 
     try:
         yield
+    except ModuleNotFoundError as exc:
+        fail(_missing_extra(exc.name or ""))
     except (ClusterError, ConfigError, ModelError, CacheError, ServerStartError, OSError) as exc:
         fail(str(exc))
     except TransportError as exc:
@@ -63,6 +66,26 @@ def user_errors() -> Iterator[None]:
         fail(f"{exc.type_uri}: {exc.detail}")
     except KeyboardInterrupt:
         fail("interrupted", 130)
+
+
+# Which extra of the package brings a module a command needs (pyproject.toml).
+_EXTRA_OF_MODULE = {
+    "torch": "verifier",
+    "transformers": "verifier",
+    "safetensors": "verifier",
+    "gguf": "verifier",
+    "accelerate": "verifier",
+    "tokenizers": "gateway",
+    "jinja2": "gateway",
+    "matplotlib": "bench",
+}
+
+
+def _missing_extra(module: str) -> str:
+    extra = _EXTRA_OF_MODULE.get(module.split(".")[0])
+    if extra is None:
+        return f"the Python module {module!r} is missing; reinstall sdcp"
+    return f"this command needs {module!r}: pip install 'sdcp[{extra}]' (or 'sdcp[all]')"
 
 
 @app.command()
@@ -475,7 +498,7 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="A reduced set that runs in under 10 minutes."),
     out: Path = typer.Option(Path("bench"), "--out", help="Directory for results.json, results.md and plots."),
     model: str = typer.Option("smollm2", help="Target model of every system."),
-    prompts: Path = typer.Option(None, help="Prompt directory (default benchmarks/prompts)."),
+    prompts: Path = typer.Option(None, help="Prompt directory (default: the set in the package, sdcp/bench/prompts)."),
     per_workload: int = typer.Option(None, "--per-workload", min=1, help="Prompts per workload."),
     max_new: int = typer.Option(None, "--max-new", min=1, help="Tokens per generation."),
     repeats: int = typer.Option(None, min=1, help="Runs of every system on every prompt."),

@@ -1,4 +1,4 @@
-"""The committed prompt set of the benchmarks (benchmarks/prompts/<workload>.txt).
+"""The committed prompt set of the benchmarks (sdcp/bench/prompts/<workload>.txt, in the package).
 
 Each file holds prompts separated by a line that is exactly ``---``; lines starting with ``#`` are
 comments. Prompts are tokenized with the model's chat template when it has one (SmolLM2-Instruct
@@ -28,7 +28,7 @@ __all__ = [
 CORE_WORKLOADS = ("repetitive", "nonrepetitive", "mixed")
 CHAT_WORKLOADS = ("copyedit", "open")
 WORKLOADS = (*CORE_WORKLOADS, *CHAT_WORKLOADS)
-DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "prompts"
+DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 _SEPARATOR = "---"
 
 
