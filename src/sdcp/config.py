@@ -32,7 +32,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, ValidationInfo
+from pydantic import (
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+)
 from pydantic.dataclasses import dataclass
 from pydantic_core import ErrorDetails
 
@@ -92,6 +101,8 @@ Text = Annotated[str, Strict()]
 FilePath = Annotated[Path, BeforeValidator(_relative_to_file)]
 HttpsURI = Annotated[str, Strict(), BeforeValidator(_https_uri)]
 HostPort = Annotated[str, Strict(), BeforeValidator(_host_port)]
+Device = Annotated[str, Strict(), StringConstraints(pattern=r"^(cpu|mps|cuda(:\d+)?)$")]
+ModelDtype = Literal["float32", "bfloat16", "float16"]
 OWN_MLC = "own"
 MLCRoute = Annotated[str, Strict(), BeforeValidator(lambda v: v if v == OWN_MLC else _https_uri(v))]
 
@@ -157,6 +168,10 @@ class MLCConfig:
 @dataclass(frozen=True, config=_SECTION)
 class VerifierConfig:
     model: Text = "smollm2"
+    # Where and in which precision the target runs (docs/deploy.md): "cpu", "cuda", "cuda:N" or
+    # "mps"; "float32", "bfloat16" or "float16".
+    device: Device = "cpu"
+    dtype: ModelDtype = "float32"
     batch_window_ms: Seconds = 2.0
     max_batch: AtLeastOne = 16
     # The KV slot pool (docs/models.md): sessions in it, positions per session (0 = the model's
@@ -184,6 +199,9 @@ NGRAM_DRAFTER = "ngram"
 @dataclass(frozen=True, config=_SECTION)
 class DrafterConfig:
     model: Text = NGRAM_DRAFTER
+    # For a model drafter (hf:NAME), as the verifier's.
+    device: Device = "cpu"
+    dtype: ModelDtype = "float32"
     # The target whose vocabulary the drafter's rows must match (SDCP 5.2 q_rows).
     target: Text = "smollm2"
     # Draft rows are leased this long (SDCP 6.2); a lease of no time would never hold.

@@ -121,8 +121,15 @@ class _LMSession:
 class HFDrafter:
     """A Hugging Face causal LM as drafter: samples each token from the row it publishes."""
 
-    def __init__(self, model: PreTrainedModel, *, name: str, device: str | torch.device | None = None) -> None:
-        self.model = with_packed_linears(model.to(device=device or "cpu", dtype=torch.float32).eval())
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        name: str,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.model = with_packed_linears(model.to(device=device or "cpu", dtype=dtype).eval())
         self.name = name
         self.runs_inline = False
         self._sessions: dict[SessionId, _LMSession] = {}

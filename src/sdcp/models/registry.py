@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from sdcp.models import tiny
 from sdcp.models.draft import Drafter, HFDrafter, NgramDrafter
-from sdcp.models.errors import UnknownModel
+from sdcp.models.errors import ModelError, UnknownModel
 from sdcp.models.paths import TINY_DRAFT_NAME, TINY_NAME, model_dir
 from sdcp.models.target import DEFAULT_KV_SLOTS, TargetModel
 
@@ -68,18 +68,46 @@ def load_model(name_or_path: str, home: Path | None = None) -> LoadedModel:
     return LoadedModel(name_or_path, model, tokenizer)
 
 
+def torch_placement(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """A configured device ("cpu", "cuda", "cuda:N", "mps") and dtype ("float32", "bfloat16",
+    "float16") as torch's; a device this host lacks is a ModelError with one line."""
+    try:
+        placed = torch.device(device)
+    except RuntimeError as exc:
+        raise ModelError(f"device {device!r} is not a torch device: {exc}") from exc
+    available = {
+        "cpu": True,
+        "cuda": torch.cuda.is_available() and (placed.index is None or placed.index < torch.cuda.device_count()),
+        "mps": torch.backends.mps.is_available(),
+    }
+    if not available.get(placed.type, False):
+        raise ModelError(f"device {device!r} is not available on this host")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise ModelError(f"dtype {dtype!r} is not one of {', '.join(dtypes)}")
+    return placed, dtypes[dtype]
+
+
 def load_target(
     name_or_path: str,
     *,
     home: Path | None = None,
-    device: str | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
     kv_slots: int = DEFAULT_KV_SLOTS,
     kv_capacity: int | None = None,
 ) -> TargetModel:
     """The target model; ``kv_slots`` and ``kv_capacity`` size its KV slot pool (TargetModel)."""
+    placed, torch_dtype = torch_placement(device, dtype)
     loaded = load_model(name_or_path, home)
     return TargetModel(
-        loaded.model, loaded.tokenizer, name=loaded.name, device=device, kv_slots=kv_slots, kv_capacity=kv_capacity
+        loaded.model,
+        loaded.tokenizer,
+        name=loaded.name,
+        device=placed,
+        dtype=torch_dtype,
+        kv_slots=kv_slots,
+        kv_capacity=kv_capacity,
     )
 
 
@@ -88,14 +116,16 @@ def load_drafter(
     *,
     vocab_size: int,
     home: Path | None = None,
-    device: str | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> Drafter:
     """A drafter from its configured spec; `vocab_size` is the target's (rows must match it)."""
     if spec == NGRAM_SPEC:
         return NgramDrafter(vocab_size)
     if spec.startswith(HF_PREFIX) and len(spec) > len(HF_PREFIX):
+        placed, torch_dtype = torch_placement(device, dtype)
         loaded = load_model(spec.removeprefix(HF_PREFIX), home)
-        drafter = HFDrafter(loaded.model, name=spec, device=device)
+        drafter = HFDrafter(loaded.model, name=spec, device=placed, dtype=torch_dtype)
         if drafter.vocab_size != vocab_size:
             raise UnknownModel(f"drafter {spec} has vocabulary {drafter.vocab_size}, the target {vocab_size}")
         return drafter

@@ -66,12 +66,14 @@ class TargetModel:
         *,
         name: str = "model",
         device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
         kv_slots: int = DEFAULT_KV_SLOTS,
         kv_capacity: int | None = None,
     ) -> None:
-        # Verification runs in fp32: bf16 changes greedy outputs of SmolLM2 on this machine. The
-        # caller's model is left as it is; ours shares its weights (sdcp.models.packed).
-        self.model = with_packed_linears(model.to(device=device or "cpu", dtype=torch.float32).eval())
+        # Verification runs in fp32 by default: bf16 changes greedy outputs of SmolLM2 on a CPU, and
+        # its weights digest differs (the dtype is part of it). The caller's model is left as it is;
+        # ours shares its weights (sdcp.models.packed).
+        self.model = with_packed_linears(model.to(device=device or "cpu", dtype=dtype).eval())
         if not supports_ragged_attention(self.model):
             raise ModelError(f"target {name}: sliding-window or soft-capped attention is not supported")
         use_ragged_attention(self.model)
@@ -230,13 +232,16 @@ class TargetModel:
         with self._lock:
             tokens = self.committed_tokens(session)
             tensors = self.session_kv(session)
-        return encode_kv(self.weights_digest, tokens, tensors)
+        # The blob format is float32 on the host, whatever the model's dtype and device.
+        as_float32 = [(k.to("cpu", torch.float32), v.to("cpu", torch.float32)) for k, v in tensors]
+        return encode_kv(self.weights_digest, tokens, as_float32)
 
     def import_kv(self, session: SessionId, data: bytes, committed_tokens: Sequence[int]) -> None:
         """Open `session` from an exported blob instead of a prefill (failover, SDCP 6.9)."""
         tokens = self._checked_tokens(committed_tokens)
         tensors = decode_kv(data, self.weights_digest, tokens, self._kv_shapes(len(tokens) - 1))
-        on_device = [(k.to(self.device), v.to(self.device)) for k, v in tensors]
+        dtype = next(self.model.parameters()).dtype
+        on_device = [(k.to(self.device, dtype), v.to(self.device, dtype)) for k, v in tensors]
         self._add_session(session, tokens, lambda buffers: kvcache.cache_from_tensors(self.model, on_device, buffers))
 
     def _add_session(

@@ -62,7 +62,12 @@ class DrafterNode(Node):
         super().__init__(config, mlc)
         settings = config.drafter
         if drafter is None:
-            drafter = load_drafter(settings.model, vocab_size=target_vocab_size(settings.target))
+            drafter = load_drafter(
+                settings.model,
+                vocab_size=target_vocab_size(settings.target),
+                device=settings.device,
+                dtype=settings.dtype,
+            )
         self.engine = DrafterEngine(
             uri=self.uri,
             settings=settings,

@@ -55,7 +55,13 @@ class VerifierNode(Node):
         super().__init__(config, mlc)
         settings = config.verifier
         if target is None:
-            target = load_target(settings.model, kv_slots=settings.kv_slots, kv_capacity=settings.kv_capacity or None)
+            target = load_target(
+                settings.model,
+                device=settings.device,
+                dtype=settings.dtype,
+                kv_slots=settings.kv_slots,
+                kv_capacity=settings.kv_capacity or None,
+            )
         self.engine = VerifierEngine(
             uri=self.uri,
             settings=settings,
