@@ -346,9 +346,7 @@ def generate(
             samples = bool(temperature) or top_k is not None or top_p is not None
             rule = RuleName.sampling if samples else RuleName.greedy
         cluster = LocalCluster(home)
-        if not cluster.running():
-            with err_console.status("starting the local cluster (first time: loads the model)..."):
-                cluster.up(model=model)
+        _ensure_running(cluster, model)
         result = asyncio.run(
             _generate(
                 cluster,
@@ -362,6 +360,21 @@ def generate(
         )
     if as_json:
         typer.echo(json.dumps(result))
+
+
+def _ensure_running(cluster: Any, model: str) -> None:
+    """Start the local cluster, or restart only the instances of it that stopped."""
+    if cluster.running():
+        return
+    stopped = cluster.stopped()
+    if stopped:
+        names = ", ".join(instance.name for instance in stopped)
+        err_console.print(f"restarting {names}, which stopped (logs in {cluster.root / 'logs'})", highlight=False)
+        with err_console.status(f"restarting {names}..."):
+            cluster.restart_stopped()
+        return
+    with err_console.status("starting the local cluster (first time: loads the model)..."):
+        cluster.up(model=model)
 
 
 def _load_tokenizer(model: str, home: Path | None) -> Any:

@@ -123,12 +123,16 @@ class LocalCluster:
         gateway_port: int = 8000,
         timeout_s: float = 180.0,
     ) -> list[Instance]:
-        """Start router, verifier, drafters and the gateway as separate processes; wait until they serve."""
+        """Start router, verifier, drafters and the gateway as separate processes; wait until they
+        serve. A cluster of which some instances stopped gets those restarted, the others untouched."""
         if self.running():
             return self.instances()
-        self.down()
+        if self.instances():
+            return self.restart_stopped(timeout_s)
         if gateway_port and accepts(gateway_port):
-            raise ClusterError(f"port {gateway_port} is busy; choose another with --gateway-port (0 picks a free one)")
+            raise ClusterError(
+                f"port {gateway_port} is busy; start the cluster with `sdcp up --gateway-port N` (0 picks a free one)"
+            )
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         plan = [("router", "router", "router")]
         plan.append(("verifier", "verifier", model))
@@ -151,6 +155,23 @@ class LocalCluster:
             self.state_file.unlink(missing_ok=True)
             raise
         return started
+
+    def stopped(self) -> list[Instance]:
+        return [instance for instance in self.instances() if not instance.alive()]
+
+    def restart_stopped(self, timeout_s: float = 180.0) -> list[Instance]:
+        """Start again, with their own configuration and addresses, the instances that stopped."""
+        instances = self.instances()
+        restarted = [
+            self._spawn(i.name, i.role, i.uri, i.admin, self.root / f"{i.name}.toml")
+            for i in instances
+            if not i.alive()
+        ]
+        by_name = {instance.name: instance for instance in restarted}
+        current = [by_name.get(instance.name, instance) for instance in instances]
+        self._save(current)
+        self._wait_ready(restarted, timeout_s)
+        return current
 
     def down(self, timeout_s: float = 10.0) -> list[Instance]:
         """Stop every instance of the cluster (SIGTERM, then SIGKILL after ``timeout_s``)."""
@@ -192,11 +213,13 @@ class LocalCluster:
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return path
 
-    def _spawn(self, name: str, role: str, uri: str, admin: str, config: Path) -> Instance:
+    def _spawn(self, name: str, role: str, uri: str, admin: str | None, config: Path) -> Instance:
         log = open(self.root / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
         with log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "sdcp", role, "--config", str(config)],
+                # Models load from this cluster's home, whatever the caller's $SDCP_HOME says.
+                env={**os.environ, "SDCP_HOME": str(self.home)},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from tests.e2e.conftest import fresh_home
 from tests.e2e.support import MAX_NEW, PROMPTS, sdcp
 
 from sdcp.cluster import LocalCluster
@@ -218,3 +219,45 @@ def test_ctrl_c_in_generate_cancels_the_session(home: Path) -> None:
     before = asyncio.run(_committed_by_the_verifier(home))
     time.sleep(2.0)
     assert asyncio.run(_committed_by_the_verifier(home)) == before, "the verifier still decodes the session"
+
+
+def test_generate_restarts_only_the_instance_that_died(home: Path, reference: dict[str, list[int]]) -> None:
+    cluster = LocalCluster(home)
+    before = {instance.name: instance.pid for instance in cluster.instances()}
+    drafter = next(instance for instance in cluster.instances() if instance.role == "drafter")
+    os.kill(drafter.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while drafter.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result = sdcp(home, "generate", "--max-new", str(MAX_NEW), PROMPTS[0])
+    assert result.returncode == 0, result.stderr
+    assert f"restarting {drafter.name}" in result.stderr
+    after = {instance.name: instance.pid for instance in cluster.instances()}
+    assert after[drafter.name] != before[drafter.name]
+    assert {n: p for n, p in after.items() if n != drafter.name} == {
+        n: p for n, p in before.items() if n != drafter.name
+    }
+    assert cluster.running()
+
+
+def test_home_means_the_same_for_every_command(tmp_path: Path) -> None:
+    # $SDCP_HOME names a home without models; --home one with them: every command uses --home.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "home").mkdir()
+    home = fresh_home(tmp_path / "home")
+    env = {**os.environ, "SDCP_HOME": str(elsewhere)}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "sdcp", *args, "--home", str(home)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=False)
+
+    started = run("up", "--gateway-port", "0")
+    try:
+        assert started.returncode == 0, started.stderr
+        generated = run("generate", "--max-new", "4", PROMPTS[0])
+        assert generated.returncode == 0, generated.stderr
+        assert run("status").returncode == 0
+        assert not (elsewhere / "cluster").exists()
+    finally:
+        assert run("down").returncode == 0
