@@ -141,22 +141,23 @@ class GatewaySystem(ClusterSystem):
             request["prompt"] = prompt.text
         endpoint = "chat/completions" if self.chat else "completions"
         started = time.perf_counter()
-        answer = await asyncio.to_thread(_post_json, f"{self.cluster.gateway}/{endpoint}", request)
+        sessions = await asyncio.to_thread(_ask_gateway, f"{self.cluster.gateway}/{endpoint}", request)
         seconds = time.perf_counter() - started
-        # The completion id names the session (sdcp.services.gateway).
-        session = bytes.fromhex(str(answer["id"]).split("-", 1)[1])
+        (session,) = sessions
         handle = await self.client.locate(SessionHandle(session, 1, "", None))
         result = await self.session_result(handle, seconds)
         result.tokens = [token for chunk in [c async for c in self.client.stream(handle)] for token in chunk.tokens]
         return result
 
 
-def _post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+def _ask_gateway(url: str, body: dict[str, Any]) -> list[bytes]:
+    """POST a request to the gateway; the sessions of its choices (the X-SDCP-Sessions header)."""
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
     with urllib.request.urlopen(request, timeout=_GATEWAY_TIMEOUT_S) as response:  # noqa: S310 - loopback
         answer = json.loads(response.read())
-    if not isinstance(answer, dict) or "id" not in answer:
-        raise RuntimeError(f"the gateway at {url} answered without a completion id")
-    return answer
+        sessions = response.headers.get("X-SDCP-Sessions", "")
+    if not isinstance(answer, dict) or not sessions:
+        raise RuntimeError(f"the gateway at {url} answered without its sessions")
+    return [bytes.fromhex(session) for session in sessions.split(",")]
