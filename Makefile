@@ -42,9 +42,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The networked MLC tier and commit-log tests need a real redis-server, the fault tests ip and
-# iptables (Debian packages).
+# iptables, the dashboard's browser test chromium and chromedriver (Debian packages).
 redis:
 	@command -v redis-server >/dev/null && command -v ip >/dev/null && command -v iptables >/dev/null \
+		&& command -v chromium >/dev/null && command -v chromedriver >/dev/null \
 		|| scripts/install-system-packages
 
 # The bundled SmolLM2 model, fetched and converted once into the model cache.

@@ -4,6 +4,8 @@ finds its TOML, its certificates and probes on the admin listener it configures.
 
 from __future__ import annotations
 
+import importlib
+import json
 import re
 import shutil
 import subprocess
@@ -13,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import REGISTRY
 
 from sdcp.config import load_config
 from sdcp.transport.certs import instance_name, make_certs
@@ -118,3 +121,25 @@ def test_each_pod_finds_its_configuration_certificates_and_probes(workload: str)
     (certs,) = [v for v in pod["volumes"] if v["name"] == "certs"]
     secrets = {source["secret"]["name"] for source in certs["projected"]["sources"]}
     assert secrets == {"sdcp-ca", f"sdcp-{workload}"}
+
+
+def test_the_grafana_dashboard_queries_metrics_that_exist() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "sdcp.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    assert len(exprs) >= 20
+    # Import every module that defines metrics, then read the registry: each name a query uses is one
+    # of ours (a counter's samples end in _total, a histogram's in _bucket).
+    for module in ("sdcp.engines.verifier", "sdcp.engines.drafter", "sdcp.services.router", "sdcp.services.gateway"):
+        importlib.import_module(module)
+    names = {sample for family in REGISTRY.collect() for sample in _sample_names(family)}
+    used = {name for expr in exprs for name in re.findall(r"\b(sdcp[_:][a-z0-9_:]+)", expr)}
+    assert used and used <= names, sorted(used - names)
+    documented = (DEPLOY.parent / "docs" / "observability.md").read_text()
+    for name in used:
+        family = re.sub(r"_(total|bucket|count|sum)$", "", name)
+        assert family in documented, f"{family} is not in docs/observability.md"
+
+
+def _sample_names(family: Any) -> set[str]:
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    return {family.name + suffix for suffix in suffixes.get(family.type, ("",))}

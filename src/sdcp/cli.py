@@ -244,6 +244,13 @@ def up(
                 model=model, drafters=tuple(drafter or DEFAULT_DRAFTERS), redis_url=redis, gateway_port=gateway_port
             )
     _print_instances(instances)
+    _print_dashboard(LocalCluster(home))
+
+
+def _print_dashboard(cluster: Any) -> None:
+    dashboard = cluster.dashboard
+    if dashboard is not None:
+        err_console.print(f"dashboard: {dashboard}", highlight=False)
 
 
 def _check_redis(url: str) -> None:
@@ -275,6 +282,68 @@ def status(home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME o
     if not instances:
         fail("no local cluster is running; start one with `sdcp up`")
     _print_instances(instances)
+
+
+@app.command()
+def trace(
+    session: str = typer.Argument(..., help="The session id in hex, as the logs print it."),
+    as_json: bool = typer.Option(False, "--json", help="Print the rounds as JSON instead of a table."),
+    router: str = typer.Option(None, help="A deployment's router (default: the local cluster's)."),
+    cert: Path = typer.Option(None, help="With --router: the operator's certificate."),
+    key: Path = typer.Option(None, help="With --router: its key."),
+    ca: Path = typer.Option(None, help="With --router: the deployment's CA."),
+    home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp)."),
+) -> None:
+    """Show a session's timeline: each round's drafter, M, accepted tokens, verdict, and where its
+    time went (queue for a pass, q-row fetch, scoring, commit-log append, the rest)."""
+    from sdcp.cluster import LocalCluster
+
+    try:
+        session_id = bytes.fromhex(session)
+        if len(session_id) != 16:
+            raise ValueError("a session id is 16 bytes")
+    except ValueError as exc:
+        fail(f"{session!r} is not a session id in hex: {exc}")
+    with user_errors():
+        if router is None:
+            cluster = LocalCluster(home)
+            router = cluster.router
+            cert, key, ca = cluster.client_credentials()
+        elif cert is None or key is None or ca is None:
+            fail("--router needs --cert, --key and --ca (an operator's identity, docs/security.md)")
+        rounds = asyncio.run(_session_trace(router, cert, key, ca, session_id))
+    if as_json:
+        typer.echo(json.dumps(rounds))
+        return
+    _print_trace(session, rounds)
+
+
+async def _session_trace(router: str, cert: Path, key: Path, ca: Path, session: bytes) -> list[dict[str, Any]]:
+    from sdcp.client import ClusterClient, SessionHandle
+
+    async with ClusterClient(router, cert=cert, key=key, ca=ca) as client:
+        handle = await client.locate(SessionHandle(session, 1, "", None))
+        _, body = await client.peers.get(handle.verifier).get_cbor(f"sessions/{handle.path_id}/trace")
+    if not isinstance(body, list):
+        fail("the verifier's trace is not a list of rounds")
+    return body
+
+
+def _print_trace(session: str, rounds: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"session {session}")
+    columns = ("round", "kind", "drafter", "M", "accepted", "emitted", "action", "m_cap")
+    times = ("gap", "queue", "fetch", "model", "append", "other")
+    for column in (*columns, *(f"{name} ms" for name in times)):
+        table.add_column(column, justify="left" if column in ("kind", "drafter", "action") else "right")
+    for entry in rounds:
+        cells = [entry.get(name) for name in ("round", "kind", "drafter", "proposed", "accepted", "emitted", "action")]
+        cells.append(entry.get("m_cap"))
+        cells += [entry.get(f"{name}_us") for name in times]
+        text = ["-" if c is None else f"{c / 1000:.1f}" if i >= len(columns) else str(c) for i, c in enumerate(cells)]
+        table.add_row(*text)
+    Console().print(table)
 
 
 def _print_instances(instances: list[Any]) -> None:
@@ -347,6 +416,8 @@ def generate(
             rule = RuleName.sampling if samples else RuleName.greedy
         cluster = LocalCluster(home)
         _ensure_running(cluster, model)
+        if not as_json:
+            _print_dashboard(cluster)
         result = asyncio.run(
             _generate(
                 cluster,

@@ -101,6 +101,12 @@ class LocalCluster:
         return next((i.uri for i in self.instances() if i.role == "gateway"), None)
 
     @property
+    def dashboard(self) -> str | None:
+        """The router's live dashboard (its admin listener)."""
+        admin = next((i.admin for i in self.instances() if i.role == "router"), None)
+        return None if admin is None else f"{admin}/dashboard"
+
+    @property
     def router(self) -> str:
         for instance in self.instances():
             if instance.role == "router":
@@ -202,6 +208,8 @@ class LocalCluster:
             lines.append(f'redis_url = "{redis_url}"')
         lines += _trust(uris)
         lines += ["", "[admin]", f'listen = "{admin.removeprefix("http://")}"']
+        if role == "router":
+            lines.append(f'model = "{model}"')
         if role == "verifier":
             lines += ["", "[verifier]", f'model = "{what}"']
         elif role == "drafter":

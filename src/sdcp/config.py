@@ -251,6 +251,9 @@ class AdminConfig:
     than loopback exposes load figures to whoever reaches it."""
 
     listen: HostPort | None = None
+    # The router's dashboard shows sessions' text with this model's tokenizer (needs the gateway
+    # extra); without it, token ids.
+    model: Text | None = None
 
 
 @dataclass(frozen=True, config=_SECTION)

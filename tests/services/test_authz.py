@@ -403,6 +403,7 @@ async def test_verifier_output_stats_and_metrics(world: World) -> None:
         dict,
     )
     await check_row(world, "verifier", lambda c: c.get_cbor(f"{path}/stats"), {"router", "owner", "operator"}, dict)
+    await check_row(world, "verifier", lambda c: c.get_cbor(f"{path}/trace"), {"router", "owner", "operator"}, dict)
     await check_row(world, "verifier", lambda c: c.get_bytes("metrics"), {"operator"}, dict)
 
 

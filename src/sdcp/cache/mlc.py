@@ -29,6 +29,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
+from prometheus_client import Counter
+
 from sdcp.cache.bandwidth import BandwidthMeter
 from sdcp.cache.commitlog import CommitLog
 from sdcp.cache.device import DeviceTier, cuda_available
@@ -59,6 +61,18 @@ class Lease:
     expires_at: float  # seconds since the Unix epoch, on the shared store's clock
 
 
+# Per tier (docs/observability.md): lookups that found the object or not, and bytes moved.
+TIER_LOOKUPS = Counter(
+    "sdcp_mlc_lookups_total", "Object reads by tier and result (hit, miss)", ["authority", "tier", "result"]
+)
+TIER_BYTES = Counter(
+    "sdcp_mlc_bytes_total", "Bytes read from and written to each tier", ["authority", "tier", "direction"]
+)
+LEASES = Counter(
+    "sdcp_mlc_leases_total", "Leases taken, renewed and released (held = taken - released)", ["authority", "event"]
+)
+
+
 class MLC:
     """Async facade over one shared store and zero or more cache tiers (fastest first)."""
 
@@ -83,6 +97,13 @@ class MLC:
         self.caches = caches
         self.max_object_bytes = max_object_bytes
         self._meter = BandwidthMeter()
+        for tier in (*(cache.name for cache in caches), shared.name):
+            for result in ("hit", "miss"):
+                TIER_LOOKUPS.labels(authority, tier, result)
+            for direction in ("read", "write"):
+                TIER_BYTES.labels(authority, tier, direction)
+        for event in ("taken", "renewed", "released"):
+            LEASES.labels(authority, event)
 
     @classmethod
     def from_config(
@@ -190,6 +211,7 @@ class MLC:
         started = time.perf_counter()
         obj = CachedObject(uri, data, content_etag(data))
         await self.shared.store(obj, if_match)
+        TIER_BYTES.labels(self.authority, self.shared.name, "write").inc(len(data))
         if self.caches:
             await self._install(0, obj)
         self._meter.record(len(data), time.perf_counter() - started)
@@ -215,17 +237,24 @@ class MLC:
                 raise ObjectNotFound(uri)
             for level, tier in enumerate(self.caches):
                 hit = await tier.lookup(uri)
-                if hit is None:
-                    continue
-                if hit.etag == current:
+                if hit is not None and hit.etag == current:
+                    self._looked_up(tier.name, hit)
                     await self._promote(level, hit)
                     return hit
-                await tier.discard(uri)
+                self._looked_up(tier.name, None)
+                if hit is not None:
+                    await tier.discard(uri)
         obj = await self.shared.fetch(uri)
+        self._looked_up(self.shared.name, obj)
         if obj is None:
             raise ObjectNotFound(uri)
         await self._promote(len(self.caches), obj)
         return obj
+
+    def _looked_up(self, tier: str, found: CachedObject | None) -> None:
+        TIER_LOOKUPS.labels(self.authority, tier, "miss" if found is None else "hit").inc()
+        if found is not None:
+            TIER_BYTES.labels(self.authority, tier, "read").inc(len(found.data))
 
     async def _promote(self, level: int, obj: CachedObject) -> None:
         for faster in range(level):
@@ -233,6 +262,7 @@ class MLC:
 
     async def _install(self, level: int, obj: CachedObject) -> None:
         evicted = await self.caches[level].install(obj)
+        TIER_BYTES.labels(self.authority, self.caches[level].name, "write").inc(len(obj.data))
         if level + 1 < len(self.caches):
             for victim in evicted:
                 await self._install(level + 1, victim)
@@ -273,20 +303,27 @@ class MLC:
         if (mlc := self.serving(uri)) is not self:
             return await mlc.lease(uri, holder, ttl_s)
         _check_lease_args(holder, ttl_s)
-        return Lease(uri, holder, await self.shared.lease(uri, holder, ttl_s))
+        lease = Lease(uri, holder, await self.shared.lease(uri, holder, ttl_s))
+        LEASES.labels(self.authority, "taken").inc()
+        return lease
 
     async def renew(self, uri: str, holder: str, ttl_s: float) -> Lease:
         if (mlc := self.serving(uri)) is not self:
             return await mlc.renew(uri, holder, ttl_s)
         _check_lease_args(holder, ttl_s)
-        return Lease(uri, holder, await self.shared.renew(uri, holder, ttl_s))
+        lease = Lease(uri, holder, await self.shared.renew(uri, holder, ttl_s))
+        LEASES.labels(self.authority, "renewed").inc()
+        return lease
 
     async def release(self, uri: str, holder: str) -> bool:
         """Drop the holder's lease; True if it was live. Releasing twice is harmless."""
         if (mlc := self.serving(uri)) is not self:
             return await mlc.release(uri, holder)
         _check_lease_args(holder, 1.0)
-        return await self.shared.release(uri, holder)
+        released = await self.shared.release(uri, holder)
+        if released:
+            LEASES.labels(self.authority, "released").inc()
+        return released
 
     async def lease_holders(self, uri: str) -> frozenset[str]:
         """Who holds a live lease on the object now."""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from sdcp.cache import MLC, CacheError, InvalidURI, build_uri
 from sdcp.cache.uri import Q_ROWS_KIND
@@ -60,8 +60,13 @@ PROPOSALS = Counter("sdcp_drafter_proposals_total", "Proposals sent", ["instance
 TOKENS_PROPOSED = Counter("sdcp_drafter_tokens_proposed_total", "Tokens proposed", ["instance"])
 TOKENS_ACCEPTED = Counter("sdcp_drafter_tokens_accepted_total", "Proposed tokens the verifier accepted", ["instance"])
 RESYNCS = Counter("sdcp_drafter_resyncs_total", "Resynchronisations after sdcp-stale-base", ["instance"])
+PREDRAFT_OUTCOMES = ("used", "discarded")
 PREDRAFTS = Counter("sdcp_drafter_predrafts_total", "Pre-drafted rounds by outcome", ["instance", "outcome"])
 ROUND_SECONDS = Histogram("sdcp_drafter_round_seconds", "Time from sending a proposal to its verdict", ["instance"])
+SECONDS_PER_TOKEN = Gauge(
+    "sdcp_drafter_seconds_per_token", "What drafting one token costs here (measured)", ["instance"]
+)
+ACCEPTANCE = Gauge("sdcp_drafter_acceptance", "Measured acceptance alpha of this drafter's proposals", ["instance"])
 
 _ROW_BYTES_PER_TOKEN = 4  # one binary32 value per vocabulary entry (SDCP 5.2 q_rows)
 # Verification time assumed before the first verdict has been timed.
@@ -156,6 +161,12 @@ class DrafterEngine:
         self._acceptance = AcceptanceEstimate()
         self._verdicts = 0
         self._assigning = asyncio.Lock()
+        for family in (PROPOSALS, TOKENS_PROPOSED, TOKENS_ACCEPTED, RESYNCS, ROUND_SECONDS):
+            family.labels(uri)
+        for outcome in PREDRAFT_OUTCOMES:
+            PREDRAFTS.labels(uri, outcome)
+        SECONDS_PER_TOKEN.labels(uri).set_function(lambda: self.drafter.seconds_per_token)
+        ACCEPTANCE.labels(uri).set_function(lambda: self._acceptance.alpha)
 
     # -- status ----------------------------------------------------------------------------------
 

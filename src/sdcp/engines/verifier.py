@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
 import numpy as np
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from sdcp.cache import MLC, CacheError, CommitLog, Fenced, InvalidURI, ObjectNotFound, PreconditionFailed
 from sdcp.config import VerifierConfig
@@ -112,9 +113,65 @@ def lookahead_length(hit_rate: float, sessions: int, predicted: int, costs: Pass
     return length
 
 
-ROUNDS = Counter("sdcp_verifier_rounds_total", "Rounds committed", ["instance", "kind"])
+# Metrics (docs/observability.md maps them to vLLM's); every labelled series starts at zero.
+ROUND_KINDS = ("proposal", "self", "cancel")
+ROUNDS = Counter(
+    "sdcp_verifier_rounds_total",
+    "Rounds committed, by kind and by the action of the verdict",
+    ["instance", "kind", "outcome"],
+)
 COMMITTED = Counter("sdcp_verifier_tokens_committed_total", "Tokens committed", ["instance"])
 ROUND_SECONDS = Histogram("sdcp_verifier_round_seconds", "Time from admission to verdict", ["instance"])
+PROBLEMS = Counter("sdcp_verifier_problems_total", "Proposals answered with a problem, by type", ["instance", "type"])
+ESCALATIONS = Counter("sdcp_verifier_escalations_total", "Verdicts that escalated, by action", ["instance", "action"])
+SELF_DECODED = Counter("sdcp_verifier_self_decoded_tokens_total", "Tokens the verifier decoded itself", ["instance"])
+M_CAP = Histogram("sdcp_verifier_m_cap", "m_cap of each verdict", ["instance"], buckets=(1, 2, 4, 8, 16, 32, 64))
+APPEND_SECONDS = Histogram("sdcp_verifier_commit_append_seconds", "Commit-log append latency", ["instance"])
+APPEND_CONFLICTS = Counter(
+    "sdcp_verifier_commit_conflicts_total", "Commit-log appends refused by their precondition", ["instance"]
+)
+FENCED = Counter("sdcp_verifier_fenced_sessions_total", "Sessions this verifier stopped serving, fenced", ["instance"])
+DRAFTS = Counter("sdcp:spec_decode_num_drafts", "Proposals verified", ["instance"])
+DRAFT_TOKENS = Counter("sdcp:spec_decode_num_draft_tokens", "Tokens proposed in verified proposals", ["instance"])
+ACCEPTED_TOKENS = Counter("sdcp:spec_decode_num_accepted_tokens", "Proposed tokens accepted", ["instance"])
+ACCEPTED_BY_POSITION = Counter(
+    "sdcp:spec_decode_num_accepted_tokens_per_pos",
+    "Proposed tokens accepted, by position (0: first)",
+    ["instance", "position"],
+)
+RUNNING = Gauge("sdcp:num_requests_running", "Sessions this verifier decodes", ["instance"])
+WAITING = Gauge("sdcp:num_requests_waiting", "Rounds waiting for a scoring pass", ["instance"])
+KV_USAGE = Gauge("sdcp:kv_cache_usage_perc", "Share of the KV slot pool's positions in use (1 = full)", ["instance"])
+# The longest proposal a contract allows (SDCP 4.1 m_max): positions of ACCEPTED_BY_POSITION.
+_MAX_POSITIONS = 64
+# Rounds each session's trace keeps (GET sessions/{id}/trace), the most recent.
+TRACE_ROUNDS = 4096
+
+
+def _init_metrics(uri: str) -> None:
+    for kind in ROUND_KINDS:
+        for action in Action:
+            ROUNDS.labels(uri, kind, action.name.lower())
+    for problem in ProblemType:
+        PROBLEMS.labels(uri, problem.suffix)
+    for action in (Action.REDUCE, Action.SWITCH, Action.SELF_DECODE, Action.FAIL):
+        ESCALATIONS.labels(uri, action.name.lower())
+    for position in range(_MAX_POSITIONS):
+        ACCEPTED_BY_POSITION.labels(uri, str(position))
+    for family in (COMMITTED, SELF_DECODED, APPEND_CONFLICTS, FENCED, DRAFTS, DRAFT_TOKENS, ACCEPTED_TOKENS):
+        family.labels(uri)
+    for histogram in (ROUND_SECONDS, M_CAP, APPEND_SECONDS):
+        histogram.labels(uri)
+
+
+@dataclass
+class RoundTrace:
+    """Where one proposal round's time went, for the session's timeline (microseconds)."""
+
+    admitted_at: float = field(default_factory=time.perf_counter)
+    scored_at: float | None = None
+    fetch_s: float = 0.0
+    append_s: float = 0.0
 
 
 @dataclass
@@ -174,6 +231,11 @@ class _LiveSession:
     nudge: asyncio.Task[None] | None = None
     # A cancel is waiting for the self-decoding period to stop at its next round boundary.
     cancelling: bool = False
+    # The session's recent rounds (GET sessions/{id}/trace), and the proposal round being timed.
+    trace: deque[dict[str, object]] = field(default_factory=lambda: deque(maxlen=TRACE_ROUNDS))
+    timing: RoundTrace | None = None
+    # How long the last commit-log append took (s).
+    append_s: float = 0.0
 
     def driven(self) -> None:
         self.driven_at = time.monotonic()
@@ -222,6 +284,10 @@ class VerifierEngine:
         # verifier alone (status self_us); timed with one pass before serving.
         self.self_decode_time = TokenTimer(initial=_PASS_MS / 1000)
         self.pass_costs = PassCosts()
+        _init_metrics(uri)
+        RUNNING.labels(uri).set_function(self._active_sessions)
+        WAITING.labels(uri).set_function(lambda: self._scoring)
+        KV_USAGE.labels(uri).set_function(target.kv_usage)
 
     # -- life and status -------------------------------------------------------------------------
 
@@ -398,19 +464,24 @@ class VerifierEngine:
 
     async def propose(self, proposal: Proposal, drafter: str | None) -> Verdict:
         """POST proposals: the procedure of SDCP 6.3; ``drafter`` is the authenticated sender."""
-        live = self._driven(proposal.session)
-        admitted = live.machine.begin_round(proposal, drafter)
-        if isinstance(admitted, Replay):
-            return admitted.verdict
-        if isinstance(admitted, Wait):
-            return await asyncio.shield(live.rounds[admitted.round])
         try:
-            self._check_vocabulary(proposal.tokens, "proposal tokens")
-        except BadMessage:
-            live.machine.abandon(admitted)
+            live = self._driven(proposal.session)
+            admitted = live.machine.begin_round(proposal, drafter)
+            if isinstance(admitted, Replay):
+                return admitted.verdict
+            if isinstance(admitted, Wait):
+                return await asyncio.shield(live.rounds[admitted.round])
+            try:
+                self._check_vocabulary(proposal.tokens, "proposal tokens")
+            except BadMessage:
+                live.machine.abandon(admitted)
+                raise
+            with ROUND_SECONDS.labels(self.uri).time():
+                return await self._verify(live, admitted)
+        except ProtocolError as exc:
+            if exc.problem is not None:
+                PROBLEMS.labels(self.uri, exc.problem.suffix).inc()
             raise
-        with ROUND_SECONDS.labels(self.uri).time():
-            return await self._verify(live, admitted)
 
     async def output(self, session: bytes, start: int) -> Output:
         """GET sessions/{id}/output?from=n (SDCP 6.7), waiting up to ``output_wait_s`` for tokens."""
@@ -467,12 +538,14 @@ class VerifierEngine:
         done: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
         live.rounds[ticket.round] = done
         fetch: asyncio.Task[bytes] | None = None
+        timing = live.timing = RoundTrace()
         try:
             q_rows = None
             if live.machine.rule.needs_q and proposal.q_rows is not None:
                 # SDCP 6.3: the rows may be fetched concurrently with scoring.
-                fetch = asyncio.create_task(self.mlc.get(proposal.q_rows))
+                fetch = asyncio.create_task(self._timed_get(proposal.q_rows, timing))
             logits = await self._submit(live, proposal.tokens)
+            timing.scored_at = time.perf_counter()
             if fetch is not None:
                 try:
                     data = await fetch
@@ -497,6 +570,13 @@ class VerifierEngine:
         finally:
             if live.rounds.get(ticket.round) is done:
                 del live.rounds[ticket.round]
+
+    async def _timed_get(self, uri: str, timing: RoundTrace) -> bytes:
+        started = time.perf_counter()
+        try:
+            return await self.mlc.get(uri)
+        finally:
+            timing.fetch_s = time.perf_counter() - started
 
     def _submit(self, live: _LiveSession, tokens: tuple[int, ...]) -> asyncio.Future[np.ndarray]:
         """Queue a scoring request now (the scorer may be gathering a pass); its rows come with the
@@ -542,14 +622,18 @@ class VerifierEngine:
         # The writer's identity goes with the record: an MLC node admits commit records only from
         # the verifier they name (docs/security.md); readers treat the member as opaque.
         record = {**pending.record.to_obj(), "writer": self.uri}
+        started = time.perf_counter()
         try:
             live.etag = await live.log.append(record, live.etag)
+            live.append_s = time.perf_counter() - started
+            APPEND_SECONDS.labels(self.uri).observe(live.append_s)
             return
         except Fenced as exc:
             self._fenced(live, exc)
         except PreconditionFailed as exc:
             # The log changed since this verifier's last record: another writer (a new epoch), or
             # an earlier try of this very record whose answer was lost (a Redis restart).
+            APPEND_CONFLICTS.labels(self.uri).inc()
             failure: Exception = exc
         except Exception as exc:  # noqa: BLE001 - a lost MLC node or Redis: the log tells what happened
             failure = exc
@@ -560,6 +644,7 @@ class VerifierEngine:
             raise Unavailable(f"the commit log cannot be read after a failed append: {exc}") from exc
         if snapshot.records and snapshot.records[-1] == record:
             live.etag = snapshot.etag
+            live.append_s = time.perf_counter() - started
             return
         if isinstance(failure, PreconditionFailed) or any(r.get("epoch", 0) > machine.epoch for r in snapshot.records):
             self._fenced(live, failure)
@@ -570,6 +655,7 @@ class VerifierEngine:
         # SDCP 6.3: a fenced append discards the round, releases nothing, stops serving.
         machine = live.machine
         machine.stop_serving()
+        FENCED.labels(self.uri).inc()
         live.wake_readers()
         self._tasks.spawn(self._close_model_session(machine.session))
         self._tasks.spawn(self._forget_later(live))
@@ -581,10 +667,70 @@ class VerifierEngine:
         verdict = live.machine.apply(pending)
         live.driven()
         live.timings.committed()
-        ROUNDS.labels(self.uri, "proposal" if pending.ticket.proposal is not None else "self").inc()
-        COMMITTED.labels(self.uri).inc(len(pending.record.emitted))
+        self._observe(live, pending)
         live.wake_readers()
         return verdict
+
+    def _observe(self, live: _LiveSession, pending: PendingCommit) -> None:
+        """Metrics and the session's trace entry of a committed round."""
+        verdict, proposal, emitted = pending.verdict, pending.ticket.proposal, len(pending.record.emitted)
+        if proposal is not None:
+            kind = "proposal"
+        else:
+            kind = "cancel" if live.cancelling and not emitted and verdict.action == Action.FAIL else "self"
+        action = verdict.action.name.lower()
+        ROUNDS.labels(self.uri, kind, action).inc()
+        COMMITTED.labels(self.uri).inc(emitted)
+        M_CAP.labels(self.uri).observe(verdict.m_cap)
+        # An escalation is what a proposal round's outcome decides (SDCP 6.5.2), as in session stats.
+        if kind == "proposal" and verdict.action in (Action.REDUCE, Action.SWITCH, Action.SELF_DECODE, Action.FAIL):
+            ESCALATIONS.labels(self.uri, action).inc()
+        timings = live.timings
+        entry: dict[str, object] = {
+            "round": verdict.round,
+            "kind": kind,
+            "accepted": verdict.accepted,
+            "emitted": emitted,
+            "committed": verdict.committed,
+            "action": action,
+            "m_cap": verdict.m_cap,
+            "batch": timings.batch_sizes[-1],
+            "gap_us": timings.gap_us[-1],
+            "model_us": timings.model_us[-1],
+            "append_us": round(1e6 * live.append_s),
+        }
+        if proposal is None:
+            if kind == "self":
+                SELF_DECODED.labels(self.uri).inc(emitted)
+        else:
+            proposed = len(proposal.tokens)
+            DRAFTS.labels(self.uri).inc()
+            DRAFT_TOKENS.labels(self.uri).inc(proposed)
+            ACCEPTED_TOKENS.labels(self.uri).inc(verdict.accepted)
+            for position in range(min(verdict.accepted, _MAX_POSITIONS)):
+                ACCEPTED_BY_POSITION.labels(self.uri, str(position)).inc()
+            entry |= {"drafter": proposal.drafter, "proposed": proposed, **self._time_split(live, timings.gap_us[-1])}
+        live.trace.append(entry)
+
+    def _time_split(self, live: _LiveSession, gap_us: int) -> dict[str, int]:
+        """A proposal round's time: waiting for a pass, the pass, fetching q rows, the append, and
+        the rest of the time since the previous commit (drafting, the network, serialisation)."""
+        timing, live.timing = live.timing, None
+        if timing is None or timing.scored_at is None:
+            return {}
+        model_us = live.timings.model_us[-1]
+        verify_us = round(1e6 * (time.perf_counter() - timing.admitted_at))
+        return {
+            "queue_us": max(0, round(1e6 * (timing.scored_at - timing.admitted_at)) - model_us),
+            "fetch_us": round(1e6 * timing.fetch_s),
+            "verify_us": verify_us,
+            "other_us": max(0, gap_us - verify_us),
+        }
+
+    def trace(self, session: bytes) -> list[dict[str, object]]:
+        """The session's recent rounds, oldest first (GET sessions/{id}/trace): who drafted, M,
+        accepted, the verdict, and where the time went, in microseconds."""
+        return list(self._live(session).trace)
 
     def _after_commit(self, live: _LiveSession, released: list[PendingCommit]) -> None:
         """Events go out once the model holds the committed tokens, since they let the router send

@@ -126,6 +126,7 @@ class SlotPool:
         shape = (slots, heads, capacity, head_dim)
         self.keys = [_zeros(shape, parameter) for _ in range(config.num_hidden_layers)]
         self.values = [_zeros(shape, parameter) for _ in range(config.num_hidden_layers)]
+        self.slots = slots
         self.capacity = capacity
         self._buffers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
             [

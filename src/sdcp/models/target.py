@@ -152,6 +152,15 @@ class TargetModel:
             del self._sessions[session]
             self._release_slot(state.slot)
 
+    def kv_usage(self) -> float:
+        """The share of the KV slot pool's positions that sessions hold (0 without a pool): vLLM's
+        KV cache usage. Read without the lock: a metric needs no exact snapshot."""
+        pool = self._slots
+        if pool is None:
+            return 0.0
+        held = sum(len(state.tokens) for state in list(self._sessions.values()) if state.slot is not None)
+        return min(1.0, held / (pool.slots * pool.capacity))
+
     def has_session(self, session: SessionId) -> bool:
         with self._lock:
             return session in self._sessions

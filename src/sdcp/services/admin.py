@@ -4,18 +4,21 @@
 - ``GET /ready``: readiness; 200 when the role can do its work, else 503, with the reason.
 - ``GET /metrics``: the Prometheus text format, for scrapers without a client certificate.
 - ``GET /version``: the sdcp version and the role.
+
+and the role's own pages: a verifier's ``/sessions/{hex id}/trace`` (JSON), the router's
+``/dashboard``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from sdcp import __version__
 from sdcp.transport.metrics import metrics_route
@@ -35,9 +38,17 @@ class Readiness:
 class AdminServer:
     """Serves /health, /ready, /metrics and /version for one role."""
 
-    def __init__(self, role: str, listen: str, ready: Callable[[], Awaitable[Readiness]]) -> None:
+    def __init__(
+        self,
+        role: str,
+        listen: str,
+        ready: Callable[[], Awaitable[Readiness]],
+        routes: Sequence[BaseRoute] = (),
+    ) -> None:
         host, _, port = listen.rpartition(":")
         self.role = role
+        # The role's own operator pages (the verifier's session traces, the router's dashboard).
+        self.routes = list(routes)
         self.listener = Listener.admin(host.strip("[]"), int(port))
         self._ready = ready
         self._server: Server | None = None
@@ -54,6 +65,7 @@ class AdminServer:
                 Route("/ready", self.ready, methods=["GET"]),
                 metrics_route(),
                 Route("/version", self.version, methods=["GET"]),
+                *self.routes,
             ]
         )
 

@@ -59,6 +59,7 @@ TABLE: dict[str, dict[str, frozenset[Party]]] = {
         "GET sessions/{id}/output": frozenset({_P.ROUTER, _P.SESSION_OWNER, _P.SESSION_DRAFTER, _P.OPERATOR}),
         "POST sessions/{id}/policy": frozenset({_P.ROUTER}),
         "GET sessions/{id}/stats": frozenset({_P.ROUTER, _P.SESSION_OWNER, _P.OPERATOR}),
+        "GET sessions/{id}/trace": frozenset({_P.ROUTER, _P.SESSION_OWNER, _P.OPERATOR}),
         "POST sessions/{id}/self-decode": frozenset({_P.ROUTER}),
         "POST sessions/{id}/cancel": frozenset({_P.ROUTER, _P.SESSION_OWNER}),
         "GET metrics": frozenset({_P.OPERATOR}),

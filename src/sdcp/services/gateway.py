@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import Counter, Gauge, Histogram
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -51,6 +52,29 @@ log = logging.getLogger("sdcp.gateway")
 
 # How long a stopping gateway lets the cancellations of abandoned sessions finish.
 _CANCEL_WAIT_S = 5.0
+
+# What a client of the API sees, in vLLM's names (docs/observability.md); every series starts at zero.
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+FINISH_REASONS = ("stop", "length", "abort")
+TIME_TO_FIRST_TOKEN = Histogram(
+    "sdcp:time_to_first_token_seconds", "From the request to its first token", ["instance"], buckets=_LATENCY_BUCKETS
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "sdcp:inter_token_latency_seconds", "Between two tokens of a choice", ["instance"], buckets=_TOKEN_BUCKETS
+)
+E2E_LATENCY = Histogram(
+    "sdcp:e2e_request_latency_seconds", "From the request to its last token", ["instance"], buckets=_LATENCY_BUCKETS
+)
+PROMPT_TOKENS = Counter("sdcp:prompt_tokens", "Prompt tokens of the requests served", ["instance"])
+GENERATION_TOKENS = Counter("sdcp:generation_tokens", "Tokens generated for the requests' choices", ["instance"])
+REQUEST_SUCCESS = Counter(
+    "sdcp:request_success",
+    "Choices that ended, by finish reason (abort: the client left)",
+    ["instance", "finished_reason"],
+)
+REQUESTS_IN_PROGRESS = Gauge("sdcp_gateway_requests_in_progress", "Requests being answered", ["instance"])
+REQUESTS_OPENING = Gauge("sdcp_gateway_requests_opening", "Requests whose sessions are being opened", ["instance"])
 
 
 @dataclass
@@ -89,6 +113,14 @@ class GatewayNode:
             raise ConfigError(f"gateway.listen: {exc}; give gateway.cert and gateway.key for TLS") from exc
         self._server: Server | None = None
         self._admin: AdminServer | None = None
+        # The metrics' instance label: the gateway's SDCP identity.
+        self.uri = instance.uri
+        for family in (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_LATENCY, PROMPT_TOKENS, GENERATION_TOKENS):
+            family.labels(self.uri)
+        for reason in FINISH_REASONS:
+            REQUEST_SUCCESS.labels(self.uri, reason)
+        for gauge in (REQUESTS_IN_PROGRESS, REQUESTS_OPENING):
+            gauge.labels(self.uri)
         self._target: dict[str, Any] | None = None
         # Cancellations under way, kept referenced until they are done.
         self._cancelling: set[asyncio.Future[None]] = set()
@@ -178,7 +210,8 @@ class GatewayNode:
                 parse_generation, body, self.codec, served=(self.model_name,), chat=chat
             )
             request_id = _request_id(generation.request_id) if generation.request_id else request_id
-            handles = await self._open_all(generation, request_id)
+            with REQUESTS_OPENING.labels(self.uri).track_inprogress():
+                handles = await self._open_all(generation, request_id)
         except OpenAIError as exc:
             _access(request, exc.status, request_id, started, exc.message)
             return JSONResponse(exc.body(), status_code=exc.status)
@@ -190,11 +223,13 @@ class GatewayNode:
             return Response(status_code=499)
         sessions = ",".join(h.session.hex() for h in handles)
         log.info("gateway: request %s (user %s) opened sessions %s", request_id, generation.user or "-", sessions)
+        PROMPT_TOKENS.labels(self.uri).inc(generation.prompt_tokens)
         completion_id = ("chatcmpl-" if chat else "cmpl-") + request_id
         # The sessions of the choices, in choice order, so that an operator can follow them.
         headers = {"X-Request-Id": request_id, "X-SDCP-Sessions": ",".join(h.session.hex() for h in handles)}
         streams = [
-            self._texts(handle, generation, choice) for handle, choice in zip(handles, generation.choices, strict=True)
+            self._texts(handle, generation, choice, started)
+            for handle, choice in zip(handles, generation.choices, strict=True)
         ]
         if generation.stream:
             return StreamingResponse(
@@ -204,13 +239,15 @@ class GatewayNode:
             )
         collecting = [asyncio.ensure_future(_collected(stream)) for stream in streams]
         try:
-            answers = await asyncio.gather(*collecting)
+            with REQUESTS_IN_PROGRESS.labels(self.uri).track_inprogress():
+                answers = await asyncio.gather(*collecting)
         except _ClusterFailed as exc:
             for task in collecting:
                 task.cancel()
             await asyncio.gather(*collecting, return_exceptions=True)
             _access(request, 503, request_id, started, str(exc))
             return _unavailable(str(exc))
+        E2E_LATENCY.labels(self.uri).observe(time.perf_counter() - started)
         _access(request, 200, request_id, started, f"sessions {sessions}")
         return JSONResponse(self._answer(generation, answers, completion_id), headers=headers)
 
@@ -279,18 +316,34 @@ class GatewayNode:
 
     # -- output ----------------------------------------------------------------------------------
 
-    async def _texts(self, handle: SessionHandle, generation: Generation, choice: Choice) -> AsyncIterator[_Piece]:
-        """The choice's pieces. A session left before its last piece (the client went away, another
-        choice failed) is cancelled, as is one a stop string ends."""
+    async def _texts(
+        self, handle: SessionHandle, generation: Generation, choice: Choice, started: float
+    ) -> AsyncIterator[_Piece]:
+        """The choice's pieces, timed. A session left before its last piece (the client went away,
+        another choice failed) is cancelled, as is one a stop string ends."""
         ended = False
+        tokens, last = 0, started
         try:
             async for piece in self._decoded(handle, generation, choice):
                 ended = piece.finish is not None
+                now, new = time.perf_counter(), piece.tokens - tokens
+                if new > 0:
+                    # A piece's tokens share the time since the previous piece (a round commits several).
+                    if tokens == 0:
+                        TIME_TO_FIRST_TOKEN.labels(self.uri).observe(now - started)
+                    else:
+                        for _ in range(new):
+                            INTER_TOKEN_LATENCY.labels(self.uri).observe((now - last) / new)
+                    tokens, last = piece.tokens, now
+                if piece.finish is not None:
+                    REQUEST_SUCCESS.labels(self.uri, piece.finish).inc()
                 yield piece
         except (ProtocolError, TransportError) as exc:
             raise _ClusterFailed(f"session {handle.session.hex()} failed: {exc}") from exc
         finally:
+            GENERATION_TOKENS.labels(self.uri).inc(tokens)
             if not ended:
+                REQUEST_SUCCESS.labels(self.uri, "abort").inc()
                 self._cancel_soon(handle)
 
     async def _decoded(self, handle: SessionHandle, generation: Generation, choice: Choice) -> AsyncIterator[_Piece]:
@@ -411,6 +464,8 @@ class GatewayNode:
                 data["usage"] = usage
             return f"data: {json.dumps(data)}\n\n".encode()
 
+        in_progress = REQUESTS_IN_PROGRESS.labels(self.uri)
+        in_progress.inc()
         try:
             async for piece in pieces:
                 counts[piece.index] = piece.tokens
@@ -433,7 +488,10 @@ class GatewayNode:
         else:
             if generation.include_usage:
                 yield event([], _usage(generation.prompt_tokens, sum(counts.values())))
+            E2E_LATENCY.labels(self.uri).observe(time.perf_counter() - started)
             _access(request, 200, request_id, started, "streamed")
+        finally:
+            in_progress.dec()
         yield b"data: [DONE]\n\n"
 
 

@@ -112,6 +112,10 @@ class Node(ABC):
         (the router itself, an MLC node: status roles are drafter and verifier only)."""
         return None
 
+    def admin_routes(self) -> list[BaseRoute]:
+        """The role's pages on the admin listener besides /health, /ready, /metrics, /version."""
+        return []
+
     async def readiness(self) -> Readiness:
         """Whether the instance can do its work (GET /ready on the admin listener): an instance that
         reports status is ready while the router holds a report of it that has not expired."""
@@ -162,7 +166,7 @@ class Node(ABC):
         if instance.router is not None and instance.router != self.uri and self.status() is not None:
             self.spawn(self._report_status_forever(instance.router))
         if self.config.admin.listen is not None:
-            self._admin = AdminServer(self.role, self.config.admin.listen, self.readiness)
+            self._admin = AdminServer(self.role, self.config.admin.listen, self.readiness, self.admin_routes())
             await self._admin.start()
         log.info("%s listening on %s", type(self).__name__, self.uri)
 

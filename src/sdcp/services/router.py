@@ -58,6 +58,7 @@ from sdcp.protocol.router import (
 )
 from sdcp.services.admin import Readiness
 from sdcp.services.authz import Party, SessionParties
+from sdcp.services.dashboard import SELF_DECODING_AT, Dashboard
 from sdcp.services.node import Node
 from sdcp.transport.asgi import cbor_response, read_cbor_body
 from sdcp.transport.errors import Forbidden, NotFound, ServiceUnavailable, TooManyRequests, TransportError
@@ -72,7 +73,18 @@ _RETRY_AFTER_S = 5
 _ABANDONED_CANCEL_TRIES, _ABANDONED_CANCEL_WAIT_S = 5, 1.0
 
 SESSIONS_OPEN = Gauge("sdcp_router_sessions_open", "Sessions neither finished nor failed", ["instance"])
-ASSIGNMENTS = Counter("sdcp_router_assignments_total", "Assignments sent to drafters", ["instance"])
+ASSIGNMENTS = Counter("sdcp_router_assignments_total", "Assignments sent, by drafter", ["instance", "drafter"])
+SWITCHES = Counter(
+    "sdcp_router_switches_total",
+    "Sessions moved off a drafter (a switch event, or a faster option), by the drafter left",
+    ["instance", "drafter"],
+)
+EVENTS = Counter("sdcp_router_events_total", "Events from verifiers, by kind", ["instance", "kind"])
+EXPECTED_RATE = Gauge(
+    "sdcp_router_expected_tokens_per_second",
+    "The cost model's expected tokens per second of a session, by option (a drafter, or self-decoding at a verifier)",
+    ["instance", "option"],
+)
 FAILOVERS = Counter("sdcp_router_failovers_total", "Sessions moved to another verifier", ["instance"])
 CHOICES = Counter(
     "sdcp_router_decoding_choices_total",
@@ -103,6 +115,23 @@ class _TrackedSession:
     exploring: str | None = None
     decided_at: float = 0.0
     served: list[str] = field(default_factory=list)
+    opened_at: float = field(default_factory=time.time)
+
+    @property
+    def session(self) -> bytes:
+        return self.plan.session
+
+    @property
+    def verifier(self) -> str:
+        return self.plan.verifier
+
+    @property
+    def drafter(self) -> str | None:
+        return self.plan.drafter
+
+    @property
+    def request(self) -> str | None:
+        return self.plan.request
 
     def serve(self, who: str) -> None:
         if not self.served or self.served[-1] != who:
@@ -161,7 +190,64 @@ class RouterNode(Node):
         reason = f"{verifiers} verifier(s) and {drafters} drafter(s) registered"
         return Readiness(verifiers > 0 and drafters > 0, reason)
 
+    def admin_routes(self) -> list[BaseRoute]:
+        dashboard = Dashboard(
+            registry=self.registry,
+            sessions=lambda: list(self.sessions.values()),
+            peers=self.peers,
+            clock=self.clock,
+            expected_rates=self.expected_rates,
+            decode=self._dashboard_decoder(),
+        )
+        return dashboard.routes()
+
+    def _dashboard_decoder(self) -> Callable[[Sequence[int]], str] | None:
+        """Text for the dashboard, where ``[admin] model`` names a tokenizer this host can load."""
+        model = self.config.admin.model
+        if model is None:
+            return None
+        try:
+            from sdcp.models.errors import ModelError
+            from sdcp.text import load_text_codec
+
+            codec = load_text_codec(model)
+        except (ImportError, OSError, ValueError, ModelError) as exc:
+            log.warning("%s: the dashboard shows token ids: no tokenizer for %s (%s)", self.uri, model, exc)
+            return None
+        return codec.decode
+
+    def _init_metrics(self) -> None:
+        for kind in Action:
+            EVENTS.labels(self.uri, kind.name.lower())
+        for choice in ("drafter", "explore", "self"):
+            CHOICES.labels(self.uri, choice)
+        for family in (FAILOVERS, SESSIONS_OPEN):
+            family.labels(self.uri)
+
+    def _observe_drafter(self, uri: str) -> None:
+        """A drafter's series start at zero when it first reports."""
+        ASSIGNMENTS.labels(self.uri, uri)
+        SWITCHES.labels(self.uri, uri)
+
+    def expected_rates(self) -> dict[str, float]:
+        """The cost model's expected tokens per second of a session (SDCP 6.2), by live option: a
+        drafter's URI, or self-decoding at a verifier."""
+        now = self.clock()
+        verifiers = self.registry.live(Role.VERIFIER, now)
+        verify_s = _verify_s(verifiers[0] if verifiers else None)
+        m_limit = max(1, self.config.router.m_init)
+        rates = {}
+        for view in self.registry.live(Role.DRAFTER, now):
+            costs = drafter_costs(view)
+            if costs.alpha is not None:
+                rates[view.uri] = drafter_rate(costs, verify_s=verify_s, m_limit=m_limit)
+        for view in verifiers:
+            if view.status.self_us:
+                rates[f"{SELF_DECODING_AT}{view.uri}"] = 1e6 / view.status.self_us
+        return rates
+
     async def on_start(self) -> None:
+        self._init_metrics()
         self.spawn(self._maintain_forever())
 
     def routes(self) -> list[BaseRoute]:
@@ -193,6 +279,10 @@ class RouterNode(Node):
         # An instance cannot claim to stay live longer than the router allows.
         capped = replace(status, ttl_ms=min(status.ttl_ms, self.config.router.max_ttl_ms))
         self.registry.report(capped, now, model=status.model)
+        if status.role == Role.DRAFTER:
+            self._observe_drafter(peer)
+        for option, rate in self.expected_rates().items():
+            EXPECTED_RATE.labels(self.uri, option).set(rate)
         return Response(status_code=204)
 
     async def post_event(self, request: Request) -> Response:
@@ -205,12 +295,15 @@ class RouterNode(Node):
             raise ProtocolError(
                 ProblemType.STALE_EPOCH, f"event of epoch {event.epoch}; the session is at epoch {tracked.plan.epoch}"
             )
+        EVENTS.labels(self.uri, event.kind.name.lower()).inc()
         if event.kind == Action.SWITCH:
             # SDCP 6.5.2 switch (also the end of a self-decoding period): another drafter with a
             # permitted model, not the current one if any other is live, or the verifier alone when
             # no drafter is expected to beat it. Answered at once: the decision calls back into the
             # verifier.
             current = tracked.plan.drafter
+            if current is not None:
+                SWITCHES.labels(self.uri, current).inc()
             self.spawn(self._locked(tracked, lambda: self._after_switch(tracked, avoid=(current,) if current else ())))
         elif event.kind in (Action.FINISH, Action.FAIL):
             self._end(tracked, event.kind)
@@ -399,6 +492,7 @@ class RouterNode(Node):
                 # SDCP 6.9 drafter failure, or a session still waiting for its first drafter.
                 work.append(self._locked(tracked, lambda t=tracked: self._assign_drafter(t, only_if_missing=True)))
             elif self._worth_moving(tracked, now):
+                SWITCHES.labels(self.uri, tracked.plan.drafter).inc()
                 work.append(self._locked(tracked, lambda t=tracked: self._assign_drafter(t)))
         await asyncio.gather(*work)
 
@@ -585,7 +679,7 @@ class RouterNode(Node):
         tracked.self_decoding = False
         tracked.decided_at = self.clock()
         tracked.serve(drafter)
-        ASSIGNMENTS.labels(self.uri).inc()
+        ASSIGNMENTS.labels(self.uri, drafter).inc()
         log.info("%s: session %s assigned to %s at round %d", self.uri, tracked.plan.session.hex(), drafter, read_at)
 
     async def _fail_over(self, tracked: _TrackedSession) -> None:

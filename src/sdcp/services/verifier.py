@@ -13,12 +13,12 @@ import asyncio
 from typing import TypeVar
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from sdcp.cache import MLC
 from sdcp.config import ServiceConfig, thread_budget
-from sdcp.engines.errors import Unanswered
+from sdcp.engines.errors import SessionNotFound, Unanswered
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.models.registry import load_target
 from sdcp.models.target import TargetModel
@@ -99,6 +99,7 @@ class VerifierNode(Node):
             Route("/sessions/{id}/output", self.output, methods=["GET"]),
             Route("/sessions/{id}/policy", self.policy, methods=["POST"]),
             Route("/sessions/{id}/stats", self.stats, methods=["GET"]),
+            Route("/sessions/{id}/trace", self.trace, methods=["GET"]),
             Route("/sessions/{id}/self-decode", self.self_decode, methods=["POST"]),
             Route("/sessions/{id}/cancel", self.cancel, methods=["POST"]),
         ]
@@ -160,6 +161,23 @@ class VerifierNode(Node):
         session = parse_session_path_id(request.path_params["id"])
         self.trust.admit(request, "GET sessions/{id}/stats", self._parties(session))
         return cbor_response(self.engine.stats(session))
+
+    async def trace(self, request: Request) -> Response:
+        """GET sessions/{id}/trace (not in Table 1): the session's recent rounds, where time went."""
+        session = parse_session_path_id(request.path_params["id"])
+        self.trust.admit(request, "GET sessions/{id}/trace", self._parties(session))
+        return cbor_response(self.engine.trace(session))
+
+    def admin_routes(self) -> list[BaseRoute]:
+        return [Route("/sessions/{hex}/trace", self.trace_json, methods=["GET"])]
+
+    async def trace_json(self, request: Request) -> Response:
+        """The session's trace as JSON on the admin listener; the session id in hex, as in the logs."""
+        try:
+            session = bytes.fromhex(request.path_params["hex"])
+            return JSONResponse(self.engine.trace(session))
+        except (ValueError, SessionNotFound) as exc:
+            return JSONResponse({"error": f"no session {request.path_params['hex']} here: {exc}"}, status_code=404)
 
     def _parties(self, session: bytes) -> SessionParties:
         owner, drafter = self.engine.parties(session)

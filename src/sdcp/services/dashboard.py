@@ -1,0 +1,162 @@
+"""The router's live dashboard on its admin listener: ``/dashboard`` (one HTML page with a small
+script, no build step) and ``/dashboard/state`` (the JSON it polls every second).
+
+The router knows its instances and sessions; what a session did (committed tokens, m_cap, rounds,
+escalations, text) it asks the session's verifier, as the router may (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from importlib import resources
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from sdcp.protocol.messages import Output, Role, session_path_id
+from sdcp.protocol.router import InstanceRegistry, InstanceView
+from sdcp.transport.client import PeerClients
+
+__all__ = ["SELF_DECODING_AT", "Dashboard", "SessionView"]
+
+log = logging.getLogger("sdcp.dashboard")
+
+# Sessions the page shows: the live ones first, then the most recently ended, this many in all.
+MAX_SESSIONS = 24
+# Rounds of a session whose acceptance the page charts.
+CHART_ROUNDS = 48
+# The option of a verifier decoding alone, in the router's expected rates.
+SELF_DECODING_AT = "self-decoding at "
+# How long the router waits for a verifier's answer about one session.
+_ASK_TIMEOUT_S = 2.0
+
+
+class SessionView(Protocol):
+    """What the dashboard reads of a router's tracked session."""
+
+    @property
+    def session(self) -> bytes: ...
+
+    @property
+    def verifier(self) -> str: ...
+
+    @property
+    def drafter(self) -> str | None: ...
+
+    @property
+    def ended(self) -> bool: ...
+
+    @property
+    def opened_at(self) -> float: ...
+
+    @property
+    def request(self) -> str | None: ...
+
+
+class Dashboard:
+    """The dashboard's two routes over a router's registry and sessions."""
+
+    def __init__(
+        self,
+        *,
+        registry: InstanceRegistry,
+        sessions: Callable[[], Sequence[SessionView]],
+        peers: PeerClients,
+        clock: Callable[[], float],
+        expected_rates: Callable[[], dict[str, float]],
+        decode: Callable[[Sequence[int]], str] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.sessions = sessions
+        self.peers = peers
+        self.clock = clock
+        # The router's cost model: expected tokens per second by option (a drafter's URI, or
+        # "self-decoding at <verifier>").
+        self.expected_rates = expected_rates
+        self.decode = decode
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/dashboard", self.page, methods=["GET"]),
+            Route("/dashboard/state", self.state, methods=["GET"]),
+        ]
+
+    async def page(self, _request: Request) -> Response:
+        return HTMLResponse(resources.files("sdcp.services").joinpath("dashboard.html").read_text(encoding="utf-8"))
+
+    async def state(self, _request: Request) -> Response:
+        now = self.clock()
+        views = self.registry.live(Role.VERIFIER, now) + self.registry.live(Role.DRAFTER, now)
+        rates = self.expected_rates()
+        chosen = sorted(self.sessions(), key=lambda s: (s.ended, -s.opened_at))[:MAX_SESSIONS]
+        sessions = await asyncio.gather(*(self._session(view) for view in chosen))
+        return JSONResponse(
+            {
+                "time": time.time(),
+                "instances": [self._instance(view, now, rates) for view in sorted(views, key=lambda v: v.uri)],
+                "sessions": sessions,
+            }
+        )
+
+    def _instance(self, view: InstanceView, now: float, rates: dict[str, float]) -> dict[str, Any]:
+        status = view.status
+        key = view.uri if status.role == Role.DRAFTER else f"{SELF_DECODING_AT}{view.uri}"
+        rate = rates.get(key)
+        self_rates = [r for option, r in rates.items() if option.startswith(SELF_DECODING_AT)]
+        best_alone = max(self_rates, default=None)
+        return {
+            "uri": view.uri,
+            "role": status.role.name.lower(),
+            "load": status.load,
+            "queue": status.queue,
+            "ttl_s": round(max(0.0, view.expires_at - now), 1),
+            "acceptance": None if status.alpha_milli is None else status.alpha_milli / 1000,
+            "expected_tokens_per_s": None if rate is None else round(rate, 1),
+            # A drafter's expected rate over the fastest verifier decoding alone.
+            "expected_speedup": (
+                round(rate / best_alone, 2) if rate is not None and best_alone and status.role == Role.DRAFTER else None
+            ),
+        }
+
+    async def _session(self, view: SessionView) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "session": view.session.hex(),
+            "request": view.request,
+            "verifier": view.verifier,
+            "drafter": view.drafter,
+            "ended": view.ended,
+            "opened_at": view.opened_at,
+        }
+        verifier = self.peers.get(view.verifier)
+        path = f"sessions/{session_path_id(view.session)}"
+        try:
+            async with asyncio.timeout(_ASK_TIMEOUT_S):
+                _, stats = await verifier.get_cbor(f"{path}/stats")
+                _, trace = await verifier.get_cbor(f"{path}/trace")
+                committed = int(stats.get("committed", 0))
+                tokens: tuple[int, ...] = ()
+                if committed:
+                    # With tokens committed, the output read answers at once.
+                    _, body = await verifier.get_cbor(f"{path}/output", {"from": "0"})
+                    tokens = Output.from_obj(body).tokens
+        except Exception as exc:  # noqa: BLE001 - a verifier that forgot or lost the session
+            entry["error"] = f"the verifier did not describe the session: {exc}"
+            return entry
+        proposals = [r for r in trace if r.get("kind") == "proposal"][-CHART_ROUNDS:]
+        entry |= {
+            "committed": committed,
+            "m_cap": stats.get("m_cap"),
+            "rounds": stats.get("rounds"),
+            "self_decoded": stats.get("self_decoded"),
+            "escalations": stats.get("escalations"),
+            "escalated": stats.get("escalated"),
+            "acceptance": [round(r["accepted"] / r["proposed"], 3) for r in proposals if r.get("proposed")],
+            "text": self.decode(tokens) if self.decode is not None else None,
+            "tokens": None if self.decode is not None else list(tokens[-64:]),
+        }
+        return entry
