@@ -34,11 +34,13 @@ def client_of(home: Path) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway, api_key="unused", timeout=120, max_retries=0)
 
 
-def post(home: Path, path: str, content: bytes) -> httpx.Response:
+def post(home: Path, path: str, content: bytes, *, root: bool = False) -> httpx.Response:
+    """POST to the gateway's /v1/``path``, or its /``path`` with ``root``."""
     gateway = LocalCluster(home).gateway
     assert gateway is not None
+    base = gateway.removesuffix("/v1") if root else gateway
     headers = {"content-type": "application/json"}
-    return httpx.post(f"{gateway}/{path}", content=content, headers=headers, timeout=120)
+    return httpx.post(f"{base}/{path}", content=content, headers=headers, timeout=120)
 
 
 def test_n_choices_are_sessions_of_their_own(home: Path, reference: dict[str, list[int]]) -> None:
@@ -291,3 +293,21 @@ def test_an_api_key_and_json_logs(home: Path, tmp_path: Path) -> None:
     entries = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     assert {"time", "level", "logger", "message"} <= set(entries[0])
     assert any(" 401 " in entry["message"] for entry in entries)
+
+
+def test_tokenize_and_detokenize_as_vllm(home: Path) -> None:
+    codec = load_text_codec("smollm2")
+    answer = post(home, "tokenize", json.dumps({"model": "smollm2", "prompt": PROMPTS[0]}).encode(), root=True)
+    assert answer.status_code == 200, answer.text
+    tokens = answer.json()["tokens"]
+    assert tokens == codec.encode(PROMPTS[0]) and answer.json()["count"] == len(tokens)
+    assert answer.json()["max_model_len"] == codec.context_length
+    chat = post(home, "tokenize", json.dumps({"messages": CHAT}).encode(), root=True).json()["tokens"]
+    assert chat == codec.encode_chat(CHAT)
+    text = post(home, "detokenize", json.dumps({"tokens": tokens}).encode(), root=True)
+    assert text.json() == {"prompt": PROMPTS[0]}
+    refused = post(home, "tokenize", json.dumps({"prompt": "x", "foo": 1}).encode(), root=True)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "foo"
+    gateway = LocalCluster(home).gateway
+    assert gateway is not None
+    assert httpx.get(gateway.removesuffix("/v1") + "/health", timeout=10).status_code == 200

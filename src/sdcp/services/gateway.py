@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from sdcp import __version__
 from sdcp.client import ClusterClient, SessionHandle, build_contract
 from sdcp.config import ConfigError, ServiceConfig
 from sdcp.protocol.messages import TokenLogprob
@@ -40,7 +41,9 @@ from sdcp.services.openai_api import (
     chat_logprobs,
     completion_logprobs,
     error_body,
+    parse_detokenize,
     parse_generation,
+    parse_tokenize,
 )
 from sdcp.text import load_text_codec
 from sdcp.transport.errors import TransportError
@@ -136,6 +139,11 @@ class GatewayNode:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
+                # As vLLM's API server: liveness and version on the API's own port too.
+                Route("/health", self.health, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
             ],
             exception_handlers={404: _not_found, 405: _method_not_allowed},
         )
@@ -177,13 +185,40 @@ class GatewayNode:
     # -- routes ----------------------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
-        if not self._authorized(request):
-            error = OpenAIError("Incorrect API key provided", status=401, kind="authentication_error")
-            return JSONResponse(error.body(), status_code=401)
+        try:
+            self._check_key(request)
+        except OpenAIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sdcp"}
         if self.codec.context_length is not None:
             model["max_model_len"] = self.codec.context_length
         return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(self, _request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def version(self, _request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's POST /tokenize: the tokens a prompt or chat messages become, and the context."""
+        try:
+            self._check_key(request)
+            body = await self._read_json(request)
+            tokens = await asyncio.to_thread(parse_tokenize, body, self.codec, served=(self.model_name,))
+        except OpenAIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.codec.context_length})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's POST /detokenize: the text of a list of tokens."""
+        try:
+            self._check_key(request)
+            body = await self._read_json(request)
+            text = await asyncio.to_thread(parse_detokenize, body, self.codec, served=(self.model_name,))
+        except OpenAIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse({"prompt": text})
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
@@ -191,19 +226,20 @@ class GatewayNode:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, chat=True)
 
-    def _authorized(self, request: Request) -> bool:
+    def _check_key(self, request: Request) -> None:
+        """With an API key configured, the request must carry it (OpenAI's 401 otherwise)."""
         expected = self.settings.api_key
         if expected is None:
-            return True
+            return
         offered = request.headers.get("authorization", "")
-        return hmac.compare_digest(offered.encode(), f"Bearer {expected}".encode())
+        if not hmac.compare_digest(offered.encode(), f"Bearer {expected}".encode()):
+            raise OpenAIError("Incorrect API key provided", status=401, kind="authentication_error")
 
     async def _serve(self, request: Request, *, chat: bool) -> Response:
         request_id = _request_id(request.headers.get("x-request-id"))
         started = time.perf_counter()
         try:
-            if not self._authorized(request):
-                raise OpenAIError("Incorrect API key provided", status=401, kind="authentication_error")
+            self._check_key(request)
             body = await self._read_json(request)
             # Tokenizing and rendering a chat template are CPU work: off the event loop.
             generation = await asyncio.to_thread(

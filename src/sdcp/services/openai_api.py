@@ -24,7 +24,9 @@ __all__ = [
     "chat_logprobs",
     "completion_logprobs",
     "error_body",
+    "parse_detokenize",
     "parse_generation",
+    "parse_tokenize",
 ]
 
 # The most choices one request may ask for (n times the number of prompts): each is a session.
@@ -262,6 +264,36 @@ def parse_generation(body: object, codec: TextCodec, *, served: Sequence[str], c
         user=user,
         request_id=request_id,
     )
+
+
+def parse_tokenize(body: object, codec: TextCodec, *, served: Sequence[str]) -> list[int]:
+    """vLLM's ``POST /tokenize``: ``prompt`` (with ``add_special_tokens``) or chat ``messages``
+    (with ``add_generation_prompt``), as the completions and chat endpoints would tokenize them."""
+    reader = _small_request(body, served, ("prompt", "messages", "add_special_tokens", "add_generation_prompt"))
+    if "messages" in reader.body:
+        return list(_chat_prompt(reader, codec)[0].ids)
+    prompt = reader.body.get("prompt")
+    if not isinstance(prompt, str):
+        raise OpenAIError("'prompt' must be a string (or give 'messages')", "prompt")
+    return codec.encode(prompt, add_special_tokens=reader.boolean("add_special_tokens", True))
+
+
+def parse_detokenize(body: object, codec: TextCodec, *, served: Sequence[str]) -> str:
+    """vLLM's ``POST /detokenize``: ``tokens`` back to text."""
+    reader = _small_request(body, served, ("tokens",))
+    return codec.decode(reader.token_ids("tokens", codec.vocab_size))
+
+
+def _small_request(body: object, served: Sequence[str], members: Sequence[str]) -> _Reader:
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    for key in body:
+        if key != "model" and key not in members:
+            raise OpenAIError(f"Unrecognized request argument supplied: {key}", key)
+    model = body.get("model")
+    if model is not None and model not in served:
+        raise OpenAIError(f"The model '{model}' does not exist", "model", status=404)
+    return _Reader(body)
 
 
 def _same(value: object, neutral: object) -> bool:
