@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -9,7 +10,10 @@ from pathlib import Path
 
 import torch
 
+from sdcp.cluster import LocalCluster
 from sdcp.models.registry import load_model
+from sdcp.protocol.messages import session_path_id
+from sdcp.transport.client import SDCPClient
 
 PROMPTS = [
     "The capital of France is",
@@ -38,3 +42,18 @@ def greedy_reference() -> dict[str, list[int]]:
             )
         outputs[prompt] = generated[0, ids.shape[1] :].tolist()
     return outputs
+
+
+async def stats_when_ended(home: Path, session: bytes, timeout_s: float = 60) -> dict[str, object]:
+    """The verifier's statistics of a session of the local cluster, once the router says it ended."""
+    cluster = LocalCluster(home)
+    cert, key, ca = cluster.client_credentials()
+    path = f"sessions/{session_path_id(session)}"
+    async with SDCPClient(cluster.router, cert, key, ca) as router:
+        async with asyncio.timeout(timeout_s):
+            while not (described := (await router.get_cbor(path))[1])["ended"]:
+                await asyncio.sleep(0.1)
+    async with SDCPClient(str(described["verifier"]), cert, key, ca) as verifier:
+        stats = (await verifier.get_cbor(f"{path}/stats"))[1]
+    assert isinstance(stats, dict)
+    return stats

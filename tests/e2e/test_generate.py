@@ -19,11 +19,11 @@ from pathlib import Path
 import openai
 import pytest
 from tests.e2e.conftest import fresh_home
-from tests.e2e.support import MAX_NEW, PROMPTS, sdcp
+from tests.e2e.support import MAX_NEW, PROMPTS, sdcp, stats_when_ended
 
 from sdcp.cluster import LocalCluster
 from sdcp.models.registry import load_tokenizer
-from sdcp.protocol.messages import Action, session_path_id
+from sdcp.protocol.messages import Action
 from sdcp.transport.client import SDCPClient
 
 pytestmark = pytest.mark.timeout(600)
@@ -146,19 +146,6 @@ def test_user_errors_are_one_line(tmp_path: Path) -> None:
     assert config.returncode != 0 and "Traceback" not in config.stderr and "instance.typo" in config.stderr
 
 
-async def _when_ended(home: Path, session: bytes) -> dict[str, object]:
-    """The verifier's statistics of the session once the router says it ended (30 s at most)."""
-    cluster = LocalCluster(home)
-    cert, key, ca = cluster.client_credentials()
-    path = f"sessions/{session_path_id(session)}"
-    async with SDCPClient(cluster.router, cert, key, ca) as router:
-        async with asyncio.timeout(30):
-            while not (described := (await router.get_cbor(path))[1])["ended"]:
-                await asyncio.sleep(0.1)
-    async with SDCPClient(str(described["verifier"]), cert, key, ca) as verifier:
-        return (await verifier.get_cbor(f"{path}/stats"))[1]
-
-
 # A continuation that runs long: the model does not end it within the tokens these tests wait for.
 LONG_PROMPT = "The history of the Roman Empire, from its founding to its fall, is told here in full detail."
 
@@ -172,7 +159,7 @@ def test_a_client_that_goes_away_cancels_its_session(home: Path) -> None:
     next(events)
     stream.close()  # the client disconnects after two events
     assert first.choices[0].index == 0
-    stats = asyncio.run(_when_ended(home, bytes.fromhex(stream.response.headers["x-sdcp-sessions"])))
+    stats = asyncio.run(stats_when_ended(home, bytes.fromhex(stream.response.headers["x-sdcp-sessions"])))
     assert stats["state"] == Action.FAIL and int(stats["committed"]) < 1500  # type: ignore[call-overload]
 
 
@@ -189,7 +176,7 @@ def test_a_matched_stop_string_cancels_the_session(home: Path) -> None:
     )
     stopped = raw.parse()
     assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[: text.find(stop)]
-    stats = asyncio.run(_when_ended(home, bytes.fromhex(raw.headers["x-sdcp-sessions"])))
+    stats = asyncio.run(stats_when_ended(home, bytes.fromhex(raw.headers["x-sdcp-sessions"])))
     assert stats["state"] == Action.FAIL and int(stats["committed"]) < 1500  # type: ignore[call-overload]
 
 

@@ -19,11 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
-from tests.e2e.support import sdcp
+from tests.e2e.support import sdcp, stats_when_ended
 
 from sdcp.cluster import LocalCluster
-from sdcp.protocol.messages import session_path_id
-from sdcp.transport.client import SDCPClient
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -69,20 +67,7 @@ def generate(home: Path, prompt: str, max_tokens: int) -> tuple[bytes, openai.ty
 
 
 def session_stats(home: Path, session: bytes) -> dict[str, object]:
-    async def ask() -> dict[str, object]:
-        cluster = LocalCluster(home)
-        cert, key, ca = cluster.client_credentials()
-        path = f"sessions/{session_path_id(session)}"
-        async with SDCPClient(cluster.router, cert, key, ca) as router:
-            async with asyncio.timeout(60):
-                while not (described := (await router.get_cbor(path))[1])["ended"]:
-                    await asyncio.sleep(0.1)
-        async with SDCPClient(str(described["verifier"]), cert, key, ca) as verifier:
-            stats = (await verifier.get_cbor(f"{path}/stats"))[1]
-        assert isinstance(stats, dict)
-        return stats
-
-    return asyncio.run(ask())
+    return asyncio.run(stats_when_ended(home, session))
 
 
 def test_every_labelled_series_exists_before_its_first_event(home: Path) -> None:

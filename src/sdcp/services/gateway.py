@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,23 +202,27 @@ class GatewayNode:
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's POST /tokenize: the tokens a prompt or chat messages become, and the context."""
-        try:
-            self._check_key(request)
-            body = await self._read_json(request)
-            tokens = await asyncio.to_thread(parse_tokenize, body, self.codec, served=(self.model_name,))
-        except OpenAIError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.codec.context_length})
+
+        def answer(body: object) -> dict[str, Any]:
+            tokens = parse_tokenize(body, self.codec, served=(self.model_name,))
+            return {"tokens": tokens, "count": len(tokens), "max_model_len": self.codec.context_length}
+
+        return await self._answer_small(request, answer)
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's POST /detokenize: the text of a list of tokens."""
+        return await self._answer_small(
+            request, lambda body: {"prompt": parse_detokenize(body, self.codec, served=(self.model_name,))}
+        )
+
+    async def _answer_small(self, request: Request, answer: Callable[[object], dict[str, Any]]) -> Response:
+        """A request answered from the tokenizer alone (CPU work, off the event loop)."""
         try:
             self._check_key(request)
             body = await self._read_json(request)
-            text = await asyncio.to_thread(parse_detokenize, body, self.codec, served=(self.model_name,))
+            return JSONResponse(await asyncio.to_thread(answer, body))
         except OpenAIError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        return JSONResponse({"prompt": text})
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
