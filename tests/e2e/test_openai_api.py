@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import ssl
 import subprocess
 import sys
 import time
@@ -257,12 +258,18 @@ def test_one_request_id_in_the_gateways_routers_and_verifiers_logs(home: Path) -
     assert "POST /v1/completions 200" in access
 
 
-def test_an_api_key_and_json_logs(home: Path, tmp_path: Path) -> None:
+def test_an_api_key_tls_and_json_logs(home: Path, tmp_path: Path) -> None:
+    # A second gateway of the cluster, on TLS (the certificate of its SDCP identity names localhost).
     root = home / "cluster"
     config = (root / "gateway.toml").read_text()
     port, admin = free_port(), free_port()
     config = re.sub(r'listen = "127.0.0.1:\d+"\n(model)', f'listen = "127.0.0.1:{port}"\n\\1', config)
     config = re.sub(r'\[admin\]\nlisten = "[^"]+"', f'[admin]\nlisten = "127.0.0.1:{admin}"', config)
+    cert = re.search(r'^cert = "([^"]+)"', config, re.MULTILINE).group(1)  # type: ignore[union-attr]
+    key = re.search(r'^key = "([^"]+)"', config, re.MULTILINE).group(1)  # type: ignore[union-attr]
+    # [gateway] is the file's last section: the lines go into it.
+    assert config.rindex("[gateway]") > max(config.rindex("[admin]"), config.rindex("[trust]"))
+    config += f'cert = "{cert}"\nkey = "{key}"\n'
     path = root / "gateway-with-key.toml"
     path.write_text(config)
     log = tmp_path / "gateway.log"
@@ -278,14 +285,17 @@ def test_an_api_key_and_json_logs(home: Path, tmp_path: Path) -> None:
         while not accepts(port):
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        base = f"http://127.0.0.1:{port}/v1"
-        refused = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0)
+        base = f"https://localhost:{port}/v1"
+        trusted = httpx.Client(verify=ssl.create_default_context(cafile=str(root / "certs" / "ca.pem")))
+        refused = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0, http_client=trusted)
         with pytest.raises(openai.AuthenticationError):
             refused.completions.create(model="smollm2", prompt="Hi", max_tokens=1)
         with pytest.raises(openai.AuthenticationError):
             refused.models.list()
-        allowed = openai.OpenAI(base_url=base, api_key="s3cret", max_retries=0, timeout=120)
+        allowed = openai.OpenAI(base_url=base, api_key="s3cret", max_retries=0, timeout=120, http_client=trusted)
         assert allowed.completions.create(model="smollm2", prompt="Hi", max_tokens=1).choices
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"https://localhost:{port}/health", timeout=10)  # the CA is not a public one
         assert httpx.get(f"http://127.0.0.1:{admin}/health", timeout=10).status_code == 200
     finally:
         process.terminate()
