@@ -144,8 +144,28 @@ WAITING = Gauge("sdcp:num_requests_waiting", "Rounds waiting for a scoring pass"
 KV_USAGE = Gauge("sdcp:kv_cache_usage_perc", "Share of the KV slot pool's positions in use (1 = full)", ["instance"])
 # The longest proposal a contract allows (SDCP 4.1 m_max): positions of ACCEPTED_BY_POSITION.
 _MAX_POSITIONS = 64
-# Rounds each session's trace keeps (GET sessions/{id}/trace), the most recent.
-TRACE_ROUNDS = 4096
+# Rounds each session's trace keeps (GET sessions/{id}/trace), the most recent; each a tuple of
+# TRACE_FIELDS (None: not measured), about 200 bytes, so 256 sessions hold at most about 50 MB.
+TRACE_ROUNDS = 1024
+TRACE_FIELDS = (
+    "round",
+    "kind",
+    "drafter",
+    "proposed",
+    "accepted",
+    "emitted",
+    "committed",
+    "action",
+    "m_cap",
+    "batch",
+    "gap_us",
+    "model_us",
+    "queue_us",
+    "fetch_us",
+    "append_us",
+    "verify_us",
+    "other_us",
+)
 
 
 def _init_metrics(uri: str) -> None:
@@ -232,7 +252,7 @@ class _LiveSession:
     # A cancel is waiting for the self-decoding period to stop at its next round boundary.
     cancelling: bool = False
     # The session's recent rounds (GET sessions/{id}/trace), and the proposal round being timed.
-    trace: deque[dict[str, object]] = field(default_factory=lambda: deque(maxlen=TRACE_ROUNDS))
+    trace: deque[tuple[object, ...]] = field(default_factory=lambda: deque(maxlen=TRACE_ROUNDS))
     timing: RoundTrace | None = None
     # How long the last commit-log append took (s).
     append_s: float = 0.0
@@ -710,7 +730,7 @@ class VerifierEngine:
             for position in range(min(verdict.accepted, _MAX_POSITIONS)):
                 ACCEPTED_BY_POSITION.labels(self.uri, str(position)).inc()
             entry |= {"drafter": proposal.drafter, "proposed": proposed, **self._time_split(live, timings.gap_us[-1])}
-        live.trace.append(entry)
+        live.trace.append(tuple(entry.get(name) for name in TRACE_FIELDS))
 
     def _time_split(self, live: _LiveSession, gap_us: int) -> dict[str, int]:
         """A proposal round's time: waiting for a pass, the pass, fetching q rows, the append, and
@@ -730,7 +750,10 @@ class VerifierEngine:
     def trace(self, session: bytes) -> list[dict[str, object]]:
         """The session's recent rounds, oldest first (GET sessions/{id}/trace): who drafted, M,
         accepted, the verdict, and where the time went, in microseconds."""
-        return list(self._live(session).trace)
+        return [
+            {name: value for name, value in zip(TRACE_FIELDS, entry, strict=True) if value is not None}
+            for entry in self._live(session).trace
+        ]
 
     def _after_commit(self, live: _LiveSession, released: list[PendingCommit]) -> None:
         """Events go out once the model holds the committed tokens, since they let the router send
