@@ -28,6 +28,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = fresh_home(tmp_path_factory.mktemp("sdcp-home"))
     started = sdcp(root, "up", "--gateway-port", "0")
     assert started.returncode == 0, started.stderr
+    assert "dashboard: http://127.0.0.1:" in started.stderr
     try:
         yield root
     finally:

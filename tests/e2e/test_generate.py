@@ -44,6 +44,8 @@ def test_generate_streams_text_and_summary(home: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "tokens in" in result.stderr and "[finish]" in result.stderr
+    dashboard = LocalCluster(home).dashboard
+    assert dashboard is not None and f"dashboard: {dashboard}" in result.stderr
 
 
 def test_rule2_runs_end_to_end_and_at_temperature_zero_is_greedy(home: Path, reference: dict[str, list[int]]) -> None:
