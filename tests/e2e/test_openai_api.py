@@ -60,6 +60,9 @@ def test_a_list_of_prompts_gives_n_choices_each(home: Path, reference: dict[str,
     reply = client_of(home).completions.create(model="smollm2", prompt=PROMPTS, max_tokens=8, temperature=0, n=2)
     texts = {c.index: c.text for c in reply.choices}
     assert texts == {i * 2 + j: codec.decode(reference[p][:8]) for i, p in enumerate(PROMPTS) for j in range(2)}
+    # Usage counts each prompt of the list once, however many choices continue it; a repeated one twice.
+    twice = client_of(home).completions.create(model="smollm2", prompt=[PROMPTS[0]] * 2, max_tokens=1, n=2)
+    assert twice.usage is not None and twice.usage.prompt_tokens == 2 * len(codec.encode(PROMPTS[0]))
 
 
 def test_logprobs_are_the_targets(home: Path, reference: dict[str, list[int]]) -> None:

@@ -266,7 +266,7 @@ class GatewayNode:
         PROMPT_TOKENS.labels(self.uri).inc(generation.prompt_tokens)
         completion_id = ("chatcmpl-" if chat else "cmpl-") + request_id
         # The sessions of the choices, in choice order, so that an operator can follow them.
-        headers = {"X-Request-Id": request_id, "X-SDCP-Sessions": ",".join(h.session.hex() for h in handles)}
+        headers = {"X-Request-Id": request_id, "X-SDCP-Sessions": sessions}
         streams = [
             self._texts(handle, generation, choice, started)
             for handle, choice in zip(handles, generation.choices, strict=True)
@@ -459,7 +459,8 @@ class GatewayNode:
             answer: dict[str, Any] = {
                 "index": choice.index,
                 "finish_reason": finish,
-                "logprobs": self._logprobs(generation, entries, len(choice.prompt.text) if generation.echo else 0),
+                # Offsets start at 0: echo comes without logprobs (openai_api refuses the pair).
+                "logprobs": self._logprobs(generation, entries, 0),
             }
             if generation.chat:
                 answer["message"] = {"role": "assistant", "content": text}

@@ -74,6 +74,8 @@ class Choice:
 
     index: int
     prompt: Prompt
+    # The prompt's first choice (j = 0 of its n): usage counts its prompt.
+    first_of_prompt: bool
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class Generation:
     @property
     def prompt_tokens(self) -> int:
         # Usage counts each prompt once, however many choices continue it.
-        return sum(len(prompt.ids) for prompt in {choice.prompt for choice in self.choices})
+        return sum(len(choice.prompt.ids) for choice in self.choices if choice.first_of_prompt)
 
 
 # -- parameters --------------------------------------------------------------------------------------
@@ -215,7 +217,7 @@ def parse_generation(body: object, codec: TextCodec, *, served: Sequence[str], c
         raise _refused("best_of", "it must equal n (choices are not ranked)")
     if n * len(prompts) > MAX_CHOICES:
         raise OpenAIError(f"n times the number of prompts must be at most {MAX_CHOICES}", param="n")
-    choices = tuple(Choice(p * n + j, prompt) for p, prompt in enumerate(prompts) for j in range(n))
+    choices = tuple(Choice(p * n + j, prompt, j == 0) for p, prompt in enumerate(prompts) for j in range(n))
     longest = max(len(prompt.ids) for prompt in prompts)
     max_tokens = _max_tokens(reader, codec.context_length, longest, chat)
     temperature = reader.number("temperature", 1.0, low=0.0, high=2.0)
