@@ -437,14 +437,12 @@ def _ensure_running(cluster: Any, model: str) -> None:
     """Start the local cluster, or restart only the instances of it that stopped."""
     if cluster.running():
         return
-    stopped = cluster.stopped()
+    # LocalCluster.up restarts the stopped instances of a cluster, or starts a new one.
+    stopped = ", ".join(instance.name for instance in cluster.stopped())
     if stopped:
-        names = ", ".join(instance.name for instance in stopped)
-        err_console.print(f"restarting {names}, which stopped (logs in {cluster.root / 'logs'})", highlight=False)
-        with err_console.status(f"restarting {names}..."):
-            cluster.restart_stopped()
-        return
-    with err_console.status("starting the local cluster (first time: loads the model)..."):
+        err_console.print(f"restarting {stopped}, which stopped (logs in {cluster.root / 'logs'})", highlight=False)
+    starting = "starting the local cluster (first time: loads the model)..."
+    with err_console.status(f"restarting {stopped}..." if stopped else starting):
         cluster.up(model=model)
 
 
