@@ -22,6 +22,9 @@ from selenium.webdriver.common.by import By
 from tests.e2e.support import sdcp, stats_when_ended
 
 from sdcp.cluster import LocalCluster
+from sdcp.protocol.messages import session_path_id
+from sdcp.protocol.problems import ProtocolError
+from sdcp.transport.client import SDCPClient
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -64,6 +67,17 @@ def generate(home: Path, prompt: str, max_tokens: int) -> tuple[bytes, openai.ty
         model="smollm2", prompt=prompt, max_tokens=max_tokens, temperature=0
     )
     return bytes.fromhex(raw.headers["x-sdcp-sessions"]), raw.parse()
+
+
+async def trace_at_verifier(home: Path, session: bytes, query: dict[str, str]) -> object:
+    """GET sessions/{id}/trace at the session's verifier, with the CLI's operator identity."""
+    cluster = LocalCluster(home)
+    cert, key, ca = cluster.client_credentials()
+    path = f"sessions/{session_path_id(session)}"
+    async with SDCPClient(cluster.router, cert, key, ca) as router:
+        verifier = str((await router.get_cbor(path))[1]["verifier"])
+    async with SDCPClient(verifier, cert, key, ca) as client:
+        return (await client.get_cbor(f"{path}/trace", query))[1]
 
 
 def session_stats(home: Path, session: bytes) -> dict[str, object]:
@@ -133,6 +147,10 @@ def test_a_sessions_trace_shows_each_round(home: Path) -> None:
     # The same timeline as JSON from the verifier's admin listener, and as a table.
     from_verifier = httpx.get(f"{admin_of(home, 'verifier')}/sessions/{session.hex()}/trace", timeout=10).json()
     assert from_verifier == rounds
+    assert asyncio.run(trace_at_verifier(home, session, {"last": "2"})) == rounds[-2:]
+    with pytest.raises(ProtocolError) as refused:
+        asyncio.run(trace_at_verifier(home, session, {"last": "-1"}))
+    assert refused.value.status == 400
     table = sdcp(home, "trace", session.hex())
     assert table.returncode == 0 and f"session {session.hex()}" in table.stdout
 

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import NoReturn
 
 import numpy as np
@@ -747,12 +748,13 @@ class VerifierEngine:
             "other_us": max(0, gap_us - verify_us),
         }
 
-    def trace(self, session: bytes) -> list[dict[str, object]]:
-        """The session's recent rounds, oldest first (GET sessions/{id}/trace): who drafted, M,
+    def trace(self, session: bytes, last: int = TRACE_ROUNDS) -> list[dict[str, object]]:
+        """The session's ``last`` rounds, oldest first (GET sessions/{id}/trace): who drafted, M,
         accepted, the verdict, and where the time went, in microseconds."""
+        rounds = self._live(session).trace
         return [
             {name: value for name, value in zip(TRACE_FIELDS, entry, strict=True) if value is not None}
-            for entry in self._live(session).trace
+            for entry in islice(rounds, max(0, len(rounds) - last), None)
         ]
 
     def _after_commit(self, live: _LiveSession, released: list[PendingCommit]) -> None:

@@ -137,7 +137,8 @@ class Dashboard:
         try:
             async with asyncio.timeout(_ASK_TIMEOUT_S):
                 _, stats = await verifier.get_cbor(f"{path}/stats")
-                _, trace = await verifier.get_cbor(f"{path}/trace")
+                # The chart's rounds only: a trace holds up to 1,024 and the page asks every second.
+                _, trace = await verifier.get_cbor(f"{path}/trace", {"last": str(CHART_ROUNDS)})
                 committed = int(stats.get("committed", 0))
                 tokens: tuple[int, ...] = ()
                 if committed:

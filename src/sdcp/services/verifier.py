@@ -19,7 +19,7 @@ from starlette.routing import BaseRoute, Route
 from sdcp.cache import MLC
 from sdcp.config import ServiceConfig, thread_budget
 from sdcp.engines.errors import SessionNotFound, Unanswered
-from sdcp.engines.verifier import VerifierEngine
+from sdcp.engines.verifier import TRACE_ROUNDS, VerifierEngine
 from sdcp.models.registry import load_target
 from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import (
@@ -166,7 +166,10 @@ class VerifierNode(Node):
         """GET sessions/{id}/trace (not in Table 1): the session's recent rounds, where time went."""
         session = parse_session_path_id(request.path_params["id"])
         self.trust.admit(request, "GET sessions/{id}/trace", self._parties(session))
-        return cbor_response(self.engine.trace(session))
+        last_text = request.query_params.get("last", str(TRACE_ROUNDS))
+        if not (last_text.isascii() and last_text.isdigit() and len(last_text) <= 10):
+            raise BadMessage("'last' must be an unsigned integer")
+        return cbor_response(self.engine.trace(session, int(last_text)))
 
     def admin_routes(self) -> list[BaseRoute]:
         return [Route("/sessions/{hex}/trace", self.trace_json, methods=["GET"])]
