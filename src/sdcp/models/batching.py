@@ -1,4 +1,4 @@
-"""A thread-safe batching front for `TargetModel.score` (DESIGN.md section 4).
+"""A thread-safe batching front for `TargetModel.score` (docs/design.md, "Performance and testing").
 
 The target's model thread (``sdcp.models.worker.ModelThread``) also gathers scoring requests into
 passes. Callers from any thread `submit` a request and get a future; asyncio callers await
