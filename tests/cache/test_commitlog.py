@@ -90,6 +90,7 @@ async def test_fence_is_idempotent_and_never_lowers(make_mlc) -> None:
 async def test_fence_racing_appenders_no_stale_record_after_it(make_mlc) -> None:
     logs = [make_mlc().commit_log(LOG) for _ in range(8)]
     outcomes: list[tuple[str, int]] = []
+    first_append = asyncio.Event()
 
     async def old_verifier(writer: int) -> None:
         """Appends epoch-1 records until the fence stops it."""
@@ -104,10 +105,12 @@ async def test_fence_racing_appenders_no_stale_record_after_it(make_mlc) -> None
                 outcomes.append(("fenced", writer))
                 return
             outcomes.append(("ok", writer))
+            first_append.set()
             round_ += 1
+            await asyncio.sleep(0)  # the fence and the other writers get their turns between appends
 
     async def router() -> None:
-        await asyncio.sleep(0.05)
+        await first_append.wait()  # the fence races appenders that are already writing
         await logs[0].fence(2)
 
     await asyncio.gather(router(), *(old_verifier(i) for i in range(1, 8)))

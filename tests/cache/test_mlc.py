@@ -127,9 +127,13 @@ async def test_lease_expiry_renew_and_errors(make_mlc) -> None:
         await mlc.lease(uri("missing"), "h", 1.0)
     with pytest.raises(LeaseNotHeld):
         await mlc.renew(uri("a"), "h", 1.0)
-    await mlc.lease(uri("a"), "h", 0.3)
-    renewed = await mlc.renew(uri("a"), "h", 0.3)
-    await asyncio.sleep(0.45)  # the renewed lease has now expired: a crashed holder frees it
+    # Long enough that no machine is slow enough to see these expire before the renewal.
+    first = await mlc.lease(uri("a"), "h", 600.0)
+    renewed = await mlc.renew(uri("a"), "h", 600.0)
+    assert renewed.expires_at >= first.expires_at
+    # A crashed holder renews no more: once its last, short lease ran out, the object is freed.
+    await mlc.renew(uri("a"), "h", 0.05)
+    await asyncio.sleep(0.1)
     with pytest.raises(LeaseNotHeld):
         await mlc.renew(uri("a"), "h", 1.0)
     assert renewed.expires_at > 0

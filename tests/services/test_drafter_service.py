@@ -417,6 +417,17 @@ async def test_stale_assignment_resyncs_from_the_verifier(
         monkeypatch.setattr(ProtocolError, "to_problem", without_state)
     verifier = await verifier_node(env, target)
     drafter = await drafter_node(env)
+    # The first drafter's proposals from the third committed token on never reach the verifier, so
+    # the session stands still below max_new however fast the machine decodes.
+    first_drafter_gone = False
+    propose = verifier.engine.propose
+
+    async def held_from_the_third_token(proposal: Proposal, sender: str | None) -> Verdict:
+        if proposal.base >= 3 and not first_drafter_gone:
+            await asyncio.Event().wait()
+        return await propose(proposal, sender)
+
+    monkeypatch.setattr(verifier.engine, "propose", held_from_the_third_token)
     try:
         contract = make_contract(target, max_new=30)
         session = os.urandom(16)
@@ -426,8 +437,8 @@ async def test_stale_assignment_resyncs_from_the_verifier(
         )
         live = verifier.engine.sessions[session].machine
         await wait_for(lambda: _at_least(live, 3))
-        # Without its drafter the session stands still at some committed length below max_new.
         await drafter.stop()
+        first_drafter_gone = True
         drafter = await drafter_node(env)
         await wait_for(lambda: _idle(live))
         assert 3 <= live.committed < contract.max_new

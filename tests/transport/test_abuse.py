@@ -18,6 +18,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from tests.waiting import eventually
 
 from sdcp.protocol.codec import MEDIA_TYPE
 from sdcp.transport import (
@@ -154,9 +155,8 @@ async def test_slowloris_headers_then_silence_is_given_up(pki: PKI) -> None:
         events = await raw.read_events(timeout=5.0, until=all_reset)
         resets = {e.stream_id for e in events if isinstance(e, h2.events.StreamReset)}
         assert resets == set(stalled)
-        await asyncio.sleep(0.1)
-        assert handlers and all(task.done() for task in handlers)
-        assert server._h2.state.in_flight == 0
+        await eventually(lambda: all(task.done() for task in handlers) and server._h2.state.in_flight == 0)
+        assert handlers
         raw.close()
 
 
@@ -172,9 +172,9 @@ async def test_rapid_resets_end_the_connection_and_cancel_their_handlers(pki: PK
         events = await raw.read_events()
         goaway = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
         assert goaway and goaway[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
-        await asyncio.sleep(0.1)
-        # Every handler the resets left was cancelled, none waits out its second.
-        assert all(task.done() for task in handlers) and server._h2.state.in_flight == 0
+        await eventually(lambda: all(task.done() for task in handlers) and server._h2.state.in_flight == 0)
+        # Every handler the resets left was cancelled, none waited out its second.
+        assert all(task.cancelled() for task in handlers)
         await ordinary_request_works(server, pki)
         raw.close()
 

@@ -230,11 +230,11 @@ async def test_front_end_listener_plain_on_loopback_and_tls_without_client_certs
 
 
 async def test_graceful_shutdown_lets_a_request_in_flight_finish(pki: PKI) -> None:
-    entered = asyncio.Event()
+    entered, released = asyncio.Event(), asyncio.Event()
 
     async def slow(_request: Request) -> Response:
         entered.set()
-        await asyncio.sleep(0.3)
+        await released.wait()
         return Response(b"done")
 
     app = Starlette(routes=[Route("/slow", slow)])
@@ -243,7 +243,10 @@ async def test_graceful_shutdown_lets_a_request_in_flight_finish(pki: PKI) -> No
     async with client_for(server, pki, pki.drafter_a) as client:
         in_flight = asyncio.create_task(client.get_bytes("slow"))
         await entered.wait()
-        await server.stop()
+        stopping = asyncio.create_task(server.stop())
+        await asyncio.sleep(0)  # the stop has begun while the request is held in its handler
+        released.set()
+        await stopping
         response = await in_flight
     assert response.content == b"done"
     with pytest.raises(OSError):
@@ -255,11 +258,11 @@ async def test_graceful_shutdown_is_two_goaways_and_answers_what_it_took(pki: PK
     # stream in flight is answered after both.
     from .test_h2_conformance import Wire
 
-    entered = asyncio.Event()
+    entered, released = asyncio.Event(), asyncio.Event()
 
     async def slow(_request: Request) -> Response:
         entered.set()
-        await asyncio.sleep(0.3)
+        await released.wait()
         return Response(b"done")
 
     server = MTLSServer(Starlette(routes=[Route("/slow", slow)]), mtls_listener(pki))
@@ -274,6 +277,8 @@ async def test_graceful_shutdown_is_two_goaways_and_answers_what_it_took(pki: PK
     answer = frames.PingFrame(0, flags=["ACK"])
     answer.opaque_data = ping.opaque_data
     await wire.send(answer)  # the client has seen the first GOAWAY
+    seen += await wire.until((frames.GoAwayFrame,))  # the second, naming the stream it took
+    released.set()
     seen += await wire.until((frames.DataFrame,))
     await stopping
     goaways = [f.last_stream_id for f in seen if isinstance(f, frames.GoAwayFrame)]
