@@ -11,20 +11,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from itertools import islice
+from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
 
-from sdcp.cache import MLC, CacheError, CommitLog, Fenced, InvalidURI, ObjectNotFound, PreconditionFailed
+from sdcp.cache import MLC, CacheError, Fenced, InvalidURI, ObjectNotFound, PreconditionFailed
 from sdcp.config import VerifierConfig
 from sdcp.engines.errors import SessionNotFound, Unanswered, Unavailable
 from sdcp.engines.ports import EventSink
 from sdcp.engines.tasks import BackgroundTasks
+from sdcp.engines.verifier.live import LiveSession
+from sdcp.engines.verifier.observe import (
+    APPEND_CONFLICTS,
+    APPEND_SECONDS,
+    FENCED,
+    PASS_MS,
+    PROBLEMS,
+    ROUND_SECONDS,
+    TRACE_ROUNDS,
+    PassCosts,
+    RoundTrace,
+    init_metrics,
+    record_round,
+    session_stats,
+    session_trace,
+)
 from sdcp.models.batching import BatchingScorer, ScorerClosed
 from sdcp.models.draft import TokenTimer, prompt_lookup
 from sdcp.models.errors import DigestMismatch
@@ -50,7 +63,7 @@ from sdcp.protocol.rules import parse_q_rows
 from sdcp.protocol.verifier import PendingCommit, Replay, RoundTicket, VerifierSession, Wait
 from sdcp.threads import CoreGovernor
 
-__all__ = ["PassCosts", "VerifierEngine", "lookahead_length"]
+__all__ = ["TRACE_ROUNDS", "PassCosts", "VerifierEngine", "lookahead_length"]
 
 log = logging.getLogger("sdcp.verifier")
 
@@ -58,15 +71,10 @@ log = logging.getLogger("sdcp.verifier")
 # of at least LOOKAHEAD_MIN_MATCH tokens (a weaker match rarely predicts the next token).
 SELF_DECODE_LOOKAHEAD = 16
 LOOKAHEAD_MIN_MATCH = 2
-_LOOKAHEAD_WEIGHT = 0.3
 # The longest wait between two looks for idle sessions.
 _IDLE_CHECK_S = 30.0
-# What a pass of SmolLM2 cost on the 2-core CPU where it was first measured (docs/models.md): about
-# 18 ms, and 1.5 ms per row scored beyond one per session; the start of PassCosts, which measures
-# them on this machine. Each further session in a pass adds about a ninth of a lone pass.
-_PASS_MS, _ROW_MS = 18.0, 1.5
+# Each further session in a pass adds about a ninth of a lone pass (docs/models.md).
 _SESSION_SHARE = 2.0 / 18.0
-_COST_WEIGHT = 0.2
 # The scratch session with which the verifier times one pass before serving.
 _PROBE_SESSION = b"sdcp-pass-probe!"
 _PROBE_PROMPT_TOKENS = 64
@@ -76,25 +84,6 @@ _ROUTER_WAIT_S = 5.0
 _RETRY_AFTER_S = 5
 # An event the router did not answer is sent again, after a growing wait, for this long.
 _EVENT_RETRY_S, _EVENT_RETRY_MAX_S, _EVENT_RETRY_FOR_S = 0.2, 5.0, 300.0
-
-
-@dataclass
-class PassCosts:
-    """What a pass of one session costs here, and each row it scores beyond the first (ms),
-    measured from the passes that held one session."""
-
-    pass_ms: float = _PASS_MS
-    row_ms: float = _ROW_MS
-
-    def record(self, seconds: float, rows: int, sessions: int) -> None:
-        if sessions != 1 or rows < 1:
-            return
-        elapsed_ms = 1000 * seconds
-        if rows == 1:
-            self.pass_ms += _COST_WEIGHT * (elapsed_ms - self.pass_ms)
-        else:
-            per_row = max(0.0, (elapsed_ms - self.pass_ms) / (rows - 1))
-            self.row_ms += _COST_WEIGHT * (per_row - self.row_ms)
 
 
 def lookahead_length(hit_rate: float, sessions: int, predicted: int, costs: PassCosts | None = None) -> int:
@@ -114,114 +103,6 @@ def lookahead_length(hit_rate: float, sessions: int, predicted: int, costs: Pass
     return length
 
 
-# Metrics (docs/observability.md maps them to vLLM's); every labelled series starts at zero.
-ROUND_KINDS = ("proposal", "self", "cancel")
-ROUNDS = Counter(
-    "sdcp_verifier_rounds_total",
-    "Rounds committed, by kind and by the action of the verdict",
-    ["instance", "kind", "outcome"],
-)
-COMMITTED = Counter("sdcp_verifier_tokens_committed_total", "Tokens committed", ["instance"])
-ROUND_SECONDS = Histogram("sdcp_verifier_round_seconds", "Time from admission to verdict", ["instance"])
-PROBLEMS = Counter("sdcp_verifier_problems_total", "Proposals answered with a problem, by type", ["instance", "type"])
-ESCALATIONS = Counter("sdcp_verifier_escalations_total", "Verdicts that escalated, by action", ["instance", "action"])
-SELF_DECODED = Counter("sdcp_verifier_self_decoded_tokens_total", "Tokens the verifier decoded itself", ["instance"])
-M_CAP = Histogram("sdcp_verifier_m_cap", "m_cap of each verdict", ["instance"], buckets=(1, 2, 4, 8, 16, 32, 64))
-APPEND_SECONDS = Histogram("sdcp_verifier_commit_append_seconds", "Commit-log append latency", ["instance"])
-APPEND_CONFLICTS = Counter(
-    "sdcp_verifier_commit_conflicts_total", "Commit-log appends refused by their precondition", ["instance"]
-)
-FENCED = Counter("sdcp_verifier_fenced_sessions_total", "Sessions this verifier stopped serving, fenced", ["instance"])
-DRAFTS = Counter("sdcp:spec_decode_num_drafts", "Proposals verified", ["instance"])
-DRAFT_TOKENS = Counter("sdcp:spec_decode_num_draft_tokens", "Tokens proposed in verified proposals", ["instance"])
-ACCEPTED_TOKENS = Counter("sdcp:spec_decode_num_accepted_tokens", "Proposed tokens accepted", ["instance"])
-ACCEPTED_BY_POSITION = Counter(
-    "sdcp:spec_decode_num_accepted_tokens_per_pos",
-    "Proposed tokens accepted, by position (0: first)",
-    ["instance", "position"],
-)
-RUNNING = Gauge("sdcp:num_requests_running", "Sessions this verifier decodes", ["instance"])
-WAITING = Gauge("sdcp:num_requests_waiting", "Rounds waiting for a scoring pass", ["instance"])
-KV_USAGE = Gauge("sdcp:kv_cache_usage_perc", "Share of the KV slot pool's positions in use (1 = full)", ["instance"])
-# The longest proposal a contract allows (SDCP 4.1 m_max): positions of ACCEPTED_BY_POSITION.
-_MAX_POSITIONS = 64
-# Rounds each session's trace keeps (GET sessions/{id}/trace), the most recent; each a tuple of
-# TRACE_FIELDS (None: not measured), about 200 bytes, so 256 sessions hold at most about 50 MB.
-TRACE_ROUNDS = 1024
-TRACE_FIELDS = (
-    "round",
-    "kind",
-    "drafter",
-    "proposed",
-    "accepted",
-    "emitted",
-    "committed",
-    "action",
-    "m_cap",
-    "batch",
-    "gap_us",
-    "model_us",
-    "queue_us",
-    "fetch_us",
-    "append_us",
-    "verify_us",
-    "other_us",
-)
-
-
-def _init_metrics(uri: str) -> None:
-    for kind in ROUND_KINDS:
-        for action in Action:
-            ROUNDS.labels(uri, kind, action.name.lower())
-    for problem in ProblemType:
-        PROBLEMS.labels(uri, problem.suffix)
-    for action in (Action.REDUCE, Action.SWITCH, Action.SELF_DECODE, Action.FAIL):
-        ESCALATIONS.labels(uri, action.name.lower())
-    for position in range(_MAX_POSITIONS):
-        ACCEPTED_BY_POSITION.labels(uri, str(position))
-    for family in (COMMITTED, SELF_DECODED, APPEND_CONFLICTS, FENCED, DRAFTS, DRAFT_TOKENS, ACCEPTED_TOKENS):
-        family.labels(uri)
-    for histogram in (ROUND_SECONDS, M_CAP, APPEND_SECONDS):
-        histogram.labels(uri)
-
-
-@dataclass
-class RoundTrace:
-    """Where one proposal round's time went, for the session's timeline (microseconds)."""
-
-    admitted_at: float = field(default_factory=time.perf_counter)
-    scored_at: float | None = None
-    fetch_s: float = 0.0
-    append_s: float = 0.0
-
-
-@dataclass
-class RoundTimings:
-    """Per committed round: time since the previous commit, model time in it, its pass's batch size.
-
-    The gap minus the model time is what a round costs besides the model: drafting, serialisation,
-    HTTP, queueing in the batching window, the commit-log append (docs/performance.md). Times are
-    whole microseconds, since SDCP's CBOR carries no floats.
-    """
-
-    last_commit_at: float = field(default_factory=time.perf_counter)
-    model_s: float = 0.0
-    batch_size: int = 0
-    gap_us: list[int] = field(default_factory=list)
-    model_us: list[int] = field(default_factory=list)
-    batch_sizes: list[int] = field(default_factory=list)
-
-    def committed(self) -> None:
-        now = time.perf_counter()
-        self.gap_us.append(round(1e6 * (now - self.last_commit_at)))
-        self.model_us.append(round(1e6 * self.model_s))
-        self.batch_sizes.append(self.batch_size)
-        self.last_commit_at, self.model_s, self.batch_size = now, 0.0, 0
-
-    def to_obj(self) -> dict[str, object]:
-        return {"round_gap_us": self.gap_us, "round_model_us": self.model_us, "round_batch": self.batch_sizes}
-
-
 @dataclass(frozen=True)
 class _Pass:
     """A queued self-decoding pass: the prompt-lookup prediction, the part of it scored, the rows."""
@@ -229,45 +110,6 @@ class _Pass:
     prediction: tuple[int, ...]
     guess: tuple[int, ...]
     logits: asyncio.Future[np.ndarray]
-
-
-@dataclass
-class _LiveSession:
-    machine: VerifierSession
-    log: CommitLog
-    etag: str
-    # The front end that opened the session at the router (session-open's owner extension).
-    owner: str | None = None
-    rounds: dict[int, asyncio.Future[Verdict]] = field(default_factory=dict)
-    committed: asyncio.Event = field(default_factory=asyncio.Event)
-    self_decoder: asyncio.Task[None] | None = None
-    timings: RoundTimings = field(default_factory=RoundTimings)
-    # A new session guesses as if 40 % of its predictions had started right.
-    lookahead_hits: float = 0.4
-    # When a proposal, a commit or a router message last concerned the session (time.monotonic).
-    driven_at: float = field(default_factory=time.monotonic)
-    # When the router was last told that no drafter drives the session (a switch event), and the
-    # delivery of that event while it is retried.
-    nudged_at: float = 0.0
-    nudge: asyncio.Task[None] | None = None
-    # A cancel is waiting for the self-decoding period to stop at its next round boundary.
-    cancelling: bool = False
-    # The session's recent rounds (GET sessions/{id}/trace), and the proposal round being timed.
-    trace: deque[tuple[object, ...]] = field(default_factory=lambda: deque(maxlen=TRACE_ROUNDS))
-    timing: RoundTrace | None = None
-    # How long the last commit-log append took (s).
-    append_s: float = 0.0
-
-    def driven(self) -> None:
-        self.driven_at = time.monotonic()
-
-    def record_lookahead(self, hit: bool) -> None:
-        self.lookahead_hits += _LOOKAHEAD_WEIGHT * (float(hit) - self.lookahead_hits)
-
-    def wake_readers(self) -> None:
-        # Readers wait on the current event; replacing it after setting wakes each exactly once.
-        self.committed.set()
-        self.committed = asyncio.Event()
 
 
 class VerifierEngine:
@@ -296,19 +138,16 @@ class VerifierEngine:
             active_sessions=self._active_sessions,
             cores=cores,
         )
-        self.sessions: dict[bytes, _LiveSession] = {}
+        self.sessions: dict[bytes, LiveSession] = {}
         self._events = events
         self._tasks = BackgroundTasks(uri, log)
         self._scoring = 0
         self._long_polls = 0
         # Seconds per self-decoded token, for the router's choice between drafters and this
         # verifier alone (status self_us); timed with one pass before serving.
-        self.self_decode_time = TokenTimer(initial=_PASS_MS / 1000)
+        self.self_decode_time = TokenTimer(initial=PASS_MS / 1000)
         self.pass_costs = PassCosts()
-        _init_metrics(uri)
-        RUNNING.labels(uri).set_function(self._active_sessions)
-        WAITING.labels(uri).set_function(lambda: self._scoring)
-        KV_USAGE.labels(uri).set_function(target.kv_usage)
+        init_metrics(uri, running=self._active_sessions, waiting=lambda: self._scoring, kv_usage=target.kv_usage)
 
     # -- life and status -------------------------------------------------------------------------
 
@@ -421,7 +260,7 @@ class VerifierEngine:
         if newest > message.epoch:
             raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log is fenced at epoch {newest}")
         await self._prefill(message, prompt, committed)
-        self.sessions[message.session] = _LiveSession(machine, commit_log, snapshot.etag, owner=message.owner)
+        self.sessions[message.session] = LiveSession(machine, commit_log, snapshot.etag, owner=message.owner)
         log.info(
             "%s: session %s open at epoch %d (request %s)",
             self.uri,
@@ -474,7 +313,7 @@ class VerifierEngine:
         log.info("%s: session %s cancelled", self.uri, message.session.hex())
         return live.machine.state()
 
-    async def _between_rounds(self, live: _LiveSession) -> None:
+    async def _between_rounds(self, live: LiveSession) -> None:
         """Let the proposal round in flight be decided first (bounded): a new drafter or a
         self-decoding period takes effect between rounds, since commit and verdict are atomic with
         respect to other changes (SDCP 6.3); the router would otherwise have to try again."""
@@ -539,21 +378,16 @@ class VerifierEngine:
 
     def stats(self, session: bytes) -> dict[str, object]:
         """GET sessions/{id}/stats (not in Table 1): what the session's rounds did so far."""
-        live = self._live(session)
-        machine = live.machine
-        return {
-            **machine.stats.to_obj(),
-            **live.timings.to_obj(),
-            "epoch": machine.epoch,
-            "committed": machine.committed,
-            "m_cap": machine.control.m_cap,
-            "state": int(machine.serving_state),
-            **({"drafter": machine.drafter} if machine.drafter is not None else {}),
-        }
+        return session_stats(self._live(session))
+
+    def trace(self, session: bytes, last: int = TRACE_ROUNDS) -> list[dict[str, object]]:
+        """The session's ``last`` rounds, oldest first (GET sessions/{id}/trace): who drafted, M,
+        accepted, the verdict, and where the time went, in microseconds."""
+        return session_trace(self._live(session), last)
 
     # -- rounds ----------------------------------------------------------------------------------
 
-    async def _verify(self, live: _LiveSession, ticket: RoundTicket) -> Verdict:
+    async def _verify(self, live: LiveSession, ticket: RoundTicket) -> Verdict:
         proposal = ticket.proposal
         assert proposal is not None  # begin_round admits proposal rounds only
         done: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
@@ -599,7 +433,7 @@ class VerifierEngine:
         finally:
             timing.fetch_s = time.perf_counter() - started
 
-    def _submit(self, live: _LiveSession, tokens: tuple[int, ...]) -> asyncio.Future[np.ndarray]:
+    def _submit(self, live: LiveSession, tokens: tuple[int, ...]) -> asyncio.Future[np.ndarray]:
         """Queue a scoring request now (the scorer may be gathering a pass); its rows come with the
         future, and the pass's time is counted when they do."""
         rows = self.scorer.score_async(live.machine.session, tokens)
@@ -607,7 +441,7 @@ class VerifierEngine:
         rows.add_done_callback(lambda _: self._scored(live, len(tokens) + 1))
         return rows
 
-    def _scored(self, live: _LiveSession, rows: int) -> None:
+    def _scored(self, live: LiveSession, rows: int) -> None:
         self._scoring -= 1
         scored = self.scorer.last_pass.pop(live.machine.session, None)
         if scored is not None:
@@ -615,7 +449,7 @@ class VerifierEngine:
             live.timings.batch_size = scored.batch_size
             self.pass_costs.record(scored.seconds, rows, scored.batch_size)
 
-    async def _commit(self, live: _LiveSession, pending: PendingCommit) -> Verdict:
+    async def _commit(self, live: LiveSession, pending: PendingCommit) -> Verdict:
         """SDCP 6.3 Commit: the record is appended first; only then tokens and verdict are released.
 
         The release follows the append with no await between them, so that no cancellation can
@@ -634,11 +468,11 @@ class VerifierEngine:
             self._start_self_decoder(live)
         return verdict
 
-    def _start_self_decoder(self, live: _LiveSession) -> None:
+    def _start_self_decoder(self, live: LiveSession) -> None:
         # The task of the previous period may still be releasing its last round.
         live.self_decoder = self._tasks.spawn(self._self_decode(live, after=live.self_decoder))
 
-    async def _append(self, live: _LiveSession, pending: PendingCommit) -> None:
+    async def _append(self, live: LiveSession, pending: PendingCommit) -> None:
         machine = live.machine
         # The writer's identity goes with the record: an MLC node admits commit records only from
         # the verifier they name (docs/security.md); readers treat the member as opaque.
@@ -672,7 +506,7 @@ class VerifierEngine:
         live.etag = snapshot.etag
         raise Unavailable(f"the commit record was not appended: {failure}") from failure
 
-    def _fenced(self, live: _LiveSession, cause: Exception) -> NoReturn:
+    def _fenced(self, live: LiveSession, cause: Exception) -> NoReturn:
         # SDCP 6.3: a fenced append discards the round, releases nothing, stops serving.
         machine = live.machine
         machine.stop_serving()
@@ -683,81 +517,16 @@ class VerifierEngine:
         log.warning("%s: session %s fenced: %s", self.uri, machine.session.hex(), cause)
         raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log was fenced: {cause}") from cause
 
-    def _release(self, live: _LiveSession, pending: PendingCommit) -> Verdict:
+    def _release(self, live: LiveSession, pending: PendingCommit) -> Verdict:
         """The record is durable: the round's tokens become output."""
         verdict = live.machine.apply(pending)
         live.driven()
         live.timings.committed()
-        self._observe(live, pending)
+        record_round(self.uri, live, pending)
         live.wake_readers()
         return verdict
 
-    def _observe(self, live: _LiveSession, pending: PendingCommit) -> None:
-        """Metrics and the session's trace entry of a committed round."""
-        verdict, proposal, emitted = pending.verdict, pending.ticket.proposal, len(pending.record.emitted)
-        if proposal is not None:
-            kind = "proposal"
-        else:
-            kind = "cancel" if live.cancelling and not emitted and verdict.action == Action.FAIL else "self"
-        action = verdict.action.name.lower()
-        ROUNDS.labels(self.uri, kind, action).inc()
-        COMMITTED.labels(self.uri).inc(emitted)
-        M_CAP.labels(self.uri).observe(verdict.m_cap)
-        # An escalation is what a proposal round's outcome decides (SDCP 6.5.2), as in session stats.
-        if kind == "proposal" and verdict.action in (Action.REDUCE, Action.SWITCH, Action.SELF_DECODE, Action.FAIL):
-            ESCALATIONS.labels(self.uri, action).inc()
-        timings = live.timings
-        entry: dict[str, object] = {
-            "round": verdict.round,
-            "kind": kind,
-            "accepted": verdict.accepted,
-            "emitted": emitted,
-            "committed": verdict.committed,
-            "action": action,
-            "m_cap": verdict.m_cap,
-            "batch": timings.batch_sizes[-1],
-            "gap_us": timings.gap_us[-1],
-            "model_us": timings.model_us[-1],
-            "append_us": round(1e6 * live.append_s),
-        }
-        if proposal is None:
-            if kind == "self":
-                SELF_DECODED.labels(self.uri).inc(emitted)
-        else:
-            proposed = len(proposal.tokens)
-            DRAFTS.labels(self.uri).inc()
-            DRAFT_TOKENS.labels(self.uri).inc(proposed)
-            ACCEPTED_TOKENS.labels(self.uri).inc(verdict.accepted)
-            for position in range(min(verdict.accepted, _MAX_POSITIONS)):
-                ACCEPTED_BY_POSITION.labels(self.uri, str(position)).inc()
-            entry |= {"drafter": proposal.drafter, "proposed": proposed, **self._time_split(live, timings.gap_us[-1])}
-        live.trace.append(tuple(entry.get(name) for name in TRACE_FIELDS))
-
-    def _time_split(self, live: _LiveSession, gap_us: int) -> dict[str, int]:
-        """A proposal round's time: waiting for a pass, the pass, fetching q rows, the append, and
-        the rest of the time since the previous commit (drafting, the network, serialisation)."""
-        timing, live.timing = live.timing, None
-        if timing is None or timing.scored_at is None:
-            return {}
-        model_us = live.timings.model_us[-1]
-        verify_us = round(1e6 * (time.perf_counter() - timing.admitted_at))
-        return {
-            "queue_us": max(0, round(1e6 * (timing.scored_at - timing.admitted_at)) - model_us),
-            "fetch_us": round(1e6 * timing.fetch_s),
-            "verify_us": verify_us,
-            "other_us": max(0, gap_us - verify_us),
-        }
-
-    def trace(self, session: bytes, last: int = TRACE_ROUNDS) -> list[dict[str, object]]:
-        """The session's ``last`` rounds, oldest first (GET sessions/{id}/trace): who drafted, M,
-        accepted, the verdict, and where the time went, in microseconds."""
-        rounds = self._live(session).trace
-        return [
-            {name: value for name, value in zip(TRACE_FIELDS, entry, strict=True) if value is not None}
-            for entry in islice(rounds, max(0, len(rounds) - last), None)
-        ]
-
-    def _after_commit(self, live: _LiveSession, released: list[PendingCommit]) -> None:
+    def _after_commit(self, live: LiveSession, released: list[PendingCommit]) -> None:
         """Events go out once the model holds the committed tokens, since they let the router send
         the next proposal; an ended session's model state is dropped."""
         for pending in released:
@@ -767,7 +536,7 @@ class VerifierEngine:
             self._tasks.spawn(self._close_model_session(live.machine.session))
             self._tasks.spawn(self._forget_later(live))
 
-    async def _self_decode(self, live: _LiveSession, *, after: asyncio.Task[None] | None = None) -> None:
+    async def _self_decode(self, live: LiveSession, *, after: asyncio.Task[None] | None = None) -> None:
         """SDCP 6.5.2 self_decode: one target token per round until self_max, load or the end.
 
         A pass scores the continuation that prompt lookup predicts after the committed tokens along
@@ -797,7 +566,7 @@ class VerifierEngine:
             log.log(level, "%s: self-decoding of session %s stopped: %r", self.uri, machine.session.hex(), exc)
             self._tasks.spawn(self._send_event(machine.interrupt_self_decode()))
 
-    def _start_pass(self, live: _LiveSession, context: tuple[int, ...]) -> _Pass:
+    def _start_pass(self, live: LiveSession, context: tuple[int, ...]) -> _Pass:
         """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens)."""
         prediction = tuple(prompt_lookup(context, SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH))
         # A prediction that was not scored still counts towards the hit rate.
@@ -806,7 +575,7 @@ class VerifierEngine:
         ]
         return _Pass(prediction, guess, self._submit(live, guess))
 
-    async def _self_decode_pass(self, live: _LiveSession, scoring: _Pass) -> _Pass | None:
+    async def _self_decode_pass(self, live: LiveSession, scoring: _Pass) -> _Pass | None:
         """Commit the rounds of one pass; returns the next pass, already queued, if there is one."""
         machine = live.machine
         logits = await scoring.logits
@@ -911,7 +680,7 @@ class VerifierEngine:
                 except Exception as exc:  # noqa: BLE001 - the sweep goes on for the other sessions
                     log.warning("%s: closing idle session %s failed: %r", self.uri, session.hex(), exc)
 
-    async def _forget_later(self, live: _LiveSession) -> None:
+    async def _forget_later(self, live: LiveSession) -> None:
         """An ended or fenced session stays readable for a while, then its memory is freed."""
         await asyncio.sleep(self.settings.ended_retention_s)
         if self.sessions.get(live.machine.session) is live:
@@ -980,13 +749,13 @@ class VerifierEngine:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _live(self, session: bytes) -> _LiveSession:
+    def _live(self, session: bytes) -> LiveSession:
         live = self.sessions.get(session)
         if live is None:
             raise SessionNotFound("no such session at this verifier")
         return live
 
-    def _driven(self, session: bytes) -> _LiveSession:
+    def _driven(self, session: bytes) -> LiveSession:
         """The session a message concerns, marked as driven now (it is not idle)."""
         live = self._live(session)
         live.driven()

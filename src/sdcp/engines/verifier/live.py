@@ -1,0 +1,58 @@
+"""A session as the verifier holds it: its state machine and commit log, and what the engine keeps
+about it between rounds (rounds in flight, readers to wake, the self-decoding task, timings)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from sdcp.cache import CommitLog
+from sdcp.engines.verifier.observe import TRACE_ROUNDS, RoundTimings, RoundTrace
+from sdcp.protocol.messages import Verdict
+from sdcp.protocol.verifier import VerifierSession
+
+__all__ = ["LiveSession"]
+
+# How fast a session's lookahead hit rate follows its latest predictions.
+_LOOKAHEAD_WEIGHT = 0.3
+
+
+@dataclass
+class LiveSession:
+    machine: VerifierSession
+    log: CommitLog
+    etag: str
+    # The front end that opened the session at the router (session-open's owner extension).
+    owner: str | None = None
+    rounds: dict[int, asyncio.Future[Verdict]] = field(default_factory=dict)
+    committed: asyncio.Event = field(default_factory=asyncio.Event)
+    self_decoder: asyncio.Task[None] | None = None
+    timings: RoundTimings = field(default_factory=RoundTimings)
+    # A new session guesses as if 40 % of its predictions had started right.
+    lookahead_hits: float = 0.4
+    # When a proposal, a commit or a router message last concerned the session (time.monotonic).
+    driven_at: float = field(default_factory=time.monotonic)
+    # When the router was last told that no drafter drives the session (a switch event), and the
+    # delivery of that event while it is retried.
+    nudged_at: float = 0.0
+    nudge: asyncio.Task[None] | None = None
+    # A cancel is waiting for the self-decoding period to stop at its next round boundary.
+    cancelling: bool = False
+    # The session's recent rounds (GET sessions/{id}/trace), and the proposal round being timed.
+    trace: deque[tuple[object, ...]] = field(default_factory=lambda: deque(maxlen=TRACE_ROUNDS))
+    timing: RoundTrace | None = None
+    # How long the last commit-log append took (s).
+    append_s: float = 0.0
+
+    def driven(self) -> None:
+        self.driven_at = time.monotonic()
+
+    def record_lookahead(self, hit: bool) -> None:
+        self.lookahead_hits += _LOOKAHEAD_WEIGHT * (float(hit) - self.lookahead_hits)
+
+    def wake_readers(self) -> None:
+        # Readers wait on the current event; replacing it after setting wakes each exactly once.
+        self.committed.set()
+        self.committed = asyncio.Event()
