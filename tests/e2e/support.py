@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tests.waiting import HANG_GUARD_S
 
 from sdcp.cluster import LocalCluster
 from sdcp.models.registry import load_model
@@ -44,7 +45,7 @@ def greedy_reference() -> dict[str, list[int]]:
     return outputs
 
 
-async def stats_when_ended(home: Path, session: bytes, timeout_s: float = 60) -> dict[str, object]:
+async def stats_when_ended(home: Path, session: bytes, timeout_s: float = HANG_GUARD_S) -> dict[str, object]:
     """The verifier's statistics of a session of the local cluster, once the router says it ended."""
     cluster = LocalCluster(home)
     cert, key, ca = cluster.client_credentials()

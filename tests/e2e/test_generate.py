@@ -13,13 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import openai
 import pytest
 from tests.e2e.conftest import fresh_home
 from tests.e2e.support import MAX_NEW, PROMPTS, sdcp, stats_when_ended
+from tests.waiting import HANG_GUARD_S, wait_until
 
 from sdcp.cluster import LocalCluster
 from sdcp.models.registry import load_tokenizer
@@ -182,32 +182,31 @@ def test_a_matched_stop_string_cancels_the_session(home: Path) -> None:
     assert stats["state"] == Action.FAIL and int(stats["committed"]) < 1500  # type: ignore[call-overload]
 
 
-async def _committed_by_the_verifier(home: Path) -> float:
-    """The verifier's sdcp_verifier_tokens_committed_total (GET metrics, as the CLI, an operator)."""
+async def _verifier_metric(home: Path, name: str) -> float:
+    """A metric of the cluster's verifier, summed over its labels (GET metrics, as an operator)."""
     cluster = LocalCluster(home)
     cert, key, ca = cluster.client_credentials()
     verifier = next(instance.uri for instance in cluster.instances() if instance.role == "verifier")
     async with SDCPClient(verifier, cert, key, ca) as client:
         text = (await client.get_bytes("metrics")).content.decode()
-    samples = [
-        line.split()[-1] for line in text.splitlines() if line.startswith("sdcp_verifier_tokens_committed_total")
-    ]
+    samples = [line.split()[-1] for line in text.splitlines() if line.startswith(name + "{")]
     return sum(float(sample) for sample in samples)
 
 
 def test_ctrl_c_in_generate_cancels_the_session(home: Path) -> None:
     env = {**os.environ, "SDCP_HOME": str(home)}
+    committed = "sdcp_verifier_tokens_committed_total"
+    before = asyncio.run(_verifier_metric(home, committed))
     command = [sys.executable, "-m", "sdcp", "generate", LONG_PROMPT, "--max-new", "1500", "--temperature", "0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     assert process.stdout is not None
     os.set_blocking(process.stdout.fileno(), True)
     process.stdout.read(20)  # some text has streamed
     process.send_signal(signal.SIGINT)
-    assert process.wait(timeout=30) != 0
-    time.sleep(1.0)
-    before = asyncio.run(_committed_by_the_verifier(home))
-    time.sleep(2.0)
-    assert asyncio.run(_committed_by_the_verifier(home)) == before, "the verifier still decodes the session"
+    assert process.wait(timeout=HANG_GUARD_S) != 0
+    # The verifier ends the session (it decodes no other here) before its max_new.
+    wait_until(lambda: asyncio.run(_verifier_metric(home, "sdcp:num_requests_running")) == 0, what="session ended")
+    assert asyncio.run(_verifier_metric(home, committed)) - before < 1500
 
 
 def test_generate_restarts_only_the_instance_that_died(home: Path, reference: dict[str, list[int]]) -> None:
@@ -215,9 +214,7 @@ def test_generate_restarts_only_the_instance_that_died(home: Path, reference: di
     before = {instance.name: instance.pid for instance in cluster.instances()}
     drafter = next(instance for instance in cluster.instances() if instance.role == "drafter")
     os.kill(drafter.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while drafter.alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: not drafter.alive(), what=f"{drafter.name} gone")
     result = sdcp(home, "generate", "--max-new", str(MAX_NEW), PROMPTS[0])
     assert result.returncode == 0, result.stderr
     assert f"restarting {drafter.name}" in result.stderr

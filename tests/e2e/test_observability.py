@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from tests.e2e.support import sdcp, stats_when_ended
+from tests.waiting import wait_until
 
 from sdcp.cluster import LocalCluster
 from sdcp.protocol.messages import session_path_id
@@ -179,33 +179,37 @@ def test_the_dashboard_shows_a_running_session_grow(home: Path, browser: webdriv
     dashboard = LocalCluster(home).dashboard
     assert dashboard is not None
     sessions: list[bytes] = []
-    # A long generation, streamed, while the page watches it.
+    # A generation longer than any machine finishes while the page watches it; the client leaves
+    # (and so cancels it) once the page has shown it grow.
     stream = client_of(home).completions.with_streaming_response.create(
-        model="smollm2", prompt="A long story about a lighthouse keeper.", max_tokens=700, temperature=0, stream=True
+        model="smollm2", prompt="A long story about a lighthouse keeper.", max_tokens=6000, temperature=0, stream=True
     )
+    watched = threading.Event()
 
     def read() -> None:
         with stream as response:
             sessions.append(bytes.fromhex(response.headers["x-sdcp-sessions"]))
             for _ in response.iter_lines():
-                pass
+                if watched.is_set():
+                    break
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    deadline = time.monotonic() + 60
-    while not sessions:
-        assert time.monotonic() < deadline, "the gateway did not answer"
-        time.sleep(0.1)
+    wait_until(lambda: bool(sessions), what="the gateway answered")
     session = sessions[0].hex()
     browser.get(dashboard)
     seen: list[int] = []
-    deadline = time.monotonic() + 120
-    while len(set(seen)) < 3:
-        assert time.monotonic() < deadline, f"the dashboard did not show session {session} growing: {seen}"
+
+    def grown() -> bool:
         committed = _committed(browser, session)
         if committed is not None and (not seen or committed != seen[-1]):
             seen.append(committed)
-        time.sleep(0.3)
+        return len(set(seen)) >= 3
+
+    try:
+        wait_until(grown, what=f"the dashboard showing session {session} grow")
+    finally:
+        watched.set()
     assert seen == sorted(seen), seen
     assert browser.find_elements(By.CSS_SELECTOR, "#instances tr"), "no instances listed"
     text = browser.find_element(By.CSS_SELECTOR, f'.session[data-session="{session}"] pre').text

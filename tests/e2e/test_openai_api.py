@@ -8,7 +8,6 @@ import re
 import ssl
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import openai
 import pytest
 import torch
 from tests.e2e.support import MAX_NEW, PROMPTS
+from tests.waiting import wait_until
 
 import sdcp
 from sdcp.cluster import LocalCluster
@@ -284,10 +284,8 @@ def test_an_api_key_tls_and_json_logs(home: Path, tmp_path: Path) -> None:
             cwd=root,
         )
     try:
-        deadline = time.monotonic() + 60
-        while not accepts(port):
-            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_until(lambda: process.poll() is not None or accepts(port), what="the gateway listening")
+        assert process.poll() is None, log.read_text()
         base = f"https://localhost:{port}/v1"
         trusted = httpx.Client(verify=ssl.create_default_context(cafile=str(root / "certs" / "ca.pem")))
         refused = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0, http_client=trusted)

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from tests.waiting import HANG_GUARD_S, eventually
 
 from sdcp.models.worker import InlineModelThread, ModelThread, ModelThreadClosed
 
@@ -16,14 +17,13 @@ async def test_calls_run_in_order_on_one_thread_and_are_measured() -> None:
     seen: list[tuple[int, str]] = []
 
     def record(index: int) -> int:
-        gate.wait(5)
+        gate.wait(HANG_GUARD_S)
         seen.append((index, threading.current_thread().name))
         return index
 
     with ModelThread("model-test") as thread:
         futures = [thread.schedule(record, index) for index in range(5)]
-        await asyncio.sleep(0.05)
-        assert thread.queue == 4  # one is running, blocked on the gate
+        await eventually(lambda: thread.queue == 4)  # one is running, blocked on the gate
         gate.set()
         assert await asyncio.gather(*futures) == list(range(5))
         assert thread.queue == 0 and thread.busy_fraction() > 0

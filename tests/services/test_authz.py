@@ -15,6 +15,7 @@ from pathlib import Path
 import cbor2
 import httpx
 import pytest
+from tests.waiting import eventually
 
 from sdcp.cache import CommitLog, build_uri
 from sdcp.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig, TrustConfig, VerifierConfig
@@ -648,7 +649,7 @@ async def test_output_long_polls_are_limited(world: World) -> None:
         asyncio.create_task(world.client("owner", "verifier").get_cbor(path, {"from": str(state.committed)}))
         for _ in range(2)
     ]
-    await asyncio.sleep(0.3)
+    await eventually(lambda: engine._long_polls == 2)
     status, retry_after = await raw_status(world, "owner", "verifier", "GET", f"{path}?from={state.committed}")
     assert (status, retry_after) == (503, "1")
     for task in waiting:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 from tests.services.outputs import read_output
+from tests.waiting import eventually, eventually_async
 
 from sdcp.cache import MLC, build_uri
 from sdcp.client import ClusterClient, SessionHandle
@@ -172,12 +173,6 @@ def tiny_contract(model: TargetModel, **overrides: object) -> Contract:
 def jump_clock(router: RouterNode | None) -> JumpClock:
     assert router is not None and isinstance(router.clock, JumpClock)
     return router.clock
-
-
-async def eventually(condition: object, timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():  # type: ignore[operator]
-            await asyncio.sleep(0.02)
 
 
 # -- PUT instances/{id}/status ----------------------------------------------------------------------
@@ -490,9 +485,7 @@ async def test_failover_to_a_second_verifier_loses_and_repeats_no_token(
         _, described = await frontend.get_cbor(path)
         return isinstance(described, dict) and described["verifier"] == second.uri
 
-    async with asyncio.timeout(15):
-        while not await moved():
-            await asyncio.sleep(0.05)
+    await eventually_async(moved)
     _, described = await frontend.get_cbor(path)
     assert isinstance(described, dict) and described["epoch"] == 2
 
@@ -645,7 +638,7 @@ async def test_a_session_open_that_times_out_is_cancelled_where_it_was_opened(
     # session of its own, whose end is not in the commit log of the one opened elsewhere.
     (abandoned,) = slow[0].engine.sessions.values()
     assert abandoned.machine.session != session
-    await eventually(lambda: abandoned.machine.ended, timeout_s=15)
+    await eventually(lambda: abandoned.machine.ended)
     assert abandoned.machine.state().state == Action.FAIL
     peer = "verifier1" if opened["verifier"] == verifiers[0].uri else "verifier2"
     outputs = await read_output(deployment.client("frontend", peer=peer), session)

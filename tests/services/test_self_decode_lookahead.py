@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from tests.services.outputs import output_tokens, read_output
+from tests.waiting import eventually
 
 from sdcp.cache import build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
@@ -212,10 +213,7 @@ async def test_a_failed_append_while_self_decoding_leaves_the_model_at_the_commi
     wrong = (reference[0] + 1) % target.vocab_size
     _, body = await clients["drafter"].post_cbor("proposals", _proposal(live.machine.state(), (wrong,)).to_obj())
     assert Verdict.from_obj(body).action == Action.SELF_DECODE
-    for _ in range(200):
-        if not live.machine.self_decoding:
-            break
-        await asyncio.sleep(0.05)
+    await eventually(lambda: not live.machine.self_decoding)
     assert not live.machine.self_decoding and not live.machine.ended
     committed = list(live.machine.tokens)
     assert committed == reference[: len(committed)] and len(committed) == 5

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from tests.services.outputs import output_tokens, read_output
+from tests.waiting import eventually, eventually_async
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdcp.cache import MLC, LogSnapshot, build_uri
@@ -494,9 +496,20 @@ async def test_an_append_whose_answer_was_lost_is_found_in_the_log_on_the_retry(
     assert [(r["round"], r["committed"]) for r in records] == [(1, verdict.committed)]
 
 
-async def test_an_ended_session_is_freed_after_its_retention(cluster: Cluster, target: TargetModel) -> None:
+async def test_an_ended_session_is_freed_after_its_retention(
+    cluster: Cluster, target: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     node = cluster.node
     node.engine.settings = replace(node.engine.settings, ended_retention_s=0.2)
+    # The retention starts once the test has read the ended session, however slowly it gets there.
+    read = asyncio.Event()
+    forget_later = node.engine._forget_later
+
+    async def after_the_read(live: object) -> None:
+        await read.wait()
+        await forget_later(live)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(node.engine, "_forget_later", after_the_read)
     state = await open_and_assign(cluster, contract(target, max_new=1))
     drafter = cluster.client("drafter")
     _, body = await drafter.post_cbor("proposals", proposal(state, (1, 2)).to_obj())
@@ -504,9 +517,8 @@ async def test_an_ended_session_is_freed_after_its_retention(cluster: Cluster, t
     path = f"sessions/{session_path_id(SESSION)}/output"
     _, body = await drafter.get_cbor(path, {"from": "0"})
     assert Output.from_obj(body).final  # still readable right after the end
-    async with asyncio.timeout(10):
-        while SESSION in node.engine.sessions or target.has_session(SESSION):
-            await asyncio.sleep(0.02)
+    read.set()
+    await eventually(lambda: SESSION not in node.engine.sessions and not target.has_session(SESSION))
     err = await problem_of(drafter.get_cbor(path, {"from": "0"}))
     assert err.status == 404 and SESSION not in node.engine.sessions and not target.has_session(SESSION)
 
@@ -520,7 +532,6 @@ async def test_a_session_nothing_drives_is_closed_after_the_idle_timeout(tmp_pat
         drafter, router = env.client("drafter"), env.client("router")
         _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
         state = advance(state, Verdict.from_obj(body))
-        # Router messages drive it: six 0.25 s apart span more than the timeout.
         assignment = Assignment(
             session=SESSION,
             epoch=1,
@@ -533,14 +544,14 @@ async def test_a_session_nothing_drives_is_closed_after_the_idle_timeout(tmp_pat
             digest=state.digest,
             m_init=4,
         )
-        for _ in range(6):
-            await asyncio.sleep(0.25)
-            await router.put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
-        assert SESSION in node.engine.sessions and target.has_session(SESSION)
+        # A router message drives it: its idle time starts again (checked on the session's clock
+        # reading, not by racing the sweep with real pauses).
+        live = node.engine.sessions[SESSION]
+        before = time.monotonic()
+        await router.put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
+        assert live.driven_at >= before and node.engine.sessions.get(SESSION) is live
         # Then nothing drives it, as after a takeover by another verifier.
-        async with asyncio.timeout(10):
-            while SESSION in node.engine.sessions or target.has_session(SESSION):
-                await asyncio.sleep(0.05)
+        await eventually(lambda: SESSION not in node.engine.sessions and not target.has_session(SESSION))
         assert SESSION not in node.engine.sessions and not target.has_session(SESSION)
         err = await problem_of(drafter.post_cbor("proposals", proposal(state, (1,)).to_obj()))
         assert err.status == 404
@@ -601,13 +612,21 @@ async def test_the_verifier_decodes_alone_at_the_routers_request(
     assert SessionState.from_obj(answer).state == Action.SELF_DECODE
     outputs = await asyncio.wait_for(read_output(cluster.client("router"), SESSION, until=5), 60)
     assert output_tokens(outputs) == greedy_reference[:5]
+
     # The period ends after self_max tokens and waits for the router's next decision.
-    for _ in range(200):
+    async def period_ended() -> bool:
+        nonlocal stats
         _, stats = await cluster.client("router").get_cbor(f"sessions/{session_path_id(SESSION)}/stats")
-        if stats["state"] == Action.CONTINUE:
-            break
-        await asyncio.sleep(0.02)
-    assert stats["state"] == Action.CONTINUE and stats["self_decoded"] == 5 and stats["committed"] == 5
+        return bool(stats["state"] == Action.CONTINUE)
+
+    stats: object = None
+    await eventually_async(period_ended)
+    assert (
+        isinstance(stats, dict)
+        and stats["state"] == Action.CONTINUE
+        and stats["self_decoded"] == 5
+        and stats["committed"] == 5
+    )
 
 
 async def test_a_cancel_stops_self_decoding_at_a_round_boundary(
