@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sdcp-installed
 
-.PHONY: test test-fast lint format demo install redis model clean
+.PHONY: test test-fast test-stress lint format demo install redis model clean
 
 test: lint redis model
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -14,6 +14,11 @@ test: lint redis model
 FAST_TESTS := tests/protocol tests/cache tests/transport tests/services tests/test_threads.py tests/test_layout.py
 test-fast: install redis
 	$(PY) -m pytest -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
+
+# The fast tier slowed: pinned to one core that a busy loop keeps occupied (scripts/test-stress).
+# A test that waits on time instead of on events fails here first.
+test-stress: install redis
+	scripts/test-stress $(PY) -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
 
 # ruff (lint and format check) and mypy (strict on sdcp.protocol, sdcp.cache, sdcp.engines, sdcp.conformance, sdcp.config), pyproject.toml.
 lint: install
@@ -34,10 +39,14 @@ demo: install model
 
 install: $(STAMP)
 
-# torch first, pinned to the CPU wheel, so that resolving the project never pulls a CUDA build.
+# torch first, from PyTorch's CPU index, so that resolving the project never pulls a multi-GB CUDA
+# build (PyPI's Linux wheel is one). Pip still takes a matching wheel from its configured
+# find-links or extra indexes. A GPU host overrides both, e.g. TORCH_INDEX=.../whl/cu128.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --index-url $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[all,test]'
 	touch $(STAMP)
 
