@@ -22,6 +22,7 @@ from sdcp.config import VerifierConfig
 from sdcp.engines.errors import SessionNotFound, Unanswered, Unavailable
 from sdcp.engines.ports import EventSink
 from sdcp.engines.tasks import BackgroundTasks
+from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.observe import (
     APPEND_CONFLICTS,
@@ -38,7 +39,7 @@ from sdcp.engines.verifier.observe import (
     session_stats,
     session_trace,
 )
-from sdcp.models.batching import BatchingScorer, ScorerClosed
+from sdcp.models.batching import BatchingScorer
 from sdcp.models.draft import TokenTimer, prompt_lookup
 from sdcp.models.errors import DigestMismatch
 from sdcp.models.target import TargetModel
@@ -139,6 +140,7 @@ class VerifierEngine:
             cores=cores,
         )
         self.sessions: dict[bytes, LiveSession] = {}
+        self._model_sync = ModelSync(uri, target, self.scorer, self.sessions)
         self._events = events
         self._tasks = BackgroundTasks(uri, log)
         self._scoring = 0
@@ -419,8 +421,7 @@ class VerifierEngine:
             if not done.done():
                 done.set_exception(exc if isinstance(exc, Exception) else Unavailable("the round was cancelled"))
                 done.exception()  # retrieved here; waiters re-raise it
-            if self.target.has_session(proposal.session) and not live.machine.fenced:
-                await self.scorer.run_async(self.target.rollback, proposal.session)
+            await self._model_sync.drop_scored(live.machine)
             raise
         finally:
             if live.rounds.get(ticket.round) is done:
@@ -456,11 +457,11 @@ class VerifierEngine:
         leave a durable record unreleased (the commit and the verdict are atomic).
         """
         machine = live.machine
-        self._sync_model_soon(machine, pending, pending.verdict.accepted, pending.record.emitted)
+        self._model_sync.sync_soon(machine, pending, pending.verdict.accepted, pending.record.emitted)
         try:
             await self._append(live, pending)
         except BaseException:
-            self._realign_model_after_failure(machine)
+            self._model_sync.realign_after_failure(machine)
             raise
         verdict = self._release(live, pending)
         self._after_commit(live, [pending])
@@ -512,7 +513,7 @@ class VerifierEngine:
         machine.stop_serving()
         FENCED.labels(self.uri).inc()
         live.wake_readers()
-        self._tasks.spawn(self._close_model_session(machine.session))
+        self._tasks.spawn(self._model_sync.close(machine.session))
         self._tasks.spawn(self._forget_later(live))
         log.warning("%s: session %s fenced: %s", self.uri, machine.session.hex(), cause)
         raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log was fenced: {cause}") from cause
@@ -533,7 +534,7 @@ class VerifierEngine:
             if pending.event is not None:
                 self._tasks.spawn(self._send_event(pending.event))
         if live.machine.ended:
-            self._tasks.spawn(self._close_model_session(live.machine.session))
+            self._tasks.spawn(self._model_sync.close(live.machine.session))
             self._tasks.spawn(self._forget_later(live))
 
     async def _self_decode(self, live: LiveSession, *, after: asyncio.Task[None] | None = None) -> None:
@@ -593,7 +594,7 @@ class VerifierEngine:
                     last = not (predicted and continues)
                     if last:
                         # The pass's earlier rounds are released: decided = their tokens + this one's.
-                        committed = self._sync_model_soon(machine, pending, len(decided) - 1, decided)
+                        committed = self._model_sync.sync_soon(machine, pending, len(decided) - 1, decided)
                         if continues:
                             following = self._start_pass(live, committed)
                     await self._append(live, pending)
@@ -610,52 +611,11 @@ class VerifierEngine:
             if following is not None:
                 following.logits.cancel()
                 await asyncio.gather(following.logits, return_exceptions=True)
-            self._realign_model_after_failure(machine)
+            self._model_sync.realign_after_failure(machine)
             raise
         finally:
             self._after_commit(live, released)
         return following
-
-    def _sync_model_soon(
-        self, machine: VerifierSession, pending: PendingCommit, accepted: int, emitted: Sequence[int]
-    ) -> tuple[int, ...]:
-        """Queue bringing the model's KV cache to the tokens committed once ``pending`` is, by
-        keeping ``accepted`` scored tokens and ``emitted``; returns those tokens, prompt included.
-
-        Not awaited: the scorer runs queued work in order, so the session's next pass sees it.
-        """
-        committed = (*machine.prompt, *machine.tokens, *pending.record.emitted)
-        self.scorer.run(self._sync_model, machine.session, accepted, tuple(emitted), committed)
-        return committed
-
-    def _realign_model_after_failure(self, machine: VerifierSession) -> None:
-        """After a failed round, queue rebuilding the model state from the committed tokens alone:
-        it may hold decided tokens whose records were not appended. A fenced session's model state
-        is closed instead."""
-        if machine.fenced:
-            return
-        try:
-            self.scorer.run(self._rebuild_model_session, machine.session, (*machine.prompt, *machine.tokens))
-        except ScorerClosed:
-            return  # the node is stopping: no model state to keep
-
-    def _sync_model(self, session: bytes, accepted: int, emitted: tuple[int, ...], committed: tuple[int, ...]) -> None:
-        try:
-            if emitted:
-                self.target.commit(session, accepted, emitted)
-            else:
-                self.target.rollback(session)
-        except Exception as exc:  # noqa: BLE001 - the model state is rebuilt from the decided tokens
-            # The tokens are decided whatever the model's state: rebuild it from them.
-            log.error("%s: model state of session %s rebuilt after %r", self.uri, session.hex(), exc)
-            self._rebuild_model_session(session, committed)
-
-    def _rebuild_model_session(self, session: bytes, committed: tuple[int, ...]) -> None:
-        """On the scorer thread; a session this node has dropped meanwhile is not opened again."""
-        if self.target.has_session(session):
-            self.target.close_session(session)
-        if session in self.sessions:
-            self.target.open_session(session, committed)
 
     async def _forget_idle_sessions(self) -> None:
         """Close the sessions that nothing has driven for ``idle_timeout_s``. After a takeover
@@ -742,11 +702,6 @@ class VerifierEngine:
                 await asyncio.sleep(wait)
                 wait = min(2 * wait, _EVENT_RETRY_MAX_S)
 
-    async def _close_model_session(self, session: bytes) -> None:
-        # The KV cache of an ended session is no longer needed; its output stays readable.
-        if self.target.has_session(session):
-            await self.scorer.run_async(self.target.close_session, session)
-
     # -- helpers ---------------------------------------------------------------------------------
 
     def _live(self, session: bytes) -> LiveSession:
@@ -794,4 +749,4 @@ class VerifierEngine:
         live = self.sessions.pop(session, None)
         if live is not None and live.self_decoder is not None:
             live.self_decoder.cancel()
-        await self._close_model_session(session)
+        await self._model_sync.close(session)

@@ -1,0 +1,85 @@
+"""The target model's state of each session (its KV cache) kept at the session's committed tokens.
+
+A round's tokens reach the model optimistically: the commit is queued on the model thread before
+the commit record is appended, so the session's next pass, queued after it, never waits for the
+append. Whatever fails on the way is repaired from the tokens the session's state machine holds,
+which are decided whatever the model holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Container, Sequence
+
+from sdcp.models.target import TargetModel
+from sdcp.models.worker import ModelThread, ModelThreadClosed
+from sdcp.protocol.verifier import PendingCommit, VerifierSession
+
+__all__ = ["ModelSync"]
+
+log = logging.getLogger("sdcp.verifier")
+
+
+class ModelSync:
+    """Brings ``target``'s sessions to their committed tokens on ``thread``, the thread that owns the
+    model; ``held`` tells which sessions the verifier still holds (a dropped one is not rebuilt)."""
+
+    def __init__(self, uri: str, target: TargetModel, thread: ModelThread, held: Container[bytes]) -> None:
+        self._uri = uri
+        self._target = target
+        self._thread = thread
+        self._held = held
+
+    def sync_soon(
+        self, machine: VerifierSession, pending: PendingCommit, accepted: int, emitted: Sequence[int]
+    ) -> tuple[int, ...]:
+        """Queue bringing the model's KV cache to the tokens committed once ``pending`` is, by
+        keeping ``accepted`` scored tokens and ``emitted``; returns those tokens, prompt included.
+
+        Not awaited: the model thread runs queued work in order, so the session's next pass sees it.
+        """
+        committed = (*machine.prompt, *machine.tokens, *pending.record.emitted)
+        self._thread.run(self._sync, machine.session, accepted, tuple(emitted), committed)
+        return committed
+
+    def realign_after_failure(self, machine: VerifierSession) -> None:
+        """After a failed round, queue rebuilding the model state from the committed tokens alone:
+        it may hold decided tokens whose records were not appended. A fenced session's model state
+        is closed instead."""
+        if machine.fenced:
+            return
+        try:
+            self._thread.run(self._rebuild, machine.session, (*machine.prompt, *machine.tokens))
+        except ModelThreadClosed:
+            return  # the node is stopping: no model state to keep
+
+    async def drop_scored(self, machine: VerifierSession) -> None:
+        """After a proposal round that failed before its commit, forget the proposal the model
+        scored; a fenced session's model state is closed instead."""
+        if self._target.has_session(machine.session) and not machine.fenced:
+            await self._thread.run_async(self._target.rollback, machine.session)
+
+    async def close(self, session: bytes) -> None:
+        # The KV cache of an ended session is no longer needed; its output stays readable.
+        if self._target.has_session(session):
+            await self._thread.run_async(self._target.close_session, session)
+
+    # -- on the model thread -----------------------------------------------------------------------
+
+    def _sync(self, session: bytes, accepted: int, emitted: tuple[int, ...], committed: tuple[int, ...]) -> None:
+        try:
+            if emitted:
+                self._target.commit(session, accepted, emitted)
+            else:
+                self._target.rollback(session)
+        except Exception as exc:  # noqa: BLE001 - the model state is rebuilt from the decided tokens
+            # The tokens are decided whatever the model's state: rebuild it from them.
+            log.error("%s: model state of session %s rebuilt after %r", self._uri, session.hex(), exc)
+            self._rebuild(session, committed)
+
+    def _rebuild(self, session: bytes, committed: tuple[int, ...]) -> None:
+        """A session the verifier has dropped meanwhile is not opened again."""
+        if self._target.has_session(session):
+            self._target.close_session(session)
+        if session in self._held:
+            self._target.open_session(session, committed)
