@@ -20,10 +20,13 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-__all__ = ["ChatTemplateError", "TextCodec", "load_text_codec"]
+__all__ = ["ChatTemplateError", "IncrementalDecoder", "TextCodec", "load_text_codec"]
 
 # Tokens that end a generation besides the configured eos token (ChatML and GPT-2 style models).
 _END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+
+# What a decoder shows for bytes that are not (yet) a whole UTF-8 character.
+_REPLACEMENT = "\ufffd"
 
 
 class ChatTemplateError(ValueError):
@@ -99,6 +102,51 @@ class TextCodec:
     def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         rendered = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(rendered, add_special_tokens=False)
+
+
+class IncrementalDecoder:
+    """The text of a growing sequence of tokens, piece by piece, at a cost that grows with the new
+    tokens rather than with the whole sequence; the pieces join into the text of all the tokens.
+
+    Each step decodes a window: the tokens of the previous step, whose text is already out, then
+    the new ones. The leading tokens give the decoder its context (a token's text may depend on the
+    one before it, as sentencepiece's leading space does), and only the text past theirs is new. A
+    character whose bytes span tokens decodes as U+FFFD until its last token arrives, so trailing
+    U+FFFD is held back until the following tokens decide it, or until `finish`.
+    """
+
+    def __init__(self, codec: TextCodec, *, skip_special_tokens: bool = True) -> None:
+        self._codec = codec
+        self._skip_special_tokens = skip_special_tokens
+        self._tokens: list[int] = []
+        # Each step decodes the tokens from `_prefix` on; the text of those before `_read` is out.
+        self._prefix = 0
+        self._read = 0
+        # How many characters of the window's text are out.
+        self._given = 0
+
+    def add(self, tokens: Sequence[int]) -> str:
+        """The new text that these tokens decide (possibly none yet)."""
+        self._tokens.extend(tokens)
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        """The text still held back: the tokens ended, whatever they decode to is final."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        text = self._decode(self._prefix)
+        decided = text if final else text.rstrip(_REPLACEMENT)
+        piece = decided[self._given :]
+        self._given = max(self._given, len(decided))
+        if piece and len(decided) == len(text):
+            # The window's text ends on a whole character: the next window starts at this step's tokens.
+            self._prefix, self._read = self._read, len(self._tokens)
+            self._given = len(self._decode(self._prefix))
+        return piece
+
+    def _decode(self, start: int) -> str:
+        return self._codec.decode(self._tokens[start:], skip_special_tokens=self._skip_special_tokens)
 
 
 def _raise(message: str) -> None:

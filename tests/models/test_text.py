@@ -1,12 +1,15 @@
 """sdcp.text, the gateway's tokenizer without torch, gives transformers' tokens: plain text, chat
-templates and the stop list."""
+templates and the stop list; its incremental decoding gives the whole text."""
 
 from __future__ import annotations
+
+import random
+from collections.abc import Sequence
 
 import pytest
 
 from sdcp.models.registry import end_of_text_tokens, load_tokenizer
-from sdcp.text import ChatTemplateError, load_text_codec
+from sdcp.text import ChatTemplateError, IncrementalDecoder, load_text_codec
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello there"}],
@@ -44,3 +47,79 @@ def test_chat_templates_render_as_transformers(messages: list[dict[str, str]]) -
 def test_a_model_without_a_chat_template_says_so() -> None:
     with pytest.raises(ChatTemplateError, match="no chat template"):
         load_text_codec("tiny").encode_chat(CONVERSATIONS[0])
+
+
+# Characters of two to four UTF-8 bytes, which SmolLM2 splits over several tokens, and ZWJ emoji.
+MULTI_BYTE = [
+    "Café ☕, naïve façade; Ωμέγα — «ça va?»",
+    "日本語のテキストと한국어 텍스트",
+    "🎉👩‍👩‍👧 🇫🇷🇯🇵 family, flags and 🤖 robots",
+    "def f(x):\n\treturn x  # ünïcödé\u00a0nbsp\u200bzwsp",
+]
+
+
+def _pieces(decoder: IncrementalDecoder, tokens: list[int], sizes: list[int]) -> list[str]:
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(decoder.add(tokens[start : start + size]))
+        start += size
+    return [*pieces, decoder.finish()]
+
+
+def _chunk_sizes(total: int, seed: int) -> list[int]:
+    """Chunks of 1 to 5 tokens, as a round commits them."""
+    rng, sizes = random.Random(seed), list[int]()
+    while sum(sizes) < total:
+        sizes.append(rng.randint(1, 5))
+    return sizes
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_decoding_joins_into_the_whole_decode(skip_special_tokens: bool) -> None:
+    codec = load_text_codec("smollm2")
+    chat = [{"role": "user", "content": MULTI_BYTE[0]}, {"role": "assistant", "content": " ".join(MULTI_BYTE)}]
+    sequences = [
+        *(codec.encode(text, add_special_tokens=False) for text in MULTI_BYTE),
+        codec.encode_chat(chat, add_generation_prompt=False),
+        # Any ids at all: bytes that are no UTF-8, characters cut anywhere.
+        [random.Random(7).randrange(codec.vocab_size) for _ in range(2000)],
+    ]
+    for tokens in sequences:
+        whole = codec.decode(tokens, skip_special_tokens=skip_special_tokens)
+        for sizes in ([1] * len(tokens), [len(tokens)], *(_chunk_sizes(len(tokens), seed) for seed in range(10))):
+            decoder = IncrementalDecoder(codec, skip_special_tokens=skip_special_tokens)
+            assert "".join(_pieces(decoder, tokens, sizes)) == whole
+
+
+def test_incremental_decoding_holds_a_character_back_until_its_last_token() -> None:
+    codec = load_text_codec("smollm2")
+    tokens = codec.encode("ok ☕", add_special_tokens=False)
+    # The cup's three bytes come in more than one token: each piece before its last has none of it.
+    first_of_cup = next(i for i in range(len(tokens)) if "\ufffd" in codec.decode(tokens[: i + 1]))
+    assert codec.decode(tokens[: first_of_cup + 1]).endswith("\ufffd")
+    decoder = IncrementalDecoder(codec)
+    pieces = _pieces(decoder, tokens, [1] * len(tokens))
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces[: first_of_cup + 1]) == "ok "
+    assert "".join(pieces) == "ok ☕" and pieces[-1] == ""
+    # A character that never completes comes out as U+FFFD once the tokens end.
+    cut = IncrementalDecoder(codec)
+    assert "".join(_pieces(cut, tokens[: first_of_cup + 1], [first_of_cup + 1])) == "ok \ufffd"
+
+
+def test_incremental_decoding_decodes_a_window_not_the_whole_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = load_text_codec("smollm2")
+    tokens = codec.encode("word " * 400, add_special_tokens=False)
+    decoder = IncrementalDecoder(codec)
+    decoded: list[int] = []
+    original = codec.decode
+
+    def counting(ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        decoded.append(len(ids))
+        return original(ids, skip_special_tokens=skip_special_tokens)
+
+    monkeypatch.setattr(codec, "decode", counting)
+    assert "".join(_pieces(decoder, tokens, [1] * len(tokens))) == original(tokens)
+    # Each step decodes the previous step's tokens and the new ones, whatever came before.
+    assert max(decoded) <= 2
+
