@@ -36,6 +36,7 @@ from sdcp.protocol.problems import ProtocolError
 from sdcp.services.admin import AdminServer, Readiness
 from sdcp.services.openai_api import (
     Choice,
+    ChoiceText,
     Generation,
     OpenAIError,
     chat_logprobs,
@@ -387,45 +388,35 @@ class GatewayNode:
                 self._cancel_soon(handle)
 
     async def _decoded(self, handle: SessionHandle, generation: Generation, choice: Choice) -> AsyncIterator[_Piece]:
-        tokens: list[int] = []
-        entries: list[tuple[int, TokenLogprob | None]] = []
-        released = 0
-        sent = 0
-        prefix = choice.prompt.text if generation.echo else ""
-        stops = generation.stop_texts
-        hold = max((len(s) - 1 for s in stops), default=0)
+        choice_text = ChoiceText(self.codec, generation)
+        echo = choice.prompt.text if generation.echo else ""
+        tokens = 0
+        final_token: int | None = None
+        logprobs: list[tuple[int, TokenLogprob | None]] = []
 
-        def piece(text: str, finish: str | None) -> _Piece:
-            nonlocal released
-            out = _Piece(choice.index, text, finish, len(tokens), entries[released:])
-            released = len(entries)
+        def piece(decided: str, finish: str | None) -> _Piece:
+            nonlocal echo, logprobs
+            out = _Piece(choice.index, echo + decided, finish, tokens, logprobs)
+            echo, logprobs = "", []
             return out
 
         async for chunk in self.client.stream(handle):
-            tokens.extend(chunk.tokens)
-            logprobs: Sequence[TokenLogprob | None] = chunk.logprobs or [None] * len(chunk.tokens)
-            entries.extend(zip(chunk.tokens, logprobs, strict=True))
-            text = self.codec.decode(tokens, skip_special_tokens=generation.skip_special_tokens)
-            # Stop strings count from min_tokens on, as vLLM's.
-            cut = -1
-            if len(tokens) >= generation.min_tokens:
-                cut, matched = min(((text.find(s), s) for s in stops if s in text), default=(-1, ""))
-            if cut >= 0:
+            tokens += len(chunk.tokens)
+            final_token = chunk.tokens[-1] if chunk.tokens else final_token
+            chosen: Sequence[TokenLogprob | None] = chunk.logprobs or [None] * len(chunk.tokens)
+            logprobs.extend(zip(chunk.tokens, chosen, strict=True))
+            decided, stopped = choice_text.add(chunk.tokens, last=chunk.finish is not None)
+            if stopped:
                 # A stop string of several tokens: the verifier would decode on to max_tokens.
                 self._cancel_soon(handle)
-                end = cut + (len(matched) if generation.include_stop_str else 0)
-                yield piece(prefix + text[sent:end], "stop")
+                yield piece(decided, "stop")
                 return
             if chunk.finish is not None:
-                stopped = bool(tokens) and tokens[-1] in generation.stop_ids
-                yield piece(prefix + text[sent:], "stop" if stopped else "length")
+                stop_token = final_token is not None and final_token in generation.stop_ids
+                yield piece(decided, "stop" if stop_token else "length")
                 return
-            # Hold back a possible start of a stop string until it is decided; an incomplete
-            # multi-byte character decodes as U+FFFD until its last token arrives.
-            ready = text[: max(sent, len(text) - hold)].rstrip("\ufffd")
-            if len(ready) > sent:
-                yield piece(prefix + ready[sent:], None)
-                prefix, sent = "", len(ready)
+            if decided:
+                yield piece(decided, None)
 
     def _cancel_soon(self, handle: SessionHandle) -> None:
         # In a task of its own: the request's task may be being cancelled (a client that went away).

@@ -14,10 +14,11 @@ from typing import Any
 
 from sdcp.protocol.logprobs import LOGPROB_SCALE
 from sdcp.protocol.messages import MAX_TOP_LOGPROBS, Sampling, TokenLogprob
-from sdcp.text import ChatTemplateError, TextCodec
+from sdcp.text import ChatTemplateError, IncrementalDecoder, TextCodec
 
 __all__ = [
     "Choice",
+    "ChoiceText",
     "Generation",
     "OpenAIError",
     "Prompt",
@@ -504,6 +505,52 @@ def _stop_ids(codec: TextCodec, stop_texts: Sequence[str], extra: Sequence[int],
 
 
 # -- answers -------------------------------------------------------------------------------------------
+
+
+class ChoiceText:
+    """The text of one choice as its tokens come: decoded incrementally, with a possible start of a
+    stop string held back until the text after it decides whether the choice ends there."""
+
+    def __init__(self, codec: TextCodec, generation: Generation) -> None:
+        self._decoder = IncrementalDecoder(codec, skip_special_tokens=generation.skip_special_tokens)
+        self._stops = generation.stop_texts
+        self._hold = max((len(stop) - 1 for stop in self._stops), default=0)
+        self._include_stop = generation.include_stop_str
+        self._min_tokens = generation.min_tokens
+        self._tokens = 0
+        # Decoded, not given out yet: the last characters, one fewer than the longest stop string
+        # has, for they may start one; no stop string that can still end the choice starts earlier.
+        self._held = ""
+
+    def add(self, tokens: Sequence[int], *, last: bool) -> tuple[str, bool]:
+        """The text that these tokens decide, and whether a stop string ended the choice there
+        (``last``: the session ended after them, nothing is held back any more)."""
+        searched = len(self._held)
+        self._tokens += len(tokens)
+        self._held += self._decoder.add(tokens)
+        if last:
+            self._held += self._decoder.finish()
+        # Stop strings count from min_tokens on, as vLLM's: one that ends in the text of earlier
+        # tokens (searched then, or come before min_tokens) does not stop the choice.
+        if self._tokens >= self._min_tokens:
+            stop = self._earliest_stop(searched)
+            if stop is not None:
+                cut, matched = stop
+                text, self._held = self._held[: cut + (len(matched) if self._include_stop else 0)], ""
+                return text, True
+        ready = len(self._held) if last else max(0, len(self._held) - self._hold)
+        text, self._held = self._held[:ready], self._held[ready:]
+        return text, False
+
+    def _earliest_stop(self, searched: int) -> tuple[int, str] | None:
+        """Where the first stop string that ends past ``searched`` in the held text starts, and which."""
+        found = []
+        for stop in self._stops:
+            at = self._held.find(stop, max(0, searched - len(stop) + 1))
+            if at >= 0:
+                found.append((at, stop))
+        return min(found, default=None)
+
 
 Logprobs = Sequence[tuple[int, TokenLogprob | None]]
 
