@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from sdcp.protocol.logprobs import LOGPROB_SCALE
 from sdcp.protocol.messages import MAX_TOP_LOGPROBS, Sampling, TokenLogprob
@@ -314,18 +314,30 @@ def _neutral_text(key: str) -> str:
 class _Reader:
     """Typed reads of the request's members; each failure names its parameter."""
 
-    def __init__(self, body: dict[str, Any]) -> None:
+    def __init__(self, body: dict[str, object], within: str = "") -> None:
         self.body = body
+        # The member that holds this object when it is nested ("stream_options."), for the errors.
+        self._within = within
 
-    def _get(self, key: str) -> Any:
+    def _get(self, key: str) -> object:
         return self.body.get(key)
 
-    def integer(self, key: str, default: Any, *, low: int, high: int) -> Any:
+    def _invalid(self, key: str, requirement: str) -> OpenAIError:
+        name = self._within + key
+        return OpenAIError(f"'{name}' {requirement}", param=name)
+
+    @overload
+    def integer(self, key: str, default: int, *, low: int, high: int) -> int: ...
+
+    @overload
+    def integer(self, key: str, default: None, *, low: int, high: int) -> int | None: ...
+
+    def integer(self, key: str, default: int | None, *, low: int, high: int) -> int | None:
         value = self._get(key)
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise OpenAIError(f"'{key}' must be an integer in [{low}, {high}]", param=key)
+            raise self._invalid(key, f"must be an integer in [{low}, {high}]")
         return value
 
     def number(self, key: str, default: float, *, low: float, high: float, low_open: bool = False) -> float:
@@ -333,10 +345,10 @@ class _Reader:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise OpenAIError(f"'{key}' must be a number", param=key)
+            raise self._invalid(key, "must be a number")
         if not (low < value if low_open else low <= value) or value > high:
             bracket = "(" if low_open else "["
-            raise OpenAIError(f"'{key}' must be a number in {bracket}{low}, {high}]", param=key)
+            raise self._invalid(key, f"must be a number in {bracket}{low}, {high}]")
         return float(value)
 
     def boolean(self, key: str, default: bool) -> bool:
@@ -344,13 +356,13 @@ class _Reader:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise OpenAIError(f"'{key}' must be a boolean", param=key)
+            raise self._invalid(key, "must be a boolean")
         return value
 
     def text(self, key: str) -> str | None:
         value = self._get(key)
         if value is not None and not isinstance(value, str):
-            raise OpenAIError(f"'{key}' must be a string", param=key)
+            raise self._invalid(key, "must be a string")
         return value
 
     def strings(self, key: str, most: int) -> tuple[str, ...]:
@@ -359,7 +371,7 @@ class _Reader:
         if texts is None:
             return ()
         if not isinstance(texts, list) or len(texts) > most or not all(isinstance(s, str) and s for s in texts):
-            raise OpenAIError(f"'{key}' must be a non-empty string or a list of up to {most} of them", param=key)
+            raise self._invalid(key, f"must be a non-empty string or a list of up to {most} of them")
         return tuple(texts)
 
     def token_ids(self, key: str, vocab_size: int) -> tuple[int, ...]:
@@ -367,7 +379,7 @@ class _Reader:
         if value is None:
             return ()
         if not isinstance(value, list) or not all(_is_token(t, vocab_size) for t in value):
-            raise OpenAIError(f"'{key}' must be a list of token ids below {vocab_size}", param=key)
+            raise self._invalid(key, f"must be a list of token ids below {vocab_size}")
         return tuple(value)
 
 
@@ -461,7 +473,7 @@ def _max_tokens(reader: _Reader, context: int | None, prompt_tokens: int, chat: 
             "completion). Please reduce the prompt or the completion length.",
             param=key,
         )
-    return int(requested)
+    return requested
 
 
 def _stream_options(reader: _Reader, stream: bool) -> tuple[bool, bool]:
@@ -475,7 +487,7 @@ def _stream_options(reader: _Reader, stream: bool) -> tuple[bool, bool]:
     for key in options:
         if key not in ("include_usage", "continuous_usage_stats"):
             raise OpenAIError(f"Unrecognized stream option: {key}", param="stream_options")
-    inner = _Reader(options)
+    inner = _Reader(options, within="stream_options.")
     include = inner.boolean("include_usage", False)
     return include, include and inner.boolean("continuous_usage_stats", False)
 
