@@ -9,10 +9,11 @@ sandbox with trim_blocks and lstrip_blocks, then encoded without added special t
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,14 @@ class TextCodec:
             chat_template=template if isinstance(template, str) else None,
             context_length=context if isinstance(context, int) else None,
         )
+
+    @cached_property
+    def tokenizer_digest(self) -> bytes:
+        """The digest a contract names for this tokenizer (SDCP 4.1), as ``sdcp.models.digests``
+        computes it from transformers' tokenizer: SHA-256 of its definition as canonical JSON."""
+        definition = json.loads(self.tokenizer.to_str())
+        canonical = json.dumps(definition, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return hashlib.sha256(canonical.encode("utf-8")).digest()
 
     # -- ids ---------------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """sdcp.text, the gateway's tokenizer without torch, gives transformers' tokens: plain text, chat
-templates and the stop list; its incremental decoding gives the whole text."""
+templates, the stop list and the tokenizer digest; its incremental decoding gives the whole text."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from sdcp.models.digests import tokenizer_digest
 from sdcp.models.registry import end_of_text_tokens, load_tokenizer
 from sdcp.text import ChatTemplateError, IncrementalDecoder, load_text_codec
 
@@ -123,3 +124,7 @@ def test_incremental_decoding_decodes_a_window_not_the_whole_text(monkeypatch: p
     # Each step decodes the previous step's tokens and the new ones, whatever came before.
     assert max(decoded) <= 2
 
+
+@pytest.mark.parametrize("model", ["smollm2", "tiny"])
+def test_the_tokenizer_digest_is_the_verifiers(model: str) -> None:
+    assert load_text_codec(model).tokenizer_digest == tokenizer_digest(load_tokenizer(model))

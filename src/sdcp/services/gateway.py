@@ -32,7 +32,7 @@ from sdcp import __version__
 from sdcp.client import ClusterClient, SessionHandle, build_contract
 from sdcp.config import ConfigError, ServiceConfig
 from sdcp.protocol.messages import TokenLogprob
-from sdcp.protocol.problems import ProtocolError
+from sdcp.protocol.problems import BadContract, ProtocolError
 from sdcp.services.admin import AdminServer, Readiness
 from sdcp.services.openai_api import (
     Choice,
@@ -47,7 +47,7 @@ from sdcp.services.openai_api import (
     parse_tokenize,
 )
 from sdcp.text import load_text_codec
-from sdcp.transport.errors import TransportError
+from sdcp.transport.errors import StatusError, TransportError
 from sdcp.transport.server import FrontEndServer, Listener, Server
 
 __all__ = ["GatewayNode"]
@@ -96,6 +96,10 @@ class _ClusterFailed(Exception):
     """The cluster could not open or finish a session; the client gets 503 and may retry."""
 
 
+class _TargetLost(_ClusterFailed):
+    """No verifier of the contract's target opened the session: none is live, or none answered."""
+
+
 class GatewayNode:
     """Serves the OpenAI-compatible API on its own listener and speaks SDCP to the router."""
 
@@ -125,7 +129,8 @@ class GatewayNode:
             REQUEST_SUCCESS.labels(self.uri, reason)
         for gauge in (REQUESTS_IN_PROGRESS, REQUESTS_OPENING):
             gauge.labels(self.uri)
-        self._target: dict[str, Any] | None = None
+        # The target digest that contracts name, until no verifier of it opens a session.
+        self._target: bytes | None = None
         # Cancellations under way, kept referenced until they are done.
         self._cancelling: set[asyncio.Future[None]] = set()
 
@@ -174,14 +179,14 @@ class GatewayNode:
             await self.stop()
 
     async def readiness(self) -> Readiness:
-        """Ready while the router answers and lists a verifier of a target."""
+        """Ready while the router answers and lists a verifier that reads this gateway's tokens."""
         try:
-            targets = await self.client.targets()
-        except (ProtocolError, TransportError) as exc:
-            return Readiness(False, f"the router did not answer: {exc}")
-        if not targets:
-            return Readiness(False, "the router lists no verifier")
-        return Readiness(True, f"the router lists {len(targets)} verifier(s)")
+            served = await self._served_targets()
+        except _ClusterFailed as exc:
+            return Readiness(False, str(exc))
+        if not served:
+            return Readiness(False, f"the router lists no verifier of {self.model_name}'s tokenizer")
+        return Readiness(True, f"the router lists {len(served)} verifier(s) of {self.model_name}'s tokenizer")
 
     # -- routes ----------------------------------------------------------------------------------
 
@@ -309,11 +314,23 @@ class GatewayNode:
             raise OpenAIError(f"the request body is not valid JSON: {exc}") from exc
 
     async def _open_all(self, generation: Generation, request_id: str) -> list[SessionHandle]:
-        """One session per choice; if one cannot be opened, those that were are cancelled."""
-        target = await self._target_digests()
+        """One session per choice; if one cannot be opened, those that were are cancelled. When no
+        verifier of the target opens them, the router's list gives another target, tried once."""
+        target = self._target or await self._choose_target()
+        try:
+            return await self._open_each(target, generation, request_id)
+        except _TargetLost as lost:
+            try:
+                replacement = await self._choose_target(instead_of=target)
+            except _ClusterFailed as exc:
+                raise _ClusterFailed(f"{lost}; {exc}") from lost
+            log.info("gateway: target %s failed (%s); contracts name %s now", target.hex(), lost, replacement.hex())
+            return await self._open_each(replacement, generation, request_id)
+
+    async def _open_each(self, target: bytes, generation: Generation, request_id: str) -> list[SessionHandle]:
         contract = build_contract(
-            target=target["model"],
-            tokenizer=target["tokenizer"],
+            target=target,
+            tokenizer=self.codec.tokenizer_digest,
             rule=generation.rule,
             max_new=generation.max_tokens,
             stop=generation.stop_ids,
@@ -338,22 +355,40 @@ class GatewayNode:
             return handles
         for handle in handles:
             self._cancel_soon(handle)
+        # The router refuses a target that no live verifier serves (422), and answers 503 when
+        # none of those it lists answers.
+        if isinstance(failure, BadContract) or (isinstance(failure, StatusError) and failure.status == 503):
+            raise _TargetLost(f"the SDCP cluster did not open a session: {failure}")
         if isinstance(failure, (ProtocolError, TransportError)):
             if isinstance(failure, ProtocolError) and failure.status == 429:
                 raise OpenAIError(f"too many open sessions: {failure}", status=429, kind="rate_limit_error")
             raise _ClusterFailed(f"the SDCP cluster did not open a session: {failure}")
         raise failure
 
-    async def _target_digests(self) -> dict[str, Any]:
-        if self._target is None:
-            try:
-                targets = await self.client.targets()
-            except (ProtocolError, TransportError) as exc:
-                raise _ClusterFailed(f"the router did not answer: {exc}") from exc
-            if not targets:
-                raise _ClusterFailed("no live verifier is registered at the router")
-            self._target = targets[0]
+    async def _choose_target(self, *, instead_of: bytes | None = None) -> bytes:
+        """The first target that the router lists with a verifier of this gateway's tokenizer (other
+        than ``instead_of``, which failed); contracts name it from now on."""
+        served = [model for model in await self._served_targets() if model != instead_of]
+        if not served:
+            other = "" if instead_of is None else " other"
+            raise _ClusterFailed(f"the router lists no{other} target with a verifier of {self.model_name}'s tokenizer")
+        self._target = served[0]
         return self._target
+
+    async def _served_targets(self) -> list[bytes]:
+        """The target digests of the live verifiers that read this gateway's tokens, in the router's
+        order. One that reports no tokenizer digest checks the contract's itself at session-open."""
+        try:
+            targets = await self.client.targets()
+        except (ProtocolError, TransportError) as exc:
+            raise _ClusterFailed(f"the router did not answer: {exc}") from exc
+        own = self.codec.tokenizer_digest
+        served = []
+        for target in targets:
+            model = target.get("model")
+            if isinstance(model, bytes) and target.get("tokenizer", own) == own:
+                served.append(model)
+        return served
 
     # -- output ----------------------------------------------------------------------------------
 
