@@ -503,13 +503,13 @@ async def test_an_ended_session_is_freed_after_its_retention(
     node.engine.settings = replace(node.engine.settings, ended_retention_s=0.2)
     # The retention starts once the test has read the ended session, however slowly it gets there.
     read = asyncio.Event()
-    forget_later = node.engine._forget_later
+    forget_later = node.engine._sweeps.forget_later
 
     async def after_the_read(live: object) -> None:
         await read.wait()
         await forget_later(live)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(node.engine, "_forget_later", after_the_read)
+    monkeypatch.setattr(node.engine._sweeps, "forget_later", after_the_read)
     state = await open_and_assign(cluster, contract(target, max_new=1))
     drafter = cluster.client("drafter")
     _, body = await drafter.post_cbor("proposals", proposal(state, (1, 2)).to_obj())

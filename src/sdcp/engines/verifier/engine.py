@@ -19,9 +19,10 @@ import numpy as np
 
 from sdcp.cache import MLC, CacheError, Fenced, InvalidURI, ObjectNotFound, PreconditionFailed
 from sdcp.config import VerifierConfig
-from sdcp.engines.errors import SessionNotFound, Unanswered, Unavailable
+from sdcp.engines.errors import SessionNotFound, Unavailable
 from sdcp.engines.ports import EventSink
 from sdcp.engines.tasks import BackgroundTasks
+from sdcp.engines.verifier.events import RouterEvents, SessionSweeps
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.observe import (
@@ -47,7 +48,6 @@ from sdcp.protocol.messages import (
     Action,
     Assignment,
     CancelRequest,
-    Event,
     Output,
     Policy,
     Proposal,
@@ -72,8 +72,6 @@ log = logging.getLogger("sdcp.verifier")
 # of at least LOOKAHEAD_MIN_MATCH tokens (a weaker match rarely predicts the next token).
 SELF_DECODE_LOOKAHEAD = 16
 LOOKAHEAD_MIN_MATCH = 2
-# The longest wait between two looks for idle sessions.
-_IDLE_CHECK_S = 30.0
 # Each further session in a pass adds about a ninth of a lone pass (docs/models.md).
 _SESSION_SHARE = 2.0 / 18.0
 # The scratch session with which the verifier times one pass before serving.
@@ -83,8 +81,6 @@ _PROBE_PROMPT_TOKENS = 64
 _ROUTER_WAIT_S = 5.0
 # When a refused session-open may be tried again (sessions end at their own pace).
 _RETRY_AFTER_S = 5
-# An event the router did not answer is sent again, after a growing wait, for this long.
-_EVENT_RETRY_S, _EVENT_RETRY_MAX_S, _EVENT_RETRY_FOR_S = 0.2, 5.0, 300.0
 
 
 def lookahead_length(hit_rate: float, sessions: int, predicted: int, costs: PassCosts | None = None) -> int:
@@ -140,9 +136,17 @@ class VerifierEngine:
             cores=cores,
         )
         self.sessions: dict[bytes, LiveSession] = {}
-        self._model_sync = ModelSync(uri, target, self.scorer, self.sessions)
-        self._events = events
         self._tasks = BackgroundTasks(uri, log)
+        self._model_sync = ModelSync(uri, target, self.scorer, self.sessions)
+        self._events = RouterEvents(uri, events, self.sessions)
+        self._sweeps = SessionSweeps(
+            uri=uri,
+            settings=lambda: self.settings,
+            sessions=self.sessions,
+            events=self._events,
+            model_sync=self._model_sync,
+            tasks=self._tasks,
+        )
         self._scoring = 0
         self._long_polls = 0
         # Seconds per self-decoded token, for the router's choice between drafters and this
@@ -158,9 +162,7 @@ class VerifierEngine:
         # contract check or pass, on the scorer thread.
         await self.scorer.run_async(self.target.prepare)
         await self.scorer.run_async(self._time_one_pass)
-        self._tasks.spawn(self._forget_idle_sessions())
-        if self.settings.drafter_silence_s > 0 and self._events is not None:
-            self._tasks.spawn(self._nudge_for_silent_drafters())
+        self._sweeps.start()
 
     async def stop(self) -> None:
         await self._tasks.cancel_all()
@@ -225,7 +227,7 @@ class VerifierEngine:
                 raise ProtocolError(
                     ProblemType.STALE_EPOCH, f"session is open here with epoch {existing.machine.epoch}"
                 )
-            await self._forget(message.session)
+            await self._sweeps.forget(message.session)
         prompt = await self._tokens(message.prompt, "prompt")
         if not prompt:
             raise BadMessage("the prompt holds no tokens")
@@ -514,7 +516,7 @@ class VerifierEngine:
         FENCED.labels(self.uri).inc()
         live.wake_readers()
         self._tasks.spawn(self._model_sync.close(machine.session))
-        self._tasks.spawn(self._forget_later(live))
+        self._tasks.spawn(self._sweeps.forget_later(live))
         log.warning("%s: session %s fenced: %s", self.uri, machine.session.hex(), cause)
         raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log was fenced: {cause}") from cause
 
@@ -532,10 +534,10 @@ class VerifierEngine:
         the next proposal; an ended session's model state is dropped."""
         for pending in released:
             if pending.event is not None:
-                self._tasks.spawn(self._send_event(pending.event))
+                self._tasks.spawn(self._events.send(pending.event))
         if live.machine.ended:
             self._tasks.spawn(self._model_sync.close(live.machine.session))
-            self._tasks.spawn(self._forget_later(live))
+            self._tasks.spawn(self._sweeps.forget_later(live))
 
     async def _self_decode(self, live: LiveSession, *, after: asyncio.Task[None] | None = None) -> None:
         """SDCP 6.5.2 self_decode: one target token per round until self_max, load or the end.
@@ -565,7 +567,7 @@ class VerifierEngine:
             # that cannot take the record is an operational failure, anything else a fault.
             level = logging.WARNING if isinstance(exc, Unavailable) else logging.ERROR
             log.log(level, "%s: self-decoding of session %s stopped: %r", self.uri, machine.session.hex(), exc)
-            self._tasks.spawn(self._send_event(machine.interrupt_self_decode()))
+            self._tasks.spawn(self._events.send(machine.interrupt_self_decode()))
 
     def _start_pass(self, live: LiveSession, context: tuple[int, ...]) -> _Pass:
         """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens)."""
@@ -617,91 +619,6 @@ class VerifierEngine:
             self._after_commit(live, released)
         return following
 
-    async def _forget_idle_sessions(self) -> None:
-        """Close the sessions that nothing has driven for ``idle_timeout_s``. After a takeover
-        (SDCP 6.9) this verifier's copy of a session waits for proposals that now go to the new
-        verifier; its commit log keeps every committed token, so forgetting it loses none."""
-        while True:
-            timeout = self.settings.idle_timeout_s
-            await asyncio.sleep(min(timeout / 4, _IDLE_CHECK_S) if timeout > 0 else _IDLE_CHECK_S)
-            if timeout <= 0:
-                continue
-            now = time.monotonic()
-            for session, live in list(self.sessions.items()):
-                machine = live.machine
-                busy = live.rounds or (live.self_decoder is not None and not live.self_decoder.done())
-                if machine.ended or machine.fenced or busy or now - live.driven_at < timeout:
-                    continue
-                if self.sessions.get(session) is not live:
-                    continue
-                log.info("%s: session %s idle for %.0f s, closed", self.uri, session.hex(), now - live.driven_at)
-                try:
-                    await self._forget(session)
-                except Exception as exc:  # noqa: BLE001 - the sweep goes on for the other sessions
-                    log.warning("%s: closing idle session %s failed: %r", self.uri, session.hex(), exc)
-
-    async def _forget_later(self, live: LiveSession) -> None:
-        """An ended or fenced session stays readable for a while, then its memory is freed."""
-        await asyncio.sleep(self.settings.ended_retention_s)
-        if self.sessions.get(live.machine.session) is live:
-            del self.sessions[live.machine.session]
-
-    async def _nudge_for_silent_drafters(self) -> None:
-        """A session waiting for proposals that no drafter sends (a drafter that gave up, or a
-        switch the router never got) is driven by nobody: after ``drafter_silence_s`` the router
-        gets a switch event, on which it assigns a drafter again (SDCP 6.5.2, docs/interpretations.md)."""
-        silence = self.settings.drafter_silence_s
-        while True:
-            await asyncio.sleep(silence / 4)
-            now = time.monotonic()
-            for live in list(self.sessions.values()):
-                machine = live.machine
-                if machine.ended or machine.fenced or machine.self_decoding or live.rounds:
-                    continue
-                if now - max(live.driven_at, live.nudged_at) < silence or (live.nudge and not live.nudge.done()):
-                    continue
-                live.nudged_at = now
-                log.info(
-                    "%s: session %s: no proposal for %.0f s, asking for a drafter",
-                    self.uri,
-                    machine.session.hex(),
-                    silence,
-                )
-                event = Event(
-                    session=machine.session,
-                    epoch=machine.epoch,
-                    kind=Action.SWITCH,
-                    committed=machine.committed,
-                    digest=machine.digest,
-                )
-                live.nudge = self._tasks.spawn(self._send_event(event))
-
-    async def _send_event(self, event: Event) -> None:
-        """POST events at the router; one left unanswered is sent again (it is idempotent: the
-        router acts on a switch or an end of self-decoding once per epoch and state) until the
-        router answers, the session leaves this verifier, or ``_EVENT_RETRY_FOR_S`` passes."""
-        if self._events is None:
-            return
-        deadline = time.monotonic() + _EVENT_RETRY_FOR_S
-        wait = _EVENT_RETRY_S
-        while True:
-            try:
-                await self._events(event)
-                return
-            except ProtocolError as exc:
-                log.info("%s: the router refused event %s: %s", self.uri, event.kind.name, exc.detail)
-                return
-            except Unanswered as exc:
-                live = self.sessions.get(event.session)
-                if live is None or live.machine.epoch != event.epoch or live.machine.fenced:
-                    return
-                if time.monotonic() + wait > deadline:
-                    log.warning("%s: event %s unanswered, given up: %s", self.uri, event.kind.name, exc)
-                    return
-                log.info("%s: event %s unanswered, again in %.1f s: %s", self.uri, event.kind.name, wait, exc)
-                await asyncio.sleep(wait)
-                wait = min(2 * wait, _EVENT_RETRY_MAX_S)
-
     # -- helpers ---------------------------------------------------------------------------------
 
     def _live(self, session: bytes) -> LiveSession:
@@ -744,9 +661,3 @@ class VerifierEngine:
             except (CacheError, ValueError) as exc:
                 log.warning("%s: target KV %s unusable, prefilling: %s", self.uri, resume.target_kv, exc)
         await self.scorer.run_async(self.target.open_session, message.session, tokens)
-
-    async def _forget(self, session: bytes) -> None:
-        live = self.sessions.pop(session, None)
-        if live is not None and live.self_decoder is not None:
-            live.self_decoder.cancel()
-        await self._model_sync.close(session)
