@@ -9,7 +9,6 @@ sandbox with trim_blocks and lstrip_blocks, then encoded without added special t
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -20,6 +19,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from sdcp.protocol.contract import tokenizer_definition_digest
 
 __all__ = ["ChatTemplateError", "IncrementalDecoder", "TextCodec", "load_text_codec"]
 
@@ -70,9 +71,7 @@ class TextCodec:
     def tokenizer_digest(self) -> bytes:
         """The digest a contract names for this tokenizer (SDCP 4.1), as ``sdcp.models.digests``
         computes it from transformers' tokenizer: SHA-256 of its definition as canonical JSON."""
-        definition = json.loads(self.tokenizer.to_str())
-        canonical = json.dumps(definition, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        return hashlib.sha256(canonical.encode("utf-8")).digest()
+        return tokenizer_definition_digest(self.tokenizer.to_str())
 
     # -- ids ---------------------------------------------------------------------------------------
 

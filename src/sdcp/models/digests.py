@@ -13,13 +13,13 @@ that differ only in formatting give the same digest.
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 import sys
 
 import torch
 
 from sdcp.models.errors import ModelError
+from sdcp.protocol.contract import tokenizer_definition_digest
 
 
 def weights_digest(model: torch.nn.Module) -> bytes:
@@ -46,6 +46,4 @@ def tokenizer_digest(tokenizer: object) -> bytes:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise ModelError(f"{type(tokenizer).__name__} is not a fast tokenizer; cannot digest it")
-    definition = json.loads(backend.to_str())
-    canonical = json.dumps(definition, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8")).digest()
+    return tokenizer_definition_digest(backend.to_str())
