@@ -13,11 +13,10 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn
 
 import numpy as np
 
-from sdcp.cache import MLC, CacheError, Fenced, InvalidURI, ObjectNotFound, PreconditionFailed
+from sdcp.cache import MLC, CacheError, InvalidURI, ObjectNotFound
 from sdcp.config import VerifierConfig
 from sdcp.engines.errors import SessionNotFound, Unavailable
 from sdcp.engines.ports import EventSink
@@ -26,26 +25,21 @@ from sdcp.engines.verifier.events import RouterEvents, SessionSweeps
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.observe import (
-    APPEND_CONFLICTS,
-    APPEND_SECONDS,
-    FENCED,
     PASS_MS,
     PROBLEMS,
     ROUND_SECONDS,
     TRACE_ROUNDS,
     PassCosts,
-    RoundTrace,
     init_metrics,
-    record_round,
     session_stats,
     session_trace,
 )
+from sdcp.engines.verifier.rounds import Rounds, Scoring
 from sdcp.models.batching import BatchingScorer
 from sdcp.models.draft import TokenTimer, prompt_lookup
 from sdcp.models.errors import DigestMismatch
 from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import (
-    Action,
     Assignment,
     CancelRequest,
     Output,
@@ -60,8 +54,7 @@ from sdcp.protocol.messages import (
 )
 from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.records import decode_token_list
-from sdcp.protocol.rules import parse_q_rows
-from sdcp.protocol.verifier import PendingCommit, Replay, RoundTicket, VerifierSession, Wait
+from sdcp.protocol.verifier import PendingCommit, Replay, VerifierSession, Wait
 from sdcp.threads import CoreGovernor
 
 __all__ = ["TRACE_ROUNDS", "PassCosts", "VerifierEngine", "lookahead_length"]
@@ -147,13 +140,26 @@ class VerifierEngine:
             model_sync=self._model_sync,
             tasks=self._tasks,
         )
-        self._scoring = 0
         self._long_polls = 0
         # Seconds per self-decoded token, for the router's choice between drafters and this
         # verifier alone (status self_us); timed with one pass before serving.
         self.self_decode_time = TokenTimer(initial=PASS_MS / 1000)
         self.pass_costs = PassCosts()
-        init_metrics(uri, running=self._active_sessions, waiting=lambda: self._scoring, kv_usage=target.kv_usage)
+        self._scoring = Scoring(self.scorer, self.pass_costs)
+        self._rounds = Rounds(
+            uri=uri,
+            target=target,
+            mlc=mlc,
+            scoring=self._scoring,
+            model_sync=self._model_sync,
+            events=self._events,
+            sweeps=self._sweeps,
+            tasks=self._tasks,
+            start_self_decoding=self._start_self_decoder,
+        )
+        init_metrics(
+            uri, running=self._active_sessions, waiting=lambda: self._scoring.waiting, kv_usage=target.kv_usage
+        )
 
     # -- life and status -------------------------------------------------------------------------
 
@@ -178,7 +184,7 @@ class VerifierEngine:
     @property
     def load(self) -> int:
         """Percent of one full batch that is being scored now."""
-        return min(100, round(100 * self._scoring / self.scorer.max_batch))
+        return self._scoring.load
 
     def status(self) -> Status:
         return Status(
@@ -313,7 +319,7 @@ class VerifierEngine:
             pending = live.machine.cancel(message.epoch)
         except ValueError as exc:
             raise Unavailable(f"a round is being decided: {exc}", retry_after_s=1) from exc
-        await self._commit(live, pending)
+        await self._rounds.commit(live, pending)
         log.info("%s: session %s cancelled", self.uri, message.session.hex())
         return live.machine.state()
 
@@ -341,7 +347,7 @@ class VerifierEngine:
                 live.machine.abandon(admitted)
                 raise
             with ROUND_SECONDS.labels(self.uri).time():
-                return await self._verify(live, admitted)
+                return await self._rounds.verify(live, admitted)
         except ProtocolError as exc:
             if exc.problem is not None:
                 PROBLEMS.labels(self.uri, exc.problem.suffix).inc()
@@ -389,155 +395,11 @@ class VerifierEngine:
         accepted, the verdict, and where the time went, in microseconds."""
         return session_trace(self._live(session), last)
 
-    # -- rounds ----------------------------------------------------------------------------------
-
-    async def _verify(self, live: LiveSession, ticket: RoundTicket) -> Verdict:
-        proposal = ticket.proposal
-        assert proposal is not None  # begin_round admits proposal rounds only
-        done: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
-        live.rounds[ticket.round] = done
-        fetch: asyncio.Task[bytes] | None = None
-        timing = live.timing = RoundTrace()
-        try:
-            q_rows = None
-            if live.machine.rule.needs_q and proposal.q_rows is not None:
-                # SDCP 6.3: the rows may be fetched concurrently with scoring.
-                fetch = asyncio.create_task(self._timed_get(proposal.q_rows, timing))
-            logits = await self._submit(live, proposal.tokens)
-            timing.scored_at = time.perf_counter()
-            if fetch is not None:
-                try:
-                    data = await fetch
-                except Exception as exc:  # a missing object, a lost MLC node or Redis: all unavailable
-                    # SDCP 6.3: without every row, the round is rejected and nothing is committed.
-                    raise ProtocolError(ProblemType.Q_UNAVAILABLE, f"draft rows unavailable: {exc}") from exc
-                q_rows = parse_q_rows(data, len(proposal.tokens), self.target.vocab_size)
-            pending = live.machine.decide(ticket, logits, q_rows, self.load)
-            verdict = await self._commit(live, pending)
-            done.set_result(verdict)
-            return verdict
-        except BaseException as exc:
-            if fetch is not None:
-                fetch.cancel()
-            live.machine.abandon(ticket)
-            if not done.done():
-                done.set_exception(exc if isinstance(exc, Exception) else Unavailable("the round was cancelled"))
-                done.exception()  # retrieved here; waiters re-raise it
-            await self._model_sync.drop_scored(live.machine)
-            raise
-        finally:
-            if live.rounds.get(ticket.round) is done:
-                del live.rounds[ticket.round]
-
-    async def _timed_get(self, uri: str, timing: RoundTrace) -> bytes:
-        started = time.perf_counter()
-        try:
-            return await self.mlc.get(uri)
-        finally:
-            timing.fetch_s = time.perf_counter() - started
-
-    def _submit(self, live: LiveSession, tokens: tuple[int, ...]) -> asyncio.Future[np.ndarray]:
-        """Queue a scoring request now (the scorer may be gathering a pass); its rows come with the
-        future, and the pass's time is counted when they do."""
-        rows = self.scorer.score_async(live.machine.session, tokens)
-        self._scoring += 1
-        rows.add_done_callback(lambda _: self._scored(live, len(tokens) + 1))
-        return rows
-
-    def _scored(self, live: LiveSession, rows: int) -> None:
-        self._scoring -= 1
-        scored = self.scorer.last_pass.pop(live.machine.session, None)
-        if scored is not None:
-            live.timings.model_s += scored.seconds
-            live.timings.batch_size = scored.batch_size
-            self.pass_costs.record(scored.seconds, rows, scored.batch_size)
-
-    async def _commit(self, live: LiveSession, pending: PendingCommit) -> Verdict:
-        """SDCP 6.3 Commit: the record is appended first; only then tokens and verdict are released.
-
-        The release follows the append with no await between them, so that no cancellation can
-        leave a durable record unreleased (the commit and the verdict are atomic).
-        """
-        machine = live.machine
-        self._model_sync.sync_soon(machine, pending, pending.verdict.accepted, pending.record.emitted)
-        try:
-            await self._append(live, pending)
-        except BaseException:
-            self._model_sync.realign_after_failure(machine)
-            raise
-        verdict = self._release(live, pending)
-        self._after_commit(live, [pending])
-        if verdict.action == Action.SELF_DECODE and machine.self_decoding:
-            self._start_self_decoder(live)
-        return verdict
+    # -- self-decoding ---------------------------------------------------------------------------
 
     def _start_self_decoder(self, live: LiveSession) -> None:
         # The task of the previous period may still be releasing its last round.
         live.self_decoder = self._tasks.spawn(self._self_decode(live, after=live.self_decoder))
-
-    async def _append(self, live: LiveSession, pending: PendingCommit) -> None:
-        machine = live.machine
-        # The writer's identity goes with the record: an MLC node admits commit records only from
-        # the verifier they name (docs/security.md); readers treat the member as opaque.
-        record = {**pending.record.to_obj(), "writer": self.uri}
-        started = time.perf_counter()
-        try:
-            live.etag = await live.log.append(record, live.etag)
-            live.append_s = time.perf_counter() - started
-            APPEND_SECONDS.labels(self.uri).observe(live.append_s)
-            return
-        except Fenced as exc:
-            self._fenced(live, exc)
-        except PreconditionFailed as exc:
-            # The log changed since this verifier's last record: another writer (a new epoch), or
-            # an earlier try of this very record whose answer was lost (a Redis restart).
-            APPEND_CONFLICTS.labels(self.uri).inc()
-            failure: Exception = exc
-        except Exception as exc:  # noqa: BLE001 - a lost MLC node or Redis: the log tells what happened
-            failure = exc
-        # The append may have landed before the failure was reported: the log says which.
-        try:
-            snapshot = await live.log.read()
-        except Exception as exc:
-            raise Unavailable(f"the commit log cannot be read after a failed append: {exc}") from exc
-        if snapshot.records and snapshot.records[-1] == record:
-            live.etag = snapshot.etag
-            live.append_s = time.perf_counter() - started
-            return
-        if isinstance(failure, PreconditionFailed) or any(r.get("epoch", 0) > machine.epoch for r in snapshot.records):
-            self._fenced(live, failure)
-        live.etag = snapshot.etag
-        raise Unavailable(f"the commit record was not appended: {failure}") from failure
-
-    def _fenced(self, live: LiveSession, cause: Exception) -> NoReturn:
-        # SDCP 6.3: a fenced append discards the round, releases nothing, stops serving.
-        machine = live.machine
-        machine.stop_serving()
-        FENCED.labels(self.uri).inc()
-        live.wake_readers()
-        self._tasks.spawn(self._model_sync.close(machine.session))
-        self._tasks.spawn(self._sweeps.forget_later(live))
-        log.warning("%s: session %s fenced: %s", self.uri, machine.session.hex(), cause)
-        raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log was fenced: {cause}") from cause
-
-    def _release(self, live: LiveSession, pending: PendingCommit) -> Verdict:
-        """The record is durable: the round's tokens become output."""
-        verdict = live.machine.apply(pending)
-        live.driven()
-        live.timings.committed()
-        record_round(self.uri, live, pending)
-        live.wake_readers()
-        return verdict
-
-    def _after_commit(self, live: LiveSession, released: list[PendingCommit]) -> None:
-        """Events go out once the model holds the committed tokens, since they let the router send
-        the next proposal; an ended session's model state is dropped."""
-        for pending in released:
-            if pending.event is not None:
-                self._tasks.spawn(self._events.send(pending.event))
-        if live.machine.ended:
-            self._tasks.spawn(self._model_sync.close(live.machine.session))
-            self._tasks.spawn(self._sweeps.forget_later(live))
 
     async def _self_decode(self, live: LiveSession, *, after: asyncio.Task[None] | None = None) -> None:
         """SDCP 6.5.2 self_decode: one target token per round until self_max, load or the end.
@@ -576,7 +438,7 @@ class VerifierEngine:
         guess = prediction[
             : lookahead_length(live.lookahead_hits, self._active_sessions(), len(prediction), self.pass_costs)
         ]
-        return _Pass(prediction, guess, self._submit(live, guess))
+        return _Pass(prediction, guess, self._scoring.submit(live, guess))
 
     async def _self_decode_pass(self, live: LiveSession, scoring: _Pass) -> _Pass | None:
         """Commit the rounds of one pass; returns the next pass, already queued, if there is one."""
@@ -599,11 +461,11 @@ class VerifierEngine:
                         committed = self._model_sync.sync_soon(machine, pending, len(decided) - 1, decided)
                         if continues:
                             following = self._start_pass(live, committed)
-                    await self._append(live, pending)
+                    await self._rounds.append(live, pending)
                 except BaseException:
                     machine.abandon(ticket)
                     raise
-                self._release(live, pending)
+                self._rounds.release(live, pending)
                 if not released and scoring.prediction:
                     live.record_lookahead(pending.record.emitted == scoring.prediction[:1])
                 released.append(pending)
@@ -616,7 +478,7 @@ class VerifierEngine:
             self._model_sync.realign_after_failure(machine)
             raise
         finally:
-            self._after_commit(live, released)
+            self._rounds.after_commit(live, released)
         return following
 
     # -- helpers ---------------------------------------------------------------------------------

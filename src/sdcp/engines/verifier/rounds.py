@@ -1,0 +1,229 @@
+"""Rounds: a proposal verified (SDCP 6.3), and the commit of every round, whoever decided it.
+
+A proposal round: score (and fetch q rows concurrently) -> decide -> commit. A commit: queue the
+model sync -> append the commit record -> release the tokens and the verdict -> send the event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import NoReturn
+
+import numpy as np
+
+from sdcp.cache import MLC, Fenced, PreconditionFailed
+from sdcp.engines.errors import Unavailable
+from sdcp.engines.tasks import BackgroundTasks
+from sdcp.engines.verifier.events import RouterEvents, SessionSweeps
+from sdcp.engines.verifier.kvsync import ModelSync
+from sdcp.engines.verifier.live import LiveSession
+from sdcp.engines.verifier.observe import (
+    APPEND_CONFLICTS,
+    APPEND_SECONDS,
+    FENCED,
+    PassCosts,
+    RoundTrace,
+    record_round,
+)
+from sdcp.models.batching import BatchingScorer
+from sdcp.models.target import TargetModel
+from sdcp.protocol.messages import Action, Verdict
+from sdcp.protocol.problems import ProblemType, ProtocolError
+from sdcp.protocol.rules import parse_q_rows
+from sdcp.protocol.verifier import PendingCommit, RoundTicket
+
+__all__ = ["Rounds", "Scoring"]
+
+log = logging.getLogger("sdcp.verifier")
+
+
+class Scoring:
+    """Scoring requests on their way through the batching scorer: how loaded the verifier is, and
+    what each pass cost (the session's round timings, the verifier's pass costs)."""
+
+    def __init__(self, scorer: BatchingScorer, pass_costs: PassCosts) -> None:
+        self._scorer = scorer
+        self._pass_costs = pass_costs
+        self.waiting = 0
+
+    @property
+    def load(self) -> int:
+        """Percent of one full batch that is being scored now."""
+        return min(100, round(100 * self.waiting / self._scorer.max_batch))
+
+    def submit(self, live: LiveSession, tokens: tuple[int, ...]) -> asyncio.Future[np.ndarray]:
+        """Queue a scoring request now (the scorer may be gathering a pass); its rows come with the
+        future, and the pass's time is counted when they do."""
+        rows = self._scorer.score_async(live.machine.session, tokens)
+        self.waiting += 1
+        rows.add_done_callback(lambda _: self._scored(live, len(tokens) + 1))
+        return rows
+
+    def _scored(self, live: LiveSession, rows: int) -> None:
+        self.waiting -= 1
+        scored = self._scorer.last_pass.pop(live.machine.session, None)
+        if scored is not None:
+            live.timings.model_s += scored.seconds
+            live.timings.batch_size = scored.batch_size
+            self._pass_costs.record(scored.seconds, rows, scored.batch_size)
+
+
+class Rounds:
+    """Verifies proposals and commits rounds; a verdict that starts a self-decoding period calls
+    ``start_self_decoding`` with its session."""
+
+    def __init__(
+        self,
+        *,
+        uri: str,
+        target: TargetModel,
+        mlc: MLC,
+        scoring: Scoring,
+        model_sync: ModelSync,
+        events: RouterEvents,
+        sweeps: SessionSweeps,
+        tasks: BackgroundTasks,
+        start_self_decoding: Callable[[LiveSession], None],
+    ) -> None:
+        self._uri = uri
+        self._target = target
+        self._mlc = mlc
+        self._scoring = scoring
+        self._model_sync = model_sync
+        self._events = events
+        self._sweeps = sweeps
+        self._tasks = tasks
+        self._start_self_decoding = start_self_decoding
+
+    async def verify(self, live: LiveSession, ticket: RoundTicket) -> Verdict:
+        """The admitted proposal round ``ticket``: scored, decided, committed."""
+        proposal = ticket.proposal
+        assert proposal is not None  # begin_round admits proposal rounds only
+        done: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        live.rounds[ticket.round] = done
+        fetch: asyncio.Task[bytes] | None = None
+        timing = live.timing = RoundTrace()
+        try:
+            q_rows = None
+            if live.machine.rule.needs_q and proposal.q_rows is not None:
+                # SDCP 6.3: the rows may be fetched concurrently with scoring.
+                fetch = asyncio.create_task(self._timed_get(proposal.q_rows, timing))
+            logits = await self._scoring.submit(live, proposal.tokens)
+            timing.scored_at = time.perf_counter()
+            if fetch is not None:
+                try:
+                    data = await fetch
+                except Exception as exc:  # a missing object, a lost MLC node or Redis: all unavailable
+                    # SDCP 6.3: without every row, the round is rejected and nothing is committed.
+                    raise ProtocolError(ProblemType.Q_UNAVAILABLE, f"draft rows unavailable: {exc}") from exc
+                q_rows = parse_q_rows(data, len(proposal.tokens), self._target.vocab_size)
+            pending = live.machine.decide(ticket, logits, q_rows, self._scoring.load)
+            verdict = await self.commit(live, pending)
+            done.set_result(verdict)
+            return verdict
+        except BaseException as exc:
+            if fetch is not None:
+                fetch.cancel()
+            live.machine.abandon(ticket)
+            if not done.done():
+                done.set_exception(exc if isinstance(exc, Exception) else Unavailable("the round was cancelled"))
+                done.exception()  # retrieved here; waiters re-raise it
+            await self._model_sync.drop_scored(live.machine)
+            raise
+        finally:
+            if live.rounds.get(ticket.round) is done:
+                del live.rounds[ticket.round]
+
+    async def _timed_get(self, uri: str, timing: RoundTrace) -> bytes:
+        started = time.perf_counter()
+        try:
+            return await self._mlc.get(uri)
+        finally:
+            timing.fetch_s = time.perf_counter() - started
+
+    async def commit(self, live: LiveSession, pending: PendingCommit) -> Verdict:
+        """SDCP 6.3 Commit: the record is appended first; only then tokens and verdict are released.
+
+        The release follows the append with no await between them, so that no cancellation can
+        leave a durable record unreleased (the commit and the verdict are atomic).
+        """
+        machine = live.machine
+        self._model_sync.sync_soon(machine, pending, pending.verdict.accepted, pending.record.emitted)
+        try:
+            await self.append(live, pending)
+        except BaseException:
+            self._model_sync.realign_after_failure(machine)
+            raise
+        verdict = self.release(live, pending)
+        self.after_commit(live, [pending])
+        if verdict.action == Action.SELF_DECODE and machine.self_decoding:
+            self._start_self_decoding(live)
+        return verdict
+
+    async def append(self, live: LiveSession, pending: PendingCommit) -> None:
+        """Append the round's commit record; raises, and releases nothing, if it is not there."""
+        machine = live.machine
+        # The writer's identity goes with the record: an MLC node admits commit records only from
+        # the verifier they name (docs/security.md); readers treat the member as opaque.
+        record = {**pending.record.to_obj(), "writer": self._uri}
+        started = time.perf_counter()
+        try:
+            live.etag = await live.log.append(record, live.etag)
+            live.append_s = time.perf_counter() - started
+            APPEND_SECONDS.labels(self._uri).observe(live.append_s)
+            return
+        except Fenced as exc:
+            self._fenced(live, exc)
+        except PreconditionFailed as exc:
+            # The log changed since this verifier's last record: another writer (a new epoch), or
+            # an earlier try of this very record whose answer was lost (a Redis restart).
+            APPEND_CONFLICTS.labels(self._uri).inc()
+            failure: Exception = exc
+        except Exception as exc:  # noqa: BLE001 - a lost MLC node or Redis: the log tells what happened
+            failure = exc
+        # The append may have landed before the failure was reported: the log says which.
+        try:
+            snapshot = await live.log.read()
+        except Exception as exc:
+            raise Unavailable(f"the commit log cannot be read after a failed append: {exc}") from exc
+        if snapshot.records and snapshot.records[-1] == record:
+            live.etag = snapshot.etag
+            live.append_s = time.perf_counter() - started
+            return
+        if isinstance(failure, PreconditionFailed) or any(r.get("epoch", 0) > machine.epoch for r in snapshot.records):
+            self._fenced(live, failure)
+        live.etag = snapshot.etag
+        raise Unavailable(f"the commit record was not appended: {failure}") from failure
+
+    def _fenced(self, live: LiveSession, cause: Exception) -> NoReturn:
+        # SDCP 6.3: a fenced append discards the round, releases nothing, stops serving.
+        machine = live.machine
+        machine.stop_serving()
+        FENCED.labels(self._uri).inc()
+        live.wake_readers()
+        self._tasks.spawn(self._model_sync.close(machine.session))
+        self._tasks.spawn(self._sweeps.forget_later(live))
+        log.warning("%s: session %s fenced: %s", self._uri, machine.session.hex(), cause)
+        raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log was fenced: {cause}") from cause
+
+    def release(self, live: LiveSession, pending: PendingCommit) -> Verdict:
+        """The record is durable: the round's tokens become output."""
+        verdict = live.machine.apply(pending)
+        live.driven()
+        live.timings.committed()
+        record_round(self._uri, live, pending)
+        live.wake_readers()
+        return verdict
+
+    def after_commit(self, live: LiveSession, released: list[PendingCommit]) -> None:
+        """Events go out once the model holds the committed tokens, since they let the router send
+        the next proposal; an ended session's model state is dropped."""
+        for pending in released:
+            if pending.event is not None:
+                self._tasks.spawn(self._events.send(pending.event))
+        if live.machine.ended:
+            self._tasks.spawn(self._model_sync.close(live.machine.session))
+            self._tasks.spawn(self._sweeps.forget_later(live))
