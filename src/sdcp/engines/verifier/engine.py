@@ -1,9 +1,11 @@
-"""The verifier engine (SDCP 6.1, 6.3, 6.5.2, 6.6, 6.7, 6.8), free of any transport.
+"""The verifier engine's facade: what the router, drafters and readers ask (SDCP 6.1, 6.3, 6.6, 6.7).
 
 ``sdcp.protocol.verifier.VerifierSession`` decides, the ``BatchingScorer`` computes target rows
 (batched across sessions) on the one thread that owns the model, the MLC holds draft rows and the
 commit log. A round: admit -> score (and fetch q rows concurrently) -> decide -> append the commit
-record -> apply -> reply and wake output readers. Events go out through an ``EventSink``.
+record -> apply -> reply and wake output readers (rounds.py). Self-decoding periods (selfdecode.py),
+the model's copy of each session (kvsync.py), events and sweeps (events.py) and measurements
+(observe.py) are parts the engine wires together here.
 """
 
 from __future__ import annotations
@@ -12,9 +14,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-import numpy as np
 
 from sdcp.cache import MLC, CacheError, InvalidURI, ObjectNotFound
 from sdcp.config import VerifierConfig
@@ -35,8 +34,9 @@ from sdcp.engines.verifier.observe import (
     session_trace,
 )
 from sdcp.engines.verifier.rounds import Rounds, Scoring
+from sdcp.engines.verifier.selfdecode import SelfDecoding
 from sdcp.models.batching import BatchingScorer
-from sdcp.models.draft import TokenTimer, prompt_lookup
+from sdcp.models.draft import TokenTimer
 from sdcp.models.errors import DigestMismatch
 from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import (
@@ -54,19 +54,13 @@ from sdcp.protocol.messages import (
 )
 from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.records import decode_token_list
-from sdcp.protocol.verifier import PendingCommit, Replay, VerifierSession, Wait
+from sdcp.protocol.verifier import Replay, VerifierSession, Wait
 from sdcp.threads import CoreGovernor
 
-__all__ = ["TRACE_ROUNDS", "PassCosts", "VerifierEngine", "lookahead_length"]
+__all__ = ["VerifierEngine"]
 
 log = logging.getLogger("sdcp.verifier")
 
-# Self-decoding scores up to this many predicted tokens per pass, when prompt lookup finds a match
-# of at least LOOKAHEAD_MIN_MATCH tokens (a weaker match rarely predicts the next token).
-SELF_DECODE_LOOKAHEAD = 16
-LOOKAHEAD_MIN_MATCH = 2
-# Each further session in a pass adds about a ninth of a lone pass (docs/models.md).
-_SESSION_SHARE = 2.0 / 18.0
 # The scratch session with which the verifier times one pass before serving.
 _PROBE_SESSION = b"sdcp-pass-probe!"
 _PROBE_PROMPT_TOKENS = 64
@@ -74,32 +68,6 @@ _PROBE_PROMPT_TOKENS = 64
 _ROUTER_WAIT_S = 5.0
 # When a refused session-open may be tried again (sessions end at their own pace).
 _RETRY_AFTER_S = 5
-
-
-def lookahead_length(hit_rate: float, sessions: int, predicted: int, costs: PassCosts | None = None) -> int:
-    """How many of ``predicted`` tokens a self-decoding pass scores along with its own row.
-
-    The j-th predicted token is used with a chance of about ``hit_rate ** j`` (``hit_rate``: the
-    share of predictions whose first token was right), and then saves the session a pass, of which
-    its share is ``pass / sessions``; it costs one row. With the first measurements (18 ms a pass,
-    1.5 ms a row) a lone session scores guesses down to a 7.5 % chance, one among 16 only above 48 %.
-    """
-    costs = costs if costs is not None else PassCosts()
-    sessions = max(1, sessions)
-    share_ms = costs.pass_ms * (1 + _SESSION_SHARE * (sessions - 1)) / sessions
-    length = 0
-    while length < predicted and hit_rate ** (length + 1) * share_ms > costs.row_ms:
-        length += 1
-    return length
-
-
-@dataclass(frozen=True)
-class _Pass:
-    """A queued self-decoding pass: the prompt-lookup prediction, the part of it scored, the rows."""
-
-    prediction: tuple[int, ...]
-    guess: tuple[int, ...]
-    logits: asyncio.Future[np.ndarray]
 
 
 class VerifierEngine:
@@ -155,7 +123,18 @@ class VerifierEngine:
             events=self._events,
             sweeps=self._sweeps,
             tasks=self._tasks,
-            start_self_decoding=self._start_self_decoder,
+            start_self_decoding=self._start_self_decoding,
+        )
+        self._self_decoding = SelfDecoding(
+            uri=uri,
+            rounds=self._rounds,
+            scoring=self._scoring,
+            model_sync=self._model_sync,
+            events=self._events,
+            tasks=self._tasks,
+            pass_costs=self.pass_costs,
+            token_time=self.self_decode_time,
+            active_sessions=self._active_sessions,
         )
         init_metrics(
             uri, running=self._active_sessions, waiting=lambda: self._scoring.waiting, kv_usage=target.kv_usage
@@ -299,7 +278,7 @@ class VerifierEngine:
         await self._between_rounds(live)
         if not live.machine.self_decoding:
             live.machine.self_decode_instead(message.epoch, self.load)
-            self._start_self_decoder(live)
+            self._self_decoding.start(live)
         return live.machine.state()
 
     async def cancel(self, message: CancelRequest) -> SessionState:
@@ -395,92 +374,6 @@ class VerifierEngine:
         accepted, the verdict, and where the time went, in microseconds."""
         return session_trace(self._live(session), last)
 
-    # -- self-decoding ---------------------------------------------------------------------------
-
-    def _start_self_decoder(self, live: LiveSession) -> None:
-        # The task of the previous period may still be releasing its last round.
-        live.self_decoder = self._tasks.spawn(self._self_decode(live, after=live.self_decoder))
-
-    async def _self_decode(self, live: LiveSession, *, after: asyncio.Task[None] | None = None) -> None:
-        """SDCP 6.5.2 self_decode: one target token per round until self_max, load or the end.
-
-        A pass scores the continuation that prompt lookup predicts after the committed tokens along
-        with the next position. Each round still draws its one token from its own row exactly as
-        without the prediction; while the drawn tokens match the prediction, the rows that follow
-        are the target's rows for the committed prefix, so the next rounds need no pass of their own
-        (docs/interpretations.md). The next pass is queued as soon as a pass's tokens are decided,
-        so that it runs while their records are appended and released.
-        """
-        machine = live.machine
-        if after is not None:
-            await asyncio.wait([after])
-        try:
-            scoring: _Pass | None = self._start_pass(live, (*machine.prompt, *machine.tokens))
-            mark, committed = time.perf_counter(), machine.committed
-            while scoring is not None:
-                scoring = await self._self_decode_pass(live, scoring)
-                now = time.perf_counter()
-                self.self_decode_time.record(now - mark, machine.committed - committed)
-                mark, committed = now, machine.committed
-        except Exception as exc:  # noqa: BLE001 - the period ends, the router assigns a drafter again
-            if machine.fenced or machine.ended:
-                return
-            # The period ends as it would at self_max: the router assigns a drafter again. An MLC
-            # that cannot take the record is an operational failure, anything else a fault.
-            level = logging.WARNING if isinstance(exc, Unavailable) else logging.ERROR
-            log.log(level, "%s: self-decoding of session %s stopped: %r", self.uri, machine.session.hex(), exc)
-            self._tasks.spawn(self._events.send(machine.interrupt_self_decode()))
-
-    def _start_pass(self, live: LiveSession, context: tuple[int, ...]) -> _Pass:
-        """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens)."""
-        prediction = tuple(prompt_lookup(context, SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH))
-        # A prediction that was not scored still counts towards the hit rate.
-        guess = prediction[
-            : lookahead_length(live.lookahead_hits, self._active_sessions(), len(prediction), self.pass_costs)
-        ]
-        return _Pass(prediction, guess, self._scoring.submit(live, guess))
-
-    async def _self_decode_pass(self, live: LiveSession, scoring: _Pass) -> _Pass | None:
-        """Commit the rounds of one pass; returns the next pass, already queued, if there is one."""
-        machine = live.machine
-        logits = await scoring.logits
-        released: list[PendingCommit] = []
-        decided: list[int] = []
-        following: _Pass | None = None
-        try:
-            for position, row in enumerate(logits):
-                ticket = machine.begin_self_decode()
-                try:
-                    pending = machine.decide_self_decode(ticket, row, self.load)
-                    decided.extend(pending.record.emitted)
-                    continues = pending.control.self_decoding and pending.control.ended is None and not live.cancelling
-                    predicted = position < len(scoring.guess) and pending.record.emitted == (scoring.guess[position],)
-                    last = not (predicted and continues)
-                    if last:
-                        # The pass's earlier rounds are released: decided = their tokens + this one's.
-                        committed = self._model_sync.sync_soon(machine, pending, len(decided) - 1, decided)
-                        if continues:
-                            following = self._start_pass(live, committed)
-                    await self._rounds.append(live, pending)
-                except BaseException:
-                    machine.abandon(ticket)
-                    raise
-                self._rounds.release(live, pending)
-                if not released and scoring.prediction:
-                    live.record_lookahead(pending.record.emitted == scoring.prediction[:1])
-                released.append(pending)
-                if last:
-                    break
-        except BaseException:
-            if following is not None:
-                following.logits.cancel()
-                await asyncio.gather(following.logits, return_exceptions=True)
-            self._model_sync.realign_after_failure(machine)
-            raise
-        finally:
-            self._rounds.after_commit(live, released)
-        return following
-
     # -- helpers ---------------------------------------------------------------------------------
 
     def _live(self, session: bytes) -> LiveSession:
@@ -523,3 +416,7 @@ class VerifierEngine:
             except (CacheError, ValueError) as exc:
                 log.warning("%s: target KV %s unusable, prefilling: %s", self.uri, resume.target_kv, exc)
         await self.scorer.run_async(self.target.open_session, message.session, tokens)
+
+    def _start_self_decoding(self, live: LiveSession) -> None:
+        # Rounds start self-decoding periods, whose rounds they commit: each refers to the other.
+        self._self_decoding.start(live)
