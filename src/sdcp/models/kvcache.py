@@ -17,7 +17,7 @@ import mmap
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 _MIN_CAPACITY = 64
 
@@ -31,7 +31,11 @@ class GrowableLayer(DynamicLayer):
     """
 
     def __init__(self, buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        super().__init__()
+        # transformers leaves the layer's __init__ unannotated, and mypy's untyped_calls_exclude
+        # does not reach a call through super().
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._key_buffer: torch.Tensor | None
+        self._value_buffer: torch.Tensor | None
         self._key_buffer, self._value_buffer = buffers if buffers is not None else (None, None)
         # The keys view this layer handed out last: while ``keys`` is still it, the buffers are ours.
         self._keys_view: torch.Tensor | None = None
@@ -42,7 +46,8 @@ class GrowableLayer(DynamicLayer):
         # Called once per layer and session in every pass: the common case takes few operations.
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        length = self.keys.shape[-2] if self.keys.numel() else 0
+        keys, _ = self._columns()
+        length = keys.shape[-2] if keys.numel() else 0
         end = length + key_states.shape[-2]
         if torch.is_inference_mode_enabled():
             self._append(key_states, value_states, length, end)
@@ -50,6 +55,11 @@ class GrowableLayer(DynamicLayer):
             # Buffers made during a forward pass are inference tensors: written only in that mode.
             with torch.inference_mode():
                 self._append(key_states, value_states, length, end)
+        return self._columns()
+
+    def _columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values, which an initialized layer always has."""
+        assert self.keys is not None and self.values is not None
         return self.keys, self.values
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, length: int, end: int) -> None:
@@ -77,9 +87,10 @@ class GrowableLayer(DynamicLayer):
         key_buffer, value_buffer = buffers
         length = self.get_seq_length() if self.is_initialized else 0
         if length:
+            keys, values = self._columns()
             with torch.inference_mode():
-                key_buffer[..., :length, :] = self.keys
-                value_buffer[..., :length, :] = self.values
+                key_buffer[..., :length, :] = keys
+                value_buffer[..., :length, :] = values
         self._key_buffer, self._value_buffer = key_buffer, value_buffer
         self.set_length(length)
 
@@ -101,8 +112,9 @@ class GrowableLayer(DynamicLayer):
         key_buffer = keys.new_empty((*keys.shape[:-2], capacity, keys.shape[-1]))
         value_buffer = values.new_empty((*values.shape[:-2], capacity, values.shape[-1]))
         if length:
-            key_buffer[..., :length, :] = self.keys
-            value_buffer[..., :length, :] = self.values
+            kept_keys, kept_values = self._columns()
+            key_buffer[..., :length, :] = kept_keys
+            value_buffer[..., :length, :] = kept_values
         self._key_buffer, self._value_buffer = key_buffer, value_buffer
 
 
@@ -153,7 +165,7 @@ class SlotPool:
         buffers of their own in the same pass, so the first and the last layer tell."""
         buffers = self._buffers[slot]
         return all(
-            isinstance(cache.layers[index], GrowableLayer) and cache.layers[index].uses_buffers(buffers[index][0])
+            isinstance(layer := cache.layers[index], GrowableLayer) and layer.uses_buffers(buffers[index][0])
             for index in (0, len(buffers) - 1)
         )
 
@@ -198,8 +210,15 @@ def cache_length(cache: DynamicCache) -> int:
 
 
 def layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) per layer, each shaped (batch, kv_heads, length, head_dim)."""
-    return [(layer.keys, layer.values) for layer in cache.layers if layer.is_initialized]
+    """(keys, values) per initialized layer, each shaped (batch, kv_heads, length, head_dim)."""
+    tensors = []
+    for layer in cache.layers:
+        if not isinstance(layer, CacheLayerMixin):
+            raise TypeError(f"a {type(layer).__name__} holds no keys and values")
+        # An attention layer has its keys and values exactly when it is initialized.
+        if layer.keys is not None and layer.values is not None:
+            tensors.append((layer.keys, layer.values))
+    return tensors
 
 
 def cache_from_tensors(

@@ -87,7 +87,7 @@ def decode_kv(
     return result
 
 
-def _split(data: bytes) -> tuple[dict, bytes]:
+def _split(data: bytes) -> tuple[dict[object, object], bytes]:
     if len(data) < _LENGTH.size:
         raise KVFormatError("KV blob is shorter than its length prefix")
     (length,) = _LENGTH.unpack_from(data)

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import copy
 from itertools import chain
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 __all__ = ["PackedLinear", "pack_weights", "with_packed_linears"]
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 class PackedLinear(nn.Module):
@@ -45,7 +48,8 @@ class PackedLinear(nn.Module):
         # Packed on first use, not when wrapped: reordering runs parallel operators, and the
         # thread that first runs them owns an OpenMP team; a model then run on another thread
         # brings a second team and runs at half speed on 2 cores (docs/models.md, One OpenMP team).
-        return torch.ops.mkldnn._linear_pointwise(x, self.pack(), self.bias, "none", [], "")
+        output: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.pack(), self.bias, "none", [], "")
+        return output
 
     def pack(self) -> torch.Tensor:
         """The packed weight, made on the first call."""
@@ -65,7 +69,7 @@ def pack_weights(model: nn.Module) -> None:
             module.pack()
 
 
-def with_packed_linears(model: nn.Module) -> nn.Module:
+def with_packed_linears(model: ModuleT) -> ModuleT:
     """A copy of ``model`` whose ``nn.Linear`` layers are `PackedLinear`s on a CPU in float32.
 
     Only the module objects (and the config) are copied: parameters and buffers are shared with
@@ -77,7 +81,8 @@ def with_packed_linears(model: nn.Module) -> nn.Module:
     on_cpu_in_fp32 = all(
         t.device.type == "cpu" and (t.dtype == torch.float32 or not t.is_floating_point()) for t in tensors
     )
-    if not (on_cpu_in_fp32 and torch.backends.mkldnn.is_available()):
+    # torch leaves mkldnn.is_available unannotated; it returns a bool.
+    if not (on_cpu_in_fp32 and torch.backends.mkldnn.is_available()):  # type: ignore[no-untyped-call]
         return clone
     for parent in list(clone.modules()):
         for name, child in list(parent.named_children()):

@@ -72,8 +72,10 @@ class TargetModel:
     ) -> None:
         # Verification runs in fp32 by default: bf16 changes greedy outputs of SmolLM2 on a CPU, and
         # its weights digest differs (the dtype is part of it). The caller's model is left as it is;
-        # ours shares its weights (sdcp.models.packed).
-        self.model = with_packed_linears(model.to(device=device or "cpu", dtype=dtype).eval())
+        # ours shares its weights (sdcp.models.packed). transformers wraps `to` in
+        # functools.wraps(nn.Module.to), which mypy reads as the unbound method.
+        placed = model.to(device=device or "cpu", dtype=dtype).eval()  # type: ignore[call-arg]
+        self.model: PreTrainedModel = with_packed_linears(placed)
         if not supports_ragged_attention(self.model):
             raise ModelError(f"target {name}: sliding-window or soft-capped attention is not supported")
         use_ragged_attention(self.model)
@@ -300,7 +302,7 @@ class TargetModel:
         if slots is not None:
             for state, start, width in zip(states, starts, widths, strict=True):
                 kvcache.set_length(state.cache, start + width)
-        return [rows.numpy() for rows in logits.split(widths)]
+        return [rows.numpy() for rows in torch.split(logits, widths)]
 
     def _slot_pass(self, states: list[_Session], starts: list[int], widths: list[int]) -> SlotPass | None:
         """A plan for scoring the pass through the slot pool, when every session's cache is in a
@@ -347,7 +349,8 @@ class TargetModel:
                 cache=cache,
                 use_cache=True,
             )
-        return output.logits
+        logits: torch.Tensor = output.logits
+        return logits
 
     def _drop_pending(self, state: _Session) -> None:
         if state.pending is not None:

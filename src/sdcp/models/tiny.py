@@ -67,4 +67,5 @@ def tiny_model(*, draft: bool = False) -> LlamaForCausalLM:
             if draft:
                 values += torch.randn(parameter.shape, generator=noise) * scale * TINY_DRAFT_NOISE
             parameter.copy_(values)
-    return model.eval()
+    model.eval()
+    return model
