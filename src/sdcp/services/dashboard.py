@@ -139,6 +139,8 @@ class Dashboard:
                 _, stats = await verifier.get_cbor(f"{path}/stats")
                 # The chart's rounds only: a trace holds up to 1,024 and the page asks every second.
                 _, trace = await verifier.get_cbor(f"{path}/trace", {"last": str(CHART_ROUNDS)})
+                if not isinstance(stats, dict) or not isinstance(trace, list):
+                    raise TypeError("its stats are not a map or its trace is not an array")
                 committed = int(stats.get("committed", 0))
                 tokens: tuple[int, ...] = ()
                 if committed:

@@ -18,6 +18,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from prometheus_client import Counter, Gauge
 from starlette.requests import Request
@@ -485,15 +486,15 @@ class RouterNode(Node):
             if tracked.ended:
                 continue
             if not self.registry.is_live(tracked.plan.verifier, now):
-                work.append(self._locked(tracked, lambda t=tracked: self._fail_over(t)))
+                work.append(self._locked(tracked, partial(self._fail_over, tracked)))
             elif tracked.self_decoding:
                 continue  # its verifier's event asks for a drafter when the period ends
             elif tracked.plan.drafter is None or not self.registry.is_live(tracked.plan.drafter, now):
                 # SDCP 6.9 drafter failure, or a session still waiting for its first drafter.
-                work.append(self._locked(tracked, lambda t=tracked: self._assign_drafter(t, only_if_missing=True)))
+                work.append(self._locked(tracked, partial(self._assign_drafter, tracked, only_if_missing=True)))
             elif self._worth_moving(tracked, now):
                 SWITCHES.labels(self.uri, tracked.plan.drafter).inc()
-                work.append(self._locked(tracked, lambda t=tracked: self._assign_drafter(t)))
+                work.append(self._locked(tracked, partial(self._assign_drafter, tracked)))
         await asyncio.gather(*work)
 
     async def _maintain_forever(self) -> None:

@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -60,8 +60,10 @@ __all__ = ["DEFAULT_MAX_BODY_BYTES", "H2Listener", "H2ServerProtocol", "H2Server
 
 _log = logging.getLogger("sdcp.transport.h2server")
 
+# The server only reads what the app sends: any mapping, so that an app typed as starlette's
+# (which sends MutableMappings) is one.
 ASGIApp = Callable[
-    [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[dict[str, Any]], Awaitable[None]]],
+    [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[Mapping[str, Any]], Awaitable[None]]],
     Awaitable[None],
 ]
 
@@ -421,12 +423,12 @@ class H2ServerProtocol(asyncio.Protocol):
                 self._reset(stream, h2.errors.ErrorCodes.CANCEL)
                 return {"type": "http.disconnect"}
 
-    async def _send_from_app(self, stream: _Stream, message: dict[str, Any]) -> None:
+    async def _send_from_app(self, stream: _Stream, message: Mapping[str, Any]) -> None:
         if stream.refusal is not None and not stream.headers_sent:
             return  # the server answers this stream itself
         await self._send(stream, message)
 
-    async def _send(self, stream: _Stream, message: dict[str, Any]) -> None:
+    async def _send(self, stream: _Stream, message: Mapping[str, Any]) -> None:
         kind = message["type"]
         if kind == "http.response.start":
             stream.status = int(message["status"])
@@ -607,7 +609,7 @@ async def run_lifespan(app: ASGIApp, started: asyncio.Future[str | None], stop: 
         await stop.wait()
         return {"type": "lifespan.shutdown"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Mapping[str, Any]) -> None:
         nonlocal phase
         kind = message["type"]
         if kind == "lifespan.startup.complete" and not started.done():

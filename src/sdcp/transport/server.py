@@ -19,10 +19,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import cast
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.config import Config
+from hypercorn.typing import ASGIFramework
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sdcp.transport.asgi import DrainRequestBody
@@ -224,8 +226,11 @@ class FrontEndServer(Server):
         with sock:
             handed_over = sock.dup()
         self._config = _ListenerConfig(self.listener, handed_over.detach())
+        # hypercorn types the scope and the messages as TypedDicts, starlette as MutableMappings:
+        # the same dicts at run time, but neither type accepts the other.
+        app = cast(ASGIFramework, self._startup)
         self._task = asyncio.create_task(
-            hypercorn_serve(self._startup, self._config, shutdown_trigger=self._shutdown.wait, mode="asgi"),
+            hypercorn_serve(app, self._config, shutdown_trigger=self._shutdown.wait, mode="asgi"),
             name=f"sdcp-server-{self._port}",
         )
         await self._wait_started()
