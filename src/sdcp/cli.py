@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -23,6 +23,9 @@ from rich.markup import escape
 
 from sdcp.conformance.cli import conformance_app
 from sdcp.models.cli import models_app
+
+if TYPE_CHECKING:  # imported where used: a role's host has only its own extra installed
+    from sdcp.client import ClusterClient, SessionHandle
 
 app = typer.Typer(
     name="sdcp",
@@ -185,9 +188,10 @@ _JSON_HELP = "Log one JSON object per line (time, level, logger, message) instea
 
 
 def _role_command(role: Role) -> Callable[..., None]:
+    command: Callable[..., None]
     if role is Role.gateway:
 
-        def command(
+        def serve_gateway(
             config: Path = typer.Option(..., "--config", help=_CONFIG_HELP),
             log_level: LogLevel = typer.Option(LogLevel.info, "--log-level", help=_LEVEL_HELP),
             log_json: bool = typer.Option(False, "--log-json", help=_JSON_HELP),
@@ -200,15 +204,17 @@ def _role_command(role: Role) -> Callable[..., None]:
         ) -> None:
             _serve(role, config, log_level, log_json, api_key)
 
+        command = serve_gateway
     else:
 
-        def command(
+        def serve_role(
             config: Path = typer.Option(..., "--config", help=_CONFIG_HELP),
             log_level: LogLevel = typer.Option(LogLevel.info, "--log-level", help=_LEVEL_HELP),
             log_json: bool = typer.Option(False, "--log-json", help=_JSON_HELP),
         ) -> None:
             _serve(role, config, log_level, log_json)
 
+        command = serve_role
     what = "the OpenAI-compatible front end" if role is Role.gateway else f"an SDCP {role.value} instance"
     command.__doc__ = f"Run {what} until SIGINT or SIGTERM."
     return command
@@ -476,10 +482,12 @@ async def _generate(
         targets = await client.targets()
         if not targets:
             fail("the cluster has no live verifier; see `sdcp status` and the logs")
-        target = targets[0]
+        target_digest, tokenizer_digest = targets[0]["model"], targets[0]["tokenizer"]
+        if not isinstance(target_digest, bytes) or not isinstance(tokenizer_digest, bytes):
+            fail("the router's target list does not give the target's digests")
         contract = build_contract(
-            target=target["model"],
-            tokenizer=target["tokenizer"],
+            target=target_digest,
+            tokenizer=tokenizer_digest,
             rule=rule,
             max_new=max_new,
             stop=end_of_text_tokens(tokenizer),
@@ -537,7 +545,7 @@ async def _generate(
     return summary
 
 
-async def _safe_stats(client: Any, handle: Any) -> dict[str, Any]:
+async def _safe_stats(client: ClusterClient, handle: SessionHandle) -> dict[str, Any]:
     from sdcp.protocol.problems import ProtocolError
     from sdcp.transport.errors import TransportError
 

@@ -115,8 +115,9 @@ class ClusterSystem:
         described = await self.client.describe(handle)
         names = {instance.uri: instance.name for instance in self.cluster.instances()}
         served = described.get("served", [])
+        uris = [str(uri) for uri in served] if isinstance(served, list) else []
         result = result_from_stats(stats, seconds)
-        result.served = [names.get(who, who) for who in served] if isinstance(served, list) else []
+        result.served = [names.get(uri, uri) for uri in uris]
         return result
 
 

@@ -37,7 +37,8 @@ from sdcp.bench.workloads import (
     tokenize_prompt,
 )
 from sdcp.cache.redis_process import local_redis_server, redis_server_available
-from sdcp.models.registry import TINY_DRAFT_NAME, TINY_NAME, end_of_text_tokens, load_model
+from sdcp.models.paths import TINY_DRAFT_NAME, TINY_NAME
+from sdcp.models.registry import end_of_text_tokens, load_model
 from sdcp.models.target import TargetModel
 from sdcp.models.worker import ModelThread
 
