@@ -12,7 +12,6 @@ import pytest
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.models.batching import BatchingScorer
 from sdcp.models.errors import InconsistentCommit
-from sdcp.models.registry import LoadedModel, load_model
 from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import Action, Assignment, Contract, Proposal, Role, Status
 from sdcp.protocol.rules import GREEDY
@@ -23,16 +22,6 @@ REFERENCE_SESSION = b"\xff" * 16
 PROMPT = (72, 101, 108, 108, 111)
 DRAFTER = "https://drafter.test"
 URI = "https://verifier.test"
-
-
-@pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    return load_model("tiny")
-
-
-@pytest.fixture
-def target(tiny: LoadedModel) -> TargetModel:
-    return TargetModel(tiny.model, tiny.tokenizer, name="tiny")
 
 
 @pytest.fixture

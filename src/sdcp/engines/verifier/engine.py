@@ -154,7 +154,9 @@ class VerifierEngine:
         for live in self.sessions.values():
             if live.self_decoder is not None:
                 live.self_decoder.cancel()
-        self.scorer.close()
+        # Closing joins the scorer's thread once the work queued on it has run, which takes up to a
+        # few passes: the event loop goes on serving the node's other work meanwhile.
+        await asyncio.to_thread(self.scorer.close)
 
     def _active_sessions(self) -> int:
         # Read from the scorer's thread: a snapshot of the values is enough for a batching hint.

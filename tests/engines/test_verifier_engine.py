@@ -1,0 +1,42 @@
+"""The verifier engine's own life: stopping it leaves the event loop free."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from sdcp.cache import MLC
+from sdcp.config import VerifierConfig
+from sdcp.engines.verifier import VerifierEngine
+from sdcp.models.target import TargetModel
+
+# How long the scorer's thread waits for the event loop before the test gives up on it.
+_GIVE_UP_S = 30.0
+
+
+async def test_stop_joins_the_scorers_thread_off_the_event_loop(
+    target: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mlc = MLC.from_config(authority="verifier.test")
+    engine = VerifierEngine(uri="https://verifier.test", settings=VerifierConfig(), target=target, mlc=mlc, ttl_ms=1000)
+    # The scorer's thread is busy until the event loop opens the gate: a join on the loop would
+    # wait for it in vain, until the gate's wait gives up.
+    gate = threading.Event()
+    busy = engine.scorer.run(gate.wait, _GIVE_UP_S)
+    loop = asyncio.get_running_loop()
+    closing = asyncio.Event()
+    close = engine.scorer.close
+
+    def close_and_tell() -> None:
+        loop.call_soon_threadsafe(closing.set)
+        close()
+
+    monkeypatch.setattr(engine.scorer, "close", close_and_tell)
+    stopping = asyncio.create_task(engine.stop())
+    await closing.wait()
+    gate.set()
+    await stopping
+    await mlc.close()
+    assert busy.result() is True, "the event loop was blocked while the scorer's thread was joined"
