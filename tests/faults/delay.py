@@ -1,7 +1,8 @@
 """Delay on a host's link without netem (this kernel has none): a transparent TCP relay on the
 host. iptables redirects every TCP connection the host opens to the relay, which connects to the
 original destination (SO_ORIGINAL_DST) with a socket mark the redirect skips, and forwards each
-chunk in both directions `--delay-ms` after it arrived, in order.
+chunk in both directions `--delay-ms` after it arrived, in order. It prints `LISTENING` once it
+accepts connections.
 
 ip netns exec HOST python -m tests.faults.delay --port 15001 --delay-ms 50
 """
@@ -15,6 +16,7 @@ import socket
 import struct
 
 MARK = 0x5DC  # the relay's own connections, which the redirect leaves alone
+LISTENING = "LISTENING"
 _SO_ORIGINAL_DST = 80
 
 
@@ -64,6 +66,7 @@ async def _relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, del
 
 async def main(port: int, delay_ms: float) -> None:
     server = await asyncio.start_server(lambda r, w: _relay(r, w, delay_ms / 1000), "127.0.0.1", port)
+    print(LISTENING, flush=True)
     async with server:
         await server.serve_forever()
 

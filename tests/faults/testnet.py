@@ -10,18 +10,23 @@ host's packets with iptables' statistic match. Needs root, `ip` (iproute2) and `
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.faults.delay import LISTENING
+from tests.faults.delay import MARK as RELAY_MARK
 
 __all__ = ["SUBNET", "Testnet"]
 
 SUBNET = "10.213.0"
 _FIRST_HOST = 10
-_RELAY_PORT, _RELAY_MARK = 15001, 0x5DC
+_RELAY_PORT = 15001
+# A bound for a relay that hangs before it listens, not how long it takes.
+_RELAY_START_S = 120.0
 
 
 def _run(*args: str) -> None:
@@ -88,23 +93,31 @@ class Testnet:
         for chain in ("INPUT", "OUTPUT"):
             _run(*self.exec_prefix(host), "iptables", "-F", chain)
 
-    def delay(self, host: str, delay_ms: int) -> subprocess.Popen[bytes]:
+    def delay(self, host: str, delay_ms: int) -> subprocess.Popen[str]:
         """Delay every TCP connection the host opens by `delay_ms` each way (tests/faults/delay.py,
         since this kernel has no netem); stop the returned relay and call `clear_delay` to undo."""
         relay = subprocess.Popen(
             [*self.exec_prefix(host), sys.executable, "-m", "tests.faults.delay", "--port", str(_RELAY_PORT)]
             + ["--delay-ms", str(delay_ms)],
             cwd=Path(__file__).resolve().parents[2],
+            stdout=subprocess.PIPE,
+            text=True,
         )
-        time.sleep(1.0)  # the relay listens before connections are sent to it
+        # Connections are sent to the relay only once it listens.
+        assert relay.stdout is not None
+        announced, _, _ = select.select([relay.stdout], [], [], _RELAY_START_S)
+        if not announced or relay.stdout.readline().strip() != LISTENING:
+            relay.kill()
+            relay.wait(timeout=10)
+            raise RuntimeError(f"the delay relay on {host} did not start listening")
         _run(
             *self.exec_prefix(host),
             "iptables", "-t", "nat", "-A", "OUTPUT", "-o", "eth0", "-p", "tcp",
-            "-m", "mark", "!", "--mark", str(_RELAY_MARK), "-j", "REDIRECT", "--to-ports", str(_RELAY_PORT),
+            "-m", "mark", "!", "--mark", str(RELAY_MARK), "-j", "REDIRECT", "--to-ports", str(_RELAY_PORT),
         )  # fmt: skip
         return relay
 
-    def clear_delay(self, host: str, relay: subprocess.Popen[bytes]) -> None:
+    def clear_delay(self, host: str, relay: subprocess.Popen[str]) -> None:
         _run(*self.exec_prefix(host), "iptables", "-t", "nat", "-F", "OUTPUT")
         relay.terminate()
         relay.wait(timeout=10)
