@@ -28,9 +28,16 @@ ROLES = {
     "drafter-1": "drafter",
     "drafter-2": "drafter",
 }
+# The verifiers and drafters, which the router knows by their status reports.
+INSTANCES = tuple(host for host, role in ROLES.items() if role != "router")
 PORT = 8443
+# The router's admin listener, on its host's loopback: its dashboard lists the live instances.
+ADMIN_PORT = 9100
 TTL_MS = 1500
-STARTUP_S = 120.0
+# Bounds for a process that hangs, not how long starting one takes: on a busy machine a role
+# that imports torch takes a minute to start.
+STARTUP_S = 600.0
+POLL_S = 0.2
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -58,6 +65,7 @@ class Deployment:
         for host in ROLES:
             self.start(host)
         self.wait_ready(["redis", *ROLES])
+        self.wait_registered(INSTANCES)
 
     def start_redis(self) -> None:
         address = self.net.address("redis")
@@ -77,7 +85,9 @@ class Deployment:
             f'ca = "{self.ca}"',
             f"ttl_ms = {TTL_MS}",
         ]
-        if role != "router":
+        if role == "router":
+            lines += ["[admin]", f'listen = "127.0.0.1:{ADMIN_PORT}"']
+        else:
             lines.append(f'router = "{self.uri("router")}"')
         lines += ["[mlc]", f'redis_url = "redis://{self.net.address("redis")}:6379/0"', "memory_bytes = 0"]
         quoted = lambda hosts: "[" + ", ".join(f'"{self.uri(h)}"' for h in hosts) + "]"  # noqa: E731
@@ -119,7 +129,28 @@ class Deployment:
                     raise RuntimeError(f"{host} exited: {self.log(host)[-2000:]}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{host} did not start: {self.log(host)[-2000:]}")
-                time.sleep(0.2)
+                time.sleep(POLL_S)
+
+    def registered(self) -> set[str] | None:
+        """The hosts among INSTANCES whose status the router holds unexpired (its dashboard's
+        state, read on the router's host), or None while the router does not answer."""
+        state = f"http://127.0.0.1:{ADMIN_PORT}/dashboard/state"
+        script = f"import urllib.request; print(urllib.request.urlopen({state!r}, timeout=30).read().decode())"
+        command = self.net.exec_prefix("router") + [sys.executable, "-c", script]
+        answered = subprocess.run(command, capture_output=True, text=True, timeout=STARTUP_S, check=False)
+        if answered.returncode != 0:
+            return None
+        live = {instance["uri"] for instance in json.loads(answered.stdout)["instances"]}
+        return {host for host in INSTANCES if self.uri(host) in live}
+
+    def wait_registered(self, hosts: tuple[str, ...]) -> None:
+        """Wait until the router holds a live status of exactly `hosts` among INSTANCES: all of
+        them once a fault is over, or all but a killed one once its status has expired."""
+        deadline = time.monotonic() + STARTUP_S
+        while (registered := self.registered()) != set(hosts):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router holds {registered}, not {sorted(hosts)}: {self.log('router')[-2000:]}")
+            time.sleep(POLL_S)
 
     def signal(self, host: str, signum: int) -> None:
         self.processes[host].send_signal(signum)
@@ -140,7 +171,7 @@ class Deployment:
         while ready not in self.log(host)[mark:]:
             if time.monotonic() > deadline or self.processes[host].poll() is not None:
                 raise RuntimeError(f"{host} did not restart: {self.log(host)[-2000:]}")
-            time.sleep(0.1)
+            time.sleep(POLL_S)
 
     def drive(self, sessions: int, max_new: int) -> subprocess.Popen[str]:
         """The client host's program (tests/faults/drive.py); its stdout is JSON lines."""
@@ -154,6 +185,9 @@ class Deployment:
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO)
 
     def run(self, sessions: int, max_new: int) -> Run:
+        """`sessions` sessions of `max_new` tokens, opened once every verifier and drafter is
+        registered at the router (an earlier fault is over)."""
+        self.wait_registered(INSTANCES)
         return Run(self.drive(sessions, max_new), self.tmp / "client-output.jsonl")
 
     def commit_log(self, session_hex: str) -> list[dict[str, Any]]:
@@ -198,6 +232,8 @@ class Run:
         self.epoch: dict[int, int] = {}
         self.opened: dict[int, dict[str, Any]] = {}
         self.done: dict[int, dict[str, Any]] = {}
+        # The client's output ended: every line it printed has been read.
+        self.finished = False
         self._changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -219,6 +255,7 @@ class Run:
                     self.done[session] = message
                 self._changed.notify_all()
         with self._changed:
+            self.finished = True
             self._changed.notify_all()
 
     def longest_stall(self, sessions: list[int], since: float) -> float:
@@ -230,11 +267,13 @@ class Run:
         return max(stalls)
 
     def wait(self, condition: Callable[[Run], bool], timeout: float) -> None:
+        """Until `condition` holds; `timeout` bounds a hung run only."""
         with self._changed:
-            if not self._changed.wait_for(lambda: condition(self) or self.process.poll() is not None, timeout):
+            if not self._changed.wait_for(lambda: condition(self) or self.finished, timeout):
                 raise TimeoutError(
                     f"the client did not get there in {timeout} s: {self.progress}, done {list(self.done)}"
                 )
             if not condition(self):
                 errors = {session: done["error"] for session, done in self.done.items() if done["error"]}
-                raise RuntimeError(f"the client exited ({self.process.returncode}) before: {self.progress} {errors}")
+                status = self.process.wait(timeout=60)
+                raise RuntimeError(f"the client ended ({status}) before: {self.progress} {errors}")

@@ -17,6 +17,8 @@ from sdcp.client import ClusterClient
 from sdcp.protocol.messages import Action, Contract
 
 PROMPT = [5, 17, 42, 9, 100, 3]
+# A bound for a router that never lists a target, not how long registration takes.
+TARGET_WAIT_S = 300.0
 
 
 def _say(**fields: object) -> None:
@@ -46,14 +48,19 @@ async def _one(client: ClusterClient, index: int, contract: Contract) -> None:
     _say(event="done", session=index, tokens=tokens, epochs=epochs, finish=finish, error=error)
 
 
+async def _target(client: ClusterClient) -> dict[str, object]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + TARGET_WAIT_S
+    while not (targets := await client.targets()):
+        if loop.time() > deadline:
+            raise RuntimeError(f"the router listed no target in {TARGET_WAIT_S} s")
+        await asyncio.sleep(0.1)
+    return targets[0]
+
+
 async def main(args: argparse.Namespace) -> None:
     async with ClusterClient(args.router, cert=args.cert, key=args.key, ca=args.ca, follow_attempts=60) as client:
-        for _ in range(200):
-            targets = await client.targets()
-            if targets:
-                break
-            await asyncio.sleep(0.1)
-        target = targets[0]
+        target = await _target(client)
         contract = Contract.from_obj(
             {
                 "target": target["model"],
