@@ -20,7 +20,7 @@ test-fast: install redis
 test-stress: install redis
 	scripts/test-stress $(PY) -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
 
-# ruff (lint and format check) and mypy (strict on sdcp.protocol, sdcp.cache, sdcp.engines, sdcp.conformance, sdcp.config), pyproject.toml.
+# ruff (lint and format check) and mypy, strict over the whole sdcp package (pyproject.toml: packages = ["sdcp"]).
 lint: install
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
