@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -18,6 +21,22 @@ def _reference_logits(loaded: LoadedModel, tokens: list[int]) -> np.ndarray:
     """transformers' forward with its own attention (sdpa) over the whole sequence, no cache."""
     with torch.inference_mode():
         return loaded.model(input_ids=torch.tensor([tokens])).logits[0].numpy()
+
+
+def test_the_attention_is_registered_when_a_model_uses_it_not_at_import() -> None:
+    # In a fresh interpreter: this one's earlier tests have registered it already.
+    probe = textwrap.dedent(
+        """
+        from transformers import AttentionInterface
+        from sdcp.models import TargetModel, tiny
+        from sdcp.models.ragged import ATTENTION
+        print(ATTENTION in AttentionInterface())
+        TargetModel(tiny.tiny_model(), name="tiny")
+        print(ATTENTION in AttentionInterface())
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=50)
+    assert out.stdout.split() == ["False", "True"]
 
 
 def test_the_target_uses_ragged_attention_and_leaves_the_callers_model(tiny_loaded: LoadedModel) -> None:

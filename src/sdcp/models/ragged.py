@@ -11,10 +11,10 @@ every query attend over the longest context, and scored every request at the wid
 `RaggedBatchCache` stands in for the model's cache during such a pass: for each layer it appends
 each session's new keys and values (its ``width`` columns of the packed sequence) to the session's
 own cache and hands the attention function those caches' keys and values. `ragged_attention`,
-registered with transformers as ``"sdcp_ragged"``, computes plain causal softmax attention with
-torch's scaled_dot_product_attention: per session for a `RaggedBatchCache`, and directly for an
-ordinary cache of one sequence (prefill and single-session passes). The queries of a request are
-the last ``width`` positions of its keys.
+registered with transformers as ``"sdcp_ragged"`` when a model first uses it, computes plain
+causal softmax attention with torch's scaled_dot_product_attention: per session for a
+`RaggedBatchCache`, and directly for an ordinary cache of one sequence (prefill and single-session
+passes). The queries of a request are the last ``width`` positions of its keys.
 
 When the sessions' caches sit in the slots of one `SlotPool` (sdcp.models.kvcache), a `SlotPass`
 does the same with a few operators per layer instead of a few per session and layer: one indexed
@@ -26,6 +26,7 @@ which 21 ms in linear layers).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 ATTENTION = "sdcp_ragged"
+_REGISTERING = threading.Lock()
 # One-row requests attend as one batch over their slots' range while it holds at most this many
 # slots per request; beyond it, reading the other slots' keys would cost more than it saves.
 _SLOT_RANGE_PER_SESSION = 2
@@ -245,9 +247,6 @@ def ragged_attention(
     return output.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(ATTENTION, ragged_attention)
-
-
 def supports_ragged_attention(model: PreTrainedModel) -> bool:
     """Plain causal attention, the only kind `ragged_attention` computes: no sliding window, no
     logit soft-capping."""
@@ -260,4 +259,13 @@ def supports_ragged_attention(model: PreTrainedModel) -> bool:
 
 def use_ragged_attention(model: PreTrainedModel) -> None:
     """Make ``model`` (a copy owned by the caller) compute attention with `ragged_attention`."""
+    _register_attention()
     model.config._attn_implementation = ATTENTION
+
+
+def _register_attention() -> None:
+    """Add `ragged_attention` to transformers' attention functions, once. Done when a model is set
+    up rather than at import, so that importing this module leaves transformers as it was."""
+    with _REGISTERING:
+        if ATTENTION not in AttentionInterface():
+            AttentionInterface.register(ATTENTION, ragged_attention)
