@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sdcp.cache.redis_process import local_redis_server, redis_server_available
+from sdcp.bench.redis_process import local_redis_server, redis_server_available
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,8 @@ from tests.services.outputs import output_tokens, read_output
 from tests.waiting import eventually, eventually_async
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sdcp.bench.redis_process import local_redis_server
 from sdcp.cache import MLC, LogSnapshot, build_uri
-from sdcp.cache.redis_process import local_redis_server
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.localhost import free_port
 from sdcp.models.target import TargetModel

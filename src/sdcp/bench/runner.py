@@ -20,6 +20,7 @@ from typing import Any
 
 from sdcp.bench.cluster import ClusterSystem, GatewaySystem
 from sdcp.bench.inprocess import InProcessSDCPSystem
+from sdcp.bench.redis_process import local_redis_server, redis_server_available
 from sdcp.bench.systems import (
     HFAssistedSystem,
     HFPromptLookupSystem,
@@ -36,7 +37,6 @@ from sdcp.bench.workloads import (
     load_workloads,
     tokenize_prompt,
 )
-from sdcp.cache.redis_process import local_redis_server, redis_server_available
 from sdcp.models.paths import TINY_DRAFT_NAME, TINY_NAME
 from sdcp.models.registry import end_of_text_tokens, load_model
 from sdcp.models.target import TargetModel
