@@ -173,22 +173,28 @@ class Deployment:
                 raise RuntimeError(f"{host} did not restart: {self.log(host)[-2000:]}")
             time.sleep(POLL_S)
 
-    def drive(self, sessions: int, max_new: int) -> subprocess.Popen[str]:
+    def drive(self, sessions: int, max_new: int, *, until_stopped: bool) -> subprocess.Popen[str]:
         """The client host's program (tests/faults/drive.py); its stdout is JSON lines."""
         cert, key = self.cert("client")
         command = [sys.executable, "-m", "tests.faults.drive", "--router", self.uri("router")]
         command += ["--cert", str(cert), "--key", str(key), "--ca", str(self.ca)]
         command += ["--sessions", str(sessions), "--max-new", str(max_new)]
+        if until_stopped:
+            command.append("--until-stdin-closes")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
         stderr = (self.tmp / "client.log").open("ab")
+        stdin = subprocess.PIPE if until_stopped else subprocess.DEVNULL
         command = self.net.exec_prefix("client") + command
-        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO)
+        return subprocess.Popen(
+            command, stdin=stdin, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO
+        )
 
-    def run(self, sessions: int, max_new: int) -> Run:
+    def run(self, sessions: int, max_new: int, *, until_stopped: bool = False) -> Run:
         """`sessions` sessions of `max_new` tokens, opened once every verifier and drafter is
-        registered at the router (an earlier fault is over)."""
+        registered at the router (an earlier fault is over); `until_stopped`: each ended one is
+        replaced by a new one until `Run.stop_opening`, so that the run outlasts any faults."""
         self.wait_registered(INSTANCES)
-        return Run(self.drive(sessions, max_new), self.tmp / "client-output.jsonl")
+        return Run(self.drive(sessions, max_new, until_stopped=until_stopped), self.tmp / "client-output.jsonl")
 
     def commit_log(self, session_hex: str) -> list[dict[str, Any]]:
         """The session's commit-log records, read from Redis on the client host (epoch, round,
@@ -257,6 +263,16 @@ class Run:
         with self._changed:
             self.finished = True
             self._changed.notify_all()
+
+    def tokens_received(self) -> int:
+        """Tokens the client has received, over every session of the run."""
+        with self._changed:
+            return sum(self.progress.values())
+
+    def stop_opening(self) -> None:
+        """Open no more sessions (a run `until_stopped`); those running go on to their end."""
+        assert self.process.stdin is not None
+        self.process.stdin.close()
 
     def longest_stall(self, sessions: list[int], since: float) -> float:
         """The longest time any of `sessions` went without new tokens after `since`, in seconds."""

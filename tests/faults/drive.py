@@ -2,21 +2,30 @@
 following failovers as a front end does (SDCP 6.7). Prints one JSON object per line: `opened`,
 `progress` as tokens arrive, and `done` with every token and the epoch it came with.
 
-python -m tests.faults.drive --router URI --cert F --key F --ca F --sessions N --max-new M
+With `--until-stdin-closes` it keeps N sessions running, opening another as each ends, until its
+standard input closes; then those running go on to their end.
+
+python -m tests.faults.drive --router URI --cert F --key F --ca F --sessions N --max-new M [--until-stdin-closes]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 from pathlib import Path
 
-from sdcp.client import ClusterClient
+from sdcp.client import ClusterClient, SessionHandle
 from sdcp.protocol.messages import Action, Contract
+from sdcp.protocol.problems import ProtocolError
+from sdcp.transport.errors import TransportError
 
 PROMPT = [5, 17, 42, 9, 100, 3]
+# A front end tries an open again while the router or the verifiers restart: up to about two
+# minutes, backing off to 2 s between tries.
+OPEN_ATTEMPTS = 60
 # A bound for a router that never lists a target, not how long registration takes.
 TARGET_WAIT_S = 300.0
 
@@ -26,13 +35,22 @@ def _say(**fields: object) -> None:
     sys.stdout.flush()
 
 
+async def _open(client: ClusterClient, contract: Contract) -> SessionHandle:
+    for attempt in range(1, OPEN_ATTEMPTS):
+        try:
+            return await client.open(PROMPT, contract)
+        except (TransportError, ProtocolError):
+            await asyncio.sleep(min(2.0, 0.1 * attempt))
+    return await client.open(PROMPT, contract)
+
+
 async def _one(client: ClusterClient, index: int, contract: Contract) -> None:
     tokens: list[int] = []
     epochs: list[int] = []
     finish: int | None = None
     error: str | None = None
     try:
-        handle = await client.open(PROMPT, contract)
+        handle = await _open(client, contract)
         _say(event="opened", session=index, id=handle.session.hex(), verifier=handle.verifier, drafter=handle.drafter)
         async for chunk in client.stream(handle):
             if chunk.start != len(tokens):
@@ -74,7 +92,16 @@ async def main(args: argparse.Namespace) -> None:
                 "fallback": [int(Action.REDUCE), int(Action.FAIL)],
             }
         )
-        await asyncio.gather(*(_one(client, index, contract) for index in range(args.sessions)))
+        stdin_closed = asyncio.ensure_future(asyncio.to_thread(sys.stdin.read)) if args.until_stdin_closes else None
+        indices = itertools.count()
+
+        async def lane() -> None:
+            while True:
+                await _one(client, next(indices), contract)
+                if stdin_closed is None or stdin_closed.done():
+                    return
+
+        await asyncio.gather(*(lane() for _ in range(args.sessions)))
 
 
 if __name__ == "__main__":
@@ -85,4 +112,5 @@ if __name__ == "__main__":
     parser.add_argument("--ca", type=Path, required=True)
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--max-new", type=int, default=200)
+    parser.add_argument("--until-stdin-closes", action="store_true")
     asyncio.run(main(parser.parse_args()))
