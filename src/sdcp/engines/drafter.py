@@ -194,7 +194,8 @@ class DrafterEngine:
 
     async def stop(self) -> None:
         await self._tasks.cancel_all()
-        self._worker.close()
+        # Closing joins the model's thread after its queued work: not on the event loop.
+        await asyncio.to_thread(self._worker.close)
 
     # -- what the router asks --------------------------------------------------------------------
 

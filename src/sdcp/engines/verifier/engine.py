@@ -154,9 +154,19 @@ class VerifierEngine:
         for live in self.sessions.values():
             if live.self_decoder is not None:
                 live.self_decoder.cancel()
+        # The target may outlive this engine (a node restarted in the same process): the model
+        # sessions go with the engine's, also where their closing was still queued as a task. The
+        # scorer runs this before its thread ends.
+        self.scorer.run(self._close_model_sessions)
         # Closing joins the scorer's thread once the work queued on it has run, which takes up to a
         # few passes: the event loop goes on serving the node's other work meanwhile.
         await asyncio.to_thread(self.scorer.close)
+
+    def _close_model_sessions(self) -> None:
+        """On the scorer thread."""
+        for session in list(self.sessions):
+            if self.target.has_session(session):
+                self.target.close_session(session)
 
     def _active_sessions(self) -> int:
         # Read from the scorer's thread: a snapshot of the values is enough for a batching hint.
