@@ -93,18 +93,21 @@ class ClusterSystem:
         handle = await self.client.open(list(prompt.tokens), contract)
         tokens: list[int] = []
         inter_token: list[float] = []
+        first_token_ms: float | None = None
         previous: float | None = None
         async for chunk in self.client.stream(handle):
             now = time.perf_counter()
             if chunk.tokens and previous is not None:
                 # Tokens of one chunk arrive together: the gap is shared among them.
                 inter_token.extend([1000 * (now - previous) / len(chunk.tokens)] * len(chunk.tokens))
+            elif chunk.tokens:
+                first_token_ms = 1000 * (now - started)
             if chunk.tokens:
                 previous = now
             tokens.extend(chunk.tokens)
         seconds = time.perf_counter() - started
         result = await self.session_result(handle, seconds)
-        result.tokens, result.inter_token_ms = tokens, inter_token
+        result.tokens, result.inter_token_ms, result.first_token_ms = tokens, inter_token, first_token_ms
         return result
 
     async def session_result(self, handle: SessionHandle, seconds: float) -> RunResult:

@@ -106,8 +106,11 @@ class InProcessSDCPSystem:
             await self.verifier.open_session(plan.open_message())
             await self._assign(plan)
             tokens: list[int] = []
+            first_token_ms: float | None = None
             while True:
                 output = await self.verifier.output(session, len(tokens))
+                if output.tokens and first_token_ms is None:
+                    first_token_ms = 1000 * (time.perf_counter() - started)
                 tokens.extend(output.tokens)
                 if output.final:
                     break
@@ -115,7 +118,7 @@ class InProcessSDCPSystem:
         finally:
             del self._plans[session]
         result = result_from_stats(self.verifier.stats(session), seconds)
-        result.tokens = tokens
+        result.tokens, result.first_token_ms = tokens, first_token_ms
         return result
 
     async def _assign(self, plan: RouterSession) -> None:

@@ -8,6 +8,7 @@ repeat and the report gives their median.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import statistics
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from sdcp.bench.systems import (
     HFAssistedSystem,
     HFPromptLookupSystem,
     HFTargetSystem,
+    LlamaCppPromptLookupSystem,
+    LlamaCppTargetSystem,
     RunResult,
     TargetOnlySDCPSystem,
 )
@@ -37,10 +40,12 @@ from sdcp.bench.workloads import (
     load_workloads,
     tokenize_prompt,
 )
+from sdcp.models.fetch import SMOLLM2_NAME, smollm2_gguf
 from sdcp.models.paths import TINY_DRAFT_NAME, TINY_NAME
 from sdcp.models.registry import end_of_text_tokens, load_model
 from sdcp.models.target import TargetModel
 from sdcp.models.worker import ModelThread
+from sdcp.threads import usable_cores
 
 __all__ = ["BenchConfig", "Measurement", "run_bench"]
 
@@ -50,8 +55,16 @@ _NEIGHBOUR_SETTLE_S = 2.0
 # Systems whose outputs must equal target-only greedy decoding token for token.
 EXACT_SYSTEMS = ("hf_target", "sdcp_target_only", "sdcp_inprocess", "sdcp_e2e", "sdcp_e2e_redis", "sdcp_default")
 # The systems that run the chat workloads: what a user compares (plain and prompt-lookup decoding
-# in transformers, the default cluster) and the n-gram-only cluster the default is held against.
-CHAT_SYSTEMS = ("hf_target", "hf_prompt_lookup", "sdcp_e2e", "sdcp_default")
+# in transformers and in llama.cpp, the default cluster) and the n-gram-only cluster the default is
+# held against.
+CHAT_SYSTEMS = (
+    "hf_target",
+    "hf_prompt_lookup",
+    "llamacpp_target",
+    "llamacpp_prompt_lookup",
+    "sdcp_e2e",
+    "sdcp_default",
+)
 
 
 @dataclass(frozen=True)
@@ -133,12 +146,14 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
     tokenizer = loaded.tokenizer
     stop = end_of_text_tokens(tokenizer)
     target = TargetModel(loaded.model, tokenizer, name=loaded.name)
+    prompts = {w.name: [Prompt(p, tuple(tokenize_prompt(tokenizer, p))) for p in w.prompts] for w in workloads}
     in_process: list[Any] = [HFTargetSystem(loaded.model, stop), HFPromptLookupSystem(loaded.model, stop)]
     if config.model == TINY_NAME:
         in_process.append(HFAssistedSystem(loaded.model, stop, load_model(TINY_DRAFT_NAME).model))
+    longest = max(len(prompt.tokens) for workload_prompts in prompts.values() for prompt in workload_prompts)
+    in_process.extend(_llamacpp_systems(config, stop, n_ctx=longest + config.effective_max_new, log=log))
     in_process.append(TargetOnlySDCPSystem(target, stop))
     in_process.append(InProcessSDCPSystem(target, stop))
-    prompts = {w.name: [Prompt(p, tuple(tokenize_prompt(tokenizer, p))) for p in w.prompts] for w in workloads}
     with ExitStack() as stack:
         clusters = [
             ClusterSystem(config.out / "sdcp-home", config.model),
@@ -161,6 +176,28 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
                 cluster.stop()
     systems = [system.name for system in in_process] + [cluster.name for cluster in clusters]
     return BenchData(config, workloads, measurements, levels, systems, time.perf_counter() - started, neighbour)
+
+
+def _llamacpp_systems(
+    config: BenchConfig, stop: list[int], *, n_ctx: int, log: Callable[[str], None]
+) -> list[LlamaCppTargetSystem]:
+    """llama.cpp greedy and prompt lookup on the bundled model's GGUF, with as many threads as the
+    verifier gets; none (and one line saying why) where that cannot run."""
+    gguf = smollm2_gguf()
+    if config.model != SMOLLM2_NAME:
+        reason = f"the model is {config.model}, not {SMOLLM2_NAME}, whose GGUF they run"
+    elif importlib.util.find_spec("llama_cpp") is None:
+        reason = "llama_cpp (llama-cpp-python) is not installed"
+    elif not gguf.is_file():
+        reason = f"{gguf} is missing (sdcp models fetch keeps it)"
+    else:
+        threads = usable_cores()
+        return [
+            LlamaCppTargetSystem(gguf, stop, n_ctx=n_ctx, threads=threads),
+            LlamaCppPromptLookupSystem(gguf, stop, n_ctx=n_ctx, threads=threads),
+        ]
+    log(f"llamacpp_target and llamacpp_prompt_lookup skipped: {reason}")
+    return []
 
 
 async def _measure(

@@ -1,4 +1,5 @@
-"""The in-process baselines of the benchmark: transformers greedy and speculative, SDCP's backend alone.
+"""The in-process baselines of the benchmark: transformers greedy and speculative, llama.cpp greedy and
+speculative on the same GGUF, SDCP's backend alone.
 
 Every system decodes greedily with the same model, prompt, max_new and stop tokens and returns a
 ``RunResult`` (SDCP's engines in process are ``sdcp.bench.inprocess``, the clusters
@@ -10,17 +11,24 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sdcp.models.target import TargetModel
+
+if TYPE_CHECKING:  # llama-cpp-python is optional: imported only when its systems are built
+    from llama_cpp.llama_speculative import LlamaDraftModel
 
 __all__ = [
     "HF_PROMPT_LOOKUP_TOKENS",
     "HFAssistedSystem",
     "HFPromptLookupSystem",
     "HFTargetSystem",
+    "LLAMACPP_PROMPT_LOOKUP_TOKENS",
+    "LlamaCppPromptLookupSystem",
+    "LlamaCppTargetSystem",
     "RunResult",
     "TargetOnlySDCPSystem",
     "non_model_ms",
@@ -29,6 +37,8 @@ __all__ = [
 
 # transformers' documented example value for prompt lookup decoding.
 HF_PROMPT_LOOKUP_TOKENS = 10
+# llama-cpp-python's default for LlamaPromptLookupDecoding, the same as transformers' above.
+LLAMACPP_PROMPT_LOOKUP_TOKENS = 10
 
 
 @dataclass
@@ -47,6 +57,8 @@ class RunResult:
     overhead_ms: list[float] = field(default_factory=list)
     # Per token after the first: time since the previous token arrived (ms).
     inter_token_ms: list[float] = field(default_factory=list)
+    # From the start of the generation to its first token (ms); None where the system cannot tell.
+    first_token_ms: float | None = None
     batch_sizes: list[int] = field(default_factory=list)
     # Who drafted for the session, in order (cluster systems): instance names, or "self-decoding".
     served: list[str] = field(default_factory=list)
@@ -158,6 +170,7 @@ class TargetOnlySDCPSystem:
         self._sessions += 1
         session = (1 << 64 | self._sessions).to_bytes(16, "big")
         tokens: list[int] = []
+        first_token_ms: float | None = None
         started = time.perf_counter()
         self.target.open_session(session, list(prompt))
         try:
@@ -166,6 +179,76 @@ class TargetOnlySDCPSystem:
                 token = int(row[0].argmax())
                 self.target.commit(session, 0, [token])
                 tokens.append(token)
+                if first_token_ms is None:
+                    first_token_ms = 1000 * (time.perf_counter() - started)
         finally:
             self.target.close_session(session)
-        return RunResult(tokens=tokens, seconds=time.perf_counter() - started)
+        return RunResult(tokens=tokens, seconds=time.perf_counter() - started, first_token_ms=first_token_ms)
+
+
+class LlamaCppTargetSystem:
+    """llama.cpp greedy decoding of the GGUF that SDCP's fp32 weights were dequantised from: what a
+    CPU user runs instead of transformers. One token per pass, no speculation.
+
+    llama.cpp computes with the quantised weights (Q4_1 against 8-bit activations), so its greedy
+    output may part from the fp32 systems' where two tokens are almost tied; the report counts it.
+    """
+
+    name = "llamacpp_target"
+
+    def __init__(self, gguf: Path, stop: Sequence[int], *, n_ctx: int, threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.stop = set(stop)
+        self.llama = Llama(
+            model_path=str(gguf),
+            n_ctx=n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            draft_model=self.draft_model(),
+            verbose=False,
+        )
+
+    def draft_model(self) -> LlamaDraftModel | None:
+        return None
+
+    def generate(self, prompt: Sequence[int], max_new: int) -> RunResult:
+        tokens: list[int] = []
+        inter_token_ms: list[float] = []
+        first_token_ms: float | None = None
+        started = previous = time.perf_counter()
+        # Every prompt is evaluated from scratch: generate() would otherwise keep the KV cache of
+        # the prefix it shares with the previous prompt, which no other system gets. (reset() is
+        # unannotated; "unused-ignore" for when llama_cpp joins untyped_calls_exclude.)
+        self.llama.reset()  # type: ignore[no-untyped-call,unused-ignore]
+        for token in self.llama.generate(list(prompt), top_k=1, temp=0.0):
+            now = time.perf_counter()
+            if first_token_ms is None:
+                first_token_ms = 1000 * (now - started)
+            else:
+                inter_token_ms.append(1000 * (now - previous))
+            previous = now
+            tokens.append(int(token))
+            if len(tokens) >= max_new or tokens[-1] in self.stop:
+                break
+        return RunResult(
+            tokens=tokens,
+            seconds=time.perf_counter() - started,
+            inter_token_ms=inter_token_ms,
+            first_token_ms=first_token_ms,
+        )
+
+
+class LlamaCppPromptLookupSystem(LlamaCppTargetSystem):
+    """llama-cpp-python's own speculative decoding with prompt lookup drafts, greedy.
+
+    Its drafts are checked in one pass of several tokens, whose rounding differs from one-token
+    passes: near ties can fall the other way than in ``llamacpp_target`` (the report counts it).
+    """
+
+    name = "llamacpp_prompt_lookup"
+
+    def draft_model(self) -> LlamaDraftModel | None:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        return LlamaPromptLookupDecoding(num_pred_tokens=LLAMACPP_PROMPT_LOOKUP_TOKENS)
