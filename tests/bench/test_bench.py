@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sdcp.bench.report import summarise
+from sdcp.bench.report import markdown, summarise
 from sdcp.bench.runner import BenchConfig, BenchData, ConcurrencyLevel, Measurement
 from sdcp.bench.systems import RunResult
 from sdcp.bench.workloads import BenchInputError, Workload, load_workloads, parse_prompts
@@ -83,13 +83,26 @@ def test_bench_command_on_tiny_model_writes_results(tmp_path: Path) -> None:
     assert all(row["served"] for row in rows)
     assert set(summary["noisy_neighbour"]) == {"idle_tokens_per_s", "busy_tokens_per_s", "busy_vs_idle"}
     assert summary["noisy_neighbour"]["busy_tokens_per_s"] > 0
+    # The tiny model has no GGUF: the llama.cpp anchors are left out, transformers' stays.
+    assert "llamacpp_target" not in summary["systems"] and summary["same_as_llamacpp"] == {}
+    assert list(summary["relative_speed"]) == ["hf_target"]
+    assert isinstance(summary["relative_speed"]["hf_target"]["sdcp_default"]["open"], float)
+    assert summary["systems"]["sdcp_e2e"]["repetitive"]["first_token_ms_p50"] > 0
+    assert summary["systems"]["hf_target"]["repetitive"]["first_token_ms_p50"] is None
     assert (out / "throughput.png").stat().st_size > 0
     assert (out / "acceptance_concurrency.png").stat().st_size > 0
+    assert (out / "relative_speed.png").stat().st_size > 0
 
 
-def _data(tokens_by_system: dict[str, list[int]]) -> BenchData:
+def _data(tokens_by_system: dict[str, list[int]], seconds: dict[str, float] | None = None) -> BenchData:
     measurements = [
-        Measurement(system, workload, 0, 0, RunResult(tokens=list(tokens), seconds=1.0, overhead_ms=[1.0]))
+        Measurement(
+            system,
+            workload,
+            0,
+            0,
+            RunResult(tokens=list(tokens), seconds=(seconds or {}).get(system, 1.0), overhead_ms=[1.0]),
+        )
         for system, tokens in tokens_by_system.items()
         for workload in ("repetitive", "nonrepetitive", "mixed")
     ]
@@ -116,6 +129,24 @@ def test_identical_outputs_is_false_when_one_token_differs() -> None:
 def test_identical_outputs_needs_a_comparison() -> None:
     summary = summarise(_data({"hf_target": [1, 2], "hf_prompt_lookup": [1, 3]}))
     assert summary["identical_outputs"] is False
+
+
+def test_speeds_and_outputs_are_also_given_against_llamacpp_target() -> None:
+    systems = {"hf_target": [5, 6, 7, 8], "llamacpp_target": [5, 6, 7, 8], "sdcp_e2e": [5, 6, 9, 8]}
+    summary = summarise(_data(systems, seconds={"hf_target": 2.0, "llamacpp_target": 0.5}))
+    relative = summary["relative_speed"]
+    assert relative["llamacpp_target"]["hf_target"]["mixed"] == 0.25
+    assert relative["llamacpp_target"]["sdcp_e2e"]["all"] == 0.5
+    assert relative["hf_target"]["llamacpp_target"]["repetitive"] == 4.0
+    same = summary["same_as_llamacpp"]
+    assert same["hf_target"] == {"prompts": 3, "identical_prompts": 3, "mismatches": []}
+    assert same["sdcp_e2e"]["identical_prompts"] == 0 and same["sdcp_e2e"]["prompts"] == 3
+    assert {m["first_difference"] for m in same["sdcp_e2e"]["mismatches"]} == {2}
+    # A difference from llama.cpp is reported, not a failure of the exact systems.
+    assert summary["identical_outputs"] is False and {m["system"] for m in summary["mismatches"]} == {"sdcp_e2e"}
+    report = markdown(summary)
+    assert "Speed relative to `llamacpp_target`" in report
+    assert "| sdcp_e2e | 0 of 3 | mixed[0]: 2, nonrepetitive[0]: 2, repetitive[0]: 2 |" in report
 
 
 def test_prompt_files_parse_and_bad_inputs_are_typed_errors(tmp_path: Path) -> None:

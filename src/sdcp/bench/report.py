@@ -21,6 +21,11 @@ __all__ = ["GOALS", "summarise", "write_report"]
 
 E2E = "sdcp_e2e"
 DEFAULT = "sdcp_default"
+HF_TARGET = "hf_target"
+LLAMACPP_TARGET = "llamacpp_target"
+# Every system's speed is also given relative to these, per workload: plain greedy decoding in
+# transformers and in llama.cpp, what a CPU user would otherwise run.
+ANCHORS = (HF_TARGET, LLAMACPP_TARGET)
 # name: (ratio or metric, comparison, threshold), from issues 7 and 14.
 GOALS: dict[str, tuple[str, str, float]] = {
     "default >= 1.8x transformers greedy on copy/edit prompts": ("default_copyedit_vs_target", ">=", 1.8),
@@ -50,24 +55,32 @@ def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def _identical(data: BenchData) -> tuple[bool, list[dict[str, Any]]]:
-    """Compare the exact systems' tokens with target-only decoding, prompt by prompt, repeat by repeat."""
+def _outputs_by_run(data: BenchData) -> dict[tuple[str, int, int], dict[str, list[int]]]:
+    """Every system's tokens per (workload, prompt, repeat)."""
     by_run: dict[tuple[str, int, int], dict[str, list[int]]] = defaultdict(dict)
     for m in data.measurements:
         by_run[(m.workload, m.prompt, m.repeat)][m.system] = m.result.tokens
+    return by_run
+
+
+def _compare(
+    by_run: dict[tuple[str, int, int], dict[str, list[int]]], reference: str, systems: list[str]
+) -> tuple[int, list[dict[str, Any]]]:
+    """How many runs of ``systems`` were compared with ``reference``'s run of the same prompt and
+    repeat, and where each differing one first differed."""
     mismatches = []
     compared = 0
     for (workload, prompt, repeat), outputs in sorted(by_run.items()):
-        reference = outputs.get("hf_target")
-        for system in EXACT_SYSTEMS:
-            if system == "hf_target" or system not in outputs or reference is None:
+        expected = outputs.get(reference)
+        for system in systems:
+            if system == reference or system not in outputs or expected is None:
                 continue
             compared += 1
             tokens = outputs[system]
-            if tokens != reference:
+            if tokens != expected:
                 first = next(
-                    (i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b),
-                    min(len(tokens), len(reference)),
+                    (i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b),
+                    min(len(tokens), len(expected)),
                 )
                 mismatches.append(
                     {
@@ -77,10 +90,38 @@ def _identical(data: BenchData) -> tuple[bool, list[dict[str, Any]]]:
                         "repeat": repeat,
                         "first_difference": first,
                         "length": len(tokens),
-                        "reference_length": len(reference),
+                        "reference_length": len(expected),
                     }
                 )
+    return compared, mismatches
+
+
+def _identical(data: BenchData) -> tuple[bool, list[dict[str, Any]]]:
+    """Compare the exact systems' tokens with target-only decoding, prompt by prompt, repeat by repeat."""
+    compared, mismatches = _compare(_outputs_by_run(data), HF_TARGET, list(EXACT_SYSTEMS))
     return compared > 0 and not mismatches, mismatches
+
+
+def _same_as_llamacpp(data: BenchData) -> dict[str, Any]:
+    """Per system: of the prompts it shares with ``llamacpp_target``, how many it decoded to the same
+    tokens in every repeat, and where the others first differed. Not a failure: llama.cpp computes
+    with the GGUF's quantised weights, SDCP and transformers with their fp32 dequantisation."""
+    if LLAMACPP_TARGET not in data.systems:
+        return {}
+    by_run = _outputs_by_run(data)
+    same: dict[str, Any] = {}
+    for system in data.systems:
+        if system == LLAMACPP_TARGET:
+            continue
+        _, mismatches = _compare(by_run, LLAMACPP_TARGET, [system])
+        shared = {(w, p) for (w, p, _), outputs in by_run.items() if {system, LLAMACPP_TARGET} <= outputs.keys()}
+        differing = {(m["workload"], m["prompt"]) for m in mismatches}
+        same[system] = {
+            "prompts": len(shared),
+            "identical_prompts": len(shared - differing),
+            "mismatches": mismatches,
+        }
+    return same
 
 
 def summarise(data: BenchData) -> dict[str, Any]:
@@ -102,6 +143,15 @@ def summarise(data: BenchData) -> dict[str, Any]:
         return _median(values)
 
     default_vs_target = {w: ratio(w, DEFAULT, "hf_target") for w in workloads}
+    relative_speed = {
+        anchor: {
+            system: {w: ratio(w, system, anchor) for w in [*workloads, "all"]}
+            for system in data.systems
+            if system != anchor
+        }
+        for anchor in ANCHORS
+        if anchor in data.systems
+    }
     default_vs_ngram_only = {w: ratio(w, DEFAULT, E2E) for w in workloads}
 
     ratios: dict[str, float | None] = {
@@ -172,9 +222,11 @@ def summarise(data: BenchData) -> dict[str, Any]:
         "default_vs_target": default_vs_target,
         "default_vs_ngram_only": default_vs_ngram_only,
         "default_per_prompt": _per_prompt(data, DEFAULT),
+        "relative_speed": relative_speed,
         "noisy_neighbour": data.neighbour,
         "identical_outputs": identical,
         "mismatches": mismatches,
+        "same_as_llamacpp": _same_as_llamacpp(data),
     }
     summary["goals"] = _goals(summary)
     return summary
@@ -224,10 +276,13 @@ def _system_workload(runs: list[Measurement], rates: list[float | None]) -> dict
     by_position_accepted = _sum_lists([m.result.accepted_by_position for m in runs])
     by_position_proposed = _sum_lists([m.result.proposed_by_position for m in runs])
     measured = [rate for rate in rates if rate is not None]
+    first_token_ms = [m.result.first_token_ms for m in runs if m.result.first_token_ms is not None]
     entry: dict[str, Any] = {
         "tokens_per_s": _median(measured),
         "tokens_per_s_by_repeat": [round(rate, 3) for rate in measured],
         "tokens": tokens,
+        "first_token_ms_p50": _percentile(first_token_ms, 50),
+        "itl_ms_p50": _percentile([gap for m in runs for gap in m.result.inter_token_ms], 50),
     }
     if passes:
         entry.update(
@@ -293,6 +348,8 @@ def markdown(summary: dict[str, Any]) -> str:
             + " | ".join(cells)
             + f" | {every.get('tokens_per_target_pass', '-')} | {every.get('rounds_per_100_tokens', '-')} |"
         )
+    lines += _relative_speed_lines(summary, workloads)
+    lines += _latency_lines(summary, workloads)
     lines += ["", "| ratio | median |", "|---|---|"]
     lines += [f"| {name} | {value} |" for name, value in summary["ratios"].items()]
     lines += [
@@ -337,6 +394,9 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         f"Outputs of target-only, SDCP in-process and SDCP end to end identical token for token: "
         f"**{summary['identical_outputs']}**",
+    ]
+    lines += _same_as_llamacpp_lines(summary)
+    lines += [
         "",
         "| goal | value | target | met |",
         "|---|---|---|---|",
@@ -344,6 +404,70 @@ def markdown(summary: dict[str, Any]) -> str:
     for name, goal in summary["goals"].items():
         lines.append(f"| {name} | {goal['value']} | {goal['target']} | {goal['met']} |")
     return "\n".join(lines) + "\n"
+
+
+def _cell(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _relative_speed_lines(summary: dict[str, Any], workloads: list[str]) -> list[str]:
+    lines = []
+    for anchor, systems in summary["relative_speed"].items():
+        lines += [
+            "",
+            f"Speed relative to `{anchor}` (median over repeats of the ratio within a repeat):",
+            "",
+            "| system | " + " | ".join(workloads) + " |",
+            "|---|" + "---|" * len(workloads),
+        ]
+        lines += [
+            f"| {system} | " + " | ".join(_cell(ratios[w]) for w in workloads) + " |"
+            for system, ratios in systems.items()
+        ]
+    return lines
+
+
+def _latency_lines(summary: dict[str, Any], workloads: list[str]) -> list[str]:
+    """Time to first token per workload and inter-token time, for the systems that measure them."""
+    measured = {
+        system: entries
+        for system, entries in summary["systems"].items()
+        if any(entries[w]["first_token_ms_p50"] is not None for w in workloads)
+    }
+    if not measured:
+        return []
+    lines = [
+        "",
+        "Time to first token, p50 ms per workload (from the call to the first token), and the time "
+        "between tokens after it, p50 ms over every run:",
+        "",
+        "| system | " + " | ".join(f"{w} TTFT" for w in workloads) + " | ITL |",
+        "|---|" + "---|" * (len(workloads) + 1),
+    ]
+    for system, entries in measured.items():
+        cells = [_cell(entries[w]["first_token_ms_p50"], 1) for w in workloads]
+        lines.append(f"| {system} | " + " | ".join(cells) + f" | {_cell(entries['all']['itl_ms_p50'], 1)} |")
+    return lines
+
+
+def _same_as_llamacpp_lines(summary: dict[str, Any]) -> list[str]:
+    same = summary["same_as_llamacpp"]
+    if not same:
+        return []
+    lines = [
+        "",
+        f"Greedy outputs identical to `{LLAMACPP_TARGET}`'s token for token, in every repeat. llama.cpp "
+        "computes with the GGUF's quantised weights, the others with their fp32 dequantisation, and "
+        "`llamacpp_prompt_lookup` checks drafts in passes of several tokens, whose rounding differs: "
+        "an output parts where two tokens are almost tied.",
+        "",
+        "| system | identical prompts | first differences (workload[prompt]: token) |",
+        "|---|---|---|",
+    ]
+    for system, entry in same.items():
+        firsts = dict.fromkeys(f"{m['workload']}[{m['prompt']}]: {m['first_difference']}" for m in entry["mismatches"])
+        lines.append(f"| {system} | {entry['identical_prompts']} of {entry['prompts']} | {', '.join(firsts) or '-'} |")
+    return lines
 
 
 def _plot(summary: dict[str, Any], out: Path) -> None:
@@ -391,4 +515,27 @@ def _plot(summary: dict[str, Any], out: Path) -> None:
     axes[1].set_title("Concurrency sweep (SDCP end to end)")
     figure.tight_layout()
     figure.savefig(out / "acceptance_concurrency.png", dpi=80)
+    plt.close(figure)
+    _plot_relative_speed(summary, out)
+
+
+def _plot_relative_speed(summary: dict[str, Any], out: Path) -> None:
+    """One panel per anchor that ran: every other system's speed relative to it, per workload."""
+    anchors = summary["relative_speed"]
+    if not anchors:
+        return
+    workloads = [*summary["prompts"], "all"]
+    figure, axes = plt.subplots(1, len(anchors), figsize=(6 * len(anchors), 4), squeeze=False)
+    for axis, (anchor, systems) in zip(axes[0], anchors.items(), strict=True):
+        width = 0.8 / len(systems)
+        for i, (system, ratios) in enumerate(systems.items()):
+            values = [ratios[w] or 0.0 for w in workloads]
+            axis.bar(np.arange(len(workloads)) + i * width, values, width, label=system)
+        axis.set_xticks(np.arange(len(workloads)) + 0.4 - width / 2, workloads)
+        axis.axhline(1.0, color="grey", linewidth=0.8)
+        axis.set_ylabel(f"speed / {anchor}")
+        axis.set_title(f"Relative to {anchor} (median over repeats)")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(out / "relative_speed.png", dpi=80)
     plt.close(figure)
