@@ -56,7 +56,7 @@ def prompts(tokenizer: Any) -> list[list[int]]:
 
 
 def test_llamacpp_target_is_llama_cpp_greedy_decoding(gguf: Path, stop: list[int], prompts: list[list[int]]) -> None:
-    system = LlamaCppTargetSystem(gguf, stop, n_ctx=512, threads=THREADS)
+    system = LlamaCppTargetSystem(gguf, stop, context_tokens=max(map(len, prompts)) + MAX_NEW, threads=THREADS)
     for prompt in prompts:
         result = system.generate(prompt, MAX_NEW)
         assert 0 < len(result.tokens) <= MAX_NEW
@@ -73,8 +73,11 @@ def test_llamacpp_target_is_llama_cpp_greedy_decoding(gguf: Path, stop: list[int
 def test_llamacpp_prompt_lookup_parts_from_greedy_only_at_near_ties(
     gguf: Path, stop: list[int], prompts: list[list[int]]
 ) -> None:
-    target = LlamaCppTargetSystem(gguf, stop, n_ctx=512, threads=THREADS)
-    lookup = LlamaCppPromptLookupSystem(gguf, stop, n_ctx=512, threads=THREADS)
+    # Exactly what the longest generation needs, as the runner asks: the last round's drafts go past
+    # it and must still fit llama-cpp-python's arrays.
+    context_tokens = max(map(len, prompts)) + MAX_NEW
+    target = LlamaCppTargetSystem(gguf, stop, context_tokens=context_tokens, threads=THREADS)
+    lookup = LlamaCppPromptLookupSystem(gguf, stop, context_tokens=context_tokens, threads=THREADS)
     for prompt in prompts:
         expected = target.generate(prompt, MAX_NEW).tokens
         tokens = lookup.generate(prompt, MAX_NEW).tokens

@@ -151,7 +151,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
     if config.model == TINY_NAME:
         in_process.append(HFAssistedSystem(loaded.model, stop, load_model(TINY_DRAFT_NAME).model))
     longest = max(len(prompt.tokens) for workload_prompts in prompts.values() for prompt in workload_prompts)
-    in_process.extend(_llamacpp_systems(config, stop, n_ctx=longest + config.effective_max_new, log=log))
+    in_process.extend(_llamacpp_systems(config, stop, context_tokens=longest + config.effective_max_new, log=log))
     in_process.append(TargetOnlySDCPSystem(target, stop))
     in_process.append(InProcessSDCPSystem(target, stop))
     with ExitStack() as stack:
@@ -179,7 +179,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
 
 
 def _llamacpp_systems(
-    config: BenchConfig, stop: list[int], *, n_ctx: int, log: Callable[[str], None]
+    config: BenchConfig, stop: list[int], *, context_tokens: int, log: Callable[[str], None]
 ) -> list[LlamaCppTargetSystem]:
     """llama.cpp greedy and prompt lookup on the bundled model's GGUF, with as many threads as the
     verifier gets; none (and one line saying why) where that cannot run."""
@@ -193,8 +193,8 @@ def _llamacpp_systems(
     else:
         threads = usable_cores()
         return [
-            LlamaCppTargetSystem(gguf, stop, n_ctx=n_ctx, threads=threads),
-            LlamaCppPromptLookupSystem(gguf, stop, n_ctx=n_ctx, threads=threads),
+            LlamaCppTargetSystem(gguf, stop, context_tokens=context_tokens, threads=threads),
+            LlamaCppPromptLookupSystem(gguf, stop, context_tokens=context_tokens, threads=threads),
         ]
     log(f"llamacpp_target and llamacpp_prompt_lookup skipped: {reason}")
     return []

@@ -8,6 +8,7 @@ Every system decodes greedily with the same model, prompt, max_new and stop toke
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,9 @@ __all__ = [
 HF_PROMPT_LOOKUP_TOKENS = 10
 # llama-cpp-python's default for LlamaPromptLookupDecoding, the same as transformers' above.
 LLAMACPP_PROMPT_LOOKUP_TOKENS = 10
+# llama.cpp pads its context to a multiple of this, while llama-cpp-python sizes its own token and
+# logit arrays by the n_ctx it was given: a speculative pass into the padding overruns them.
+_LLAMACPP_CONTEXT_PADDING = 256
 
 
 @dataclass
@@ -196,13 +200,16 @@ class LlamaCppTargetSystem:
 
     name = "llamacpp_target"
 
-    def __init__(self, gguf: Path, stop: Sequence[int], *, n_ctx: int, threads: int) -> None:
+    def __init__(self, gguf: Path, stop: Sequence[int], *, context_tokens: int, threads: int) -> None:
+        """``context_tokens``: the prompt and max_new of the longest generation it will decode."""
         from llama_cpp import Llama
 
         self.stop = set(stop)
+        # Room for the drafts of the last round too, which go past max_new.
+        needed = context_tokens + 1 + LLAMACPP_PROMPT_LOOKUP_TOKENS
         self.llama = Llama(
             model_path=str(gguf),
-            n_ctx=n_ctx,
+            n_ctx=math.ceil(needed / _LLAMACPP_CONTEXT_PADDING) * _LLAMACPP_CONTEXT_PADDING,
             n_threads=threads,
             n_threads_batch=threads,
             draft_model=self.draft_model(),
