@@ -1,4 +1,4 @@
-"""`sdcp bench`: target-only, transformers speculative, SDCP in-process and SDCP end to end, side by side.
+"""`sdcp bench`: greedy and speculative decoding in transformers and llama.cpp, SDCP in process and end to end.
 
 Names are loaded on first use (PEP 562): the tests' Redis helper (sdcp.bench.redis_process) lives
 here too, and importing it must not import torch and transformers through the runner.
