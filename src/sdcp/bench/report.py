@@ -525,12 +525,14 @@ def _plot_relative_speed(summary: dict[str, Any], out: Path) -> None:
     if not anchors:
         return
     workloads = [*summary["prompts"], "all"]
+    # A system keeps its colour in every panel, though each panel leaves out its own anchor.
+    colours = {system: f"C{i % 10}" for i, system in enumerate(summary["systems"])}
     figure, axes = plt.subplots(1, len(anchors), figsize=(6 * len(anchors), 4), squeeze=False)
     for axis, (anchor, systems) in zip(axes[0], anchors.items(), strict=True):
         width = 0.8 / len(systems)
         for i, (system, ratios) in enumerate(systems.items()):
             values = [ratios[w] or 0.0 for w in workloads]
-            axis.bar(np.arange(len(workloads)) + i * width, values, width, label=system)
+            axis.bar(np.arange(len(workloads)) + i * width, values, width, label=system, color=colours[system])
         axis.set_xticks(np.arange(len(workloads)) + 0.4 - width / 2, workloads)
         axis.axhline(1.0, color="grey", linewidth=0.8)
         axis.set_ylabel(f"speed / {anchor}")
