@@ -47,6 +47,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --index-url $(TORCH_INDEX) "$(TORCH_SPEC)"
+	@echo "installing sdcp and its extras (the first time, llama.cpp is built from source: about 6 minutes on 2 cores)"
 	$(PY) -m pip install -q -e '.[all,test]'
 	touch $(STAMP)
 
