@@ -36,12 +36,14 @@ _EXPORTS = {
     "load_tokenizer": "registry",
     "load_target": "registry",
     "target_vocab_size": "registry",
+    "Target": "backend",
     "TargetModel": "target",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from sdcp.models.backend import Target
     from sdcp.models.batching import BatchingScorer, ScorerClosed
     from sdcp.models.digests import tokenizer_digest, weights_digest
     from sdcp.models.draft import Drafter, DraftResult, HFDrafter, NgramDrafter

@@ -1,4 +1,4 @@
-"""A thread-safe batching front for `TargetModel.score` (docs/design.md, "Performance and testing").
+"""A thread-safe batching front for a target's `score` (docs/design.md, "Performance and testing").
 
 The target's model thread (``sdcp.models.worker.ModelThread``) also gathers scoring requests into
 passes. Callers from any thread `submit` a request and get a future; asyncio callers await
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sdcp.futures import Outcome, settle_soon
+from sdcp.models.backend import SessionId, Target
 from sdcp.models.errors import ModelError
-from sdcp.models.target import SessionId, TargetModel
 from sdcp.models.worker import Call, ModelThread, ModelThreadClosed
 from sdcp.threads import CoreGovernor
 
@@ -77,7 +77,7 @@ class PassInfo:
 class BatchingScorer(ModelThread):
     def __init__(
         self,
-        target: TargetModel,
+        target: Target,
         *,
         window_s: float = 0.002,
         max_batch: int = 16,

@@ -15,10 +15,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from sdcp.models import tiny
+from sdcp.models.backend import DEFAULT_KV_SLOTS
 from sdcp.models.draft import Drafter, HFDrafter, NgramDrafter
 from sdcp.models.errors import ModelError, UnknownModel
 from sdcp.models.paths import TINY_DRAFT_NAME, TINY_NAME, model_dir
-from sdcp.models.target import DEFAULT_KV_SLOTS, TargetModel
+from sdcp.models.target import TargetModel
 
 NGRAM_SPEC = "ngram"
 HF_PREFIX = "hf:"

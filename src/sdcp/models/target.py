@@ -19,29 +19,22 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from sdcp.models import kvcache
-from sdcp.models.digests import tokenizer_digest, weights_digest
-from sdcp.models.errors import (
-    BadTokens,
-    DigestMismatch,
-    InconsistentCommit,
-    ModelError,
-    SessionExists,
-    UnknownSession,
+from sdcp.models.backend import (
+    DEFAULT_KV_SLOTS,
+    MAX_SLOT_CAPACITY,
+    ScoreRequest,
+    SessionId,
+    check_commit,
+    check_contract_digests,
+    checked_tokens,
 )
+from sdcp.models.digests import tokenizer_digest, weights_digest
+from sdcp.models.errors import BadTokens, ModelError, SessionExists, UnknownSession
 from sdcp.models.kvformat import decode_kv, encode_kv
 from sdcp.models.packed import pack_weights, with_packed_linears
 from sdcp.models.ragged import RaggedBatchCache, SlotPass, supports_ragged_attention, use_ragged_attention
 
 log = logging.getLogger("sdcp.models")
-
-SessionId = bytes
-ScoreRequest = tuple[SessionId, Sequence[int]]
-
-# Sessions whose KV sits in slots of the pool. Others have caches of their own, and a pass that
-# includes one attends session by session (sdcp.models.ragged), until a slot is free for it.
-DEFAULT_KV_SLOTS = 32
-# Positions per slot, at most: a longer session moves to a cache of its own.
-MAX_SLOT_CAPACITY = 4096
 
 
 @dataclass
@@ -82,7 +75,9 @@ class TargetModel:
         self.tokenizer = tokenizer
         self.name = name
         # kv_slots sessions keep their KV in a shared pool (sdcp.models.kvcache.SlotPool), up to
-        # kv_capacity positions each; 0 slots: every session has a cache of its own.
+        # kv_capacity positions each; 0 slots: every session has a cache of its own. A session
+        # beyond the slots, or longer than a slot, has a cache of its own, and a pass that includes
+        # one attends session by session (sdcp.models.ragged) until a slot is free for it.
         context = getattr(self.model.config, "max_position_embeddings", None) or MAX_SLOT_CAPACITY
         capacity = kv_capacity if kv_capacity is not None else min(context, MAX_SLOT_CAPACITY)
         self._slots: kvcache.SlotPool | None = None
@@ -101,6 +96,11 @@ class TargetModel:
     @property
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def context_length(self) -> int | None:
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        return int(context) if context is not None else None
 
     @cached_property
     def weights_digest(self) -> bytes:
@@ -122,17 +122,7 @@ class TargetModel:
 
     def check_digests(self, target: bytes, tokenizer: bytes) -> None:
         """Refuse a contract naming other weights or another tokenizer (SDCP 6.1)."""
-        # SDCP 6.1: the verifier MUST refuse a contract whose target digest does not match.
-        if target != self.weights_digest:
-            raise DigestMismatch(
-                f"contract target digest {target.hex()} does not match the loaded model "
-                f"{self.name} ({self.weights_digest.hex()})"
-            )
-        if tokenizer != self.tokenizer_digest:
-            raise DigestMismatch(
-                f"contract tokenizer digest {tokenizer.hex()} does not match the loaded "
-                f"tokenizer of {self.name} ({self.tokenizer_digest.hex()})"
-            )
+        check_contract_digests(self.name, (self.weights_digest, self.tokenizer_digest), (target, tokenizer))
 
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
         """Prefill the committed prefix (the prompt, or prompt + output when resuming)."""
@@ -212,16 +202,7 @@ class TargetModel:
         emitted_tokens = self._checked_tokens(emitted)
         with self._lock:
             state = self._session(session)
-            proposal = state.pending
-            if proposal is None:
-                raise InconsistentCommit(f"session {session.hex()} has no scored proposal")
-            if not 0 <= accepted <= len(proposal):
-                raise InconsistentCommit(f"accepted={accepted} outside 0..{len(proposal)}")
-            if len(emitted_tokens) > accepted + 1:
-                raise InconsistentCommit(f"{len(emitted_tokens)} emitted tokens for {accepted} accepted ones")
-            confirmed = min(len(emitted_tokens), accepted)
-            if tuple(emitted_tokens[:confirmed]) != proposal[:confirmed]:
-                raise InconsistentCommit("emitted tokens differ from the accepted proposal")
+            check_commit(session, state.pending, accepted, emitted_tokens)
             state.tokens.extend(emitted_tokens)
             kvcache.crop_to(state.cache, len(state.tokens) - 1)
             state.pending = None
@@ -364,9 +345,4 @@ class TargetModel:
             raise UnknownSession(f"session {session.hex()} is not open on {self.name}") from None
 
     def _checked_tokens(self, tokens: Sequence[int]) -> list[int]:
-        checked = [int(token) for token in tokens]
-        vocab = self.vocab_size
-        bad = [token for token in checked if not 0 <= token < vocab]
-        if bad:
-            raise BadTokens(f"token ids {bad[:5]} outside the vocabulary 0..{vocab - 1}")
-        return checked
+        return checked_tokens(tokens, self.vocab_size)

@@ -20,8 +20,8 @@ from sdcp.cache import MLC
 from sdcp.config import ServiceConfig, thread_budget
 from sdcp.engines.errors import SessionNotFound, Unanswered
 from sdcp.engines.verifier import TRACE_ROUNDS, VerifierEngine
+from sdcp.models.backend import Target
 from sdcp.models.registry import load_target
-from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import (
     Assignment,
     CancelRequest,
@@ -51,7 +51,7 @@ class VerifierNode(Node):
 
     role = "verifier"
 
-    def __init__(self, config: ServiceConfig, *, target: TargetModel | None = None, mlc: MLC | None = None) -> None:
+    def __init__(self, config: ServiceConfig, *, target: Target | None = None, mlc: MLC | None = None) -> None:
         super().__init__(config, mlc)
         settings = config.verifier
         if target is None:

@@ -35,10 +35,10 @@ from sdcp.engines.verifier.observe import (
 )
 from sdcp.engines.verifier.rounds import Rounds, Scoring
 from sdcp.engines.verifier.selfdecode import SelfDecoding
+from sdcp.models.backend import Target
 from sdcp.models.batching import BatchingScorer
 from sdcp.models.draft import TokenTimer
 from sdcp.models.errors import DigestMismatch
-from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import (
     Assignment,
     CancelRequest,
@@ -78,7 +78,7 @@ class VerifierEngine:
         *,
         uri: str,
         settings: VerifierConfig,
-        target: TargetModel,
+        target: Target,
         mlc: MLC,
         ttl_ms: int,
         cores: CoreGovernor | None = None,
@@ -233,7 +233,7 @@ class VerifierEngine:
         if message.resume is not None:
             committed = await self._tokens(message.resume.committed_tokens, "resume.committed_tokens")
             self._check_vocabulary(committed, "resume.committed_tokens")
-        context = getattr(self.target.model.config, "max_position_embeddings", None)
+        context = self.target.context_length
         if context is not None and len(prompt) + contract.max_new > context:
             raise BadContract(
                 f"prompt ({len(prompt)} tokens) plus max_new ({contract.max_new}) "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Container, Sequence
 
-from sdcp.models.target import TargetModel
+from sdcp.models.backend import Target
 from sdcp.models.worker import ModelThread, ModelThreadClosed
 from sdcp.protocol.verifier import PendingCommit, VerifierSession
 
@@ -24,7 +24,7 @@ class ModelSync:
     """Brings ``target``'s sessions to their committed tokens on ``thread``, the thread that owns the
     model; ``held`` tells which sessions the verifier still holds (a dropped one is not rebuilt)."""
 
-    def __init__(self, uri: str, target: TargetModel, thread: ModelThread, held: Container[bytes]) -> None:
+    def __init__(self, uri: str, target: Target, thread: ModelThread, held: Container[bytes]) -> None:
         self._uri = uri
         self._target = target
         self._thread = thread

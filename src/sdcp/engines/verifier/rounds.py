@@ -28,8 +28,8 @@ from sdcp.engines.verifier.observe import (
     RoundTrace,
     record_round,
 )
+from sdcp.models.backend import Target
 from sdcp.models.batching import BatchingScorer
-from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import Action, Verdict
 from sdcp.protocol.problems import ProblemType, ProtocolError
 from sdcp.protocol.rules import parse_q_rows
@@ -79,7 +79,7 @@ class Rounds:
         self,
         *,
         uri: str,
-        target: TargetModel,
+        target: Target,
         mlc: MLC,
         scoring: Scoring,
         model_sync: ModelSync,

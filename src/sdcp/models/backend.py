@@ -1,0 +1,135 @@
+"""What the verifier needs of its target model, whatever runs it (SDCP 6.3 Scoring), and the rules
+every target applies alike.
+
+`sdcp.models.target.TargetModel` (torch + transformers, a Hugging Face model directory) implements
+`Target`; the verifier engine and `sdcp.models.batching.BatchingScorer` are typed against the
+protocol only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from sdcp.models.errors import BadTokens, DigestMismatch, InconsistentCommit
+
+__all__ = [
+    "DEFAULT_KV_SLOTS",
+    "MAX_SLOT_CAPACITY",
+    "ScoreRequest",
+    "SessionId",
+    "Target",
+    "check_commit",
+    "check_contract_digests",
+    "checked_tokens",
+]
+
+SessionId = bytes
+ScoreRequest = tuple[SessionId, Sequence[int]]
+
+# Sessions whose KV a target keeps in its pool (TargetModel's slots, LlamaCppTarget's sequences).
+DEFAULT_KV_SLOTS = 32
+# Positions per session of the pool, at most, where the configuration leaves it to the model.
+MAX_SLOT_CAPACITY = 4096
+
+
+class Target(Protocol):
+    """A target model serving many sessions. A session's state holds its committed tokens (prompt,
+    then output); `score` rows are the target's distributions after them and the proposed tokens.
+    Methods are called from one thread, the scorer's (docs/models.md)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def context_length(self) -> int | None:
+        """Positions a session may hold (prompt plus output), None where the model names none."""
+        ...
+
+    @property
+    def weights_digest(self) -> bytes:
+        """The contract's target digest (SDCP 4.1)."""
+        ...
+
+    @property
+    def tokenizer_digest(self) -> bytes: ...
+
+    def prepare(self) -> None:
+        """Work the first request would otherwise pay (digests, weight layouts)."""
+
+    def check_digests(self, target: bytes, tokenizer: bytes) -> None:
+        """Raise DigestMismatch for a contract naming another target or tokenizer (SDCP 6.1)."""
+
+    def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
+        """Prefill the committed prefix (the prompt, or prompt + output when resuming)."""
+
+    def import_kv(self, session: SessionId, data: bytes, committed_tokens: Sequence[int]) -> None:
+        """Open ``session`` from a blob of `export_kv` instead of a prefill (SDCP 6.9)."""
+
+    def export_kv(self, session: SessionId) -> bytes:
+        """The committed KV of ``session`` as a versioned blob (docs/models.md)."""
+        ...
+
+    def close_session(self, session: SessionId) -> None: ...
+
+    def has_session(self, session: SessionId) -> bool: ...
+
+    def committed_tokens(self, session: SessionId) -> tuple[int, ...]: ...
+
+    def check_request(self, session: SessionId, tokens: Sequence[int]) -> None:
+        """Raise the error `score` would raise for this request, without running the model."""
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[np.ndarray]:
+        """One pass over every request: per request float32 logits (M_i + 1, V), row j after the
+        committed prefix and x[1..j]. A scored proposal left uncommitted is dropped first."""
+        ...
+
+    def commit(self, session: SessionId, accepted: int, emitted: Sequence[int]) -> None:
+        """Keep x[1..accepted] of the scored proposal and append ``emitted``."""
+
+    def rollback(self, session: SessionId) -> None:
+        """Forget a scored proposal without committing anything."""
+
+    def kv_usage(self) -> float:
+        """The share of the KV pool that sessions hold, 0 to 1 (a metric, read without the lock)."""
+        ...
+
+
+def checked_tokens(tokens: Sequence[int], vocab_size: int) -> list[int]:
+    """The tokens as ints, or BadTokens for an id outside the vocabulary."""
+    checked = [int(token) for token in tokens]
+    bad = [token for token in checked if not 0 <= token < vocab_size]
+    if bad:
+        raise BadTokens(f"token ids {bad[:5]} outside the vocabulary 0..{vocab_size - 1}")
+    return checked
+
+
+def check_contract_digests(name: str, loaded: tuple[bytes, bytes], contract: tuple[bytes, bytes]) -> None:
+    """Refuse a contract whose (target, tokenizer) digests are not those ``loaded`` (SDCP 6.1)."""
+    # SDCP 6.1: the verifier MUST refuse a contract whose target digest does not match.
+    (weights, tokenizer), (wanted_weights, wanted_tokenizer) = loaded, contract
+    if wanted_weights != weights:
+        raise DigestMismatch(
+            f"contract target digest {wanted_weights.hex()} does not match the loaded model {name} ({weights.hex()})"
+        )
+    if wanted_tokenizer != tokenizer:
+        raise DigestMismatch(
+            f"contract tokenizer digest {wanted_tokenizer.hex()} does not match the loaded "
+            f"tokenizer of {name} ({tokenizer.hex()})"
+        )
+
+
+def check_commit(session: SessionId, proposal: tuple[int, ...] | None, accepted: int, emitted: Sequence[int]) -> None:
+    """Refuse a verdict that does not fit the scored ``proposal``: ``accepted`` of its tokens, then
+    the emitted tokens, which repeat the accepted ones and add at most one."""
+    if proposal is None:
+        raise InconsistentCommit(f"session {session.hex()} has no scored proposal")
+    if not 0 <= accepted <= len(proposal):
+        raise InconsistentCommit(f"accepted={accepted} outside 0..{len(proposal)}")
+    if len(emitted) > accepted + 1:
+        raise InconsistentCommit(f"{len(emitted)} emitted tokens for {accepted} accepted ones")
+    confirmed = min(len(emitted), accepted)
+    if tuple(emitted[:confirmed]) != proposal[:confirmed]:
+        raise InconsistentCommit("emitted tokens differ from the accepted proposal")
