@@ -21,7 +21,7 @@ from sdcp.models import tiny
 from sdcp.transport.certs import instance_name, make_certs
 
 # Installed with the verifier, drafter and bench extras only.
-MODEL_PACKAGES = ("torch", "transformers", "safetensors", "gguf", "accelerate", "matplotlib")
+MODEL_PACKAGES = ("torch", "transformers", "safetensors", "gguf", "accelerate", "llama_cpp", "matplotlib")
 
 # Runs `python -m sdcp ...` (or a snippet) with those packages made unimportable.
 BLOCKED = textwrap.dedent(

@@ -1,4 +1,5 @@
-"""Model backends: the verifier's target model and the drafters (torch + transformers, no HTTP).
+"""Model backends: the verifier's target model (torch + transformers, or llama.cpp on a GGUF file)
+and the drafters (torch + transformers); no HTTP.
 
 Names are loaded on first use (PEP 562) so that `sdcp` commands that never touch a model, and
 `sdcp models fetch` before its conversion step, do not pay for importing torch and transformers.
@@ -26,9 +27,11 @@ _EXPORTS = {
     "ModelError": "errors",
     "ModelNotFetched": "errors",
     "SessionExists": "errors",
+    "SessionLimit": "errors",
     "UnknownModel": "errors",
     "UnknownSession": "errors",
     "fetch_smollm2": "fetch",
+    "LlamaCppTarget": "llamacpp",
     "LoadedModel": "registry",
     "end_of_text_tokens": "registry",
     "load_drafter": "registry",
@@ -56,10 +59,12 @@ if TYPE_CHECKING:
         ModelError,
         ModelNotFetched,
         SessionExists,
+        SessionLimit,
         UnknownModel,
         UnknownSession,
     )
     from sdcp.models.fetch import fetch_smollm2
+    from sdcp.models.llamacpp import LlamaCppTarget
     from sdcp.models.registry import (
         LoadedModel,
         end_of_text_tokens,

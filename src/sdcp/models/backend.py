@@ -1,15 +1,15 @@
 """What the verifier needs of its target model, whatever runs it (SDCP 6.3 Scoring), and the rules
 every target applies alike.
 
-`sdcp.models.target.TargetModel` (torch + transformers, a Hugging Face model directory) implements
-`Target`; the verifier engine and `sdcp.models.batching.BatchingScorer` are typed against the
-protocol only.
+Two backends implement `Target`: `sdcp.models.target.TargetModel` (torch + transformers, a Hugging
+Face model directory) and `sdcp.models.llamacpp.LlamaCppTarget` (llama.cpp, a GGUF file). The
+verifier engine and `sdcp.models.batching.BatchingScorer` are typed against the protocol only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -21,6 +21,7 @@ __all__ = [
     "ScoreRequest",
     "SessionId",
     "Target",
+    "TargetBackend",
     "check_commit",
     "check_contract_digests",
     "checked_tokens",
@@ -28,6 +29,8 @@ __all__ = [
 
 SessionId = bytes
 ScoreRequest = tuple[SessionId, Sequence[int]]
+# Who runs a target: torch + transformers (a Hugging Face directory) or llama.cpp (a GGUF file).
+TargetBackend = Literal["torch", "llamacpp"]
 
 # Sessions whose KV a target keeps in its pool (TargetModel's slots, LlamaCppTarget's sequences).
 DEFAULT_KV_SLOTS = 32

@@ -8,6 +8,9 @@ little-endian order, C-contiguous. Tied tensors appear under each of their names
 Tokenizer digest: SHA-256 of the fast tokenizer's definition `backend_tokenizer.to_str()`,
 parsed and re-serialised as canonical JSON (sorted keys, no whitespace, UTF-8), so that files
 that differ only in formatting give the same digest.
+
+A GGUF target (llama.cpp) is digested as its file: SHA-256 of the GGUF's bytes, and its tokenizer
+as the `tokenizer.json` beside it, loaded as the gateway loads it (docs/interpretations.md).
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
+from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from sdcp.models.errors import ModelError
 from sdcp.protocol.contract import tokenizer_definition_digest
@@ -47,3 +52,15 @@ def tokenizer_digest(tokenizer: object) -> bytes:
     if backend is None:
         raise ModelError(f"{type(tokenizer).__name__} is not a fast tokenizer; cannot digest it")
     return tokenizer_definition_digest(backend.to_str())
+
+
+def gguf_digest(path: Path) -> bytes:
+    """SHA-256 of the file's bytes, read in blocks: what `sha256sum` prints."""
+    with path.open("rb") as stream:
+        return hashlib.file_digest(stream, "sha256").digest()
+
+
+def tokenizer_file_digest(path: Path) -> bytes:
+    """The digest of a Hugging Face `tokenizer.json`, equal to `tokenizer_digest` of the fast
+    tokenizer transformers loads from it and to the gateway's (sdcp.text)."""
+    return tokenizer_definition_digest(Tokenizer.from_file(str(path)).to_str())

@@ -27,6 +27,10 @@ class SessionExists(ModelError):
     """`open_session` was called for a session that is already open."""
 
 
+class SessionLimit(ModelError):
+    """`open_session` on a backend whose every session place is held (llama.cpp's sequences)."""
+
+
 class BadTokens(ModelError):
     """Token ids out of the vocabulary, an empty prompt, or a proposal longer than allowed."""
 

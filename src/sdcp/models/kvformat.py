@@ -1,8 +1,12 @@
-"""The target KV blob that verifiers publish to the MLC (format in docs/models.md).
+"""The target KV blobs that verifiers publish to the MLC (formats in docs/models.md).
 
-blob = uint32 big-endian header length || header (deterministic CBOR map) || safetensors payload.
-The payload holds `layer.<i>.keys` and `layer.<i>.values`, each (kv_heads, cached, head_dim),
-where cached = committed - 1 (the cache never holds the last committed token).
+blob = uint32 big-endian header length || header (deterministic CBOR map) || payload. The header
+names the format, its version, the model digest and the committed tokens the KV covers.
+
+`sdcp-target-kv` (torch): a safetensors payload of `layer.<i>.keys` and `layer.<i>.values`, each
+(kv_heads, cached, head_dim), where cached = committed - 1 (the cache never holds the last
+committed token). `sdcp-target-kv-llamacpp`: llama.cpp's own state of one sequence
+(`llama_state_seq_get_data`), whose layout only a cache of the same layout reads.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from sdcp.models.errors import DigestMismatch, KVFormatError
 
 KV_FORMAT = "sdcp-target-kv"
 KV_VERSION = 1
+LLAMACPP_KV_FORMAT = "sdcp-target-kv-llamacpp"
+LLAMACPP_KV_VERSION = 1
 _LENGTH = struct.Struct(">I")
 
 LayerShapes = list[tuple[tuple[int, ...], tuple[int, ...]]]
@@ -40,30 +46,15 @@ def encode_kv(
     for index, (keys, values) in enumerate(layers):
         tensors[f"layer.{index}.keys"] = keys[0].contiguous()
         tensors[f"layer.{index}.values"] = values[0].contiguous()
-    header = {
-        "format": KV_FORMAT,
-        "version": KV_VERSION,
-        "model": model_digest,
-        "committed": len(tokens),
-        "tokens": tokens_digest(tokens),
-        "layers": len(layers),
-        "dtype": "float32",
-    }
-    encoded = cbor2.dumps(header, canonical=True)
-    return _LENGTH.pack(len(encoded)) + encoded + save_tensors(tensors)
+    header = {**_header(KV_FORMAT, KV_VERSION, model_digest, tokens), "layers": len(layers), "dtype": "float32"}
+    return _blob(header, save_tensors(tensors))
 
 
 def decode_kv(
     data: bytes, model_digest: bytes, tokens: Sequence[int], expected: LayerShapes
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Check a blob against the loaded model and the committed tokens; return (1, H, L, D) pairs."""
-    header, payload = _split(data)
-    if header.get("format") != KV_FORMAT or header.get("version") != KV_VERSION:
-        raise KVFormatError(f"unsupported KV blob {header.get('format')!r} version {header.get('version')!r}")
-    if header.get("model") != model_digest:
-        raise DigestMismatch("KV blob was produced by a model with another weights digest")
-    if header.get("committed") != len(tokens) or header.get("tokens") != tokens_digest(tokens):
-        raise KVFormatError("KV blob does not cover the given committed tokens")
+    header, payload = _checked_split(data, KV_FORMAT, KV_VERSION, model_digest, tokens)
     if header.get("dtype") != "float32":
         raise KVFormatError(f"KV blob dtype {header.get('dtype')!r} is not float32")
     try:
@@ -85,6 +76,51 @@ def decode_kv(
             raise KVFormatError(f"KV blob layer {index} is not float32")
         result.append((keys.unsqueeze(0), values.unsqueeze(0)))
     return result
+
+
+def encode_llamacpp_kv(model_digest: bytes, tokens: Sequence[int], layout: str, state: bytes) -> bytes:
+    """A blob of one llama.cpp sequence's ``state``, from a cache of the ``layout`` named."""
+    header = {**_header(LLAMACPP_KV_FORMAT, LLAMACPP_KV_VERSION, model_digest, tokens), "layout": layout}
+    return _blob(header, state)
+
+
+def decode_llamacpp_kv(data: bytes, model_digest: bytes, tokens: Sequence[int], layout: str) -> bytes:
+    """Check a llama.cpp blob against the loaded model, the committed tokens and this cache's
+    ``layout`` (llama.cpp's state is its own, from one build and cache shape to another); return
+    the state."""
+    header, state = _checked_split(data, LLAMACPP_KV_FORMAT, LLAMACPP_KV_VERSION, model_digest, tokens)
+    if header.get("layout") != layout:
+        raise KVFormatError(f"KV blob is of a cache {header.get('layout')!r}, this one is {layout!r}")
+    return state
+
+
+def _header(kv_format: str, version: int, model_digest: bytes, tokens: Sequence[int]) -> dict[str, object]:
+    return {
+        "format": kv_format,
+        "version": version,
+        "model": model_digest,
+        "committed": len(tokens),
+        "tokens": tokens_digest(tokens),
+    }
+
+
+def _blob(header: dict[str, object], payload: bytes) -> bytes:
+    encoded = cbor2.dumps(header, canonical=True)
+    return _LENGTH.pack(len(encoded)) + encoded + payload
+
+
+def _checked_split(
+    data: bytes, kv_format: str, version: int, model_digest: bytes, tokens: Sequence[int]
+) -> tuple[dict[object, object], bytes]:
+    """The header and payload of a blob of this format and version, by this model, over these tokens."""
+    header, payload = _split(data)
+    if header.get("format") != kv_format or header.get("version") != version:
+        raise KVFormatError(f"unsupported KV blob {header.get('format')!r} version {header.get('version')!r}")
+    if header.get("model") != model_digest:
+        raise DigestMismatch("KV blob was produced by a model with another weights digest")
+    if header.get("committed") != len(tokens) or header.get("tokens") != tokens_digest(tokens):
+        raise KVFormatError("KV blob does not cover the given committed tokens")
+    return header, payload
 
 
 def _split(data: bytes) -> tuple[dict[object, object], bytes]:

@@ -2,7 +2,8 @@
 
 Target names: `smollm2` (the bundled SmolLM2-135M-Instruct, fetched by `sdcp models fetch`),
 `tiny` and `tiny-draft` (seeded random-weight test models), or a path to a Hugging Face model
-directory. Drafter specs: `ngram` (prompt lookup) or `hf:<name or path>` (any of the above).
+directory; on the llama.cpp backend, `smollm2` (its GGUF as shipped) or a path to a `.gguf` file.
+Drafter specs: `ngram` (prompt lookup) or `hf:<name or path>` (any of the torch names).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from sdcp.models import tiny
-from sdcp.models.backend import DEFAULT_KV_SLOTS
+from sdcp.models.backend import DEFAULT_KV_SLOTS, Target, TargetBackend
 from sdcp.models.draft import Drafter, HFDrafter, NgramDrafter
 from sdcp.models.errors import ModelError, UnknownModel
+from sdcp.models.fetch import SMOLLM2_GGUF_NAME, SMOLLM2_NAME
 from sdcp.models.paths import TINY_DRAFT_NAME, TINY_NAME, model_dir
 from sdcp.models.target import TargetModel
 
@@ -97,8 +99,16 @@ def load_target(
     dtype: str = "float32",
     kv_slots: int = DEFAULT_KV_SLOTS,
     kv_capacity: int | None = None,
-) -> TargetModel:
-    """The target model; ``kv_slots`` and ``kv_capacity`` size its KV slot pool (TargetModel)."""
+    backend: TargetBackend = "torch",
+    threads: int | None = None,
+) -> Target:
+    """The target model; ``kv_slots`` and ``kv_capacity`` size its KV pool. On ``backend``
+    "llamacpp" it runs on the CPU in the GGUF's own types (``device`` and ``dtype`` are torch's),
+    on ``threads`` (default: every usable core)."""
+    if backend == "llamacpp":
+        if device != "cpu":
+            raise ModelError(f"the llama.cpp backend runs on the cpu, not on {device!r}")
+        return _load_llamacpp_target(name_or_path, home, kv_slots=kv_slots, kv_capacity=kv_capacity, threads=threads)
     placed, torch_dtype = torch_placement(device, dtype)
     loaded = load_model(name_or_path, home)
     return TargetModel(
@@ -109,6 +119,30 @@ def load_target(
         dtype=torch_dtype,
         kv_slots=kv_slots,
         kv_capacity=kv_capacity,
+    )
+
+
+def _load_llamacpp_target(
+    name_or_path: str, home: Path | None, *, kv_slots: int, kv_capacity: int | None, threads: int | None
+) -> Target:
+    """The bundled model's GGUF, or a `.gguf` file with the `tokenizer.json` of its directory."""
+    if name_or_path == SMOLLM2_NAME:
+        gguf = model_dir(SMOLLM2_NAME, home) / SMOLLM2_GGUF_NAME
+    else:
+        gguf = Path(name_or_path).expanduser()
+        if gguf.suffix != ".gguf" or not gguf.is_file():
+            raise UnknownModel(f"{name_or_path!r} is neither {SMOLLM2_NAME} nor a .gguf file")
+    tokenizer_json = gguf.parent / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise UnknownModel(f"{gguf} has no tokenizer.json beside it")
+    try:
+        from sdcp.models.llamacpp import LlamaCppTarget
+    except ModuleNotFoundError as exc:
+        if exc.name != "llama_cpp":
+            raise
+        raise ModelError("the llama.cpp backend needs llama-cpp-python: pip install 'sdcp[verifier]'") from None
+    return LlamaCppTarget(
+        gguf, tokenizer_json, name=name_or_path, threads=threads, kv_slots=kv_slots, kv_capacity=kv_capacity
     )
 
 

@@ -1,0 +1,416 @@
+"""The verifier's target on llama.cpp: a GGUF model run as shipped, through llama-cpp-python's
+low-level API (SDCP 6.3 Scoring; docs/models.md, "llama.cpp backend").
+
+Each open session holds one sequence id of one llama.cpp context. A scoring call feeds every
+session's [last committed token] + proposed tokens into one `llama_batch`, each token at its own
+position of its own sequence, and reads a row per token (`llama_get_logits_ith`). The invariant of
+`sdcp.models.target` holds: a session's sequence holds the KV of every committed token but the last,
+and `commit` and `rollback` remove the positions past it (`llama_memory_seq_rm`).
+
+A row is a function of the session's tokens alone, whatever else its pass holds, so that rule 1's
+output does not depend on what drafters propose or on which sessions share a pass (SDCP 6.4). On
+llama.cpp's CPU kernels that holds, bit for bit, only with flash attention, a KV cache of its own
+per sequence, fewer than 64 tokens of a sequence per llama_decode call and one thread for a ubatch
+of one token (docs/models.md, where the deviations are measured); this module keeps to that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from sdcp.models.backend import (
+    DEFAULT_KV_SLOTS,
+    MAX_SLOT_CAPACITY,
+    ScoreRequest,
+    SessionId,
+    check_commit,
+    check_contract_digests,
+    checked_tokens,
+)
+from sdcp.models.digests import gguf_digest, tokenizer_file_digest
+from sdcp.models.errors import (
+    BadTokens,
+    KVFormatError,
+    ModelError,
+    SessionExists,
+    SessionLimit,
+    UnknownSession,
+)
+from sdcp.models.kvformat import decode_llamacpp_kv, encode_llamacpp_kv
+from sdcp.threads import usable_cores
+
+__all__ = ["BATCH_TOKENS", "SEQUENCE_TOKENS_PER_CALL", "LlamaCppTarget"]
+
+log = logging.getLogger("sdcp.models.llamacpp")
+
+# llama.cpp's CPU flash attention computes 64 or more queries of one sequence in a ubatch another
+# way than fewer, with logits that differ by up to 2: no llama_decode call holds more tokens of one
+# sequence than this (a longer prefill or proposal takes several calls).
+SEQUENCE_TOKENS_PER_CALL = 63
+# Tokens per llama_decode call, at most. It also bounds the logits buffer llama.cpp keeps (a row of
+# the vocabulary per token of a call).
+BATCH_TOKENS = 512
+# Positions a sequence holds beyond kv_capacity: a proposal's, made near the end of a session whose
+# prompt and max_new fill the capacity (a contract's m_max is at most 64, sdcp.protocol.messages).
+PROPOSAL_ROOM = 64
+
+_DECODE_FAILURES = {
+    1: "no room in the KV cache for the pass",
+    2: "the pass was aborted",
+    -1: "llama.cpp refused the batch",
+}
+
+
+@dataclass
+class _Sequence:
+    seq_id: int
+    tokens: list[int]
+    pending: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class _Feed:
+    """Tokens to decode at consecutive positions of one sequence, from ``start`` on."""
+
+    seq_id: int
+    start: int
+    tokens: Sequence[int]
+
+
+class LlamaCppTarget:
+    """A GGUF model in llama.cpp on the CPU, serving up to ``kv_slots`` sessions, each of at most
+    ``kv_capacity`` positions (default: the model's training context, at most 4096).
+
+    The KV cache, kv_slots x (kv_capacity + PROPOSAL_ROOM) positions, is allocated (and cleared)
+    up front. ``threads`` (default: every usable core) run the ubatches of two tokens or more; a
+    ubatch of one token runs on one thread (module docstring). llama.cpp's log lines go to this
+    module's logger at debug level; ``native_log`` lets llama.cpp print them to stderr itself.
+    Methods are thread-safe (one lock); model work must not run on an asyncio event loop.
+    """
+
+    def __init__(
+        self,
+        gguf: Path,
+        tokenizer_json: Path | None = None,
+        *,
+        name: str | None = None,
+        threads: int | None = None,
+        kv_slots: int = DEFAULT_KV_SLOTS,
+        kv_capacity: int | None = None,
+        native_log: bool = False,
+    ) -> None:
+        self.gguf = gguf
+        self.tokenizer_json = tokenizer_json
+        self.name = name or gguf.name
+        threads = threads if threads is not None else usable_cores()
+        most_sequences = llama_cpp.llama_max_parallel_sequences()
+        if not 1 <= kv_slots <= most_sequences:
+            raise ModelError(f"kv_slots must be 1..{most_sequences} on llama.cpp, got {kv_slots}")
+        if threads < 1 or (kv_capacity is not None and kv_capacity < 1):
+            raise ModelError(f"threads and kv_capacity must be at least 1, got {threads} and {kv_capacity}")
+        _route_native_log(native_log)
+        _init_backend()
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = 0  # the exactness above is measured on the CPU kernels
+        model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), model_params)
+        if model is None:
+            raise ModelError(f"llama.cpp could not load {gguf}")
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        assert vocab is not None  # a loaded model has one
+        self._vocab_size = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        self._capacity = kv_capacity or min(int(llama_cpp.llama_model_n_ctx_train(model)), MAX_SLOT_CAPACITY)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = kv_slots * (self._capacity + PROPOSAL_ROOM)
+        params.n_seq_max = kv_slots
+        # A cache per sequence keeps a session's cells in the order of its positions, whatever the
+        # other sessions free: attention runs over cells in their order, and in one shared cache a
+        # session's tokens written into cells before its older ones gave logits up to 1 apart.
+        # llama.cpp splits such a batch into ubatches of consecutive sequence ids that feed as many
+        # tokens each (hence the batch in sequence order).
+        params.kv_unified = False
+        params.n_batch = params.n_ubatch = BATCH_TOKENS
+        params.n_outputs_max = 0  # as many rows as tokens in a call
+        params.n_outputs_max_per_seq = 0
+        # llama.cpp runs a ubatch of one token on n_threads, and on more than one its logits differ
+        # from those of any wider ubatch from about 300 positions of context on (by up to 1.3; it
+        # splits the attention over the KV among the threads). On one thread they are equal.
+        params.n_threads = 1
+        params.n_threads_batch = threads
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.no_perf = True
+        context = llama_cpp.llama_init_from_model(model, params)
+        if context is None:
+            llama_cpp.llama_model_free(model)
+            raise ModelError(f"llama.cpp could not make a context of {params.n_ctx} positions for {gguf}")
+        batch = llama_cpp.llama_batch_init(BATCH_TOKENS, 0, 1)
+        weakref.finalize(self, _free_native, model, context, batch)
+        self._context = context
+        memory = llama_cpp.llama_get_memory(context)
+        assert memory is not None  # a decoder's context has a KV cache
+        self._memory = memory
+        self._batch = batch
+        self._kv_slots = kv_slots
+        # llama.cpp's state of a sequence is laid out by its build and its cache's sequence count
+        # (one cache each): only a cache of the same layout reads it back.
+        self._kv_layout = f"llama-cpp-python {llama_cpp.__version__}, {kv_slots} sequences"
+        self._free_ids = list(range(kv_slots - 1, -1, -1))  # popped lowest first
+        self._sessions: dict[SessionId, _Sequence] = {}
+        self._lock = threading.RLock()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self._capacity
+
+    @cached_property
+    def weights_digest(self) -> bytes:
+        """SHA-256 of the GGUF file (docs/interpretations.md): verifiers of one file agree on it."""
+        return gguf_digest(self.gguf)
+
+    @cached_property
+    def tokenizer_digest(self) -> bytes:
+        if self.tokenizer_json is None:
+            raise ModelError(f"target {self.name} was loaded without a tokenizer.json")
+        return tokenizer_file_digest(self.tokenizer_json)
+
+    def prepare(self) -> None:
+        """Hash the GGUF file and the tokenizer before the first contract is checked."""
+        _ = self.weights_digest, self.tokenizer_digest
+
+    def check_digests(self, target: bytes, tokenizer: bytes) -> None:
+        check_contract_digests(self.name, (self.weights_digest, self.tokenizer_digest), (target, tokenizer))
+
+    def kv_usage(self) -> float:
+        """The share of the sessions' positions held (kv_slots x kv_capacity). Read without the lock."""
+        held = sum(len(state.tokens) - 1 for state in list(self._sessions.values()))
+        return min(1.0, held / (self._kv_slots * self._capacity))
+
+    def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
+        """Prefill the committed prefix but its last token."""
+        tokens = self._checked_prefix(prompt_tokens)
+        with self._lock:
+            state = self._add_session(session, tokens)
+            try:
+                self._decode([_Feed(state.seq_id, 0, tokens[:-1])], rows=False)
+            except BaseException:
+                self._remove_session(session)
+                raise
+
+    def import_kv(self, session: SessionId, data: bytes, committed_tokens: Sequence[int]) -> None:
+        """Open ``session`` from a blob of `export_kv` by a target of this GGUF, llama.cpp build
+        and kv_slots."""
+        tokens = self._checked_prefix(committed_tokens)
+        state_bytes = decode_llamacpp_kv(data, self.weights_digest, tokens, self._kv_layout)
+        with self._lock:
+            state = self._add_session(session, tokens)
+            buffer = (ctypes.c_uint8 * len(state_bytes)).from_buffer_copy(state_bytes)
+            read = llama_cpp.llama_state_seq_set_data(self._context, buffer, len(state_bytes), state.seq_id)
+            # A blob of a session that had a scored proposal holds its positions too.
+            llama_cpp.llama_memory_seq_rm(self._memory, state.seq_id, len(tokens) - 1, -1)
+            cached = llama_cpp.llama_memory_seq_pos_max(self._memory, state.seq_id) + 1
+            if not read or cached != len(tokens) - 1:
+                self._remove_session(session)
+                raise KVFormatError(f"llama.cpp read no KV of {len(tokens) - 1} positions from the blob")
+
+    def export_kv(self, session: SessionId) -> bytes:
+        """The KV of ``session``'s sequence as a blob for `import_kv`. llama.cpp writes a sequence
+        whole: a scored proposal's positions go with it, and `import_kv` drops them."""
+        with self._lock:
+            state = self._session(session)
+            size = llama_cpp.llama_state_seq_get_size(self._context, state.seq_id)
+            buffer = (ctypes.c_uint8 * size)()
+            written = llama_cpp.llama_state_seq_get_data(self._context, buffer, size, state.seq_id)
+            return encode_llamacpp_kv(self.weights_digest, state.tokens, self._kv_layout, bytes(buffer[:written]))
+
+    def close_session(self, session: SessionId) -> None:
+        with self._lock:
+            self._session(session)
+            self._remove_session(session)
+
+    def has_session(self, session: SessionId) -> bool:
+        with self._lock:
+            return session in self._sessions
+
+    def committed_tokens(self, session: SessionId) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(self._session(session).tokens)
+
+    def check_request(self, session: SessionId, tokens: Sequence[int]) -> None:
+        with self._lock:
+            self._check_room(self._session(session), len(tokens))
+        checked_tokens(tokens, self._vocab_size)
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[np.ndarray]:
+        """Every request's [last committed token] + proposal in one batch; per request float32
+        logits (M_i + 1, V), row j after the committed prefix and x[1..j]."""
+        if not requests:
+            return []
+        sessions_in_batch = [session for session, _ in requests]
+        if len(set(sessions_in_batch)) != len(sessions_in_batch):
+            raise BadTokens("a scoring batch names the same session twice")
+        proposals = [tuple(checked_tokens(tokens, self._vocab_size)) for _, tokens in requests]
+        with self._lock:
+            states = [self._session(session) for session in sessions_in_batch]
+            for state, proposal in zip(states, proposals, strict=True):
+                self._check_room(state, len(proposal))
+            for state in states:
+                self._drop_pending(state)
+            feeds = [
+                _Feed(state.seq_id, len(state.tokens) - 1, (state.tokens[-1], *proposal))
+                for state, proposal in zip(states, proposals, strict=True)
+            ]
+            rows = self._decode(feeds, rows=True)
+            for state, proposal in zip(states, proposals, strict=True):
+                state.pending = proposal
+            return rows
+
+    def commit(self, session: SessionId, accepted: int, emitted: Sequence[int]) -> None:
+        """Keep x[1..accepted] and append ``emitted``: the sequence drops the positions past the
+        committed prefix but its last token."""
+        emitted_tokens = checked_tokens(emitted, self._vocab_size)
+        with self._lock:
+            state = self._session(session)
+            check_commit(session, state.pending, accepted, emitted_tokens)
+            state.tokens.extend(emitted_tokens)
+            self._drop_pending(state)
+
+    def rollback(self, session: SessionId) -> None:
+        with self._lock:
+            self._drop_pending(self._session(session))
+
+    # -- on the lock ---------------------------------------------------------------------------------
+
+    def _add_session(self, session: SessionId, tokens: list[int]) -> _Sequence:
+        if session in self._sessions:
+            raise SessionExists(f"session {session.hex()} is already open")
+        if not self._free_ids:
+            raise SessionLimit(f"{self.name} holds {len(self._sessions)} sessions, its kv_slots")
+        state = _Sequence(self._free_ids.pop(), tokens)
+        self._sessions[session] = state
+        return state
+
+    def _remove_session(self, session: SessionId) -> None:
+        state = self._sessions.pop(session)
+        llama_cpp.llama_memory_seq_rm(self._memory, state.seq_id, -1, -1)
+        self._free_ids.append(state.seq_id)
+        self._free_ids.sort(reverse=True)
+
+    def _drop_pending(self, state: _Sequence) -> None:
+        """Back to the invariant: the sequence holds the committed prefix but its last token."""
+        if not llama_cpp.llama_memory_seq_rm(self._memory, state.seq_id, len(state.tokens) - 1, -1):
+            raise ModelError(f"llama.cpp could not remove the tail of sequence {state.seq_id}")
+        state.pending = None
+
+    def _check_room(self, state: _Sequence, proposed: int) -> None:
+        if len(state.tokens) + proposed > self._capacity + PROPOSAL_ROOM:
+            raise BadTokens(
+                f"{len(state.tokens)} committed and {proposed} proposed tokens exceed the "
+                f"{self._capacity} + {PROPOSAL_ROOM} positions of a sequence"
+            )
+
+    def _decode(self, feeds: Sequence[_Feed], *, rows: bool) -> list[np.ndarray]:
+        """Decode the feeds; with ``rows``, the logits after each token, per feed. On a failure
+        every feed's sequence is cut back to where it started and ModelError raised."""
+        out = [np.empty((len(feed.tokens) if rows else 0, self._vocab_size), np.float32) for feed in feeds]
+        batch = self._batch
+        try:
+            for call in _calls(feeds):
+                for slot, (index, offset) in enumerate(call):
+                    feed = feeds[index]
+                    batch.token[slot] = feed.tokens[offset]
+                    batch.pos[slot] = feed.start + offset
+                    batch.n_seq_id[slot] = 1
+                    batch.seq_id[slot][0] = feed.seq_id
+                    batch.logits[slot] = rows
+                batch.n_tokens = len(call)
+                status = llama_cpp.llama_decode(self._context, batch)
+                if status != 0:
+                    raise ModelError(f"llama_decode returned {status}: {_DECODE_FAILURES.get(status, 'it failed')}")
+                if rows:
+                    for slot, (index, offset) in enumerate(call):
+                        out[index][offset] = self._row(slot)
+        except BaseException:
+            for feed in feeds:
+                llama_cpp.llama_memory_seq_rm(self._memory, feed.seq_id, feed.start, -1)
+            raise
+        return out
+
+    def _row(self, slot: int) -> np.ndarray:
+        pointer = llama_cpp.llama_get_logits_ith(self._context, slot)
+        if not pointer:
+            raise ModelError(f"llama.cpp has no logits for token {slot} of the pass")
+        return np.ctypeslib.as_array(pointer, shape=(self._vocab_size,))
+
+    def _session(self, session: SessionId) -> _Sequence:
+        try:
+            return self._sessions[session]
+        except KeyError:
+            raise UnknownSession(f"session {session.hex()} is not open on {self.name}") from None
+
+    def _checked_prefix(self, tokens: Sequence[int]) -> list[int]:
+        checked = checked_tokens(tokens, self._vocab_size)
+        if not checked:
+            raise BadTokens("a session needs at least one prompt token")
+        if len(checked) > self._capacity:
+            raise BadTokens(f"{len(checked)} tokens exceed the {self._capacity} positions of a session")
+        return checked
+
+
+def _calls(feeds: Sequence[_Feed]) -> Iterator[list[tuple[int, int]]]:
+    """The llama_decode calls of a pass, as (feed index, token offset) pairs: the k-th call round
+    takes the k-th SEQUENCE_TOKENS_PER_CALL tokens of every feed, in sequence-id order, in calls of
+    up to BATCH_TOKENS tokens."""
+    order = sorted(range(len(feeds)), key=lambda index: feeds[index].seq_id)
+    longest = max((len(feed.tokens) for feed in feeds), default=0)
+    for first in range(0, longest, SEQUENCE_TOKENS_PER_CALL):
+        call: list[tuple[int, int]] = []
+        for index in order:
+            piece = range(first, min(first + SEQUENCE_TOKENS_PER_CALL, len(feeds[index].tokens)))
+            if len(call) + len(piece) > BATCH_TOKENS:
+                yield call
+                call = []
+            call.extend((index, offset) for offset in piece)
+        if call:
+            yield call
+
+
+def _log_to_python(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    log.debug("%s", text.decode("utf-8", "replace").rstrip("\n"))
+
+
+# ctypes holds no reference to a callback handed to C: this one lives as long as the module.
+_LOG_CALLBACK = llama_cpp.llama_log_callback(_log_to_python)
+# A NULL callback: llama.cpp prints to stderr itself.
+_NATIVE_LOG = llama_cpp.llama_log_callback()
+
+
+def _route_native_log(native: bool) -> None:
+    """llama.cpp keeps one log callback per process: the last target made decides."""
+    llama_cpp.llama_log_set(_NATIVE_LOG if native else _LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+@functools.cache
+def _init_backend() -> None:
+    llama_cpp.llama_backend_init()
+
+
+def _free_native(
+    model: llama_cpp.llama_model_p, context: llama_cpp.llama_context_p, batch: llama_cpp.llama_batch
+) -> None:
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(context)
+    llama_cpp.llama_model_free(model)

@@ -1,0 +1,259 @@
+"""The llama.cpp target on the bundled GGUF: its passes give llama.cpp's own greedy decoding, whatever
+their shape (SDCP 6.4 rule 1), its KV moves between targets, and its digests name the file.
+
+The reference is plain llama-cpp-python's greedy decoding on one thread (tests/llama_greedy.py); the
+target runs its passes of two tokens or more on two threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tests.llama_greedy import llama_cpp_greedy
+
+from sdcp.bench.workloads import load_workloads, tokenize_prompt
+from sdcp.models import LoadedModel
+from sdcp.models.digests import tokenizer_digest, weights_digest
+from sdcp.models.errors import (
+    BadTokens,
+    DigestMismatch,
+    InconsistentCommit,
+    KVFormatError,
+    ModelError,
+    SessionLimit,
+)
+from sdcp.models.fetch import FetchResult, smollm2_gguf
+from sdcp.models.llamacpp import LlamaCppTarget
+from sdcp.models.registry import load_target, load_tokenizer
+from sdcp.protocol.rules import RULES, SecureRandom
+
+pytestmark = pytest.mark.timeout(600)
+
+NEW_TOKENS = 64
+SESSIONS = 16
+# A prompt this long reaches the contexts where llama.cpp's one-query attention splits over threads.
+LONG_PROMPT_TOKENS = 700
+CAPACITY = LONG_PROMPT_TOKENS + NEW_TOKENS + 16
+
+
+@pytest.fixture(scope="module")
+def gguf(smollm2_fetch: FetchResult) -> Path:
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def target(gguf: Path) -> LlamaCppTarget:
+    return LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", threads=2, kv_slots=SESSIONS, kv_capacity=CAPACITY)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_fetch: FetchResult) -> list[list[int]]:
+    """Every benchmark prompt through the chat template, and one long prompt: all of them in a row."""
+    tokenizer = load_tokenizer("smollm2")
+    chats = [tokenize_prompt(tokenizer, text) for workload in load_workloads() for text in workload.prompts]
+    return [*chats, [token for chat in chats for token in chat][:LONG_PROMPT_TOKENS]]
+
+
+@pytest.fixture(scope="module")
+def reference(gguf: Path, prompts: list[list[int]]) -> list[list[int]]:
+    return llama_cpp_greedy(gguf, prompts, NEW_TOKENS, CAPACITY)
+
+
+@pytest.fixture
+def sessions(target: LlamaCppTarget, session_ids: Iterator[bytes]) -> Iterator[Iterator[bytes]]:
+    """Session ids for one test; whatever it leaves open is closed after it (the target is shared)."""
+    opened: list[bytes] = []
+
+    def ids() -> Iterator[bytes]:
+        for session in session_ids:
+            opened.append(session)
+            yield session
+
+    yield ids()
+    for session in opened:
+        if target.has_session(session):
+            target.close_session(session)
+
+
+def test_one_token_per_pass_equals_llama_cpp_greedy(
+    target: LlamaCppTarget, prompts: list[list[int]], reference: list[list[int]], sessions: Iterator[bytes]
+) -> None:
+    for prompt, expected in zip(prompts, reference, strict=True):
+        session = next(sessions)
+        target.open_session(session, prompt)
+        decoded: list[int] = []
+        while len(decoded) < len(expected):
+            row = target.score([(session, ())])[0]
+            assert row.shape == (1, target.vocab_size) and row.dtype == np.float32
+            token = int(row[0].argmax())
+            target.commit(session, 0, [token])
+            decoded.append(token)
+        target.close_session(session)
+        assert decoded == expected
+
+
+def test_sixteen_sessions_in_one_batch_equal_llama_cpp_greedy(
+    target: LlamaCppTarget, prompts: list[list[int]], reference: list[list[int]], sessions: Iterator[bytes]
+) -> None:
+    """Each session proposes its own next reference tokens, of its own length, some with a wrong one,
+    and all are scored in one call: rule 1 over these passes gives the reference, token for token."""
+    rng = np.random.default_rng(27)
+    rounds = {"full": 0, "partial": 0, "abandoned": 0}
+    for first in range(0, len(prompts), SESSIONS):
+        group = list(range(first, min(first + SESSIONS, len(prompts))))
+        ids = {index: next(sessions) for index in group}
+        decoded: dict[int, list[int]] = {index: [] for index in group}
+        for index in group:
+            target.open_session(ids[index], prompts[index])
+        while live := [index for index in group if len(decoded[index]) < NEW_TOKENS]:
+            proposals = {
+                index: _proposal(reference[index], len(decoded[index]), target.vocab_size, rng) for index in live
+            }
+            rows = target.score([(ids[index], proposals[index]) for index in live])
+            for index, p_rows in zip(live, rows, strict=True):
+                proposal = proposals[index]
+                assert p_rows.shape == (len(proposal) + 1, target.vocab_size)
+                if rng.random() < 0.1:
+                    target.rollback(ids[index])  # the round was abandoned: nothing is committed
+                    rounds["abandoned"] += 1
+                    continue
+                accepted, extra = _rule1(p_rows, proposal)
+                emitted = [*proposal[:accepted], extra][: NEW_TOKENS - len(decoded[index])]
+                target.commit(ids[index], accepted, emitted)
+                decoded[index].extend(emitted)
+                rounds["full" if accepted == len(proposal) else "partial"] += 1
+        for index in group:
+            target.close_session(ids[index])
+            assert decoded[index] == reference[index], f"prompt {index}"
+    assert all(count > 0 for count in rounds.values()), rounds
+
+
+def _rule1(rows: np.ndarray, proposal: tuple[int, ...]) -> tuple[int, int]:
+    """Rule 1's verdict (accepted tokens, additional token); an empty proposal is self-decoding."""
+    if not proposal:
+        return 0, int(rows[0].argmax())
+    verdict = RULES[1].accept(rows, None, proposal, SecureRandom())
+    return verdict.accepted, verdict.extra_token
+
+
+def _proposal(expected: list[int], done: int, vocab_size: int, rng: np.random.Generator) -> tuple[int, ...]:
+    """The next 0 to 8 reference tokens; half of the time one of them replaced by another."""
+    proposal = list(expected[done : done + int(rng.integers(0, 9))])
+    if proposal and rng.random() < 0.5:
+        wrong = int(rng.integers(len(proposal)))
+        proposal[wrong] = (proposal[wrong] + 1 + int(rng.integers(1000))) % vocab_size
+    return tuple(proposal)
+
+
+def test_exported_kv_continues_with_identical_logits_in_a_fresh_target(
+    target: LlamaCppTarget, gguf: Path, prompts: list[list[int]], sessions: Iterator[bytes]
+) -> None:
+    session = next(sessions)
+    target.open_session(session, prompts[-1])
+    for _ in range(5):
+        token = int(target.score([(session, ())])[0][0].argmax())
+        target.commit(session, 0, [token])
+    target.score([(session, (11, 12, 13))])  # a scored proposal is not part of the committed KV
+    blob = target.export_kv(session)
+    target.rollback(session)
+    committed = target.committed_tokens(session)
+
+    fresh = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", threads=1, kv_slots=SESSIONS, kv_capacity=CAPACITY)
+    fresh.import_kv(session, blob, committed)
+    assert fresh.committed_tokens(session) == committed
+    for proposal in [(), (42, 43), ()]:
+        mine, theirs = target.score([(session, proposal)])[0], fresh.score([(session, proposal)])[0]
+        assert np.array_equal(mine, theirs)
+        token = int(mine[-1].argmax())
+        target.commit(session, len(proposal), [*proposal, token])
+        fresh.commit(session, len(proposal), [*proposal, token])
+
+    with pytest.raises(KVFormatError, match="committed tokens"):
+        fresh.import_kv(b"\x07" * 16, blob, (*committed[:-1], committed[-1] + 1))
+    with pytest.raises(DigestMismatch):
+        fresh.import_kv(b"\x07" * 16, blob.replace(target.weights_digest, b"\x00" * 32), committed)
+    # llama.cpp lays a sequence's state out by the number of sequences of its cache.
+    other_shape = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", kv_slots=2, kv_capacity=CAPACITY)
+    with pytest.raises(KVFormatError, match="2 sequences"):
+        other_shape.import_kv(session, blob, committed)
+    assert not fresh.has_session(b"\x07" * 16) and not other_shape.has_session(session)
+
+
+def test_digests_name_the_gguf_file_and_the_tokenizer_beside_it(
+    target: LlamaCppTarget, gguf: Path, smollm2_loaded: LoadedModel
+) -> None:
+    again = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", kv_slots=1, kv_capacity=64)
+    assert again.weights_digest == target.weights_digest == hashlib.sha256(gguf.read_bytes()).digest()
+    assert target.tokenizer_digest == tokenizer_digest(smollm2_loaded.tokenizer)
+    # The torch verifier computes another target from the fp32 conversion: another digest.
+    torch_digest = weights_digest(smollm2_loaded.model)
+    assert torch_digest != target.weights_digest
+    target.check_digests(target.weights_digest, target.tokenizer_digest)
+    with pytest.raises(DigestMismatch):
+        target.check_digests(torch_digest, target.tokenizer_digest)
+
+
+def test_a_session_beyond_the_sequences_is_refused(gguf: Path) -> None:
+    small = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", kv_slots=2, kv_capacity=64)
+    small.open_session(b"a" * 16, [1, 2, 3])
+    small.open_session(b"b" * 16, [4, 5])
+    with pytest.raises(SessionLimit):
+        small.open_session(b"c" * 16, [6])
+    small.close_session(b"a" * 16)
+    small.open_session(b"c" * 16, [6])  # a closed session's sequence serves the next one
+    assert small.context_length == 64 and 0 < small.kv_usage() < 1
+
+
+def test_requests_that_do_not_fit_are_refused_and_change_nothing(
+    target: LlamaCppTarget, sessions: Iterator[bytes]
+) -> None:
+    session = next(sessions)
+    with pytest.raises(BadTokens):
+        target.open_session(session, [])
+    with pytest.raises(BadTokens):
+        target.open_session(session, [1, target.vocab_size])
+    target.open_session(session, [1, 2, 3])
+    with pytest.raises(BadTokens):
+        target.score([(session, (4,)), (session, (5,))])
+    with pytest.raises(InconsistentCommit, match="no scored proposal"):
+        target.commit(session, 0, [4])
+    rows = target.score([(session, (4, 5))])[0]
+    with pytest.raises(InconsistentCommit):
+        target.commit(session, 1, [9, 9])
+    target.rollback(session)
+    assert target.committed_tokens(session) == (1, 2, 3)
+    assert np.array_equal(target.score([(session, (4, 5))])[0], rows)
+
+
+def test_llama_cpp_prints_nothing_unless_asked(gguf: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", kv_slots=1, kv_capacity=64)
+    assert capfd.readouterr().err == ""
+    LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", kv_slots=1, kv_capacity=64, native_log=True)
+    assert "llama" in capfd.readouterr().err
+    LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", kv_slots=1, kv_capacity=64)  # quiet again
+    assert capfd.readouterr().err == ""
+
+
+def test_the_registry_loads_the_kept_gguf_or_a_gguf_path(gguf: Path, target: LlamaCppTarget) -> None:
+    named = load_target("smollm2", backend="llamacpp", kv_slots=1, kv_capacity=64, threads=1)
+    by_path = load_target(str(gguf), backend="llamacpp", kv_slots=1, kv_capacity=64, threads=1)
+    assert isinstance(named, LlamaCppTarget) and isinstance(by_path, LlamaCppTarget)
+    assert named.weights_digest == by_path.weights_digest == target.weights_digest
+    assert by_path.tokenizer_digest == target.tokenizer_digest
+    with pytest.raises(ModelError, match="cpu"):
+        load_target("smollm2", backend="llamacpp", device="cuda")
+    with pytest.raises(ModelError, match="gguf"):
+        load_target(str(gguf.parent), backend="llamacpp")
+
+
+def test_a_missing_llama_cpp_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    monkeypatch.delitem(sys.modules, "sdcp.models.llamacpp")
+    with pytest.raises(ModelError, match=r"sdcp\[verifier\]") as refused:
+        load_target("smollm2", backend="llamacpp")
+    assert "\n" not in str(refused.value)
