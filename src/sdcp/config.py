@@ -45,6 +45,7 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 from pydantic_core import ErrorDetails
 
+from sdcp.models.backend import TargetBackend
 from sdcp.threads import usable_cores
 
 __all__ = [
@@ -168,8 +169,11 @@ class MLCConfig:
 @dataclass(frozen=True, config=_SECTION)
 class VerifierConfig:
     model: Text = "smollm2"
+    # Who runs the target (docs/models.md): "torch" (a Hugging Face directory) or "llamacpp" (the
+    # GGUF file as shipped, on the CPU; model is then smollm2 or a path to a .gguf file).
+    backend: TargetBackend = "torch"
     # Where and in which precision the target runs (docs/deploy.md): "cpu", "cuda", "cuda:N" or
-    # "mps"; "float32", "bfloat16" or "float16".
+    # "mps"; "float32", "bfloat16" or "float16". torch's only: llama.cpp runs the GGUF's types.
     device: Device = "cpu"
     dtype: ModelDtype = "float32"
     batch_window_ms: Seconds = 2.0

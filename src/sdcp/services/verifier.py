@@ -10,6 +10,7 @@ leave a durable record unreleased (SDCP 6.3).
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -54,6 +55,11 @@ class VerifierNode(Node):
     def __init__(self, config: ServiceConfig, *, target: Target | None = None, mlc: MLC | None = None) -> None:
         super().__init__(config, mlc)
         settings = config.verifier
+        if settings.backend == "llamacpp":
+            # llama.cpp holds kv_slots sessions at most: an open past them is answered 503 with
+            # Retry-After, as past max_sessions, rather than failing in the prefill.
+            settings = replace(settings, max_sessions=min(settings.max_sessions, settings.kv_slots))
+        threads = thread_budget(config, "verifier")
         if target is None:
             target = load_target(
                 settings.model,
@@ -61,6 +67,8 @@ class VerifierNode(Node):
                 dtype=settings.dtype,
                 kv_slots=settings.kv_slots,
                 kv_capacity=settings.kv_capacity or None,
+                backend=settings.backend,
+                threads=threads,
             )
         self.engine = VerifierEngine(
             uri=self.uri,
@@ -68,7 +76,7 @@ class VerifierNode(Node):
             target=target,
             mlc=self.mlc,
             ttl_ms=config.instance.ttl_ms,
-            cores=CoreGovernor(thread_budget(config, "verifier")),
+            cores=CoreGovernor(threads),
             events=self._post_event if config.instance.router is not None else None,
         )
 
