@@ -195,6 +195,11 @@ class VerifierConfig:
     # past them, 503 with Retry-After.
     max_sessions: AtLeastOne = 256
     max_long_polls: AtLeastOne = 1024
+    # Target KV published to the MLC for failover (draft-li-sdcp 6.9; docs/reliability.md): once a
+    # session's committed prefix (prompt and output) holds this many tokens, its KV is published,
+    # and again every kv_publish_every tokens committed since (0 = once). 0 = never publish.
+    kv_publish_min_tokens: Count = 1024
+    kv_publish_every: Count = 512
 
 
 NGRAM_DRAFTER = "ngram"

@@ -19,7 +19,7 @@ from sdcp.cache.errors import (
 )
 from sdcp.cache.etags import content_etag
 from sdcp.cache.mlc import MLC, Lease, ObjectInfo
-from sdcp.cache.uri import ObjectURI, build_uri, check_ref, parse_uri
+from sdcp.cache.uri import ObjectURI, build_uri, check_ref, parse_uri, target_kv_uri
 
 __all__ = [
     "MLC",
@@ -48,4 +48,5 @@ __all__ = [
     "check_ref",
     "content_etag",
     "parse_uri",
+    "target_kv_uri",
 ]

@@ -23,10 +23,12 @@ SCHEME = "mlc"
 SCOPE_BYTES = 16
 NO_SCOPE = "-"
 # The kinds this implementation names its objects with: commit logs (the router), committed-token
-# lists (the router, at failover), draft rows (drafters, SDCP 5.2 q_rows).
+# lists (the router, at failover), draft rows (drafters, SDCP 5.2 q_rows), a session's target KV
+# (its verifier, for a failover: SDCP 6.9 resume.target_kv).
 LOG_KIND = "log"
 TOKENS_KIND = "tokens"
 Q_ROWS_KIND = "q-rows"
+TARGET_KV_KIND = "target-kv"
 
 _AUTHORITY = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5})?")
 _KIND = re.compile(r"[a-z0-9][a-z0-9_-]*")
@@ -64,6 +66,20 @@ class ObjectURI:
 def build_uri(authority: str, scope: bytes | None, kind: str, name: str) -> str:
     """Canonical URI of an object; raises `InvalidURI` for a part outside the grammar."""
     return str(ObjectURI(authority, scope, kind, name))
+
+
+def target_kv_uri(commit_log: str, session: bytes, epoch: int) -> str | None:
+    """Where the verifier of ``epoch`` publishes the session's target KV, and where the router looks
+    for it at a failover (draft-li-sdcp 6.9, docs/interpretations.md): beside the session's commit
+    log, in the same MLC and scope, one object per epoch. None for a log named in another grammar,
+    of which no name can be derived that its router would know."""
+    try:
+        log = parse_uri(commit_log)
+    except InvalidURI:
+        return None
+    if log.kind != LOG_KIND:
+        return None
+    return build_uri(log.authority, log.scope, TARGET_KV_KIND, f"{session.hex()}-{epoch}")
 
 
 def parse_uri(uri: str) -> ObjectURI:

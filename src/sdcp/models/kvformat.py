@@ -1,7 +1,9 @@
 """The target KV blobs that verifiers publish to the MLC (formats in docs/models.md).
 
 blob = uint32 big-endian header length || header (deterministic CBOR map) || payload. The header
-names the format, its version, the model digest and the committed tokens the KV covers.
+names the format, its version, the model digest, the committed tokens the KV covers and the SHA-256
+of the payload (version 2), so that a blob damaged in the MLC is refused rather than imported:
+SDCP 1.3 lets a cache fail without changing the committed output.
 
 `sdcp-target-kv` (torch): a safetensors payload of `layer.<i>.keys` and `layer.<i>.values`, each
 (kv_heads, cached, head_dim), where cached = committed - 1 (the cache never holds the last
@@ -24,9 +26,9 @@ from safetensors.torch import save as save_tensors
 from sdcp.models.errors import DigestMismatch, KVFormatError
 
 KV_FORMAT = "sdcp-target-kv"
-KV_VERSION = 1
+KV_VERSION = 2
 LLAMACPP_KV_FORMAT = "sdcp-target-kv-llamacpp"
-LLAMACPP_KV_VERSION = 1
+LLAMACPP_KV_VERSION = 2
 _LENGTH = struct.Struct(">I")
 
 LayerShapes = list[tuple[tuple[int, ...], tuple[int, ...]]]
@@ -94,6 +96,19 @@ def decode_llamacpp_kv(data: bytes, model_digest: bytes, tokens: Sequence[int], 
     return state
 
 
+def blob_committed(data: bytes) -> int:
+    """How many committed tokens a blob of either format covers (its header's ``committed``), read
+    before the blob is checked against a model: a verifier resuming a session that has committed
+    more imports the blob over that prefix and computes the rest (draft-li-sdcp 6.9)."""
+    header, _ = _split(data)
+    committed = header.get("committed")
+    if header.get("format") not in (KV_FORMAT, LLAMACPP_KV_FORMAT):
+        raise KVFormatError(f"unsupported KV blob {header.get('format')!r}")
+    if not isinstance(committed, int) or isinstance(committed, bool) or committed < 1:
+        raise KVFormatError(f"KV blob covers {committed!r} committed tokens")
+    return committed
+
+
 def _header(kv_format: str, version: int, model_digest: bytes, tokens: Sequence[int]) -> dict[str, object]:
     return {
         "format": kv_format,
@@ -105,7 +120,7 @@ def _header(kv_format: str, version: int, model_digest: bytes, tokens: Sequence[
 
 
 def _blob(header: dict[str, object], payload: bytes) -> bytes:
-    encoded = cbor2.dumps(header, canonical=True)
+    encoded = cbor2.dumps({**header, "payload": hashlib.sha256(payload).digest()}, canonical=True)
     return _LENGTH.pack(len(encoded)) + encoded + payload
 
 
@@ -120,6 +135,8 @@ def _checked_split(
         raise DigestMismatch("KV blob was produced by a model with another weights digest")
     if header.get("committed") != len(tokens) or header.get("tokens") != tokens_digest(tokens):
         raise KVFormatError("KV blob does not cover the given committed tokens")
+    if header.get("payload") != hashlib.sha256(payload).digest():
+        raise KVFormatError("KV blob payload does not match its digest")
     return header, payload
 
 

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from sdcp.cache import MLC, build_uri
+from sdcp.cache import MLC, CacheError, build_uri, target_kv_uri
 from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
 from sdcp.config import ServiceConfig
 from sdcp.protocol.messages import (
@@ -696,9 +696,13 @@ class RouterNode(Node):
         # Fencing the same epoch again appends nothing, so a failover retried next tick is safe.
         await self.mlc.commit_log(plan.commit_log).fence(plan.fence_for_failover().epoch)
         replay, tokens = await self._committed_prefix(tracked)
-        moved = plan.fail_over(verifier, replay, tokens)
+        published = target_kv_uri(plan.commit_log, plan.session, plan.epoch)
+        moved = plan.fail_over(verifier, replay, tokens, target_kv=await self._available(published))
         await self.peers.get(verifier).post_cbor("sessions", moved.open_message().to_obj(), idempotent=True)
         tracked.plan = moved
+        if published is not None:
+            # The new verifier has imported it or prefilled: the failed epoch's KV serves no one now.
+            self.spawn(self._discard(published))
         # The new verifier knows nothing of a self-decoding period the old one was asked for.
         tracked.self_decoding = False
         FAILOVERS.labels(self.uri).inc()
@@ -728,6 +732,22 @@ class RouterNode(Node):
         )
         await self.mlc.put(uri, encode_token_list(replay.tokens))
         return replay, uri
+
+    async def _available(self, uri: str | None) -> str | None:
+        """``uri`` if the MLC holds it: the target KV the failed verifier published (SDCP 6.9)."""
+        if uri is None:
+            return None
+        try:
+            return uri if await self.mlc.exists(uri) else None
+        except CacheError as exc:
+            log.info("%s: target KV %s not looked up, the new verifier prefills: %s", self.uri, uri, exc)
+            return None
+
+    async def _discard(self, uri: str) -> None:
+        try:
+            await self.mlc.delete(uri)
+        except CacheError as exc:
+            log.info("%s: target KV %s not deleted: %s", self.uri, uri, exc)
 
     async def _send_policy(self, tracked: _TrackedSession, policy: Policy) -> SessionState:
         plan = tracked.plan

@@ -15,12 +15,13 @@ import logging
 import time
 from collections.abc import Sequence
 
-from sdcp.cache import MLC, CacheError, InvalidURI, ObjectNotFound
+from sdcp.cache import MLC, CacheError, InvalidURI, ObjectNotFound, target_kv_uri
 from sdcp.config import VerifierConfig
 from sdcp.engines.errors import SessionNotFound, Unavailable
 from sdcp.engines.ports import EventSink
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.events import RouterEvents, SessionSweeps
+from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.observe import (
@@ -100,12 +101,16 @@ class VerifierEngine:
         self._tasks = BackgroundTasks(uri, log)
         self._model_sync = ModelSync(uri, target, self.scorer, self.sessions)
         self._events = RouterEvents(uri, events, self.sessions)
+        self._kv_publisher = KVPublisher(
+            uri=uri, target=target, thread=self.scorer, mlc=mlc, settings=lambda: self.settings, tasks=self._tasks
+        )
         self._sweeps = SessionSweeps(
             uri=uri,
             settings=lambda: self.settings,
             sessions=self.sessions,
             events=self._events,
             model_sync=self._model_sync,
+            kv_publisher=self._kv_publisher,
             tasks=self._tasks,
         )
         self._long_polls = 0
@@ -120,6 +125,7 @@ class VerifierEngine:
             mlc=mlc,
             scoring=self._scoring,
             model_sync=self._model_sync,
+            kv_publisher=self._kv_publisher,
             events=self._events,
             sweeps=self._sweeps,
             tasks=self._tasks,
@@ -260,8 +266,17 @@ class VerifierEngine:
         newest = max((record.get("epoch", 0) for record in snapshot.records), default=0)
         if newest > message.epoch:
             raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log is fenced at epoch {newest}")
-        await self._prefill(message, prompt, committed)
-        self.sessions[message.session] = LiveSession(machine, commit_log, snapshot.etag, owner=message.owner)
+        imported = await self._prefill(message, prompt, committed)
+        live = LiveSession(
+            machine,
+            commit_log,
+            snapshot.etag,
+            owner=message.owner,
+            kv_uri=target_kv_uri(message.commit_log, message.session, message.epoch),
+            kv_imported=imported,
+        )
+        self.sessions[message.session] = live
+        self._kv_publisher.committed(live)
         log.info(
             "%s: session %s open at epoch %d (request %s)",
             self.uri,
@@ -417,17 +432,22 @@ class VerifierEngine:
         except CacheError as exc:
             raise Unavailable(f"{what} {value!r} cannot be read from the MLC now: {exc}") from exc
 
-    async def _prefill(self, message: SessionOpen, prompt: tuple[int, ...], committed: tuple[int, ...]) -> None:
+    async def _prefill(self, message: SessionOpen, prompt: tuple[int, ...], committed: tuple[int, ...]) -> int:
+        """Open the session in the target at its committed tokens: from the resume's target KV
+        where it is usable (SDCP 6.9), else by a prefill. Returns how many tokens the KV covered."""
         tokens = prompt + committed
         resume = message.resume
         if resume is not None and resume.target_kv is not None:
             try:
                 blob = await self.mlc.get(resume.target_kv)
-                await self.scorer.run_async(self.target.import_kv, message.session, blob, tokens)
-                return
-            except (CacheError, ValueError) as exc:
-                log.warning("%s: target KV %s unusable, prefilling: %s", self.uri, resume.target_kv, exc)
+                return await self._model_sync.resume_from_kv(message.session, blob, tokens)
+            except Exception as exc:  # noqa: BLE001 - the prefill below always applies
+                # The KV only saves a prefill ("if available", SDCP 6.9), and the blob is whatever
+                # the MLC holds: gone, corrupt, of another model, build or layout, over other tokens.
+                # Any failure to use it costs the prefill, never the open.
+                log.warning("%s: target KV %s unusable, prefilling: %r", self.uri, resume.target_kv, exc)
         await self.scorer.run_async(self.target.open_session, message.session, tokens)
+        return 0
 
     def _start_self_decoding(self, live: LiveSession) -> None:
         # Rounds start self-decoding periods, whose rounds they commit: each refers to the other.

@@ -16,6 +16,7 @@ from sdcp.config import VerifierConfig
 from sdcp.engines.errors import Unanswered
 from sdcp.engines.ports import EventSink
 from sdcp.engines.tasks import BackgroundTasks
+from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.protocol.messages import Action, Event
@@ -83,6 +84,7 @@ class SessionSweeps:
         sessions: dict[bytes, LiveSession],
         events: RouterEvents,
         model_sync: ModelSync,
+        kv_publisher: KVPublisher,
         tasks: BackgroundTasks,
     ) -> None:
         self._uri = uri
@@ -90,6 +92,7 @@ class SessionSweeps:
         self._sessions = sessions
         self._events = events
         self._model_sync = model_sync
+        self._kv_publisher = kv_publisher
         self._tasks = tasks
 
     def start(self) -> None:
@@ -127,6 +130,7 @@ class SessionSweeps:
                 if self._sessions.get(session) is not live:
                     continue
                 log.info("%s: session %s idle for %.0f s, closed", self._uri, session.hex(), now - live.driven_at)
+                self._kv_publisher.retire(live)
                 try:
                     await self.forget(session)
                 except Exception as exc:  # noqa: BLE001 - the sweep goes on for the other sessions

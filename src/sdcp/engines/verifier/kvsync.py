@@ -12,12 +12,18 @@ import logging
 from collections.abc import Container, Sequence
 
 from sdcp.models.backend import Target
+from sdcp.models.errors import KVFormatError
+from sdcp.models.kvformat import blob_committed
 from sdcp.models.worker import ModelThread, ModelThreadClosed
 from sdcp.protocol.verifier import PendingCommit, VerifierSession
 
 __all__ = ["ModelSync"]
 
 log = logging.getLogger("sdcp.verifier")
+
+# Tokens past a KV blob's prefix go through the target in passes of at most this many, as scored
+# proposals that are then committed whole: their rows are dropped, and a pass holds one per token.
+_EXTEND_TOKENS = 32
 
 
 class ModelSync:
@@ -59,6 +65,18 @@ class ModelSync:
         if self._target.has_session(machine.session) and not machine.fenced:
             await self._thread.run_async(self._target.rollback, machine.session)
 
+    async def resume_from_kv(self, session: bytes, blob: bytes, committed: Sequence[int]) -> int:
+        """Open ``session`` at the ``committed`` tokens (prompt included) from a published KV blob
+        instead of a prefill (draft-li-sdcp 6.9 resume.target_kv); returns how many of them the blob
+        covered. A blob of a shorter prefix is imported over that prefix and the rest is computed
+        as a proposal committed whole. Raises whatever the target finds wrong with the blob (another
+        model, layout or format, other tokens, a corrupt payload); the session is then not open."""
+        covered = blob_committed(blob)
+        if covered > len(committed):
+            raise KVFormatError(f"the KV blob covers {covered} tokens, the session has committed {len(committed)}")
+        await self._thread.run_async(self._import, session, blob, tuple(committed), covered)
+        return covered
+
     async def close(self, session: bytes) -> None:
         # The KV cache of an ended session is no longer needed; its output stays readable.
         if self._target.has_session(session):
@@ -76,6 +94,17 @@ class ModelSync:
             # The tokens are decided whatever the model's state: rebuild it from them.
             log.error("%s: model state of session %s rebuilt after %r", self._uri, session.hex(), exc)
             self._rebuild(session, committed)
+
+    def _import(self, session: bytes, blob: bytes, committed: tuple[int, ...], covered: int) -> None:
+        self._target.import_kv(session, blob, committed[:covered])
+        try:
+            for start in range(covered, len(committed), _EXTEND_TOKENS):
+                chunk = committed[start : start + _EXTEND_TOKENS]
+                self._target.score([(session, chunk)])
+                self._target.commit(session, len(chunk), chunk)
+        except BaseException:
+            self._target.close_session(session)
+            raise
 
     def _rebuild(self, session: bytes, committed: tuple[int, ...]) -> None:
         """A session the verifier has dropped meanwhile is not opened again."""

@@ -45,6 +45,18 @@ class LiveSession:
     timing: RoundTrace | None = None
     # How long the last commit-log append took (s).
     append_s: float = 0.0
+    # The session's target KV in the MLC (kvpublish.py): where this epoch publishes it (None: no
+    # name the router would find), the committed length of the latest publication tried and of the
+    # latest that landed, the one in flight, and whether the store refused the KV as too large or
+    # the session's end retired it. ``kv_imported``: tokens whose KV the open imported from the
+    # resume's blob (0: prefilled).
+    kv_uri: str | None = None
+    kv_tried_at: int = 0
+    kv_published: int = 0
+    kv_publishing: asyncio.Task[None] | None = None
+    kv_too_large: bool = False
+    kv_retired: bool = False
+    kv_imported: int = 0
 
     def driven(self) -> None:
         self.driven_at = time.monotonic()

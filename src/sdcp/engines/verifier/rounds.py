@@ -18,6 +18,7 @@ from sdcp.cache import MLC, Fenced, PreconditionFailed
 from sdcp.engines.errors import Unavailable
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.events import RouterEvents, SessionSweeps
+from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.observe import (
@@ -83,6 +84,7 @@ class Rounds:
         mlc: MLC,
         scoring: Scoring,
         model_sync: ModelSync,
+        kv_publisher: KVPublisher,
         events: RouterEvents,
         sweeps: SessionSweeps,
         tasks: BackgroundTasks,
@@ -93,6 +95,7 @@ class Rounds:
         self._mlc = mlc
         self._scoring = scoring
         self._model_sync = model_sync
+        self._kv_publisher = kv_publisher
         self._events = events
         self._sweeps = sweeps
         self._tasks = tasks
@@ -220,10 +223,14 @@ class Rounds:
 
     def after_commit(self, live: LiveSession, released: list[PendingCommit]) -> None:
         """Events go out once the model holds the committed tokens, since they let the router send
-        the next proposal; an ended session's model state is dropped."""
+        the next proposal; the session's KV is published if due; an ended session's model state and
+        published KV are dropped."""
         for pending in released:
             if pending.event is not None:
                 self._tasks.spawn(self._events.send(pending.event))
         if live.machine.ended:
+            self._kv_publisher.retire(live)
             self._tasks.spawn(self._model_sync.close(live.machine.session))
             self._tasks.spawn(self._sweeps.forget_later(live))
+        elif released:
+            self._kv_publisher.committed(live)
