@@ -91,6 +91,18 @@ class Drafter(Protocol):
     def close_session(self, session: SessionId) -> None: ...
 
 
+def probe_seconds_per_token(drafter: Drafter) -> float:
+    """Draft a few tokens of a scratch session, so that the first status report already carries a
+    measured time per token (the router's t_d, SDCP 6.2), not a guess."""
+    drafter.open_session(_PROBE_SESSION, list(range(min(_PROBE_PROMPT_TOKENS, drafter.vocab_size))))
+    try:
+        drafter.draft(_PROBE_SESSION, 1, None)  # the first call pays one-off costs
+        timed = drafter.draft(_PROBE_SESSION, _PROBE_DRAFT_TOKENS, None)
+        return timed.seconds / _PROBE_DRAFT_TOKENS
+    finally:
+        drafter.close_session(_PROBE_SESSION)
+
+
 def session_rng(session: SessionId, sampling: Sampling | None) -> np.random.Generator:
     """The drafter's own generator for a session: seeded from the session and the profile seed."""
     seed = sampling.seed if sampling is not None and sampling.seed is not None else 0
@@ -154,16 +166,8 @@ class HFDrafter:
         self._time_drafting()
 
     def _time_drafting(self) -> None:
-        """Draft a few tokens of a scratch session, so that the first status report already
-        carries a measured time per token (the router's t_d, SDCP 6.2), not a guess."""
         with self._lock:
-            self.open_session(_PROBE_SESSION, list(range(min(_PROBE_PROMPT_TOKENS, self.vocab_size))))
-            try:
-                self.draft(_PROBE_SESSION, 1, None)  # the first call pays one-off costs
-                timed = self.draft(_PROBE_SESSION, _PROBE_DRAFT_TOKENS, None)
-                self._timer.value = timed.seconds / _PROBE_DRAFT_TOKENS
-            finally:
-                self.close_session(_PROBE_SESSION)
+            self._timer.value = probe_seconds_per_token(self)
 
     @property
     def seconds_per_token(self) -> float:
@@ -194,7 +198,7 @@ class HFDrafter:
             raise BadTokens("a committed prefix holds at least the prompt")
         with self._lock:
             state = _lookup(self._sessions, session, self.name)
-            common = _common_prefix_length(state.tokens, committed)
+            common = common_prefix_length(state.tokens, committed)
             # SDCP 6.3: discard draft state for positions beyond the accepted ones; the cache
             # keeps covering at most all tokens but the last, so the next pass feeds >= 1 token.
             kvcache.crop_to(state.cache, min(common, len(committed) - 1))
@@ -369,7 +373,7 @@ def _checked(tokens: Sequence[int], vocab_size: int) -> list[int]:
     return checked
 
 
-def _common_prefix_length(left: Sequence[int], right: Sequence[int]) -> int:
+def common_prefix_length(left: Sequence[int], right: Sequence[int]) -> int:
     length = 0
     for a, b in zip(left, right, strict=False):
         if a != b:

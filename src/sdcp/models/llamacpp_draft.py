@@ -1,0 +1,268 @@
+"""A drafter on llama.cpp: a GGUF model proposes tokens (draft-li-sdcp, 6.2) through llama-cpp-python's
+low-level API, as `LlamaCppTarget` scores them (docs/models.md, "llama.cpp drafters").
+
+Each open session holds one sequence id of one llama.cpp context, and the sequence holds the KV of
+the session's first ``cached`` tokens. A draft feeds what the sequence lacks (the prompt on the first
+draft, then the tokens a verdict appended), then each drafted token but the last, and reads the row
+after the last token fed. `sync` removes the positions past the longest common prefix of the
+drafter's tokens and the committed prefix (`llama_memory_seq_rm`), so that the next round reuses the
+KV of every token the verdict kept. Rows are drawn from as `HFDrafter` draws them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from sdcp.models.backend import DEFAULT_KV_SLOTS, MAX_SLOT_CAPACITY, SessionId, checked_tokens
+from sdcp.models.digests import gguf_digest
+from sdcp.models.draft import (
+    DraftResult,
+    TokenTimer,
+    common_prefix_length,
+    probe_seconds_per_token,
+    session_rng,
+)
+from sdcp.models.errors import BadTokens, ModelError, SessionExists, SessionLimit, UnknownModel, UnknownSession
+from sdcp.models.llamacpp import (
+    PROPOSAL_ROOM,
+    SEQUENCE_TOKENS_PER_CALL,
+    _free_native,
+    _init_backend,
+    _route_native_log,
+)
+from sdcp.protocol.messages import Sampling
+from sdcp.protocol.sampling import draw_token, target_distribution
+from sdcp.threads import usable_cores
+
+__all__ = ["LlamaCppDrafter"]
+
+
+@dataclass
+class _DraftSequence:
+    seq_id: int
+    # The committed prefix, then the tokens drafted since the last sync.
+    tokens: list[int]
+    # The sequence holds the KV of tokens[:cached]; always fewer than len(tokens), so a draft feeds
+    # at least one token and reads the row after it.
+    cached: int = 0
+    rng: np.random.Generator | None = None
+    rng_seed_profile: int | None = None
+
+
+class LlamaCppDrafter:
+    """A GGUF model in llama.cpp on the CPU as drafter, for up to ``kv_slots`` sessions of at most
+    ``kv_capacity`` tokens each (default: the model's training context, at most 4096) and a draft's;
+    the KV cache is allocated up front, as a `LlamaCppTarget`'s. A ``vocab_size`` (the target's) that
+    the model's is not is refused before the cache is made.
+
+    Like `LlamaCppTarget` it runs with flash attention, a KV cache per sequence and at most 63 tokens
+    of a sequence per `llama_decode` call, so that a row does not depend on how a session's tokens
+    were fed; ``threads`` (default: every usable core) run every call. On one thread a session's
+    proposals are a function of its tokens alone; on more, llama.cpp splits a one-token call's
+    attention among them, and past about 300 positions a row may differ slightly from the one a
+    wider call computes (docs/models.md, "Rows that do not depend on the pass").
+    """
+
+    def __init__(
+        self,
+        gguf: Path,
+        *,
+        name: str | None = None,
+        vocab_size: int | None = None,
+        threads: int | None = None,
+        kv_slots: int = DEFAULT_KV_SLOTS,
+        kv_capacity: int | None = None,
+        native_log: bool = False,
+    ) -> None:
+        self.gguf = gguf
+        self.name = name or gguf.name
+        self.runs_inline = False
+        threads = threads if threads is not None else usable_cores()
+        most_sequences = llama_cpp.llama_max_parallel_sequences()
+        if not 1 <= kv_slots <= most_sequences:
+            raise ModelError(f"kv_slots must be 1..{most_sequences} on llama.cpp, got {kv_slots}")
+        if threads < 1 or (kv_capacity is not None and kv_capacity < 1):
+            raise ModelError(f"threads and kv_capacity must be at least 1, got {threads} and {kv_capacity}")
+        _route_native_log(native_log)
+        _init_backend()
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), model_params)
+        if model is None:
+            raise ModelError(f"llama.cpp could not load {gguf}")
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        assert vocab is not None  # a loaded model has one
+        self._vocab_size = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        if vocab_size is not None and self._vocab_size != vocab_size:
+            llama_cpp.llama_model_free(model)
+            raise UnknownModel(f"drafter {self.name} has vocabulary {self._vocab_size}, the target {vocab_size}")
+        self._capacity = kv_capacity or min(int(llama_cpp.llama_model_n_ctx_train(model)), MAX_SLOT_CAPACITY)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = kv_slots * (self._capacity + PROPOSAL_ROOM)
+        params.n_seq_max = kv_slots
+        params.kv_unified = False
+        # Every call feeds one sequence, so no call needs room for more than its tokens.
+        params.n_batch = params.n_ubatch = SEQUENCE_TOKENS_PER_CALL
+        params.n_threads = params.n_threads_batch = threads
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.no_perf = True
+        context = llama_cpp.llama_init_from_model(model, params)
+        if context is None:
+            llama_cpp.llama_model_free(model)
+            raise ModelError(f"llama.cpp could not make a context of {params.n_ctx} positions for {gguf}")
+        batch = llama_cpp.llama_batch_init(SEQUENCE_TOKENS_PER_CALL, 0, 1)
+        weakref.finalize(self, _free_native, model, context, batch)
+        self._context = context
+        memory = llama_cpp.llama_get_memory(context)
+        assert memory is not None  # a decoder's context has a KV cache
+        self._memory = memory
+        self._batch = batch
+        self._free_ids = list(range(kv_slots - 1, -1, -1))  # popped lowest first
+        self._sessions: dict[SessionId, _DraftSequence] = {}
+        self._timer = TokenTimer(initial=0.01)
+        self._lock = threading.RLock()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @cached_property
+    def weights_digest(self) -> bytes:
+        """SHA-256 of the GGUF file, as a GGUF target's (docs/models.md, "Digests")."""
+        return gguf_digest(self.gguf)
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self._timer.value
+
+    def prepare(self) -> None:
+        _ = self.weights_digest
+        with self._lock:
+            self._timer.value = probe_seconds_per_token(self)
+
+    def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
+        tokens = self._checked_prefix(prompt_tokens)
+        with self._lock:
+            if session in self._sessions:
+                raise SessionExists(f"session {session.hex()} is already open on {self.name}")
+            if not self._free_ids:
+                raise SessionLimit(f"{self.name} holds {len(self._sessions)} sessions, its kv_slots")
+            self._sessions[session] = _DraftSequence(self._free_ids.pop(), tokens)
+
+    def close_session(self, session: SessionId) -> None:
+        with self._lock:
+            state = self._session(session)
+            del self._sessions[session]
+            llama_cpp.llama_memory_seq_rm(self._memory, state.seq_id, -1, -1)
+            self._free_ids.append(state.seq_id)
+            self._free_ids.sort(reverse=True)
+
+    def tokens(self, session: SessionId) -> tuple[int, ...]:
+        """Committed prefix plus tentative drafted tokens of the session."""
+        with self._lock:
+            return tuple(self._session(session).tokens)
+
+    def sync(self, session: SessionId, committed_tokens: Sequence[int]) -> None:
+        committed = self._checked_prefix(committed_tokens)
+        with self._lock:
+            state = self._session(session)
+            # SDCP 6.3: discard draft state for positions beyond the accepted ones.
+            keep = min(state.cached, common_prefix_length(state.tokens, committed), len(committed) - 1)
+            if keep < state.cached:
+                if not llama_cpp.llama_memory_seq_rm(self._memory, state.seq_id, keep, -1):
+                    raise ModelError(f"llama.cpp could not remove the tail of sequence {state.seq_id}")
+                state.cached = keep
+            state.tokens = committed
+
+    def draft(
+        self,
+        session: SessionId,
+        m: int,
+        sampling: Sampling | None,
+        rng: np.random.Generator | None = None,
+    ) -> DraftResult:
+        """Draft m tokens after the session's tokens (committed, or tentative when pre-drafting)."""
+        if m < 1:
+            raise BadTokens(f"a draft has at least one token, got m={m}")
+        started = time.perf_counter()
+        with self._lock:
+            state = self._session(session)
+            if len(state.tokens) + m - 1 > self._capacity + PROPOSAL_ROOM:
+                raise BadTokens(
+                    f"{len(state.tokens)} tokens and a draft of {m} exceed the "
+                    f"{self._capacity} + {PROPOSAL_ROOM} positions of a sequence"
+                )
+            generator = rng if rng is not None else self._session_generator(session, state, sampling)
+            proposed: list[int] = []
+            rows: list[np.ndarray] = []
+            for _ in range(m):
+                logits = self._feed(state)
+                # The published row is the float32 row the token is drawn from (SDCP 5.2).
+                row = target_distribution(logits, sampling).astype(np.float32)
+                token = draw_token(row, float(generator.random()))
+                state.tokens.append(token)
+                proposed.append(token)
+                rows.append(row)
+        seconds = time.perf_counter() - started
+        self._timer.record(seconds, m)
+        return DraftResult(tuple(proposed), np.stack(rows), seconds)
+
+    # -- on the lock ---------------------------------------------------------------------------------
+
+    def _feed(self, state: _DraftSequence) -> np.ndarray:
+        """Decode the tokens the sequence lacks; the float64 logits after the last of them."""
+        fed = state.tokens[state.cached :]
+        batch = self._batch
+        try:
+            for first in range(0, len(fed), SEQUENCE_TOKENS_PER_CALL):
+                call = fed[first : first + SEQUENCE_TOKENS_PER_CALL]
+                for slot, token in enumerate(call):
+                    batch.token[slot] = token
+                    batch.pos[slot] = state.cached + first + slot
+                    batch.n_seq_id[slot] = 1
+                    batch.seq_id[slot][0] = state.seq_id
+                    batch.logits[slot] = first + slot == len(fed) - 1
+                batch.n_tokens = len(call)
+                status = llama_cpp.llama_decode(self._context, batch)
+                if status != 0:
+                    raise ModelError(f"llama_decode returned {status} drafting on {self.name}")
+        except BaseException:
+            llama_cpp.llama_memory_seq_rm(self._memory, state.seq_id, state.cached, -1)
+            raise
+        state.cached = len(state.tokens)
+        pointer = llama_cpp.llama_get_logits_ith(self._context, -1)
+        if not pointer:
+            raise ModelError(f"llama.cpp has no logits after the draft's last token on {self.name}")
+        return np.ctypeslib.as_array(pointer, shape=(self._vocab_size,)).astype(np.float64)
+
+    def _session_generator(
+        self, session: SessionId, state: _DraftSequence, sampling: Sampling | None
+    ) -> np.random.Generator:
+        seed = sampling.seed if sampling is not None else None
+        if state.rng is None or state.rng_seed_profile != seed:
+            state.rng = session_rng(session, sampling)
+            state.rng_seed_profile = seed
+        return state.rng
+
+    def _session(self, session: SessionId) -> _DraftSequence:
+        try:
+            return self._sessions[session]
+        except KeyError:
+            raise UnknownSession(f"session {session.hex()} is not open on {self.name}") from None
+
+    def _checked_prefix(self, tokens: Sequence[int]) -> list[int]:
+        checked = checked_tokens(tokens, self._vocab_size)
+        if not checked:
+            raise BadTokens("a committed prefix holds at least one prompt token")
+        if len(checked) > self._capacity:
+            raise BadTokens(f"{len(checked)} tokens exceed the {self._capacity} positions of a session")
+        return checked
