@@ -44,10 +44,16 @@ install: $(STAMP)
 # find-links or extra indexes. A GPU host overrides both, e.g. TORCH_INDEX=.../whl/cu128.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# llama-cpp-python as the verifier extra pins it, built on its own so that its long build shows pip's
+# progress (a GPU host passes CMAKE_ARGS, docs/models.md).
+LLAMA_SPEC := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml | head -n 1)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --index-url $(TORCH_INDEX) "$(TORCH_SPEC)"
-	@echo "installing sdcp and its extras (the first time, llama.cpp is built from source: about 6 minutes on 2 cores)"
+	@$(PY) -c "import llama_cpp" 2>/dev/null || { \
+		echo "building llama.cpp from source for $(LLAMA_SPEC): about 6 minutes on 2 cores, once (pip keeps the wheel)"; \
+		$(PY) -m pip install --progress-bar on "$(LLAMA_SPEC)"; }
+	@echo "installing sdcp and its extras"
 	$(PY) -m pip install -q -e '.[all,test]'
 	touch $(STAMP)
 

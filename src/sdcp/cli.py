@@ -227,10 +227,21 @@ for _role in Role:
 # -- the local cluster ----------------------------------------------------------------------------
 
 
+class BackendName(StrEnum):
+    auto = "auto"
+    torch = "torch"
+    llamacpp = "llamacpp"
+
+
 @app.command()
 def up(
     redis: str = typer.Option(None, "--redis", help="Use this Redis (redis://host:port/db) as the MLC's shared tier."),
     model: str = typer.Option("smollm2", help="Target model of the verifier."),
+    backend: BackendName = typer.Option(
+        "auto",
+        help="Who runs the target: auto (for smollm2 on the CPU the faster on this host, measured once), "
+        "torch or llamacpp.",
+    ),
     drafter: list[str] = typer.Option(
         None, "--drafter", help="Drafter specs: ngram (the default) or hf:NAME, a model much smaller than the target."
     ),
@@ -245,11 +256,20 @@ def up(
         cluster = LocalCluster(home)
         if redis is not None:
             _check_redis(redis)
-        with err_console.status("starting the local cluster (the verifier loads its model)..."):
+        with err_console.status(
+            "starting the local cluster (the verifier loads its model; the first time, "
+            "it measures which backend runs it faster)..."
+        ):
             instances = cluster.up(
-                model=model, drafters=tuple(drafter or DEFAULT_DRAFTERS), redis_url=redis, gateway_port=gateway_port
+                model=model,
+                backend=backend.value,
+                drafters=tuple(drafter or DEFAULT_DRAFTERS),
+                redis_url=redis,
+                gateway_port=gateway_port,
             )
     _print_instances(instances)
+    for name, target in LocalCluster(home).target().items():
+        err_console.print(f"{name}: {target}", highlight=False)
     _print_dashboard(LocalCluster(home))
 
 

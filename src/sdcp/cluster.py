@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -106,6 +107,19 @@ class LocalCluster:
         admin = next((i.admin for i in self.instances() if i.role == "router"), None)
         return None if admin is None else f"{admin}/dashboard"
 
+    def target(self) -> dict[str, str]:
+        """The verifiers' model and backend, by instance name (their admin listener's /version)."""
+        found = {}
+        for instance in self.instances():
+            if instance.role == "verifier" and instance.admin is not None:
+                try:
+                    with urllib.request.urlopen(f"{instance.admin}/version", timeout=5) as response:
+                        about = json.loads(response.read())
+                except (OSError, ValueError):
+                    continue
+                found[instance.name] = f"{about.get('model')} on {about.get('backend')}"
+        return found
+
     @property
     def router(self) -> str:
         for instance in self.instances():
@@ -124,6 +138,7 @@ class LocalCluster:
         self,
         *,
         model: str = "smollm2",
+        backend: str = "auto",
         drafters: tuple[str, ...] = DEFAULT_DRAFTERS,
         redis_url: str | None = None,
         gateway_port: int = 8000,
@@ -152,7 +167,7 @@ class LocalCluster:
         started: list[Instance] = []
         try:
             for name, role, what in plan:
-                config = self._write_config(name, role, what, uris, admins[name], model, redis_url)
+                config = self._write_config(name, role, what, uris, admins[name], model, backend, redis_url)
                 started.append(self._spawn(name, role, uris[name], admins[name], config))
                 self._save(started)
             self._wait_ready(started, timeout_s)
@@ -187,7 +202,15 @@ class LocalCluster:
         return instances
 
     def _write_config(
-        self, name: str, role: str, what: str, uris: dict[str, str], admin: str, model: str, redis_url: str | None
+        self,
+        name: str,
+        role: str,
+        what: str,
+        uris: dict[str, str],
+        admin: str,
+        model: str,
+        backend: str,
+        redis_url: str | None,
     ) -> Path:
         uri = GATEWAY_URI if role == "gateway" else uris[name]
         stem = instance_name(uri)
@@ -211,7 +234,7 @@ class LocalCluster:
         if role == "router":
             lines.append(f'model = "{model}"')
         if role == "verifier":
-            lines += ["", "[verifier]", f'model = "{what}"']
+            lines += ["", "[verifier]", f'model = "{what}"', f'backend = "{backend}"']
         elif role == "drafter":
             lines += ["", "[drafter]", f'model = "{what}"', f'target = "{model}"']
         elif role == "gateway":

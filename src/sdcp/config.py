@@ -45,7 +45,7 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 from pydantic_core import ErrorDetails
 
-from sdcp.models.backend import TargetBackend
+from sdcp.models.backend import BackendSetting
 from sdcp.threads import usable_cores
 
 __all__ = [
@@ -169,9 +169,10 @@ class MLCConfig:
 @dataclass(frozen=True, config=_SECTION)
 class VerifierConfig:
     model: Text = "smollm2"
-    # Who runs the target (docs/models.md): "torch" (a Hugging Face directory) or "llamacpp" (the
-    # GGUF file as shipped, on the CPU; model is then smollm2 or a path to a .gguf file).
-    backend: TargetBackend = "torch"
+    # Who runs the target (docs/models.md): "torch" (a Hugging Face directory), "llamacpp" (the
+    # GGUF file as shipped, on the CPU; model is then smollm2 or a path to a .gguf file) or "auto":
+    # for smollm2 on the CPU the one measured faster on this host, else the one that can run it.
+    backend: BackendSetting = "auto"
     # Where and in which precision the target runs (docs/deploy.md): "cpu", "cuda", "cuda:N" or
     # "mps"; "float32", "bfloat16" or "float16". torch's only: llama.cpp runs the GGUF's types.
     device: Device = "cpu"
@@ -199,7 +200,7 @@ class VerifierConfig:
     # session's committed prefix (prompt and output) holds this many tokens, its KV is published,
     # and again every kv_publish_every tokens committed since (0 = once). 0 = never publish.
     kv_publish_min_tokens: Count = 1024
-    kv_publish_every: Count = 512
+    kv_publish_every: Count = 1024
 
 
 NGRAM_DRAFTER = "ngram"

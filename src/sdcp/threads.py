@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["CoreGovernor", "CoreMeter", "limit_native_threads", "usable_cores"]
@@ -87,14 +88,23 @@ class CoreMeter:
 
 
 class CoreGovernor:
-    """The OpenMP team size of the thread that calls ``apply`` before each piece of model work: the
-    budget, less the cores other processes keep busy while the model works (a core counts as free
-    unless they keep more than ``_SHARE_TOLERATED`` of it busy)."""
+    """The threads of the model work that follows each call of ``apply``: the budget, less the
+    cores other processes keep busy while the model works (a core counts as free unless they keep
+    more than ``_SHARE_TOLERATED`` of it busy). ``set_threads`` applies a team size (default:
+    torch's OpenMP team of the calling thread; a llama.cpp target's threads)."""
 
-    def __init__(self, budget: int, *, cores: int | None = None, meter: CoreMeter | None = None) -> None:
+    def __init__(
+        self,
+        budget: int,
+        *,
+        cores: int | None = None,
+        meter: CoreMeter | None = None,
+        set_threads: Callable[[int], None] | None = None,
+    ) -> None:
         if budget < 1:
             raise ValueError(f"a thread budget is at least 1, got {budget}")
         self.budget = budget
+        self._set_threads = set_threads if set_threads is not None else _set_torch_threads
         self.cores = cores if cores is not None else usable_cores()
         self._meter = meter if meter is not None else CoreMeter()
         self._others: float | None = None
@@ -116,10 +126,7 @@ class CoreGovernor:
                 self._others = others if self._others is None else self._others + _WEIGHT * (others - self._others)
                 self.threads = self.team_size(self._others)
         if self.threads != self._applied:
-            import torch  # only the roles that run a model get here
-
-            # OpenMP's team size is a setting of the calling thread: the model's own thread.
-            torch.set_num_threads(self.threads)
+            self._set_threads(self.threads)
             if self._applied is not None:
                 log.info(
                     "model threads %d -> %d (other processes busy on %.1f cores)",
@@ -129,3 +136,10 @@ class CoreGovernor:
                 )
             self._applied = self.threads
         return self.threads
+
+
+def _set_torch_threads(threads: int) -> None:
+    import torch  # only the roles that run a model get here
+
+    # OpenMP's team size is a setting of the calling thread: the model's own thread.
+    torch.set_num_threads(threads)

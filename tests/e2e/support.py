@@ -8,12 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import llama_cpp
 import torch
+from tests.llama_greedy import llama_cpp_greedy
 from tests.waiting import HANG_GUARD_S
 
 from sdcp.cluster import LocalCluster
-from sdcp.models.registry import load_model
+from sdcp.models.choice import choose_backend
+from sdcp.models.fetch import smollm2_gguf
+from sdcp.models.llamacpp import SEQUENCE_TOKENS_PER_CALL
+from sdcp.models.registry import end_of_text_tokens, load_model, load_tokenizer
 from sdcp.protocol.messages import session_path_id
+from sdcp.threads import usable_cores
 from sdcp.transport.client import SDCPClient
 
 PROMPTS = [
@@ -31,8 +37,17 @@ def sdcp(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedPr
     )
 
 
+def cluster_backend() -> str:
+    """The backend a default cluster's verifier runs its target on: the one `backend = "auto"`
+    chooses on this host (the verifier reads the same measurement, sdcp.models.choice)."""
+    return choose_backend("auto", "smollm2", device="cpu", threads=usable_cores()).backend
+
+
 def greedy_reference() -> dict[str, list[int]]:
-    """transformers' own greedy decoding of every prompt: what rule 1 must reproduce."""
+    """Greedy decoding of every prompt by the target's own library, on the backend the cluster
+    runs it on: what rule 1 must reproduce."""
+    if cluster_backend() == "llamacpp":
+        return _llama_cpp_reference()
     loaded = load_model("smollm2")
     outputs = {}
     for prompt in PROMPTS:
@@ -42,6 +57,44 @@ def greedy_reference() -> dict[str, list[int]]:
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False
             )
         outputs[prompt] = generated[0, ids.shape[1] :].tolist()
+    return outputs
+
+
+def reference_log_probs(prompt: str, continuation: list[int]) -> list[list[float]]:
+    """The target's log-probabilities after the prompt and each token of the continuation but the
+    last, computed by its own library on the cluster's backend."""
+    tokenizer = load_tokenizer("smollm2")
+    ids = tokenizer(prompt)["input_ids"]
+    if cluster_backend() == "llamacpp":
+        llama = llama_cpp.Llama(
+            model_path=str(smollm2_gguf()),
+            n_ctx=512,
+            n_ubatch=SEQUENCE_TOKENS_PER_CALL,
+            flash_attn=True,
+            n_threads=1,
+            n_threads_batch=1,
+            logits_all=True,
+            verbose=False,
+        )
+        llama.eval([*ids, *continuation])
+        logits = torch.tensor(llama.scores[len(ids) - 1 : len(ids) + len(continuation) - 1], dtype=torch.float64)
+    else:
+        loaded = load_model("smollm2")
+        with torch.inference_mode():
+            full = torch.tensor([[*ids, *continuation]])
+            logits = loaded.model(full).logits[0, len(ids) - 1 : -1].double()
+    return torch.log_softmax(logits, dim=-1).tolist()
+
+
+def _llama_cpp_reference() -> dict[str, list[int]]:
+    """Plain llama.cpp greedy decoding of the GGUF, up to and with the first end-of-text token."""
+    tokenizer = load_tokenizer("smollm2")
+    stop = set(end_of_text_tokens(tokenizer))
+    prompts = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+    outputs = {}
+    for prompt, tokens in zip(PROMPTS, llama_cpp_greedy(smollm2_gguf(), prompts, MAX_NEW, n_ctx=512), strict=True):
+        end = next((index + 1 for index, token in enumerate(tokens) if token in stop), len(tokens))
+        outputs[prompt] = tokens[:end]
     return outputs
 
 

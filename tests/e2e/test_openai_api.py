@@ -14,14 +14,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
-from tests.e2e.support import MAX_NEW, PROMPTS
+from tests.e2e.support import MAX_NEW, PROMPTS, cluster_backend, reference_log_probs
 from tests.waiting import wait_until
 
 import sdcp
 from sdcp.cluster import LocalCluster
 from sdcp.localhost import accepts, free_port
-from sdcp.models.registry import load_model
 from sdcp.text import load_text_codec
 
 pytestmark = pytest.mark.timeout(600)
@@ -72,13 +70,9 @@ def test_logprobs_are_the_targets(home: Path, reference: dict[str, list[int]]) -
     )
     logprobs = reply.choices[0].logprobs
     assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
-    # transformers' log-softmax of the target's logits at each position of the greedy continuation.
-    loaded = load_model("smollm2")
-    ids = loaded.tokenizer(prompt, return_tensors="pt")["input_ids"]
-    full = torch.cat([ids, torch.tensor([reference[prompt]])], dim=1)
-    with torch.inference_mode():
-        expected = torch.log_softmax(loaded.model(full).logits[0, ids.shape[1] - 1 : -1].double(), dim=-1)
-    chosen = [float(expected[i, t]) for i, t in enumerate(reference[prompt])]
+    # The log-softmax of the target's logits at each position of the greedy continuation.
+    expected = reference_log_probs(prompt, reference[prompt])
+    chosen = [expected[i][t] for i, t in enumerate(reference[prompt])]
     assert logprobs.token_logprobs == pytest.approx(chosen, abs=2e-3)
     codec = load_text_codec("smollm2")
     assert logprobs.tokens == [codec.token_text(t) for t in reference[prompt]]
@@ -242,7 +236,9 @@ def test_every_role_serves_health_readiness_metrics_and_version(home: Path) -> N
         ready = httpx.get(f"{instance.admin}/ready", timeout=10)
         assert ready.status_code == 200 and ready.json()["ready"] is True, ready.text
         version = httpx.get(f"{instance.admin}/version", timeout=10)
-        assert version.json() == {"version": sdcp.__version__, "role": instance.role}
+        # A verifier also says which model it runs, and on which backend (the one "auto" chose).
+        built = {"model": "smollm2", "backend": cluster_backend()} if instance.role == "verifier" else {}
+        assert version.json() == {"version": sdcp.__version__, "role": instance.role, **built}
         # A Prometheus scrape over plain HTTP/1.1, without a client certificate.
         metrics = httpx.get(f"{instance.admin}/metrics", timeout=10)
         assert metrics.status_code == 200 and "process_cpu_seconds_total" in metrics.text

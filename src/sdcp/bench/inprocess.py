@@ -18,8 +18,8 @@ from sdcp.client import build_contract
 from sdcp.config import DrafterConfig, RouterConfig, VerifierConfig
 from sdcp.engines.drafter import DrafterEngine
 from sdcp.engines.verifier import VerifierEngine
+from sdcp.models.backend import Target
 from sdcp.models.draft import NgramDrafter
-from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import Action, Event, Output, Proposal, Verdict
 from sdcp.protocol.router import RouterSession
 
@@ -53,7 +53,7 @@ class InProcessSDCPSystem:
 
     name = "sdcp_inprocess"
 
-    def __init__(self, target: TargetModel, stop: Sequence[int]) -> None:
+    def __init__(self, target: Target, stop: Sequence[int]) -> None:
         self.target = target
         self.stop = list(stop)
         self.mlc = MLC.from_config(authority="inprocess")

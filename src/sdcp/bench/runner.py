@@ -40,9 +40,11 @@ from sdcp.bench.workloads import (
     load_workloads,
     tokenize_prompt,
 )
+from sdcp.models.backend import Target
+from sdcp.models.choice import choose_backend
 from sdcp.models.fetch import SMOLLM2_NAME, smollm2_gguf
 from sdcp.models.paths import TINY_DRAFT_NAME, TINY_NAME
-from sdcp.models.registry import end_of_text_tokens, load_model
+from sdcp.models.registry import LoadedModel, end_of_text_tokens, load_model, load_target
 from sdcp.models.target import TargetModel
 from sdcp.models.worker import ModelThread
 from sdcp.threads import usable_cores
@@ -145,7 +147,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
     loaded = load_model(config.model)
     tokenizer = loaded.tokenizer
     stop = end_of_text_tokens(tokenizer)
-    target = TargetModel(loaded.model, tokenizer, name=loaded.name)
+    target = _sdcp_target(config, loaded, log)
     prompts = {w.name: [Prompt(p, tuple(tokenize_prompt(tokenizer, p))) for p in w.prompts] for w in workloads}
     in_process: list[Any] = [HFTargetSystem(loaded.model, stop), HFPromptLookupSystem(loaded.model, stop)]
     if config.model == TINY_NAME:
@@ -176,6 +178,16 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
                 cluster.stop()
     systems = [system.name for system in in_process] + [cluster.name for cluster in clusters]
     return BenchData(config, workloads, measurements, levels, systems, time.perf_counter() - started, neighbour)
+
+
+def _sdcp_target(config: BenchConfig, loaded: LoadedModel, log: Callable[[str], None]) -> Target:
+    """The target of SDCP's in-process systems: on the backend a verifier of `sdcp up` chooses."""
+    threads = usable_cores()
+    choice = choose_backend("auto", config.model, device="cpu", threads=threads)
+    log(f"SDCP's target runs on {choice.backend} ({choice.reason})")
+    if choice.backend == "torch":
+        return TargetModel(loaded.model, loaded.tokenizer, name=loaded.name)
+    return load_target(config.model, backend=choice.backend, threads=threads)
 
 
 def _llamacpp_systems(

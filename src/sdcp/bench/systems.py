@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sdcp.models.target import TargetModel
+from sdcp.models.backend import Target
 
 if TYPE_CHECKING:  # llama-cpp-python is optional: imported only when its systems are built
     from llama_cpp.llama_speculative import LlamaDraftModel
@@ -165,7 +165,7 @@ class TargetOnlySDCPSystem:
 
     name = "sdcp_target_only"
 
-    def __init__(self, target: TargetModel, stop: Sequence[int]) -> None:
+    def __init__(self, target: Target, stop: Sequence[int]) -> None:
         self.target = target
         self.stop = set(stop)
         self._sessions = 0

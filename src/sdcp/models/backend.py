@@ -21,6 +21,7 @@ __all__ = [
     "ScoreRequest",
     "SessionId",
     "Target",
+    "BackendSetting",
     "TargetBackend",
     "check_commit",
     "check_contract_digests",
@@ -31,6 +32,8 @@ SessionId = bytes
 ScoreRequest = tuple[SessionId, Sequence[int]]
 # Who runs a target: torch + transformers (a Hugging Face directory) or llama.cpp (a GGUF file).
 TargetBackend = Literal["torch", "llamacpp"]
+# What a configuration may say: a backend, or "auto" (the faster on this host, sdcp.models.choice).
+BackendSetting = Literal["auto", "torch", "llamacpp"]
 
 # Sessions whose KV a target keeps in its pool (TargetModel's slots, LlamaCppTarget's sequences).
 DEFAULT_KV_SLOTS = 32
@@ -43,8 +46,14 @@ class Target(Protocol):
     then output); `score` rows are the target's distributions after them and the proposed tokens.
     Methods are called from one thread, the scorer's (docs/models.md)."""
 
+    backend: TargetBackend
+
     @property
     def vocab_size(self) -> int: ...
+
+    def set_threads(self, threads: int) -> None:
+        """Run the next passes on this many threads (sdcp.threads.CoreGovernor sizes them)."""
+        ...
 
     @property
     def context_length(self) -> int | None:

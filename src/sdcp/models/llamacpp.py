@@ -34,6 +34,7 @@ from sdcp.models.backend import (
     MAX_SLOT_CAPACITY,
     ScoreRequest,
     SessionId,
+    TargetBackend,
     check_commit,
     check_contract_digests,
     checked_tokens,
@@ -167,6 +168,13 @@ class LlamaCppTarget:
         self._free_ids = list(range(kv_slots - 1, -1, -1))  # popped lowest first
         self._sessions: dict[SessionId, _Sequence] = {}
         self._lock = threading.RLock()
+
+    backend: TargetBackend = "llamacpp"
+
+    def set_threads(self, threads: int) -> None:
+        """Threads of the ubatches of two tokens or more; a one-token ubatch keeps one (__init__)."""
+        with self._lock:
+            llama_cpp.llama_set_n_threads(self._context, 1, threads)
 
     @property
     def vocab_size(self) -> int:

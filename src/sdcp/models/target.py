@@ -24,6 +24,7 @@ from sdcp.models.backend import (
     MAX_SLOT_CAPACITY,
     ScoreRequest,
     SessionId,
+    TargetBackend,
     check_commit,
     check_contract_digests,
     checked_tokens,
@@ -92,6 +93,12 @@ class TargetModel:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    backend: TargetBackend = "torch"
+
+    def set_threads(self, threads: int) -> None:
+        # OpenMP's team size is a setting of the calling thread: the scorer's, the model's own.
+        torch.set_num_threads(threads)
 
     @property
     def vocab_size(self) -> int:

@@ -3,7 +3,7 @@
 - ``GET /health``: liveness; 200 while the process serves.
 - ``GET /ready``: readiness; 200 when the role can do its work, else 503, with the reason.
 - ``GET /metrics``: the Prometheus text format, for scrapers without a client certificate.
-- ``GET /version``: the sdcp version and the role.
+- ``GET /version``: the sdcp version and the role (a verifier's: also its model and backend).
 
 and the role's own pages: a verifier's ``/sessions/{hex id}/trace`` (JSON), the router's
 ``/dashboard``.
@@ -12,7 +12,7 @@ and the role's own pages: a verifier's ``/sessions/{hex id}/trace`` (JSON), the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
@@ -44,11 +44,14 @@ class AdminServer:
         listen: str,
         ready: Callable[[], Awaitable[Readiness]],
         routes: Sequence[BaseRoute] = (),
+        *,
+        build: Mapping[str, str] | None = None,
     ) -> None:
         host, _, port = listen.rpartition(":")
         self.role = role
         # The role's own operator pages (the verifier's session traces, the router's dashboard).
         self.routes = list(routes)
+        self.build = dict(build or {})
         self.listener = Listener.admin(host.strip("[]"), int(port))
         self._ready = ready
         self._server: Server | None = None
@@ -87,4 +90,4 @@ class AdminServer:
         return JSONResponse(body, status_code=200 if readiness.ready else 503)
 
     async def version(self, _request: Request) -> Response:
-        return JSONResponse({"version": __version__, "role": self.role})
+        return JSONResponse({"version": __version__, "role": self.role, **self.build})

@@ -116,6 +116,10 @@ class Node(ABC):
         """The role's pages on the admin listener besides /health, /ready, /metrics, /version."""
         return []
 
+    def build(self) -> dict[str, str]:
+        """What GET /version says of this instance besides sdcp's version and the role."""
+        return {}
+
     async def readiness(self) -> Readiness:
         """Whether the instance can do its work (GET /ready on the admin listener): an instance that
         reports status is ready while the router holds a report of it that has not expired."""
@@ -166,7 +170,9 @@ class Node(ABC):
         if instance.router is not None and instance.router != self.uri and self.status() is not None:
             self.spawn(self._report_status_forever(instance.router))
         if self.config.admin.listen is not None:
-            self._admin = AdminServer(self.role, self.config.admin.listen, self.readiness, self.admin_routes())
+            self._admin = AdminServer(
+                self.role, self.config.admin.listen, self.readiness, self.admin_routes(), build=self.build()
+            )
             await self._admin.start()
         log.info("%s listening on %s", type(self).__name__, self.uri)
 

@@ -10,6 +10,7 @@ leave a durable record unreleased (SDCP 6.3).
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 from typing import TypeVar
 
@@ -22,6 +23,7 @@ from sdcp.config import ServiceConfig, thread_budget
 from sdcp.engines.errors import SessionNotFound, Unanswered
 from sdcp.engines.verifier import TRACE_ROUNDS, VerifierEngine
 from sdcp.models.backend import Target
+from sdcp.models.choice import BackendChoice, choose_backend
 from sdcp.models.registry import load_target
 from sdcp.protocol.messages import (
     Assignment,
@@ -44,6 +46,8 @@ from sdcp.transport.peer import peer_uri
 
 __all__ = ["VerifierNode"]
 
+log = logging.getLogger("sdcp.verifier")
+
 _RouterMessage = TypeVar("_RouterMessage", Assignment, Policy, SelfDecodeRequest)
 
 
@@ -55,30 +59,37 @@ class VerifierNode(Node):
     def __init__(self, config: ServiceConfig, *, target: Target | None = None, mlc: MLC | None = None) -> None:
         super().__init__(config, mlc)
         settings = config.verifier
-        if settings.backend == "llamacpp":
-            # llama.cpp holds kv_slots sessions at most: an open past them is answered 503 with
-            # Retry-After, as past max_sessions, rather than failing in the prefill.
-            settings = replace(settings, max_sessions=min(settings.max_sessions, settings.kv_slots))
         threads = thread_budget(config, "verifier")
         if target is None:
+            choice = choose_backend(settings.backend, settings.model, device=settings.device, threads=threads)
+            log.info("%s: the target runs on %s (%s)", self.uri, choice.backend, _described(choice))
             target = load_target(
                 settings.model,
                 device=settings.device,
                 dtype=settings.dtype,
                 kv_slots=settings.kv_slots,
                 kv_capacity=settings.kv_capacity or None,
-                backend=settings.backend,
+                backend=choice.backend,
                 threads=threads,
             )
+        self.backend = target.backend
+        settings = replace(settings, backend=target.backend)
+        if target.backend == "llamacpp":
+            # llama.cpp holds kv_slots sessions at most: an open past them is answered 503 with
+            # Retry-After, as past max_sessions, rather than failing in the prefill.
+            settings = replace(settings, max_sessions=min(settings.max_sessions, settings.kv_slots))
         self.engine = VerifierEngine(
             uri=self.uri,
             settings=settings,
             target=target,
             mlc=self.mlc,
             ttl_ms=config.instance.ttl_ms,
-            cores=CoreGovernor(threads),
+            cores=CoreGovernor(threads, set_threads=target.set_threads),
             events=self._post_event if config.instance.router is not None else None,
         )
+
+    def build(self) -> dict[str, str]:
+        return {"model": self.config.verifier.model, "backend": self.backend}
 
     def status(self) -> Status:
         return self.engine.status()
@@ -203,3 +214,11 @@ class VerifierNode(Node):
             raise BadMessage("'from' must be an unsigned integer below 2^32")
         output = await self.engine.output(session, int(start_text))
         return cbor_response(output.to_obj())
+
+
+def _described(choice: BackendChoice) -> str:
+    measured = ", ".join(
+        f"{backend} {one_token:.1f} ms a one-token pass, {proposal:.1f} ms a proposal's"
+        for backend, (one_token, proposal) in choice.measured_ms.items()
+    )
+    return f"{choice.reason}: {measured}" if measured else choice.reason
