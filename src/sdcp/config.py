@@ -179,9 +179,10 @@ class VerifierConfig:
     dtype: ModelDtype = "float32"
     batch_window_ms: Seconds = 2.0
     max_batch: AtLeastOne = 16
-    # The KV slot pool (docs/models.md): sessions in it, positions per session (0 = the model's
-    # context, at most 4096). On a CPU unused slots cost address space only; on a GPU, memory.
-    kv_slots: Count = 32
+    # The KV slot pool (docs/models.md): sessions in it (default 32 on torch, 16 on llama.cpp),
+    # positions per session (0 = the model's context, at most 4096). On a CPU torch's unused slots
+    # cost address space only, on a GPU memory; llama.cpp's are memory from the start.
+    kv_slots: Count | None = None
     kv_capacity: Count = 0
     output_wait_s: Seconds = 10.0
     # How long an ended or fenced session stays readable (output, stats) before it is forgotten.

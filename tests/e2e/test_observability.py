@@ -182,7 +182,7 @@ def test_the_dashboard_shows_a_running_session_grow(home: Path, browser: webdriv
     # A generation longer than any machine finishes while the page watches it; the client leaves
     # (and so cancels it) once the page has shown it grow.
     stream = client_of(home).completions.with_streaming_response.create(
-        model="smollm2", prompt="A long story about a lighthouse keeper.", max_tokens=6000, temperature=0, stream=True
+        model="smollm2", prompt="A long story about a lighthouse keeper.", max_tokens=4000, temperature=0, stream=True
     )
     watched = threading.Event()
 

@@ -117,6 +117,17 @@ def test_default_max_tokens_fills_the_context(home: Path) -> None:
     assert reply.usage is not None and reply.usage.completion_tokens > 16
 
 
+def test_the_context_is_what_the_verifier_holds(home: Path) -> None:
+    # A llama.cpp verifier holds kv_capacity positions per session (4096 by default), fewer than
+    # the model's 8192: the gateway advertises, fills and enforces that.
+    held = 4096 if cluster_backend() == "llamacpp" else 8192
+    gateway = LocalCluster(home).gateway
+    listed = httpx.get(f"{gateway}/models", timeout=10).json()["data"][0]
+    assert listed["max_model_len"] == held
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {held} tokens"):
+        client_of(home).completions.create(model="smollm2", prompt="hi", max_tokens=held)
+
+
 def test_min_tokens_and_ignore_eos_keep_the_session_going(home: Path) -> None:
     client = client_of(home)
     natural = client.chat.completions.create(model="smollm2", messages=CHAT, temperature=0, max_tokens=200)
@@ -308,7 +319,8 @@ def test_tokenize_and_detokenize_as_vllm(home: Path) -> None:
     assert answer.status_code == 200, answer.text
     tokens = answer.json()["tokens"]
     assert tokens == codec.encode(PROMPTS[0]) and answer.json()["count"] == len(tokens)
-    assert answer.json()["max_model_len"] == codec.context_length
+    # What the verifier holds per session: at most the model's context.
+    assert answer.json()["max_model_len"] == (4096 if cluster_backend() == "llamacpp" else codec.context_length)
     chat = post(home, "tokenize", json.dumps({"messages": CHAT}).encode(), root=True).json()["tokens"]
     assert chat == codec.encode_chat(CHAT)
     text = post(home, "detokenize", json.dumps({"tokens": tokens}).encode(), root=True)

@@ -17,6 +17,7 @@ from sdcp.models.errors import BadTokens, DigestMismatch, InconsistentCommit
 
 __all__ = [
     "DEFAULT_KV_SLOTS",
+    "LLAMACPP_KV_SLOTS",
     "MAX_SLOT_CAPACITY",
     "ScoreRequest",
     "SessionId",
@@ -37,6 +38,10 @@ BackendSetting = Literal["auto", "torch", "llamacpp"]
 
 # Sessions whose KV a target keeps in its pool (TargetModel's slots, LlamaCppTarget's sequences).
 DEFAULT_KV_SLOTS = 32
+# llama.cpp allocates and clears its whole KV cache at start: 16 sequences of 4096 positions of
+# SmolLM2-135M are about 1.5 GB resident (32 would be 3.1 GB), where torch's unused slots cost
+# address space only.
+LLAMACPP_KV_SLOTS = 16
 # Positions per session of the pool, at most, where the configuration leaves it to the model.
 MAX_SLOT_CAPACITY = 4096
 

@@ -524,6 +524,9 @@ class Status(_Message):
     draft_us: int | None = _optional(_UINT)
     verify_us: int | None = _optional(_UINT)
     self_us: int | None = _optional(_UINT)
+    # Extension member: the most positions (prompt plus output) a verifier holds for a session, so
+    # that a front end sizes its requests to the target it uses (docs/interpretations.md).
+    context: int | None = _optional(_UINT)
 
 
 @dataclass(frozen=True, kw_only=True)

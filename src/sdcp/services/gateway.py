@@ -131,6 +131,8 @@ class GatewayNode:
             gauge.labels(self.uri)
         # The target digest that contracts name, until no verifier of it opens a session.
         self._target: bytes | None = None
+        # The positions per session that each listed target's verifier holds, where it says.
+        self._target_contexts: dict[bytes, int] = {}
         # Cancellations under way, kept referenced until they are done.
         self._cancelling: set[asyncio.Future[None]] = set()
 
@@ -196,8 +198,9 @@ class GatewayNode:
         except OpenAIError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sdcp"}
-        if self.codec.context_length is not None:
-            model["max_model_len"] = self.codec.context_length
+        context = await self._context_length()
+        if context is not None:
+            model["max_model_len"] = context
         return JSONResponse({"object": "list", "data": [model]})
 
     async def health(self, _request: Request) -> Response:
@@ -209,9 +212,11 @@ class GatewayNode:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's POST /tokenize: the tokens a prompt or chat messages become, and the context."""
 
+        context = await self._context_length()
+
         def answer(body: object) -> dict[str, Any]:
             tokens = parse_tokenize(body, self.codec, served=(self.model_name,))
-            return {"tokens": tokens, "count": len(tokens), "max_model_len": self.codec.context_length}
+            return {"tokens": tokens, "count": len(tokens), "max_model_len": context}
 
         return await self._answer_small(request, answer)
 
@@ -251,9 +256,10 @@ class GatewayNode:
         try:
             self._check_key(request)
             body = await self._read_json(request)
+            context = await self._context_length()
             # Tokenizing and rendering a chat template are CPU work: off the event loop.
             generation = await asyncio.to_thread(
-                parse_generation, body, self.codec, served=(self.model_name,), chat=chat
+                parse_generation, body, self.codec, served=(self.model_name,), chat=chat, context=context
             )
             request_id = _request_id(generation.request_id) if generation.request_id else request_id
             with REQUESTS_OPENING.labels(self.uri).track_inprogress():
@@ -375,6 +381,17 @@ class GatewayNode:
         self._target = served[0]
         return self._target
 
+    async def _context_length(self) -> int | None:
+        """The model's context, or less where the target's verifier holds fewer positions per
+        session (a llama.cpp verifier's kv_capacity): what a request may fill."""
+        target = self._target
+        if target is None:
+            with contextlib.suppress(_ClusterFailed):
+                target = await self._choose_target()
+        held = self._target_contexts.get(target) if target is not None else None
+        contexts = [context for context in (self.codec.context_length, held) if context is not None]
+        return min(contexts, default=None)
+
     async def _served_targets(self) -> list[bytes]:
         """The target digests of the live verifiers that read this gateway's tokens, in the router's
         order. One that reports no tokenizer digest checks the contract's itself at session-open."""
@@ -388,6 +405,9 @@ class GatewayNode:
             model = target.get("model")
             if isinstance(model, bytes) and target.get("tokenizer", own) == own:
                 served.append(model)
+                context = target.get("context")
+                if isinstance(context, int) and context > 0:
+                    self._target_contexts[model] = context
         return served
 
     # -- output ----------------------------------------------------------------------------------

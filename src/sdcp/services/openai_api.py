@@ -194,9 +194,12 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 }
 
 
-def parse_generation(body: object, codec: TextCodec, *, served: Sequence[str], chat: bool) -> Generation:
+def parse_generation(
+    body: object, codec: TextCodec, *, served: Sequence[str], chat: bool, context: int | None = None
+) -> Generation:
     """Validate a completions or chat request and tokenize it; raises OpenAIError (400, or 404 for
-    a model this gateway does not serve). Tokenization makes this CPU work: run it off the loop."""
+    a model this gateway does not serve). ``context``: the positions a session may fill, where the
+    target holds fewer than the codec's model. Tokenization makes this CPU work: run it off the loop."""
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     implemented = _CHAT_IMPLEMENTED if chat else _COMPLETIONS_IMPLEMENTED
@@ -220,7 +223,7 @@ def parse_generation(body: object, codec: TextCodec, *, served: Sequence[str], c
         raise OpenAIError(f"n times the number of prompts must be at most {MAX_CHOICES}", param="n")
     choices = tuple(Choice(p * n + j, prompt, j == 0) for p, prompt in enumerate(prompts) for j in range(n))
     longest = max(len(prompt.ids) for prompt in prompts)
-    max_tokens = _max_tokens(reader, codec.context_length, longest, chat)
+    max_tokens = _max_tokens(reader, context if context is not None else codec.context_length, longest, chat)
     temperature = reader.number("temperature", 1.0, low=0.0, high=2.0)
     top_p = reader.number("top_p", 1.0, low=0.0, high=1.0, low_open=True)
     top_k = reader.integer("top_k", 0, low=-1, high=codec.vocab_size)

@@ -329,6 +329,8 @@ class RouterNode(Node):
             target: dict[str, object] = {"instance": view.uri, "model": view.status.model}
             if view.status.tokenizer is not None:
                 target["tokenizer"] = view.status.tokenizer
+            if view.status.context is not None:
+                target["context"] = view.status.context
             targets.append(target)
         return cbor_response(sorted(targets, key=lambda t: str(t["instance"])))
 

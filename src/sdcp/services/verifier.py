@@ -22,7 +22,7 @@ from sdcp.cache import MLC
 from sdcp.config import ServiceConfig, thread_budget
 from sdcp.engines.errors import SessionNotFound, Unanswered
 from sdcp.engines.verifier import TRACE_ROUNDS, VerifierEngine
-from sdcp.models.backend import Target
+from sdcp.models.backend import DEFAULT_KV_SLOTS, LLAMACPP_KV_SLOTS, Target, TargetBackend
 from sdcp.models.choice import BackendChoice, choose_backend
 from sdcp.models.registry import load_target
 from sdcp.protocol.messages import (
@@ -67,7 +67,7 @@ class VerifierNode(Node):
                 settings.model,
                 device=settings.device,
                 dtype=settings.dtype,
-                kv_slots=settings.kv_slots,
+                kv_slots=_kv_slots(settings.kv_slots, choice.backend),
                 kv_capacity=settings.kv_capacity or None,
                 backend=choice.backend,
                 threads=threads,
@@ -77,7 +77,8 @@ class VerifierNode(Node):
         if target.backend == "llamacpp":
             # llama.cpp holds kv_slots sessions at most: an open past them is answered 503 with
             # Retry-After, as past max_sessions, rather than failing in the prefill.
-            settings = replace(settings, max_sessions=min(settings.max_sessions, settings.kv_slots))
+            slots = _kv_slots(settings.kv_slots, target.backend)
+            settings = replace(settings, max_sessions=min(settings.max_sessions, slots))
         self.engine = VerifierEngine(
             uri=self.uri,
             settings=settings,
@@ -214,6 +215,12 @@ class VerifierNode(Node):
             raise BadMessage("'from' must be an unsigned integer below 2^32")
         output = await self.engine.output(session, int(start_text))
         return cbor_response(output.to_obj())
+
+
+def _kv_slots(configured: int | None, backend: TargetBackend) -> int:
+    if configured is not None:
+        return configured
+    return LLAMACPP_KV_SLOTS if backend == "llamacpp" else DEFAULT_KV_SLOTS
 
 
 def _described(choice: BackendChoice) -> str:

@@ -193,6 +193,7 @@ class VerifierEngine:
             model=self.target.weights_digest,
             tokenizer=self.target.tokenizer_digest,
             self_us=round(1e6 * self.self_decode_time.value),
+            context=self.target.context_length,
         )
 
     def _time_one_pass(self) -> None:
