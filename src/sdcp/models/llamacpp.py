@@ -51,7 +51,7 @@ from sdcp.models.errors import (
 from sdcp.models.kvformat import decode_llamacpp_kv, encode_llamacpp_kv
 from sdcp.threads import usable_cores
 
-__all__ = ["BATCH_TOKENS", "SEQUENCE_TOKENS_PER_CALL", "LlamaCppTarget"]
+__all__ = ["BATCH_TOKENS", "SEQUENCE_TOKENS_PER_CALL", "SPLIT_FREE_POSITIONS", "LlamaCppTarget"]
 
 log = logging.getLogger("sdcp.models.llamacpp")
 
@@ -62,6 +62,10 @@ SEQUENCE_TOKENS_PER_CALL = 63
 # Tokens per llama_decode call, at most. It also bounds the logits buffer llama.cpp keeps (a row of
 # the vocabulary per token of a call).
 BATCH_TOKENS = 512
+# llama.cpp splits a lone query's attention over the KV among the threads (and its row then differs
+# from a wider ubatch's) only where the ubatch attends 512 cells or more: it pads the cells a
+# sequence uses to a multiple of at most 256, so a token at a position below this attends fewer.
+SPLIT_FREE_POSITIONS = 256
 # Positions a sequence holds beyond kv_capacity: a proposal's, made near the end of a session whose
 # prompt and max_new fill the capacity (a contract's m_max is at most 64, sdcp.protocol.messages).
 PROPOSAL_ROOM = 64
@@ -145,9 +149,12 @@ class LlamaCppTarget:
         params.n_outputs_max_per_seq = 0
         # llama.cpp runs a ubatch of one token on n_threads, and on more than one its logits differ
         # from those of any wider ubatch from about 300 positions of context on (by up to 1.3; it
-        # splits the attention over the KV among the threads). On one thread they are equal.
+        # splits the attention over the KV among the threads). On one thread they are equal; below
+        # SPLIT_FREE_POSITIONS such a ubatch runs on all threads (_decode).
         params.n_threads = 1
         params.n_threads_batch = threads
+        self._threads = threads
+        self._one_token_threads = 1
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.no_perf = True
         context = llama_cpp.llama_init_from_model(model, params)
@@ -174,7 +181,8 @@ class LlamaCppTarget:
     def set_threads(self, threads: int) -> None:
         """Threads of the ubatches of two tokens or more; a one-token ubatch keeps one (__init__)."""
         with self._lock:
-            llama_cpp.llama_set_n_threads(self._context, 1, threads)
+            self._threads = threads
+            llama_cpp.llama_set_n_threads(self._context, self._one_token_threads, threads)
 
     @property
     def vocab_size(self) -> int:
@@ -242,7 +250,9 @@ class LlamaCppTarget:
             size = llama_cpp.llama_state_seq_get_size(self._context, state.seq_id)
             buffer = (ctypes.c_uint8 * size)()
             written = llama_cpp.llama_state_seq_get_data(self._context, buffer, size, state.seq_id)
-            return encode_llamacpp_kv(self.weights_digest, state.tokens, self._kv_layout, bytes(buffer[:written]))
+            # string_at copies the C buffer at once; slicing it makes a list of ints first (1 s at 1800 tokens).
+            state_bytes = ctypes.string_at(buffer, written)
+            return encode_llamacpp_kv(self.weights_digest, state.tokens, self._kv_layout, state_bytes)
 
     def close_session(self, session: SessionId) -> None:
         with self._lock:
@@ -345,6 +355,7 @@ class LlamaCppTarget:
                     batch.seq_id[slot][0] = feed.seq_id
                     batch.logits[slot] = rows
                 batch.n_tokens = len(call)
+                self._thread_one_token_call(call, feeds)
                 status = llama_cpp.llama_decode(self._context, batch)
                 if status != 0:
                     raise ModelError(f"llama_decode returned {status}: {_DECODE_FAILURES.get(status, 'it failed')}")
@@ -356,6 +367,17 @@ class LlamaCppTarget:
                 llama_cpp.llama_memory_seq_rm(self._memory, feed.seq_id, feed.start, -1)
             raise
         return out
+
+    def _thread_one_token_call(self, call: list[tuple[int, int]], feeds: Sequence[_Feed]) -> None:
+        """A call of one token runs on every thread where its attention is not split among them
+        (SPLIT_FREE_POSITIONS), else on one."""
+        if len(call) != 1:
+            return
+        ((index, offset),) = call
+        threads = self._threads if feeds[index].start + offset < SPLIT_FREE_POSITIONS else 1
+        if threads != self._one_token_threads:
+            self._one_token_threads = threads
+            llama_cpp.llama_set_n_threads(self._context, threads, self._threads)
 
     def _row(self, slot: int) -> np.ndarray:
         pointer = llama_cpp.llama_get_logits_ith(self._context, slot)
