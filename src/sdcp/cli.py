@@ -243,7 +243,10 @@ def up(
         "torch or llamacpp.",
     ),
     drafter: list[str] = typer.Option(
-        None, "--drafter", help="Drafter specs: ngram (the default) or hf:NAME, a model much smaller than the target."
+        None,
+        "--drafter",
+        help="Drafter specs: ngram (the default), hf:NAME or llamacpp:NAME_OR_GGUF (a model much smaller than "
+        "the target).",
     ),
     gateway_port: int = typer.Option(8000, "--gateway-port", help="Port of the OpenAI-compatible API (0: any)."),
     home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp)."),

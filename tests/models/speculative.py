@@ -68,6 +68,9 @@ class RandomDrafter:
     weights_digest = b"\x00" * 32
     seconds_per_token = 0.0
 
+    def set_threads(self, threads: int) -> None:
+        return None  # one thread, the caller's
+
     def __init__(self, vocab_size: int, seed: int) -> None:
         self.vocab_size = vocab_size
         self._rng = np.random.default_rng(seed)

@@ -330,6 +330,9 @@ class OracleDrafter:
     runs_inline = False
     seconds_per_token = 0.001
 
+    def set_threads(self, threads: int) -> None:
+        return None  # one thread, the caller's
+
     def __init__(self, target: TargetModel) -> None:
         self.target = target
         self.vocab_size = target.vocab_size

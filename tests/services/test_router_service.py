@@ -706,6 +706,9 @@ class WrongDrafter:
     name = "always-wrong"
     runs_inline = False
 
+    def set_threads(self, threads: int) -> None:
+        return None  # one thread, the caller's
+
     def __init__(self) -> None:
         self.model = tiny_model()
         self.sessions: dict[bytes, list[int]] = {}

@@ -76,6 +76,9 @@ class Drafter(Protocol):
         """Work the first draft would otherwise pay (hashing, packing weights), on the thread
         that will run the drafter."""
 
+    def set_threads(self, threads: int) -> None:
+        """Draft on this many threads from now on (sdcp.threads.CoreGovernor sizes them)."""
+
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None: ...
 
     def sync(self, session: SessionId, committed_tokens: Sequence[int]) -> None: ...
@@ -164,6 +167,10 @@ class HFDrafter:
             pack_weights(self.model)
         _ = self.weights_digest
         self._time_drafting()
+
+    def set_threads(self, threads: int) -> None:
+        # OpenMP's team size is a setting of the calling thread: the drafter's own.
+        torch.set_num_threads(threads)
 
     def _time_drafting(self) -> None:
         with self._lock:
@@ -288,6 +295,9 @@ class NgramDrafter:
 
     def prepare(self) -> None:
         return None  # no model: nothing to hash or pack
+
+    def set_threads(self, threads: int) -> None:
+        return None  # no model: it drafts on the calling thread alone
 
     @property
     def seconds_per_token(self) -> float:

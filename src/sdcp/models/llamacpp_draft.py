@@ -149,6 +149,10 @@ class LlamaCppDrafter:
         with self._lock:
             self._timer.value = probe_seconds_per_token(self)
 
+    def set_threads(self, threads: int) -> None:
+        with self._lock:
+            llama_cpp.llama_set_n_threads(self._context, threads, threads)
+
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
         tokens = self._checked_prefix(prompt_tokens)
         with self._lock:

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from sdcp.models import tiny
-from sdcp.models.backend import DEFAULT_KV_SLOTS, Target, TargetBackend
+from sdcp.models.backend import DEFAULT_KV_SLOTS, LLAMACPP_KV_SLOTS, Target, TargetBackend
 from sdcp.models.draft import Drafter, HFDrafter, NgramDrafter
 from sdcp.models.errors import ModelError, UnknownModel
 from sdcp.models.fetch import SMOLLM2_GGUF_NAME, SMOLLM2_NAME
@@ -156,7 +156,7 @@ def load_drafter(
     device: str = "cpu",
     dtype: str = "float32",
     threads: int | None = None,
-    kv_slots: int = DEFAULT_KV_SLOTS,
+    kv_slots: int = LLAMACPP_KV_SLOTS,
     kv_capacity: int | None = None,
 ) -> Drafter:
     """A drafter from its configured spec; `vocab_size` is the target's (rows must match it).

@@ -61,12 +61,14 @@ class DrafterNode(Node):
     def __init__(self, config: ServiceConfig, *, drafter: Drafter | None = None, mlc: MLC | None = None) -> None:
         super().__init__(config, mlc)
         settings = config.drafter
+        threads = thread_budget(config, "drafter")
         if drafter is None:
             drafter = load_drafter(
                 settings.model,
                 vocab_size=target_vocab_size(settings.target),
                 device=settings.device,
                 dtype=settings.dtype,
+                threads=threads,
             )
         self.engine = DrafterEngine(
             uri=self.uri,
@@ -75,7 +77,7 @@ class DrafterNode(Node):
             mlc=self.mlc,
             link=HTTPVerifierLink(self.peers),
             ttl_ms=config.instance.ttl_ms,
-            cores=CoreGovernor(thread_budget(config, "drafter")),
+            cores=CoreGovernor(threads, set_threads=drafter.set_threads),
             on_measured=self.report_status_soon,
         )
 
