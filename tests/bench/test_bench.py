@@ -77,7 +77,12 @@ def test_bench_command_on_tiny_model_writes_results(tmp_path: Path) -> None:
     assert sorted(summary["default_vs_target"]) == sorted(workloads)
     assert all(isinstance(summary["default_vs_target"][w], float) for w in workloads)
     assert all(isinstance(summary["default_vs_ngram_only"][w], float) for w in workloads)
-    assert summary["systems"]["sdcp_target_only"]["open"]["tokens_per_s"] is None  # chat: CHAT_SYSTEMS only
+    # SDCP's target alone runs the chat prompts too: the reference of exactness there.
+    assert summary["systems"]["sdcp_target_only"]["open"]["tokens_per_s"] > 0
+    assert summary["systems"]["sdcp_inprocess"]["open"]["tokens_per_s"] is None  # chat: CHAT_SYSTEMS only
+    assert summary["backend"] == "torch"  # the tiny model is no GGUF
+    # The gateway's streamed answer is timed to its first text.
+    assert summary["systems"]["sdcp_default"]["open"]["first_token_ms_p50"] > 0
     rows = summary["default_per_prompt"]
     assert [(row["workload"], row["prompt"]) for row in rows] == [(w, 0) for w in workloads]
     assert all(row["served"] for row in rows)
@@ -94,7 +99,9 @@ def test_bench_command_on_tiny_model_writes_results(tmp_path: Path) -> None:
     assert (out / "relative_speed.png").stat().st_size > 0
 
 
-def _data(tokens_by_system: dict[str, list[int]], seconds: dict[str, float] | None = None) -> BenchData:
+def _data(
+    tokens_by_system: dict[str, list[int]], seconds: dict[str, float] | None = None, backend: str = "torch"
+) -> BenchData:
     measurements = [
         Measurement(
             system,
@@ -113,12 +120,19 @@ def _data(tokens_by_system: dict[str, list[int]], seconds: dict[str, float] | No
         concurrency=[ConcurrencyLevel(1, 10, 1.0), ConcurrencyLevel(16, 50, 1.0)],
         systems=list(tokens_by_system),
         seconds=1.0,
+        backend=backend,
     )
 
 
 def test_identical_outputs_is_false_when_one_token_differs() -> None:
     same = [5, 6, 7]
-    systems = {"hf_target": same, "hf_prompt_lookup": same, "sdcp_inprocess": same, "sdcp_e2e": [5, 9, 7]}
+    systems = {
+        "hf_target": same,
+        "hf_prompt_lookup": same,
+        "sdcp_target_only": same,
+        "sdcp_inprocess": same,
+        "sdcp_e2e": [5, 9, 7],
+    }
     summary = summarise(_data(systems))
     assert summary["identical_outputs"] is False
     assert {m["system"] for m in summary["mismatches"]} == {"sdcp_e2e"}
@@ -131,8 +145,23 @@ def test_identical_outputs_needs_a_comparison() -> None:
     assert summary["identical_outputs"] is False
 
 
+@pytest.mark.parametrize(("backend", "transformers_is_exact"), [("torch", True), ("llamacpp", False)])
+def test_exactness_is_against_the_backends_own_greedy_decoding(backend: str, transformers_is_exact: bool) -> None:
+    # On llama.cpp SDCP's target is the GGUF's computation, not transformers' fp32 one.
+    systems = {"hf_target": [5, 6, 1], "sdcp_target_only": [5, 6, 7], "sdcp_e2e": [5, 6, 7], "sdcp_default": [5, 6, 7]}
+    summary = summarise(_data(systems, backend=backend))
+    assert summary["backend"] == backend
+    assert summary["identical_outputs"] is not transformers_is_exact
+    assert {m["system"] for m in summary["mismatches"]} == ({"hf_target"} if transformers_is_exact else set())
+
+
 def test_speeds_and_outputs_are_also_given_against_llamacpp_target() -> None:
-    systems = {"hf_target": [5, 6, 7, 8], "llamacpp_target": [5, 6, 7, 8], "sdcp_e2e": [5, 6, 9, 8]}
+    systems = {
+        "hf_target": [5, 6, 7, 8],
+        "sdcp_target_only": [5, 6, 7, 8],
+        "llamacpp_target": [5, 6, 7, 8],
+        "sdcp_e2e": [5, 6, 9, 8],
+    }
     summary = summarise(_data(systems, seconds={"hf_target": 2.0, "llamacpp_target": 0.5}))
     relative = summary["relative_speed"]
     assert relative["llamacpp_target"]["hf_target"]["mixed"] == 0.25

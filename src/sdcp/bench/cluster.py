@@ -13,6 +13,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -126,9 +127,9 @@ class ClusterSystem:
 
 class GatewaySystem(ClusterSystem):
     """What a user runs: the default `sdcp up` cluster, asked through its OpenAI-compatible API with
-    a chat request (the gateway applies the chat template), timed by the client from sending the
-    request to the whole answer. The tokens come afterwards from the verifier's output, untimed,
-    to compare them with greedy decoding."""
+    a streamed chat request (the gateway applies the chat template), timed by the client from
+    sending the request to the first text (time to first token) and to the end of the stream. The
+    tokens come afterwards from the verifier's output, untimed, to compare them with greedy decoding."""
 
     def __init__(self, home: Path, model: str, *, chat: bool = True) -> None:
         super().__init__(home, model, name="sdcp_default", drafters=DEFAULT_DRAFTERS)
@@ -138,30 +139,48 @@ class GatewaySystem(ClusterSystem):
     async def generate(self, prompt: Prompt, max_new: int, stop: Sequence[int]) -> RunResult:
         if self.client is None or self.cluster.gateway is None:
             raise RuntimeError("start() and connect() first")
-        request: dict[str, Any] = {"model": self.model, "max_tokens": max_new, "temperature": 0}
+        request: dict[str, Any] = {"model": self.model, "max_tokens": max_new, "temperature": 0, "stream": True}
         if self.chat:
             request["messages"] = [{"role": "user", "content": prompt.text}]
         else:
             request["prompt"] = prompt.text
         endpoint = "chat/completions" if self.chat else "completions"
         started = time.perf_counter()
-        sessions = await asyncio.to_thread(_ask_gateway, f"{self.cluster.gateway}/{endpoint}", request)
+        answered = await asyncio.to_thread(_ask_gateway, f"{self.cluster.gateway}/{endpoint}", request, started)
         seconds = time.perf_counter() - started
-        (session,) = sessions
+        (session,) = answered.sessions
         handle = await self.client.locate(SessionHandle(session, 1, "", None))
         result = await self.session_result(handle, seconds)
         result.tokens = [token for chunk in [c async for c in self.client.stream(handle)] for token in chunk.tokens]
+        result.first_token_ms = answered.first_text_ms
         return result
 
 
-def _ask_gateway(url: str, body: dict[str, Any]) -> list[bytes]:
-    """POST a request to the gateway; the sessions of its choices (the X-SDCP-Sessions header)."""
+@dataclass(frozen=True)
+class _Answered:
+    sessions: list[bytes]
+    # From sending the request to the first chunk that carries text; None if none did.
+    first_text_ms: float | None
+
+
+def _ask_gateway(url: str, body: dict[str, Any], started: float) -> _Answered:
+    """POST a streamed request to the gateway and read it to its end: the sessions of its choices
+    (the X-SDCP-Sessions header) and when the first text came."""
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
+    first_text_ms = None
     with urllib.request.urlopen(request, timeout=_GATEWAY_TIMEOUT_S) as response:  # noqa: S310 - loopback
-        answer = json.loads(response.read())
         sessions = response.headers.get("X-SDCP-Sessions", "")
-    if not isinstance(answer, dict) or not sessions:
+        for line in response:
+            data = line.removeprefix(b"data: ").strip()
+            if first_text_ms is None and data and data != b"[DONE]" and _carries_text(json.loads(data)):
+                first_text_ms = 1000 * (time.perf_counter() - started)
+    if not sessions:
         raise RuntimeError(f"the gateway at {url} answered without its sessions")
-    return [bytes.fromhex(session) for session in sessions.split(",")]
+    return _Answered([bytes.fromhex(session) for session in sessions.split(",")], first_text_ms)
+
+
+def _carries_text(chunk: dict[str, Any]) -> bool:
+    """Whether a chat or completions stream chunk carries text of a choice."""
+    return any(choice.get("text") or (choice.get("delta") or {}).get("content") for choice in chunk.get("choices", []))

@@ -15,13 +15,14 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 import numpy as np  # noqa: E402
 
 from sdcp.bench.runner import EXACT_SYSTEMS, BenchData, Measurement  # noqa: E402
-from sdcp.bench.workloads import CORE_WORKLOADS  # noqa: E402
+from sdcp.bench.workloads import CHAT_WORKLOADS, CORE_WORKLOADS  # noqa: E402
 
 __all__ = ["GOALS", "summarise", "write_report"]
 
 E2E = "sdcp_e2e"
 DEFAULT = "sdcp_default"
 HF_TARGET = "hf_target"
+TARGET_ONLY = "sdcp_target_only"
 LLAMACPP_TARGET = "llamacpp_target"
 # Every system's speed is also given relative to these, per workload: plain greedy decoding in
 # transformers and in llama.cpp, what a CPU user would otherwise run.
@@ -38,6 +39,12 @@ GOALS: dict[str, tuple[str, str, float]] = {
     "non-model time per round p50 <= 3 ms": ("overhead_ms_p50", "<=", 3.0),
     "e2e >= 0.9x in-process": ("e2e_vs_inprocess", ">=", 0.9),
     "16 sessions >= 4x one session": ("concurrency16_vs_1", ">=", 4.0),
+    # Issue 27: against plain llama.cpp on the same GGUF, what a CPU user runs instead.
+    "target-only >= 0.95x plain llama.cpp": ("target_only_vs_llamacpp", ">=", 0.95),
+    "default >= 1.6x plain llama.cpp on copy/edit prompts": ("default_copyedit_vs_llamacpp", ">=", 1.6),
+    "default >= 1.05x plain llama.cpp on open prompts": ("default_open_vs_llamacpp", ">=", 1.05),
+    "default >= 1.0x plain llama.cpp on every workload": ("default_min_vs_llamacpp", ">=", 1.0),
+    "default time to first token p50 <= 1.3x plain llama.cpp's": ("default_first_token_vs_llamacpp", "<=", 1.3),
 }
 
 
@@ -97,8 +104,10 @@ def _compare(
 
 
 def _identical(data: BenchData) -> tuple[bool, list[dict[str, Any]]]:
-    """Compare the exact systems' tokens with target-only decoding, prompt by prompt, repeat by repeat."""
-    compared, mismatches = _compare(_outputs_by_run(data), HF_TARGET, list(EXACT_SYSTEMS))
+    """Compare the exact systems' tokens with SDCP's target-only decoding (its backend's greedy
+    decoding), prompt by prompt, repeat by repeat; transformers' too where that backend is torch."""
+    exact = [system for system in EXACT_SYSTEMS if system != HF_TARGET or data.backend == "torch"]
+    compared, mismatches = _compare(_outputs_by_run(data), TARGET_ONLY, exact)
     return compared > 0 and not mismatches, mismatches
 
 
@@ -194,6 +203,11 @@ def summarise(data: BenchData) -> dict[str, Any]:
             (top.tokens / top.seconds) / (single.tokens / single.seconds), 3
         )
     ratios.setdefault("concurrency16_vs_1", None)
+    default_vs_llamacpp = {w: ratio(w, DEFAULT, LLAMACPP_TARGET) for w in workloads if w in CHAT_WORKLOADS}
+    ratios["target_only_vs_llamacpp"] = ratio("all", TARGET_ONLY, LLAMACPP_TARGET)
+    ratios["default_copyedit_vs_llamacpp"] = default_vs_llamacpp.get("copyedit")
+    ratios["default_open_vs_llamacpp"] = default_vs_llamacpp.get("open")
+    ratios["default_min_vs_llamacpp"] = _lowest(default_vs_llamacpp) if default_vs_llamacpp else None
     per_system: dict[str, Any] = {}
     for system in data.systems:
         runs = [m for m in data.measurements if m.system == system]
@@ -202,11 +216,13 @@ def summarise(data: BenchData) -> dict[str, Any]:
             chosen = runs if workload == "all" else [m for m in runs if m.workload == workload]
             per_workload[workload] = _system_workload(chosen, rates[system][workload])
         per_system[system] = per_workload
+    ratios["default_first_token_vs_llamacpp"] = _first_token_ratio(data, DEFAULT, LLAMACPP_TARGET)
     e2e_overhead = [ms for m in data.measurements if m.system == E2E for ms in m.result.overhead_ms]
     inprocess_overhead = [ms for m in data.measurements if m.system == "sdcp_inprocess" for ms in m.result.overhead_ms]
     identical, mismatches = _identical(data)
     summary: dict[str, Any] = {
         "model": data.config.model,
+        "backend": data.backend,
         "quick": data.config.quick,
         "repeats": len(repeats),
         "max_new": data.config.effective_max_new,
@@ -230,6 +246,21 @@ def summarise(data: BenchData) -> dict[str, Any]:
     }
     summary["goals"] = _goals(summary)
     return summary
+
+
+def _first_token_ratio(data: BenchData, system: str, anchor: str) -> float | None:
+    """``system``'s time to first token p50 over the chat prompts, relative to ``anchor``'s."""
+
+    def p50(name: str) -> float | None:
+        times = [
+            m.result.first_token_ms
+            for m in data.measurements
+            if m.system == name and m.workload in CHAT_WORKLOADS and m.result.first_token_ms is not None
+        ]
+        return _percentile(times, 50)
+
+    ours, theirs = p50(system), p50(anchor)
+    return round(ours / theirs, 3) if ours is not None and theirs else None
 
 
 def _lowest(ratios: dict[str, float | None]) -> float | None:

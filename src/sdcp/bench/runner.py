@@ -54,13 +54,15 @@ __all__ = ["BenchConfig", "Measurement", "run_bench"]
 # Time for the model threads to notice a neighbour before the busy measurement starts.
 _NEIGHBOUR_SETTLE_S = 2.0
 
-# Systems whose outputs must equal target-only greedy decoding token for token.
+# Systems whose outputs must equal target-only greedy decoding token for token (SDCP's target-only
+# decoding on its backend; transformers' only where that backend is torch).
 EXACT_SYSTEMS = ("hf_target", "sdcp_target_only", "sdcp_inprocess", "sdcp_e2e", "sdcp_e2e_redis", "sdcp_default")
 # The systems that run the chat workloads: what a user compares (plain and prompt-lookup decoding
-# in transformers and in llama.cpp, the default cluster) and the n-gram-only cluster the default is
-# held against.
+# in transformers and in llama.cpp, the default cluster), SDCP's target alone (the reference of
+# exactness) and the n-gram-only cluster the default is held against.
 CHAT_SYSTEMS = (
     "hf_target",
+    "sdcp_target_only",
     "hf_prompt_lookup",
     "llamacpp_target",
     "llamacpp_prompt_lookup",
@@ -129,6 +131,8 @@ class BenchData:
     # The default cluster's tokens per second on the open prompts without and with one core kept
     # busy by an unrelated process (docs/deploy.md, "Threads and cores").
     neighbour: dict[str, float] = field(default_factory=dict)
+    # Who runs SDCP's target, in process and in the clusters (`backend = "auto"`'s choice).
+    backend: str = "torch"
 
 
 def _log(message: str) -> None:
@@ -148,6 +152,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
     tokenizer = loaded.tokenizer
     stop = end_of_text_tokens(tokenizer)
     target = _sdcp_target(config, loaded, log)
+    backend = target.backend
     prompts = {w.name: [Prompt(p, tuple(tokenize_prompt(tokenizer, p))) for p in w.prompts] for w in workloads}
     in_process: list[Any] = [HFTargetSystem(loaded.model, stop), HFPromptLookupSystem(loaded.model, stop)]
     if config.model == TINY_NAME:
@@ -177,7 +182,8 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
             for cluster in clusters:
                 cluster.stop()
     systems = [system.name for system in in_process] + [cluster.name for cluster in clusters]
-    return BenchData(config, workloads, measurements, levels, systems, time.perf_counter() - started, neighbour)
+    seconds = time.perf_counter() - started
+    return BenchData(config, workloads, measurements, levels, systems, seconds, neighbour, backend)
 
 
 def _sdcp_target(config: BenchConfig, loaded: LoadedModel, log: Callable[[str], None]) -> Target:
