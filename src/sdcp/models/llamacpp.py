@@ -17,10 +17,7 @@ of one token (docs/models.md, where the deviations are measured); this module ke
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
 import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -31,7 +28,6 @@ import numpy as np
 
 from sdcp.models.backend import (
     DEFAULT_KV_SLOTS,
-    MAX_SLOT_CAPACITY,
     ScoreRequest,
     SessionId,
     TargetBackend,
@@ -49,16 +45,11 @@ from sdcp.models.errors import (
     UnknownSession,
 )
 from sdcp.models.kvformat import decode_llamacpp_kv, encode_llamacpp_kv
+from sdcp.models.llamacpp_native import PROPOSAL_ROOM, SEQUENCE_TOKENS_PER_CALL, load_native
 from sdcp.threads import usable_cores
 
 __all__ = ["BATCH_TOKENS", "SEQUENCE_TOKENS_PER_CALL", "SPLIT_FREE_POSITIONS", "LlamaCppTarget"]
 
-log = logging.getLogger("sdcp.models.llamacpp")
-
-# llama.cpp's CPU flash attention computes 64 or more queries of one sequence in a ubatch another
-# way than fewer, with logits that differ by up to 2: no llama_decode call holds more tokens of one
-# sequence than this (a longer prefill or proposal takes several calls).
-SEQUENCE_TOKENS_PER_CALL = 63
 # Tokens per llama_decode call, at most. It also bounds the logits buffer llama.cpp keeps (a row of
 # the vocabulary per token of a call).
 BATCH_TOKENS = 512
@@ -66,10 +57,6 @@ BATCH_TOKENS = 512
 # from a wider ubatch's) only where the ubatch attends 512 cells or more: it pads the cells a
 # sequence uses to a multiple of at most 256, so a token at a position below this attends fewer.
 SPLIT_FREE_POSITIONS = 256
-# Positions a sequence holds beyond kv_capacity: a proposal's, made near the end of a session whose
-# prompt and max_new fill the capacity (a contract's m_max is at most 64, sdcp.protocol.messages).
-PROPOSAL_ROOM = 64
-
 _DECODE_FAILURES = {
     1: "no room in the KV cache for the pass",
     2: "the pass was aborted",
@@ -119,55 +106,27 @@ class LlamaCppTarget:
         self.tokenizer_json = tokenizer_json
         self.name = name or gguf.name
         threads = threads if threads is not None else usable_cores()
-        most_sequences = llama_cpp.llama_max_parallel_sequences()
-        if not 1 <= kv_slots <= most_sequences:
-            raise ModelError(f"kv_slots must be 1..{most_sequences} on llama.cpp, got {kv_slots}")
-        if threads < 1 or (kv_capacity is not None and kv_capacity < 1):
-            raise ModelError(f"threads and kv_capacity must be at least 1, got {threads} and {kv_capacity}")
-        _route_native_log(native_log)
-        _init_backend()
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = 0  # the exactness above is measured on the CPU kernels
-        model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), model_params)
-        if model is None:
-            raise ModelError(f"llama.cpp could not load {gguf}")
-        vocab = llama_cpp.llama_model_get_vocab(model)
-        assert vocab is not None  # a loaded model has one
-        self._vocab_size = int(llama_cpp.llama_vocab_n_tokens(vocab))
-        self._capacity = kv_capacity or min(int(llama_cpp.llama_model_n_ctx_train(model)), MAX_SLOT_CAPACITY)
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = kv_slots * (self._capacity + PROPOSAL_ROOM)
-        params.n_seq_max = kv_slots
-        # A cache per sequence keeps a session's cells in the order of its positions, whatever the
-        # other sessions free: attention runs over cells in their order, and in one shared cache a
-        # session's tokens written into cells before its older ones gave logits up to 1 apart.
-        # llama.cpp splits such a batch into ubatches of consecutive sequence ids that feed as many
-        # tokens each (hence the batch in sequence order).
-        params.kv_unified = False
-        params.n_batch = params.n_ubatch = BATCH_TOKENS
-        params.n_outputs_max = 0  # as many rows as tokens in a call
-        params.n_outputs_max_per_seq = 0
         # llama.cpp runs a ubatch of one token on n_threads, and on more than one its logits differ
         # from those of any wider ubatch from about 300 positions of context on (by up to 1.3; it
         # splits the attention over the KV among the threads). On one thread they are equal; below
         # SPLIT_FREE_POSITIONS such a ubatch runs on all threads (_decode).
-        params.n_threads = 1
-        params.n_threads_batch = threads
+        native = load_native(
+            gguf,
+            owner=self,
+            kv_slots=kv_slots,
+            kv_capacity=kv_capacity,
+            threads=threads,
+            one_token_threads=1,
+            batch_tokens=BATCH_TOKENS,
+            native_log=native_log,
+        )
         self._threads = threads
         self._one_token_threads = 1
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.no_perf = True
-        context = llama_cpp.llama_init_from_model(model, params)
-        if context is None:
-            llama_cpp.llama_model_free(model)
-            raise ModelError(f"llama.cpp could not make a context of {params.n_ctx} positions for {gguf}")
-        batch = llama_cpp.llama_batch_init(BATCH_TOKENS, 0, 1)
-        weakref.finalize(self, _free_native, model, context, batch)
-        self._context = context
-        memory = llama_cpp.llama_get_memory(context)
-        assert memory is not None  # a decoder's context has a KV cache
-        self._memory = memory
-        self._batch = batch
+        self._vocab_size = native.vocab_size
+        self._capacity = native.capacity
+        self._context = native.context
+        self._memory = native.memory
+        self._batch = native.batch
         self._kv_slots = kv_slots
         # llama.cpp's state of a sequence is laid out by its build and its cache's sequence count
         # (one cache each): only a cache of the same layout reads it back.
@@ -416,31 +375,3 @@ def _calls(feeds: Sequence[_Feed]) -> Iterator[list[tuple[int, int]]]:
             call.extend((index, offset) for offset in piece)
         if call:
             yield call
-
-
-def _log_to_python(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    log.debug("%s", text.decode("utf-8", "replace").rstrip("\n"))
-
-
-# ctypes holds no reference to a callback handed to C: this one lives as long as the module.
-_LOG_CALLBACK = llama_cpp.llama_log_callback(_log_to_python)
-# A NULL callback: llama.cpp prints to stderr itself.
-_NATIVE_LOG = llama_cpp.llama_log_callback()
-
-
-def _route_native_log(native: bool) -> None:
-    """llama.cpp keeps one log callback per process: the last target made decides."""
-    llama_cpp.llama_log_set(_NATIVE_LOG if native else _LOG_CALLBACK, ctypes.c_void_p(0))
-
-
-@functools.cache
-def _init_backend() -> None:
-    llama_cpp.llama_backend_init()
-
-
-def _free_native(
-    model: llama_cpp.llama_model_p, context: llama_cpp.llama_context_p, batch: llama_cpp.llama_batch
-) -> None:
-    llama_cpp.llama_batch_free(batch)
-    llama_cpp.llama_free(context)
-    llama_cpp.llama_model_free(model)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,7 +21,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from sdcp.models.backend import DEFAULT_KV_SLOTS, MAX_SLOT_CAPACITY, SessionId, checked_tokens
+from sdcp.models.backend import DEFAULT_KV_SLOTS, SessionId, checked_tokens
 from sdcp.models.digests import gguf_digest
 from sdcp.models.draft import (
     DraftResult,
@@ -31,14 +30,8 @@ from sdcp.models.draft import (
     probe_seconds_per_token,
     session_rng,
 )
-from sdcp.models.errors import BadTokens, ModelError, SessionExists, SessionLimit, UnknownModel, UnknownSession
-from sdcp.models.llamacpp import (
-    PROPOSAL_ROOM,
-    SEQUENCE_TOKENS_PER_CALL,
-    _free_native,
-    _init_backend,
-    _route_native_log,
-)
+from sdcp.models.errors import BadTokens, ModelError, SessionExists, SessionLimit, UnknownSession
+from sdcp.models.llamacpp_native import PROPOSAL_ROOM, SEQUENCE_TOKENS_PER_CALL, load_native
 from sdcp.protocol.messages import Sampling
 from sdcp.protocol.sampling import draw_token, target_distribution
 from sdcp.threads import usable_cores
@@ -87,45 +80,23 @@ class LlamaCppDrafter:
         self.name = name or gguf.name
         self.runs_inline = False
         threads = threads if threads is not None else usable_cores()
-        most_sequences = llama_cpp.llama_max_parallel_sequences()
-        if not 1 <= kv_slots <= most_sequences:
-            raise ModelError(f"kv_slots must be 1..{most_sequences} on llama.cpp, got {kv_slots}")
-        if threads < 1 or (kv_capacity is not None and kv_capacity < 1):
-            raise ModelError(f"threads and kv_capacity must be at least 1, got {threads} and {kv_capacity}")
-        _route_native_log(native_log)
-        _init_backend()
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = 0
-        model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), model_params)
-        if model is None:
-            raise ModelError(f"llama.cpp could not load {gguf}")
-        vocab = llama_cpp.llama_model_get_vocab(model)
-        assert vocab is not None  # a loaded model has one
-        self._vocab_size = int(llama_cpp.llama_vocab_n_tokens(vocab))
-        if vocab_size is not None and self._vocab_size != vocab_size:
-            llama_cpp.llama_model_free(model)
-            raise UnknownModel(f"drafter {self.name} has vocabulary {self._vocab_size}, the target {vocab_size}")
-        self._capacity = kv_capacity or min(int(llama_cpp.llama_model_n_ctx_train(model)), MAX_SLOT_CAPACITY)
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = kv_slots * (self._capacity + PROPOSAL_ROOM)
-        params.n_seq_max = kv_slots
-        params.kv_unified = False
         # Every call feeds one sequence, so no call needs room for more than its tokens.
-        params.n_batch = params.n_ubatch = SEQUENCE_TOKENS_PER_CALL
-        params.n_threads = params.n_threads_batch = threads
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.no_perf = True
-        context = llama_cpp.llama_init_from_model(model, params)
-        if context is None:
-            llama_cpp.llama_model_free(model)
-            raise ModelError(f"llama.cpp could not make a context of {params.n_ctx} positions for {gguf}")
-        batch = llama_cpp.llama_batch_init(SEQUENCE_TOKENS_PER_CALL, 0, 1)
-        weakref.finalize(self, _free_native, model, context, batch)
-        self._context = context
-        memory = llama_cpp.llama_get_memory(context)
-        assert memory is not None  # a decoder's context has a KV cache
-        self._memory = memory
-        self._batch = batch
+        native = load_native(
+            gguf,
+            owner=self,
+            kv_slots=kv_slots,
+            kv_capacity=kv_capacity,
+            threads=threads,
+            one_token_threads=threads,
+            batch_tokens=SEQUENCE_TOKENS_PER_CALL,
+            native_log=native_log,
+            vocab_size=vocab_size,
+        )
+        self._vocab_size = native.vocab_size
+        self._capacity = native.capacity
+        self._context = native.context
+        self._memory = native.memory
+        self._batch = native.batch
         self._free_ids = list(range(kv_slots - 1, -1, -1))  # popped lowest first
         self._sessions: dict[SessionId, _DraftSequence] = {}
         self._timer = TokenTimer(initial=0.01)
