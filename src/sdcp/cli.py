@@ -245,8 +245,8 @@ def up(
     drafter: list[str] = typer.Option(
         None,
         "--drafter",
-        help="Drafter specs: ngram (the default), hf:NAME or llamacpp:NAME_OR_GGUF (a model much smaller than "
-        "the target).",
+        help="Drafter specs: ngram (the default), suffix (prompt lookup plus earlier sessions' outputs), hf:NAME "
+        "or llamacpp:NAME_OR_GGUF (a model much smaller than the target).",
     ),
     gateway_port: int = typer.Option(8000, "--gateway-port", help="Port of the OpenAI-compatible API (0: any)."),
     home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp)."),

@@ -205,6 +205,7 @@ class VerifierConfig:
 
 
 NGRAM_DRAFTER = "ngram"
+SUFFIX_DRAFTER = "suffix"
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -220,8 +221,9 @@ class DrafterConfig:
 
     @property
     def runs_model(self) -> bool:
-        """Every drafter but prompt lookup runs a model (sdcp.models.registry.load_drafter)."""
-        return self.model != NGRAM_DRAFTER
+        """Every drafter but prompt lookup and the suffix drafter runs a model
+        (sdcp.models.registry.load_drafter)."""
+        return self.model not in (NGRAM_DRAFTER, SUFFIX_DRAFTER)
 
 
 @dataclass(frozen=True, config=_SECTION)

@@ -28,6 +28,7 @@ from sdcp.engines.ports import VerifierLink
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.models.draft import Drafter, DraftResult
 from sdcp.models.errors import UnknownSession
+from sdcp.models.suffix import SharesHistory
 from sdcp.models.worker import InlineModelThread, ModelThread
 from sdcp.protocol.digest import extend_digest, prefix_digest
 from sdcp.protocol.drafter import AcceptanceEstimate, DrafterSession
@@ -256,9 +257,17 @@ class DrafterEngine:
             log.exception("%s: session %s stopped on an error", self.uri, run.session.hex())
         finally:
             if run.opened:
+                await self._learn_if_finished(run)
                 await self._close_backend_session(run.session)
             if self.runs.get(run.session) is run:
                 del self.runs[run.session]
+
+    async def _learn_if_finished(self, run: _SessionRun) -> None:
+        """A drafter that drafts from earlier sessions gets the committed prefix of one it saw finish.
+        Only then: a session that moves elsewhere would have its output learned twice if it came back."""
+        if run.state.stopped_by is Action.FINISH and isinstance(self.drafter, SharesHistory):
+            with contextlib.suppress(UnknownSession):
+                await self._worker.run_async(self.drafter.learn, run.session, run.committed_prefix)
 
     async def _close_backend_session(self, session: bytes) -> None:
         # UnknownSession: the open was cancelled before the worker started it.
@@ -276,6 +285,8 @@ class DrafterEngine:
         # Marked before the call: a cancellation may land while the worker is opening it.
         run.opened = True
         await self._worker.run_async(self.drafter.open_session, run.session, list(run.prompt))
+        if isinstance(self.drafter, SharesHistory):
+            await self._worker.run_async(self.drafter.bind_history, run.session, assignment.contract)
         if assignment.committed > 0 and assignment.committed_tokens is not None:
             await self._adopt_committed_object(run, assignment.committed_tokens)
         await self._catch_up(run, assignment.committed, assignment.digest)

@@ -3,8 +3,9 @@
 Target names: `smollm2` (the bundled SmolLM2-135M-Instruct, fetched by `sdcp models fetch`),
 `tiny` and `tiny-draft` (seeded random-weight test models), or a path to a Hugging Face model
 directory; on the llama.cpp backend, `smollm2` (its GGUF as shipped) or a path to a `.gguf` file.
-Drafter specs: `ngram` (prompt lookup), `hf:<name or path>` (any of the torch names) or
-`llamacpp:<name or path>` (`smollm2`, its GGUF as shipped, or a path to a `.gguf` file).
+Drafter specs: `ngram` (prompt lookup), `suffix` (the suffix drafter: the session's own tokens and
+earlier sessions' outputs), `hf:<name or path>` (any of the torch names) or `llamacpp:<name or path>`
+(`smollm2`, its GGUF as shipped, or a path to a `.gguf` file).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from sdcp.models.draft import Drafter, HFDrafter, NgramDrafter
 from sdcp.models.errors import ModelError, UnknownModel
 from sdcp.models.fetch import SMOLLM2_GGUF_NAME, SMOLLM2_NAME
 from sdcp.models.paths import TINY_DRAFT_NAME, TINY_NAME, model_dir
+from sdcp.models.suffix import SuffixDrafter
 from sdcp.models.target import TargetModel
 
 NGRAM_SPEC = "ngram"
+SUFFIX_SPEC = "suffix"
 HF_PREFIX = "hf:"
 LLAMACPP_PREFIX = "llamacpp:"
 
@@ -164,6 +167,8 @@ def load_drafter(
     (default: every usable core), with a KV cache sized as a llama.cpp target's."""
     if spec == NGRAM_SPEC:
         return NgramDrafter(vocab_size)
+    if spec == SUFFIX_SPEC:
+        return SuffixDrafter(vocab_size)
     if spec.startswith(HF_PREFIX) and len(spec) > len(HF_PREFIX):
         placed, torch_dtype = torch_placement(device, dtype)
         loaded = load_model(spec.removeprefix(HF_PREFIX), home)
@@ -180,7 +185,8 @@ def load_drafter(
             spec, gguf, vocab_size=vocab_size, threads=threads, kv_slots=kv_slots, kv_capacity=kv_capacity
         )
     raise UnknownModel(
-        f"unknown drafter spec {spec!r}: use {NGRAM_SPEC!r}, 'hf:<name or path>' or 'llamacpp:<name or path>'"
+        f"unknown drafter spec {spec!r}: use {NGRAM_SPEC!r}, {SUFFIX_SPEC!r}, 'hf:<name or path>' "
+        "or 'llamacpp:<name or path>'"
     )
 
 
