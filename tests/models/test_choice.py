@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sdcp.models.backend import Target, TargetBackend
-from sdcp.models.choice import CHOICES_FILE, BackendChoice, choose_backend
+from sdcp.models.choice import CHOICES_FILE, BackendChoice, choose_backend, known_backend
 from sdcp.models.fetch import FetchResult, models_dir, smollm2_dir
 
 
@@ -71,3 +71,12 @@ def test_a_damaged_measurement_is_measured_again(home: Path, measured: BackendCh
             choose_backend("auto", "smollm2", device="cpu", threads=1, home=home, load=never_loads)
     finally:
         choices.write_text(kept, encoding="utf-8")
+
+
+def test_what_is_known_without_measuring(home: Path, measured: BackendChoice, tmp_path: Path) -> None:
+    # What a process decides before it imports torch or llama.cpp (its OpenMP wait policy).
+    assert known_backend("auto", "smollm2", device="cpu", threads=1, home=tmp_path) is None
+    known = known_backend("auto", "smollm2", device="cpu", threads=1, home=home)
+    assert known is not None and known.backend == measured.backend
+    configured = known_backend("llamacpp", "smollm2", device="cpu", threads=1, home=tmp_path)
+    assert configured is not None and configured.backend == "llamacpp"

@@ -11,6 +11,7 @@ and a proposal of `_DRAFT_TOKENS`) is kept in the models directory, keyed by wha
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -25,7 +26,7 @@ from pathlib import Path
 from sdcp.models.backend import BackendSetting, Target, TargetBackend
 from sdcp.models.fetch import SMOLLM2_NAME, models_dir
 
-__all__ = ["CHOICES_FILE", "BackendChoice", "choose_backend"]
+__all__ = ["CHOICES_FILE", "BackendChoice", "choose_backend", "known_backend"]
 
 log = logging.getLogger("sdcp.models.choice")
 
@@ -58,6 +59,23 @@ def choose_backend(
 ) -> BackendChoice:
     """The backend for ``model`` under ``setting``; ``load`` makes a small target of a backend to
     measure (default: `sdcp.models.registry.load_target` with one KV slot)."""
+    known = known_backend(setting, model, device=device, threads=threads, home=home)
+    if known is not None:
+        return known
+    cache = models_dir(home) / CHOICES_FILE
+    key = _measurement_key(model, threads)
+    measured = {backend: _measure(load or _small_target(model, threads, home), backend) for backend in _BACKENDS}
+    fastest = min(measured, key=lambda backend: sum(measured[backend]))
+    choice = BackendChoice(fastest, "measured", {backend: ms for backend, ms in measured.items()})
+    _write_choice(cache, key, choice)
+    return choice
+
+
+def known_backend(
+    setting: BackendSetting, model: str, *, device: str, threads: int, home: Path | None = None
+) -> BackendChoice | None:
+    """The choice where it needs no measurement now (configured, decided by the model, or measured
+    before), else None; imports neither torch nor llama.cpp, so that a process can act on it first."""
     if setting != "auto":
         return BackendChoice(setting, "configured", {})
     if model.endswith(".gguf"):
@@ -68,16 +86,7 @@ def choose_backend(
         return BackendChoice("torch", f"llama.cpp runs on the cpu here, the target on {device}", {})
     if importlib.util.find_spec("llama_cpp") is None:
         return BackendChoice("torch", "llama-cpp-python is not installed", {})
-    cache = models_dir(home) / CHOICES_FILE
-    key = _measurement_key(model, threads)
-    known = _known_choice(cache, key)
-    if known is not None:
-        return known
-    measured = {backend: _measure(load or _small_target(model, threads, home), backend) for backend in _BACKENDS}
-    fastest = min(measured, key=lambda backend: sum(measured[backend]))
-    choice = BackendChoice(fastest, "measured", {backend: ms for backend, ms in measured.items()})
-    _write_choice(cache, key, choice)
-    return choice
+    return _known_choice(models_dir(home) / CHOICES_FILE, _measurement_key(model, threads))
 
 
 _BACKENDS: tuple[TargetBackend, ...] = ("torch", "llamacpp")
@@ -118,13 +127,17 @@ def _median_ms(run_pass: Callable[[], object], target: Target) -> float:
 
 
 def _measurement_key(model: str, threads: int) -> str:
-    import llama_cpp
-    import torch
-
     return (
-        f"{model} | {_cpu_name()} | {threads} threads | torch {torch.__version__}"
-        f" | llama-cpp-python {llama_cpp.__version__}"
+        f"{model} | {_cpu_name()} | {threads} threads | torch {_version('torch')}"
+        f" | llama-cpp-python {_version('llama-cpp-python')}"
     )
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
 
 
 def _cpu_name() -> str:
