@@ -16,6 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from tests.e2e.support import sdcp, stats_when_ended
@@ -170,8 +171,13 @@ def browser() -> Iterator[webdriver.Chrome]:
 
 
 def _committed(browser: webdriver.Chrome, session: str) -> int | None:
+    """The committed count the page shows now; None while it shows none, or when the page redrew
+    the card between finding it and reading it (the next poll reads the new one)."""
     cards = browser.find_elements(By.CSS_SELECTOR, f'.session[data-session="{session}"] b[data-field="committed"]')
-    text = cards[0].text if cards else ""
+    try:
+        text = cards[0].text if cards else ""
+    except StaleElementReferenceException:
+        return None
     return int(text) if text.isdigit() else None
 
 
@@ -212,8 +218,14 @@ def test_the_dashboard_shows_a_running_session_grow(home: Path, browser: webdriv
         watched.set()
     assert seen == sorted(seen), seen
     assert browser.find_elements(By.CSS_SELECTOR, "#instances tr"), "no instances listed"
-    text = browser.find_element(By.CSS_SELECTOR, f'.session[data-session="{session}"] pre').text
-    assert text.strip(), "the session's text is not shown"
+
+    def text_shown() -> bool:
+        try:
+            return bool(browser.find_element(By.CSS_SELECTOR, f'.session[data-session="{session}"] pre').text.strip())
+        except StaleElementReferenceException:
+            return False  # redrawn between finding and reading: read the new one
+
+    wait_until(text_shown, what="the session's text shown")
     shot = tmp_path / "dashboard.png"
     assert browser.save_screenshot(str(shot)) and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # `SDCP_DASHBOARD_SCREENSHOT=docs/dashboard.png` refreshes the picture in the docs.
