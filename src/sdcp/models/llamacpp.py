@@ -27,7 +27,7 @@ import llama_cpp
 import numpy as np
 
 from sdcp.models.backend import (
-    DEFAULT_KV_SLOTS,
+    LLAMACPP_KV_SLOTS,
     ScoreRequest,
     SessionId,
     TargetBackend,
@@ -98,7 +98,7 @@ class LlamaCppTarget:
         *,
         name: str | None = None,
         threads: int | None = None,
-        kv_slots: int = DEFAULT_KV_SLOTS,
+        kv_slots: int = LLAMACPP_KV_SLOTS,
         kv_capacity: int | None = None,
         native_log: bool = False,
     ) -> None:

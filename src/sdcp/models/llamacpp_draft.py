@@ -21,7 +21,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from sdcp.models.backend import DEFAULT_KV_SLOTS, SessionId, checked_tokens
+from sdcp.models.backend import LLAMACPP_KV_SLOTS, SessionId, checked_tokens
 from sdcp.models.digests import gguf_digest
 from sdcp.models.draft import (
     DraftResult,
@@ -72,7 +72,7 @@ class LlamaCppDrafter:
         name: str | None = None,
         vocab_size: int | None = None,
         threads: int | None = None,
-        kv_slots: int = DEFAULT_KV_SLOTS,
+        kv_slots: int = LLAMACPP_KV_SLOTS,
         kv_capacity: int | None = None,
         native_log: bool = False,
     ) -> None:
