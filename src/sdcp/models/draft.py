@@ -13,8 +13,8 @@ import hashlib
 import struct
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -113,6 +113,43 @@ def session_rng(session: SessionId, sampling: Sampling | None) -> np.random.Gene
     return np.random.default_rng(int.from_bytes(material, "big"))
 
 
+@dataclass
+class SeededDraws:
+    """A model drafter session's draws: a generator seeded from the session and its sampling
+    profile's seed (``session_rng``), made anew when that seed changes."""
+
+    rng: np.random.Generator | None = None
+    seed: int | None = None
+
+    def generator(self, session: SessionId, sampling: Sampling | None) -> np.random.Generator:
+        seed = sampling.seed if sampling is not None else None
+        if self.rng is None or self.seed != seed:
+            self.rng = session_rng(session, sampling)
+            self.seed = seed
+        return self.rng
+
+
+def draw_tokens(
+    tokens: list[int],
+    m: int,
+    sampling: Sampling | None,
+    generator: np.random.Generator,
+    next_logits: Callable[[], np.ndarray],
+) -> tuple[list[int], list[np.ndarray]]:
+    """``m`` tokens drawn one after another, each from the row of ``next_logits`` (the model's
+    logits after ``tokens``, to which each drawn token is appended), and those rows."""
+    proposed: list[int] = []
+    rows: list[np.ndarray] = []
+    for _ in range(m):
+        # The published row is the float32 row the token is drawn from (SDCP 5.2).
+        row = target_distribution(next_logits(), sampling).astype(np.float32)
+        token = draw_token(row, float(generator.random()))
+        tokens.append(token)
+        proposed.append(token)
+        rows.append(row)
+    return proposed, rows
+
+
 class TokenTimer:
     """Exponentially weighted seconds per token: drafted (t_d of the SDCP 6.2 cost model) or
     self-decoded by a verifier."""
@@ -130,8 +167,7 @@ class TokenTimer:
 class _LMSession:
     tokens: list[int]
     cache: DynamicCache
-    rng: np.random.Generator | None = None
-    rng_seed_profile: int | None = None
+    draws: SeededDraws = field(default_factory=SeededDraws)
 
 
 class HFDrafter:
@@ -224,36 +260,23 @@ class HFDrafter:
         started = time.perf_counter()
         with self._lock:
             state = _lookup(self._sessions, session, self.name)
-            generator = rng if rng is not None else self._session_generator(session, state, sampling)
-            proposed: list[int] = []
-            rows: list[np.ndarray] = []
-            for _ in range(m):
-                fed = state.tokens[kvcache.cache_length(state.cache) :]
-                with torch.inference_mode():
-                    logits = self.model(
-                        input_ids=torch.tensor([fed], device=self.model.device),
-                        cache=state.cache,
-                        use_cache=True,
-                    ).logits[0, -1]
-                # The published row is the float32 row the token is drawn from (SDCP 5.2).
-                row = target_distribution(logits.to(torch.float64).cpu().numpy(), sampling)
-                row32 = row.astype(np.float32)
-                token = draw_token(row32, float(generator.random()))
-                state.tokens.append(token)
-                proposed.append(token)
-                rows.append(row32)
+            generator = rng if rng is not None else state.draws.generator(session, sampling)
+            proposed, rows = draw_tokens(state.tokens, m, sampling, generator, lambda: self._next_logits(state))
         seconds = time.perf_counter() - started
         self._timer.record(seconds, m)
         return DraftResult(tuple(proposed), np.stack(rows), seconds)
 
-    def _session_generator(
-        self, session: SessionId, state: _LMSession, sampling: Sampling | None
-    ) -> np.random.Generator:
-        seed = sampling.seed if sampling is not None else None
-        if state.rng is None or state.rng_seed_profile != seed:
-            state.rng = session_rng(session, sampling)
-            state.rng_seed_profile = seed
-        return state.rng
+    def _next_logits(self, state: _LMSession) -> np.ndarray:
+        """The float64 logits after the session's tokens, feeding those its cache lacks."""
+        fed = state.tokens[kvcache.cache_length(state.cache) :]
+        with torch.inference_mode():
+            logits = self.model(
+                input_ids=torch.tensor([fed], device=self.model.device),
+                cache=state.cache,
+                use_cache=True,
+            ).logits[0, -1]
+        row: np.ndarray = logits.to(torch.float64).cpu().numpy()
+        return row
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -25,15 +25,15 @@ from sdcp.models.backend import LLAMACPP_KV_SLOTS, SessionId, checked_tokens
 from sdcp.models.digests import gguf_digest
 from sdcp.models.draft import (
     DraftResult,
+    SeededDraws,
     TokenTimer,
     common_prefix_length,
+    draw_tokens,
     probe_seconds_per_token,
-    session_rng,
 )
 from sdcp.models.errors import BadTokens, ModelError, SessionExists, SessionLimit, UnknownSession
 from sdcp.models.llamacpp_native import PROPOSAL_ROOM, SEQUENCE_TOKENS_PER_CALL, load_native
 from sdcp.protocol.messages import Sampling
-from sdcp.protocol.sampling import draw_token, target_distribution
 from sdcp.threads import usable_cores
 
 __all__ = ["LlamaCppDrafter"]
@@ -47,8 +47,7 @@ class _DraftSequence:
     # The sequence holds the KV of tokens[:cached]; always fewer than len(tokens), so a draft feeds
     # at least one token and reads the row after it.
     cached: int = 0
-    rng: np.random.Generator | None = None
-    rng_seed_profile: int | None = None
+    draws: SeededDraws = field(default_factory=SeededDraws)
 
 
 class LlamaCppDrafter:
@@ -176,17 +175,8 @@ class LlamaCppDrafter:
                     f"{len(state.tokens)} tokens and a draft of {m} exceed the "
                     f"{self._capacity} + {PROPOSAL_ROOM} positions of a sequence"
                 )
-            generator = rng if rng is not None else self._session_generator(session, state, sampling)
-            proposed: list[int] = []
-            rows: list[np.ndarray] = []
-            for _ in range(m):
-                logits = self._feed(state)
-                # The published row is the float32 row the token is drawn from (SDCP 5.2).
-                row = target_distribution(logits, sampling).astype(np.float32)
-                token = draw_token(row, float(generator.random()))
-                state.tokens.append(token)
-                proposed.append(token)
-                rows.append(row)
+            generator = rng if rng is not None else state.draws.generator(session, sampling)
+            proposed, rows = draw_tokens(state.tokens, m, sampling, generator, lambda: self._feed(state))
         seconds = time.perf_counter() - started
         self._timer.record(seconds, m)
         return DraftResult(tuple(proposed), np.stack(rows), seconds)
@@ -218,15 +208,6 @@ class LlamaCppDrafter:
         if not pointer:
             raise ModelError(f"llama.cpp has no logits after the draft's last token on {self.name}")
         return np.ctypeslib.as_array(pointer, shape=(self._vocab_size,)).astype(np.float64)
-
-    def _session_generator(
-        self, session: SessionId, state: _DraftSequence, sampling: Sampling | None
-    ) -> np.random.Generator:
-        seed = sampling.seed if sampling is not None else None
-        if state.rng is None or state.rng_seed_profile != seed:
-            state.rng = session_rng(session, sampling)
-            state.rng_seed_profile = seed
-        return state.rng
 
     def _session(self, session: SessionId) -> _DraftSequence:
         try:
