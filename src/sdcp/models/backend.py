@@ -9,11 +9,11 @@ verifier engine and `sdcp.models.batching.BatchingScorer` are typed against the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 
-from sdcp.models.errors import BadTokens, DigestMismatch, InconsistentCommit
+from sdcp.models.errors import BadTokens, DigestMismatch, InconsistentCommit, UnknownSession
 
 __all__ = [
     "DEFAULT_KV_SLOTS",
@@ -27,6 +27,7 @@ __all__ = [
     "check_commit",
     "check_contract_digests",
     "checked_tokens",
+    "lookup_session",
 ]
 
 SessionId = bytes
@@ -150,3 +151,14 @@ def check_commit(session: SessionId, proposal: tuple[int, ...] | None, accepted:
     confirmed = min(len(emitted), accepted)
     if tuple(emitted[:confirmed]) != proposal[:confirmed]:
         raise InconsistentCommit("emitted tokens differ from the accepted proposal")
+
+
+SessionState = TypeVar("SessionState")
+
+
+def lookup_session(sessions: dict[SessionId, SessionState], session: SessionId, owner: str) -> SessionState:
+    """A model's state of ``session``; UnknownSession naming ``owner`` where it holds none."""
+    try:
+        return sessions[session]
+    except KeyError:
+        raise UnknownSession(f"session {session.hex()} is not open on {owner}") from None

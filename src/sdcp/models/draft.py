@@ -16,21 +16,21 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from sdcp.models import kvcache
+from sdcp.models.backend import lookup_session
 from sdcp.models.digests import weights_digest
-from sdcp.models.errors import BadTokens, SessionExists, UnknownSession
+from sdcp.models.errors import BadTokens, SessionExists
 from sdcp.models.packed import pack_weights, with_packed_linears
 from sdcp.protocol.messages import Sampling
 from sdcp.protocol.sampling import draw_token, target_distribution
 
 SessionId = bytes
-SessionT = TypeVar("SessionT")
 
 # Drafter randomness is derived under its own label; SDCP 6.4 forbids drafters the verifier's
 # HMAC derivation ("SDCP-VERIFY-1"), so the two streams stay independent.
@@ -227,20 +227,20 @@ class HFDrafter:
 
     def close_session(self, session: SessionId) -> None:
         with self._lock:
-            _lookup(self._sessions, session, self.name)
+            lookup_session(self._sessions, session, self.name)
             del self._sessions[session]
 
     def tokens(self, session: SessionId) -> tuple[int, ...]:
         """Committed prefix plus tentative drafted tokens of the session."""
         with self._lock:
-            return tuple(_lookup(self._sessions, session, self.name).tokens)
+            return tuple(lookup_session(self._sessions, session, self.name).tokens)
 
     def sync(self, session: SessionId, committed_tokens: Sequence[int]) -> None:
         committed = _checked(committed_tokens, self.vocab_size)
         if not committed:
             raise BadTokens("a committed prefix holds at least the prompt")
         with self._lock:
-            state = _lookup(self._sessions, session, self.name)
+            state = lookup_session(self._sessions, session, self.name)
             common = common_prefix_length(state.tokens, committed)
             # SDCP 6.3: discard draft state for positions beyond the accepted ones; the cache
             # keeps covering at most all tokens but the last, so the next pass feeds >= 1 token.
@@ -259,7 +259,7 @@ class HFDrafter:
             raise BadTokens(f"a draft has at least one token, got m={m}")
         started = time.perf_counter()
         with self._lock:
-            state = _lookup(self._sessions, session, self.name)
+            state = lookup_session(self._sessions, session, self.name)
             generator = rng if rng is not None else state.draws.generator(session, sampling)
             proposed, rows = draw_tokens(state.tokens, m, sampling, generator, lambda: self._next_logits(state))
         seconds = time.perf_counter() - started
@@ -337,7 +337,7 @@ class NgramDrafter:
 
     def close_session(self, session: SessionId) -> None:
         with self._lock:
-            _lookup(self._sessions, session, self.name)
+            lookup_session(self._sessions, session, self.name)
             del self._sessions[session]
 
     def sync(self, session: SessionId, committed_tokens: Sequence[int]) -> None:
@@ -345,7 +345,7 @@ class NgramDrafter:
         if not committed:
             raise BadTokens("a committed prefix holds at least the prompt")
         with self._lock:
-            _lookup(self._sessions, session, self.name).tokens = committed
+            lookup_session(self._sessions, session, self.name).tokens = committed
 
     def draft(
         self,
@@ -358,7 +358,7 @@ class NgramDrafter:
             raise BadTokens(f"a draft has at least one token, got m={m}")
         started = time.perf_counter()
         with self._lock:
-            state = _lookup(self._sessions, session, self.name)
+            state = lookup_session(self._sessions, session, self.name)
             proposed = self._continuation(state.tokens, m)
             # Drafted tokens stay tentative until `sync` confirms them, as for HFDrafter.
             state.tokens.extend(proposed)
@@ -413,10 +413,3 @@ def common_prefix_length(left: Sequence[int], right: Sequence[int]) -> int:
             break
         length += 1
     return length
-
-
-def _lookup(sessions: dict[SessionId, SessionT], session: SessionId, owner: str) -> SessionT:
-    try:
-        return sessions[session]
-    except KeyError:
-        raise UnknownSession(f"session {session.hex()} is not open on {owner}") from None

@@ -34,6 +34,7 @@ from sdcp.models.backend import (
     check_commit,
     check_contract_digests,
     checked_tokens,
+    lookup_session,
 )
 from sdcp.models.digests import gguf_digest, tokenizer_file_digest
 from sdcp.models.errors import (
@@ -42,7 +43,6 @@ from sdcp.models.errors import (
     ModelError,
     SessionExists,
     SessionLimit,
-    UnknownSession,
 )
 from sdcp.models.kvformat import decode_llamacpp_kv, encode_llamacpp_kv
 from sdcp.models.llamacpp_native import PROPOSAL_ROOM, SEQUENCE_TOKENS_PER_CALL, load_native
@@ -345,10 +345,7 @@ class LlamaCppTarget:
         return np.ctypeslib.as_array(pointer, shape=(self._vocab_size,))
 
     def _session(self, session: SessionId) -> _Sequence:
-        try:
-            return self._sessions[session]
-        except KeyError:
-            raise UnknownSession(f"session {session.hex()} is not open on {self.name}") from None
+        return lookup_session(self._sessions, session, self.name)
 
     def _checked_prefix(self, tokens: Sequence[int]) -> list[int]:
         checked = checked_tokens(tokens, self._vocab_size)

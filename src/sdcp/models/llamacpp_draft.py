@@ -21,7 +21,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from sdcp.models.backend import LLAMACPP_KV_SLOTS, SessionId, checked_tokens
+from sdcp.models.backend import LLAMACPP_KV_SLOTS, SessionId, checked_tokens, lookup_session
 from sdcp.models.digests import gguf_digest
 from sdcp.models.draft import (
     DraftResult,
@@ -31,7 +31,7 @@ from sdcp.models.draft import (
     draw_tokens,
     probe_seconds_per_token,
 )
-from sdcp.models.errors import BadTokens, ModelError, SessionExists, SessionLimit, UnknownSession
+from sdcp.models.errors import BadTokens, ModelError, SessionExists, SessionLimit
 from sdcp.models.llamacpp_native import PROPOSAL_ROOM, SEQUENCE_TOKENS_PER_CALL, load_native
 from sdcp.protocol.messages import Sampling
 from sdcp.threads import usable_cores
@@ -210,10 +210,7 @@ class LlamaCppDrafter:
         return np.ctypeslib.as_array(pointer, shape=(self._vocab_size,)).astype(np.float64)
 
     def _session(self, session: SessionId) -> _DraftSequence:
-        try:
-            return self._sessions[session]
-        except KeyError:
-            raise UnknownSession(f"session {session.hex()} is not open on {self.name}") from None
+        return lookup_session(self._sessions, session, self.name)
 
     def _checked_prefix(self, tokens: Sequence[int]) -> list[int]:
         checked = checked_tokens(tokens, self._vocab_size)

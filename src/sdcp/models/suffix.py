@@ -33,9 +33,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from sdcp.models.backend import SessionId, checked_tokens
+from sdcp.models.backend import SessionId, checked_tokens, lookup_session
 from sdcp.models.draft import DraftResult, TokenTimer
-from sdcp.models.errors import BadTokens, SessionExists, UnknownSession
+from sdcp.models.errors import BadTokens, SessionExists
 from sdcp.protocol.messages import Contract, Sampling
 
 __all__ = [
@@ -552,10 +552,7 @@ class SuffixDrafter:
         return DraftResult(tuple(proposed), rows, seconds)
 
     def _session(self, session: SessionId) -> _SuffixSession:
-        try:
-            return self._sessions[session]
-        except KeyError:
-            raise UnknownSession(f"session {session.hex()} is not open on {self.name}") from None
+        return lookup_session(self._sessions, session, self.name)
 
 
 def _common_prefix_length(held: list[int], given: list[int]) -> int:

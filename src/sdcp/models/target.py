@@ -28,9 +28,10 @@ from sdcp.models.backend import (
     check_commit,
     check_contract_digests,
     checked_tokens,
+    lookup_session,
 )
 from sdcp.models.digests import tokenizer_digest, weights_digest
-from sdcp.models.errors import BadTokens, ModelError, SessionExists, UnknownSession
+from sdcp.models.errors import BadTokens, ModelError, SessionExists
 from sdcp.models.kvformat import decode_kv, encode_kv
 from sdcp.models.packed import pack_weights, with_packed_linears
 from sdcp.models.ragged import RaggedBatchCache, SlotPass, supports_ragged_attention, use_ragged_attention
@@ -346,10 +347,7 @@ class TargetModel:
             state.pending = None
 
     def _session(self, session: SessionId) -> _Session:
-        try:
-            return self._sessions[session]
-        except KeyError:
-            raise UnknownSession(f"session {session.hex()} is not open on {self.name}") from None
+        return lookup_session(self._sessions, session, self.name)
 
     def _checked_tokens(self, tokens: Sequence[int]) -> list[int]:
         return checked_tokens(tokens, self.vocab_size)
