@@ -106,3 +106,56 @@ def test_requests_of_any_widths_share_one_pass(tiny_target: TargetModel, session
         assert {scorer.last_pass[session].batch_size for session in sessions} == {8}
     for session, rows in results.items():
         np.testing.assert_allclose(rows, expected[session], rtol=1e-4, atol=1e-4)
+
+
+def _greedy_rows(target: TargetModel, session: bytes, steps: int) -> list[np.ndarray]:
+    """The target's row after each of its next ``steps`` + 1 greedy tokens, committed one by one."""
+    rows = []
+    for _ in range(steps + 1):
+        row = target.score([(session, ())])[0]
+        rows.append(row[-1])
+        target.commit(session, 0, [int(row[-1].argmax())])
+    return rows
+
+
+async def test_a_greedy_run_scores_the_most_probable_tokens_ahead(tiny_target: TargetModel, session_ids) -> None:
+    """Each step's row is the row after the most probable token of the row before, as decoding the
+    session one committed token at a time gives; the session's decided tokens are committed while
+    the run goes on (before or after the scorer feeds the next), and a later pass goes on from them."""
+    alone, ahead = _open(tiny_target, session_ids, 1)[0], next(session_ids)
+    tiny_target.open_session(ahead, list(range(1, 3)))
+    expected = _greedy_rows(tiny_target, alone, 5)
+    with BatchingScorer(tiny_target, window_s=0.0) as scorer:
+        run = scorer.score_ahead_async(ahead, (), 5, frozenset())
+        rows = [(await asyncio.wait_for(run.rows, timeout=30))[-1]]
+        for step in run.steps:
+            rows.append((await asyncio.wait_for(step, timeout=30))[-1])
+            token = int(rows[-2].argmax())
+            await scorer.run_async(tiny_target.commit, ahead, 0, [token])
+        tail = await asyncio.wait_for(scorer.score_async(ahead, ()), timeout=30)
+    for got, want in zip(rows, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(tail[-1], expected[-1], rtol=1e-4, atol=1e-4)
+
+
+async def test_a_greedy_run_stops_at_a_wrong_guess_a_stop_token_or_a_cancel(
+    tiny_target: TargetModel, session_ids
+) -> None:
+    (session,) = _open(tiny_target, session_ids, 1)
+    first = int(tiny_target.score([(session, ())])[0][-1].argmax())
+    tiny_target.rollback(session)
+    with BatchingScorer(tiny_target, window_s=0.0) as scorer:
+        wrong = (first + 1) % tiny_target.vocab_size
+        missed = scorer.score_ahead_async(session, (wrong,), 3, frozenset())
+        assert (await asyncio.wait_for(missed.rows, timeout=30)).shape[0] == 2
+        assert [await step for step in missed.steps] == [None, None, None]
+
+        stopped = scorer.score_ahead_async(session, (), 3, frozenset({first}))
+        await asyncio.wait_for(stopped.rows, timeout=30)
+        assert [await step for step in stopped.steps] == [None, None, None]
+
+        cancelled = scorer.score_ahead_async(session, (), 3, frozenset())
+        cancelled.steps[1].cancel()
+        await asyncio.wait_for(cancelled.rows, timeout=30)
+        assert (await asyncio.wait_for(cancelled.steps[0], timeout=30)).shape == (1, tiny_target.vocab_size)
+        assert await asyncio.wait_for(cancelled.steps[2], timeout=30) is None

@@ -257,3 +257,33 @@ def test_a_missing_llama_cpp_is_one_line_naming_the_extra(monkeypatch: pytest.Mo
     with pytest.raises(ModelError, match=r"sdcp\[verifier\]") as refused:
         load_target("smollm2", backend="llamacpp")
     assert "\n" not in str(refused.value)
+
+
+def test_greedy_runs_extending_the_proposal_equal_llama_cpp_greedy(
+    target: LlamaCppTarget, prompts: list[list[int]], reference: list[list[int]], sessions: Iterator[bytes]
+) -> None:
+    """A greedy run feeds each most probable token after the scored proposal (`score` extending) and
+    the decided token is committed before or after that: rule 1 still gives the reference."""
+    rng = np.random.default_rng(29)
+    for prompt, expected in zip(prompts[:4], reference[:4], strict=True):
+        session = next(sessions)
+        target.open_session(session, prompt)
+        following = int(target.score([(session, ())])[0][-1].argmax())
+        decoded: list[int] = []
+        while len(decoded) < len(expected):
+            token = following
+            if rng.random() < 0.5:
+                target.commit(session, 0, [token])
+                row = target.score([(session, (token,))], extending={session})[0]
+            else:
+                row = target.score([(session, (token,))], extending={session})[0]
+                target.commit(session, 0, [token])
+            assert row.shape == (1, target.vocab_size)
+            decoded.append(token)
+            following = int(row[-1].argmax())
+        # Committed and not fed yet: only that token can go on.
+        target.commit(session, 0, [following])
+        with pytest.raises(InconsistentCommit, match="no scored proposal"):
+            target.score([(session, ((following + 1) % target.vocab_size,))], extending={session})
+        target.close_session(session)
+        assert decoded == expected

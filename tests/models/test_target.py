@@ -196,3 +196,37 @@ def test_typed_errors(tiny_target: TargetModel, session_ids) -> None:
     tiny_target.close_session(session)
     with pytest.raises(UnknownSession):
         tiny_target.close_session(session)
+
+
+def test_tokens_extending_a_scored_proposal_get_its_rows(tiny_target: TargetModel, session_ids) -> None:
+    """`score` extending feeds tokens after the scored proposal, or after a commit that took it and
+    the token after it; the rows are those of scoring the whole proposal at once."""
+    whole, parts = _open_all(tiny_target, session_ids, [PROMPTS[0], PROMPTS[0]])
+    expected = tiny_target.score([(whole, [1, 2, 3, 4])])[0]
+    tiny_target.score([(parts, [1])])
+    np.testing.assert_allclose(
+        tiny_target.score([(parts, [2, 3])], extending={parts})[0], expected[2:4], rtol=1e-4, atol=1e-4
+    )
+    tiny_target.commit(parts, 3, [1, 2, 3, 4])  # the proposal and the token after it, not fed yet
+    np.testing.assert_allclose(
+        tiny_target.score([(parts, [4])], extending={parts})[0], expected[4:], rtol=1e-4, atol=1e-4
+    )
+    tiny_target.commit(whole, 4, [1, 2, 3, 4])
+    assert tiny_target.committed_tokens(parts) == tiny_target.committed_tokens(whole)
+    np.testing.assert_allclose(
+        tiny_target.score([(parts, [9])])[0], tiny_target.score([(whole, [9])])[0], rtol=1e-4, atol=1e-4
+    )
+    tiny_target.commit(whole, 0, [5])  # committed, not fed: only 5 can go on
+    with pytest.raises(InconsistentCommit, match="no scored proposal"):
+        tiny_target.score([(whole, [6])], extending={whole})
+
+
+def test_a_commit_of_the_first_proposed_tokens_keeps_the_rest_scored(tiny_target: TargetModel, session_ids) -> None:
+    (session,) = _open_all(tiny_target, session_ids, [PROMPTS[3]])
+    expected = tiny_target.score([(session, [7, 8, 9])])[0]
+    tiny_target.commit(session, 1, [7])
+    rows = tiny_target.score([(session, [10])], extending={session})[0]
+    tiny_target.rollback(session)
+    fresh = tiny_target.score([(session, [8, 9, 10])])[0]
+    np.testing.assert_allclose(rows, fresh[-1:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(fresh[:3], expected[1:], rtol=1e-4, atol=1e-4)

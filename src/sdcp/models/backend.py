@@ -8,7 +8,7 @@ verifier engine and `sdcp.models.batching.BatchingScorer` are typed against the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal, Protocol, TypeVar
 
 import numpy as np
@@ -28,6 +28,8 @@ __all__ = [
     "check_contract_digests",
     "checked_tokens",
     "lookup_session",
+    "proposal_rest",
+    "extended_proposal",
 ]
 
 SessionId = bytes
@@ -96,16 +98,21 @@ class Target(Protocol):
 
     def committed_tokens(self, session: SessionId) -> tuple[int, ...]: ...
 
-    def check_request(self, session: SessionId, tokens: Sequence[int]) -> None:
+    def check_request(self, session: SessionId, tokens: Sequence[int], *, extending: bool = False) -> None:
         """Raise the error `score` would raise for this request, without running the model."""
 
-    def score(self, requests: Sequence[ScoreRequest]) -> list[np.ndarray]:
+    def score(self, requests: Sequence[ScoreRequest], *, extending: Collection[SessionId] = ()) -> list[np.ndarray]:
         """One pass over every request: per request float32 logits (M_i + 1, V), row j after the
-        committed prefix and x[1..j]. A scored proposal left uncommitted is dropped first."""
+        committed prefix and x[1..j]. A scored proposal left uncommitted is dropped first.
+
+        The tokens of a session in ``extending`` follow its scored proposal instead (which then
+        holds them too): its rows, one per token, are those after the proposal and each of them.
+        """
         ...
 
     def commit(self, session: SessionId, accepted: int, emitted: Sequence[int]) -> None:
-        """Keep x[1..accepted] of the scored proposal and append ``emitted``."""
+        """Keep x[1..accepted] of the scored proposal and append ``emitted``. Where ``emitted``
+        are the proposal's first tokens, the rest of it stays scored (`proposal_rest`)."""
 
     def rollback(self, session: SessionId) -> None:
         """Forget a scored proposal without committing anything."""
@@ -151,6 +158,27 @@ def check_commit(session: SessionId, proposal: tuple[int, ...] | None, accepted:
     confirmed = min(len(emitted), accepted)
     if tuple(emitted[:confirmed]) != proposal[:confirmed]:
         raise InconsistentCommit("emitted tokens differ from the accepted proposal")
+
+
+def extended_proposal(
+    session: SessionId, committed: Sequence[int], proposal: tuple[int, ...] | None, tokens: tuple[int, ...]
+) -> tuple[int, tuple[int, ...]]:
+    """Where ``tokens`` that extend a session's scored proposal are fed (the position of the first)
+    and the proposal they make. A commit may have taken the whole proposal and the token after it,
+    which the target has not fed yet (the last committed one): the tokens then begin with it."""
+    if proposal is not None:
+        return len(committed) + len(proposal), (*proposal, *tokens)
+    if tokens and committed and tokens[0] == committed[-1]:
+        return len(committed) - 1, tokens[1:]
+    raise InconsistentCommit(f"session {session.hex()} has no scored proposal that the tokens extend")
+
+
+def proposal_rest(proposal: tuple[int, ...] | None, emitted: Sequence[int]) -> tuple[int, ...] | None:
+    """What stays scored of ``proposal`` once ``emitted`` are committed: its rest where they are its
+    first tokens (the rows of the rest are still the target's), else None (the proposal is dropped)."""
+    if proposal is None or tuple(emitted) != proposal[: len(emitted)]:
+        return None
+    return proposal[len(emitted) :]
 
 
 SessionState = TypeVar("SessionState")

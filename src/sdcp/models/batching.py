@@ -33,12 +33,41 @@ ScorerClosed = ModelThreadClosed
 
 
 @dataclass(frozen=True)
+class ScoredRun:
+    """A pass and the greedy run after it (`BatchingScorer.score_ahead_async`): ``rows`` are the
+    pass's; step i's future gives the row after the most probable token of the row before it (the
+    pass's last row, then step i - 1's), once the scorer fed that token, or None where the run
+    stopped before it."""
+
+    rows: asyncio.Future[np.ndarray]
+    steps: tuple[asyncio.Future[np.ndarray | None], ...]
+
+    def cancel(self) -> None:
+        """Withdraw the steps not computed yet (the run stops at the next one)."""
+        for step in self.steps:
+            step.cancel()
+
+
+@dataclass
+class _Run:
+    """What is left of a greedy run: the futures of its steps (on ``loop``) and the tokens that end it."""
+
+    loop: asyncio.AbstractEventLoop
+    steps: deque[asyncio.Future[np.ndarray | None]]
+    stop_tokens: frozenset[int]
+
+
+@dataclass(frozen=True)
 class _Request:
     session: SessionId
     tokens: tuple[int, ...]
     future: Future[np.ndarray]
     # For `score_async`: the caller's loop and the future it awaits there.
     waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[np.ndarray]] | None = None
+    # A greedy run goes on after this pass; ``extends``: a step of one, whose token follows the
+    # session's scored proposal.
+    run: _Run | None = None
+    extends: bool = False
 
 
 class _Outcomes:
@@ -54,6 +83,12 @@ class _Outcomes:
     def exception(self, request: _Request, error: BaseException) -> None:
         request.future.set_exception(error)
         self._add(request, error)
+
+    def end_run(self, run: _Run) -> None:
+        """The steps left of ``run`` get None: the run stops."""
+        outcomes = self._by_loop.setdefault(run.loop, [])
+        outcomes.extend((step, None) for step in run.steps)
+        run.steps.clear()
 
     def _add(self, request: _Request, outcome: np.ndarray | BaseException) -> None:
         if request.waiter is not None:
@@ -119,14 +154,30 @@ class BatchingScorer(ModelThread):
         rows.add_done_callback(lambda done: future.cancel() if done.cancelled() else None)
         return rows
 
+    def score_ahead_async(
+        self, session: SessionId, tokens: Sequence[int], steps: int, stop_tokens: frozenset[int]
+    ) -> ScoredRun:
+        """`score_async`, and then up to ``steps`` greedy steps (ScoredRun) while the target's most
+        probable tokens repeat ``tokens`` and are not ``stop_tokens``: the scorer feeds each next
+        token itself, in the session's next pass, without waiting for the caller to decide it.
+        Whoever decides otherwise cancels the run; a later `score` of the session drops the steps'
+        tokens with the rest of its proposal (Target.score)."""
+        loop = asyncio.get_running_loop()
+        run = _Run(loop, deque(loop.create_future() for _ in range(steps)), stop_tokens)
+        rows: asyncio.Future[np.ndarray] = loop.create_future()
+        future = self._queue(session, tokens, (loop, rows), run)
+        rows.add_done_callback(lambda done: future.cancel() if done.cancelled() else None)
+        return ScoredRun(rows, tuple(run.steps))
+
     def _queue(
         self,
         session: SessionId,
         tokens: Sequence[int],
         waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[np.ndarray]] | None,
+        run: _Run | None = None,
     ) -> Future[np.ndarray]:
         future: Future[np.ndarray] = Future()
-        self._put(_Request(session, tuple(tokens), future, waiter))
+        self._put(_Request(session, tuple(tokens), future, waiter, run))
         return future
 
     def _serve(self) -> None:
@@ -148,7 +199,8 @@ class BatchingScorer(ModelThread):
                 batch.append(item)
             with self._working():
                 stopping = self._gather(batch, deferred) or stopping
-                self._score(batch)
+                # A run's next step goes first into the next pass, as the pass's session would.
+                deferred.extendleft(reversed(self._score(batch, stopping=stopping)))
         self._refuse_pending()
 
     def _gather(self, batch: list[_Request], deferred: deque[_Request]) -> bool:
@@ -184,33 +236,50 @@ class BatchingScorer(ModelThread):
             return self.max_batch
         return max(1, min(self.max_batch, self.active_sessions()))
 
-    def _score(self, batch: list[_Request]) -> None:
+    def _score(self, batch: list[_Request], *, stopping: bool) -> list[_Request]:
+        """Run the batch's pass; returns the next steps of its greedy runs."""
         outcomes = _Outcomes()
+        steps: list[_Request] = []
         try:
-            self._score_into(batch, outcomes)
+            for request, rows in self._score_into(batch, outcomes):
+                if request.run is None:
+                    continue
+                step = None if stopping else self._next_step(request, rows)
+                if step is None:
+                    outcomes.end_run(request.run)
+                else:
+                    steps.append(step)
         finally:
+            for request in batch:
+                if request.run is not None and not any(step.run is request.run for step in steps):
+                    outcomes.end_run(request.run)
             outcomes.deliver()
+        return steps
 
-    def _score_into(self, batch: list[_Request], outcomes: _Outcomes) -> None:
+    def _score_into(self, batch: list[_Request], outcomes: _Outcomes) -> list[tuple[_Request, np.ndarray]]:
         runnable: list[_Request] = []
         for request in batch:
-            if not request.future.set_running_or_notify_cancel():
+            withdrawn = request.waiter is not None and request.waiter[1].cancelled()
+            if withdrawn or not request.future.set_running_or_notify_cancel():
                 continue
             try:
-                self.target.check_request(request.session, request.tokens)
+                self.target.check_request(request.session, request.tokens, extending=request.extends)
             except ModelError as exc:
                 outcomes.exception(request, exc)
                 continue
             runnable.append(request)
         if not runnable:
-            return
+            return []
         started = time.perf_counter()
         try:
-            rows = self.target.score([(request.session, request.tokens) for request in runnable])
+            rows = self.target.score(
+                [(request.session, request.tokens) for request in runnable],
+                extending={request.session for request in runnable if request.extends},
+            )
         except Exception as exc:  # noqa: BLE001 - every waiter must learn why its pass failed
             for request in runnable:
                 outcomes.exception(request, exc)
-            return
+            return []
         finally:
             self._last_pass_s = time.perf_counter() - started
         info = PassInfo(self._last_pass_s, len(runnable))
@@ -218,6 +287,22 @@ class BatchingScorer(ModelThread):
         for request, result in zip(runnable, rows, strict=True):
             self.last_pass[request.session] = info
             outcomes.result(request, result)
+        return list(zip(runnable, rows, strict=True))
+
+    @staticmethod
+    def _next_step(request: _Request, rows: np.ndarray) -> _Request | None:
+        """The run's next step after ``rows``, None where the run stops: a proposed token that is
+        not the most probable one, a stop token next, no step left or the next one withdrawn."""
+        run = request.run
+        assert run is not None
+        greedy = [int(token) for token in np.argmax(rows, axis=-1)]
+        proposed = () if request.extends else request.tokens
+        if list(proposed) != greedy[: len(proposed)] or greedy[-1] in run.stop_tokens or not run.steps:
+            return None
+        waiter = run.steps.popleft()
+        if waiter.cancelled():
+            return None
+        return _Request(request.session, (greedy[-1],), Future(), (run.loop, waiter), run, extends=True)  # type: ignore[arg-type]
 
     def _refuse(self, item: object) -> None:
         if not isinstance(item, _Request):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -34,7 +34,9 @@ from sdcp.models.backend import (
     check_commit,
     check_contract_digests,
     checked_tokens,
+    extended_proposal,
     lookup_session,
+    proposal_rest,
 )
 from sdcp.models.digests import gguf_digest, tokenizer_file_digest
 from sdcp.models.errors import (
@@ -226,14 +228,19 @@ class LlamaCppTarget:
         with self._lock:
             return tuple(self._session(session).tokens)
 
-    def check_request(self, session: SessionId, tokens: Sequence[int]) -> None:
+    def check_request(self, session: SessionId, tokens: Sequence[int], *, extending: bool = False) -> None:
         with self._lock:
-            self._check_room(self._session(session), len(tokens))
+            state = self._session(session)
+            proposal = tuple(tokens)
+            if extending:
+                _, proposal = extended_proposal(session, state.tokens, state.pending, proposal)
+            self._check_room(state, len(proposal))
         checked_tokens(tokens, self._vocab_size)
 
-    def score(self, requests: Sequence[ScoreRequest]) -> list[np.ndarray]:
+    def score(self, requests: Sequence[ScoreRequest], *, extending: Collection[SessionId] = ()) -> list[np.ndarray]:
         """Every request's [last committed token] + proposal in one batch; per request float32
-        logits (M_i + 1, V), row j after the committed prefix and x[1..j]."""
+        logits (M_i + 1, V), row j after the committed prefix and x[1..j]. A session in
+        ``extending`` feeds its tokens after its scored proposal, a row each (Target.score)."""
         if not requests:
             return []
         sessions_in_batch = [session for session, _ in requests]
@@ -242,28 +249,40 @@ class LlamaCppTarget:
         proposals = [tuple(checked_tokens(tokens, self._vocab_size)) for _, tokens in requests]
         with self._lock:
             states = [self._session(session) for session in sessions_in_batch]
-            for state, proposal in zip(states, proposals, strict=True):
-                self._check_room(state, len(proposal))
-            for state in states:
-                self._drop_pending(state)
-            feeds = [
-                _Feed(state.seq_id, len(state.tokens) - 1, (state.tokens[-1], *proposal))
-                for state, proposal in zip(states, proposals, strict=True)
-            ]
+            feeds: list[_Feed] = []
+            made: list[tuple[int, ...]] = []
+            for session, state, tokens in zip(sessions_in_batch, states, proposals, strict=True):
+                if session in extending:
+                    start, proposal = extended_proposal(session, state.tokens, state.pending, tokens)
+                    self._check_room(state, len(proposal))
+                    feeds.append(_Feed(state.seq_id, start, tokens))
+                else:
+                    self._check_room(state, len(tokens))
+                    proposal = tokens
+                    feeds.append(_Feed(state.seq_id, len(state.tokens) - 1, (state.tokens[-1], *tokens)))
+                made.append(proposal)
+            for session, state in zip(sessions_in_batch, states, strict=True):
+                if session not in extending:
+                    self._drop_pending(state)
             rows = self._decode(feeds, rows=True)
-            for state, proposal in zip(states, proposals, strict=True):
+            for state, proposal in zip(states, made, strict=True):
                 state.pending = proposal
             return rows
 
     def commit(self, session: SessionId, accepted: int, emitted: Sequence[int]) -> None:
         """Keep x[1..accepted] and append ``emitted``: the sequence drops the positions past the
-        committed prefix but its last token."""
+        committed prefix but its last token, unless ``emitted`` begin the proposal (its rest stays)."""
         emitted_tokens = checked_tokens(emitted, self._vocab_size)
         with self._lock:
             state = self._session(session)
             check_commit(session, state.pending, accepted, emitted_tokens)
+            rest = proposal_rest(state.pending, emitted_tokens)
             state.tokens.extend(emitted_tokens)
-            self._drop_pending(state)
+            if rest is None:
+                self._drop_pending(state)
+            else:
+                # The sequence holds the committed tokens and the rest of the proposal, as after a score.
+                state.pending = rest
 
     def rollback(self, session: SessionId) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -28,7 +28,9 @@ from sdcp.models.backend import (
     check_commit,
     check_contract_digests,
     checked_tokens,
+    extended_proposal,
     lookup_session,
+    proposal_rest,
 )
 from sdcp.models.digests import tokenizer_digest, weights_digest
 from sdcp.models.errors import BadTokens, ModelError, SessionExists
@@ -169,18 +171,21 @@ class TargetModel:
         with self._lock:
             return tuple(self._session(session).tokens)
 
-    def check_request(self, session: SessionId, tokens: Sequence[int]) -> None:
+    def check_request(self, session: SessionId, tokens: Sequence[int], *, extending: bool = False) -> None:
         """Raise the error `score` would raise for this request, without running the model."""
         with self._lock:
-            self._session(session)
+            state = self._session(session)
+            if extending:
+                extended_proposal(session, state.tokens, state.pending, tuple(tokens))
         self._checked_tokens(tokens)
 
-    def score(self, requests: Sequence[ScoreRequest]) -> list[np.ndarray]:
+    def score(self, requests: Sequence[ScoreRequest], *, extending: Collection[SessionId] = ()) -> list[np.ndarray]:
         """Score proposals of many sessions in one padded forward pass.
 
         Returns per request float32 logits of shape (M_i + 1, V): row j is the target's
         distribution after the committed prefix and x[1..j]. A session with a scored but
-        uncommitted proposal has it dropped first (its round was abandoned).
+        uncommitted proposal has it dropped first (its round was abandoned); one in ``extending``
+        feeds its tokens after that proposal instead, a row each (Target.score).
         """
         if not requests:
             return []
@@ -190,13 +195,19 @@ class TargetModel:
         proposals = [tuple(self._checked_tokens(tokens)) for _, tokens in requests]
         with self._lock:
             states = [self._session(session) for session in sessions_in_batch]
-            for state in states:
-                self._drop_pending(state)
-            if len(states) == 1:
-                rows = [self._score_one(states[0], proposals[0])]
-            else:
-                rows = self._score_batch(states, proposals)
-            for state, proposal in zip(states, proposals, strict=True):
+            # The cache holds the committed tokens but the last, and a scored proposal's [last, *x].
+            fed: list[tuple[int, ...]] = []
+            made: list[tuple[int, ...]] = []
+            for session, state, tokens in zip(sessions_in_batch, states, proposals, strict=True):
+                if session in extending:
+                    made.append(extended_proposal(session, state.tokens, state.pending, tokens)[1])
+                    fed.append(tokens)
+                else:
+                    self._drop_pending(state)
+                    made.append(tokens)
+                    fed.append((state.tokens[-1], *tokens))
+            rows = [self._score_one(states[0], fed[0])] if len(states) == 1 else self._score_batch(states, fed)
+            for state, proposal in zip(states, made, strict=True):
                 state.pending = proposal
             return rows
 
@@ -206,14 +217,18 @@ class TargetModel:
             self._drop_pending(self._session(session))
 
     def commit(self, session: SessionId, accepted: int, emitted: Sequence[int]) -> None:
-        """Apply a verdict: keep x[1..accepted] and append `emitted`, cropping rejected KV."""
+        """Apply a verdict: keep x[1..accepted] and append `emitted`, cropping rejected KV (unless
+        `emitted` begin the proposal: its rest stays scored)."""
         emitted_tokens = self._checked_tokens(emitted)
         with self._lock:
             state = self._session(session)
             check_commit(session, state.pending, accepted, emitted_tokens)
+            rest = proposal_rest(state.pending, emitted_tokens)
             state.tokens.extend(emitted_tokens)
-            kvcache.crop_to(state.cache, len(state.tokens) - 1)
-            state.pending = None
+            if rest is None:
+                kvcache.crop_to(state.cache, len(state.tokens) - 1)
+            # Else the cache holds the committed tokens and the rest of the proposal, as after a score.
+            state.pending = rest
 
     def session_kv(self, session: SessionId) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the committed KV, per layer (keys, values) of shape (1, H, n - 1, D)."""
@@ -271,15 +286,14 @@ class TargetModel:
         shape = (1, heads, length, head_dim)
         return [(shape, shape) for _ in range(config.num_hidden_layers)]
 
-    def _score_one(self, state: _Session, proposal: tuple[int, ...]) -> np.ndarray:
-        input_ids = torch.tensor([[state.tokens[-1], *proposal]], device=self.device)
+    def _score_one(self, state: _Session, fed: tuple[int, ...]) -> np.ndarray:
+        input_ids = torch.tensor([list(fed)], device=self.device)
         logits = self._forward(input_ids, None, state.cache)
         return logits[0].to(torch.float32).cpu().numpy()
 
-    def _score_batch(self, states: list[_Session], proposals: list[tuple[int, ...]]) -> list[np.ndarray]:
+    def _score_batch(self, states: list[_Session], fed: list[tuple[int, ...]]) -> list[np.ndarray]:
         # One packed sequence, session after session; attention runs per session against its own
         # cache, which the pass extends by that session's tokens (sdcp.models.ragged).
-        fed = [[state.tokens[-1], *proposal] for state, proposal in zip(states, proposals, strict=True)]
         widths = [len(tokens) for tokens in fed]
         input_ids = torch.tensor([[token for tokens in fed for token in tokens]], device=self.device)
         starts = [kvcache.cache_length(state.cache) for state in states]

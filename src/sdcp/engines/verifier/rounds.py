@@ -30,7 +30,7 @@ from sdcp.engines.verifier.observe import (
     record_round,
 )
 from sdcp.models.backend import Target
-from sdcp.models.batching import BatchingScorer
+from sdcp.models.batching import BatchingScorer, ScoredRun
 from sdcp.protocol.messages import Action, Verdict
 from sdcp.protocol.problems import ProblemType, ProtocolError
 from sdcp.protocol.rules import parse_q_rows
@@ -60,11 +60,40 @@ class Scoring:
         future, and the pass's time is counted when they do."""
         rows = self._scorer.score_async(live.machine.session, tokens)
         self.waiting += 1
-        rows.add_done_callback(lambda _: self._scored(live, len(tokens) + 1))
+        rows.add_done_callback(lambda done: self._scored(live, len(tokens) + 1, done))
+        rows.add_done_callback(lambda _: self._settled())
         return rows
 
-    def _scored(self, live: LiveSession, rows: int) -> None:
+    def submit_ahead(self, live: LiveSession, tokens: tuple[int, ...], steps: int) -> ScoredRun:
+        """`submit`, and the greedy run of up to ``steps`` passes after it (BatchingScorer.score_ahead_async),
+        which counts as waiting until its last step is settled."""
+        machine = live.machine
+        run = self._scorer.score_ahead_async(machine.session, tokens, steps, frozenset(machine.contract.stop))
+        self.waiting += 1
+        run.rows.add_done_callback(lambda done: self._scored(live, len(tokens) + 1, done))
+        futures: tuple[asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None], ...] = (run.rows, *run.steps)
+        unsettled = [len(futures)]
+
+        def settled(_: object) -> None:
+            unsettled[0] -= 1
+            if not unsettled[0]:
+                self._settled()
+
+        for step in run.steps:
+            step.add_done_callback(lambda done: self._scored(live, 1, done))
+        for future in futures:
+            future.add_done_callback(settled)
+        return run
+
+    def _settled(self) -> None:
         self.waiting -= 1
+
+    def _scored(
+        self, live: LiveSession, rows: int, done: asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None]
+    ) -> None:
+        """Count the pass's time where it ran (a step a run did not reach has none)."""
+        if done.cancelled() or done.exception() is not None or done.result() is None:
+            return
         scored = self._scorer.last_pass.pop(live.machine.session, None)
         if scored is not None:
             live.timings.model_s += scored.seconds

@@ -18,10 +18,12 @@ from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.observe import PassCosts
 from sdcp.engines.verifier.rounds import Rounds, Scoring
+from sdcp.models.batching import ScoredRun
 from sdcp.models.draft import TokenTimer, prompt_lookup
-from sdcp.protocol.verifier import PendingCommit
+from sdcp.protocol.rules import GreedyRule
+from sdcp.protocol.verifier import PendingCommit, VerifierSession
 
-__all__ = ["LOOKAHEAD_MIN_MATCH", "SELF_DECODE_LOOKAHEAD", "SelfDecoding", "lookahead_length"]
+__all__ = ["LOOKAHEAD_MIN_MATCH", "SELF_DECODE_LOOKAHEAD", "SELF_DECODE_RUN_AHEAD", "SelfDecoding", "lookahead_length"]
 
 log = logging.getLogger("sdcp.verifier")
 
@@ -29,6 +31,10 @@ log = logging.getLogger("sdcp.verifier")
 # of at least LOOKAHEAD_MIN_MATCH tokens (a weaker match rarely predicts the next token).
 SELF_DECODE_LOOKAHEAD = 16
 LOOKAHEAD_MIN_MATCH = 2
+# Under rule 1 the scorer goes on with the target's most probable tokens for up to this many passes
+# after a self-decoding pass, without waiting for the rounds to be decided: the model is never idle
+# while the event loop appends and releases them (docs/performance.md, "Greedy runs").
+SELF_DECODE_RUN_AHEAD = 32
 # Each further session in a pass adds about a ninth of a lone pass (docs/models.md).
 _SESSION_SHARE = 2.0 / 18.0
 
@@ -52,11 +58,21 @@ def lookahead_length(hit_rate: float, sessions: int, predicted: int, costs: Pass
 
 @dataclass(frozen=True)
 class _Pass:
-    """A queued self-decoding pass: the prompt-lookup prediction, the part of it scored, the rows."""
+    """A queued self-decoding pass after ``context`` (prompt and decided tokens): the prompt-lookup
+    prediction, the part of it scored, the rows (None: a run's step that the scorer did not reach),
+    and the greedy run that goes on after it, ``step`` its next step."""
 
+    context: tuple[int, ...]
     prediction: tuple[int, ...]
     guess: tuple[int, ...]
-    logits: asyncio.Future[np.ndarray]
+    logits: asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None]
+    run: ScoredRun | None = None
+    step: int = 0
+
+    def withdraw(self) -> None:
+        self.logits.cancel()
+        if self.run is not None:
+            self.run.cancel()
 
 
 class SelfDecoding:
@@ -121,18 +137,52 @@ class SelfDecoding:
             self._tasks.spawn(self._events.send(machine.interrupt_self_decode()))
 
     def _start_pass(self, live: LiveSession, context: tuple[int, ...]) -> _Pass:
-        """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens)."""
+        """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens), under
+        rule 1 with the greedy run after it."""
+        prediction, guess = self._predict(live, context)
+        steps = self._run_ahead(live.machine, context, guess)
+        if not steps:
+            return _Pass(context, prediction, guess, self._scoring.submit(live, guess))
+        run = self._scoring.submit_ahead(live, guess, steps)
+        return _Pass(context, prediction, guess, run.rows, run)
+
+    def _follow(self, live: LiveSession, scoring: _Pass, context: tuple[int, ...], greedy: bool) -> _Pass:
+        """The pass after ``scoring``'s last round: the next step of its run where the scorer fed
+        the token that round drew (``greedy``) and prompt lookup offers nothing to score, else a new
+        pass (the run is withdrawn)."""
+        run = scoring.run
+        if run is not None and greedy and scoring.step < len(run.steps):
+            prediction, guess = self._predict(live, context)
+            if not guess:
+                return _Pass(context, prediction, (), run.steps[scoring.step], run, scoring.step + 1)
+        if run is not None:
+            run.cancel()
+        return self._start_pass(live, context)
+
+    def _predict(self, live: LiveSession, context: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Prompt lookup's prediction after ``context``, and the part of it worth scoring."""
         prediction = tuple(prompt_lookup(context, SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH))
         # A prediction that was not scored still counts towards the hit rate.
         guess = prediction[
             : lookahead_length(live.lookahead_hits, self._active_sessions(), len(prediction), self._pass_costs)
         ]
-        return _Pass(prediction, guess, self._scoring.submit(live, guess))
+        return prediction, guess
+
+    @staticmethod
+    def _run_ahead(machine: VerifierSession, context: tuple[int, ...], guess: tuple[int, ...]) -> int:
+        """Greedy steps the scorer takes after a pass: under rule 1 the drawn token is the most
+        probable one, which the scorer can feed itself; never past max_new."""
+        if not isinstance(machine.rule, GreedyRule):
+            return 0
+        decided = len(context) - len(machine.prompt)
+        return max(0, min(SELF_DECODE_RUN_AHEAD, machine.contract.max_new - decided - len(guess) - 1))
 
     async def _self_decode_pass(self, live: LiveSession, scoring: _Pass) -> _Pass | None:
         """Commit the rounds of one pass; returns the next pass, already queued, if there is one."""
         machine = live.machine
         logits = await scoring.logits
+        if logits is None:
+            return self._start_pass(live, scoring.context)
         released: list[PendingCommit] = []
         decided: list[int] = []
         following: _Pass | None = None
@@ -149,7 +199,11 @@ class SelfDecoding:
                         # The pass's earlier rounds are released: decided = their tokens + this one's.
                         committed = self._model_sync.sync_soon(machine, pending, len(decided) - 1, decided)
                         if continues:
-                            following = self._start_pass(live, committed)
+                            # The scorer fed the most probable token after the whole guess.
+                            greedy = position == len(scoring.guess) and decided[-1] == int(np.argmax(row))
+                            following = self._follow(live, scoring, committed, greedy)
+                        elif scoring.run is not None:
+                            scoring.run.cancel()
                     await self._rounds.append(live, pending)
                 except BaseException:
                     machine.abandon(ticket)
@@ -161,8 +215,9 @@ class SelfDecoding:
                 if last:
                     break
         except BaseException:
+            scoring.withdraw()
             if following is not None:
-                following.logits.cancel()
+                following.withdraw()
                 await asyncio.gather(following.logits, return_exceptions=True)
             self._model_sync.realign_after_failure(machine)
             raise
