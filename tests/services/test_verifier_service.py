@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sdcp.bench.redis_process import local_redis_server
 from sdcp.cache import MLC, LogSnapshot, build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
+from sdcp.engines.verifier.engine import OUTPUT_LINGER_TOKENS
 from sdcp.localhost import free_port
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
@@ -109,7 +110,7 @@ async def running_cluster(
             uri=verifier_uri, cert=certs["verifier"][0], key=certs["verifier"][1], ca=ca, router=router_uri
         ),
         mlc=MLCConfig(disk_dir=tmp_path / "mlc", unlisted=mlc_unlisted),  # type: ignore[arg-type]
-        verifier=VerifierConfig(model="tiny", output_wait_s=0.5, **verifier),  # type: ignore[arg-type]
+        verifier=VerifierConfig(**{"model": "tiny", "output_wait_s": 0.5, **verifier}),  # type: ignore[arg-type]
     )
     for session in list(target._sessions):
         target.close_session(session)
@@ -330,6 +331,35 @@ async def test_output_long_poll_wakes_on_commit(cluster: Cluster, target: Target
     assert output.tokens == verdict.emitted and output.epoch == 1 and not output.final
     _, empty = await reader.get_cbor(path, {"from": str(len(verdict.emitted))})
     assert Output.from_obj(empty).tokens == ()
+
+
+async def test_a_reader_past_the_first_tokens_gathers_the_next_ones_in_one_answer(
+    tmp_path: Path, target: TargetModel
+) -> None:
+    """With output_linger_ms longer than the test, a read from 0 answers with the first tokens at
+    once, and a later read waits until 16 tokens are committed (OUTPUT_LINGER_TOKENS)."""
+    async with running_cluster(tmp_path, target, output_wait_s=60.0, output_linger_ms=60_000.0) as env:
+        state = await open_and_assign(env, contract(target, max_new=64, low_rounds=64))
+        reader, drafter = env.client("router"), env.client("drafter")
+        path = f"sessions/{session_path_id(SESSION)}/output"
+        first = asyncio.create_task(reader.get_cbor(path, {"from": "0"}))
+        _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
+        verdict = Verdict.from_obj(body)
+        state = advance(state, verdict)
+        _, out = await asyncio.wait_for(first, 30)
+        assert Output.from_obj(out).tokens == verdict.emitted
+        start = len(verdict.emitted)
+        later = asyncio.create_task(reader.get_cbor(path, {"from": str(start)}))
+        committed: list[int] = []
+        while len(committed) < OUTPUT_LINGER_TOKENS:
+            assert not later.done()
+            _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
+            verdict = Verdict.from_obj(body)
+            state = advance(state, verdict)
+            committed.extend(verdict.emitted)
+        _, out = await asyncio.wait_for(later, 30)
+        output = Output.from_obj(out)
+        assert output.from_ == start and output.tokens == tuple(committed) and not output.final
 
 
 async def test_fenced_log_stops_the_session_without_releasing_output(cluster: Cluster, target: TargetModel) -> None:

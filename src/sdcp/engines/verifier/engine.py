@@ -58,7 +58,7 @@ from sdcp.protocol.records import decode_token_list
 from sdcp.protocol.verifier import Replay, VerifierSession, Wait
 from sdcp.threads import CoreGovernor
 
-__all__ = ["VerifierEngine"]
+__all__ = ["OUTPUT_LINGER_TOKENS", "VerifierEngine"]
 
 log = logging.getLogger("sdcp.verifier")
 
@@ -69,6 +69,8 @@ _PROBE_PROMPT_TOKENS = 64
 _ROUTER_WAIT_S = 5.0
 # When a refused session-open may be tried again (sessions end at their own pace).
 _RETRY_AFTER_S = 5
+# A lingering output read answers once it holds this many tokens (VerifierConfig.output_linger_ms).
+OUTPUT_LINGER_TOKENS = 16
 
 
 class VerifierEngine:
@@ -360,7 +362,11 @@ class VerifierEngine:
             raise
 
     async def output(self, session: bytes, start: int) -> Output:
-        """GET sessions/{id}/output?from=n (SDCP 6.7), waiting up to ``output_wait_s`` for tokens."""
+        """GET sessions/{id}/output?from=n (SDCP 6.7), waiting up to ``output_wait_s`` for tokens.
+
+        A reader that had to wait keeps pace with the rounds: past its first tokens (``start`` > 0)
+        its answer gathers the tokens committed within ``output_linger_ms`` of the first, up to
+        OUTPUT_LINGER_TOKENS, rather than one read per round (docs/performance.md)."""
         live = self._live(session)
         output = live.machine.output(start)
         if output.tokens or output.final:
@@ -371,10 +377,15 @@ class VerifierEngine:
         try:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.settings.output_wait_s
+            lingering = False
             while True:
                 output = live.machine.output(start)
+                if output.tokens and not lingering and start > 0 and self.settings.output_linger_ms > 0:
+                    lingering = True
+                    deadline = min(deadline, loop.time() + self.settings.output_linger_ms / 1000)
                 remaining = deadline - loop.time()
-                if output.tokens or output.final or remaining <= 0:
+                gathered = len(output.tokens) >= OUTPUT_LINGER_TOKENS or not lingering
+                if (output.tokens and gathered) or output.final or remaining <= 0:
                     return output
                 try:
                     await asyncio.wait_for(live.committed.wait(), remaining)
