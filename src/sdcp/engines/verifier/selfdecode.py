@@ -33,7 +33,7 @@ SELF_DECODE_LOOKAHEAD = 16
 LOOKAHEAD_MIN_MATCH = 2
 # Under rule 1 the scorer goes on with the target's most probable tokens for up to this many passes
 # after a self-decoding pass, without waiting for the rounds to be decided: the model is never idle
-# while the event loop appends and releases them (docs/performance.md, "Greedy runs").
+# while the event loop appends and releases them (docs/design.md, "A verifier round").
 SELF_DECODE_RUN_AHEAD = 32
 # Each further session in a pass adds about a ninth of a lone pass (docs/models.md).
 _SESSION_SHARE = 2.0 / 18.0
