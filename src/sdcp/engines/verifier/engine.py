@@ -24,6 +24,7 @@ from sdcp.engines.verifier.events import RouterEvents, SessionSweeps
 from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
+from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.engines.verifier.observe import (
     PASS_MS,
     PROBLEMS,
@@ -133,6 +134,8 @@ class VerifierEngine:
             tasks=self._tasks,
             start_self_decoding=self._start_self_decoding,
         )
+        # Self-decoding's guesses, from the session and the outputs of sessions finished here.
+        self.lookahead = VerifierLookahead()
         self._self_decoding = SelfDecoding(
             uri=uri,
             rounds=self._rounds,
@@ -143,6 +146,7 @@ class VerifierEngine:
             pass_costs=self.pass_costs,
             token_time=self.self_decode_time,
             active_sessions=self._active_sessions,
+            lookahead=self.lookahead,
         )
         init_metrics(
             uri, running=self._active_sessions, waiting=lambda: self._scoring.waiting, kv_usage=target.kv_usage

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from sdcp.cache import CommitLog
 from sdcp.engines.verifier.observe import TRACE_ROUNDS, RoundTimings, RoundTrace
+from sdcp.models.suffix import SuffixIndex
 from sdcp.protocol.messages import Verdict
 from sdcp.protocol.verifier import VerifierSession
 
@@ -57,6 +58,8 @@ class LiveSession:
     kv_too_large: bool = False
     kv_retired: bool = False
     kv_imported: int = 0
+    # The session's own tokens as the lookahead indexes them (VerifierLookahead), built at its first guess.
+    suffix_index: SuffixIndex | None = None
 
     def driven(self) -> None:
         self.driven_at = time.monotonic()

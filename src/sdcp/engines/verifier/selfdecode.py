@@ -16,21 +16,20 @@ from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.events import RouterEvents
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
+from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.engines.verifier.observe import PassCosts
 from sdcp.engines.verifier.rounds import Rounds, Scoring
 from sdcp.models.batching import ScoredRun
-from sdcp.models.draft import TokenTimer, prompt_lookup
+from sdcp.models.draft import TokenTimer
 from sdcp.protocol.rules import GreedyRule
 from sdcp.protocol.verifier import PendingCommit, VerifierSession
 
-__all__ = ["LOOKAHEAD_MIN_MATCH", "SELF_DECODE_LOOKAHEAD", "SELF_DECODE_RUN_AHEAD", "SelfDecoding", "lookahead_length"]
+__all__ = ["SELF_DECODE_LOOKAHEAD", "SELF_DECODE_RUN_AHEAD", "SelfDecoding", "lookahead_length"]
 
 log = logging.getLogger("sdcp.verifier")
 
-# Self-decoding scores up to this many predicted tokens per pass, when prompt lookup finds a match
-# of at least LOOKAHEAD_MIN_MATCH tokens (a weaker match rarely predicts the next token).
+# Self-decoding scores up to this many predicted tokens per pass (VerifierLookahead's prediction).
 SELF_DECODE_LOOKAHEAD = 16
-LOOKAHEAD_MIN_MATCH = 2
 # Under rule 1 the scorer goes on with the target's most probable tokens for up to this many passes
 # after a self-decoding pass, without waiting for the rounds to be decided: the model is never idle
 # while the event loop appends and releases them (docs/design.md, "A verifier round").
@@ -91,6 +90,7 @@ class SelfDecoding:
         pass_costs: PassCosts,
         token_time: TokenTimer,
         active_sessions: Callable[[], int],
+        lookahead: VerifierLookahead,
     ) -> None:
         self._uri = uri
         self._rounds = rounds
@@ -101,6 +101,7 @@ class SelfDecoding:
         self._pass_costs = pass_costs
         self._token_time = token_time
         self._active_sessions = active_sessions
+        self._lookahead = lookahead
 
     def start(self, live: LiveSession) -> None:
         # The task of the previous period may still be releasing its last round.
@@ -109,8 +110,9 @@ class SelfDecoding:
     async def _self_decode(self, live: LiveSession, *, after: asyncio.Task[None] | None = None) -> None:
         """SDCP 6.5.2 self_decode: one target token per round until self_max, load or the end.
 
-        A pass scores the continuation that prompt lookup predicts after the committed tokens along
-        with the next position. Each round still draws its one token from its own row exactly as
+        A pass scores the continuation that the verifier's lookahead predicts after the committed
+        tokens (VerifierLookahead: the session's tokens and the outputs of sessions that finished
+        here) along with the next position. Each round still draws its one token from its own row exactly as
         without the prediction; while the drawn tokens match the prediction, the rows that follow
         are the target's rows for the committed prefix, so the next rounds need no pass of their own
         (docs/interpretations.md). The next pass is queued as soon as a pass's tokens are decided,
@@ -127,6 +129,7 @@ class SelfDecoding:
                 now = time.perf_counter()
                 self._token_time.record(now - mark, machine.committed - committed)
                 mark, committed = now, machine.committed
+            self._lookahead.learn(live)
         except Exception as exc:  # noqa: BLE001 - the period ends, the router assigns a drafter again
             if machine.fenced or machine.ended:
                 return
@@ -161,7 +164,7 @@ class SelfDecoding:
 
     def _predict(self, live: LiveSession, context: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Prompt lookup's prediction after ``context``, and the part of it worth scoring."""
-        prediction = tuple(prompt_lookup(context, SELF_DECODE_LOOKAHEAD, n_min=LOOKAHEAD_MIN_MATCH))
+        prediction = self._lookahead.predict(live, context, SELF_DECODE_LOOKAHEAD)
         # A prediction that was not scored still counts towards the hit rate.
         guess = prediction[
             : lookahead_length(live.lookahead_hits, self._active_sessions(), len(prediction), self._pass_costs)
