@@ -104,6 +104,8 @@ HttpsURI = Annotated[str, Strict(), BeforeValidator(_https_uri)]
 HostPort = Annotated[str, Strict(), BeforeValidator(_host_port)]
 Device = Annotated[str, Strict(), StringConstraints(pattern=r"^(cpu|mps|cuda(:\d+)?)$")]
 ModelDtype = Literal["float32", "bfloat16", "float16"]
+# Whose finished output a suffix drafter may draft from (sdcp.engines.history, docs/security.md).
+HistoryScope = Literal["owner", "target"]
 OWN_MLC = "own"
 MLCRoute = Annotated[str, Strict(), BeforeValidator(lambda v: v if v == OWN_MLC else _https_uri(v))]
 
@@ -205,6 +207,12 @@ class VerifierConfig:
     # and again every kv_publish_every tokens committed since (0 = once). 0 = never publish.
     kv_publish_min_tokens: Count = 1024
     kv_publish_every: Count = 1024
+    # Finished sessions' output published to the MLC for the suffix drafters' shared history
+    # (docs/models.md): whose sessions share it ("owner": the front end that opened them, the
+    # default; "target": every session of the contract's target, tokenizer and scope; the drafters'
+    # history_scope must say the same), and the newest entries a scope keeps (0 = publish none).
+    history_scope: HistoryScope = "owner"
+    history_entries: Count = 256
 
 
 NGRAM_DRAFTER = "ngram"
@@ -221,6 +229,12 @@ class DrafterConfig:
     target: Text = "smollm2"
     # Draft rows are leased this long (SDCP 6.2); a lease of no time would never hold.
     lease_s: PositiveSeconds = 30.0
+    # The suffix drafter's shared history (docs/models.md): whose finished sessions it drafts from
+    # (as the verifiers' history_scope), the newest entries of a scope it reads at a time (0 =
+    # none), and how often it looks for new ones (at an assignment of the scope, at most this often).
+    history_scope: HistoryScope = "owner"
+    history_entries: Count = 256
+    history_refresh_s: Seconds = 5.0
 
     @property
     def runs_model(self) -> bool:

@@ -8,6 +8,7 @@ import pytest
 from tests.models.speculative import reference_greedy, speculative_greedy
 
 from sdcp.models import Drafter, LoadedModel, NgramDrafter, TargetModel, UnknownSession, load_drafter
+from sdcp.models.errors import BadTokens
 from sdcp.models.suffix import (
     DraftStep,
     HistorySize,
@@ -267,10 +268,11 @@ def test_a_finished_sessions_output_helps_later_sessions_of_its_key_only(session
     output = [20, 21, 22, 23, 24, 25, 26, 27]
     first = next(session_ids)
     drafter.open_session(first, [10, 11, 12])
-    drafter.bind_history(first, tenant)
+    drafter.bind_history(first, history_key(tenant))
     drafter.sync(first, [10, 11, 12, *output])
-    drafter.learn(first, [10, 11, 12, *output])
     drafter.close_session(first)
+    # The output of a finished session comes by key, from whichever instance saw it finish.
+    drafter.learn(history_key(tenant), output)
     assert (drafter.history_size.tokens, drafter.history_size.sessions) == (8, 1)
 
     prompt = [30, 20, 21, 22]
@@ -279,13 +281,15 @@ def test_a_finished_sessions_output_helps_later_sessions_of_its_key_only(session
         session = next(session_ids)
         drafter.open_session(session, prompt)
         if bound is not None:
-            drafter.bind_history(session, bound)
+            drafter.bind_history(session, history_key(bound))
         drafts[name] = drafter.draft(session, 8, None).tokens
         drafter.close_session(session)
     # "20 21 22" ended the first output's third token: three more tokens, one per token matched.
     assert drafts == {"same key": (23, 24, 25), "another key": (22,), "no key": (22,)}
-    # Closing without learning keeps nothing.
+    # Closing without learning keeps nothing; an output outside the vocabulary is refused.
     assert drafter.history_size.sessions == 1
+    with pytest.raises(BadTokens):
+        drafter.learn(history_key(tenant), [VOCAB])
 
 
 def test_unknown_sessions_are_refused(session_ids) -> None:
@@ -294,8 +298,7 @@ def test_unknown_sessions_are_refused(session_ids) -> None:
     for call in (
         lambda: drafter.draft(session, 1, None),
         lambda: drafter.sync(session, [1]),
-        lambda: drafter.learn(session, [1]),
-        lambda: drafter.bind_history(session, contract()),
+        lambda: drafter.bind_history(session, history_key(contract())),
         lambda: drafter.close_session(session),
     ):
         with pytest.raises(UnknownSession):
@@ -317,7 +320,7 @@ def test_rule_1_gives_the_targets_greedy_output_and_a_repeated_task_is_drafted(
         for _ in range(2):
             session = next(session_ids)
             run = speculative_greedy(target, drafter, session, prompt, len(expected), m=8)
-            drafter.learn(session, [*prompt, *run.tokens])
+            drafter.learn(b"", run.tokens)
             drafter.close_session(session)
             runs.append(run)
         assert runs[0].tokens == runs[1].tokens == expected

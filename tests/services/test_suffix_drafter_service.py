@@ -1,68 +1,147 @@
 """The suffix drafter through the drafter service, against the real verifier service on the tiny
 target (SDCP 6.2, 6.4 rule 1): the output is the target's greedy decoding, and a session that
-repeats a finished one's task gets most of its tokens from the drafter."""
+repeats a finished one's task gets most of its tokens from the drafter, whichever drafter instance
+drafted the finished one: the verifier publishes finished sessions' output to the MLC, and every
+instance reads its history scope's entries from there (sdcp.engines.history)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
-from tests.services import test_drafter_service as drafter_service
+from prometheus_client import REGISTRY
 from tests.services.test_drafter_service import (
     PROMPT,
     ROUTER,
     STRANGER,
     Env,
-    drafter_node,
     greedy,
     make_assignment,
     make_contract,
-    open_session,
     read_all_output,
     verifier_node,
 )
+from tests.services.test_drafter_service import target as target  # noqa: PLC0414 - the module's fixture
 from tests.waiting import eventually
 
+from sdcp.cache import MLC, build_uri
+from sdcp.config import DrafterConfig, MLCConfig
+from sdcp.engines.history import history_scope_key
+from sdcp.localhost import free_port
 from sdcp.models.suffix import SuffixDrafter
 from sdcp.models.target import TargetModel
-from sdcp.protocol.messages import session_path_id
+from sdcp.protocol.messages import Contract, SessionOpen, session_path_id
+from sdcp.services.drafter import DrafterNode
+from sdcp.transport.certs import make_certs
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(120)
 
-# The drafter service tests' fixtures: the certificates, MLC and identities, and the tiny target.
-env = drafter_service.env
-target = drafter_service.target
+TENANT = "https://tenant-a.example"
+OTHER_TENANT = "https://tenant-b.example"
 
 
-async def test_a_repeated_task_is_drafted_from_the_finished_sessions_output(env: Env, target: TargetModel) -> None:
-    verifier = await verifier_node(env, target)
-    drafter = await drafter_node(env, model="suffix")
-    suffix = drafter.engine.drafter
-    assert isinstance(suffix, SuffixDrafter)
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    """The drafter service tests' environment, with a certificate for a second drafter instance."""
+    verifier_uri = f"https://127.0.0.1:{free_port()}"
+    drafter_uris = [f"https://127.0.0.1:{free_port()}/drafter" for _ in range(2)]
+    uris = [verifier_uri, *drafter_uris, ROUTER, STRANGER]
+    issued = make_certs(tmp_path / "certs", uris)
+    certs = {uri: (issued[uri].cert_path, issued[uri].key_path) for uri in uris}
+    mlc = MLC.from_config(authority=MLCConfig().authority, disk_dir=tmp_path / "mlc")
+    environment = Env(tmp_path, tmp_path / "certs" / "ca.pem", certs, verifier_uri, drafter_uris[0], mlc, [])
+    environment.second_drafter_uri = drafter_uris[1]  # type: ignore[attr-defined]
     try:
-        contract = make_contract(target, max_new=40)
-        outputs: list[list[int]] = []
-        accepted: list[int] = []
-        for _ in range(2):
-            session = os.urandom(16)
-            await open_session(env, contract, session)
-            assignment = make_assignment(env, contract, session)
-            await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment.to_obj())
-            outputs.append(await asyncio.wait_for(read_all_output(env, session), 60))
-            # The drafter learns a session's output as it closes the session after the last verdict.
-            await eventually(lambda: not drafter.engine.runs)
-            path = f"sessions/{session_path_id(session)}/stats"
-            _, stats = await env.client(env.verifier_uri, STRANGER).get_cbor(path)
-            assert isinstance(stats, dict)
-            accepted.append(stats["accepted"])
-        # SDCP 6.4 rule 1: whatever the drafter proposes, the output is the target's greedy decoding.
-        assert outputs[0] == outputs[1] == greedy(target, PROMPT, contract.max_new)
-        assert (suffix.history_size.sessions, suffix.history_size.tokens) == (2, 2 * contract.max_new)
-        # The second session drafted from the first one's output: most of its tokens are the drafter's,
-        # more than the first session's own tokens gave it.
-        assert 2 * accepted[1] > contract.max_new
-        assert accepted[1] > accepted[0]
+        yield environment
     finally:
-        await drafter.stop()
+        await asyncio.gather(*(client.aclose() for client in environment.clients))
+        await mlc.close()
+
+
+async def suffix_node(env: Env, uri: str) -> DrafterNode:
+    """A suffix drafter instance with its own MLC over the shared directory; it looks for new
+    history entries at every assignment."""
+    settings = DrafterConfig(model="suffix", target="tiny", history_refresh_s=0.0)
+    node = DrafterNode(env.config(uri, drafter=settings))
+    await node.start()
+    return node
+
+
+def published(verifier: str) -> float:
+    labels = {"instance": verifier, "outcome": "published"}
+    return REGISTRY.get_sample_value("sdcp_verifier_history_published_total", labels) or 0.0
+
+
+async def run_session(env: Env, contract: Contract, drafter: str, owner: str) -> tuple[list[int], int]:
+    """As the router: a session of ``owner`` drafted by ``drafter``, to its end, and once its
+    output is published; the output and how many drafted tokens the verifier accepted."""
+    session = os.urandom(16)
+    router = env.client(env.verifier_uri, ROUTER)
+    log_uri = build_uri("local", None, "log", session.hex())
+    opened = SessionOpen(session=session, epoch=1, contract=contract, prompt=PROMPT, commit_log=log_uri, owner=owner)
+    status, _ = await router.post_cbor("sessions", opened.to_obj())
+    assert status == 201
+    assignment = make_assignment(env, contract, session, drafter=drafter, owner=owner)
+    await router.put_cbor(f"sessions/{session_path_id(session)}/drafter", assignment.to_obj())
+    before = published(env.verifier_uri)
+    await env.client(drafter, ROUTER).post_cbor("assignments", assignment.to_obj())
+    output = await asyncio.wait_for(read_all_output(env, session), 60)
+    await eventually(lambda: published(env.verifier_uri) > before)
+    _, stats = await env.client(env.verifier_uri, STRANGER).get_cbor(f"sessions/{session_path_id(session)}/stats")
+    assert isinstance(stats, dict)
+    return output, stats["accepted"]
+
+
+async def test_drafter_instances_draft_from_each_others_finished_sessions(env: Env, target: TargetModel) -> None:
+    verifier = await verifier_node(env, target)
+    first_uri, second_uri = env.drafter_uri, env.second_drafter_uri  # type: ignore[attr-defined]
+    first, second = await suffix_node(env, first_uri), await suffix_node(env, second_uri)
+    first_suffix, second_suffix = first.engine.drafter, second.engine.drafter
+    assert isinstance(first_suffix, SuffixDrafter) and isinstance(second_suffix, SuffixDrafter)
+    contract = make_contract(target, max_new=32)
+    expected = greedy(target, PROMPT, contract.max_new)
+    try:
+        output, accepted_alone = await run_session(env, contract, first_uri, TENANT)
+        assert output == expected
+        # The drafter keeps nothing itself: the verifier's publication is the one source.
+        assert first_suffix.history_size.sessions == 0
+        # The second instance never saw that session: it reads it from the MLC at its assignment.
+        output, accepted = await run_session(env, contract, second_uri, TENANT)
+        assert output == expected  # SDCP 6.4 rule 1: whatever is proposed
+        assert second_suffix.history_size.sessions == 1
+        assert 2 * accepted > contract.max_new and accepted > accepted_alone
+        # And the first instance reads both, its own once (not again from its own end).
+        await run_session(env, contract, first_uri, TENANT)
+        assert (first_suffix.history_size.sessions, first_suffix.history_size.tokens) == (2, 2 * contract.max_new)
+
+        # Another owner's history is not used: its scope holds nothing yet.
+        output, accepted_other = await run_session(env, contract, second_uri, OTHER_TENANT)
+        assert output == expected
+        other_key = history_scope_key(contract, OTHER_TENANT, "owner")
+        assert second_suffix.history.index(other_key) is None
+        assert second_suffix.history_size.sessions == 1
+        assert accepted_other < accepted
+    finally:
+        await first.stop()
+        await second.stop()
+    # A new instance warms from the shared store at its first assignment of the scope, before it
+    # drafts: the three finished sessions of the tenant.
+    fresh = await suffix_node(env, first_uri)
+    fresh_suffix = fresh.engine.drafter
+    assert isinstance(fresh_suffix, SuffixDrafter)
+    try:
+        output, accepted = await run_session(env, contract, first_uri, TENANT)
+        assert output == expected
+        tenant_key = history_scope_key(contract, TENANT, "owner")
+        assert fresh_suffix.history.index(tenant_key) is not None
+        assert fresh_suffix.history_size.sessions == 3
+        assert 2 * accepted > contract.max_new
+        labels = {"instance": first_uri}
+        assert REGISTRY.get_sample_value("sdcp_drafter_history_sessions", labels) == 3
+        assert REGISTRY.get_sample_value("sdcp_drafter_history_tokens", labels) == 3 * contract.max_new
+    finally:
+        await fresh.stop()
         await verifier.stop()

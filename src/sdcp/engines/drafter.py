@@ -24,6 +24,7 @@ from sdcp.cache import MLC, CacheError, InvalidURI, build_uri
 from sdcp.cache.uri import Q_ROWS_KIND
 from sdcp.config import DrafterConfig
 from sdcp.engines.errors import Unanswered
+from sdcp.engines.history import HistoryReader, history_scope_key, index_uri
 from sdcp.engines.ports import VerifierLink
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.models.draft import Drafter, DraftResult
@@ -68,6 +69,14 @@ SECONDS_PER_TOKEN = Gauge(
     "sdcp_drafter_seconds_per_token", "What drafting one token costs here (measured)", ["instance"]
 )
 ACCEPTANCE = Gauge("sdcp_drafter_acceptance", "Measured acceptance alpha of this drafter's proposals", ["instance"])
+HISTORY_SESSIONS = Gauge(
+    "sdcp_drafter_history_sessions", "Finished sessions' outputs the shared history holds", ["instance"]
+)
+HISTORY_TOKENS = Gauge("sdcp_drafter_history_tokens", "Tokens the shared history holds", ["instance"])
+HISTORY_BYTES = Gauge("sdcp_drafter_history_bytes", "Estimated memory of the shared history", ["instance"])
+HISTORY_LEARNED = Counter(
+    "sdcp_drafter_history_learned_total", "Finished sessions' outputs read from the MLC into the history", ["instance"]
+)
 
 _ROW_BYTES_PER_TOKEN = 4  # one binary32 value per vocabulary entry (SDCP 5.2 q_rows)
 # Verification time assumed before the first verdict has been timed.
@@ -81,6 +90,8 @@ _RETRY_BACKOFF_S = 0.02
 # goes out at once then, which bounds how long a router explores an unmeasured drafter.
 MEASURED_AFTER_VERDICTS = 4
 _MAX_RETRY_BACKOFF_S = 1.0
+# The longest an assignment waits for its history scope's new entries before drafting without them.
+_HISTORY_READ_S = 2.0
 # Session-state `state` values after which proposals are pointless (docs/interpretations.md).
 _NOT_PROPOSING_STATES = frozenset({Action.SELF_DECODE, Action.FINISH, Action.FAIL})
 
@@ -168,6 +179,15 @@ class DrafterEngine:
             PREDRAFTS.labels(uri, outcome)
         SECONDS_PER_TOKEN.labels(uri).set_function(lambda: self.drafter.seconds_per_token)
         ACCEPTANCE.labels(uri).set_function(lambda: self._acceptance.alpha)
+        # A drafter that drafts from earlier sessions reads finished sessions' output from the MLC.
+        self._history: HistoryReader | None = None
+        if isinstance(drafter, SharesHistory):
+            shares: SharesHistory = drafter
+            self._history = HistoryReader(mlc, entries=settings.history_entries, refresh_s=settings.history_refresh_s)
+            HISTORY_SESSIONS.labels(uri).set_function(lambda: shares.history_size.sessions)
+            HISTORY_TOKENS.labels(uri).set_function(lambda: shares.history_size.tokens)
+            HISTORY_BYTES.labels(uri).set_function(lambda: shares.history_size.approx_bytes)
+            HISTORY_LEARNED.labels(uri)
 
     # -- status ----------------------------------------------------------------------------------
 
@@ -257,17 +277,9 @@ class DrafterEngine:
             log.exception("%s: session %s stopped on an error", self.uri, run.session.hex())
         finally:
             if run.opened:
-                await self._learn_if_finished(run)
                 await self._close_backend_session(run.session)
             if self.runs.get(run.session) is run:
                 del self.runs[run.session]
-
-    async def _learn_if_finished(self, run: _SessionRun) -> None:
-        """A drafter that drafts from earlier sessions gets the committed prefix of one it saw finish.
-        Only then: a session that moves elsewhere would have its output learned twice if it came back."""
-        if run.state.stopped_by is Action.FINISH and isinstance(self.drafter, SharesHistory):
-            with contextlib.suppress(UnknownSession):
-                await self._worker.run_async(self.drafter.learn, run.session, run.committed_prefix)
 
     async def _close_backend_session(self, session: bytes) -> None:
         # UnknownSession: the open was cancelled before the worker started it.
@@ -286,11 +298,33 @@ class DrafterEngine:
         run.opened = True
         await self._worker.run_async(self.drafter.open_session, run.session, list(run.prompt))
         if isinstance(self.drafter, SharesHistory):
-            await self._worker.run_async(self.drafter.bind_history, run.session, assignment.contract)
+            await self._bind_history(run, self.drafter)
         if assignment.committed > 0 and assignment.committed_tokens is not None:
             await self._adopt_committed_object(run, assignment.committed_tokens)
         await self._catch_up(run, assignment.committed, assignment.digest)
         await self._worker.run_async(self.drafter.sync, run.session, run.committed_prefix)
+
+    async def _bind_history(self, run: _SessionRun, drafter: SharesHistory) -> None:
+        """Draft from the finished sessions of the assignment's history scope (its contract and,
+        by default, its owner: docs/security.md), after reading the scope's entries published since
+        the last look (sdcp.engines.history): all of them at its first assignment here, which warms
+        a new instance from the shared store. A store that does not answer costs the history only."""
+        assignment = run.assignment
+        key = history_scope_key(assignment.contract, assignment.owner, self.settings.history_scope)
+        await self._worker.run_async(drafter.bind_history, run.session, key)
+        reader = self._history
+        if reader is None or not reader.due(index := index_uri(self.mlc.authority, assignment.contract, key)):
+            return
+
+        async def learn(output: tuple[int, ...]) -> None:
+            await self._worker.run_async(drafter.learn, key, output)
+            HISTORY_LEARNED.labels(self.uri).inc()
+
+        try:
+            async with asyncio.timeout(_HISTORY_READ_S):
+                await reader.refresh(index, learn)
+        except Exception as exc:  # noqa: BLE001 - the history only makes drafts longer
+            log.warning("%s: history %s not read: %r", self.uri, index, exc)
 
     async def _adopt_committed_object(self, run: _SessionRun, uri: str) -> None:
         assignment = run.assignment

@@ -392,11 +392,15 @@ def history_key(contract: Contract) -> bytes:
 @runtime_checkable
 class SharesHistory(Protocol):
     """A drafter that drafts from earlier sessions' committed output (the suffix drafter): the engine
-    names each session's contract, and hands over the committed prefix of a session that finished."""
+    names each session's history key, and hands over finished sessions' outputs by key, whichever
+    instance drafted them (sdcp.engines.history)."""
 
-    def bind_history(self, session: SessionId, contract: Contract) -> None: ...
+    def bind_history(self, session: SessionId, key: bytes) -> None: ...
 
-    def learn(self, session: SessionId, committed_tokens: Sequence[int]) -> None: ...
+    def learn(self, key: bytes, output: Sequence[int]) -> None: ...
+
+    @property
+    def history_size(self) -> HistorySize: ...
 
 
 @dataclass
@@ -483,20 +487,18 @@ class SuffixDrafter:
             index.append(tokens)
             self._sessions[session] = _SuffixSession(len(tokens), tokens, index)
 
-    def bind_history(self, session: SessionId, contract: Contract) -> None:
-        """Draft from, and once finished feed, the history of sessions with this contract's key
-        (without a call: the key of no contract, shared by every such session of this drafter)."""
+    def bind_history(self, session: SessionId, key: bytes) -> None:
+        """Draft from the history of ``key`` (without a call: the empty key, shared by every such
+        session of this drafter). The engine derives keys (sdcp.engines.history.history_scope_key,
+        or ``history_key`` of the contract)."""
         with self._lock:
-            self._session(session).history = history_key(contract)
+            self._session(session).history = key
 
-    def learn(self, session: SessionId, committed_tokens: Sequence[int]) -> None:
-        """Keep the output of a finished session (its committed prefix less the prompt) for later ones."""
+    def learn(self, key: bytes, output: Sequence[int]) -> None:
+        """Keep a finished session's output for later sessions of history ``key``."""
+        tokens = checked_tokens(output, self._vocab_size)
         with self._lock:
-            state = self._session(session)
-            if len(committed_tokens) < state.prompt_length:
-                raise BadTokens("a committed prefix holds at least the prompt")
-            output = checked_tokens(committed_tokens[state.prompt_length :], self._vocab_size)
-            self.history.learn(state.history, output)
+            self.history.learn(key, tokens)
 
     def close_session(self, session: SessionId) -> None:
         with self._lock:

@@ -499,6 +499,9 @@ class Assignment(_Message):
     digest: bytes = _required(_HASH)
     committed_tokens: str | None = _optional(_TEXT)
     m_init: int = _required(_UINT)
+    # Extension (docs/interpretations.md): the front end that opened the session, as session-open's
+    # owner, so that a suffix drafter drafts from that front end's finished sessions only.
+    owner: str | None = _optional(_TEXT)
 
 
 @dataclass(frozen=True, kw_only=True)

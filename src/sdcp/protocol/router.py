@@ -257,6 +257,7 @@ class RouterSession:
             digest=digest,
             committed_tokens=committed_tokens,
             m_init=m_init,
+            owner=self.owner,
         )
 
     def fence_for_failover(self) -> FenceRecord:

@@ -21,6 +21,7 @@ from sdcp.engines.errors import SessionNotFound, Unavailable
 from sdcp.engines.ports import EventSink
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.events import RouterEvents, SessionSweeps
+from sdcp.engines.verifier.history import HistoryPublisher
 from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
@@ -115,6 +116,7 @@ class VerifierEngine:
             model_sync=self._model_sync,
             kv_publisher=self._kv_publisher,
             tasks=self._tasks,
+            history=HistoryPublisher(uri=uri, mlc=mlc, settings=lambda: self.settings, tasks=self._tasks),
         )
         self._long_polls = 0
         # Seconds per self-decoded token, for the router's choice between drafters and this

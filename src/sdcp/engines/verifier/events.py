@@ -16,6 +16,7 @@ from sdcp.config import VerifierConfig
 from sdcp.engines.errors import Unanswered
 from sdcp.engines.ports import EventSink
 from sdcp.engines.tasks import BackgroundTasks
+from sdcp.engines.verifier.history import HistoryPublisher
 from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
@@ -86,6 +87,7 @@ class SessionSweeps:
         model_sync: ModelSync,
         kv_publisher: KVPublisher,
         tasks: BackgroundTasks,
+        history: HistoryPublisher | None = None,
     ) -> None:
         self._uri = uri
         self._settings = settings
@@ -94,6 +96,7 @@ class SessionSweeps:
         self._model_sync = model_sync
         self._kv_publisher = kv_publisher
         self._tasks = tasks
+        self._history = history
 
     def start(self) -> None:
         self._tasks.spawn(self._forget_idle_sessions())
@@ -107,7 +110,10 @@ class SessionSweeps:
         await self._model_sync.close(session)
 
     async def forget_later(self, live: LiveSession) -> None:
-        """An ended or fenced session stays readable for a while, then its memory is freed."""
+        """An ended or fenced session stays readable for a while, then its memory is freed; a
+        finished one's output goes to the drafters' shared history first."""
+        if self._history is not None:
+            self._history.ended(live)
         await asyncio.sleep(self._settings().ended_retention_s)
         if self._sessions.get(live.machine.session) is live:
             del self._sessions[live.machine.session]

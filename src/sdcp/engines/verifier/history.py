@@ -1,0 +1,74 @@
+"""The verifier publishes each finished session's output for the suffix drafters' shared history
+(sdcp.engines.history; docs/models.md, "Suffix drafter").
+
+The verifier is the one role that sees every session end: it commits every token, self-decoded or
+drafted, and knows the session's owner. A session that ends with ``finish`` (not ``fail``, not
+fenced) has its output stored in the MLC under its history scope, in the background: a failure is
+logged and changes nothing for the session.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from prometheus_client import Counter
+
+from sdcp.cache import MLC
+from sdcp.config import VerifierConfig
+from sdcp.engines.history import history_scope_key, publish_output
+from sdcp.engines.tasks import BackgroundTasks
+from sdcp.engines.verifier.live import LiveSession
+from sdcp.protocol.messages import Action
+
+__all__ = ["HISTORY_OUTCOMES", "HISTORY_PUBLISHED", "HistoryPublisher"]
+
+log = logging.getLogger("sdcp.verifier")
+
+HISTORY_OUTCOMES = ("published", "failed")
+HISTORY_PUBLISHED = Counter(
+    "sdcp_verifier_history_published_total",
+    "Finished sessions' outputs published for the drafters' shared history, by outcome",
+    ["instance", "outcome"],
+)
+
+
+class HistoryPublisher:
+    """Publishes finished sessions' output to ``mlc`` as ``settings()`` says (``history_scope``,
+    ``history_entries``; 0 entries: nothing is published)."""
+
+    def __init__(self, *, uri: str, mlc: MLC, settings: Callable[[], VerifierConfig], tasks: BackgroundTasks) -> None:
+        self._uri = uri
+        self._mlc = mlc
+        self._settings = settings
+        self._tasks = tasks
+        for outcome in HISTORY_OUTCOMES:
+            HISTORY_PUBLISHED.labels(uri, outcome)
+
+    def ended(self, live: LiveSession) -> None:
+        """A session ended (or was fenced): its output is published if it finished here."""
+        machine = live.machine
+        settings = self._settings()
+        if machine.control.ended is not Action.FINISH or machine.fenced or settings.history_entries == 0:
+            return
+        if not machine.tokens:
+            return
+        self._tasks.spawn(self._publish(live, settings))
+
+    async def _publish(self, live: LiveSession, settings: VerifierConfig) -> None:
+        machine = live.machine
+        key = history_scope_key(machine.contract, live.owner, settings.history_scope)
+        try:
+            published = await publish_output(
+                self._mlc,
+                contract=machine.contract,
+                key=key,
+                session=machine.session,
+                epoch=machine.epoch,
+                output=tuple(machine.tokens),
+                keep=settings.history_entries,
+            )
+        except Exception as exc:  # noqa: BLE001 - the history is an optimisation: the session is done
+            log.warning("%s: session %s: output not published: %r", self._uri, machine.session.hex(), exc)
+            published = False
+        HISTORY_PUBLISHED.labels(self._uri, "published" if published else "failed").inc()
