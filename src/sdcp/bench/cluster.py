@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sdcp.bench.systems import RunResult, result_from_stats
-from sdcp.bench.workloads import Prompt
+from sdcp.bench.workloads import Prompt, chat_messages, plain_text
 from sdcp.client import ClusterClient, SessionHandle, build_contract
 from sdcp.cluster import DEFAULT_DRAFTERS, LocalCluster
 from sdcp.home import sdcp_home
@@ -140,10 +140,11 @@ class GatewaySystem(ClusterSystem):
         if self.client is None or self.cluster.gateway is None:
             raise RuntimeError("start() and connect() first")
         request: dict[str, Any] = {"model": self.model, "max_tokens": max_new, "temperature": 0, "stream": True}
+        # A later turn of a conversation goes with the turns and answers before it.
         if self.chat:
-            request["messages"] = [{"role": "user", "content": prompt.text}]
+            request["messages"] = chat_messages(prompt.text, prompt.history)
         else:
-            request["prompt"] = prompt.text
+            request["prompt"] = plain_text(prompt.text, prompt.history)
         endpoint = "chat/completions" if self.chat else "completions"
         started = time.perf_counter()
         answered = await asyncio.to_thread(_ask_gateway, f"{self.cluster.gateway}/{endpoint}", request, started)

@@ -15,9 +15,10 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 import numpy as np  # noqa: E402
 
 from sdcp.bench.runner import EXACT_SYSTEMS, BenchData, Measurement  # noqa: E402
-from sdcp.bench.workloads import CHAT_WORKLOADS, CORE_WORKLOADS  # noqa: E402
+from sdcp.bench.systems import RunResult  # noqa: E402
+from sdcp.bench.workloads import CHAT_WORKLOADS, CORE_WORKLOADS, HISTORY_WORKLOADS  # noqa: E402
 
-__all__ = ["GOALS", "summarise", "write_report"]
+__all__ = ["GOALS", "summarise", "token_roles", "write_report"]
 
 E2E = "sdcp_e2e"
 DEFAULT = "sdcp_default"
@@ -136,6 +137,9 @@ def _same_as_llamacpp(data: BenchData) -> dict[str, Any]:
 def summarise(data: BenchData) -> dict[str, Any]:
     repeats = sorted({m.repeat for m in data.measurements})
     workloads = [w.name for w in data.workloads]
+    # The goals' "every workload" is the workloads they were set on, not those of issue 28.
+    measured = [w for w in workloads if w not in HISTORY_WORKLOADS]
+    history = [w for w in workloads if w in HISTORY_WORKLOADS]
     # "all" is the protocol workloads, which every system runs; the chat workloads stand alone.
     rates: dict[str, dict[str, list[float | None]]] = {s: {w: [] for w in [*workloads, "all"]} for s in data.systems}
     for system in data.systems:
@@ -151,7 +155,7 @@ def summarise(data: BenchData) -> dict[str, Any]:
         values = [a / b for a, b in zip(rates[num][workload], rates[den][workload], strict=True) if a and b]
         return _median(values)
 
-    default_vs_target = {w: ratio(w, DEFAULT, "hf_target") for w in workloads}
+    default_vs_target = {w: ratio(w, DEFAULT, "hf_target") for w in measured}
     relative_speed = {
         anchor: {
             system: {w: ratio(w, system, anchor) for w in [*workloads, "all"]}
@@ -161,7 +165,7 @@ def summarise(data: BenchData) -> dict[str, Any]:
         for anchor in ANCHORS
         if anchor in data.systems
     }
-    default_vs_ngram_only = {w: ratio(w, DEFAULT, E2E) for w in workloads}
+    default_vs_ngram_only = {w: ratio(w, DEFAULT, E2E) for w in measured}
 
     ratios: dict[str, float | None] = {
         "repetitive_vs_target": ratio("repetitive", E2E, "hf_target"),
@@ -213,7 +217,8 @@ def summarise(data: BenchData) -> dict[str, Any]:
         runs = [m for m in data.measurements if m.system == system]
         per_workload = {}
         for workload in [*workloads, "all"]:
-            chosen = runs if workload == "all" else [m for m in runs if m.workload == workload]
+            # "all": every workload but the history ones, as before they came.
+            chosen = [m for m in runs if (m.workload == workload if workload != "all" else m.workload in measured)]
             per_workload[workload] = _system_workload(chosen, rates[system][workload])
         per_system[system] = per_workload
     ratios["default_first_token_vs_llamacpp"] = _first_token_ratio(data, DEFAULT, LLAMACPP_TARGET)
@@ -243,6 +248,14 @@ def summarise(data: BenchData) -> dict[str, Any]:
         "identical_outputs": identical,
         "mismatches": mismatches,
         "same_as_llamacpp": _same_as_llamacpp(data),
+        "history": {
+            "workloads": history,
+            "prompts": {w.name: len(w.prompts) for w in data.workloads if w.name in history},
+            "default_vs_target": {w: ratio(w, DEFAULT, HF_TARGET) for w in history},
+            "default_vs_llamacpp": {w: ratio(w, DEFAULT, LLAMACPP_TARGET) for w in history},
+            "default_vs_ngram_only": {w: ratio(w, DEFAULT, E2E) for w in history},
+            "acceptance_by_request": _acceptance_by_request(data, history),
+        },
     }
     summary["goals"] = _goals(summary)
     return summary
@@ -299,6 +312,39 @@ def _per_prompt(data: BenchData, system: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _acceptance_by_request(data: BenchData, workloads: list[str]) -> dict[str, dict[str, list[float | None]]]:
+    """Per history workload and SDCP system: each request's acceptance (accepted / proposed), in
+    the order they were sent (first repeat), to see whether the earlier answers help the later ones."""
+    table: dict[str, dict[str, list[float | None]]] = {}
+    for workload in workloads:
+        runs = sorted(
+            (m for m in data.measurements if m.workload == workload and m.repeat == 0), key=lambda m: m.prompt
+        )
+        by_system: dict[str, list[float | None]] = {}
+        for m in runs:
+            if m.result.rounds + m.result.self_decoded:
+                by_system.setdefault(m.system, []).append(
+                    round(m.result.accepted / m.result.proposed, 3) if m.result.proposed else None
+                )
+        table[workload] = by_system
+    return table
+
+
+def token_roles(result: RunResult) -> dict[str, int]:
+    """Who produced a run's committed tokens: ``drafters`` (accepted draft tokens), and the verifier
+    by ``self_decoding`` (a token per self-decoded round) or as each proposal round's ``verifier_extra``
+    token (the correction of the first rejected draft token, or the one after a fully accepted draft).
+
+    From the session's stats: a round that reaches max_new or a stop token commits fewer than it
+    accepted, so the accepted drafts are capped at the tokens committed (at most one round, the
+    last, is cut), then the self-decoded ones, and the verifier's extra tokens are the rest.
+    """
+    tokens = len(result.tokens)
+    drafters = min(result.accepted, tokens)
+    self_decoding = min(result.self_decoded, tokens - drafters)
+    return {"drafters": drafters, "self_decoding": self_decoding, "verifier_extra": tokens - drafters - self_decoding}
+
+
 def _system_workload(runs: list[Measurement], rates: list[float | None]) -> dict[str, Any]:
     tokens = sum(len(m.result.tokens) for m in runs)
     rounds = sum(m.result.rounds for m in runs)
@@ -329,6 +375,14 @@ def _system_workload(runs: list[Measurement], rates: list[float | None]) -> dict
                 "proposed_by_position": by_position_proposed,
             }
         )
+        roles = {
+            role: sum(token_roles(m.result)[role] for m in runs)
+            for role in ("drafters", "self_decoding", "verifier_extra")
+        }
+        entry["tokens_by_role"] = roles
+        entry["token_share_by_role"] = {
+            role: round(count / tokens, 3) if tokens else None for role, count in roles.items()
+        }
     return entry
 
 
@@ -421,6 +475,8 @@ def markdown(summary: dict[str, Any]) -> str:
         f"{row['self_decoded_share']} | {row['tokens_per_s']} |"
         for row in summary["default_per_prompt"]
     ]
+    lines += _role_lines(summary)
+    lines += _history_lines(summary)
     lines += [
         "",
         f"Outputs of target-only, SDCP in-process and SDCP end to end identical token for token: "
@@ -435,6 +491,69 @@ def markdown(summary: dict[str, Any]) -> str:
     for name, goal in summary["goals"].items():
         lines.append(f"| {name} | {goal['value']} | {goal['target']} | {goal['met']} |")
     return "\n".join(lines) + "\n"
+
+
+# Positions of acceptance_by_position shown in results.md (results.json has them all).
+_SHOWN_POSITIONS = 8
+
+
+def _role_lines(summary: dict[str, Any]) -> list[str]:
+    """Per workload and SDCP system: mean accepted length, acceptance per position, who produced
+    the committed tokens."""
+    rows = []
+    for workload in summary["prompts"]:
+        for system, entries in summary["systems"].items():
+            entry = entries[workload]
+            shares = entry.get("token_share_by_role")
+            if not shares or not entry["tokens"]:
+                continue
+            by_position = entry.get("acceptance_by_position") or []
+            positions = " ".join(_cell(a) for a in by_position[:_SHOWN_POSITIONS])
+            positions += " ..." if len(by_position) > _SHOWN_POSITIONS else ""
+            rows.append(
+                f"| {workload} | {system} | {_cell(entry['tokens_per_s'], 1)} | {entry['mean_accepted_length']} | "
+                f"{positions or '-'} | {_cell(shares['drafters'], 3)} | {_cell(shares['self_decoding'], 3)} | "
+                f"{_cell(shares['verifier_extra'], 3)} |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        "Who produced the committed tokens, per workload and SDCP system (the verifier's session stats): "
+        "mean accepted length per proposal round, acceptance at draft positions 1, 2, ... (accepted / "
+        "proposed), and the share of committed tokens that were accepted drafts (drafters), decoded by "
+        "the verifier alone (self-decoding) or the verifier's extra token of each proposal round (its "
+        "correction, or the token after a fully accepted draft):",
+        "",
+        "| workload | system | tok/s | mean accepted length | acceptance by position | drafters | "
+        "self-decoding | verifier extra |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+def _history_lines(summary: dict[str, Any]) -> list[str]:
+    history = summary.get("history") or {}
+    if not history.get("workloads"):
+        return []
+    lines = [
+        "",
+        f"Workloads where history matters (issue 28; requests sent one after another, first repeat only; "
+        f"requests {history['prompts']}): the default cluster's speed against transformers greedy, plain "
+        "llama.cpp and the n-gram-only cluster, and its acceptance request by request:",
+        "",
+        "| workload | default vs transformers greedy | default vs llama.cpp | default vs n-gram-only | "
+        "default's acceptance per request, in order |",
+        "|---|---|---|---|---|",
+    ]
+    for workload in history["workloads"]:
+        order = history["acceptance_by_request"].get(workload, {}).get(DEFAULT, [])
+        lines.append(
+            f"| {workload} | {_cell(history['default_vs_target'][workload])} | "
+            f"{_cell(history['default_vs_llamacpp'][workload])} | "
+            f"{_cell(history['default_vs_ngram_only'][workload])} | {' '.join(_cell(a) for a in order) or '-'} |"
+        )
+    return lines
 
 
 def _cell(value: float | None, digits: int = 2) -> str:

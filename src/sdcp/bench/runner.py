@@ -2,7 +2,8 @@
 
 Within one repeat the systems take turns on each prompt (the order rotates between repeats), so
 that load from other work on the machine spreads over all of them. Ratios are computed within each
-repeat and the report gives their median.
+repeat and the report gives their median. The workloads where history matters run in the first
+repeat only: a second would send each cluster requests whose answers its drafters have already seen.
 """
 
 from __future__ import annotations
@@ -34,9 +35,13 @@ from sdcp.bench.systems import (
 from sdcp.bench.workloads import (
     CHAT_WORKLOADS,
     DEFAULT_PROMPTS_DIR,
+    HISTORY_QUICK_PROMPTS,
+    HISTORY_WORKLOADS,
     BenchInputError,
+    Conversations,
     Prompt,
     Workload,
+    load_history_workloads,
     load_workloads,
     tokenize_prompt,
 )
@@ -69,6 +74,8 @@ CHAT_SYSTEMS = (
     "sdcp_e2e",
     "sdcp_default",
 )
+# The workloads only CHAT_SYSTEMS run.
+USER_WORKLOADS = (*CHAT_WORKLOADS, *HISTORY_WORKLOADS)
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,13 @@ class BenchConfig:
     @property
     def effective_per_workload(self) -> int | None:
         return self.per_workload if self.per_workload is not None else (2 if self.quick else None)
+
+    @property
+    def effective_history_per_workload(self) -> int | None:
+        """Requests per history workload: ``per_workload`` when given, a few for --quick, else all."""
+        if self.per_workload is not None:
+            return self.per_workload
+        return HISTORY_QUICK_PROMPTS if self.quick else None
 
     @property
     def effective_max_new(self) -> int:
@@ -146,6 +160,11 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
         raise BenchInputError("concurrency levels must be at least 1")
     started = time.perf_counter()
     workloads = load_workloads(config.prompts_dir, per_workload=config.effective_per_workload)
+    history = load_history_workloads(config.prompts_dir, per_workload=config.effective_history_per_workload)
+    missing = [name for name in HISTORY_WORKLOADS if name not in {w.name for w in history}]
+    if missing:
+        log(f"history workloads left out (no prompt file in {config.prompts_dir}): {', '.join(missing)}")
+    workloads += history
     config.out.mkdir(parents=True, exist_ok=True)
     log(f"loading {config.model}")
     loaded = load_model(config.model)
@@ -157,7 +176,11 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
     in_process: list[Any] = [HFTargetSystem(loaded.model, stop), HFPromptLookupSystem(loaded.model, stop)]
     if config.model == TINY_NAME:
         in_process.append(HFAssistedSystem(loaded.model, stop, load_model(TINY_DRAFT_NAME).model))
-    longest = max(len(prompt.tokens) for workload_prompts in prompts.values() for prompt in workload_prompts)
+    longest = max(
+        len(prompt.tokens) + _conversation_room(w, prompts[w.name], index, config.effective_max_new)
+        for w in workloads
+        for index, prompt in enumerate(prompts[w.name])
+    )
     in_process.extend(_llamacpp_systems(config, stop, context_tokens=longest + config.effective_max_new, log=log))
     in_process.append(TargetOnlySDCPSystem(target, stop))
     in_process.append(InProcessSDCPSystem(target, stop))
@@ -177,13 +200,26 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
             for cluster in clusters:
                 log(f"starting the local cluster {cluster.name}")
                 cluster.start()
-            measurements, levels, neighbour = asyncio.run(_measure(config, in_process, clusters, prompts, stop, log))
+            measurements, levels, neighbour = asyncio.run(
+                _measure(config, in_process, clusters, prompts, stop, log, workloads=workloads, tokenizer=tokenizer)
+            )
         finally:
             for cluster in clusters:
                 cluster.stop()
     systems = [system.name for system in in_process] + [cluster.name for cluster in clusters]
     seconds = time.perf_counter() - started
     return BenchData(config, workloads, measurements, levels, systems, seconds, neighbour, backend)
+
+
+def _conversation_room(workload: Workload, prompts: list[Prompt], index: int, max_new: int) -> int:
+    """Tokens a later turn of a conversation adds to its turn in the file: each earlier turn (at
+    most its templated prompt) and answer (up to max_new tokens), and the last answer quoted."""
+    earlier = 0
+    while workload.continues_at(index - earlier):
+        earlier += 1
+    if not earlier:
+        return 0
+    return sum(len(prompts[index - back].tokens) for back in range(1, earlier + 1)) + (earlier + 1) * max_new
 
 
 def _sdcp_target(config: BenchConfig, loaded: LoadedModel, log: Callable[[str], None]) -> Target:
@@ -225,8 +261,12 @@ async def _measure(
     prompts: dict[str, list[Prompt]],
     stop: list[int],
     log: Callable[[str], None],
+    *,
+    workloads: list[Workload],
+    tokenizer: Any,
 ) -> tuple[list[Measurement], list[ConcurrencyLevel], dict[str, float]]:
     max_new = config.effective_max_new
+    by_name = {workload.name: workload for workload in workloads}
     engines = [system for system in in_process if isinstance(system, InProcessSDCPSystem)]
     for system in engines:
         await system.start()
@@ -252,11 +292,16 @@ async def _measure(
         for repeat in range(config.effective_repeats):
             order = runners[repeat % len(runners) :] + runners[: repeat % len(runners)]
             for workload, workload_prompts in prompts.items():
+                if workload in HISTORY_WORKLOADS and repeat > 0:
+                    continue
+                conversations = Conversations(tokenizer, by_name[workload])
                 for index, prompt in enumerate(workload_prompts):
                     for name, run in order:
-                        if workload in CHAT_WORKLOADS and name not in CHAT_SYSTEMS:
+                        if workload in USER_WORKLOADS and name not in CHAT_SYSTEMS:
                             continue
-                        result = await run(prompt, max_new)
+                        sent = conversations.prompt(name, index, prompt)
+                        result = await run(sent, max_new)
+                        conversations.answered(name, sent, result.tokens)
                         measurements.append(Measurement(name, workload, index, repeat, result))
                         log(
                             f"repeat {repeat + 1} {workload}[{index}] {name}: {len(result.tokens)} tokens, "

@@ -3,6 +3,13 @@
 Each file holds prompts separated by a line that is exactly ``---``; lines starting with ``#`` are
 comments. Prompts are tokenized with the model's chat template when it has one (SmolLM2-Instruct
 answers instructions only in that form) and as plain text otherwise (the tiny test models).
+
+The workloads where history matters (``HISTORY_WORKLOADS``: one task repeated on different inputs,
+and multi-turn chats) are sent one request after another to the same systems, so that what a
+drafter (or the verifier's lookahead) kept of earlier answers can help. In ``multiturn.txt`` a
+prompt is a conversation: a line that is exactly ``+++`` starts its next user turn, every turn is
+one request, and ``{answer}`` in a later turn stands for the answer the system itself generated to
+the turn before (``Conversations`` builds that turn once the answer is known).
 """
 
 from __future__ import annotations
@@ -12,14 +19,21 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ANSWER_PLACEHOLDER",
     "CHAT_WORKLOADS",
     "CORE_WORKLOADS",
     "DEFAULT_PROMPTS_DIR",
+    "HISTORY_QUICK_PROMPTS",
+    "HISTORY_WORKLOADS",
     "WORKLOADS",
     "BenchInputError",
+    "Conversations",
     "Prompt",
     "Workload",
+    "chat_messages",
+    "load_history_workloads",
     "load_workloads",
+    "plain_text",
     "tokenize_prompt",
 ]
 
@@ -28,8 +42,15 @@ __all__ = [
 CORE_WORKLOADS = ("repetitive", "nonrepetitive", "mixed")
 CHAT_WORKLOADS = ("copyedit", "open")
 WORKLOADS = (*CORE_WORKLOADS, *CHAT_WORKLOADS)
+# Issue 28: workloads where history matters, sent one request after another (load_history_workloads;
+# not in WORKLOADS, whose prompts other tests decode as "every benchmark prompt").
+HISTORY_WORKLOADS = ("json_extraction", "sql", "code_edit", "multiturn")
+# Requests per history workload in `sdcp bench --quick` (the full run sends every one, 16 or more).
+HISTORY_QUICK_PROMPTS = 6
 DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+ANSWER_PLACEHOLDER = "{answer}"
 _SEPARATOR = "---"
+_TURN_SEPARATOR = "+++"
 
 
 class BenchInputError(ValueError):
@@ -40,6 +61,12 @@ class BenchInputError(ValueError):
 class Workload:
     name: str
     prompts: tuple[str, ...]
+    # Per prompt: whether it is a later turn of the conversation of the prompt before it (empty:
+    # none is).
+    continues: tuple[bool, ...] = ()
+
+    def continues_at(self, index: int) -> bool:
+        return 0 <= index < len(self.continues) and self.continues[index]
 
 
 @dataclass(frozen=True)
@@ -48,6 +75,8 @@ class Prompt:
 
     text: str
     tokens: tuple[int, ...]
+    # The conversation before it: (user text, answer text) per earlier turn, oldest first.
+    history: tuple[tuple[str, str], ...] = ()
 
 
 def parse_prompts(text: str) -> tuple[str, ...]:
@@ -80,11 +109,88 @@ def load_workloads(directory: Path = DEFAULT_PROMPTS_DIR, *, per_workload: int |
     return workloads
 
 
-def tokenize_prompt(tokenizer: Any, prompt: str) -> list[int]:
+def load_history_workloads(directory: Path = DEFAULT_PROMPTS_DIR, *, per_workload: int | None = None) -> list[Workload]:
+    """The workloads of ``HISTORY_WORKLOADS`` whose prompt file ``directory`` holds (a prompt
+    directory written before them still runs the others), each limited to its first
+    ``per_workload`` requests when given (a conversation's turns count one each)."""
+    if per_workload is not None and per_workload < 1:
+        raise BenchInputError(f"per_workload must be at least 1, got {per_workload}")
+    workloads = []
+    for name in HISTORY_WORKLOADS:
+        path = directory / f"{name}.txt"
+        if not path.is_file():
+            continue
+        prompts: list[str] = []
+        continues: list[bool] = []
+        for conversation in parse_prompts(path.read_text(encoding="utf-8")):
+            turns = _split_turns(conversation)
+            prompts.extend(turns)
+            continues.extend(index > 0 for index in range(len(turns)))
+        if not prompts:
+            raise BenchInputError(f"prompt file {path} holds no prompt")
+        if per_workload:
+            prompts, continues = prompts[:per_workload], continues[:per_workload]
+        workloads.append(Workload(name, tuple(prompts), tuple(continues)))
+    return workloads
+
+
+def _split_turns(conversation: str) -> list[str]:
+    turns: list[str] = []
+    current: list[str] = []
+    for line in [*conversation.splitlines(), _TURN_SEPARATOR]:
+        if line.strip() == _TURN_SEPARATOR:
+            turn = "\n".join(current).strip()
+            if turn:
+                turns.append(turn)
+            current = []
+        else:
+            current.append(line)
+    return turns
+
+
+def chat_messages(prompt: str, history: tuple[tuple[str, str], ...] = ()) -> list[dict[str, str]]:
+    """The chat messages of a prompt after its conversation so far (what the gateway is sent)."""
+    messages = []
+    for user, answer in history:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    return [*messages, {"role": "user", "content": prompt}]
+
+
+def plain_text(prompt: str, history: tuple[tuple[str, str], ...] = ()) -> str:
+    """A prompt after its conversation so far, as plain text (models without a chat template)."""
+    return "\n\n".join([*(part for turn in history for part in turn), prompt])
+
+
+def tokenize_prompt(tokenizer: Any, prompt: str, history: tuple[tuple[str, str], ...] = ()) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
+        ids = tokenizer.apply_chat_template(chat_messages(prompt, history), add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         return [int(token) for token in ids]
-    return [int(token) for token in tokenizer(prompt)["input_ids"]]
+    return [int(token) for token in tokenizer(plain_text(prompt, history))["input_ids"]]
+
+
+class Conversations:
+    """The prompts of one workload as each system is sent them: a later turn of a conversation
+    quotes, and follows, the answer that system generated to the turn before (``{answer}``)."""
+
+    def __init__(self, tokenizer: Any, workload: Workload) -> None:
+        self.tokenizer = tokenizer
+        self.workload = workload
+        # Per system: the last turn it was sent and the text of its answer.
+        self._last: dict[str, tuple[Prompt, str]] = {}
+
+    def prompt(self, system: str, index: int, prompt: Prompt) -> Prompt:
+        """What ``system`` is sent as prompt ``index`` (``prompt``: the turn as the file has it)."""
+        if not self.workload.continues_at(index):
+            return prompt
+        if system not in self._last:
+            raise RuntimeError(f"{system} is sent a later turn of {self.workload.name} before its first")
+        previous, answer = self._last[system]
+        text = prompt.text.replace(ANSWER_PLACEHOLDER, answer)
+        history = (*previous.history, (previous.text, answer))
+        return Prompt(text, tuple(tokenize_prompt(self.tokenizer, text, history)), history)
+
+    def answered(self, system: str, sent: Prompt, tokens: list[int]) -> None:
+        """``system`` answered ``sent`` with ``tokens``."""
+        answer = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        self._last[system] = (sent, answer)
