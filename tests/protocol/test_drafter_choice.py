@@ -3,11 +3,21 @@ fake timings: what a drafter reports is all the router goes by."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sdcp.protocol.drafter import expected_rate, expected_tokens
 from sdcp.protocol.messages import Role, Status
-from sdcp.protocol.router import DrafterCosts, InstanceView, choose_decoding, drafter_costs, drafter_rate
+from sdcp.protocol.router import (
+    DrafterCosts,
+    InstanceRegistry,
+    InstanceView,
+    choose_decoding,
+    drafter_costs,
+    drafter_rate,
+    measured_acceptance,
+)
 
 SELF_S = 0.050  # the verifier decodes alone at 20 tokens/s
 VERIFY_S = 0.060
@@ -108,7 +118,7 @@ def test_costs_come_from_the_status_extension_members() -> None:
         verify_us=40000,
     )
     costs = drafter_costs(InstanceView(status, expires_at=10.0))
-    assert costs == DrafterCosts("https://d", alpha=0.75, draft_s=0.0015, verify_s=0.04, queue=2)
+    assert costs == DrafterCosts("https://d", alpha=0.75, draft_s=0.0015, verify_s=0.04, queue=2, load=10)
     plain = Status(instance="https://e", role=Role.DRAFTER, load=0, queue=0, ttl_ms=3000)
     assert drafter_costs(InstanceView(plain, expires_at=10.0)) == DrafterCosts("https://e", None, None)
 
@@ -122,3 +132,81 @@ def test_zero_times_reported_by_a_peer_do_not_break_the_choice() -> None:
     instant = DrafterCosts("https://instant", alpha=0.5, draft_s=0.0, verify_s=0.0)
     choice = choose([instant], self_decode_s=0.0)
     assert choice is not None and choice.drafter == "https://instant"
+
+
+# -- drafters that report only the status members of SDCP 5.2 ---------------------------------------
+
+
+def drafted_status(uri: str, accept_milli: int | None, load: int = 0, queue: int = 0) -> Status:
+    """A drafter written from the draft alone: no alpha_milli, draft_us or verify_us."""
+    return Status(instance=uri, role=Role.DRAFTER, load=load, queue=queue, accept_milli=accept_milli, ttl_ms=3000)
+
+
+def registered(*statuses: Status) -> InstanceRegistry:
+    registry = InstanceRegistry()
+    for status in statuses:
+        registry.report(status, now=0.0)
+    return registry
+
+
+def test_a_drafter_without_our_cost_terms_is_measured_by_accept_milli() -> None:
+    registry = registered(drafted_status("https://vendor", accept_milli=400, load=30, queue=1))
+    view = registry.get("https://vendor")
+    assert view is not None and measured_acceptance(view) == pytest.approx(0.4)
+    assert drafter_costs(view) == DrafterCosts("https://vendor", alpha=0.4, draft_s=None, queue=1, load=30)
+
+
+def test_one_of_ours_is_measured_by_alpha_milli_only() -> None:
+    # Our drafter reports the a/M of its open sessions from the first verdict, but its
+    # per-token alpha only after MEASURED_AFTER_VERDICTS: until then it is unmeasured.
+    ours = Status(instance="https://ours", role=Role.DRAFTER, load=0, queue=0, ttl_ms=3000, accept_milli=900)
+    assert measured_acceptance(InstanceView(replace(ours, draft_us=800), 10.0)) is None
+    assert measured_acceptance(InstanceView(replace(ours, verify_us=9000), 10.0)) is None
+    measured = replace(ours, draft_us=800, alpha_milli=950)
+    assert measured_acceptance(InstanceView(measured, 10.0)) == pytest.approx(0.95)
+
+
+def test_the_last_reported_accept_milli_is_kept_while_reports_omit_it() -> None:
+    # An idle drafter may leave the optional member out (as ours does with no session open): what it
+    # measured before stays its measurement, so it is not explored again.
+    registry = registered(
+        drafted_status("https://vendor", accept_milli=None),
+        drafted_status("https://vendor", accept_milli=400),
+        drafted_status("https://vendor", accept_milli=None),
+    )
+    view = registry.get("https://vendor")
+    assert view is not None and view.status.accept_milli is None
+    assert measured_acceptance(view) == pytest.approx(0.4)
+    registry.report(drafted_status("https://vendor", accept_milli=350), now=0.0)
+    assert measured_acceptance(registry.get("https://vendor")) == pytest.approx(0.35)  # type: ignore[arg-type]
+    # An instance whose status expired starts again unmeasured.
+    registry.expire(now=10.0)
+    registry.report(drafted_status("https://vendor", accept_milli=None), now=10.0)
+    assert measured_acceptance(registry.get("https://vendor")) is None  # type: ignore[arg-type]
+
+
+def test_a_drafter_without_our_cost_terms_stops_being_explored_once_it_reports_acceptance() -> None:
+    ours = DrafterCosts("https://ours", alpha=0.8, draft_s=0.001)
+    unmeasured = drafter_costs(InstanceView(drafted_status("https://vendor", accept_milli=None), 10.0))
+    explored = choose([ours, unmeasured])
+    assert explored is not None and explored.drafter == "https://vendor" and explored.exploring
+    # At 40 % it is ranked by its rate, below ours: no longer every session's first assignment.
+    low = drafter_costs(InstanceView(drafted_status("https://vendor", accept_milli=400), 10.0))
+    choice = choose([ours, low])
+    assert choice is not None and choice.drafter == "https://ours" and not choice.exploring
+    assert choice.rate > drafter_rate(low, verify_s=VERIFY_S, m_limit=16)
+    # At 95 % (and no reported drafting time) it is expected to beat ours, and is chosen, measured.
+    high = drafter_costs(InstanceView(drafted_status("https://vendor", accept_milli=950), 10.0))
+    preferred = choose([ours, high])
+    assert preferred is not None and preferred.drafter == "https://vendor" and not preferred.exploring
+
+
+def test_equal_rates_go_to_the_shorter_queue_then_the_lower_load() -> None:
+    # Drafters that report no drafting time have equal rates at equal acceptance: queue and load
+    # rank them (SDCP 6.1), then the URI.
+    busy = drafter_costs(InstanceView(drafted_status("https://a", accept_milli=400, load=90), 10.0))
+    idle = drafter_costs(InstanceView(drafted_status("https://b", accept_milli=400, load=10), 10.0))
+    queued = drafter_costs(InstanceView(drafted_status("https://c", accept_milli=400, load=0, queue=2), 10.0))
+    for order in ([busy, idle, queued], [queued, idle, busy]):
+        choice = choose(order)
+        assert choice is not None and choice.drafter == "https://b"

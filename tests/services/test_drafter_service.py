@@ -7,6 +7,7 @@ service on the tiny target, the drafter the n-gram drafter or the tiny-draft HF 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -404,20 +405,32 @@ async def test_speculative_sampling_with_an_hf_drafter(env: Env, target: TargetM
         await verifier.stop()
 
 
-@pytest.mark.parametrize("outdated", ["prefix", "round", "prefix, a verifier without session_state"])
+@pytest.mark.parametrize(
+    "outdated",
+    [
+        "prefix",
+        "round",
+        "prefix, a verifier without session_state",
+        "prefix, a verifier with session_state in its own encoding",
+    ],
+)
 async def test_stale_assignment_resyncs_from_the_verifier(
     env: Env, target: TargetModel, outdated: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if "without session_state" in outdated:
-        # Another implementation's verifier: sdcp-stale-base with no session-state member.
+    if "session_state" in outdated:
+        # Another implementation's verifier: sdcp-stale-base with no session-state member, or with
+        # one that is not ours (here JSON), which the drafter reads as absent (SDCP 6.3).
         encode = ProtocolError.to_problem
 
-        def without_state(error: ProtocolError) -> dict[str, object]:
+        def foreign_state(error: ProtocolError) -> dict[str, object]:
             body = encode(error)
-            body.pop("session_state", None)
+            if body.pop("session_state", None) is not None and "own encoding" in outdated:
+                assert error.state is not None
+                state = {"round": error.state.round, "committed": error.state.committed}
+                body["session_state"] = json.dumps(state)
             return body
 
-        monkeypatch.setattr(ProtocolError, "to_problem", without_state)
+        monkeypatch.setattr(ProtocolError, "to_problem", foreign_state)
     verifier = await verifier_node(env, target)
     drafter = await drafter_node(env)
     # The first drafter's proposals from the third committed token on never reach the verifier, so

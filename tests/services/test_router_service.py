@@ -891,3 +891,65 @@ async def test_an_unmeasured_drafter_is_explored_until_its_status_reports_a_meas
     assert [t for output in outputs for t in output.tokens] == greedy_reference(target, 12)
     # MEASURED_AFTER_VERDICTS verdicts in, the drafter reports its acceptance at once.
     await eventually(lambda: router.registry.get(drafter.uri).status.alpha_milli is not None, timeout_s=2.0)  # type: ignore[union-attr]
+
+
+class _ReportingDrafter(DrafterNode):
+    """A real n-gram drafter whose status report the test sets: ``ours`` keeps our cost terms with
+    a measured ``alpha_milli``; otherwise only the members of SDCP 5.2 are sent, with the test's
+    ``accept_milli``, as by a drafter written from the draft alone."""
+
+    def __init__(self, config: ServiceConfig, *, ours: bool, accept_milli: int) -> None:
+        super().__init__(config)
+        self.ours = ours
+        self.accept_milli = accept_milli
+
+    def status(self) -> Status:
+        own = self.engine.status()
+        if self.ours:
+            # Measured at 90 %, drafting in 10 us, and verified as the verifier reports.
+            return replace(own, alpha_milli=self.accept_milli, draft_us=10, verify_us=None)
+        return Status(
+            instance=own.instance,
+            role=own.role,
+            load=own.load,
+            queue=own.queue,
+            accept_milli=self.accept_milli,
+            cache_mbps=own.cache_mbps,
+            ttl_ms=own.ttl_ms,
+        )
+
+
+async def test_a_drafter_without_our_cost_terms_is_ranked_by_its_accept_milli(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    router = deployment.router
+    assert router is not None
+    await start_verifier(deployment, "verifier1")
+    settings = DrafterConfig(model="ngram", target="tiny")
+    ours = _ReportingDrafter(deployment.config("drafter1", drafter=settings), ours=True, accept_milli=900)
+    vendor = _ReportingDrafter(deployment.config("drafter2", drafter=settings), ours=False, accept_milli=400)
+    for node in (ours, vendor):
+        await deployment.start(node)
+    await eventually(lambda: all(router.registry.is_live(node.uri, router.clock()) for node in (ours, vendor)))
+    view = router.registry.get(vendor.uri)
+    assert view is not None and view.status.alpha_milli is None and view.status.draft_us is None
+
+    async def decode_one() -> str:
+        """Open a session, read it to its end; the drafter it was first assigned to."""
+        opened = await open_session(deployment, tiny_contract(target, max_new=12))
+        session = opened["session"]
+        assert isinstance(session, bytes) and isinstance(opened["drafter"], str)
+        assert router.sessions[session].exploring is None  # measured: nothing to explore
+        outputs = await read_output(deployment.client("frontend", peer="verifier1"), session)
+        assert [t for output in outputs for t in output.tokens] == greedy_reference(target, 12)
+        await eventually(lambda: router.sessions[session].ended)
+        return opened["drafter"]
+
+    # At 40 % it is expected to be slower than ours at 90 %: sessions go to ours, none explores it.
+    assert [await decode_one() for _ in range(3)] == [ours.uri] * 3
+    assert not vendor.engine.runs and counter("sdcp_router_assignments_total", router.uri) == 3
+    # Reporting 95 % (and no drafting time), it is expected to be the faster, and is chosen.
+    vendor.accept_milli = 950
+    vendor.report_status_soon()
+    await eventually(lambda: router.registry.get(vendor.uri).status.accept_milli == 950)  # type: ignore[union-attr]
+    assert await decode_one() == vendor.uri

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import enum
 import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -25,6 +26,8 @@ __all__ = [
     "parse_problem_json",
     "problem_json",
 ]
+
+log = logging.getLogger(__name__)
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 PROBLEM_TYPE_PREFIX = "urn:ietf:params:sdcp:problem:"
@@ -162,9 +165,16 @@ def _decode_state(value: object) -> SessionState | None:
 
     if value is None:
         return None
-    if not isinstance(value, str):
-        raise BadMessage("problem 'session_state' must be a base64url string")
-    return SessionState.from_cbor(b64url_decode(value))
+    # SDCP 6.3 asks for the session-state but the draft names no member or encoding for it in a
+    # problem body: one we cannot read (another verifier's encoding) counts as absent, and the
+    # drafter reads the committed prefix from the output (docs/interpretations.md).
+    try:
+        if not isinstance(value, str):
+            raise BadMessage("not a base64url string")
+        return SessionState.from_cbor(b64url_decode(value))
+    except BadMessage as exc:
+        log.info("problem member %r is not our session-state, read as absent: %s", SESSION_STATE_MEMBER, exc.detail)
+        return None
 
 
 def problem_json(error: ProtocolError) -> bytes:

@@ -30,17 +30,23 @@ __all__ = [
     "choose_decoding",
     "drafter_costs",
     "drafter_permitted",
+    "measured_acceptance",
     "prefer_idle_and_accepting",
 ]
 
 
 @dataclass(frozen=True)
 class InstanceView:
-    """The last status of an instance and when it expires (seconds, the router's clock)."""
+    """The last status of an instance and when it expires (seconds, the router's clock).
+
+    ``accept_milli`` is the last acceptance (SDCP 5.2 ``accept_milli``) the instance reported, kept
+    while later reports of the same instance omit the optional member; ``status`` has its own.
+    """
 
     status: Status
     expires_at: float
     model: bytes | None = None
+    accept_milli: int | None = None
 
     @property
     def uri(self) -> str:
@@ -76,6 +82,7 @@ class DrafterCosts:
     draft_s: float | None
     verify_s: float | None = None
     queue: int = 0
+    load: int = 0
 
 
 def drafter_costs(view: InstanceView) -> DrafterCosts:
@@ -83,11 +90,31 @@ def drafter_costs(view: InstanceView) -> DrafterCosts:
     status = view.status
     return DrafterCosts(
         uri=view.uri,
-        alpha=None if status.alpha_milli is None else status.alpha_milli / 1000,
+        alpha=measured_acceptance(view),
         draft_s=None if status.draft_us is None else status.draft_us / 1e6,
         verify_s=None if status.verify_us is None else status.verify_us / 1e6,
         queue=status.queue,
+        load=status.load,
     )
+
+
+def measured_acceptance(view: InstanceView) -> float | None:
+    """A drafter's per-token acceptance alpha (SDCP 6.2), or None while it is unmeasured.
+
+    A drafter that reports our cost terms is measured by ``alpha_milli`` alone, which it sends
+    once it has taken in enough verdicts. One that reports none of them (a drafter written from
+    the draft) is measured by the draft's own status member ``accept_milli`` (SDCP 5.2: the EWMA
+    of a/M), the last one it reported: a/M does not exceed the per-token probability in
+    expectation, so the rate it gives is a lower bound (docs/interpretations.md, "Acceptance of
+    drafters without our cost terms").
+    """
+    status = view.status
+    if status.alpha_milli is not None:
+        return status.alpha_milli / 1000
+    if status.draft_us is not None or status.verify_us is not None:
+        return None  # one of ours: its alpha_milli is on the way
+    accept_milli = status.accept_milli if status.accept_milli is not None else view.accept_milli
+    return None if accept_milli is None else accept_milli / 1000
 
 
 @dataclass(frozen=True)
@@ -142,22 +169,26 @@ def choose_decoding(
         for d in drafters
         if d.alpha is None
     ]
-    best = _fastest(measured)
+    # SDCP 6.1: of equal rates, the drafter with the shorter queue, then the lower load.
+    busy = {d.uri: (d.queue, d.load) for d in drafters}
+
+    def fastest(choices: Sequence[DecodingChoice]) -> DecodingChoice | None:
+        # max keeps the first of equal rates: the least busy, then the smallest URI, whatever the
+        # order of reports.
+        ordered = sorted(choices, key=lambda c: (busy.get(c.drafter or "", (0, 0)), c.drafter or ""))
+        return max(ordered, key=lambda c: c.rate, default=None)
+
+    best = fastest(measured)
     baseline = max(best.rate if best is not None else 0.0, self_rate or 0.0)
     worth_exploring = [c for c in unmeasured if c.rate > baseline and may_explore(c.drafter or "")]
     if worth_exploring:
-        return _fastest(worth_exploring)
+        return fastest(worth_exploring)
     if self_rate is not None and (best is None or best.rate <= self_rate):
         return DecodingChoice(None, self_rate)
     if best is not None:
         return best
     # Nothing measured and no self-decoding: a drafter must serve, the most promising one.
-    return _fastest(unmeasured)
-
-
-def _fastest(choices: Sequence[DecodingChoice]) -> DecodingChoice | None:
-    # max keeps the first of equal rates: the smallest URI, whatever the order of reports.
-    return max(sorted(choices, key=lambda c: c.drafter or ""), key=lambda c: c.rate, default=None)
+    return fastest(unmeasured)
 
 
 def drafter_permitted(contract: Contract, model: bytes | None) -> bool:
@@ -174,7 +205,11 @@ class InstanceRegistry:
         self._instances: dict[str, InstanceView] = {}
 
     def report(self, status: Status, now: float, model: bytes | None = None) -> None:
-        self._instances[status.instance] = InstanceView(status, now + status.ttl_ms / 1000, model)
+        accept_milli = status.accept_milli
+        previous = self._instances.get(status.instance)
+        if accept_milli is None and previous is not None:
+            accept_milli = previous.accept_milli  # the member is optional in every report (SDCP 5.2)
+        self._instances[status.instance] = InstanceView(status, now + status.ttl_ms / 1000, model, accept_milli)
 
     def get(self, uri: str) -> InstanceView | None:
         """The last status of ``uri``, live or not yet expired from the registry."""

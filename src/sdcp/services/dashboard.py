@@ -19,7 +19,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from sdcp.protocol.messages import Output, Role, session_path_id
-from sdcp.protocol.router import InstanceRegistry, InstanceView
+from sdcp.protocol.router import InstanceRegistry, InstanceView, measured_acceptance
 from sdcp.transport.client import PeerClients
 
 __all__ = ["SELF_DECODING_AT", "Dashboard", "SessionView"]
@@ -115,7 +115,7 @@ class Dashboard:
             "load": status.load,
             "queue": status.queue,
             "ttl_s": round(max(0.0, view.expires_at - now), 1),
-            "acceptance": None if status.alpha_milli is None else status.alpha_milli / 1000,
+            "acceptance": measured_acceptance(view) if status.role == Role.DRAFTER else None,
             "expected_tokens_per_s": None if rate is None else round(rate, 1),
             # A drafter's expected rate over the fastest verifier decoding alone.
             "expected_speedup": (

@@ -587,8 +587,10 @@ class RouterNode(Node):
         verifier = self.registry.get(tracked.plan.verifier)
 
         def may_explore(uri: str) -> bool:
-            # Exploration is bounded: one session at a time per unmeasured drafter. Asked only
-            # about unmeasured drafters, so that maintenance of measured ones scans no sessions.
+            # Exploration is bounded: one session at a time per unmeasured drafter, and it ends
+            # with the drafter's first acceptance report (measured_acceptance: our alpha_milli, or
+            # SDCP 5.2 accept_milli from a drafter without our cost terms). Asked only about
+            # unmeasured drafters, so that maintenance of measured ones scans no sessions.
             return not any(
                 other.exploring == uri and other is not tracked and not other.ended for other in self.sessions.values()
             )
@@ -623,7 +625,7 @@ class RouterNode(Node):
             return False
         costs = drafter_costs(view)
         if costs.alpha is None:
-            return False  # its measurement is on the way (MEASURED_AFTER_VERDICTS)
+            return False  # its measurement is on the way (alpha_milli or accept_milli: measured_acceptance)
         best = self._choose(tracked)
         if best is None or best.drafter == drafter:
             tracked.exploring = None
