@@ -105,8 +105,8 @@ def measured_acceptance(view: InstanceView) -> float | None:
     once it has taken in enough verdicts. One that reports none of them (a drafter written from
     the draft) is measured by the draft's own status member ``accept_milli`` (SDCP 5.2: the EWMA
     of a/M), the last one it reported: a/M does not exceed the per-token probability in
-    expectation, so the rate it gives is a lower bound (docs/interpretations.md, "Acceptance of
-    drafters without our cost terms").
+    expectation, so the rate it gives is a lower bound (docs/interpretations.md, "Drafters and
+    verifiers without our private members").
     """
     status = view.status
     if status.alpha_milli is not None:
