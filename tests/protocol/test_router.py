@@ -89,6 +89,11 @@ def test_assignment_carries_state_and_current_sampling() -> None:
     assert assignment.contract.digest == c.digest
     assert (assignment.round, assignment.committed, assignment.digest) == (3, 5, digest)
     assert routed.open_message().epoch == 1 and routed.open_message().resume is None
+    # The front end that opened the session goes to the drafter too (its history scope), on the wire.
+    assert assignment.owner is None
+    routed.owner = "https://gateway.example"
+    owned = routed.assignment("https://d1", round=3, committed=5, digest=digest, m_init=4)
+    assert type(owned).from_obj(owned.to_obj()).owner == routed.open_message().owner == "https://gateway.example"
 
 
 def test_failover_fences_then_resumes_with_the_next_epoch() -> None:
