@@ -137,7 +137,7 @@ class VerifierEngine:
             start_self_decoding=self._start_self_decoding,
         )
         # Self-decoding's guesses, from the session and the outputs of sessions finished here.
-        self.lookahead = VerifierLookahead()
+        self.lookahead = VerifierLookahead(lambda: self.settings.history_scope)
         self._self_decoding = SelfDecoding(
             uri=uri,
             rounds=self._rounds,

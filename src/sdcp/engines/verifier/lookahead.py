@@ -2,15 +2,19 @@
 lookahead"): the session's own tokens and the outputs of the sessions that finished here before it,
 in the suffix drafter's structures (sdcp.models.suffix), co-located with the target.
 
-The history is kept per contract key and owner, as a suffix drafter's is (docs/security.md): one
-front end's outputs never shape another's guesses. A guess only decides how much a pass scores;
-every token is still drawn from the target's own row.
+The history is kept per history scope, as the drafters' shared history is (sdcp.engines.history,
+docs/security.md): under the default policy one front end's outputs never shape another's guesses.
+A guess only decides how much a pass scores; every token is still drawn from the target's own row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from sdcp.config import HistoryScope
+from sdcp.engines.history import history_scope_key
 from sdcp.engines.verifier.live import LiveSession
-from sdcp.models.suffix import DEFAULT_HISTORY_TOKENS, SharedHistory, SuffixIndex, history_key, plan_draft
+from sdcp.models.suffix import DEFAULT_HISTORY_TOKENS, SharedHistory, SuffixIndex, plan_draft
 from sdcp.protocol.messages import Action
 
 __all__ = ["LOOKAHEAD_MIN_MATCH", "VerifierLookahead"]
@@ -21,10 +25,14 @@ LOOKAHEAD_MIN_MATCH = 2
 
 class VerifierLookahead:
     """Predictions for self-decoding sessions, and the history of the sessions that finished here
-    (at most ``history_tokens`` tokens of output, the oldest outputs evicted first)."""
+    (at most ``history_tokens`` tokens of output, the oldest outputs evicted first), kept per the
+    scope ``policy`` names (the verifier's ``history_scope``)."""
 
-    def __init__(self, history_tokens: int = DEFAULT_HISTORY_TOKENS) -> None:
+    def __init__(
+        self, policy: Callable[[], HistoryScope] = lambda: "owner", history_tokens: int = DEFAULT_HISTORY_TOKENS
+    ) -> None:
         self.history = SharedHistory(history_tokens)
+        self._policy = policy
 
     def predict(self, live: LiveSession, context: tuple[int, ...], limit: int) -> tuple[int, ...]:
         """Up to ``limit`` tokens after ``context`` (the session's prompt and decided tokens): the
@@ -37,7 +45,7 @@ class VerifierLookahead:
         steps = plan_draft(
             context,
             index,
-            self.history.index(_history_key(live)),
+            self.history.index(self._scope(live)),
             limit,
             min_match=LOOKAHEAD_MIN_MATCH,
             # As long as the match holds: how much of it a pass scores is the cost model's choice.
@@ -49,9 +57,7 @@ class VerifierLookahead:
         """Keep the output of a session that finished (not one that failed or was fenced)."""
         machine = live.machine
         if machine.control.ended is Action.FINISH and not machine.fenced:
-            self.history.learn(_history_key(live), machine.tokens)
+            self.history.learn(self._scope(live), machine.tokens)
 
-
-def _history_key(live: LiveSession) -> bytes:
-    owner = (live.owner or "").encode()
-    return history_key(live.machine.contract) + len(owner).to_bytes(2, "big") + owner
+    def _scope(self, live: LiveSession) -> bytes:
+        return history_scope_key(live.machine.contract, live.owner, self._policy())
