@@ -99,6 +99,8 @@ AtLeastOne = Annotated[int, Strict(), Field(ge=1)]
 Seconds = Annotated[float, Field(ge=0), BeforeValidator(lambda v: _number(v))]
 PositiveSeconds = Annotated[float, Field(gt=0), BeforeValidator(lambda v: _number(v))]
 Text = Annotated[str, Strict()]
+# A switch is true or false: a string or a number that pydantic would read as one is a mistake.
+Flag = Annotated[bool, Strict()]
 FilePath = Annotated[Path, BeforeValidator(_relative_to_file)]
 HttpsURI = Annotated[str, Strict(), BeforeValidator(_https_uri)]
 HostPort = Annotated[str, Strict(), BeforeValidator(_host_port)]
@@ -235,6 +237,9 @@ class DrafterConfig:
     history_scope: HistoryScope = "owner"
     history_entries: Count = 256
     history_refresh_s: Seconds = 5.0
+    # Prepare the next proposal while one is at the verifier (SDCP 6.2, docs/performance.md);
+    # off for measurement, or where drafting competes with the verifier for cores.
+    predraft: Flag = True
 
     @property
     def runs_model(self) -> bool:
@@ -370,6 +375,8 @@ def _one_line(error: ErrorDetails) -> str:
         return f"{key} must be a number"
     if kind == "string_type":
         return f"{key} must be a string"
+    if kind in ("bool_type", "bool_parsing"):
+        return f"{key} must be true or false"
     if kind in ("tuple_type", "list_type"):
         return f"{key} must be a list of strings"
     if kind in ("path_type", "path_parsing"):

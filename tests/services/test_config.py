@@ -93,6 +93,8 @@ def test_a_gateway_without_a_router_is_a_one_line_cli_error(tmp_path: Path) -> N
         ("[mlc.authorities]\n'cache-b' = 'redis://x'\n", "mlc.authorities.cache-b must be an https URI"),
         ("[mlc]\nunlisted = 'proxy'\n", "mlc.unlisted"),
         ("[gateway]\nlisten = '8000'\n", "gateway.listen must be host:port"),
+        ("[drafter]\npredraft = 'no'\n", "drafter.predraft must be true or false"),
+        ("[drafter]\npredraft = 0\n", "drafter.predraft must be true or false"),
         ("verifier = 3\n", r"\[verifier\] must be a table"),
     ],
 )

@@ -194,6 +194,10 @@ def metric(name: str, instance: str) -> float:
     return REGISTRY.get_sample_value(name, {"instance": instance}) or 0.0
 
 
+def metric_of(name: str, instance: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, {"instance": instance, **labels}) or 0.0
+
+
 # -- assignments without a verifier: authorization, contract checks, epochs, rows under lease ------
 
 
@@ -600,3 +604,53 @@ def test_a_predraft_is_used_only_when_the_verdict_confirms_it() -> None:
     assert confirmed_predraft(proposal, _verdict(proposal, 2, (5, 6, 3)), predraft, m=2) is None
     assert confirmed_predraft(proposal, _verdict(proposal, 1, (5, 7)), predraft, m=2) is None
     assert confirmed_predraft(proposal, _verdict(proposal, 2, (5, 6, 7)), None, m=2) is None
+
+
+class CountingOracle(OracleDrafter):
+    """The oracle, counting its drafts: one per proposal without pre-drafting."""
+
+    def __init__(self, target: TargetModel) -> None:
+        super().__init__(target)
+        self.drafts = 0
+
+    def draft(self, session: bytes, m: int, sampling: object, rng: object = None) -> DraftResult:
+        self.drafts += 1
+        return super().draft(session, m, sampling, rng)
+
+
+@pytest.mark.parametrize("predraft", [True, False])
+async def test_predrafting_can_be_turned_off(env: Env, target: TargetModel, predraft: bool) -> None:
+    """[drafter] predraft: off, every proposal is drafted after its verdict and none is
+    pre-drafted; the output is the same (SDCP 6.2: pre-drafting MAY be done)."""
+    verifier = await verifier_node(env, target)
+    oracle = CountingOracle(TargetModel(tiny_model(), tiny_tokenizer(), name="tiny"))
+    settings = DrafterConfig(target="tiny", predraft=predraft)
+    drafter = DrafterNode(env.config(env.drafter_uri, drafter=settings), drafter=oracle)
+    await drafter.start()
+    try:
+        before = {
+            outcome: metric_of("sdcp_drafter_predrafts_total", env.drafter_uri, outcome=outcome)
+            for outcome in ("used", "discarded")
+        }
+        proposals_before = metric("sdcp_drafter_proposals_total", env.drafter_uri)
+        contract = make_contract(target, max_new=24)
+        session = os.urandom(16)
+        await open_session(env, contract, session)
+        assignment = make_assignment(env, contract, session, m_init=2)
+        await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment.to_obj())
+        assert await asyncio.wait_for(read_all_output(env, session), 60) == greedy(target, PROMPT, contract.max_new)
+        await wait_for(lambda: _no_runs(drafter))
+        proposals = metric("sdcp_drafter_proposals_total", env.drafter_uri) - proposals_before
+        used = metric_of("sdcp_drafter_predrafts_total", env.drafter_uri, outcome="used") - before["used"]
+        discarded = (
+            metric_of("sdcp_drafter_predrafts_total", env.drafter_uri, outcome="discarded") - before["discarded"]
+        )
+        if predraft:
+            # Every draft of the oracle is accepted and its guess of the extra token is right.
+            assert used >= 1 and used + discarded <= proposals
+        else:
+            assert used == discarded == 0
+            assert oracle.drafts == proposals
+    finally:
+        await drafter.stop()
+        await verifier.stop()

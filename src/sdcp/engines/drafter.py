@@ -450,16 +450,17 @@ class DrafterEngine:
         try:
             # SDCP 6.2: base, base_digest and round come from the last verdict; one outstanding.
             proposal = state.propose(draft.tokens, status=self.status(), q_rows=rows_uri)
-            # SDCP 6.2: the next proposal MAY be prepared assuming full acceptance. The backend
-            # continues after the tentative tokens: one token stands for the verifier's extra token.
-            length = state.m_after_full_acceptance(*self._costs(run)) + 1
-            predraft = self._worker.schedule(self.drafter.draft, run.session, length, state.sampling)
+            if self.settings.predraft:
+                # SDCP 6.2: the next proposal MAY be prepared assuming full acceptance. The backend
+                # continues after the tentative tokens: one token stands for the verifier's extra token.
+                length = state.m_after_full_acceptance(*self._costs(run)) + 1
+                predraft = self._worker.schedule(self.drafter.draft, run.session, length, state.sampling)
             try:
                 verdict = await self._send(run, proposal)
             except ProtocolError as error:
                 await self._on_problem(run, proposal, error)
                 return None, proposal, None
-            return verdict, proposal, await _settled(predraft)
+            return verdict, proposal, await _settled(predraft) if predraft is not None else None
         finally:
             if predraft is not None and not predraft.done():
                 await _settled(predraft)
