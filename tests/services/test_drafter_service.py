@@ -621,7 +621,9 @@ class CountingOracle(OracleDrafter):
 @pytest.mark.parametrize("predraft", [True, False])
 async def test_predrafting_can_be_turned_off(env: Env, target: TargetModel, predraft: bool) -> None:
     """[drafter] predraft: off, every proposal is drafted after its verdict and none is
-    pre-drafted; the output is the same (SDCP 6.2: pre-drafting MAY be done)."""
+    pre-drafted; the output is the same (SDCP 6.2: pre-drafting MAY be done). On, a confirmed
+    pre-draft is sent as the next proposal. Either way the gap from each verdict to the next
+    proposal is observed."""
     verifier = await verifier_node(env, target)
     oracle = CountingOracle(TargetModel(tiny_model(), tiny_tokenizer(), name="tiny"))
     settings = DrafterConfig(target="tiny", predraft=predraft)
@@ -633,6 +635,7 @@ async def test_predrafting_can_be_turned_off(env: Env, target: TargetModel, pred
             for outcome in ("used", "discarded")
         }
         proposals_before = metric("sdcp_drafter_proposals_total", env.drafter_uri)
+        gaps_before = metric("sdcp_drafter_verdict_to_proposal_seconds_count", env.drafter_uri)
         contract = make_contract(target, max_new=24)
         session = os.urandom(16)
         await open_session(env, contract, session)
@@ -645,9 +648,14 @@ async def test_predrafting_can_be_turned_off(env: Env, target: TargetModel, pred
         discarded = (
             metric_of("sdcp_drafter_predrafts_total", env.drafter_uri, outcome="discarded") - before["discarded"]
         )
+        # Every proposal but the first follows a verdict.
+        assert metric("sdcp_drafter_verdict_to_proposal_seconds_count", env.drafter_uri) - gaps_before == proposals - 1
         if predraft:
-            # Every draft of the oracle is accepted and its guess of the extra token is right.
-            assert used >= 1 and used + discarded <= proposals
+            # Every draft of the oracle is accepted and its guess of the extra token is right:
+            # every proposal after the first is a pre-draft (the last verdict ends the session).
+            assert used == proposals - 1 and discarded == 0
+            # The first proposal, then one pre-draft a round (the last one's unused).
+            assert oracle.drafts == proposals + 1
         else:
             assert used == discarded == 0
             assert oracle.drafts == proposals

@@ -65,6 +65,14 @@ RESYNCS = Counter("sdcp_drafter_resyncs_total", "Resynchronisations after sdcp-s
 PREDRAFT_OUTCOMES = ("used", "discarded")
 PREDRAFTS = Counter("sdcp_drafter_predrafts_total", "Pre-drafted rounds by outcome", ["instance", "outcome"])
 ROUND_SECONDS = Histogram("sdcp_drafter_round_seconds", "Time from sending a proposal to its verdict", ["instance"])
+# From microseconds (a pre-draft sent at once, an inline drafter) to a model drafter's pass.
+_GAP_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+VERDICT_TO_PROPOSAL_SECONDS = Histogram(
+    "sdcp_drafter_verdict_to_proposal_seconds",
+    "Time from a verdict's arrival to the session's next proposal leaving",
+    ["instance"],
+    buckets=_GAP_BUCKETS,
+)
 SECONDS_PER_TOKEN = Gauge(
     "sdcp_drafter_seconds_per_token", "What drafting one token costs here (measured)", ["instance"]
 )
@@ -129,6 +137,8 @@ class _SessionRun:
     output_digest: bytes = b""
     opened: bool = False
     task: asyncio.Task[None] | None = None
+    # When the last verdict arrived (perf_counter), until the next proposal leaves.
+    verdict_at: float | None = None
 
     @property
     def session(self) -> bytes:
@@ -173,7 +183,14 @@ class DrafterEngine:
         self._acceptance = AcceptanceEstimate()
         self._verdicts = 0
         self._assigning = asyncio.Lock()
-        for family in (PROPOSALS, TOKENS_PROPOSED, TOKENS_ACCEPTED, RESYNCS, ROUND_SECONDS):
+        for family in (
+            PROPOSALS,
+            TOKENS_PROPOSED,
+            TOKENS_ACCEPTED,
+            RESYNCS,
+            ROUND_SECONDS,
+            VERDICT_TO_PROPOSAL_SECONDS,
+        ):
             family.labels(uri)
         for outcome in PREDRAFT_OUTCOMES:
             PREDRAFTS.labels(uri, outcome)
@@ -447,21 +464,29 @@ class DrafterEngine:
         state = run.state
         rows_uri = await self._publish_rows(run, draft) if get_rule(state.contract.rule).needs_q else None
         predraft: asyncio.Future[DraftResult] | None = None
+        send: asyncio.Future[Verdict] | None = None
         try:
             # SDCP 6.2: base, base_digest and round come from the last verdict; one outstanding.
             proposal = state.propose(draft.tokens, status=self.status(), q_rows=rows_uri)
+            send = asyncio.ensure_future(self._send(run, proposal))
             if self.settings.predraft:
+                if self.drafter.runs_inline:
+                    # An inline drafter pre-drafts on this event loop: the proposal leaves first.
+                    await asyncio.sleep(0)
                 # SDCP 6.2: the next proposal MAY be prepared assuming full acceptance. The backend
                 # continues after the tentative tokens: one token stands for the verifier's extra token.
                 length = state.m_after_full_acceptance(*self._costs(run)) + 1
                 predraft = self._worker.schedule(self.drafter.draft, run.session, length, state.sampling)
             try:
-                verdict = await self._send(run, proposal)
+                verdict = await send
             except ProtocolError as error:
                 await self._on_problem(run, proposal, error)
                 return None, proposal, None
             return verdict, proposal, await _settled(predraft) if predraft is not None else None
         finally:
+            if send is not None and not send.done():
+                send.cancel()
+                await asyncio.wait([send])
             if predraft is not None and not predraft.done():
                 await _settled(predraft)
             if rows_uri is not None:
@@ -488,6 +513,11 @@ class DrafterEngine:
         attempt = 0
         while True:
             started = time.perf_counter()
+            if run.verdict_at is not None:
+                # What the verdict left to do before this proposal: applying it, syncing the
+                # backend and, without a confirmed pre-draft, drafting (docs/performance.md).
+                VERDICT_TO_PROPOSAL_SECONDS.labels(self.uri).observe(started - run.verdict_at)
+                run.verdict_at = None
             try:
                 verdict = await self._link.propose(run.state.verifier, proposal)
             except Unanswered as exc:
@@ -497,7 +527,8 @@ class DrafterEngine:
                 log.info("%s: proposal for round %d unanswered (%s); asking again", self.uri, proposal.round, exc)
                 await asyncio.sleep(min(_MAX_RETRY_BACKOFF_S, _RETRY_BACKOFF_S * 2**attempt))
                 continue
-            elapsed = time.perf_counter() - started
+            run.verdict_at = time.perf_counter()
+            elapsed = run.verdict_at - started
             self._round_trip.record(elapsed)
             ROUND_SECONDS.labels(self.uri).observe(elapsed)
             PROPOSALS.labels(self.uri).inc()
