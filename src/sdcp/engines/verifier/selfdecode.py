@@ -139,10 +139,15 @@ class SelfDecoding:
             log.log(level, "%s: self-decoding of session %s stopped: %r", self._uri, machine.session.hex(), exc)
             self._tasks.spawn(self._events.send(machine.interrupt_self_decode()))
 
-    def _start_pass(self, live: LiveSession, context: tuple[int, ...]) -> _Pass:
+    def _start_pass(
+        self,
+        live: LiveSession,
+        context: tuple[int, ...],
+        predicted: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    ) -> _Pass:
         """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens), under
-        rule 1 with the greedy run after it."""
-        prediction, guess = self._predict(live, context)
+        rule 1 with the greedy run after it; ``predicted``: `_predict`'s answer, where known."""
+        prediction, guess = predicted if predicted is not None else self._predict(live, context)
         steps = self._run_ahead(live.machine, context, guess)
         if not steps:
             return _Pass(context, prediction, guess, self._scoring.submit(live, guess))
@@ -151,19 +156,20 @@ class SelfDecoding:
 
     def _follow(self, live: LiveSession, scoring: _Pass, context: tuple[int, ...], greedy: bool) -> _Pass:
         """The pass after ``scoring``'s last round: the next step of its run where the scorer fed
-        the token that round drew (``greedy``) and prompt lookup offers nothing to score, else a new
-        pass (the run is withdrawn)."""
+        the token that round drew (``greedy``), unless the lookahead's guess is expected to save
+        more than that step, which withdrawing the run wastes; else a new pass."""
         run = scoring.run
+        predicted = self._predict(live, context)
         if run is not None and greedy and scoring.step < len(run.steps):
-            prediction, guess = self._predict(live, context)
-            if not guess:
+            prediction, guess = predicted
+            if sum(live.lookahead_hits**position for position in range(1, len(guess) + 1)) <= 1.0:
                 return _Pass(context, prediction, (), run.steps[scoring.step], run, scoring.step + 1)
         if run is not None:
             run.cancel()
-        return self._start_pass(live, context)
+        return self._start_pass(live, context, predicted)
 
     def _predict(self, live: LiveSession, context: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Prompt lookup's prediction after ``context``, and the part of it worth scoring."""
+        """The lookahead's prediction after ``context``, and the part of it worth scoring."""
         prediction = self._lookahead.predict(live, context, SELF_DECODE_LOOKAHEAD)
         # A prediction that was not scored still counts towards the hit rate.
         guess = prediction[
