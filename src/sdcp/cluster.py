@@ -231,8 +231,6 @@ class LocalCluster:
             lines.append(f'redis_url = "{redis_url}"')
         lines += _trust(uris)
         lines += ["", "[admin]", f'listen = "{admin.removeprefix("http://")}"']
-        if role == "router":
-            lines.append(f'model = "{model}"')
         if role == "verifier":
             lines += ["", "[verifier]", f'model = "{what}"', f'backend = "{backend}"']
         elif role == "drafter":

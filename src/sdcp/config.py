@@ -282,12 +282,13 @@ class GatewayConfig:
 @dataclass(frozen=True, config=_SECTION)
 class AdminConfig:
     """The optional operator listener: plain HTTP/1.1 without certificates, serving /health,
-    /ready, /metrics and /version (docs/deploy.md). Off unless ``listen`` is set; an address other
-    than loopback exposes load figures to whoever reaches it."""
+    /ready, /metrics and /version, and the router's dashboard (docs/deploy.md). Off unless
+    ``listen`` is set (``sdcp up`` sets a loopback address); it serves no session content, and an
+    address other than loopback shows load figures to whoever reaches it (docs/security.md)."""
 
     listen: HostPort | None = None
-    # The router's dashboard shows sessions' text with this model's tokenizer (needs the gateway
-    # extra); without it, token ids.
+    # No longer used: the dashboard shows no session text (docs/security.md, "Admin listeners").
+    # Still read, so that the files of earlier `sdcp up` clusters load; the router warns of it.
     model: Text | None = None
 
 

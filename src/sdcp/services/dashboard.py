@@ -1,8 +1,12 @@
 """The router's live dashboard on its admin listener: ``/dashboard`` (one HTML page with a small
 script, no build step) and ``/dashboard/state`` (the JSON it polls every second).
 
-The router knows its instances and sessions; what a session did (committed tokens, m_cap, rounds,
-escalations, text) it asks the session's verifier, as the router may (docs/security.md).
+The admin listener asks for no credentials (docs/security.md, "Admin listeners"), so the state holds
+no session content: no prompt, no output, no text and no token ids, only figures (instances' load
+and rates, sessions' counts, rounds and acceptance). The instances' figures are the router's own;
+what a session did (committed tokens, m_cap, rounds, escalations) it asks the session's verifier, as
+the router may (docs/security.md), at most once per ``REFRESH_S`` whoever asks and however often:
+an anonymous request never makes the router call a verifier beyond that refresh.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from sdcp.protocol.messages import Output, Role, session_path_id
+from sdcp.protocol.messages import Role, session_path_id
 from sdcp.protocol.router import InstanceRegistry, InstanceView, measured_acceptance
 from sdcp.transport.client import PeerClients
 
-__all__ = ["SELF_DECODING_AT", "Dashboard", "SessionView"]
+__all__ = ["REFRESH_S", "SELF_DECODING_AT", "Dashboard", "SessionView"]
 
 log = logging.getLogger("sdcp.dashboard")
 
@@ -34,6 +38,9 @@ CHART_ROUNDS = 48
 SELF_DECODING_AT = "self-decoding at "
 # How long the router waits for a verifier's answer about one session.
 _ASK_TIMEOUT_S = 2.0
+# The sessions' figures are asked of their verifiers at most this often (two requests a session,
+# for at most MAX_SESSIONS sessions); requests in between are answered from the last refresh.
+REFRESH_S = 2.0
 
 
 class SessionView(Protocol):
@@ -69,7 +76,6 @@ class Dashboard:
         peers: PeerClients,
         clock: Callable[[], float],
         expected_rates: Callable[[], dict[str, float]],
-        decode: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
         self.registry = registry
         self.sessions = sessions
@@ -78,7 +84,12 @@ class Dashboard:
         # The router's cost model: expected tokens per second by option (a drafter's URI, or
         # "self-decoding at <verifier>").
         self.expected_rates = expected_rates
-        self.decode = decode
+        # The sessions' figures of the last refresh, when it was (self.clock) and its wall time.
+        self._sessions: list[dict[str, Any]] = []
+        self._refreshed_at: float | None = None
+        self._refreshed_wall = 0.0
+        # One refresh at a time: requests that arrive during one wait for it instead of starting more.
+        self._refreshing = asyncio.Lock()
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -90,18 +101,33 @@ class Dashboard:
         return HTMLResponse(resources.files("sdcp.services").joinpath("dashboard.html").read_text(encoding="utf-8"))
 
     async def state(self, _request: Request) -> Response:
+        sessions, sessions_time = await self._recent_sessions()
         now = self.clock()
         views = self.registry.live(Role.VERIFIER, now) + self.registry.live(Role.DRAFTER, now)
         rates = self.expected_rates()
-        chosen = sorted(self.sessions(), key=lambda s: (s.ended, -s.opened_at))[:MAX_SESSIONS]
-        sessions = await asyncio.gather(*(self._session(view) for view in chosen))
+        tracked = self.sessions()
+        live = sum(1 for s in tracked if not s.ended)
         return JSONResponse(
             {
                 "time": time.time(),
                 "instances": [self._instance(view, now, rates) for view in sorted(views, key=lambda v: v.uri)],
+                # Every session the router tracks, and the figures of the latest MAX_SESSIONS as of
+                # sessions_time (the last refresh).
+                "sessions_live": live,
+                "sessions_ended": len(tracked) - live,
+                "sessions_time": sessions_time,
                 "sessions": sessions,
             }
         )
+
+    async def _recent_sessions(self) -> tuple[list[dict[str, Any]], float]:
+        """The latest sessions' figures, asked of their verifiers at most once per REFRESH_S."""
+        async with self._refreshing:
+            if self._refreshed_at is None or self.clock() - self._refreshed_at >= REFRESH_S:
+                chosen = sorted(self.sessions(), key=lambda s: (s.ended, -s.opened_at))[:MAX_SESSIONS]
+                self._sessions = list(await asyncio.gather(*(self._session(view) for view in chosen)))
+                self._refreshed_at, self._refreshed_wall = self.clock(), time.time()
+            return self._sessions, self._refreshed_wall
 
     def _instance(self, view: InstanceView, now: float, rates: dict[str, float]) -> dict[str, Any]:
         status = view.status
@@ -124,6 +150,7 @@ class Dashboard:
         }
 
     async def _session(self, view: SessionView) -> dict[str, Any]:
+        """A session's figures; never its prompt, output or text (nor token ids)."""
         entry: dict[str, Any] = {
             "session": view.session.hex(),
             "request": view.request,
@@ -142,11 +169,6 @@ class Dashboard:
                 if not isinstance(stats, dict) or not isinstance(trace, list):
                     raise TypeError("its stats are not a map or its trace is not an array")
                 committed = int(stats.get("committed", 0))
-                tokens: tuple[int, ...] = ()
-                if committed:
-                    # With tokens committed, the output read answers at once.
-                    _, body = await verifier.get_cbor(f"{path}/output", {"from": "0"})
-                    tokens = Output.from_obj(body).tokens
         except Exception as exc:  # noqa: BLE001 - a verifier that forgot or lost the session
             entry["error"] = f"the verifier did not describe the session: {exc}"
             return entry
@@ -159,7 +181,5 @@ class Dashboard:
             "escalations": stats.get("escalations"),
             "escalated": stats.get("escalated"),
             "acceptance": [round(r["accepted"] / r["proposed"], 3) for r in proposals if r.get("proposed")],
-            "text": self.decode(tokens) if self.decode is not None else None,
-            "tokens": None if self.decode is not None else list(tokens[-64:]),
         }
         return entry

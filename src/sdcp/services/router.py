@@ -192,30 +192,17 @@ class RouterNode(Node):
         return Readiness(verifiers > 0 and drafters > 0, reason)
 
     def admin_routes(self) -> list[BaseRoute]:
+        """The dashboard: figures only, no session content (docs/security.md, "Admin listeners")."""
+        if self.config.admin.model is not None:
+            log.warning("%s: [admin] model is no longer used: the dashboard shows no session text", self.uri)
         dashboard = Dashboard(
             registry=self.registry,
             sessions=lambda: list(self.sessions.values()),
             peers=self.peers,
             clock=self.clock,
             expected_rates=self.expected_rates,
-            decode=self._dashboard_decoder(),
         )
         return dashboard.routes()
-
-    def _dashboard_decoder(self) -> Callable[[Sequence[int]], str] | None:
-        """Text for the dashboard, where ``[admin] model`` names a tokenizer this host can load."""
-        model = self.config.admin.model
-        if model is None:
-            return None
-        try:
-            from sdcp.models.errors import ModelError
-            from sdcp.text import load_text_codec
-
-            codec = load_text_codec(model)
-        except (ImportError, OSError, ValueError, ModelError) as exc:
-            log.warning("%s: the dashboard shows token ids: no tokenizer for %s (%s)", self.uri, model, exc)
-            return None
-        return codec.decode
 
     def _init_metrics(self) -> None:
         for kind in Action:
