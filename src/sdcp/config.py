@@ -165,9 +165,11 @@ class MLCConfig:
     # this instance's certificate; disk_dir then names a local cache (docs/cache.md).
     mlc_url: HttpsURI | None = None
     # Which MLC serves a received cache-ref (SDCP 5.2), by the URI's authority: "own" (this
-    # instance's MLC) or the base URI of an MLC node. Authorities not listed: `unlisted`.
+    # instance's MLC) or the base URI of an MLC node; `authority` itself is always "own". An
+    # authority not listed is refused (400 naming the member) unless `unlisted` is "own": a log
+    # kept privately here is one that the router, using its own MLC, could never fence (SDCP 6.9).
     authorities: dict[str, MLCRoute] = field(default_factory=dict)
-    unlisted: Literal["own", "refuse"] = "own"
+    unlisted: Literal["own", "refuse"] = "refuse"
 
 
 @dataclass(frozen=True, config=_SECTION)

@@ -92,8 +92,10 @@ class Cluster:
 
 @asynccontextmanager
 async def running_cluster(
-    tmp_path: Path, target: TargetModel, mlc_unlisted: str = "own", **verifier: float
+    tmp_path: Path, target: TargetModel, mlc_unlisted: str | None = "own", **verifier: float
 ) -> AsyncIterator[Cluster]:
+    """A verifier; its MLC serves unlisted authorities ("own") unless ``mlc_unlisted`` says
+    otherwise (None: the default of ``[mlc] unlisted``)."""
     verifier_uri = f"https://127.0.0.1:{free_port()}"
     router_uri = "https://127.0.0.1:1"
     identities = {
@@ -109,7 +111,10 @@ async def running_cluster(
         instance=InstanceConfig(
             uri=verifier_uri, cert=certs["verifier"][0], key=certs["verifier"][1], ca=ca, router=router_uri
         ),
-        mlc=MLCConfig(disk_dir=tmp_path / "mlc", unlisted=mlc_unlisted),  # type: ignore[arg-type]
+        mlc=MLCConfig(
+            disk_dir=tmp_path / "mlc",
+            **({} if mlc_unlisted is None else {"unlisted": mlc_unlisted}),  # type: ignore[arg-type]
+        ),
         verifier=VerifierConfig(**{"model": "tiny", "output_wait_s": 0.5, **verifier}),  # type: ignore[arg-type]
     )
     for session in list(target._sessions):
@@ -699,6 +704,8 @@ FOREIGN_LOG = "mlc://conformance/log/7t0bxONvFsbjPaNb1aAvLg"
 
 
 async def test_a_foreign_commit_log_uri_is_an_opaque_reference(cluster: Cluster, target: TargetModel) -> None:
+    # Where configured ([mlc] unlisted = "own", as the cluster fixture does), a log of any authority
+    # is kept in this verifier's MLC.
     state = await open_and_assign(cluster, contract(target), log_uri=FOREIGN_LOG)
     _, body = await cluster.client("drafter").post_cbor("proposals", proposal(state, (1, 2)).to_obj())
     verdict = Verdict.from_obj(body)
@@ -707,7 +714,10 @@ async def test_a_foreign_commit_log_uri_is_an_opaque_reference(cluster: Cluster,
 
 
 async def test_references_this_verifier_cannot_resolve_are_bad_messages(tmp_path: Path, target: TargetModel) -> None:
-    async with running_cluster(tmp_path, target, mlc_unlisted="refuse") as env:
+    # By default ([mlc] unlisted = "refuse"): a log kept here privately could never be fenced by a
+    # router that uses another MLC (SDCP 6.9), so an authority not configured is the request's fault.
+    assert MLCConfig().unlisted == "refuse"
+    async with running_cluster(tmp_path, target, mlc_unlisted=None) as env:
         router = env.client("router")
         opened = SessionOpen(
             session=b"\x06" * 16, epoch=1, contract=contract(target), prompt=PROMPT, commit_log=FOREIGN_LOG

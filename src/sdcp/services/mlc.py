@@ -47,7 +47,7 @@ from sdcp.cache.uri import LOG_KIND, Q_ROWS_KIND, TOKENS_KIND, check_ref, parse_
 from sdcp.cache.wire import status_of
 from sdcp.config import ConfigError, ServiceConfig
 from sdcp.services.authz import Party
-from sdcp.services.node import Node
+from sdcp.services.node import Node, build_mlc
 from sdcp.transport.asgi import cbor_response, read_cbor_body
 from sdcp.transport.errors import Forbidden, HTTPProblem, PayloadTooLarge, UnsupportedMediaType
 
@@ -114,7 +114,8 @@ class MLCNode(Node):
             )
         if config.mlc.mlc_url is not None and _same_base(config.mlc.mlc_url, config.instance.uri):
             raise ConfigError("an MLC node cannot use itself as its shared store (mlc.mlc_url is its own URI)")
-        super().__init__(config, mlc)
+        # A node stores every name sent to it: its clients' [mlc] authorities chose it for them.
+        super().__init__(config, mlc if mlc is not None else build_mlc(config, store_every_authority=True))
         self._logs: OrderedDict[str, CommitLog] = OrderedDict()
         # Per log, the epoch and verifier of its latest commit record: who may append in that epoch.
         self._claims: OrderedDict[str, tuple[int, str]] = OrderedDict()

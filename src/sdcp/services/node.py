@@ -35,8 +35,11 @@ __all__ = ["Node", "build_mlc"]
 log = logging.getLogger("sdcp.services")
 
 
-def build_mlc(config: ServiceConfig) -> MLC:
-    """The instance's MLC, with the MLC nodes that serve other authorities' cache-refs (SDCP 5.2)."""
+def build_mlc(config: ServiceConfig, *, store_every_authority: bool = False) -> MLC:
+    """The instance's MLC, with the MLC nodes that serve other authorities' cache-refs (SDCP 5.2).
+    An authority neither ``[mlc] authority`` nor listed is refused (``UnresolvableRef``, a 400
+    naming the member) unless ``[mlc] unlisted = "own"``, or ``store_every_authority``: an MLC
+    node's, which stores whatever name its clients chose it for."""
     mlc = config.mlc
     instance = config.instance
 
@@ -57,7 +60,7 @@ def build_mlc(config: ServiceConfig) -> MLC:
             if target != OWN_MLC
         },
         own_authorities=[authority for authority, target in mlc.authorities.items() if target == OWN_MLC],
-        serves_unlisted=mlc.unlisted == OWN_MLC,
+        serves_unlisted=store_every_authority or mlc.unlisted == OWN_MLC,
     )
 
 
