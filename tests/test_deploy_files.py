@@ -123,6 +123,39 @@ def test_each_pod_finds_its_configuration_certificates_and_probes(workload: str)
     assert secrets == {"sdcp-ca", f"sdcp-{workload}"}
 
 
+def test_the_admin_port_is_on_no_service_and_only_prometheus_reaches_it() -> None:
+    """docs/security.md, "Admin listeners": the admin listener asks for no credentials, so it is
+    for the kubelet's probes and Prometheus only: on no Service, and a NetworkPolicy admits to it
+    only Prometheus, while every other port of the pods stays reachable by whom it serves."""
+    for service in of_kind("Service"):
+        ports = service["spec"]["ports"]
+        assert all(p["name"] != "admin" and p["port"] != 9000 for p in ports), service["metadata"]["name"]
+    (policy,) = of_kind("NetworkPolicy")
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "sdcp"}}
+    assert spec["policyTypes"] == ["Ingress"]
+    reaching = {port["port"]: rule.get("from") for rule in spec["ingress"] for port in rule["ports"]}
+    ((prometheus,),) = [reaching[9000]]
+    assert prometheus["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    assert "namespaceSelector" in prometheus
+    own_pods = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "sdcp"}}}]
+    assert reaching[8443] == own_pods and reaching[6379] == own_pods and reaching[8000] is None
+    for workload, _, pod in _pods():
+        (container,) = pod["containers"]
+        ports = {p["containerPort"] for p in container["ports"]}
+        assert ports <= set(reaching), workload
+    for workload in of_kind("Deployment") + of_kind("StatefulSet"):
+        if workload["metadata"]["name"] == "redis":
+            continue
+        template = workload["spec"]["template"]["metadata"]
+        assert template["labels"]["app.kubernetes.io/name"] == "sdcp"
+        assert template["annotations"] == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": "9000",
+            "prometheus.io/path": "/metrics",
+        }
+
+
 def test_the_grafana_dashboard_queries_metrics_that_exist() -> None:
     dashboard = json.loads((DEPLOY / "grafana" / "sdcp.json").read_text())
     exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
