@@ -499,8 +499,11 @@ async def test_failover_to_a_second_verifier_loses_and_repeats_no_token(
     async with MLC.from_config(disk_dir=deployment.tmp / "mlc") as mlc:
         snapshot = await mlc.commit_log(build_uri("local", None, "log", session.hex())).read()
     epochs = [record["epoch"] for record in snapshot.records]
-    fence = snapshot.records.index({"epoch": 2})
+    # The fence names the verifier the router opened epoch 2 at (signed commit records).
+    fence = snapshot.records.index({"epoch": 2, "verifier": second.uri})
     assert set(epochs[:fence]) == {1} and set(epochs[fence + 1 :]) == {2}
+    commits = [record for record in snapshot.records if "emitted" in record]
+    assert all(isinstance(record["sig"], bytes) for record in commits)
     emitted = [t for record in snapshot.records if "emitted" in record for t in record["emitted"]]
     assert emitted == tokens
 

@@ -1,7 +1,8 @@
 """Commit logs (SDCP 6.8): conditional append on the current entity tag, fence records.
 
 A log is a sequence of CBOR maps. Every record carries the `epoch` of its writer; a record that holds
-nothing but an epoch is a fence record. The rules, identical in every backend:
+nothing but an epoch (and, as ours do, the `verifier` the router opens that epoch at: signed commit
+records, docs/interpretations.md) is a fence record. The rules, identical in every backend:
 
 - `append(record, if_match)` succeeds only if `if_match` is the log's current ETag, so that of
   concurrent appenders that read the same version exactly one wins (SDCP 6.8).
@@ -64,7 +65,7 @@ def encode_record(record: object) -> tuple[bytes, int, bool]:
         payload = codec.encode(record)
     except ValueError as exc:
         raise InvalidRecord(f"record is outside SDCP's data model: {exc}") from exc
-    return payload, epoch, set(record) == {"epoch"}
+    return payload, epoch, is_fence(record)
 
 
 def decode_record(payload: bytes, where: str) -> dict[str, Any]:
@@ -79,7 +80,17 @@ def decode_record(payload: bytes, where: str) -> dict[str, Any]:
 
 
 def is_fence(record: dict[str, Any]) -> bool:
-    return set(record) == {"epoch"}
+    return set(record) == {"epoch"} or set(record) == {"epoch", "verifier"}
+
+
+def fence_record(epoch: int, verifier: str | None) -> dict[str, Any]:
+    """A fence record, naming the verifier of the new epoch when one is given."""
+    validate_fence_epoch(epoch)
+    if verifier is None:
+        return {"epoch": epoch}
+    if not isinstance(verifier, str) or not verifier:
+        raise InvalidRecord(f"a fence names its verifier by a non-empty text, got {verifier!r}")
+    return {"epoch": epoch, "verifier": verifier}
 
 
 @dataclass(slots=True)
@@ -135,8 +146,9 @@ class CommitLog(abc.ABC):
         """Append if `if_match` is the current ETag; returns the new ETag."""
 
     @abc.abstractmethod
-    async def fence(self, epoch: int) -> str:
-        """Append a fence record `{"epoch": epoch}`; returns the new ETag."""
+    async def fence(self, epoch: int, verifier: str | None = None) -> str:
+        """Append a fence record `{"epoch": epoch}` (with `verifier` when given); returns the new
+        ETag. A fence of the highest fence's epoch appends nothing, whichever verifier it names."""
 
     async def last_commit(self) -> dict[str, Any] | None:
         """The last record that is not a fence record, or None."""
@@ -169,11 +181,12 @@ class MemoryCommitLog(CommitLog):
             self._state.add(payload, cbor2.loads(payload))
             return self._state.etag
 
-    async def fence(self, epoch: int) -> str:
-        payload, _, _ = encode_record({"epoch": validate_fence_epoch(epoch)})
+    async def fence(self, epoch: int, verifier: str | None = None) -> str:
+        record = fence_record(epoch, verifier)
+        payload, _, _ = encode_record(record)
         with self._lock:
             if self._state.fence_needed(epoch):
-                self._state.add(payload, {"epoch": epoch})
+                self._state.add(payload, record)
             return self._state.etag
 
 
@@ -202,8 +215,8 @@ class FileCommitLog(CommitLog):
         payload, epoch, _ = encode_record(record)
         return await _FileAppends.of_running_loop().add(self, payload, epoch, if_match)
 
-    async def fence(self, epoch: int) -> str:
-        payload, _, _ = encode_record({"epoch": validate_fence_epoch(epoch)})
+    async def fence(self, epoch: int, verifier: str | None = None) -> str:
+        payload, _, _ = encode_record(fence_record(epoch, verifier))
         return await asyncio.to_thread(self._fence_sync, payload, epoch)
 
     def _read_sync(self) -> LogSnapshot:

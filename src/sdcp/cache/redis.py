@@ -27,7 +27,7 @@ from sdcp.cache.commitlog import (
     LogSnapshot,
     decode_record,
     encode_record,
-    validate_fence_epoch,
+    fence_record,
 )
 from sdcp.cache.errors import (
     CacheFull,
@@ -305,8 +305,8 @@ class RedisCommitLog(CommitLog):
         return await self._run(payload, epoch, "append", if_match, fence_shaped)
 
     @_unavailable_on_redis_errors
-    async def fence(self, epoch: int) -> str:
-        payload, _, _ = encode_record({"epoch": validate_fence_epoch(epoch)})
+    async def fence(self, epoch: int, verifier: str | None = None) -> str:
+        payload, _, _ = encode_record(fence_record(epoch, verifier))
         return await self._run(payload, epoch, "fence", "", True)
 
     async def _run(self, payload: bytes, epoch: int, mode: str, if_match: str, fence_shaped: bool) -> str:

@@ -1,13 +1,17 @@
 """Commit-log records and the replay of a log (SDCP 6.8, 6.9).
 
 Records are CBOR maps in deterministic encoding. A commit record is
-``{"epoch", "round", "emitted", "committed", "digest"}``; a fence record is ``{"epoch"}`` alone.
+``{"epoch", "round", "emitted", "committed", "digest"}``, and ours carry ``writer``, ``sig`` and on
+the first of an epoch ``cert`` besides (signed records, ``sdcp.transport.signing``); a fence record is
+``{"epoch"}`` alone, or ``{"epoch", "verifier"}`` naming the verifier the router opens that epoch
+at (docs/interpretations.md, "Signed commit records").
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from sdcp.protocol import codec
 from sdcp.protocol.digest import extend_digest, prefix_digest
@@ -15,14 +19,39 @@ from sdcp.protocol.messages import TOKEN_MAX
 from sdcp.protocol.problems import BadMessage
 
 __all__ = [
+    "CERT_MEMBER",
+    "SIG_MEMBER",
     "CommitRecord",
     "FenceRecord",
     "LogReplay",
+    "RecordAuthority",
+    "UntrustedRecord",
     "decode_token_list",
     "encode_token_list",
     "parse_log_record",
     "replay_commit_log",
 ]
+
+
+SIG_MEMBER = "sig"
+CERT_MEMBER = "cert"
+WRITER_MEMBER = "writer"
+VERIFIER_MEMBER = "verifier"
+
+
+class UntrustedRecord(ValueError):
+    """A commit record whose signature, certificate or writer does not check out."""
+
+
+class RecordAuthority(Protocol):
+    """Who may have written a record (``sdcp.transport.signing.RecordCheck``); both raise
+    UntrustedRecord."""
+
+    def certificate(self, der: object, writer: str) -> Any:
+        """The public key of a certificate (DER) the deployment's CA issued to ``writer``."""
+
+    def signature(self, record: dict[str, Any], key: Any) -> None:
+        """Passes only if the record's ``sig`` is ``key``'s signature over it."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +76,16 @@ class CommitRecord:
 
 @dataclass(frozen=True)
 class FenceRecord:
-    """SDCP 6.8: a fence record carries only an epoch."""
+    """SDCP 6.8: a fence record carries only an epoch; ours may name the verifier the router opens
+    that epoch at (extension: only that verifier's signed records count in the epoch)."""
 
     epoch: int
+    verifier: str | None = None
 
     def to_obj(self) -> dict[str, object]:
-        return {"epoch": self.epoch}
+        if self.verifier is None:
+            return {"epoch": self.epoch}
+        return {"epoch": self.epoch, VERIFIER_MEMBER: self.verifier}
 
 
 def parse_log_record(obj: object) -> CommitRecord | FenceRecord:
@@ -61,6 +94,10 @@ def parse_log_record(obj: object) -> CommitRecord | FenceRecord:
         raise BadMessage("a commit-log record is a map with an unsigned 'epoch'")
     if obj.keys() == {"epoch"}:
         return FenceRecord(epoch=obj["epoch"])
+    if obj.keys() == {"epoch", VERIFIER_MEMBER}:
+        if not isinstance(obj[VERIFIER_MEMBER], str):
+            raise BadMessage("a fence record names its verifier by a text URI")
+        return FenceRecord(obj["epoch"], obj[VERIFIER_MEMBER])
     emitted = obj.get("emitted")
     digest = obj.get("digest")
     if (
@@ -81,37 +118,97 @@ def _is_uint(value: object) -> bool:
 
 @dataclass(frozen=True)
 class LogReplay:
-    """The committed state a commit log describes: what a new verifier resumes from (SDCP 6.9)."""
+    """The committed state a commit log describes: what a new verifier resumes from (SDCP 6.9).
+
+    ``faults`` says why records were left out (a checked replay only): each names a record that
+    was not its epoch's verifier's signed record, after which that epoch counted no more records."""
 
     epoch: int
     round: int
     tokens: tuple[int, ...]
     digest: bytes
+    faults: tuple[str, ...] = ()
 
 
-def replay_commit_log(records: Iterable[object], contract_digest: bytes, prompt: Sequence[int]) -> LogReplay:
+def replay_commit_log(
+    records: Iterable[object],
+    contract_digest: bytes,
+    prompt: Sequence[int],
+    *,
+    authority: RecordAuthority | None = None,
+    first_verifier: str | None = None,
+) -> LogReplay:
     """Rebuild the committed prefix from a log, checking that every commit record extends the last.
 
     A record whose length or digest does not follow from the previous ones means the log was
     corrupted; committed output is never guessed, so it raises BadMessage.
+
+    With ``authority`` every commit record is checked before it counts (SDCP 1.3: the verifier is
+    the sole commit authority): it must name as ``writer`` the verifier of its epoch (the last
+    fence record of the epoch names it; ``first_verifier`` is epoch 1's, opened without a fence),
+    and carry that verifier's valid signature, the key from the certificate of the epoch's first
+    record. A record that fails is a fault, never replayed: it and every later record of its epoch
+    are left out, so the output up to the last good record stands and the next epoch (the router's
+    next fence) resumes from it. An unsigned record fails too: older logs are not replayed.
     """
     epoch = 0
     round_number = 0
     tokens: list[int] = []
     digest = prefix_digest(contract_digest, prompt)
+    named: dict[int, str] = {} if first_verifier is None else {1: first_verifier}
+    keys: dict[int, Any] = {}
+    poisoned: set[int] = set()
+    faults: list[str] = []
     for obj in records:
         record = parse_log_record(obj)
         if record.epoch < epoch:
             raise BadMessage(f"record of epoch {record.epoch} follows epoch {epoch}")
         epoch = record.epoch
         if isinstance(record, FenceRecord):
+            if record.verifier is not None and record.epoch not in keys:
+                named[record.epoch] = record.verifier
             continue
-        digest = extend_digest(digest, record.emitted)
-        tokens.extend(record.emitted)
-        if record.committed != len(tokens) or record.digest != digest or record.round <= round_number:
+        if authority is not None:
+            if epoch in poisoned:
+                continue
+            assert isinstance(obj, dict)
+            try:
+                _check(obj, authority, named.get(epoch), keys)
+            except UntrustedRecord as exc:
+                poisoned.add(epoch)
+                faults.append(f"epoch {epoch} round {record.round}: {exc}")
+                continue
+        following = extend_digest(digest, record.emitted)
+        if (
+            record.committed != len(tokens) + len(record.emitted)
+            or record.digest != following
+            or record.round <= round_number
+        ):
             raise BadMessage(f"commit record of round {record.round} does not extend the log before it")
+        digest = following
+        tokens.extend(record.emitted)
         round_number = record.round
-    return LogReplay(epoch, round_number, tuple(tokens), digest)
+    return LogReplay(epoch, round_number, tuple(tokens), digest, tuple(faults))
+
+
+def _check(record: dict[str, Any], authority: RecordAuthority, verifier: str | None, keys: dict[int, Any]) -> None:
+    """SDCP 6.9 (extension): the record is the signed record of its epoch's verifier."""
+    epoch = record["epoch"]
+    writer = record.get(WRITER_MEMBER)
+    if verifier is None:
+        raise UntrustedRecord(f"no fence names the verifier of epoch {epoch}")
+    if writer != verifier:
+        raise UntrustedRecord(f"written by {writer!r}, not by {verifier}, the verifier of epoch {epoch}")
+    if CERT_MEMBER in record:
+        key = authority.certificate(record[CERT_MEMBER], verifier)
+        if epoch in keys and keys[epoch] != key:
+            raise UntrustedRecord(f"a second key for epoch {epoch}")
+    elif epoch in keys:
+        key = keys[epoch]
+    else:
+        raise UntrustedRecord(f"the first record of epoch {epoch} carries no certificate")
+    authority.signature(record, key)
+    keys[epoch] = key
 
 
 def encode_token_list(tokens: Iterable[int]) -> bytes:

@@ -295,9 +295,10 @@ class RouterSession:
             owner=self.owner,
         )
 
-    def fence_for_failover(self) -> FenceRecord:
-        """SDCP 6.9: the new epoch is fenced into the commit log before anything else."""
-        return FenceRecord(self.epoch + 1)
+    def fence_for_failover(self, verifier: str | None = None) -> FenceRecord:
+        """SDCP 6.9: the new epoch is fenced into the commit log before anything else; the fence
+        names the verifier that epoch opens at (signed commit records, docs/interpretations.md)."""
+        return FenceRecord(self.epoch + 1, verifier)
 
     def fail_over(
         self, new_verifier: str, replay: LogReplay, committed_tokens: str, target_kv: str | None = None

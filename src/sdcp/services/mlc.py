@@ -14,7 +14,7 @@ Resources, relative to the node's base URI; the object or log URI is the query p
 | `POST leases/release`    | `{uri, holder}`         | `{released}`                            |
 | `GET logs`               |                         | `{records, etag}`                       |
 | `POST logs/append`       | record, `If-Match`      | `{etag}`                                |
-| `POST logs/fence`        | `{epoch}`               | `{etag}`                                |
+| `POST logs/fence`        | `{epoch, ?verifier}`    | `{etag}`                                |
 
 Cache errors leave as problems (RFC 9457, type about:blank) whose status names them:
 400 bad URI or argument, 403 lease holder other than the caller, 404 `ObjectNotFound`,
@@ -305,10 +305,17 @@ class MLCNode(Node):
         self.trust.admit(request, "POST logs/fence")
         uri = _uri_param(request)
         body = await read_cbor_body(request)
-        epoch = body.get("epoch") if isinstance(body, dict) else None
-        if not isinstance(epoch, int) or isinstance(epoch, bool):
-            raise InvalidRecord(f"logs/fence takes {{epoch: uint}}, got {body!r}")
-        return _etag_response(await self._log(uri).fence(epoch))
+        fence = body if isinstance(body, dict) else {}
+        epoch, verifier = fence.get("epoch"), fence.get("verifier")
+        if (
+            not isinstance(epoch, int)
+            or isinstance(epoch, bool)
+            or not set(fence) <= {"epoch", "verifier"}
+            or not (verifier is None or isinstance(verifier, str))
+        ):
+            raise InvalidRecord(f"logs/fence takes {{epoch: uint, ? verifier: text}}, got {body!r}")
+        # The verifier the router opens the epoch at: only its signed records count in it.
+        return _etag_response(await self._log(uri).fence(epoch, verifier))
 
 
 def _same_base(first: str, second: str) -> bool:

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sdcp.cache.commitlog import CommitLog, LogSnapshot, encode_record, validate_fence_epoch
+from sdcp.cache.commitlog import CommitLog, LogSnapshot, encode_record, fence_record
 from sdcp.cache.errors import (
     CorruptRecord,
     InvalidArgument,
@@ -158,13 +158,11 @@ class RemoteCommitLog(CommitLog):
             )
         return _member(body, "etag", str, self.client.base_uri)
 
-    async def fence(self, epoch: int) -> str:
-        validate_fence_epoch(epoch)
+    async def fence(self, epoch: int, verifier: str | None = None) -> str:
+        fence = fence_record(epoch, verifier)
         with _cache_errors(LOG_ERRORS):
             # Repeating a fence is harmless: a fence already the highest appends nothing.
-            _, body = await self.client.post_cbor(
-                "logs/fence", {"epoch": epoch}, params={"uri": self.uri}, idempotent=True
-            )
+            _, body = await self.client.post_cbor("logs/fence", fence, params={"uri": self.uri}, idempotent=True)
         return _member(body, "etag", str, self.client.base_uri)
 
 

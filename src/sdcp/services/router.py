@@ -64,6 +64,7 @@ from sdcp.services.node import Node
 from sdcp.transport.asgi import cbor_response, read_cbor_body
 from sdcp.transport.errors import Forbidden, NotFound, ServiceUnavailable, TooManyRequests, TransportError
 from sdcp.transport.peer import peer_uri
+from sdcp.transport.signing import RecordCheck
 
 __all__ = ["RouterNode"]
 
@@ -87,6 +88,11 @@ EXPECTED_RATE = Gauge(
     ["instance", "option"],
 )
 FAILOVERS = Counter("sdcp_router_failovers_total", "Sessions moved to another verifier", ["instance"])
+UNTRUSTED_RECORDS = Counter(
+    "sdcp_router_untrusted_records_total",
+    "Commit records a replay left out: not signed by their epoch's verifier (each read of the log counts them)",
+    ["instance"],
+)
 CHOICES = Counter(
     "sdcp_router_decoding_choices_total",
     "Decisions on who drafts for a session: a drafter, an exploration of an unmeasured drafter, or the verifier alone",
@@ -117,6 +123,15 @@ class _TrackedSession:
     decided_at: float = 0.0
     served: list[str] = field(default_factory=list)
     opened_at: float = field(default_factory=time.time)
+    # The verifier of epoch 1 (opened without a fence): only its signed records count in epoch 1.
+    first_verifier: str = ""
+    # The verifier a failover's fence named, until the session is open there: a retry goes there
+    # again, or spends that epoch (signed commit records, docs/reliability.md).
+    failover_to: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.first_verifier and self.plan.epoch == 1:
+            self.first_verifier = self.plan.verifier
 
     @property
     def session(self) -> bytes:
@@ -180,6 +195,8 @@ class RouterNode(Node):
         super().__init__(config, mlc)
         # What status TTLs and decision ages are measured with (tests jump it forward).
         self.clock = clock
+        # SDCP 1.3, 6.9: a failover replays only records its epoch's verifier signed.
+        self.record_check = RecordCheck.load(config.instance.ca)
         self.registry = InstanceRegistry()
         self.sessions: dict[bytes, _TrackedSession] = {}
         self._wake = asyncio.Event()
@@ -680,17 +697,28 @@ class RouterNode(Node):
         if self.registry.is_live(plan.verifier, self.clock()):
             return
         verifier = self._pick_verifier(plan.contract, avoid=[plan.verifier])
+        named = tracked.failover_to
+        if named is not None and named != plan.verifier and self.registry.is_live(named, self.clock()):
+            verifier = named
         if verifier is None:
             log.info("%s: session %s waits for a verifier", self.uri, tracked.plan.session.hex())
             return
+        if named is not None and named != verifier:
+            # The last try's fence named another verifier at the next epoch, and a fence of that
+            # epoch again appends nothing: that epoch is spent, the session moves at the one after.
+            tracked.plan = plan = replace(plan, epoch=plan.epoch + 1)
         # SDCP 6.9: the fence comes first, so the old verifier can no longer commit or release output.
-        # Fencing the same epoch again appends nothing, so a failover retried next tick is safe.
-        await self.mlc.commit_log(plan.commit_log).fence(plan.fence_for_failover().epoch)
+        # Fencing the same epoch again appends nothing, so a failover retried next tick is safe. The
+        # fence names the new verifier: only its signed records count in the new epoch.
+        tracked.failover_to = verifier
+        fence = plan.fence_for_failover(verifier)
+        await self.mlc.commit_log(plan.commit_log).fence(fence.epoch, fence.verifier)
         replay, tokens = await self._committed_prefix(tracked)
         published = target_kv_uri(plan.commit_log, plan.session, plan.epoch)
         moved = plan.fail_over(verifier, replay, tokens, target_kv=await self._available(published))
         await self.peers.get(verifier).post_cbor("sessions", moved.open_message().to_obj(), idempotent=True)
         tracked.plan = moved
+        tracked.failover_to = None
         if published is not None:
             # The new verifier has imported it or prefilled: the failed epoch's KV serves no one now.
             self.spawn(self._discard(published))
@@ -716,7 +744,19 @@ class RouterNode(Node):
         """The committed state from the commit log, and its tokens written to the MLC."""
         plan = tracked.plan
         snapshot = await self.mlc.commit_log(plan.commit_log).read()
-        replay = replay_commit_log(snapshot.records, plan.contract.digest, tracked.prompt)
+        # SDCP 1.3, 6.9: a record that is not its epoch's verifier's signed record is a fault: it
+        # is never replayed, and its epoch counts no later record (the router has fenced it, or
+        # fences it at the failover); the output up to the last good record stands.
+        replay = replay_commit_log(
+            snapshot.records,
+            plan.contract.digest,
+            tracked.prompt,
+            authority=self.record_check,
+            first_verifier=tracked.first_verifier,
+        )
+        for fault in replay.faults:
+            UNTRUSTED_RECORDS.labels(self.uri).inc()
+            log.warning("%s: session %s: a commit record left out: %s", self.uri, plan.session.hex(), fault)
         # The committed prefix of a given length never changes, so the name can say only its length.
         uri = build_uri(
             self.mlc.authority, plan.contract.scope, TOKENS_KIND, f"{plan.session.hex()}-{len(replay.tokens)}"

@@ -43,6 +43,7 @@ from sdcp.threads import CoreGovernor
 from sdcp.transport.asgi import cbor_response, read_cbor_body
 from sdcp.transport.errors import ConnectionLost, PeerClientError, PeerServerError, PeerTimeout
 from sdcp.transport.peer import peer_uri
+from sdcp.transport.signing import RecordSigner
 
 __all__ = ["VerifierNode"]
 
@@ -87,6 +88,8 @@ class VerifierNode(Node):
             ttl_ms=config.instance.ttl_ms,
             cores=CoreGovernor(threads, set_threads=target.set_threads),
             events=self._post_event if config.instance.router is not None else None,
+            # Signed commit records (docs/security.md): with the key of this instance's certificate.
+            sign=RecordSigner.load(config.instance.cert, config.instance.key).sign,
         )
 
     def build(self) -> dict[str, str]:

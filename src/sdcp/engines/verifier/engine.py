@@ -36,7 +36,7 @@ from sdcp.engines.verifier.observe import (
     session_stats,
     session_trace,
 )
-from sdcp.engines.verifier.rounds import Rounds, Scoring
+from sdcp.engines.verifier.rounds import RecordSign, Rounds, Scoring
 from sdcp.engines.verifier.selfdecode import SelfDecoding
 from sdcp.models.backend import Target
 from sdcp.models.batching import BatchingScorer
@@ -88,6 +88,7 @@ class VerifierEngine:
         ttl_ms: int,
         cores: CoreGovernor | None = None,
         events: EventSink | None = None,
+        sign: RecordSign | None = None,
     ) -> None:
         self.uri = uri
         self.settings = settings
@@ -135,6 +136,7 @@ class VerifierEngine:
             sweeps=self._sweeps,
             tasks=self._tasks,
             start_self_decoding=self._start_self_decoding,
+            sign=sign,
         )
         # Self-decoding's guesses, from the session and the outputs of sessions finished here.
         self.lookahead = VerifierLookahead(lambda: self.settings.history_scope)

@@ -46,6 +46,9 @@ class LiveSession:
     timing: RoundTrace | None = None
     # How long the last commit-log append took (s).
     append_s: float = 0.0
+    # Whether a record of this epoch carrying the verifier's certificate is in the log (signed
+    # records, docs/interpretations.md): until one is, every record carries it.
+    cert_logged: bool = False
     # The session's target KV in the MLC (kvpublish.py): where this epoch publishes it (None: no
     # name the router would find), the committed length of the latest publication tried and of the
     # latest that landed, the one in flight, and whether the store refused the KV as too large or

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -101,6 +101,10 @@ class Scoring:
             self._pass_costs.record(scored.seconds, rows, scored.batch_size)
 
 
+# Signs a commit record, adding the certificate when asked (sdcp.transport.signing.RecordSigner.sign).
+RecordSign = Callable[[dict[str, Any], bool], dict[str, Any]]
+
+
 class Rounds:
     """Verifies proposals and commits rounds; a verdict that starts a self-decoding period calls
     ``start_self_decoding`` with its session."""
@@ -118,8 +122,10 @@ class Rounds:
         sweeps: SessionSweeps,
         tasks: BackgroundTasks,
         start_self_decoding: Callable[[LiveSession], None],
+        sign: RecordSign | None = None,
     ) -> None:
         self._uri = uri
+        self._sign = sign
         self._target = target
         self._mlc = mlc
         self._scoring = scoring
@@ -200,10 +206,15 @@ class Rounds:
         machine = live.machine
         # The writer's identity goes with the record: an MLC node admits commit records only from
         # the verifier they name (docs/security.md); readers treat the member as opaque.
-        record = {**pending.record.to_obj(), "writer": self._uri}
+        record: dict[str, Any] = {**pending.record.to_obj(), "writer": self._uri}
+        if self._sign is not None:
+            # SDCP 1.3: only the verifier commits; its signature lets a router tell its records
+            # from anything else written to the store (docs/security.md, signed commit records).
+            record = self._sign(record, not live.cert_logged)
         started = time.perf_counter()
         try:
             live.etag = await live.log.append(record, live.etag)
+            live.cert_logged = True
             live.append_s = time.perf_counter() - started
             APPEND_SECONDS.labels(self._uri).observe(live.append_s)
             return
@@ -223,6 +234,7 @@ class Rounds:
             raise Unavailable(f"the commit log cannot be read after a failed append: {exc}") from exc
         if snapshot.records and snapshot.records[-1] == record:
             live.etag = snapshot.etag
+            live.cert_logged = True
             live.append_s = time.perf_counter() - started
             return
         if isinstance(failure, PreconditionFailed) or any(r.get("epoch", 0) > machine.epoch for r in snapshot.records):
