@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 from tests.services.outputs import read_output
 from tests.waiting import eventually, eventually_async
 
-from sdcp.cache import MLC, build_uri
+from sdcp.cache import MLC, PreconditionFailed, build_uri
 from sdcp.client import ClusterClient, SessionHandle
 from sdcp.config import (
     DrafterConfig,
@@ -36,6 +36,7 @@ from sdcp.localhost import free_port
 from sdcp.models.draft import DraftResult, NgramDrafter
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.protocol.digest import extend_digest
 from sdcp.protocol.messages import (
     Action,
     CancelRequest,
@@ -506,6 +507,64 @@ async def test_failover_to_a_second_verifier_loses_and_repeats_no_token(
     assert all(isinstance(record["sig"], bytes) for record in commits)
     emitted = [t for record in snapshot.records if "emitted" in record for t in record["emitted"]]
     assert emitted == tokens
+
+
+async def test_a_record_forged_into_the_store_never_reaches_the_user(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    """Signed commit records (#29): a drafter with write access to the store appends a record in
+    the verifier's name; the verifier dies; the failover replays only the verifier's signed records."""
+    router = deployment.router
+    assert router is not None
+    first = await start_verifier(deployment, "verifier1")
+    await start_drafter(deployment, "drafter1")
+    max_new = 150
+    opened = await open_session(deployment, tiny_contract(target, max_new=max_new))
+    session = opened["session"]
+    assert isinstance(session, bytes) and opened["verifier"] == first.uri
+    second = await start_verifier(deployment, "verifier2")
+    reference = greedy_reference(target, max_new)
+    before = await read_output(deployment.client("frontend", peer="verifier1"), session, until=8)
+    assert not before[-1].final, "the session finished before the record could be forged"
+    untrusted_before = counter("sdcp_router_untrusted_records_total", router.uri)
+
+    async with MLC.from_config(disk_dir=deployment.tmp / "mlc") as mlc:
+        commit_log = mlc.commit_log(build_uri("local", None, "log", session.hex()))
+        while True:
+            snapshot = await commit_log.read()
+            last = [record for record in snapshot.records if "emitted" in record][-1]
+            n = last["committed"]
+            forged_tokens = [reference[n + i] ^ 1 for i in range(5)]
+            forged = {
+                "epoch": 1,
+                "round": last["round"] + 1,
+                "emitted": forged_tokens,
+                "committed": n + len(forged_tokens),
+                "digest": extend_digest(last["digest"], forged_tokens),
+                "writer": first.uri,
+            }
+            try:
+                await commit_log.append(forged, snapshot.etag)
+                break
+            except PreconditionFailed:
+                continue  # the verifier committed a round meanwhile: forge after it
+    await deployment.stop(first)
+
+    frontend = deployment.client("frontend")
+    path = f"sessions/{session_path_id(session)}"
+
+    async def moved() -> bool:
+        _, described = await frontend.get_cbor(path)
+        return isinstance(described, dict) and described["verifier"] == second.uri
+
+    await eventually_async(moved)
+    after = await read_output(deployment.client("frontend", peer="verifier2"), session)
+    tokens = [t for output in after for t in output.tokens]
+    # 0 forged tokens: the output is the greedy reference, which differs from the forgery at n..n+4.
+    assert tokens == reference
+    assert tokens[n : n + 5] != forged_tokens
+    assert after[-1].finish == Action.FINISH
+    assert counter("sdcp_router_untrusted_records_total", router.uri) > untrusted_before
 
 
 async def test_a_reader_stuck_at_a_silent_verifier_follows_the_failover(
