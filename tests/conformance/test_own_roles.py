@@ -36,7 +36,11 @@ def roles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnRoles]:
     )
     mlc_node = f'[mlc]\nmlc_url = "{roles.uris["mlc"]}"\n'
     roles.start("mlc", "mlc", roles.instance("mlc") + f'[mlc]\ndisk_dir = "{roles.tmp / "mlc-store"}"\n' + trust)
-    roles.start("verifier", "verifier", roles.instance("verifier") + mlc_node + '[verifier]\nmodel = "tiny"\n' + trust)
+    # The kit, playing the router and the drafter, names its objects mlc://conformance-kit/...: the
+    # verifier resolves them in its MLC only where configured ([mlc] unlisted is "refuse").
+    kit_objects = '[mlc.authorities]\n"conformance-kit" = "own"\n'
+    verifier = roles.instance("verifier") + mlc_node + kit_objects + '[verifier]\nmodel = "tiny"\n' + trust
+    roles.start("verifier", "verifier", verifier)
     drafter = '[drafter]\nmodel = "ngram"\ntarget = "tiny"\n'
     roles.start("drafter", "drafter", roles.instance("drafter") + mlc_node + drafter + trust)
     roles.start("router", "router", roles.instance("router") + mlc_node + trust)
@@ -134,7 +138,7 @@ async def test_the_kit_fails_a_verifier_with_a_planted_bug(
     cert, key = roles.certs["kit-verifier"]
     config = ServiceConfig(
         instance=InstanceConfig(uri=roles.uris["kit-verifier"], cert=cert, key=key, ca=roles.ca),
-        mlc=MLCConfig(mlc_url=roles.uris["mlc"]),
+        mlc=MLCConfig(mlc_url=roles.uris["mlc"], authorities={"conformance-kit": "own"}),
         verifier=VerifierConfig(model="tiny"),
         trust=TrustConfig(routers=(roles.uris["kit-router"],)),
     )
