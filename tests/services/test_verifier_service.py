@@ -388,6 +388,9 @@ async def test_commit_records_precede_verdicts(cluster: Cluster, target: TargetM
     _, body = await drafter.post_cbor("proposals", proposal(state, (1, 2)).to_obj())
     verdict = Verdict.from_obj(body)
     records = (await cluster.mlc.commit_log(build_uri("local", None, "log", SESSION.hex())).read()).records
+    # The first record of the epoch is signed and carries the verifier's certificate (#29).
+    assert len(records) == 1 and isinstance(records[0].pop("sig"), bytes)
+    assert isinstance(records[0].pop("cert"), bytes)
     assert records == [
         {
             "epoch": 1,

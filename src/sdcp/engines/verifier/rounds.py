@@ -210,7 +210,14 @@ class Rounds:
         if self._sign is not None:
             # SDCP 1.3: only the verifier commits; its signature lets a router tell its records
             # from anything else written to the store (docs/security.md, signed commit records).
-            record = self._sign(record, not live.cert_logged)
+            # A retried round sends the very record it signed before (ECDSA signatures differ each
+            # time), so that one whose answer was lost is found in the log as its own.
+            if live.signed is not None and live.signed[0] == record:
+                record = live.signed[1]
+            else:
+                unsigned = record
+                record = self._sign(record, not live.cert_logged)
+                live.signed = (unsigned, record)
         started = time.perf_counter()
         try:
             live.etag = await live.log.append(record, live.etag)
