@@ -42,9 +42,10 @@ class ScoredRun:
     rows: asyncio.Future[np.ndarray]
     steps: tuple[asyncio.Future[np.ndarray | None], ...]
 
-    def cancel(self) -> None:
-        """Withdraw the steps not computed yet (the run stops at the next one)."""
-        for step in self.steps:
+    def cancel(self, *, after: int = -1) -> None:
+        """Withdraw the steps after step ``after`` (all by default) not computed yet: the run stops
+        at the first of them."""
+        for step in self.steps[after + 1 :]:
             step.cancel()
 
 

@@ -156,14 +156,16 @@ class SelfDecoding:
 
     def _follow(self, live: LiveSession, scoring: _Pass, context: tuple[int, ...], greedy: bool) -> _Pass:
         """The pass after ``scoring``'s last round: the next step of its run where the scorer fed
-        the token that round drew (``greedy``), unless the lookahead's guess is expected to save
-        more than that step, which withdrawing the run wastes; else a new pass."""
+        the token that round drew (``greedy``), else a new pass (the run is withdrawn). Where the
+        lookahead has a guess worth scoring, the run ends after that step, which is on its way
+        already, and the pass after it scores the guess."""
         run = scoring.run
         predicted = self._predict(live, context)
-        if run is not None and greedy and scoring.step < len(run.steps):
+        if run is not None and greedy and scoring.step < len(run.steps) and not run.steps[scoring.step].cancelled():
             prediction, guess = predicted
-            if sum(live.lookahead_hits**position for position in range(1, len(guess) + 1)) <= 1.0:
-                return _Pass(context, prediction, (), run.steps[scoring.step], run, scoring.step + 1)
+            if guess:
+                run.cancel(after=scoring.step)
+            return _Pass(context, prediction, (), run.steps[scoring.step], run, scoring.step + 1)
         if run is not None:
             run.cancel()
         return self._start_pass(live, context, predicted)
