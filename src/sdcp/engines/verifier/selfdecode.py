@@ -24,7 +24,13 @@ from sdcp.models.draft import TokenTimer
 from sdcp.protocol.rules import GreedyRule
 from sdcp.protocol.verifier import PendingCommit, VerifierSession
 
-__all__ = ["SELF_DECODE_LOOKAHEAD", "SELF_DECODE_RUN_AHEAD", "SelfDecoding", "lookahead_length"]
+__all__ = [
+    "RUN_AHEAD_MAX_SESSIONS",
+    "SELF_DECODE_LOOKAHEAD",
+    "SELF_DECODE_RUN_AHEAD",
+    "SelfDecoding",
+    "lookahead_length",
+]
 
 log = logging.getLogger("sdcp.verifier")
 
@@ -34,6 +40,8 @@ SELF_DECODE_LOOKAHEAD = 16
 # after a self-decoding pass, without waiting for the rounds to be decided: the model is never idle
 # while the event loop appends and releases them (docs/design.md, "A verifier round").
 SELF_DECODE_RUN_AHEAD = 32
+# Sessions active on the verifier, at most, for a greedy run to start (SelfDecoding._run_ahead).
+RUN_AHEAD_MAX_SESSIONS = 2
 # Each further session in a pass adds about a ninth of a lone pass (docs/models.md).
 _SESSION_SHARE = 2.0 / 18.0
 
@@ -179,11 +187,12 @@ class SelfDecoding:
         ]
         return prediction, guess
 
-    @staticmethod
-    def _run_ahead(machine: VerifierSession, context: tuple[int, ...], guess: tuple[int, ...]) -> int:
+    def _run_ahead(self, machine: VerifierSession, context: tuple[int, ...], guess: tuple[int, ...]) -> int:
         """Greedy steps the scorer takes after a pass: under rule 1 the drawn token is the most
-        probable one, which the scorer can feed itself; never past max_new."""
-        if not isinstance(machine.rule, GreedyRule):
+        probable one, which the scorer can feed itself; never past max_new. Only while few sessions
+        share the verifier: with more, their passes keep the scorer busy between a session's rounds,
+        and a run would only take cores from the event loop deciding them."""
+        if not isinstance(machine.rule, GreedyRule) or self._active_sessions() > RUN_AHEAD_MAX_SESSIONS:
             return 0
         decided = len(context) - len(machine.prompt)
         return max(0, min(SELF_DECODE_RUN_AHEAD, machine.contract.max_new - decided - len(guess) - 1))
