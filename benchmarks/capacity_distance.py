@@ -61,19 +61,16 @@ from typing import Any
 from prometheus_client import REGISTRY
 
 from sdcp.bench.cluster import ClusterSystem
-from sdcp.bench.inprocess import InMemoryVerifierLink
-from sdcp.bench.systems import RunResult, TargetOnlySDCPSystem, result_from_stats
+from sdcp.bench.inprocess import InMemoryVerifierLink, InProcessSDCPSystem
+from sdcp.bench.systems import RunResult, TargetOnlySDCPSystem
 from sdcp.bench.workloads import Prompt, load_history_workloads, tokenize_prompt
-from sdcp.cache import MLC, build_uri
 from sdcp.client import build_contract
 from sdcp.cluster import DEFAULT_DRAFTERS
-from sdcp.config import DrafterConfig, RouterConfig, VerifierConfig
-from sdcp.engines.drafter import DrafterEngine
-from sdcp.engines.verifier import VerifierEngine
+from sdcp.config import DrafterConfig
 from sdcp.models.backend import LLAMACPP_KV_SLOTS, Target
 from sdcp.models.choice import choose_backend
 from sdcp.models.registry import end_of_text_tokens, load_drafter, load_target, load_tokenizer
-from sdcp.protocol.messages import Action, Contract, Event, Output, Proposal, Verdict
+from sdcp.protocol.messages import Action, Contract, Output, Proposal, Verdict
 from sdcp.protocol.problems import ProtocolError
 from sdcp.protocol.router import RouterSession
 from sdcp.threads import CoreGovernor, usable_cores
@@ -341,90 +338,33 @@ class DistantLink:
         return output
 
 
-class DistanceSystem:
+class DistanceSystem(InProcessSDCPSystem):
     """A verifier engine and one drafter engine ``rtt_s`` apart; ``generate`` decodes one session,
     read from the verifier directly (the client sits beside the verifier)."""
 
     def __init__(self, target: Target, drafter: str, rtt_s: float, predraft: bool, tag: str) -> None:
-        self.target = target
-        self.mlc = MLC.from_config(authority="distance")
-        self.verifier_uri = f"https://verifier-{tag}.distance"
-        self.drafter_uri = f"https://drafter-{tag}.distance"
-        self.verifier = VerifierEngine(
-            uri=self.verifier_uri,
-            settings=VerifierConfig(),
-            target=target,
-            mlc=self.mlc,
-            ttl_ms=_TTL_MS,
+        links: list[DistantLink] = []
+
+        def distant(link: InMemoryVerifierLink) -> DistantLink:
+            links.append(DistantLink(link, rtt_s))
+            return links[-1]
+
+        super().__init__(
+            target,
+            (),
+            drafter=load_drafter(drafter, vocab_size=target.vocab_size),
+            drafter_settings=DrafterConfig(model=drafter, predraft=predraft),
+            link=distant,
             # As the verifier service: the model's threads sized to the cores others leave free.
             cores=CoreGovernor(usable_cores(), set_threads=target.set_threads),
-            events=self._on_event,
+            authority="distance",
+            uris=(f"https://verifier-{tag}.distance", f"https://drafter-{tag}.distance"),
         )
-        self.link = DistantLink(InMemoryVerifierLink(self.verifier, self.drafter_uri), rtt_s)
-        self.drafter = DrafterEngine(
-            uri=self.drafter_uri,
-            settings=DrafterConfig(model=drafter, predraft=predraft),
-            drafter=load_drafter(drafter, vocab_size=target.vocab_size),
-            mlc=self.mlc,
-            link=self.link,
-            ttl_ms=_TTL_MS,
-        )
-        self.m_init = RouterConfig().m_init
-        self._plans: dict[bytes, RouterSession] = {}
-        self._sessions = 0
-
-    async def start(self) -> None:
-        await self.verifier.start()
-        await self.drafter.start()
-
-    async def aclose(self) -> None:
-        await self.drafter.stop()
-        await self.verifier.stop()
-        await self.mlc.close()
-
-    async def generate(self, prompt: Prompt, contract: Contract) -> RunResult:
-        self._sessions += 1
-        session = self._sessions.to_bytes(16, "big")
-        plan = RouterSession(
-            session=session,
-            epoch=1,
-            contract=contract,
-            prompt=prompt.tokens,
-            commit_log=build_uri(self.mlc.authority, contract.scope, "log", session.hex()),
-            verifier=self.verifier_uri,
-        )
-        self._plans[session] = plan
-        started = time.perf_counter()
-        try:
-            await self.verifier.open_session(plan.open_message())
-            await self._assign(plan)
-            tokens: list[int] = []
-            while True:
-                output = await self.verifier.output(session, len(tokens))
-                tokens.extend(output.tokens)
-                if output.final:
-                    break
-            seconds = time.perf_counter() - started
-        finally:
-            del self._plans[session]
-        result = result_from_stats(self.verifier.stats(session), seconds)
-        result.tokens = tokens
-        return result
+        self.link = links[0]
 
     async def _assign(self, plan: RouterSession) -> None:
-        state = self.verifier.state(plan.session)
-        assignment = plan.assignment(
-            self.drafter_uri, round=state.round, committed=state.committed, digest=state.digest, m_init=self.m_init
-        )
         self.link.forget(plan.session)
-        await self.verifier.assign(assignment)
-        await self.drafter.assign(assignment)
-
-    async def _on_event(self, event: Event) -> None:
-        received = Event.from_cbor(event.to_cbor())
-        plan = self._plans.get(received.session)
-        if plan is not None and received.kind == Action.SWITCH:
-            await self._assign(plan)  # a switch, or the end of a self-decoding period
+        await super()._assign(plan)
 
     def predrafts(self) -> tuple[int, int]:
         """The drafter's pre-drafted rounds: used, discarded."""
@@ -524,7 +464,7 @@ async def distance_run(
             os.urandom(16),
         )
         for prompt in requests.warm:
-            await system.generate(prompt, contract)
+            await system.generate(prompt.tokens, contract.max_new, contract)
         system.link.gaps_s.clear()
         used0, discarded0 = system.predrafts()
         run = DistanceRun(rtt_ms, predraft)
@@ -533,9 +473,9 @@ async def distance_run(
             scorer, tokens = system.verifier.scorer, list(prompt.tokens)
             if index % 2:
                 reference = await scorer.run_async(baseline.generate, tokens, args.max_new)
-                result = await system.generate(prompt, contract)
+                result = await system.generate(prompt.tokens, contract.max_new, contract)
             else:
-                result = await system.generate(prompt, contract)
+                result = await system.generate(prompt.tokens, contract.max_new, contract)
                 reference = await scorer.run_async(baseline.generate, tokens, args.max_new)
             run.sdcp.append(result)
             run.target_only.append(reference)

@@ -10,18 +10,20 @@ when the verifier's event asks for one (SDCP 6.5.2).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sdcp.bench.systems import RunResult, result_from_stats
 from sdcp.cache import MLC, build_uri
 from sdcp.client import build_contract
 from sdcp.config import DrafterConfig, RouterConfig, VerifierConfig
 from sdcp.engines.drafter import DrafterEngine
+from sdcp.engines.ports import VerifierLink
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.models.backend import Target
-from sdcp.models.draft import NgramDrafter
-from sdcp.protocol.messages import Action, Event, Output, Proposal, Verdict
+from sdcp.models.draft import Drafter, NgramDrafter
+from sdcp.protocol.messages import Action, Contract, Event, Output, Proposal, Verdict
 from sdcp.protocol.router import RouterSession
+from sdcp.threads import CoreGovernor
 
 __all__ = ["InMemoryVerifierLink", "InProcessSDCPSystem"]
 
@@ -49,28 +51,47 @@ class InMemoryVerifierLink:
 
 
 class InProcessSDCPSystem:
-    """The verifier and n-gram drafter engines in this process; ``generate`` decodes one session."""
+    """The verifier and a drafter engine in this process; ``generate`` decodes one session.
+
+    By default the n-gram drafter, joined to the verifier by an `InMemoryVerifierLink`; ``drafter``,
+    ``drafter_settings``, ``link`` (wraps that link, e.g. to delay it), ``cores`` (the verifier's
+    core governor), ``authority`` and ``uris`` (the verifier's and the drafter's) let a benchmark
+    vary them."""
 
     name = "sdcp_inprocess"
 
-    def __init__(self, target: Target, stop: Sequence[int]) -> None:
+    def __init__(
+        self,
+        target: Target,
+        stop: Sequence[int],
+        *,
+        drafter: Drafter | None = None,
+        drafter_settings: DrafterConfig | None = None,
+        link: Callable[[InMemoryVerifierLink], VerifierLink] | None = None,
+        cores: CoreGovernor | None = None,
+        authority: str = "inprocess",
+        uris: tuple[str, str] = (VERIFIER_URI, DRAFTER_URI),
+    ) -> None:
         self.target = target
         self.stop = list(stop)
-        self.mlc = MLC.from_config(authority="inprocess")
+        self.mlc = MLC.from_config(authority=authority)
+        self.verifier_uri, self.drafter_uri = uris
         self.verifier = VerifierEngine(
-            uri=VERIFIER_URI,
+            uri=self.verifier_uri,
             settings=VerifierConfig(),
             target=target,
             mlc=self.mlc,
             ttl_ms=_TTL_MS,
+            cores=cores,
             events=self._on_event,
         )
+        in_memory = InMemoryVerifierLink(self.verifier, self.drafter_uri)
         self.drafter = DrafterEngine(
-            uri=DRAFTER_URI,
-            settings=DrafterConfig(),
-            drafter=NgramDrafter(target.vocab_size),
+            uri=self.drafter_uri,
+            settings=drafter_settings or DrafterConfig(),
+            drafter=drafter or NgramDrafter(target.vocab_size),
             mlc=self.mlc,
-            link=InMemoryVerifierLink(self.verifier, DRAFTER_URI),
+            link=link(in_memory) if link is not None else in_memory,
             ttl_ms=_TTL_MS,
         )
         self.m_init = RouterConfig().m_init
@@ -86,19 +107,25 @@ class InProcessSDCPSystem:
         await self.verifier.stop()
         await self.mlc.close()
 
-    async def generate(self, prompt: Sequence[int], max_new: int) -> RunResult:
+    async def generate(self, prompt: Sequence[int], max_new: int, contract: Contract | None = None) -> RunResult:
+        """One session of ``prompt``; under ``contract`` where given (its max_new then applies), else
+        under the client's default contract."""
         self._sessions += 1
         session = self._sessions.to_bytes(16, "big")
-        contract = build_contract(
-            target=self.target.weights_digest, tokenizer=self.target.tokenizer_digest, max_new=max_new, stop=self.stop
-        )
+        if contract is None:
+            contract = build_contract(
+                target=self.target.weights_digest,
+                tokenizer=self.target.tokenizer_digest,
+                max_new=max_new,
+                stop=self.stop,
+            )
         plan = RouterSession(
             session=session,
             epoch=1,
             contract=contract,
             prompt=tuple(prompt),
             commit_log=build_uri(self.mlc.authority, contract.scope, "log", session.hex()),
-            verifier=VERIFIER_URI,
+            verifier=self.verifier_uri,
         )
         self._plans[session] = plan
         started = time.perf_counter()
@@ -125,7 +152,7 @@ class InProcessSDCPSystem:
         """SDCP 6.1: the verifier learns of the drafter first, then the drafter gets the assignment."""
         state = self.verifier.state(plan.session)
         assignment = plan.assignment(
-            DRAFTER_URI, round=state.round, committed=state.committed, digest=state.digest, m_init=self.m_init
+            self.drafter_uri, round=state.round, committed=state.committed, digest=state.digest, m_init=self.m_init
         )
         await self.verifier.assign(assignment)
         await self.drafter.assign(assignment)

@@ -65,7 +65,7 @@ def lookahead_length(hit_rate: float, sessions: int, predicted: int, costs: Pass
 
 @dataclass(frozen=True)
 class _Pass:
-    """A queued self-decoding pass after ``context`` (prompt and decided tokens): the prompt-lookup
+    """A queued self-decoding pass after ``context`` (prompt and decided tokens): the lookahead's
     prediction, the part of it scored, the rows (None: a run's step that the scorer did not reach),
     and the greedy run that goes on after it, ``step`` its next step."""
 
