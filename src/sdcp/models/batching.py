@@ -243,16 +243,14 @@ class BatchingScorer(ModelThread):
         steps: list[_Request] = []
         try:
             for request, rows in self._score_into(batch, outcomes):
-                if request.run is None:
-                    continue
-                step = None if stopping else self._next_step(request, rows)
-                if step is None:
-                    outcomes.end_run(request.run)
-                else:
+                step = None if request.run is None or stopping else self._next_step(request, rows)
+                if step is not None:
                     steps.append(step)
         finally:
+            # Every other run of the batch stops here: its pass failed, was withdrawn or ended it.
+            going_on = {id(step.run) for step in steps}
             for request in batch:
-                if request.run is not None and not any(step.run is request.run for step in steps):
+                if request.run is not None and id(request.run) not in going_on:
                     outcomes.end_run(request.run)
             outcomes.deliver()
         return steps
