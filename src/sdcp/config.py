@@ -26,6 +26,7 @@ naming the file and the key (``ConfigError``).
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import field
 from pathlib import Path
@@ -85,6 +86,34 @@ def _https_uri(value: object) -> object:
     return value
 
 
+def _trust_entry(value: object) -> object:
+    """An identity, or a pattern of identities: ``*`` in the leftmost label of the host stands for
+    one or more letters, digits or hyphens (``https://verifier-*.verifier.sdcp.svc.cluster.local:8443``),
+    so that a new instance of a role joins with a certificate alone (docs/security.md, "Trust
+    patterns"). Scheme, further labels, port and path match exactly."""
+    if not isinstance(value, str) or "*" not in value:
+        return _https_uri(value)
+    parts = urlsplit(value)
+    host = parts.hostname or ""
+    leftmost, dot, rest = host.partition(".")
+    if (
+        parts.scheme != "https"
+        or value.count("*") != 1
+        or "*" not in leftmost
+        or not dot
+        or "*" in rest
+        or not _PATTERN_LABEL.fullmatch(leftmost.replace("*", "x"))
+    ):
+        raise ValueError(
+            f"a pattern is an https URI with one * in the leftmost label of its host, followed by another label, "
+            f"got {value!r}"
+        )
+    return value
+
+
+_PATTERN_LABEL = re.compile(r"[A-Za-z0-9-]+")
+
+
 def _host_port(value: object) -> object:
     if isinstance(value, str):
         host, _, port = value.rpartition(":")
@@ -103,6 +132,7 @@ Text = Annotated[str, Strict()]
 Flag = Annotated[bool, Strict()]
 FilePath = Annotated[Path, BeforeValidator(_relative_to_file)]
 HttpsURI = Annotated[str, Strict(), BeforeValidator(_https_uri)]
+TrustEntry = Annotated[str, Strict(), BeforeValidator(_trust_entry)]
 HostPort = Annotated[str, Strict(), BeforeValidator(_host_port)]
 Device = Annotated[str, Strict(), StringConstraints(pattern=r"^(cpu|mps|cuda(:\d+)?)$")]
 ModelDtype = Literal["float32", "bfloat16", "float16"]
@@ -277,8 +307,14 @@ class GatewayConfig:
     key: FilePath | None = None
     # The largest request body read; a larger one is refused with 413 while it is being read.
     max_body_bytes: AtLeastOne = 4 * 1024 * 1024
+    # Requests being read or answered at once (streams until their end); past it 429 with
+    # Retry-After. With max_body_bytes, it bounds the memory that request bodies take.
+    max_requests_in_flight: AtLeastOne = 64
     # When set, every /v1 request must carry "Authorization: Bearer <api_key>" (else 401).
     api_key: Text | None = None
+    # OpenAI's behaviour: a request member that no parameter reads is a 400. By default it is
+    # ignored and named (a warning line, X-SDCP-Ignored-Members), as vLLM does.
+    strict: Flag = False
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -300,14 +336,15 @@ class TrustConfig:
     proves an identity, these lists grant it rights. An empty list trusts nobody in that role, except
     ``routers``, which defaults to the instance's own ``[instance] router``."""
 
-    routers: tuple[HttpsURI, ...] = ()
+    # Each entry is an identity or a pattern of them (``_trust_entry``).
+    routers: tuple[TrustEntry, ...] = ()
     # The router admits status reports in these roles from these identities only.
-    verifiers: tuple[HttpsURI, ...] = ()
-    drafters: tuple[HttpsURI, ...] = ()
+    verifiers: tuple[TrustEntry, ...] = ()
+    drafters: tuple[TrustEntry, ...] = ()
     # Who may open sessions at the router (the gateway, the CLI) and then read their own sessions.
-    front_ends: tuple[HttpsURI, ...] = ()
+    front_ends: tuple[TrustEntry, ...] = ()
     # Who may read any session's state, output and stats, and every instance's metrics.
-    operators: tuple[HttpsURI, ...] = ()
+    operators: tuple[TrustEntry, ...] = ()
 
 
 @dataclass(frozen=True, config=_SECTION)

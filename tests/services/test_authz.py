@@ -676,3 +676,44 @@ async def test_the_router_caps_the_validity_a_status_claims(world: World) -> Non
     )
     view = router.registry.get(status.instance)
     assert view is not None and view.expires_at <= router.clock() + router.config.router.max_ttl_ms / 1000
+
+
+async def test_a_trust_pattern_admits_a_new_instance_by_its_certificate_alone(tmp_path: Path) -> None:
+    """docs/deploy.md, "Adding instances": the router trusts ``https://verifier-*.sdcp.test:8443``,
+    so a verifier issued a certificate later joins without an edit of the router's file; the * never
+    reaches past its DNS label, nor into the port, nor lets another role's name in."""
+    router_uri = f"https://127.0.0.1:{free_port()}"
+    pattern = "https://verifier-*.sdcp.test:8443"
+    joining = "https://verifier-7.sdcp.test:8443"
+    outside = (
+        "https://verifier-7.evil.sdcp.test:8443",  # * spans one label only
+        "https://verifier-7.sdcp.test:8444",
+        "https://drafter-0.sdcp.test:8443",
+        "https://verifier-.sdcp.test:8443",  # * stands for at least one character
+    )
+    issued = make_certs(tmp_path / "certs", [router_uri, joining, *outside])
+    ca = tmp_path / "certs" / "ca.pem"
+    instance = InstanceConfig(
+        uri=router_uri, cert=issued[router_uri].cert_path, key=issued[router_uri].key_path, ca=ca, ttl_ms=60_000
+    )
+    router = RouterNode(ServiceConfig(instance=instance, trust=TrustConfig(verifiers=(pattern,))))
+    await router.start()
+    clients = []
+    try:
+        for uri in (*outside, joining):
+            client = SDCPClient(router_uri, issued[uri].cert_path, issued[uri].key_path, ca)
+            clients.append(client)
+            status = Status(instance=uri, role=Role.VERIFIER, load=0, queue=0, ttl_ms=60_000, model=b"\x01" * 32)
+            path = f"instances/{instance_path_id(uri)}/status"
+            if uri != joining:
+                with pytest.raises(ProtocolError) as refused:
+                    await client.put_cbor(path, status.to_obj())
+                assert refused.value.status == 403 and router.registry.get(uri) is None, uri
+            else:
+                await client.put_cbor(path, status.to_obj())
+                view = router.registry.get(uri)
+                assert view is not None and view.status.role == Role.VERIFIER
+    finally:
+        for client in clients:
+            await client.aclose()
+        await router.stop()

@@ -89,6 +89,11 @@ def test_a_gateway_without_a_router_is_a_one_line_cli_error(tmp_path: Path) -> N
         ("[trust]\ndrafters = 'https://a:1'\n", "trust.drafters must be a list of strings"),
         ("[trust]\ndrafters = [1]\n", "trust.drafters must be a list of strings"),
         ("[trust]\ndrafters = ['http://a:1']\n", "trust.drafters must be an https URI"),
+        # A pattern's * stays within the leftmost label of the host, and a label follows it.
+        ("[trust]\nverifiers = ['https://v-*:1']\n", "trust.verifiers a pattern is an https URI with one"),
+        ("[trust]\nverifiers = ['https://a.*.b:1']\n", "trust.verifiers a pattern is an https URI with one"),
+        ("[trust]\nverifiers = ['https://v-*.b:1/*']\n", "trust.verifiers a pattern is an https URI with one"),
+        ("[trust]\nverifiers = ['https://v_*.b:1']\n", "trust.verifiers a pattern is an https URI with one"),
         ("[mlc]\nmlc_url = 'redis://x'\n", "mlc.mlc_url must be an https URI"),
         ("[mlc.authorities]\n'cache-b' = 'redis://x'\n", "mlc.authorities.cache-b must be an https URI"),
         ("[mlc]\nunlisted = 'proxy'\n", "mlc.unlisted"),

@@ -9,6 +9,7 @@ and a test keeps the two equal and every route covered.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -111,12 +112,20 @@ class Trust:
         operators: Iterable[str] = (),
     ) -> None:
         self.role = role
+        listed = {
+            Party.ROUTER: tuple(routers),
+            Party.VERIFIER: tuple(verifiers),
+            Party.DRAFTER: tuple(drafters),
+            Party.FRONT_END: tuple(front_ends),
+            Party.OPERATOR: tuple(operators),
+        }
         self.members: dict[Party, frozenset[str]] = {
-            Party.ROUTER: frozenset(routers),
-            Party.VERIFIER: frozenset(verifiers),
-            Party.DRAFTER: frozenset(drafters),
-            Party.FRONT_END: frozenset(front_ends),
-            Party.OPERATOR: frozenset(operators),
+            party: frozenset(entry for entry in entries if "*" not in entry) for party, entries in listed.items()
+        }
+        # Entries with a * (sdcp.config's trust patterns): a new instance of a role joins with a
+        # certificate from the CA alone, without an edit of every peer's list.
+        self.patterns: dict[Party, tuple[re.Pattern[str], ...]] = {
+            party: tuple(_pattern(entry) for entry in entries if "*" in entry) for party, entries in listed.items()
         }
 
     @classmethod
@@ -145,7 +154,7 @@ class Trust:
         self, peer: str, endpoint: str, session: SessionParties | None = None, *, instance: str | None = None
     ) -> bool:
         for party in self.parties(endpoint):
-            if party in self.members and peer in self.members[party]:
+            if self.is_member(peer, party):
                 return True
             if party is Party.INSTANCE and peer == instance:
                 return True
@@ -165,7 +174,16 @@ class Trust:
         return peer
 
     def is_member(self, peer: str, party: Party) -> bool:
-        return peer in self.members.get(party, frozenset())
+        if peer in self.members.get(party, frozenset()):
+            return True
+        return any(pattern.fullmatch(peer) for pattern in self.patterns.get(party, ()))
+
+
+def _pattern(entry: str) -> re.Pattern[str]:
+    """A trust pattern as a regular expression: its * stands for one or more letters, digits or
+    hyphens, so that it never reaches past its DNS label (no dot, colon or slash); the rest is literal."""
+    before, _, after = entry.partition("*")
+    return re.compile(re.escape(before) + "[A-Za-z0-9-]+" + re.escape(after))
 
 
 def _session_member(session: SessionParties, party: Party) -> str | None:
