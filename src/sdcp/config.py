@@ -312,9 +312,31 @@ class GatewayConfig:
     max_requests_in_flight: AtLeastOne = 64
     # When set, every /v1 request must carry "Authorization: Bearer <api_key>" (else 401).
     api_key: Text | None = None
+    # The same key read from a file (its first line), so that the key stays out of the TOML, the
+    # command line and the environment: `sdcp up --api-key` keeps it there with mode 0600, a
+    # Kubernetes Secret mounts it there. `api_key` (or `--api-key`, SDCP_API_KEY) takes precedence.
+    api_key_file: FilePath | None = None
+    # The model name the OpenAI API reports (/v1/models, responses) and accepts in requests, as
+    # vLLM's --served-model-name; by default `model`, which may be a directory's path.
+    served_model_name: Annotated[str, Strict(), StringConstraints(min_length=1)] | None = None
+
     # OpenAI's behaviour: a request member that no parameter reads is a 400. By default it is
     # ignored and named (a warning line, X-SDCP-Ignored-Members), as vLLM does.
     strict: Flag = False
+
+    def resolved_api_key(self) -> str | None:
+        """``api_key``, else the first line of ``api_key_file``, else None (no key required)."""
+        if self.api_key is not None or self.api_key_file is None:
+            return self.api_key
+        try:
+            lines = self.api_key_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"gateway.api_key_file: cannot read {self.api_key_file}: {exc}") from exc
+        key = lines[0].strip() if lines else ""
+        if not key:
+            # An empty key would admit "Authorization: Bearer ", i.e. everybody.
+            raise ConfigError(f"gateway.api_key_file: {self.api_key_file} holds no key")
+        return key
 
 
 @dataclass(frozen=True, config=_SECTION)

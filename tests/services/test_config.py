@@ -151,3 +151,19 @@ def test_a_gateway_on_every_address_without_tls_is_a_one_line_cli_error(tmp_path
     result = CliRunner().invoke(app, ["gateway", "--config", str(path)])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "plain HTTP is only allowed on a loopback address" in result.output and "gateway.cert" in result.output
+
+
+def test_the_api_key_file_is_read_and_an_empty_or_missing_one_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(INSTANCE + "\n[gateway]\napi_key_file = 'api-key'\nserved_model_name = 'chat'\n", encoding="utf-8")
+    config = load_config(path)
+    assert config.gateway.api_key_file == tmp_path / "api-key" and config.gateway.served_model_name == "chat"
+    with pytest.raises(ConfigError, match="gateway.api_key_file: cannot read"):
+        config.gateway.resolved_api_key()
+    (tmp_path / "api-key").write_text("\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        config.gateway.resolved_api_key()
+    (tmp_path / "api-key").write_text("s3cret\n")
+    assert config.gateway.resolved_api_key() == "s3cret"
+    # A key given directly (the TOML's api_key, --api-key, SDCP_API_KEY) takes precedence.
+    assert dataclasses.replace(config.gateway, api_key="other").resolved_api_key() == "other"

@@ -109,8 +109,10 @@ class GatewayNode:
             raise ConfigError("the gateway needs instance.router")
         self.config = config
         self.settings = config.gateway
-        self.model_name = config.gateway.model
-        self.codec = load_text_codec(self.model_name)
+        # The name clients send and see; the tokenizer comes from `model` (a name or a directory).
+        self.model_name = config.gateway.served_model_name or config.gateway.model
+        self.codec = load_text_codec(config.gateway.model)
+        self.api_key = config.gateway.resolved_api_key()
         self.client = ClusterClient(instance.router, cert=instance.cert, key=instance.key, ca=instance.ca)
         host, _, port = config.gateway.listen.rpartition(":")
         try:
@@ -243,7 +245,7 @@ class GatewayNode:
 
     def _check_key(self, request: Request) -> None:
         """With an API key configured, the request must carry it (OpenAI's 401 otherwise)."""
-        expected = self.settings.api_key
+        expected = self.api_key
         if expected is None:
             return
         offered = request.headers.get("authorization", "")
