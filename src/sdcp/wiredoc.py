@@ -23,6 +23,7 @@ from sdcp.protocol.messages import (
     Alternative,
     Assignment,
     Contract,
+    HistoryStatus,
     Output,
     Role,
     SelfDecodeRequest,
@@ -230,6 +231,7 @@ def _status() -> str:
         alpha_milli=720,
         draft_us=900,
         verify_us=61000,
+        history=HistoryStatus(sessions=371, tokens=130543, max_tokens=131072),
     )
     paths = (
         f"`PUT instances/{{id}}/status`: we send `{{id}}` = the unpadded base64url of the instance's base "

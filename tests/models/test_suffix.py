@@ -163,7 +163,7 @@ def test_an_evicted_history_answers_as_one_built_from_the_kept_outputs() -> None
         if sum(map(len, kept)) + len(output) > 300:
             break
         kept.insert(0, output)
-    assert history.size == HistorySize(sum(map(len, kept)), len(kept), history.size.approx_bytes)
+    assert history.size == HistorySize(sum(map(len, kept)), len(kept), history.size.approx_bytes, max_tokens=300)
     evolved = history.index(b"k")
     assert evolved is not None
     rebuilt = index_of(*kept)

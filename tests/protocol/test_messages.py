@@ -30,6 +30,7 @@ from sdcp.protocol import (
     parse_session_path_id,
     session_path_id,
 )
+from sdcp.protocol.messages import HistoryStatus
 
 SESSION = bytes(range(16))
 DIGEST = b"\xd0" * 32
@@ -203,6 +204,16 @@ def test_unknown_keys_are_ignored_in_nested_non_contract_maps() -> None:
     assert SessionOpen.from_obj(opened).resume == Resume.from_obj(RESUME)
     policy = {**VALID[Policy], "sampling": {"top_k": 3, "min_p_milli": 50}}
     assert Policy.from_obj(policy).sampling == Sampling(top_k=3)
+
+
+def test_a_drafters_history_member_is_read_as_absent_in_another_form() -> None:
+    history = {"sessions": 3, "tokens": 120, "max_tokens": 131072}
+    status = Status.from_obj({**STATUS, "history": history})
+    assert status.history == HistoryStatus(sessions=3, tokens=120, max_tokens=131072)
+    assert status.to_obj()["history"] == history
+    # Not defined by the draft: another implementation's member of that name is ignored (SDCP 5.2).
+    for other in (5, "full", {"sessions": 3}, {**history, "tokens": -1}, [3, 120, 131072]):
+        assert Status.from_obj({**STATUS, "history": other}) == Status.from_obj(STATUS)
 
 
 @pytest.mark.parametrize("cls", [SessionOpen, Assignment], ids=lambda c: c.__name__)

@@ -291,6 +291,7 @@ async def test_status_reports_the_drafter(env: Env, target: TargetModel) -> None
         assert status.accept_milli is None  # no verdict yet
         assert status.ttl_ms == 60_000
         assert status.model == NgramDrafter(VOCAB).weights_digest
+        assert status.history is None  # prompt lookup keeps no shared history
     finally:
         await node.stop()
 

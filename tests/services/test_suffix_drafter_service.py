@@ -33,7 +33,7 @@ from sdcp.engines.history import history_scope_key
 from sdcp.localhost import free_port
 from sdcp.models.suffix import SuffixDrafter
 from sdcp.models.target import TargetModel
-from sdcp.protocol.messages import Contract, SessionOpen, session_path_id
+from sdcp.protocol.messages import Contract, HistoryStatus, SessionOpen, session_path_id
 from sdcp.services.drafter import DrafterNode
 from sdcp.transport.certs import make_certs
 
@@ -142,6 +142,11 @@ async def test_drafter_instances_draft_from_each_others_finished_sessions(env: E
         labels = {"instance": first_uri}
         assert REGISTRY.get_sample_value("sdcp_drafter_history_sessions", labels) == 3
         assert REGISTRY.get_sample_value("sdcp_drafter_history_tokens", labels) == 3 * contract.max_new
+        bound = fresh_suffix.history.max_tokens
+        assert REGISTRY.get_sample_value("sdcp_drafter_history_max_tokens", labels) == bound
+        # The router hears it too, in the status extension member `history`.
+        reported = HistoryStatus.from_obj(fresh.status().to_obj()["history"])
+        assert reported == HistoryStatus(sessions=3, tokens=3 * contract.max_new, max_tokens=bound)
     finally:
         await fresh.stop()
         await verifier.stop()

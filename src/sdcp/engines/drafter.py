@@ -36,6 +36,7 @@ from sdcp.protocol.drafter import AcceptanceEstimate, DrafterSession
 from sdcp.protocol.messages import (
     Action,
     Assignment,
+    HistoryStatus,
     Output,
     Proposal,
     Role,
@@ -82,6 +83,7 @@ HISTORY_SESSIONS = Gauge(
 )
 HISTORY_TOKENS = Gauge("sdcp_drafter_history_tokens", "Tokens the shared history holds", ["instance"])
 HISTORY_BYTES = Gauge("sdcp_drafter_history_bytes", "Estimated memory of the shared history", ["instance"])
+HISTORY_MAX_TOKENS = Gauge("sdcp_drafter_history_max_tokens", "Tokens the shared history may hold", ["instance"])
 HISTORY_LEARNED = Counter(
     "sdcp_drafter_history_learned_total", "Finished sessions' outputs read from the MLC into the history", ["instance"]
 )
@@ -198,12 +200,15 @@ class DrafterEngine:
         ACCEPTANCE.labels(uri).set_function(lambda: self._acceptance.alpha)
         # A drafter that drafts from earlier sessions reads finished sessions' output from the MLC.
         self._history: HistoryReader | None = None
+        self._shares: SharesHistory | None = None
         if isinstance(drafter, SharesHistory):
             shares: SharesHistory = drafter
+            self._shares = shares
             self._history = HistoryReader(mlc, entries=settings.history_entries, refresh_s=settings.history_refresh_s)
             HISTORY_SESSIONS.labels(uri).set_function(lambda: shares.history_size.sessions)
             HISTORY_TOKENS.labels(uri).set_function(lambda: shares.history_size.tokens)
             HISTORY_BYTES.labels(uri).set_function(lambda: shares.history_size.approx_bytes)
+            HISTORY_MAX_TOKENS.labels(uri).set_function(lambda: shares.history_size.max_tokens)
             HISTORY_LEARNED.labels(uri)
 
     # -- status ----------------------------------------------------------------------------------
@@ -224,7 +229,14 @@ class DrafterEngine:
             alpha_milli=(round(1000 * self._acceptance.alpha) if self._verdicts >= MEASURED_AFTER_VERDICTS else None),
             draft_us=round(1e6 * self.drafter.seconds_per_token),
             verify_us=round(1e6 * self._round_trip.seconds) if self._round_trip.measured else None,
+            history=self._history_status(),
         )
+
+    def _history_status(self) -> HistoryStatus | None:
+        if self._shares is None:
+            return None
+        size = self._shares.history_size
+        return HistoryStatus(sessions=size.sessions, tokens=size.tokens, max_tokens=size.max_tokens)
 
     async def start(self) -> None:
         # An HF drafter hashes and packs its weights once: before the first status report and draft.
@@ -314,8 +326,8 @@ class DrafterEngine:
         # Marked before the call: a cancellation may land while the worker is opening it.
         run.opened = True
         await self._worker.run_async(self.drafter.open_session, run.session, list(run.prompt))
-        if isinstance(self.drafter, SharesHistory):
-            await self._bind_history(run, self.drafter)
+        if self._shares is not None:
+            await self._bind_history(run, self._shares)
         if assignment.committed > 0 and assignment.committed_tokens is not None:
             await self._adopt_committed_object(run, assignment.committed_tokens)
         await self._catch_up(run, assignment.committed, assignment.digest)

@@ -235,11 +235,12 @@ class SuffixIndex:
 
 @dataclass(frozen=True)
 class HistorySize:
-    """What a shared history holds, for metrics and sizing."""
+    """What a shared history holds, and its bound, for metrics, status reports and sizing."""
 
     tokens: int
     sessions: int
     approx_bytes: int
+    max_tokens: int
 
 
 class SharedHistory:
@@ -273,6 +274,7 @@ class SharedHistory:
             tokens=self._tokens,
             sessions=len(self._arrivals),
             approx_bytes=sum(index.approx_bytes for index in self._indexes.values()),
+            max_tokens=self.max_tokens,
         )
 
     def _evict_oldest(self) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "Assignment",
     "Contract",
     "Event",
+    "HistoryStatus",
     "Output",
     "Policy",
     "Proposal",
@@ -259,6 +260,24 @@ class _Nested(_Kind):
 
     def dump(self, value: Any) -> object:
         return value.to_obj()
+
+
+@dataclass(frozen=True)
+class _Ignorable(_Kind):
+    """An extension member that a receiver reads as absent where it is not in our form: the draft
+    does not define it, so another implementation may send a member of that name meaning something
+    else, and SDCP 5.2 has unknown map keys ignored, not refused (docs/interpretations.md)."""
+
+    kind: _Kind
+
+    def parse(self, value: object, ctx: _Context, where: str) -> Any:
+        try:
+            return self.kind.parse(value, ctx, where)
+        except ProtocolError:
+            return None
+
+    def dump(self, value: Any) -> object:
+        return self.kind.dump(value)
 
 
 _UINT = _UInt()
@@ -505,6 +524,16 @@ class Assignment(_Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class HistoryStatus(_Message):
+    """Extension (docs/interpretations.md): what a drafter's shared history of finished sessions'
+    output holds, and its bound, in tokens."""
+
+    sessions: int = _required(_UINT)
+    tokens: int = _required(_UINT)
+    max_tokens: int = _required(_UINT)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Status(_Message):
     instance: str = _required(_TEXT)
     role: Role = _required(_IntEnumKind(Role))
@@ -530,6 +559,9 @@ class Status(_Message):
     # Extension member: the most positions (prompt plus output) a verifier holds for a session, so
     # that a front end sizes its requests to the target it uses (docs/interpretations.md).
     context: int | None = _optional(_UINT)
+    # Extension member: a drafter's shared history (HistoryStatus), for operators and capacity
+    # planning; no receiver acts on it, and one in another form is read as absent.
+    history: HistoryStatus | None = _optional(_Ignorable(_Nested(HistoryStatus)))
 
 
 @dataclass(frozen=True, kw_only=True)
