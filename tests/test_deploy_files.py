@@ -4,20 +4,25 @@ finds its TOML, its certificates and probes on the admin listener it configures.
 
 from __future__ import annotations
 
+import base64
 import importlib
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-import pytest
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from prometheus_client import REGISTRY
 
 from sdcp.config import load_config
+from sdcp.services.authz import Party, Trust
 from sdcp.transport.certs import instance_name, make_certs
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -56,10 +61,11 @@ def test_the_manifests_validate_strictly(tmp_path: Path) -> None:
     result = run_tool("kubernetes-validate", "--strict", *MANIFESTS)
     assert result.returncode == 0, result.stdout + result.stderr
     kinds = {(d["kind"], d["metadata"]["name"]) for d in documents()}
-    for workload in ("router", "gateway"):
-        assert ("Deployment", workload) in kinds and ("Service", workload) in kinds
-    for workload in ("verifier", "drafter", "redis"):
-        assert ("StatefulSet", workload) in kinds and ("Service", workload) in kinds
+    for workload in ("router", "gateway", "verifier-0", "verifier-1", "drafter-0", "drafter-1"):
+        assert ("Deployment", workload) in kinds
+    for service in ("router", "gateway", "verifier", "drafter", "redis"):
+        assert ("Service", service) in kinds
+    assert ("StatefulSet", "redis") in kinds
     broken = tmp_path / "router.yaml"
     broken.write_text((DEPLOY / "kubernetes" / "router.yaml").read_text().replace("replicas: 1", "replicas: one"))
     assert run_tool("kubernetes-validate", "--strict", broken).returncode != 0
@@ -76,51 +82,151 @@ def test_every_instance_configuration_loads(tmp_path: Path) -> None:
         path.write_text(text.replace("/etc/sdcp/certs/", f"{tmp_path}/certs/"))
         configs[name] = load_config(path)
     router = configs["router.toml"]
-    verifiers = {c.instance.uri for n, c in configs.items() if n.startswith("verifier-")}
-    drafters = {c.instance.uri for n, c in configs.items() if n.startswith("drafter-")}
-    assert set(router.trust.verifiers) == verifiers and set(router.trust.drafters) == drafters
+    trust = Trust.from_config(router, "router")
+    # The router's trust patterns admit every verifier and drafter in its role, and only in it.
+    for name, config in configs.items():
+        uri = config.instance.uri
+        assert trust.is_member(uri, Party.VERIFIER) == name.startswith("verifier-"), name
+        assert trust.is_member(uri, Party.DRAFTER) == name.startswith("drafter-"), name
     assert configs["gateway.toml"].instance.uri in router.trust.front_ends
     assert all(c.instance.router == router.instance.uri for c in configs.values())
-    # The certificates make-secrets.sh issues are those the configurations name.
-    script = (DEPLOY / "kubernetes" / "make-secrets.sh").read_text()
-    for uri in uris:
-        assert uri.replace("sdcp.svc.cluster.local", "$domain") in script
+    # The gateway reads its API key from the Secret the pod mounts, not from its environment.
+    assert configs["gateway.toml"].gateway.api_key_file == Path("/etc/sdcp/api-key/api-key")
+    # Every verifier names its backend: they all run one target, and none measures at start.
+    assert {c.verifier.backend for n, c in configs.items() if n.startswith("verifier-")} == {"torch"}
 
 
-def _pods() -> list[tuple[str, int, dict[str, Any]]]:
-    """(workload name, replicas, pod spec) of every Deployment and StatefulSet but Redis."""
+def _pods() -> list[tuple[str, dict[str, Any]]]:
+    """(workload name, pod spec) of every Deployment and StatefulSet but Redis."""
     workloads = of_kind("Deployment") + of_kind("StatefulSet")
     return [
-        (w["metadata"]["name"], w["spec"]["replicas"], w["spec"]["template"]["spec"])
-        for w in workloads
-        if w["metadata"]["name"] != "redis"
+        (w["metadata"]["name"], w["spec"]["template"]["spec"]) for w in workloads if w["metadata"]["name"] != "redis"
     ]
 
 
-@pytest.mark.parametrize("workload", ["router", "verifier", "drafter", "gateway"])
-def test_each_pod_finds_its_configuration_certificates_and_probes(workload: str) -> None:
+def test_each_pod_finds_its_configuration_certificates_and_probes() -> None:
     files = config_files()
-    ((name, replicas, pod),) = [p for p in _pods() if p[0] == workload]
-    (container,) = pod["containers"]
-    role, flag, path = container["args"][:3]
-    assert role == workload and flag == "--config"
-    pod_names = [f"{name}-{index}" for index in range(replicas)]
-    wanted = [path.replace("$(POD_NAME)", pod) for pod in pod_names] if "$(POD_NAME)" in path else [path]
-    for config_path in wanted:
-        key = config_path.removeprefix("/etc/sdcp/config/")
-        assert key in files, f"{config_path} is not in the ConfigMap"
-        text = files[key]
+    pods = dict(_pods())
+    assert set(pods) == {"router", "gateway", "verifier-0", "verifier-1", "drafter-0", "drafter-1"}
+    workloads = {w["metadata"]["name"]: w for w in of_kind("Deployment")}
+    for name, pod in pods.items():
+        (container,) = pod["containers"]
+        role, flag, path = container["args"][:3]
+        assert role == name.split("-")[0] and flag == "--config" and path == f"/etc/sdcp/config/{name}.toml"
+        text = files[f"{name}.toml"]
         admin_port = int(re.search(r'\[admin\]\nlisten = "[^:]+:(\d+)"', text).group(1))  # type: ignore[union-attr]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["admin"] == admin_port
         cert = re.search(r'^cert = "/etc/sdcp/certs/([^"]+)\.pem"', text, re.MULTILINE).group(1)  # type: ignore[union-attr]
         uri = re.search(r'^uri = "([^"]+)"', text, re.MULTILINE).group(1)  # type: ignore[union-attr]
         assert cert == instance_name(uri)
-    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "admin"}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "admin"}
-    (certs,) = [v for v in pod["volumes"] if v["name"] == "certs"]
-    secrets = {source["secret"]["name"] for source in certs["projected"]["sources"]}
-    assert secrets == {"sdcp-ca", f"sdcp-{workload}"}
+        assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "admin"}
+        assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "admin"}
+        if role in ("verifier", "drafter"):
+            # The host of its URI is the pod's own name under its role's headless Service, and
+            # never two pods of one identity at once.
+            assert urlsplit(uri).hostname == f"{pod['hostname']}.{pod['subdomain']}.sdcp.svc.cluster.local"
+            assert pod["hostname"] == name and pod["subdomain"] == role
+            spec = workloads[name]["spec"]
+            assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+
+
+def _secrets(tmp_path: Path, *identities: str) -> dict[str, dict[str, bytes]]:
+    """make-secrets.sh run as a user runs it: the Secrets it prints, name -> file -> content."""
+    env = {**os.environ, "PATH": f"{TOOLS}{os.pathsep}{os.environ['PATH']}"}
+    script = DEPLOY / "kubernetes" / "make-secrets.sh"
+    result = subprocess.run(
+        ["bash", str(script), str(tmp_path / "certs"), *identities],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    secrets = {}
+    for doc in yaml.safe_load_all(result.stdout):
+        if doc:
+            assert doc["kind"] == "Secret" and doc["metadata"]["namespace"] == "sdcp"
+            secrets[doc["metadata"]["name"]] = {k: base64.b64decode(v) for k, v in doc["data"].items()}
+    return secrets
+
+
+def _identity(pem: bytes) -> str:
+    (uri,) = (
+        x509.load_pem_x509_certificate(pem)
+        .extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        .value.get_values_for_type(x509.UniformResourceIdentifier)
+    )
+    return str(uri)
+
+
+def _same_key(cert_pem: bytes, key_pem: bytes) -> bool:
+    public = x509.load_pem_x509_certificate(cert_pem).public_key()
+    private = serialization.load_pem_private_key(key_pem, password=None)
+    der = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return bool(public.public_bytes(*der) == private.public_key().public_bytes(*der))
+
+
+def test_no_pod_mounts_a_key_that_is_not_its_own(tmp_path: Path) -> None:
+    """#29: each pod mounts the CA's certificate and its own identity's certificate and key, and no
+    other private key (a verifier holding another's key could pose as it). The Secrets are those
+    make-secrets.sh prints; the TOML of the pod names the same identity."""
+    secrets = _secrets(tmp_path)
+    files = config_files()
+    assert set(secrets["sdcp-ca"]) == {"ca.pem"}  # the CA's key stays with whoever issues
+    assert set(secrets["sdcp-gateway-api-key"]) == {"api-key"} and len(secrets["sdcp-gateway-api-key"]["api-key"]) > 32
+    for name, pod in _pods():
+        uri = re.search(r'^uri = "([^"]+)"', files[f"{name}.toml"], re.MULTILINE).group(1)  # type: ignore[union-attr]
+        mounted: dict[str, bytes] = {}
+        for volume in pod["volumes"]:
+            sources = volume.get("projected", {}).get("sources", [])
+            names = [source["secret"]["name"] for source in sources if "secret" in source]
+            if "secret" in volume:
+                names.append(volume["secret"]["secretName"])
+            for secret in names:
+                mounted.update(secrets[secret])
+        keys = [file for file, content in mounted.items() if b"PRIVATE KEY" in content]
+        assert keys == [f"{instance_name(uri)}.key"], (name, keys)
+        cert = mounted[f"{instance_name(uri)}.pem"]
+        assert _identity(cert) == uri and _same_key(cert, mounted[keys[0]]), name
+
+
+def test_an_instance_is_added_with_one_new_certificate(tmp_path: Path) -> None:
+    """docs/deploy.md, "Adding instances": make-secrets.sh with the new identity's name prints its
+    Secret only, signed by the CA already there; no other certificate changes, and the router's
+    trust pattern admits it without an edit."""
+    before = _secrets(tmp_path)
+    added = _secrets(tmp_path, "verifier-2")
+    assert set(added) == {"sdcp-verifier-2"}
+    after = {path.name: path.read_bytes() for path in (tmp_path / "certs").glob("*.pem")}
+    for secret in before.values():
+        for file, content in secret.items():
+            if file.endswith(".pem"):
+                assert after[file] == content, file
+    new_cert = added["sdcp-verifier-2"]["verifier-2.verifier.sdcp.svc.cluster.local_8443.pem"]
+    issued = x509.load_pem_x509_certificate(new_cert)
+    issued.verify_directly_issued_by(x509.load_pem_x509_certificate(before["sdcp-ca"]["ca.pem"]))
+    uri = _identity(new_cert)
+    assert uri == "https://verifier-2.verifier.sdcp.svc.cluster.local:8443"
+    config_path = tmp_path / "router.toml"
+    config_path.write_text(config_files()["router.toml"].replace("/etc/sdcp/certs/", f"{tmp_path}/certs/"))
+    assert Trust.from_config(load_config(config_path), "router").is_member(uri, Party.VERIFIER)
+
+
+def test_no_pod_downloads_the_model_at_start() -> None:
+    """#29: the model is a layer of the image, converted once when it is built; pods have no init
+    container, no command that fetches, and no volume the model would be written to."""
+    for name, pod in _pods():
+        assert "initContainers" not in pod, name
+        for container in pod["containers"]:
+            assert "fetch" not in container["args"] and container["image"] in ("sdcp:full", "sdcp:slim"), name
+        writable = [v["name"] for v in pod["volumes"] if "emptyDir" in v or "persistentVolumeClaim" in v]
+        assert not writable, name
+    for workload in of_kind("StatefulSet"):
+        assert workload["metadata"]["name"] == "redis"  # the only one that claims a volume
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "sdcp models fetch" in dockerfile and "COPY --from=model" in dockerfile
 
 
 def test_the_admin_port_is_on_no_service_and_only_prometheus_reaches_it() -> None:
@@ -140,7 +246,7 @@ def test_the_admin_port_is_on_no_service_and_only_prometheus_reaches_it() -> Non
     assert "namespaceSelector" in prometheus
     own_pods = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "sdcp"}}}]
     assert reaching[8443] == own_pods and reaching[6379] == own_pods and reaching[8000] is None
-    for workload, _, pod in _pods():
+    for workload, pod in _pods():
         (container,) = pod["containers"]
         ports = {p["containerPort"] for p in container["ports"]}
         assert ports <= set(reaching), workload

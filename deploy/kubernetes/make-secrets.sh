@@ -1,39 +1,72 @@
 #!/usr/bin/env bash
 # A dev CA and one certificate per instance (`sdcp certs`), printed as the Secrets the manifests
-# mount. With your own CA, create the same Secrets from your files instead (docs/deploy.md).
+# mount: one Secret per identity (sdcp-<workload>, holding that identity's certificate and key
+# only), sdcp-ca (the CA's certificate, never its key) and sdcp-gateway-api-key (a new random key,
+# or $SDCP_API_KEY). Each pod mounts sdcp-ca and its own identity's Secret, so no pod holds a key
+# with which it could pose as another instance. With your own CA, create the same Secrets from
+# your files instead (docs/deploy.md).
 #   deploy/kubernetes/make-secrets.sh [CERT_DIR] | kubectl apply -f -
+# Adding an instance later (docs/deploy.md, "Adding instances"): name it, and only its Secret is
+# printed, its certificate signed by the CA already in CERT_DIR; no other certificate changes.
+#   deploy/kubernetes/make-secrets.sh CERT_DIR verifier-2 | kubectl apply -f -
 set -euo pipefail
 dir=${1:-sdcp-certs}
+shift $(($# > 0 ? 1 : 0))
 domain=sdcp.svc.cluster.local
-router=https://router.$domain:8443
-verifiers=(https://verifier-0.verifier.$domain:8443 https://verifier-1.verifier.$domain:8443)
-drafters=(https://drafter-0.drafter.$domain:8443 https://drafter-1.drafter.$domain:8443)
-gateway=https://gateway.$domain:8000
 
-instances=("$router" "${verifiers[@]}" "${drafters[@]}" "$gateway")
-sdcp certs "$dir" $(printf -- '--instance %s ' "${instances[@]}") >&2
-
-# The files of an instance: <host>_<port>.pem and .key (sdcp.transport.certs.instance_name).
-files() {
-  local uri stem
-  for uri in "$@"; do
-    stem=${uri#https://}
-    stem=${stem/:/_}
-    printf -- '--from-file=%s/%s.pem --from-file=%s/%s.key ' "$dir" "$stem" "$dir" "$stem"
-  done
+# An identity's base URI, from its workload's name: the router and the gateway by their Service,
+# verifier-N and drafter-N by their pod's name under the headless Service of their role.
+uri_of() {
+  case $1 in
+    router) echo "https://router.$domain:8443" ;;
+    gateway) echo "https://gateway.$domain:8000" ;;
+    verifier-[0-9]* | drafter-[0-9]*) echo "https://$1.${1%-*}.$domain:8443" ;;
+    *)
+      echo "make-secrets.sh: no identity named $1 (router, gateway, verifier-N, drafter-N)" >&2
+      exit 2
+      ;;
+  esac
 }
 
+if (($# > 0)); then
+  identities=("$@")
+  everything=false
+else
+  identities=(router verifier-0 verifier-1 drafter-0 drafter-1 gateway)
+  everything=true
+fi
+uris=()
+for name in "${identities[@]}"; do
+  uris+=("$(uri_of "$name")")
+done
+# shellcheck disable=SC2046 # one --instance per URI, split on purpose
+sdcp certs "$dir" $(printf -- '--instance %s ' "${uris[@]}") >&2
+
+# A Secret of these files, the keys of its data their base names (kubectl's --from-file).
 secret() {
-  local name=$1
+  local name=$1 file
   shift
-  # shellcheck disable=SC2046
-  kubectl create secret generic "$name" --namespace sdcp --dry-run=client -o yaml $(files "$@")
+  printf 'apiVersion: v1\nkind: Secret\nmetadata:\n  name: %s\n  namespace: sdcp\n' "$name"
+  printf '  labels: {app.kubernetes.io/name: sdcp}\ntype: Opaque\ndata:\n'
+  for file in "$@"; do
+    printf '  %s: %s\n' "${file##*/}" "$(base64 <"$file" | tr -d '\n')"
+  done
   echo ---
 }
 
-kubectl create secret generic sdcp-ca --namespace sdcp --dry-run=client -o yaml --from-file="$dir/ca.pem"
-echo ---
-secret sdcp-router "$router"
-secret sdcp-verifier "${verifiers[@]}"
-secret sdcp-drafter "${drafters[@]}"
-secret sdcp-gateway "$gateway"
+# The files of an instance: <host>_<port>.pem and .key (sdcp.transport.certs.instance_name).
+for index in "${!identities[@]}"; do
+  stem=${uris[$index]#https://}
+  stem=${stem/:/_}
+  secret "sdcp-${identities[$index]}" "$dir/$stem.pem" "$dir/$stem.key"
+done
+
+if $everything; then
+  secret sdcp-ca "$dir/ca.pem"
+  scratch=$(umask 077 && mktemp -d)
+  trap 'rm -rf "$scratch"' EXIT
+  # 32 random bytes in hex, unless the caller chose the key.
+  printf '%s\n' "${SDCP_API_KEY:-$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')}" >"$scratch/api-key"
+  secret sdcp-gateway-api-key "$scratch/api-key"
+  echo "the gateway's API key: kubectl -n sdcp get secret sdcp-gateway-api-key -o jsonpath='{.data.api-key}' | base64 -d" >&2
+fi
