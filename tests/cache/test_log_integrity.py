@@ -77,13 +77,14 @@ async def test_log_replaced_on_disk_is_reread(tmp_path: Path) -> None:
     assert snapshot.records == [] and snapshot.etag == EMPTY_LOG_ETAG
 
 
-async def test_foreign_bytes_in_a_redis_log_raise_corrupt_record(redis_url: str) -> None:
+@pytest.mark.parametrize("part", ["log:c", "log:f"])  # the commit records' list, the fences' list
+async def test_foreign_bytes_in_a_redis_log_raise_corrupt_record(redis_url: str, part: str) -> None:
     prefix = f"test:{uuid.uuid4().hex}:"
     async with MLC.from_config(redis_url=redis_url, redis_prefix=prefix) as mlc:
         log = mlc.commit_log(LOG)
         await log.append({"epoch": 1}, if_match=EMPTY_LOG_ETAG)
         client = aioredis.Redis.from_url(redis_url)
-        await client.rpush(f"{prefix}log:{LOG}", b"\xff\x00")
+        await client.rpush(f"{prefix}{part}:{LOG}", b"\xff\x00")
         await client.aclose()
         with pytest.raises(CorruptRecord):
             await log.read()

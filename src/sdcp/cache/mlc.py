@@ -38,6 +38,7 @@ from sdcp.cache.disk import DiskTier
 from sdcp.cache.errors import InvalidArgument, ObjectNotFound, ObjectTooLarge, UnresolvableRef
 from sdcp.cache.etags import content_etag
 from sdcp.cache.memory import MemoryStore, MemoryTier
+from sdcp.cache.redis_acl import RedisAccess
 from sdcp.cache.tiers import CachedObject, CacheTier, SharedStore
 from sdcp.cache.uri import authority_of
 
@@ -116,6 +117,7 @@ class MLC:
         redis_url: str | None = None,
         redis_bytes: int | None = None,
         redis_prefix: str = "sdcp:mlc:",
+        redis_access: RedisAccess | None = None,
         device_bytes: int = 0,
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
         remote: SharedStore | None = None,
@@ -129,7 +131,8 @@ class MLC:
         cache), else the disk directory, else host memory (visible to this process only). A host
         memory cache of `memory_bytes` sits in front of a Redis or disk store (0 disables it), and
         an accelerator tier of `device_bytes` in front of everything when CUDA is present.
-        `redis_prefix` namespaces the keys, so that several clusters can share one Redis server.
+        `redis_prefix` namespaces the keys, so that several clusters can share one Redis server;
+        `redis_access` names the user, password and TLS files, and the role whose user it is.
         `remote` (a remote MLC node's store, `sdcp.services.mlc_client.RemoteStore`, which the
         services build since it speaks the transport) is the shared store instead; `disk_dir` is
         then a local cache, as with Redis. `routes`, `own_authorities` and `serves_unlisted` say
@@ -150,7 +153,7 @@ class MLC:
         elif redis_url is not None:
             from sdcp.cache.redis import RedisStore
 
-            shared = RedisStore(redis_url, redis_bytes, redis_prefix)
+            shared = RedisStore(redis_url, redis_bytes, redis_prefix, redis_access)
             if memory_bytes > 0:
                 caches.append(MemoryTier(memory_bytes))
             if disk_dir is not None:

@@ -1,15 +1,32 @@
-"""Networked tier on a real `redis-server`: objects, leases and commit logs.
+"""Networked tier on a real `redis-server`: objects, leases and commit logs, keyed per role.
 
-Layout under a key prefix (default `sdcp:mlc:`): `o:<uri>` hash {d: bytes, e: ETag}; `lru` sorted
-set of URIs by last access (ms); `used` total object bytes; `l:<uri>` hash holder -> lease expiry
-(ms, server clock); `log:<uri>` list of CBOR records and `logm:<uri>` hash {n, gen, fence, maxe}.
-Every check-and-write is one Lua script, so it is atomic on the server. The scripts touch keys they
-compute from the prefix, which a single Redis server (the supported deployment) allows.
+Layout under a key prefix P (default `sdcp:mlc:`). Objects live in one namespace per kind (`q-rows`,
+`tokens`, `target-kv`, `history`, and `other` for every other name: `sdcp.cache.redis_acl`), each
+with its own eviction accounting:
+
+- `P<ns>:o:<uri>` hash {d: bytes, e: ETag}; `P<ns>:l:<uri>` hash holder -> lease expiry (ms,
+  server clock); `P<ns>:lru` sorted set of the namespace's URIs by last access (ms); `P<ns>:used`
+  the namespace's object bytes. `capacity_bytes` bounds each namespace: a put evicts only objects
+  of its own namespace, so a drafter's draft rows never push out a verifier's target KV.
+- A commit log is split by writer: `P log:c:<uri>` the commit records (a list) and `P log:cm:<uri>`
+  {n, gen, maxe} are the verifiers'; `P log:f:<uri>` the fence records, each stored as
+  `<commit records before it>:<CBOR>`, and `P log:fm:<uri>` {k, gen, fence, maxe} are the routers'.
+  A read merges the two lists by those positions into the log's one sequence; the ETag is
+  `"<records>-<generations>"`. The append script writes only the verifiers' keys and reads the
+  fence state; the fence script writes only the routers' keys and reads the commit count.
+
+Every check-and-write is one Lua script, atomic on the server. Keys a script writes are declared
+(KEYS), so a caller without write access is refused before the script starts; the other side's keys
+a log script only reads are computed from its arguments, which one Redis server (not Redis Cluster)
+allows. Redis >= 7 checks each command of a script against the caller's ACL user, so with one user
+per role (`sdcp.cache.redis_acl`) the server, not this code, decides who appends, who fences and who
+writes which kind: a refusal is `AccessDenied`.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import secrets
 import time
 from collections.abc import Callable, Coroutine
@@ -18,8 +35,8 @@ from typing import Any, ParamSpec, TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 
 from sdcp.cache.commitlog import (
     EMPTY_LOG_ETAG,
@@ -30,15 +47,21 @@ from sdcp.cache.commitlog import (
     fence_record,
 )
 from sdcp.cache.errors import (
+    AccessDenied,
     CacheFull,
+    CorruptRecord,
     Fenced,
+    InvalidArgument,
+    InvalidURI,
     LeaseNotHeld,
     ObjectNotFound,
     ObjectTooLarge,
     PreconditionFailed,
     StoreUnavailable,
 )
+from sdcp.cache.redis_acl import COMMITS, COMMITS_META, FENCES, FENCES_META, RedisAccess, namespace_of_kind, writes
 from sdcp.cache.tiers import CachedObject
+from sdcp.cache.uri import parse_uri
 
 _NOW_MS = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
 
@@ -52,7 +75,8 @@ local function live_lease(key, now)
 end
 """
 
-# KEYS: object, lru, used. ARGV: uri, data, etag, if_match ('' = none), capacity (-1 = none), prefix.
+# KEYS: object, lru, used (of one namespace). ARGV: uri, data, etag, if_match ('' = none),
+# capacity (-1 = none), namespace prefix (victims are of the same namespace only).
 _PUT = (
     _NOW_MS
     + _LIVE_LEASE
@@ -88,7 +112,8 @@ return 'OK'
 """
 )
 
-# KEYS: object, lru, used, lease. ARGV: uri.
+# KEYS: object, lru, used, lease. ARGV: uri. Its commands are all a router's user may send to the
+# `target-kv` keys it cleans up (sdcp.cache.redis_acl): reads, DEL, DECRBY and ZREM, never a write.
 _DELETE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('DECRBY', KEYS[3], redis.call('HSTRLEN', KEYS[1], 'd'))
@@ -114,11 +139,12 @@ return now + ttl
 """
 )
 
-# KEYS: lease. Returns the holders of live leases.
+# ARGV: lease key (only read, so not declared: readers without write access may ask).
+# Returns the holders of live leases.
 _HOLDERS = (
     _NOW_MS
     + """
-local fields = redis.call('HGETALL', KEYS[1])
+local fields = redis.call('HGETALL', ARGV[1])
 local live = {}
 for i = 1, #fields, 2 do
   if tonumber(fields[i + 1]) > now then live[#live + 1] = fields[i] end
@@ -138,40 +164,78 @@ return 0
 """
 )
 
-# KEYS: records, meta. ARGV: payload, epoch, mode ('append' | 'fence'), if_match, is_fence, new gen.
-# SDCP 6.8: the fence check, the If-Match check and the append are one atomic step.
-_APPEND = """
-local meta = redis.call('HMGET', KEYS[2], 'n', 'gen', 'fence', 'maxe')
-local n = tonumber(meta[1] or '0')
-local gen = meta[2] or ARGV[6]
-local fence = tonumber(meta[3] or '-1')
-local maxe = tonumber(meta[4] or '-1')
-local function etag(count)
+# The state of both halves of a log and its ETag, shared by the append and the fence scripts.
+# c, cm: the commit records' keys; f, fm: the fences' keys.
+_LOG_STATE = """
+local function log_state(cm, fm)
+  local meta = redis.call('HMGET', cm, 'n', 'gen', 'maxe')
+  local fmeta = redis.call('HMGET', fm, 'k', 'gen', 'fence', 'maxe')
+  return {
+    n = tonumber(meta[1] or '0'), cgen = meta[2] or '', cmaxe = tonumber(meta[3] or '-1'),
+    k = tonumber(fmeta[1] or '0'), fgen = fmeta[2] or '', fence = tonumber(fmeta[3] or '-1'),
+    fmaxe = tonumber(fmeta[4] or '-1')
+  }
+end
+local function etag(s)
+  local count = s.n + s.k
   if count == 0 then return '"0"' end
-  return '"' .. count .. '-' .. gen .. '"'
+  return '"' .. count .. '-' .. s.cgen .. s.fgen .. '"'
 end
-local epoch = tonumber(ARGV[2])
-if ARGV[3] == 'fence' then
-  if epoch < maxe then return {'FENCED', tostring(maxe)} end
-  if epoch == fence then return {'OK', etag(n)} end
-else
-  if epoch < fence then return {'FENCED', tostring(fence)} end
-  if ARGV[4] ~= etag(n) then return {'PRECONDITION', etag(n)} end
-end
-redis.call('RPUSH', KEYS[1], ARGV[1])
-n = n + 1
-if ARGV[5] == '1' and epoch > fence then fence = epoch end
-if epoch > maxe then maxe = epoch end
-redis.call('HSET', KEYS[2], 'n', n, 'gen', gen, 'fence', fence, 'maxe', maxe)
-return {'OK', etag(n)}
 """
 
+# The verifiers' append. KEYS: commits, commits meta (written). ARGV: payload, epoch, if_match,
+# is_fence, new generation, fences, fences meta (the fences' keys are only read, except by a
+# fence-shaped record, which is a fence and is stored with them: a user that may not fence is
+# refused at its first write, before anything changed).
+# SDCP 6.8: the fence check, the If-Match check and the append are one atomic step.
+_APPEND = (
+    _LOG_STATE
+    + """
+local s = log_state(KEYS[2], ARGV[7])
+local epoch = tonumber(ARGV[2])
+if epoch < s.fence then return {'FENCED', tostring(s.fence)} end
+if ARGV[3] ~= etag(s) then return {'PRECONDITION', etag(s)} end
+if ARGV[4] == '1' then
+  if s.fgen == '' then s.fgen = ARGV[5] end
+  redis.call('RPUSH', ARGV[6], s.n .. ':' .. ARGV[1])
+  s.k = s.k + 1
+  local fence, maxe = math.max(s.fence, epoch), math.max(s.fmaxe, epoch)
+  redis.call('HSET', ARGV[7], 'k', s.k, 'gen', s.fgen, 'fence', fence, 'maxe', maxe)
+else
+  if s.cgen == '' then s.cgen = ARGV[5] end
+  redis.call('RPUSH', KEYS[1], ARGV[1])
+  s.n = s.n + 1
+  redis.call('HSET', KEYS[2], 'n', s.n, 'gen', s.cgen, 'maxe', math.max(s.cmaxe, epoch))
+end
+return {'OK', etag(s)}
+"""
+)
 
-def _etag_of(count: int, gen: bytes | str | None) -> str:
-    if count == 0:
-        return EMPTY_LOG_ETAG
-    text = gen.decode() if isinstance(gen, bytes) else gen
-    return f'"{count}-{text}"'
+# The routers' fence. KEYS: fences, fences meta (written). ARGV: payload, epoch, new generation,
+# commits meta (only read).
+_FENCE = (
+    _LOG_STATE
+    + """
+local s = log_state(ARGV[4], KEYS[2])
+local epoch = tonumber(ARGV[2])
+local maxe = math.max(s.cmaxe, s.fmaxe)
+if epoch < maxe then return {'FENCED', tostring(maxe)} end
+if epoch == s.fence then return {'OK', etag(s)} end
+if s.fgen == '' then s.fgen = ARGV[3] end
+redis.call('RPUSH', KEYS[1], s.n .. ':' .. ARGV[1])
+s.k = s.k + 1
+redis.call('HSET', KEYS[2], 'k', s.k, 'gen', s.fgen, 'fence', epoch, 'maxe', epoch)
+return {'OK', etag(s)}
+"""
+)
+
+
+def _etag_of(count: int, gen: str) -> str:
+    return EMPTY_LOG_ETAG if count == 0 else f'"{count}-{gen}"'
+
+
+def _text(value: bytes | str | None) -> str:
+    return "" if value is None else value.decode() if isinstance(value, bytes) else value
 
 
 _P = ParamSpec("_P")
@@ -180,6 +244,8 @@ _R = TypeVar("_R")
 # repeated, twice at most within a quarter second. A timeout is not repeated (Redis is there but
 # slow or stopped). Past that, or with Redis down, StoreUnavailable.
 _RETRY = Retry(ExponentialBackoff(cap=0.2, base=0.05), 2, supported_errors=(RedisConnectionError,))
+# How Redis words a refusal by the caller's ACL user inside a script (outside one: NoPermissionError).
+_SCRIPT_REFUSALS = ("NOPERM", "The user executing the script can't")
 
 
 def _unavailable_on_redis_errors(
@@ -189,42 +255,100 @@ def _unavailable_on_redis_errors(
     async def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return await method(*args, **kwargs)
+        except (NoPermissionError, AuthenticationError) as exc:
+            raise AccessDenied(f"redis refused this user: {exc}") from exc
+        except ResponseError as exc:
+            if any(refusal in str(exc) for refusal in _SCRIPT_REFUSALS):
+                raise AccessDenied(f"redis refused this user: {exc}") from exc
+            raise StoreUnavailable(f"redis: {exc}") from exc
         except RedisError as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
 
     return call
 
 
-class RedisStore:
-    """Shared store on Redis; `capacity_bytes=None` leaves the bound to the server's own maxmemory."""
+def connect(url: str, access: RedisAccess | None = None) -> aioredis.Redis:
+    """A client for `url` with the user, password and TLS files of `access` (the URL's own
+    credentials are used where `access` names none)."""
+    access = access or RedisAccess()
+    options: dict[str, Any] = {}
+    if access.username is not None:
+        options["username"] = access.username
+    if access.password is not None:
+        options["password"] = access.password
+    if access.ca is not None:
+        options["ssl_ca_certs"] = access.ca
+    if access.cert is not None:
+        options["ssl_certfile"] = access.cert
+    if access.key is not None:
+        options["ssl_keyfile"] = access.key
+    if options.keys() & {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile"} and not url.startswith("rediss://"):
+        raise InvalidArgument("Redis TLS files need a rediss:// URL")
+    # No CLIENT SETINFO on connecting: the roles' users may not send it (sdcp.cache.redis_acl),
+    # and a refusal would fill the server's ACL LOG. redis-py < 7 names the switch differently.
+    if "driver_info" in inspect.signature(aioredis.Redis.__init__).parameters:
+        options.update(driver_info=None)
+    else:
+        options.update(lib_name=None, lib_version=None)
+    return aioredis.Redis.from_url(url, decode_responses=False, retry=_RETRY, **options)
 
-    def __init__(self, url: str, capacity_bytes: int | None = None, prefix: str = "sdcp:mlc:") -> None:
+
+class RedisStore:
+    """Shared store on Redis; `capacity_bytes=None` leaves the bound to the server's own maxmemory,
+    otherwise it bounds each namespace's objects (see the module doc)."""
+
+    def __init__(
+        self,
+        url: str,
+        capacity_bytes: int | None = None,
+        prefix: str = "sdcp:mlc:",
+        access: RedisAccess | None = None,
+    ) -> None:
         self.name = "redis"
-        self.url = url
         self.capacity_bytes = capacity_bytes
         self.prefix = prefix
-        self.client: aioredis.Redis = aioredis.Redis.from_url(url, decode_responses=False, retry=_RETRY)
+        # Only the namespaces its user may write get their recency refreshed by this store's reads.
+        self.role = access.role if access is not None else None
+        self.client: aioredis.Redis = connect(url, access)
         self._put = self.client.register_script(_PUT)
         self._delete = self.client.register_script(_DELETE)
         self._lease = self.client.register_script(_LEASE)
         self._release = self.client.register_script(_RELEASE)
         self._holders = self.client.register_script(_HOLDERS)
         self.append_script = self.client.register_script(_APPEND)
+        self.fence_script = self.client.register_script(_FENCE)
 
-    def _key(self, kind: str, uri: str) -> str:
-        return f"{self.prefix}{kind}:{uri}"
+    @staticmethod
+    def namespace(uri: str) -> str:
+        """The namespace of an object: its kind's, or `other` for a name outside our grammar."""
+        try:
+            kind: str | None = parse_uri(uri).kind
+        except InvalidURI:
+            kind = None
+        return namespace_of_kind(kind)
+
+    def _object_keys(self, uri: str) -> tuple[str, str, str, str]:
+        """The object, lease, lru and used keys of `uri`'s namespace."""
+        space = f"{self.prefix}{self.namespace(uri)}:"
+        return f"{space}o:{uri}", f"{space}l:{uri}", f"{space}lru", f"{space}used"
+
+    def log_key(self, part: str, uri: str) -> str:
+        """A commit log's key: `part` is `log:c`, `log:cm`, `log:f` or `log:fm` (module doc)."""
+        return f"{self.prefix}{part}:{uri}"
 
     @_unavailable_on_redis_errors
     async def head(self, uri: str) -> str | None:
-        etag: bytes | str | None = await self.client.hget(self._key("o", uri), "e")
+        etag: bytes | str | None = await self.client.hget(self._object_keys(uri)[0], "e")
         return etag.decode() if isinstance(etag, bytes) else etag
 
     @_unavailable_on_redis_errors
     async def fetch(self, uri: str) -> CachedObject | None:
+        key, _, lru, _ = self._object_keys(uri)
         async with self.client.pipeline(transaction=False) as pipe:
-            pipe.hmget(self._key("o", uri), "d", "e")
-            pipe.zadd(self.prefix + "lru", {uri: time.time() * 1000}, xx=True)
-            (data, etag), _ = await pipe.execute()
+            pipe.hmget(key, "d", "e")
+            if writes(self.role, self.namespace(uri)):
+                pipe.zadd(lru, {uri: time.time() * 1000}, xx=True)
+            (data, etag), *_ = await pipe.execute()
         if data is None or etag is None:
             return None
         return CachedObject(uri, data, etag.decode())
@@ -233,10 +357,11 @@ class RedisStore:
     async def store(self, obj: CachedObject, if_match: str | None) -> None:
         if self.capacity_bytes is not None and len(obj.data) > self.capacity_bytes:
             raise ObjectTooLarge(f"{len(obj.data)} bytes exceed the redis capacity {self.capacity_bytes}")
-        keys = [self._key("o", obj.uri), self.prefix + "lru", self.prefix + "used"]
+        key, _, lru, used = self._object_keys(obj.uri)
         capacity = -1 if self.capacity_bytes is None else self.capacity_bytes
-        args: list[str | bytes | int] = [obj.uri, obj.data, obj.etag, if_match or "", capacity, self.prefix]
-        outcome = await self._put(keys=keys, args=args)
+        space = f"{self.prefix}{self.namespace(obj.uri)}:"
+        args: list[str | bytes | int] = [obj.uri, obj.data, obj.etag, if_match or "", capacity, space]
+        outcome = await self._put(keys=[key, lru, used], args=args)
         if outcome == b"PRECONDITION":
             raise PreconditionFailed(f"{obj.uri}: If-Match {if_match} is not the current ETag")
         if outcome == b"FULL":
@@ -244,30 +369,32 @@ class RedisStore:
 
     @_unavailable_on_redis_errors
     async def remove(self, uri: str) -> bool:
-        keys = [self._key("o", uri), self.prefix + "lru", self.prefix + "used", self._key("l", uri)]
-        return bool(await self._delete(keys=keys, args=[uri]))
+        key, lease, lru, used = self._object_keys(uri)
+        return bool(await self._delete(keys=[key, lru, used, lease], args=[uri]))
 
     @_unavailable_on_redis_errors
     async def lease(self, uri: str, holder: str, ttl_s: float) -> float:
-        expires = await self._lease(keys=[self._key("o", uri), self._key("l", uri)], args=[holder, _ms(ttl_s), "take"])
+        key, lease, _, _ = self._object_keys(uri)
+        expires = await self._lease(keys=[key, lease], args=[holder, _ms(ttl_s), "take"])
         if expires < 0:
             raise ObjectNotFound(uri)
         return int(expires) / 1000
 
     @_unavailable_on_redis_errors
     async def renew(self, uri: str, holder: str, ttl_s: float) -> float:
-        expires = await self._lease(keys=[self._key("o", uri), self._key("l", uri)], args=[holder, _ms(ttl_s), "renew"])
+        key, lease, _, _ = self._object_keys(uri)
+        expires = await self._lease(keys=[key, lease], args=[holder, _ms(ttl_s), "renew"])
         if expires < 0:
             raise LeaseNotHeld(f"{holder} holds no lease on {uri}")
         return int(expires) / 1000
 
     @_unavailable_on_redis_errors
     async def release(self, uri: str, holder: str) -> bool:
-        return bool(await self._release(keys=[self._key("l", uri)], args=[holder]))
+        return bool(await self._release(keys=[self._object_keys(uri)[1]], args=[holder]))
 
     @_unavailable_on_redis_errors
     async def lease_holders(self, uri: str) -> frozenset[str]:
-        holders = await self._holders(keys=[self._key("l", uri)])
+        holders = await self._holders(keys=[], args=[self._object_keys(uri)[1]])
         return frozenset(holder.decode() if isinstance(holder, bytes) else str(holder) for holder in holders)
 
     def commit_log(self, uri: str) -> CommitLog:
@@ -282,38 +409,67 @@ def _ms(seconds: float) -> int:
 
 
 class RedisCommitLog(CommitLog):
-    """Commit log as a Redis list; ETag `"<count>-<generation>"`, the generation random per log."""
+    """Commit log as two Redis lists, the verifiers' commit records and the routers' fences (module
+    doc); ETag `"<count>-<generations>"`, the generations random per log."""
 
     def __init__(self, uri: str, store: RedisStore) -> None:
         super().__init__(uri)
         self._store = store
-        self._records_key = store._key("log", uri)
-        self._meta_key = store._key("logm", uri)
+        self._commits = store.log_key(COMMITS, uri)
+        self._commits_meta = store.log_key(COMMITS_META, uri)
+        self._fences = store.log_key(FENCES, uri)
+        self._fences_meta = store.log_key(FENCES_META, uri)
 
     @_unavailable_on_redis_errors
     async def read(self) -> LogSnapshot:
         async with self._store.client.pipeline(transaction=True) as pipe:
-            pipe.lrange(self._records_key, 0, -1)
-            pipe.hmget(self._meta_key, "n", "gen")
-            payloads, (count, gen) = await pipe.execute()
+            pipe.lrange(self._commits, 0, -1)
+            pipe.hmget(self._commits_meta, "n", "gen")
+            pipe.lrange(self._fences, 0, -1)
+            pipe.hmget(self._fences_meta, "k", "gen")
+            commits, (count, cgen), fences, (fence_count, fgen) = await pipe.execute()
+        payloads = list(commits)
+        # Each fence goes before the commit record that followed it: its position is the number of
+        # commit records there were when it was appended. Inserting from the last keeps positions.
+        placed: list[tuple[int, bytes]] = []
+        for index, entry in enumerate(fences):
+            where, sep, payload = bytes(entry).partition(b":")
+            if not sep or not where.isdigit() or int(where) > len(commits):
+                raise CorruptRecord(f"{self.uri} fence {index}: not <position>:<record>")
+            placed.append((int(where), payload))
+        for position, payload in reversed(placed):
+            payloads.insert(position, payload)
         records = [decode_record(payload, f"{self.uri} record {index}") for index, payload in enumerate(payloads)]
-        return LogSnapshot(records, _etag_of(int(count or 0), gen))
+        total = int(count or 0) + int(fence_count or 0)
+        return LogSnapshot(records, _etag_of(total, _text(cgen) + _text(fgen)))
 
     @_unavailable_on_redis_errors
     async def append(self, record: dict[str, Any], if_match: str) -> str:
         payload, epoch, fence_shaped = encode_record(record)
-        return await self._run(payload, epoch, "append", if_match, fence_shaped)
+        outcome, detail = await self._store.append_script(
+            keys=[self._commits, self._commits_meta],
+            args=[
+                payload,
+                epoch,
+                if_match,
+                "1" if fence_shaped else "0",
+                secrets.token_hex(8),
+                self._fences,
+                self._fences_meta,
+            ],
+        )
+        return self._outcome(outcome, detail, epoch, if_match)
 
     @_unavailable_on_redis_errors
     async def fence(self, epoch: int, verifier: str | None = None) -> str:
         payload, _, _ = encode_record(fence_record(epoch, verifier))
-        return await self._run(payload, epoch, "fence", "", True)
-
-    async def _run(self, payload: bytes, epoch: int, mode: str, if_match: str, fence_shaped: bool) -> str:
-        outcome, detail = await self._store.append_script(
-            keys=[self._records_key, self._meta_key],
-            args=[payload, epoch, mode, if_match, "1" if fence_shaped else "0", secrets.token_hex(8)],
+        outcome, detail = await self._store.fence_script(
+            keys=[self._fences, self._fences_meta],
+            args=[payload, epoch, secrets.token_hex(8), self._commits_meta],
         )
+        return self._outcome(outcome, detail, epoch, "")
+
+    def _outcome(self, outcome: bytes, detail: bytes, epoch: int, if_match: str) -> str:
         text = str(detail.decode())
         if outcome == b"FENCED":
             raise Fenced(f"{self.uri}: log carries epoch {text}; record has epoch {epoch}")

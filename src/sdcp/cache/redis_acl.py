@@ -1,0 +1,178 @@
+"""Who may touch which Redis keys: one Redis ACL user per role, enforced by the server.
+
+The Redis store (`sdcp.cache.redis`) keeps each object kind in a namespace of its own and splits a
+commit log into the verifiers' keys (commit records) and the routers' keys (fences), so that key
+patterns alone say what a role's credentials reach (docs/cache.md "Redis layout", docs/security.md
+"Store credentials per role"). Redis >= 7.0 checks every command, also each one a Lua script runs,
+against the calling user's commands and key patterns (`%R~` read-only, `~` read-write) and refuses
+the rest with NOPERM, whatever the client's code says.
+
+- router: writes `tokens` and the logs' fences; reads the logs' commit records and `target-kv`
+  objects, and deletes `target-kv` objects (a selector: DEL and the delete script, no write);
+- verifier: writes `target-kv`, `history` and the logs' commit records; reads `q-rows`, `tokens`,
+  `other` and the logs' fences;
+- drafter: writes `q-rows`; reads `tokens`, `history` and `other`; no commit log at all;
+- mlc: every key under the prefix (an MLC node, which checks its callers itself);
+- admin: every key and command (for `sdcp redis-acl --url` and operators).
+
+The default user is switched off in the ACL file this module writes; a server whose default user
+stays open (no `requirepass`) gives every client the admin's rights, whatever the roles' users say.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sdcp.cache.uri import HISTORY_KIND, Q_ROWS_KIND, TARGET_KV_KIND, TOKENS_KIND
+
+if TYPE_CHECKING:
+    import redis
+
+__all__ = [
+    "ADMIN",
+    "ROLES",
+    "ROLE_USERS",
+    "RedisAccess",
+    "acl_file_text",
+    "acl_rules",
+    "create_users",
+    "ensure_passwords",
+    "namespace_of_kind",
+    "writes",
+]
+
+# Namespaces of objects: one per kind this implementation names its objects with, and `other` for
+# every other name (another implementation's URIs, kinds we do not create). Commit logs are not
+# objects: their keys are `log:c:`, `log:cm:` (the verifiers') and `log:f:`, `log:fm:` (the routers').
+Q_ROWS = Q_ROWS_KIND
+TOKENS = TOKENS_KIND
+TARGET_KV = TARGET_KV_KIND
+HISTORY = HISTORY_KIND
+OTHER = "other"
+NAMESPACES = (Q_ROWS, TOKENS, TARGET_KV, HISTORY, OTHER)
+COMMITS, COMMITS_META, FENCES, FENCES_META = "log:c", "log:cm", "log:f", "log:fm"
+
+ROLES = ("router", "verifier", "drafter", "mlc")
+ADMIN = "admin"
+ROLE_USERS = {role: f"sdcp-{role}" for role in (*ROLES, ADMIN)}
+
+# Every command the store sends (the scripts' own included: Redis checks each against the user).
+_COMMANDS = (
+    "ping", "evalsha", "eval", "script|load", "multi", "exec", "discard", "time",
+    "exists", "del", "get", "set", "decrby", "hget", "hmget", "hgetall", "hstrlen", "hset", "hdel",
+    "zadd", "zrange", "zrem", "pttl", "pexpire", "rpush", "lrange", "llen",
+)  # fmt: skip
+# What the router may do to another role's object it must clean up: the delete script's commands.
+_DELETE_COMMANDS = ("evalsha", "eval", "script|load", "exists", "hstrlen", "decrby", "del", "zrem")
+
+_WRITES: dict[str, frozenset[str]] = {
+    "router": frozenset({TOKENS, FENCES, FENCES_META}),
+    "verifier": frozenset({TARGET_KV, HISTORY, COMMITS, COMMITS_META}),
+    "drafter": frozenset({Q_ROWS}),
+}
+_READS: dict[str, frozenset[str]] = {
+    "router": frozenset({TARGET_KV, COMMITS, COMMITS_META}),
+    "verifier": frozenset({Q_ROWS, TOKENS, OTHER, FENCES, FENCES_META}),
+    "drafter": frozenset({TOKENS, HISTORY, OTHER}),
+}
+# Namespaces whose objects a role deletes but never writes (a Redis selector grants DEL, not HSET).
+_DELETES: dict[str, frozenset[str]] = {"router": frozenset({TARGET_KV})}
+
+
+@dataclass(frozen=True, slots=True)
+class RedisAccess:
+    """How a process reaches Redis besides the URL: its user and password (AUTH; the URL may carry
+    them instead), TLS files for a `rediss://` URL, and the role whose user it is, which says the
+    namespaces whose recency its reads may refresh (None: a user that may write every key)."""
+
+    role: str | None = None
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+_KIND_NAMESPACES = {Q_ROWS_KIND: Q_ROWS, TOKENS_KIND: TOKENS, TARGET_KV_KIND: TARGET_KV, HISTORY_KIND: HISTORY}
+
+
+def namespace_of_kind(kind: str | None) -> str:
+    """The namespace of an object of `kind` (None: a name outside our grammar)."""
+    return _KIND_NAMESPACES.get(kind or "", OTHER)
+
+
+def writes(role: str | None, namespace: str) -> bool:
+    """Whether `role`'s user may write the namespace; None (no role: one user for all) may."""
+    if role is None or role not in _WRITES:
+        return True
+    return namespace in _WRITES[role]
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def _pattern(prefix: str, namespace: str) -> str:
+    return f"{_glob_escape(prefix)}{namespace}:*"
+
+
+def acl_rules(role: str, prefix: str) -> list[str]:
+    """The ACL rules of `role`'s user for the keys under `prefix` (without user name or password)."""
+    base = ["resetkeys", "resetchannels", "-@all"]
+    if role == ADMIN:
+        return [*base, "~*", "&*", "+@all"]
+    commands = [f"+{command}" for command in _COMMANDS]
+    if role == "mlc":
+        return [*base, *commands, f"~{_glob_escape(prefix)}*"]
+    if role not in _WRITES:
+        raise ValueError(f"no Redis user for role {role!r}; roles are {', '.join((*ROLES, ADMIN))}")
+    keys = [f"~{_pattern(prefix, name)}" for name in sorted(_WRITES[role])]
+    keys += [f"%R~{_pattern(prefix, name)}" for name in sorted(_READS[role])]
+    selectors = [
+        "(" + " ".join([f"~{_pattern(prefix, name)}", *(f"+{c}" for c in _DELETE_COMMANDS)]) + ")"
+        for name in sorted(_DELETES.get(role, ()))
+    ]
+    return [*base, *commands, *keys, *selectors]
+
+
+def ensure_passwords(directory: Path, roles: Iterable[str] = (*ROLES, ADMIN)) -> dict[str, str]:
+    """Each role's password from `<directory>/<role>.password`, created (random, mode 0600) where
+    missing, so that running `sdcp redis-acl` again keeps the instances' credentials valid."""
+    directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    passwords = {}
+    for role in roles:
+        path = directory / f"{role}.password"
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="ascii") as handle:
+                handle.write(secrets.token_urlsafe(32) + "\n")
+        passwords[role] = path.read_text(encoding="ascii").strip()
+    return passwords
+
+
+def acl_file_text(passwords: Mapping[str, str], prefix: str, users: Mapping[str, str] = ROLE_USERS) -> str:
+    """An ACL file (`redis-server --aclfile`) with one user per role given, named by `users`; the
+    default user off. Passwords are stored as their SHA-256 (`#<hex>`), never in clear."""
+    lines = ["user default off resetkeys -@all"]
+    for role, password in passwords.items():
+        digest = hashlib.sha256(password.encode()).hexdigest()
+        lines.append(" ".join(["user", users[role], "on", f"#{digest}", *acl_rules(role, prefix)]))
+    return "\n".join(lines) + "\n"
+
+
+def create_users(
+    client: redis.Redis, passwords: Mapping[str, str], prefix: str, users: Mapping[str, str] = ROLE_USERS
+) -> None:
+    """Create or reset each role's user on a running server with `ACL SETUSER`; `client` is a
+    `redis.Redis` whose user may administer ACLs. The default user is left as it is."""
+    for role, password in passwords.items():
+        rules = acl_rules(role, prefix)
+        client.execute_command("ACL", "SETUSER", users[role], "reset", "on", f">{password}", *rules)  # type: ignore[no-untyped-call]
