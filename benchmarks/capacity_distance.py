@@ -15,15 +15,16 @@ N sessions at once (``--sessions``) are run in two modes, each through ``sdcp.cl
   permits self-decoding for the whole of max_new and names, in ``drafters``, no model any drafter
   runs, so the router's only choice is the verifier alone).
 
-distance: SDCP's engines in this process (``VerifierEngine`` and ``DrafterEngine`` with the n-gram
-drafter, what ``sdcp up`` starts by default, or ``--drafter suffix``), joined by
+distance: SDCP's engines in this process (``RouterEngine``, ``VerifierEngine`` and ``DrafterEngine``
+with the n-gram drafter, what ``sdcp up`` starts by default, or ``--drafter suffix``), joined by
 ``sdcp.bench.inprocess.InMemoryVerifierLink`` wrapped so that each proposal and output read sleeps
 rtt/2 before and after the call: a simulated round trip. Chosen over the fault tests' delay relay
 (tests/faults: iptables REDIRECT in network namespaces) because it needs no root and costs no CPU
 (a relay on a 2-core machine takes cycles from the verifier it delays), and the kernel here has no
 netem. What it leaves out: HTTP/2, TLS, the processes and the router's choice between drafters and
-self-decoding (a session is always assigned the drafter; the default contract's fallback ladder
-still self-decodes where drafts keep failing, as in ``sdcp_inprocess``). Per added round trip
+self-decoding (the router engine is not told how fast the verifier decodes alone, so a session is
+always assigned the drafter; the default contract's fallback ladder still self-decodes where drafts
+keep failing, as in ``sdcp_inprocess``). Per added round trip
 (``--rtt-ms``) and pre-drafting on and off (``[drafter] predraft``), on the same prompts, alternating
 with the verifier's target-only decoding (``TargetOnlySDCPSystem`` on the verifier's model thread):
 tokens/s, speedup over target-only, share of tokens drafted, the pre-draft hit rate (the drafter's
@@ -53,7 +54,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ from typing import Any
 from prometheus_client import REGISTRY
 
 from sdcp.bench.cluster import ClusterSystem
-from sdcp.bench.inprocess import InMemoryVerifierLink, InProcessSDCPSystem
+from sdcp.bench.inprocess import InMemoryRouterLink, InMemoryVerifierLink, InProcessSDCPSystem
 from sdcp.bench.systems import RunResult, TargetOnlySDCPSystem
 from sdcp.bench.workloads import Prompt, load_history_workloads, tokenize_prompt
 from sdcp.client import build_contract
@@ -70,9 +71,20 @@ from sdcp.config import DrafterConfig
 from sdcp.models.backend import LLAMACPP_KV_SLOTS, Target
 from sdcp.models.choice import choose_backend
 from sdcp.models.registry import end_of_text_tokens, load_drafter, load_target, load_tokenizer
-from sdcp.protocol.messages import Action, Contract, Output, Proposal, Verdict
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    CancelRequest,
+    Contract,
+    Output,
+    Policy,
+    Proposal,
+    SelfDecodeRequest,
+    SessionOpen,
+    SessionState,
+    Verdict,
+)
 from sdcp.protocol.problems import ProtocolError
-from sdcp.protocol.router import RouterSession
 from sdcp.threads import CoreGovernor, usable_cores
 
 WORKLOADS = ("json_extraction", "sql", "code_edit")
@@ -338,9 +350,38 @@ class DistantLink:
         return output
 
 
+class ForgettingRouterLink:
+    """The router's link to the engines; each assignment tells the ``DistantLink`` that the
+    session's next proposal follows no verdict."""
+
+    def __init__(self, inner: InMemoryRouterLink, distant: Callable[[], DistantLink]) -> None:
+        self._inner = inner
+        self._distant = distant
+
+    async def open_session(self, verifier: str, message: SessionOpen, *, timeout: float) -> SessionState:
+        return await self._inner.open_session(verifier, message, timeout=timeout)
+
+    async def inform_verifier(self, verifier: str, assignment: Assignment) -> SessionState:
+        return await self._inner.inform_verifier(verifier, assignment)
+
+    async def assign(self, drafter: str, assignment: Assignment) -> None:
+        self._distant().forget(assignment.session)
+        await self._inner.assign(drafter, assignment)
+
+    async def policy(self, verifier: str, policy: Policy) -> SessionState:
+        return await self._inner.policy(verifier, policy)
+
+    async def self_decode(self, verifier: str, request: SelfDecodeRequest) -> SessionState:
+        return await self._inner.self_decode(verifier, request)
+
+    async def cancel(self, verifier: str, request: CancelRequest) -> SessionState:
+        return await self._inner.cancel(verifier, request)
+
+
 class DistanceSystem(InProcessSDCPSystem):
     """A verifier engine and one drafter engine ``rtt_s`` apart; ``generate`` decodes one session,
-    read from the verifier directly (the client sits beside the verifier)."""
+    read from the verifier directly (the client sits beside the verifier). The router engine always
+    assigns the drafter (it is not offered the verifier alone)."""
 
     def __init__(self, target: Target, drafter: str, rtt_s: float, predraft: bool, tag: str) -> None:
         links: list[DistantLink] = []
@@ -355,16 +396,14 @@ class DistanceSystem(InProcessSDCPSystem):
             drafter=load_drafter(drafter, vocab_size=target.vocab_size),
             drafter_settings=DrafterConfig(model=drafter, predraft=predraft),
             link=distant,
+            router_link=lambda inner: ForgettingRouterLink(inner, lambda: links[0]),
+            self_decoding=False,
             # As the verifier service: the model's threads sized to the cores others leave free.
             cores=CoreGovernor(usable_cores(), set_threads=target.set_threads),
             authority="distance",
             uris=(f"https://verifier-{tag}.distance", f"https://drafter-{tag}.distance"),
         )
         self.link = links[0]
-
-    async def _assign(self, plan: RouterSession) -> None:
-        self.link.forget(plan.session)
-        await super()._assign(plan)
 
     def predrafts(self) -> tuple[int, int]:
         """The drafter's pre-drafted rounds: used, discarded."""

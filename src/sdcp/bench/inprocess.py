@@ -1,34 +1,53 @@
-"""System 3: SDCP's engines in one process, joined by an in-memory link instead of HTTP/2 + mTLS.
+"""System 3: SDCP's engines in one process, joined by in-memory links instead of HTTP/2 + mTLS.
 
-The verifier and drafter engines are the ones the services run (``sdcp.engines``), with their model
-threads, batching, host-memory MLC and commit log; messages still travel as deterministic CBOR, so
-that the gap to the end-to-end system is what HTTP/2, TLS, the processes and the router cost. The
-router's part is the least a session needs: open it, assign the n-gram drafter, assign it again
-when the verifier's event asks for one (SDCP 6.5.2).
+The router, verifier and drafter engines are the ones the services run (``sdcp.engines``), with
+their model threads, batching, host-memory MLC and commit log; messages still travel as
+deterministic CBOR, so that the gap to the end-to-end system is what HTTP/2, TLS and the processes
+cost. The router engine opens each session, chooses who drafts for it (the drafter, or the verifier
+alone where the cost model expects that to be faster) and assigns again when the verifier's event
+asks (SDCP 6.5.2), from the status reports both engines send it every third of their TTL.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from sdcp.bench.systems import RunResult, result_from_stats
-from sdcp.cache import MLC, build_uri
+from sdcp.cache import MLC
 from sdcp.client import build_contract
 from sdcp.config import DrafterConfig, RouterConfig, VerifierConfig
 from sdcp.engines.drafter import DrafterEngine
-from sdcp.engines.ports import VerifierLink
+from sdcp.engines.ports import RouterLink, VerifierLink
+from sdcp.engines.router import RouterEngine
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.models.backend import Target
 from sdcp.models.draft import Drafter, NgramDrafter
-from sdcp.protocol.messages import Action, Contract, Event, Output, Proposal, Verdict
-from sdcp.protocol.router import RouterSession
+from sdcp.protocol.messages import (
+    Assignment,
+    CancelRequest,
+    Contract,
+    Event,
+    Output,
+    Policy,
+    Proposal,
+    SelfDecodeRequest,
+    SessionOpen,
+    SessionRequest,
+    SessionState,
+    Verdict,
+)
 from sdcp.threads import CoreGovernor
 
-__all__ = ["InMemoryVerifierLink", "InProcessSDCPSystem"]
+__all__ = ["InMemoryRouterLink", "InMemoryVerifierLink", "InProcessSDCPSystem"]
 
+ROUTER_URI = "https://router.inprocess"
 VERIFIER_URI = "https://verifier.inprocess"
 DRAFTER_URI = "https://drafter-ngram.inprocess"
+# The front end that opens the benchmark's sessions, as the router knows it.
+FRONT_END = "https://bench.inprocess"
 _TTL_MS = 3000
 
 
@@ -50,13 +69,47 @@ class InMemoryVerifierLink:
         return Output.from_cbor(output.to_cbor())
 
 
+class InMemoryRouterLink:
+    """A ``RouterLink`` that calls the verifier and drafter engines directly, each message encoded
+    and decoded as on the wire."""
+
+    def __init__(self, verifier: VerifierEngine, drafters: Mapping[str, DrafterEngine]) -> None:
+        self._verifier = verifier
+        self._drafters = drafters
+
+    async def open_session(self, verifier: str, message: SessionOpen, *, timeout: float) -> SessionState:
+        return _state(await self._verifier.open_session(SessionOpen.from_cbor(message.to_cbor())))
+
+    async def inform_verifier(self, verifier: str, assignment: Assignment) -> SessionState:
+        return _state(await self._verifier.assign(Assignment.from_cbor(assignment.to_cbor())))
+
+    async def assign(self, drafter: str, assignment: Assignment) -> None:
+        await self._drafters[drafter].assign(Assignment.from_cbor(assignment.to_cbor()))
+
+    async def policy(self, verifier: str, policy: Policy) -> SessionState:
+        return _state(await self._verifier.apply_policy(Policy.from_cbor(policy.to_cbor())))
+
+    async def self_decode(self, verifier: str, request: SelfDecodeRequest) -> SessionState:
+        return _state(await self._verifier.self_decode(SelfDecodeRequest.from_cbor(request.to_cbor())))
+
+    async def cancel(self, verifier: str, request: CancelRequest) -> SessionState:
+        return _state(await self._verifier.cancel(CancelRequest.from_cbor(request.to_cbor())))
+
+
+def _state(state: SessionState) -> SessionState:
+    return SessionState.from_cbor(state.to_cbor())
+
+
 class InProcessSDCPSystem:
-    """The verifier and a drafter engine in this process; ``generate`` decodes one session.
+    """The router, the verifier and a drafter engine in this process; ``generate`` decodes one
+    session, opened through the router engine.
 
     By default the n-gram drafter, joined to the verifier by an `InMemoryVerifierLink`; ``drafter``,
-    ``drafter_settings``, ``link`` (wraps that link, e.g. to delay it), ``cores`` (the verifier's
-    core governor), ``authority`` and ``uris`` (the verifier's and the drafter's) let a benchmark
-    vary them."""
+    ``drafter_settings``, ``link`` (wraps that link, e.g. to delay it), ``router_link`` (wraps the
+    router's `InMemoryRouterLink`), ``cores`` (the verifier's core governor), ``authority`` and
+    ``uris`` (the verifier's and the drafter's) let a benchmark vary them; with
+    ``self_decoding=False`` the router is not told how fast the verifier decodes alone, so that it
+    always chooses the drafter (the verifier's own ladder may still self-decode, SDCP 6.5.2)."""
 
     name = "sdcp_inprocess"
 
@@ -68,6 +121,8 @@ class InProcessSDCPSystem:
         drafter: Drafter | None = None,
         drafter_settings: DrafterConfig | None = None,
         link: Callable[[InMemoryVerifierLink], VerifierLink] | None = None,
+        router_link: Callable[[InMemoryRouterLink], RouterLink] | None = None,
+        self_decoding: bool = True,
         cores: CoreGovernor | None = None,
         authority: str = "inprocess",
         uris: tuple[str, str] = (VERIFIER_URI, DRAFTER_URI),
@@ -94,24 +149,48 @@ class InProcessSDCPSystem:
             link=link(in_memory) if link is not None else in_memory,
             ttl_ms=_TTL_MS,
         )
-        self.m_init = RouterConfig().m_init
-        self._plans: dict[bytes, RouterSession] = {}
-        self._sessions = 0
+        in_memory_router = InMemoryRouterLink(self.verifier, {self.drafter_uri: self.drafter})
+        self.router = RouterEngine(
+            uri=ROUTER_URI,
+            settings=RouterConfig,
+            mlc=self.mlc,
+            link=router_link(in_memory_router) if router_link is not None else in_memory_router,
+            # The verifier engine here signs nothing: its records are replayed unchecked.
+            record_check=None,
+            interval_s=_TTL_MS / 3000,
+        )
+        self._self_decoding = self_decoding
+        self._reports: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.verifier.start()
         await self.drafter.start()
+        await self.router.start()
+        self._report()
+        self._reports = asyncio.create_task(self._report_forever())
 
     async def aclose(self) -> None:
+        if self._reports is not None:
+            self._reports.cancel()
+        await self.router.stop()
         await self.drafter.stop()
         await self.verifier.stop()
         await self.mlc.close()
 
+    def _report(self) -> None:
+        """Both engines' status reports to the router (SDCP 6.1)."""
+        verifier = self.verifier.status()
+        self.router.report(verifier if self._self_decoding else replace(verifier, self_us=None))
+        self.router.report(self.drafter.status())
+
+    async def _report_forever(self) -> None:
+        while True:
+            await asyncio.sleep(_TTL_MS / 3000)
+            self._report()
+
     async def generate(self, prompt: Sequence[int], max_new: int, contract: Contract | None = None) -> RunResult:
         """One session of ``prompt``; under ``contract`` where given (its max_new then applies), else
         under the client's default contract."""
-        self._sessions += 1
-        session = self._sessions.to_bytes(16, "big")
         if contract is None:
             contract = build_contract(
                 target=self.target.weights_digest,
@@ -119,47 +198,23 @@ class InProcessSDCPSystem:
                 max_new=max_new,
                 stop=self.stop,
             )
-        plan = RouterSession(
-            session=session,
-            epoch=1,
-            contract=contract,
-            prompt=tuple(prompt),
-            commit_log=build_uri(self.mlc.authority, contract.scope, "log", session.hex()),
-            verifier=self.verifier_uri,
-        )
-        self._plans[session] = plan
         started = time.perf_counter()
-        try:
-            await self.verifier.open_session(plan.open_message())
-            await self._assign(plan)
-            tokens: list[int] = []
-            first_token_ms: float | None = None
-            while True:
-                output = await self.verifier.output(session, len(tokens))
-                if output.tokens and first_token_ms is None:
-                    first_token_ms = 1000 * (time.perf_counter() - started)
-                tokens.extend(output.tokens)
-                if output.final:
-                    break
-            seconds = time.perf_counter() - started
-        finally:
-            del self._plans[session]
+        tracked = await self.router.open_session(FRONT_END, SessionRequest(prompt=tuple(prompt), contract=contract))
+        session = tracked.session
+        tokens: list[int] = []
+        first_token_ms: float | None = None
+        while True:
+            output = await self.verifier.output(session, len(tokens))
+            if output.tokens and first_token_ms is None:
+                first_token_ms = 1000 * (time.perf_counter() - started)
+            tokens.extend(output.tokens)
+            if output.final:
+                break
+        seconds = time.perf_counter() - started
         result = result_from_stats(self.verifier.stats(session), seconds)
         result.tokens, result.first_token_ms = tokens, first_token_ms
         return result
 
-    async def _assign(self, plan: RouterSession) -> None:
-        """SDCP 6.1: the verifier learns of the drafter first, then the drafter gets the assignment."""
-        state = self.verifier.state(plan.session)
-        assignment = plan.assignment(
-            self.drafter_uri, round=state.round, committed=state.committed, digest=state.digest, m_init=self.m_init
-        )
-        await self.verifier.assign(assignment)
-        await self.drafter.assign(assignment)
-
     async def _on_event(self, event: Event) -> None:
         received = Event.from_cbor(event.to_cbor())
-        plan = self._plans.get(received.session)
-        if plan is not None and received.kind == Action.SWITCH:
-            # A switch or the end of a self-decoding period: the one drafter is assigned again.
-            await self._assign(plan)
+        await self.router.event(self.router.session(received.session), received)

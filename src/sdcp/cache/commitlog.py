@@ -141,6 +141,12 @@ class CommitLog(abc.ABC):
     async def read(self) -> LogSnapshot:
         """All records and the ETag of that version."""
 
+    async def read_from(self, start: int) -> LogSnapshot:
+        """The records from index `start` on and the ETag of that version, for a reader that keeps
+        what it read before (a router's replay); a backend that can do better reads only those."""
+        snapshot = await self.read()
+        return LogSnapshot(snapshot.records[start:], snapshot.etag)
+
     @abc.abstractmethod
     async def append(self, record: dict[str, Any], if_match: str) -> str:
         """Append if `if_match` is the current ETag; returns the new ETag."""
@@ -171,8 +177,11 @@ class MemoryCommitLog(CommitLog):
         self._lock = threading.Lock()
 
     async def read(self) -> LogSnapshot:
+        return await self.read_from(0)
+
+    async def read_from(self, start: int) -> LogSnapshot:
         with self._lock:
-            return LogSnapshot(list(self._state.records), self._state.etag)
+            return LogSnapshot(self._state.records[start:], self._state.etag)
 
     async def append(self, record: dict[str, Any], if_match: str) -> str:
         payload, epoch, _ = encode_record(record)
@@ -209,7 +218,10 @@ class FileCommitLog(CommitLog):
         self._mutex = threading.Lock()  # guards the cached state shared by worker threads
 
     async def read(self) -> LogSnapshot:
-        return await asyncio.to_thread(self._read_sync)
+        return await self.read_from(0)
+
+    async def read_from(self, start: int) -> LogSnapshot:
+        return await asyncio.to_thread(self._read_sync, start)
 
     async def append(self, record: dict[str, Any], if_match: str) -> str:
         payload, epoch, _ = encode_record(record)
@@ -219,10 +231,10 @@ class FileCommitLog(CommitLog):
         payload, _, _ = encode_record(fence_record(epoch, verifier))
         return await asyncio.to_thread(self._fence_sync, payload, epoch)
 
-    def _read_sync(self) -> LogSnapshot:
+    def _read_sync(self, start: int) -> LogSnapshot:
         with self._mutex, self._locked(fcntl.LOCK_SH) as handle:
             self._catch_up(handle, repair=False)
-            return LogSnapshot(list(self._state.records), self._state.etag)
+            return LogSnapshot(self._state.records[start:], self._state.etag)
 
     def _append_sync(self, payload: bytes, epoch: int, if_match: str) -> str:
         with self._mutex, self._locked(fcntl.LOCK_EX) as handle:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["EngineError", "SessionNotFound", "Unanswered", "Unavailable"]
+__all__ = ["EngineError", "OverQuota", "SessionNotFound", "Unanswered", "Unavailable"]
 
 
 class EngineError(Exception):
@@ -25,3 +25,12 @@ class Unavailable(EngineError):
 class Unanswered(EngineError):
     """A peer gave no answer (a lost connection, a timeout, its own failure): a request that is
     idempotent may be sent again."""
+
+
+class OverQuota(EngineError):
+    """The caller holds as much as its quota allows (docs/security.md); the request may be
+    repeated after ``retry_after_s``, once some of what it holds has ended."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -24,6 +24,7 @@ __all__ = [
     "CommitRecord",
     "FenceRecord",
     "LogReplay",
+    "LogReplayer",
     "RecordAuthority",
     "UntrustedRecord",
     "decode_token_list",
@@ -138,10 +139,18 @@ def replay_commit_log(
     authority: RecordAuthority | None = None,
     first_verifier: str | None = None,
 ) -> LogReplay:
-    """Rebuild the committed prefix from a log, checking that every commit record extends the last.
+    """Rebuild the committed prefix from a whole log (``LogReplayer``, fed once)."""
+    replayer = LogReplayer(contract_digest, prompt, authority=authority, first_verifier=first_verifier)
+    replayer.feed(records)
+    return replayer.replay
 
-    A record whose length or digest does not follow from the previous ones means the log was
-    corrupted; committed output is never guessed, so it raises BadMessage.
+
+class LogReplayer:
+    """The committed prefix of a log, fed its records in order, as many at a time as have come.
+
+    Every commit record must extend the last: a record whose length or digest does not follow from
+    the previous ones means the log was corrupted; committed output is never guessed, so ``feed``
+    raises BadMessage.
 
     With ``authority`` every commit record is checked before it counts (SDCP 1.3: the verifier is
     the sole commit authority): it must name as ``writer`` the verifier of its epoch (the last
@@ -150,45 +159,72 @@ def replay_commit_log(
     record. A record that fails is a fault, never replayed: it and every later record of its epoch
     are left out, so the output up to the last good record stands and the next epoch (the router's
     next fence) resumes from it. An unsigned record fails too: older logs are not replayed.
+
+    A router keeps one per session and feeds it only the records appended since the last read,
+    so that each record is parsed and its signature checked once (``fed`` counts them).
     """
-    epoch = 0
-    round_number = 0
-    tokens: list[int] = []
-    digest = prefix_digest(contract_digest, prompt)
-    named: dict[int, str] = {} if first_verifier is None else {1: first_verifier}
-    keys: dict[int, Any] = {}
-    poisoned: set[int] = set()
-    faults: list[str] = []
-    for obj in records:
+
+    def __init__(
+        self,
+        contract_digest: bytes,
+        prompt: Sequence[int],
+        *,
+        authority: RecordAuthority | None = None,
+        first_verifier: str | None = None,
+    ) -> None:
+        self._authority = authority
+        self._epoch = 0
+        self._round = 0
+        self._tokens: list[int] = []
+        self._digest = prefix_digest(contract_digest, prompt)
+        self._named: dict[int, str] = {} if first_verifier is None else {1: first_verifier}
+        self._keys: dict[int, Any] = {}
+        self._poisoned: set[int] = set()
+        self._faults: list[str] = []
+        self.fed = 0
+
+    @property
+    def replay(self) -> LogReplay:
+        """The committed state the records fed so far describe."""
+        return LogReplay(self._epoch, self._round, tuple(self._tokens), self._digest, tuple(self._faults))
+
+    def feed(self, records: Iterable[object]) -> list[str]:
+        """Take the next records of the log; returns the faults among them (see the class doc)."""
+        faults_before = len(self._faults)
+        for obj in records:
+            self.fed += 1
+            self._take(obj)
+        return self._faults[faults_before:]
+
+    def _take(self, obj: object) -> None:
         record = parse_log_record(obj)
-        if record.epoch < epoch:
-            raise BadMessage(f"record of epoch {record.epoch} follows epoch {epoch}")
-        epoch = record.epoch
+        if record.epoch < self._epoch:
+            raise BadMessage(f"record of epoch {record.epoch} follows epoch {self._epoch}")
+        epoch = self._epoch = record.epoch
         if isinstance(record, FenceRecord):
-            if record.verifier is not None and record.epoch not in keys:
-                named[record.epoch] = record.verifier
-            continue
-        if authority is not None:
-            if epoch in poisoned:
-                continue
+            if record.verifier is not None and record.epoch not in self._keys:
+                self._named[record.epoch] = record.verifier
+            return
+        if self._authority is not None:
+            if epoch in self._poisoned:
+                return
             assert isinstance(obj, dict)
             try:
-                _check(obj, authority, named.get(epoch), keys)
+                _check(obj, self._authority, self._named.get(epoch), self._keys)
             except UntrustedRecord as exc:
-                poisoned.add(epoch)
-                faults.append(f"epoch {epoch} round {record.round}: {exc}")
-                continue
-        following = extend_digest(digest, record.emitted)
+                self._poisoned.add(epoch)
+                self._faults.append(f"epoch {epoch} round {record.round}: {exc}")
+                return
+        following = extend_digest(self._digest, record.emitted)
         if (
-            record.committed != len(tokens) + len(record.emitted)
+            record.committed != len(self._tokens) + len(record.emitted)
             or record.digest != following
-            or record.round <= round_number
+            or record.round <= self._round
         ):
             raise BadMessage(f"commit record of round {record.round} does not extend the log before it")
-        digest = following
-        tokens.extend(record.emitted)
-        round_number = record.round
-    return LogReplay(epoch, round_number, tuple(tokens), digest, tuple(faults))
+        self._digest = following
+        self._tokens.extend(record.emitted)
+        self._round = record.round
 
 
 def _check(record: dict[str, Any], authority: RecordAuthority, verifier: str | None, keys: dict[int, Any]) -> None:

@@ -22,11 +22,12 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from sdcp.engines.router import SELF_DECODING_AT
 from sdcp.protocol.messages import Role, session_path_id
 from sdcp.protocol.router import InstanceRegistry, InstanceView, measured_acceptance
 from sdcp.transport.client import PeerClients
 
-__all__ = ["REFRESH_S", "SELF_DECODING_AT", "Dashboard", "SessionView"]
+__all__ = ["REFRESH_S", "Dashboard", "SessionView"]
 
 log = logging.getLogger("sdcp.dashboard")
 
@@ -34,8 +35,6 @@ log = logging.getLogger("sdcp.dashboard")
 MAX_SESSIONS = 24
 # Rounds of a session whose acceptance the page charts.
 CHART_ROUNDS = 48
-# The option of a verifier decoding alone, in the router's expected rates.
-SELF_DECODING_AT = "self-decoding at "
 # How long the router waits for a verifier's answer about one session.
 _ASK_TIMEOUT_S = 2.0
 # The sessions' figures are asked of their verifiers at most this often (two requests a session,

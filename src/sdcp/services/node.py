@@ -17,7 +17,7 @@ from starlette.routing import BaseRoute, Mount, Route
 
 from sdcp.cache import MLC, StoreUnavailable
 from sdcp.config import OWN_MLC, ServiceConfig
-from sdcp.engines.errors import SessionNotFound, Unavailable
+from sdcp.engines.errors import OverQuota, SessionNotFound, Unanswered, Unavailable
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.protocol.codec import DEFAULT_MAX_SIZE
 from sdcp.protocol.messages import Status, instance_path_id
@@ -26,7 +26,7 @@ from sdcp.services.authz import Trust
 from sdcp.services.mlc_client import RemoteStore
 from sdcp.transport.asgi import exception_handlers, problem_response
 from sdcp.transport.client import PeerClients
-from sdcp.transport.errors import NotFound, ServiceUnavailable
+from sdcp.transport.errors import NotFound, ServiceUnavailable, TooManyRequests
 from sdcp.transport.metrics import metrics_route
 from sdcp.transport.server import Listener, MTLSServer, Server
 
@@ -35,11 +35,12 @@ __all__ = ["Node", "build_mlc"]
 log = logging.getLogger("sdcp.services")
 
 
-def build_mlc(config: ServiceConfig, *, store_every_authority: bool = False) -> MLC:
+def build_mlc(config: ServiceConfig, *, store_every_authority: bool = False, role: str | None = None) -> MLC:
     """The instance's MLC, with the MLC nodes that serve other authorities' cache-refs (SDCP 5.2).
     An authority neither ``[mlc] authority`` nor listed is refused (``UnresolvableRef``, a 400
     naming the member) unless ``[mlc] unlisted = "own"``, or ``store_every_authority``: an MLC
-    node's, which stores whatever name its clients chose it for."""
+    node's, which stores whatever name its clients chose it for. ``role`` is whose Redis user
+    ``[mlc] redis_username`` is (sdcp.cache.redis_acl): its reads refresh only what it may write."""
     mlc = config.mlc
     instance = config.instance
 
@@ -53,6 +54,7 @@ def build_mlc(config: ServiceConfig, *, store_every_authority: bool = False) -> 
         disk_bytes=mlc.disk_bytes,
         redis_url=mlc.redis_url,
         redis_prefix=mlc.redis_prefix,
+        redis_access=mlc.redis_access(role) if mlc.redis_url is not None else None,
         remote=node(mlc.mlc_url) if mlc.mlc_url is not None else None,
         routes={
             authority: MLC.from_config(authority=authority, memory_bytes=0, remote=node(target))
@@ -73,13 +75,25 @@ async def _unavailable(_request: Request, exc: Exception) -> Response:
     return problem_response(ServiceUnavailable(str(exc), retry_after_s=retry_after))
 
 
+async def _over_quota(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, OverQuota)
+    return problem_response(TooManyRequests(str(exc), retry_after_s=exc.retry_after_s))
+
+
 async def _store_unavailable(_request: Request, exc: Exception) -> Response:
     # The shared store (Redis, an MLC node) did not answer: the request may be repeated shortly.
     return problem_response(ServiceUnavailable(str(exc), retry_after_s=1))
 
 
 # What the engines raise besides protocol problems, as the problem answers of RFC 9457.
-_ENGINE_ERROR_HANDLERS = {SessionNotFound: _not_found, Unavailable: _unavailable, StoreUnavailable: _store_unavailable}
+# Unanswered: a peer the engine needed for the request did not answer; the request may be repeated.
+_ENGINE_ERROR_HANDLERS = {
+    SessionNotFound: _not_found,
+    Unavailable: _unavailable,
+    Unanswered: _unavailable,
+    OverQuota: _over_quota,
+    StoreUnavailable: _store_unavailable,
+}
 
 
 class Node(ABC):
@@ -92,7 +106,7 @@ class Node(ABC):
         self.config = config
         self.uri = config.instance.uri
         self.trust = Trust.from_config(config, self.role)
-        self.mlc = mlc if mlc is not None else build_mlc(config)
+        self.mlc = mlc if mlc is not None else build_mlc(config, role=self.role)
         instance = config.instance
         self.peers = PeerClients(instance.cert, instance.key, instance.ca)
         self._server: Server | None = None

@@ -1,0 +1,699 @@
+"""The router engine (SDCP 6.1, 6.5.2 events, 6.6, 6.9), free of any transport.
+
+``sdcp.protocol.router`` decides (registry with TTLs, selection, assignment and failover plans);
+this engine keeps the sessions, runs the periodic task and tells verifiers and drafters through a
+``RouterLink``. The router service (``sdcp.services.router``) translates HTTP/2 + mTLS requests to
+its calls; ``sdcp bench``'s in-process system drives it over memory.
+
+Every change to one session (assignment, switch, failover, policy) runs under that session's lock,
+so the verifier and the drafter always hear of them in the order the router made them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from functools import partial
+
+from prometheus_client import Counter, Gauge
+
+from sdcp.cache import MLC, CacheError, build_uri, target_kv_uri
+from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
+from sdcp.config import RouterConfig
+from sdcp.engines.errors import OverQuota, SessionNotFound, Unanswered, Unavailable
+from sdcp.engines.ports import RouterLink
+from sdcp.engines.router.sessions import SELF_DECODING, TrackedSession
+from sdcp.engines.tasks import BackgroundTasks
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    CancelRequest,
+    Contract,
+    Event,
+    Policy,
+    Role,
+    SelfDecodeRequest,
+    SessionRequest,
+    SessionState,
+    Status,
+)
+from sdcp.protocol.problems import BadContract, ProblemType, ProtocolError
+from sdcp.protocol.records import LogReplay, LogReplayer, RecordAuthority, encode_token_list
+from sdcp.protocol.router import (
+    DecodingChoice,
+    InstanceRegistry,
+    InstanceView,
+    RouterSession,
+    choose_decoding,
+    drafter_costs,
+    drafter_permitted,
+    drafter_rate,
+    prefer_idle_and_accepting,
+)
+
+__all__ = ["SELF_DECODING_AT", "RouterEngine"]
+
+log = logging.getLogger("sdcp.router")
+# When a refused session request may be tried again (sessions end at their own pace).
+_RETRY_AFTER_S = 5
+# A cancel of a session-open that timed out is tried this often, this far apart.
+_ABANDONED_CANCEL_TRIES, _ABANDONED_CANCEL_WAIT_S = 5, 1.0
+
+SESSIONS_OPEN = Gauge("sdcp_router_sessions_open", "Sessions neither finished nor failed", ["instance"])
+ASSIGNMENTS = Counter("sdcp_router_assignments_total", "Assignments sent, by drafter", ["instance", "drafter"])
+SWITCHES = Counter(
+    "sdcp_router_switches_total",
+    "Sessions moved off a drafter (a switch event, or a faster option), by the drafter left",
+    ["instance", "drafter"],
+)
+EVENTS = Counter("sdcp_router_events_total", "Events from verifiers, by kind", ["instance", "kind"])
+EXPECTED_RATE = Gauge(
+    "sdcp_router_expected_tokens_per_second",
+    "The cost model's expected tokens per second of a session, by option (a drafter, or self-decoding at a verifier)",
+    ["instance", "option"],
+)
+FAILOVERS = Counter("sdcp_router_failovers_total", "Sessions moved to another verifier", ["instance"])
+UNTRUSTED_RECORDS = Counter(
+    "sdcp_router_untrusted_records_total",
+    "Commit records a replay left out: not signed by their epoch's verifier",
+    ["instance"],
+)
+CHOICES = Counter(
+    "sdcp_router_decoding_choices_total",
+    "Decisions on who drafts for a session: a drafter, an exploration of an unmeasured drafter, or the verifier alone",
+    ["instance", "choice"],
+)
+
+# The option of self-decoding at a verifier, in ``expected_rates`` (the dashboard's key).
+SELF_DECODING_AT = "self-decoding at "
+# A session is moved off its drafter only for an option expected to be this much faster, and at
+# most once per this many seconds, so that estimates that differ by noise do not make it flap.
+SWITCH_MARGIN = 1.25
+REDECIDE_AFTER_S = 2.0
+# A verification round at a verifier that reports no timing of its own.
+DEFAULT_VERIFY_S = 0.05
+
+
+def _serves(view: InstanceView, contract: Contract) -> bool:
+    status = view.status
+    # A verifier that reports no tokenizer digest is judged by its target digest alone.
+    return status.model == contract.target and status.tokenizer in (None, contract.tokenizer)
+
+
+def _unreported(views: Sequence[InstanceView]) -> list[InstanceView]:
+    """Instances whose status lacks our private `model` member (another implementation's): the
+    contract's digests cannot be matched here, so they are asked, and refuse with
+    sdcp-bad-contract what they do not serve (SDCP 6.1); tried only when no reporting one fits."""
+    return [view for view in views if view.status.model is None]
+
+
+class RouterEngine:
+    """Assigns sessions to verifiers and drafters, and moves them when instances fail.
+
+    ``settings`` gives the router's settings as they are at each look (they may be replaced while
+    the engine runs); ``clock`` is what status TTLs and decision ages are measured with (tests jump
+    it forward); ``interval_s`` is how often the periodic task looks at every session;
+    ``record_check`` checks commit records before a failover replays them (None: unsigned logs).
+    """
+
+    def __init__(
+        self,
+        *,
+        uri: str,
+        settings: Callable[[], RouterConfig],
+        mlc: MLC,
+        link: RouterLink,
+        record_check: RecordAuthority | None,
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.uri = uri
+        self._settings = settings
+        self.mlc = mlc
+        self.link = link
+        self.record_check = record_check
+        self.interval_s = interval_s
+        self.clock = clock
+        self.registry = InstanceRegistry()
+        self.sessions: dict[bytes, TrackedSession] = {}
+        self._wake = asyncio.Event()
+        self._tasks = BackgroundTasks(uri, log)
+
+    @property
+    def settings(self) -> RouterConfig:
+        return self._settings()
+
+    async def start(self) -> None:
+        for kind in Action:
+            EVENTS.labels(self.uri, kind.name.lower())
+        for choice in ("drafter", "explore", "self"):
+            CHOICES.labels(self.uri, choice)
+        for family in (FAILOVERS, SESSIONS_OPEN):
+            family.labels(self.uri)
+        self._tasks.spawn(self._maintain_forever())
+
+    async def stop(self) -> None:
+        await self._tasks.cancel_all()
+
+    # -- instances -------------------------------------------------------------------------------
+
+    def report(self, status: Status) -> None:
+        """An instance's status report (SDCP 6.1), its sender already checked by the caller."""
+        now = self.clock()
+        if not self.registry.is_live(status.instance, now):
+            # A new or returning instance may unblock sessions waiting for one.
+            self._wake.set()
+        # An instance cannot claim to stay live longer than the router allows.
+        capped = replace(status, ttl_ms=min(status.ttl_ms, self.settings.max_ttl_ms))
+        self.registry.report(capped, now, model=status.model)
+        if status.role == Role.DRAFTER:
+            # A drafter's series start at zero when it first reports.
+            ASSIGNMENTS.labels(self.uri, status.instance)
+            SWITCHES.labels(self.uri, status.instance)
+        for option, rate in self.expected_rates().items():
+            EXPECTED_RATE.labels(self.uri, option).set(rate)
+
+    def live_counts(self) -> tuple[int, int]:
+        """How many verifiers and drafters are registered (their reports have not expired)."""
+        now = self.clock()
+        return len(self.registry.live(Role.VERIFIER, now)), len(self.registry.live(Role.DRAFTER, now))
+
+    def targets(self) -> list[dict[str, object]]:
+        """The live verifiers and the digests a contract must name to use them."""
+        targets = []
+        for view in self.registry.live(Role.VERIFIER, self.clock()):
+            if view.status.model is None:
+                continue
+            target: dict[str, object] = {"instance": view.uri, "model": view.status.model}
+            if view.status.tokenizer is not None:
+                target["tokenizer"] = view.status.tokenizer
+            if view.status.context is not None:
+                target["context"] = view.status.context
+            targets.append(target)
+        return sorted(targets, key=lambda t: str(t["instance"]))
+
+    def expected_rates(self) -> dict[str, float]:
+        """The cost model's expected tokens per second of a session (SDCP 6.2), by live option: a
+        drafter's URI, or self-decoding at a verifier."""
+        now = self.clock()
+        verifiers = self.registry.live(Role.VERIFIER, now)
+        verify_s = _verify_s(verifiers[0] if verifiers else None)
+        m_limit = max(1, self.settings.m_init)
+        rates = {}
+        for view in self.registry.live(Role.DRAFTER, now):
+            costs = drafter_costs(view)
+            if costs.alpha is not None:
+                rates[view.uri] = drafter_rate(costs, verify_s=verify_s, m_limit=m_limit)
+        for view in verifiers:
+            if view.status.self_us:
+                rates[f"{SELF_DECODING_AT}{view.uri}"] = 1e6 / view.status.self_us
+        return rates
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    def session(self, session: bytes) -> TrackedSession:
+        """The session of that id this router holds; ``SessionNotFound`` otherwise."""
+        tracked = self.sessions.get(session)
+        if tracked is None:
+            raise SessionNotFound("no such session at this router")
+        return tracked
+
+    async def open_session(self, owner: str, wanted: SessionRequest) -> TrackedSession:
+        """Open a session at a verifier, then assign a drafter (SDCP 6.1 order). Runs to its end
+        even if the caller goes away: a session half opened would be tracked nowhere."""
+        quota = self.settings.max_sessions_per_front_end
+        if sum(1 for t in self.sessions.values() if t.plan.owner == owner and not t.ended) >= quota:
+            raise OverQuota(f"{owner} has {quota} open sessions, its quota", retry_after_s=_RETRY_AFTER_S)
+        return await asyncio.shield(self._open_session(owner, wanted))
+
+    async def _open_session(self, owner: str, wanted: SessionRequest) -> TrackedSession:
+        contract = wanted.contract
+        tried: list[str] = []
+        refused: list[str] = []
+        while True:
+            verifier = self._pick_verifier(contract, avoid=tried + refused)
+            if verifier is None:
+                if tried:
+                    raise Unavailable(
+                        f"no verifier for this target answered (tried {', '.join(tried)})", retry_after_s=_RETRY_AFTER_S
+                    )
+                raise BadContract("no live verifier serves the contract's target and tokenizer")
+            # A session of its own for each verifier tried: one that opened it too late cancels it,
+            # and that end must not reach the commit log of the session opened elsewhere.
+            session = secrets.token_bytes(16)
+            commit_log = build_uri(self.mlc.authority, contract.scope, LOG_KIND, session.hex())
+            plan = RouterSession(
+                session=session,
+                epoch=1,
+                contract=contract,
+                prompt=wanted.prompt,
+                commit_log=commit_log,
+                verifier=verifier,
+                owner=owner,
+                logprobs=wanted.logprobs,
+                min_new=wanted.min_new,
+                request=wanted.request,
+            )
+            try:
+                # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
+                await self.link.open_session(verifier, plan.open_message(), timeout=self.settings.open_timeout_s)
+                break
+            except Unanswered as exc:
+                log.warning("%s: verifier %s did not open a session: %s", self.uri, verifier, exc)
+                tried.append(verifier)
+                # It may have opened the session all the same: it must not decode it for nobody.
+                self._tasks.spawn(self._cancel_abandoned(plan))
+            except BadContract as exc:
+                view = self.registry.get(verifier)
+                if view is None or view.status.model is not None:
+                    raise
+                log.info("%s: verifier %s, which reports no model, refused the contract: %s", self.uri, verifier, exc)
+                refused.append(verifier)
+        tracked = TrackedSession(plan, wanted.prompt)
+        self.sessions[session] = tracked
+        log.info("%s: session %s opened at %s (request %s)", self.uri, session.hex(), verifier, wanted.request or "-")
+        SESSIONS_OPEN.labels(self.uri).inc()
+        async with tracked.lock:
+            if wanted.sampling is not None:
+                # SDCP 6.6: the user's preference is a policy from the first round on.
+                await self._send_policy(tracked, Policy(session=session, from_round=1, sampling=wanted.sampling))
+            try:
+                await self._assign_drafter(tracked)
+            except (ProtocolError, Unanswered) as exc:
+                log.warning("%s: session %s opened without a drafter: %s", self.uri, tracked.plan.session.hex(), exc)
+        return tracked
+
+    async def event(self, tracked: TrackedSession, event: Event) -> None:
+        """An event from the session's verifier (SDCP 6.5.2): switch reassigns the drafter; finish
+        and fail end the session. A switch is answered at once: the decision calls back into the
+        verifier."""
+        if event.epoch != tracked.plan.epoch:
+            raise ProtocolError(
+                ProblemType.STALE_EPOCH, f"event of epoch {event.epoch}; the session is at epoch {tracked.plan.epoch}"
+            )
+        EVENTS.labels(self.uri, event.kind.name.lower()).inc()
+        if event.kind == Action.SWITCH:
+            # SDCP 6.5.2 switch (also the end of a self-decoding period): another drafter with a
+            # permitted model, not the current one if any other is live, or the verifier alone when
+            # no drafter is expected to beat it.
+            current = tracked.plan.drafter
+            if current is not None:
+                SWITCHES.labels(self.uri, current).inc()
+            avoid = (current,) if current else ()
+            self._tasks.spawn(self._locked(tracked, lambda: self._after_switch(tracked, avoid=avoid)))
+        elif event.kind in (Action.FINISH, Action.FAIL):
+            self._end(tracked, event.kind)
+        else:
+            log.info(
+                "%s: event %s for session %s needs no router action",
+                self.uri,
+                event.kind.name,
+                tracked.plan.session.hex(),
+            )
+
+    async def cancel(self, tracked: TrackedSession) -> SessionState:
+        """The front end ends its session (extension, docs/interpretations.md): the verifier stops
+        at its next round boundary and records the end, and the router assigns no one again."""
+        return await asyncio.shield(self._cancel(tracked))
+
+    async def _cancel(self, tracked: TrackedSession) -> SessionState:
+        async with tracked.lock:
+            state = await self._cancel_at_verifier(tracked.plan)
+            self._end(tracked, Action.FAIL)
+            return state
+
+    async def _cancel_abandoned(self, plan: RouterSession) -> None:
+        """Cancel a session-open whose answer never came (extension, docs/interpretations.md); a
+        verifier still opening it answers 404 a little longer."""
+        for attempt in range(_ABANDONED_CANCEL_TRIES):
+            try:
+                await self._cancel_at_verifier(plan)
+                where = plan.verifier
+                log.info("%s: session %s cancelled at %s, which answered late", self.uri, plan.session.hex(), where)
+                return
+            except (ProtocolError, Unanswered) as exc:
+                if attempt + 1 == _ABANDONED_CANCEL_TRIES:
+                    log.info(
+                        "%s: abandoned session %s not cancelled at %s: %s",
+                        self.uri,
+                        plan.session.hex(),
+                        plan.verifier,
+                        exc,
+                    )
+                    return
+                await asyncio.sleep(_ABANDONED_CANCEL_WAIT_S)
+
+    async def _cancel_at_verifier(self, plan: RouterSession) -> SessionState:
+        """POST sessions/{id}/cancel at the session's verifier; its session-state once ended."""
+        return await self.link.cancel(plan.verifier, CancelRequest(session=plan.session, epoch=plan.epoch))
+
+    async def change_policy(self, tracked: TrackedSession, policy: Policy) -> SessionState:
+        """Forwarded to the verifier, kept for later assignments (SDCP 6.6)."""
+        return await asyncio.shield(self._change_policy(tracked, policy))
+
+    async def _change_policy(self, tracked: TrackedSession, policy: Policy) -> SessionState:
+        async with tracked.lock:
+            if tracked.ended:
+                raise ProtocolError(ProblemType.SESSION_CLOSED, "the session has ended")
+            return await self._send_policy(tracked, policy)
+
+    # -- assignment, failover and the periodic task ----------------------------------------------
+
+    async def maintain(self) -> None:
+        """One pass of the periodic task: expire instances, reassign drafters, fail over verifiers."""
+        now = self.clock()
+        for view in self.registry.expire(now):
+            log.info("%s: status of %s expired", self.uri, view.uri)
+        work = []
+        for tracked in list(self.sessions.values()):
+            if tracked.ended:
+                continue
+            if not self.registry.is_live(tracked.plan.verifier, now):
+                work.append(self._locked(tracked, partial(self._fail_over, tracked)))
+            elif tracked.self_decoding:
+                continue  # its verifier's event asks for a drafter when the period ends
+            elif tracked.plan.drafter is None or not self.registry.is_live(tracked.plan.drafter, now):
+                # SDCP 6.9 drafter failure, or a session still waiting for its first drafter.
+                work.append(self._locked(tracked, partial(self._assign_drafter, tracked, only_if_missing=True)))
+            elif self._worth_moving(tracked, now):
+                SWITCHES.labels(self.uri, tracked.plan.drafter).inc()
+                work.append(self._locked(tracked, partial(self._assign_drafter, tracked)))
+        await asyncio.gather(*work)
+
+    async def _maintain_forever(self) -> None:
+        while True:
+            await self.maintain()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            self._wake.clear()
+
+    async def _locked(self, tracked: TrackedSession, change: Callable[[], Awaitable[None]]) -> None:
+        """Run one change of a session under its lock; a failure is logged and retried next tick."""
+        async with tracked.lock:
+            if tracked.ended:
+                return
+            try:
+                await change()
+            except ProtocolError as exc:
+                if exc.problem is ProblemType.SESSION_CLOSED:
+                    self._end(tracked, Action.FINISH)
+                    return
+                log.warning("%s: session %s: %s", self.uri, tracked.plan.session.hex(), exc)
+            except Exception as exc:  # noqa: BLE001 - the change is retried on the next tick
+                log.warning("%s: session %s: %r", self.uri, tracked.plan.session.hex(), exc)
+
+    async def _assign_drafter(
+        self, tracked: TrackedSession, *, avoid: Sequence[str] = (), only_if_missing: bool = False
+    ) -> None:
+        """Decide who drafts for the session next, by expected rate (``choose_decoding``), and tell
+        them: a drafter that does not answer is skipped; a verifier that does not decode alone at
+        this router's request gets a drafter instead."""
+        current = tracked.plan.drafter
+        if only_if_missing and (
+            tracked.self_decoding or (current is not None and self.registry.is_live(current, self.clock()))
+        ):
+            return
+        unreachable: list[str] = []
+        self_decode = True
+        while True:
+            choice = self._choose(tracked, avoid=avoid, skip=unreachable, self_decode=self_decode)
+            if choice is None:
+                tracked.plan.drafter = None
+                log.info("%s: session %s waits for a drafter", self.uri, tracked.plan.session.hex())
+                return
+            if choice.drafter is None:
+                try:
+                    await self._send_self_decode(tracked)
+                    return
+                except ProtocolError as exc:
+                    if exc.problem in (ProblemType.SESSION_CLOSED, ProblemType.STALE_EPOCH, ProblemType.STALE_BASE):
+                        raise
+                    log.info("%s: verifier %s does not decode alone: %s", self.uri, tracked.plan.verifier, exc)
+                except Unanswered as exc:
+                    log.info("%s: verifier %s does not decode alone: %s", self.uri, tracked.plan.verifier, exc)
+                self_decode = False
+                continue
+            try:
+                await self._send_assignment(tracked, choice.drafter)
+            except Unanswered as exc:
+                log.warning("%s: drafter %s took no assignment: %s", self.uri, choice.drafter, exc)
+                unreachable.append(choice.drafter)
+                continue
+            except BadContract as exc:
+                # A drafter reporting no model learns the contract only here (SDCP 6.1).
+                log.info("%s: drafter %s refused the contract: %s", self.uri, choice.drafter, exc)
+                unreachable.append(choice.drafter)
+                continue
+            except ProtocolError as exc:
+                if exc.state is None or exc.state.state != Action.SELF_DECODE:
+                    raise
+                # The verifier is in a self-decoding period of its ladder; its event ends it.
+                tracked.self_decoding = True
+                return
+            tracked.exploring = choice.drafter if choice.exploring else None
+            CHOICES.labels(self.uri, "explore" if choice.exploring else "drafter").inc()
+            return
+
+    def _choose(
+        self, tracked: TrackedSession, *, avoid: Sequence[str] = (), skip: Sequence[str] = (), self_decode: bool = True
+    ) -> DecodingChoice | None:
+        """The expected fastest option for the session among live permitted drafters (those in
+        ``avoid`` only when no other is live) and, where permitted, its verifier alone."""
+        now = self.clock()
+        contract = tracked.plan.contract
+        live = [view for view in self.registry.live(Role.DRAFTER, now) if view.uri not in skip]
+        permitted = [view for view in live if drafter_permitted(contract, view.model)] or _unreported(live)
+        pool = [view for view in permitted if view.uri not in avoid] or permitted
+        verifier = self.registry.get(tracked.plan.verifier)
+
+        def may_explore(uri: str) -> bool:
+            # Exploration is bounded: one session at a time per unmeasured drafter, and it ends
+            # with the drafter's first acceptance report (measured_acceptance: our alpha_milli, or
+            # SDCP 5.2 accept_milli from a drafter without our cost terms). Asked only about
+            # unmeasured drafters, so that maintenance of measured ones scans no sessions.
+            return not any(
+                other.exploring == uri and other is not tracked and not other.ended for other in self.sessions.values()
+            )
+
+        return choose_decoding(
+            [drafter_costs(view) for view in pool],
+            self_decode_s=self._self_decode_s(contract, verifier) if self_decode else None,
+            verify_s=_verify_s(verifier),
+            m_limit=self._m_limit(contract),
+            may_explore=may_explore,
+        )
+
+    def _m_limit(self, contract: Contract) -> int:
+        return max(1, min(contract.m_max, self.settings.m_init))
+
+    @staticmethod
+    def _self_decode_s(contract: Contract, verifier: InstanceView | None) -> float | None:
+        """Seconds per token of the verifier decoding alone, where the contract permits that now
+        (SDCP 6.5.2: self_load present and not exceeded) and the verifier reports its time."""
+        if verifier is None or verifier.status.self_us is None or contract.self_load is None:
+            return None
+        if contract.self_max == 0 or verifier.status.load > contract.self_load:
+            return None
+        return verifier.status.self_us / 1e6
+
+    def _worth_moving(self, tracked: TrackedSession, now: float) -> bool:
+        """Whether a session's drafter should give way: its exploration has been measured, or
+        another option is now expected to be ``SWITCH_MARGIN`` times faster."""
+        drafter = tracked.plan.drafter
+        view = self.registry.get(drafter) if drafter is not None else None
+        if view is None or now - tracked.decided_at < REDECIDE_AFTER_S:
+            return False
+        costs = drafter_costs(view)
+        if costs.alpha is None:
+            return False  # its measurement is on the way (alpha_milli or accept_milli: measured_acceptance)
+        best = self._choose(tracked)
+        if best is None or best.drafter == drafter:
+            tracked.exploring = None
+            return False
+        if tracked.exploring == drafter:
+            return True
+        verifier = self.registry.get(tracked.plan.verifier)
+        current = drafter_rate(costs, verify_s=_verify_s(verifier), m_limit=self._m_limit(tracked.plan.contract))
+        return best.rate > SWITCH_MARGIN * current
+
+    async def _send_self_decode(self, tracked: TrackedSession) -> None:
+        """Ask the verifier to decode the session alone (extension, docs/interpretations.md)."""
+        plan = tracked.plan
+        await self.link.self_decode(plan.verifier, SelfDecodeRequest(session=plan.session, epoch=plan.epoch))
+        plan.drafter = None
+        tracked.self_decoding = True
+        tracked.exploring = None
+        tracked.decided_at = self.clock()
+        tracked.serve(SELF_DECODING)
+        CHOICES.labels(self.uri, "self").inc()
+        log.info("%s: session %s decoded by verifier %s alone", self.uri, tracked.plan.session.hex(), plan.verifier)
+
+    async def _after_switch(self, tracked: TrackedSession, *, avoid: Sequence[str]) -> None:
+        tracked.self_decoding = False
+        await self._assign_drafter(tracked, avoid=avoid)
+
+    async def _send_assignment(self, tracked: TrackedSession, drafter: str) -> None:
+        """SDCP 6.1: inform the verifier first, then send the assignment to the drafter."""
+        plan = tracked.plan
+        replay, tokens = await self._committed_prefix(tracked)
+        read_at = replay.round
+        state = await self.link.inform_verifier(plan.verifier, self._assignment(tracked, drafter, replay, tokens))
+        plan.drafter = drafter
+        if state.round != read_at:
+            # The previous drafter's last round (or a self-decoded one) committed after the log was
+            # read; it is in the log now, since the verifier appends before it answers (SDCP 6.3).
+            replay, tokens = await self._committed_prefix(tracked)
+            read_at = replay.round
+        await self.link.assign(drafter, self._assignment(tracked, drafter, replay, tokens))
+        tracked.self_decoding = False
+        tracked.decided_at = self.clock()
+        tracked.serve(drafter)
+        ASSIGNMENTS.labels(self.uri, drafter).inc()
+        log.info("%s: session %s assigned to %s at round %d", self.uri, tracked.plan.session.hex(), drafter, read_at)
+
+    def _assignment(self, tracked: TrackedSession, drafter: str, replay: LogReplay, tokens: str) -> Assignment:
+        return tracked.plan.assignment(
+            drafter,
+            round=replay.round,
+            committed=len(replay.tokens),
+            digest=replay.digest,
+            m_init=self.settings.m_init,
+            committed_tokens=tokens,
+        )
+
+    async def _fail_over(self, tracked: TrackedSession) -> None:
+        """SDCP 6.9 verifier failure: fence, replay the log, resume at another verifier, reassign."""
+        plan = tracked.plan
+        if self.registry.is_live(plan.verifier, self.clock()):
+            return
+        verifier = self._pick_verifier(plan.contract, avoid=[plan.verifier])
+        named = tracked.failover_to
+        if named is not None and named != plan.verifier and self.registry.is_live(named, self.clock()):
+            verifier = named
+        if verifier is None:
+            log.info("%s: session %s waits for a verifier", self.uri, tracked.plan.session.hex())
+            return
+        if named is not None and named != verifier:
+            # The last try's fence named another verifier at the next epoch, and a fence of that
+            # epoch again appends nothing: that epoch is spent, the session moves at the one after.
+            tracked.plan = plan = replace(plan, epoch=plan.epoch + 1)
+        # SDCP 6.9: the fence comes first, so the old verifier can no longer commit or release output.
+        # Fencing the same epoch again appends nothing, so a failover retried next tick is safe. The
+        # fence names the new verifier: only its signed records count in the new epoch.
+        tracked.failover_to = verifier
+        fence = plan.fence_for_failover(verifier)
+        await self.mlc.commit_log(plan.commit_log).fence(fence.epoch, fence.verifier)
+        replay, tokens = await self._committed_prefix(tracked)
+        published = target_kv_uri(plan.commit_log, plan.session, plan.epoch)
+        moved = plan.fail_over(verifier, replay, tokens, target_kv=await self._available(published))
+        await self.link.open_session(verifier, moved.open_message(), timeout=self.settings.open_timeout_s)
+        tracked.plan = moved
+        tracked.failover_to = None
+        if published is not None:
+            # The new verifier has imported it or prefilled: the failed epoch's KV serves no one now.
+            self._tasks.spawn(self._discard(published))
+        # The new verifier knows nothing of a self-decoding period the old one was asked for.
+        tracked.self_decoding = False
+        FAILOVERS.labels(self.uri).inc()
+        log.info("%s: session %s moved to %s at epoch %d", self.uri, tracked.plan.session.hex(), verifier, moved.epoch)
+        if moved.sampling is not None:
+            # The new verifier knows only the contract; the current profile must follow the session.
+            await self._send_policy(
+                tracked, Policy(session=moved.session, from_round=replay.round + 1, sampling=moved.sampling)
+            )
+        drafter = moved.drafter
+        if drafter is not None and self.registry.is_live(drafter, self.clock()):
+            try:
+                await self._send_assignment(tracked, drafter)
+                return
+            except Unanswered as exc:
+                log.warning("%s: drafter %s took no assignment: %s", self.uri, drafter, exc)
+        await self._assign_drafter(tracked, avoid=(drafter,) if drafter else ())
+
+    async def _committed_prefix(self, tracked: TrackedSession) -> tuple[LogReplay, str]:
+        """The committed state from the commit log, and its tokens written to the MLC. The log is
+        read from the first record not read before, and each record replayed once."""
+        plan = tracked.plan
+        replayer = tracked.replayer
+        if replayer is None:
+            replayer = tracked.replayer = LogReplayer(
+                plan.contract.digest, tracked.prompt, authority=self.record_check, first_verifier=tracked.first_verifier
+            )
+        snapshot = await self.mlc.commit_log(plan.commit_log).read_from(replayer.fed)
+        try:
+            # SDCP 1.3, 6.9: a record that is not its epoch's verifier's signed record is a fault:
+            # it is never replayed, and its epoch counts no later record (the router has fenced
+            # it, or fences it at the failover); the output up to the last good record stands.
+            faults = replayer.feed(snapshot.records)
+        except Exception:
+            tracked.replayer = None  # a corrupt log is read again from its start next time
+            raise
+        for fault in faults:
+            UNTRUSTED_RECORDS.labels(self.uri).inc()
+            log.warning("%s: session %s: a commit record left out: %s", self.uri, plan.session.hex(), fault)
+        replay = replayer.replay
+        # The committed prefix of a given length never changes, so the name can say only its length.
+        uri = build_uri(
+            self.mlc.authority, plan.contract.scope, TOKENS_KIND, f"{plan.session.hex()}-{len(replay.tokens)}"
+        )
+        if uri != tracked.tokens_uri:
+            await self.mlc.put(uri, encode_token_list(replay.tokens))
+            tracked.tokens_uri = uri
+        return replay, uri
+
+    async def _available(self, uri: str | None) -> str | None:
+        """``uri`` if the MLC holds it: the target KV the failed verifier published (SDCP 6.9)."""
+        if uri is None:
+            return None
+        try:
+            return uri if await self.mlc.exists(uri) else None
+        except CacheError as exc:
+            log.info("%s: target KV %s not looked up, the new verifier prefills: %s", self.uri, uri, exc)
+            return None
+
+    async def _discard(self, uri: str) -> None:
+        try:
+            await self.mlc.delete(uri)
+        except CacheError as exc:
+            log.info("%s: target KV %s not deleted: %s", self.uri, uri, exc)
+
+    async def _send_policy(self, tracked: TrackedSession, policy: Policy) -> SessionState:
+        state = await self.link.policy(tracked.plan.verifier, policy)
+        # SDCP 6.6: later assignments carry the profile; the contract stays as created.
+        tracked.plan.sampling = policy.sampling
+        return state
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _pick_verifier(self, contract: Contract, *, avoid: Sequence[str]) -> str | None:
+        live = [view for view in self.registry.live(Role.VERIFIER, self.clock()) if view.uri not in avoid]
+        candidates = [view for view in live if _serves(view, contract)] or _unreported(live)
+        return prefer_idle_and_accepting(candidates).uri if candidates else None
+
+    def _end(self, tracked: TrackedSession, kind: Action) -> None:
+        if tracked.ended:
+            return
+        tracked.ended = True
+        tracked.plan.drafter = None
+        SESSIONS_OPEN.labels(self.uri).dec()
+        log.info("%s: session %s ended (%s)", self.uri, tracked.plan.session.hex(), kind.name.lower())
+        self._tasks.spawn(self._forget_later(tracked))
+
+    async def _forget_later(self, tracked: TrackedSession) -> None:
+        """An ended session can be looked up for a while, then its memory is freed."""
+        await asyncio.sleep(self.settings.ended_retention_s)
+        if self.sessions.get(tracked.plan.session) is tracked:
+            del self.sessions[tracked.plan.session]
+
+
+def _verify_s(verifier: InstanceView | None) -> float:
+    """What a verification round costs at this verifier, for drafters that have not timed one: its
+    time per self-decoded token, one pass."""
+    if verifier is None or not verifier.status.self_us:
+        return DEFAULT_VERIFY_S  # none reported, or a zero that no pass can take
+    return verifier.status.self_us / 1e6
