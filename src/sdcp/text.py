@@ -73,6 +73,18 @@ class TextCodec:
         computes it from transformers' tokenizer: SHA-256 of its definition as canonical JSON."""
         return tokenizer_definition_digest(self.tokenizer.to_str())
 
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text that one token stands for: a text of b bytes is at least
+        b / max_token_bytes tokens, known without tokenizing it. A normalizer may shorten the text
+        before it is split (NFC composes up to three characters into one of a third of their
+        bytes), so with one the bound is three times the longest token."""
+        longest = max(
+            (len(self.token_text(token).encode("utf-8")) for token in range(self.vocab_size)),
+            default=1,
+        )
+        return max(1, longest) * (1 if self.tokenizer.normalizer is None else 3)
+
     # -- ids ---------------------------------------------------------------------------------------
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

@@ -5,6 +5,7 @@ bundled model's tokenizer, without sockets or models (tests/e2e/test_openai_api.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from sdcp.services.openai_api import (
     Generation,
     OpenAIError,
     chat_logprobs,
+    check_unicode,
     completion_logprobs,
     error_body,
     parse_detokenize,
@@ -43,9 +45,9 @@ def chat(codec: TextCodec, **body: Any) -> Generation:
     return parse_generation({"messages": CHAT, **body}, codec, served=SERVED, chat=True)
 
 
-def refusal(codec: TextCodec, body: object, *, chat: bool = False) -> OpenAIError:
+def refusal(codec: TextCodec, body: object, *, chat: bool = False, strict: bool = False) -> OpenAIError:
     with pytest.raises(OpenAIError) as refused:
-        parse_generation(body, codec, served=SERVED, chat=chat)
+        parse_generation(body, codec, served=SERVED, chat=chat, strict=strict)
     return refused.value
 
 
@@ -71,7 +73,7 @@ def test_a_body_that_is_not_an_object_is_a_400(codec: TextCodec, body: object) -
     [
         ("no_such_parameter", False),
         ("no_such_parameter", True),
-        # Members of the other endpoint.
+        # Members of the other endpoint: ignored there, as vLLM ignores them.
         ("messages", False),
         ("max_completion_tokens", False),
         ("top_logprobs", False),
@@ -82,11 +84,21 @@ def test_a_body_that_is_not_an_object_is_a_400(codec: TextCodec, body: object) -
         ("add_special_tokens", True),
     ],
 )
-def test_an_unknown_member_is_refused_as_openai_refuses_it(codec: TextCodec, member: str, is_chat: bool) -> None:
+def test_an_unknown_member_is_ignored_and_named_as_vllm_does(codec: TextCodec, member: str, is_chat: bool) -> None:
+    body: dict[str, object] = {"messages": CHAT} if is_chat else {"prompt": "Hello"}
+    plain = parse_generation(body, codec, served=SERVED, chat=is_chat)
+    generation = parse_generation({**body, member: 1, "another": [2]}, codec, served=SERVED, chat=is_chat)
+    assert generation.ignored == (member, "another")
+    assert replace(generation, ignored=()) == plain
+
+
+@pytest.mark.parametrize("is_chat", [False, True])
+def test_in_strict_mode_an_unknown_member_is_refused_as_openai_refuses_it(codec: TextCodec, is_chat: bool) -> None:
     body = {"messages": CHAT} if is_chat else {"prompt": "Hello"}
-    error = refusal(codec, {**body, member: 1}, chat=is_chat)
-    assert_bad_parameter(error, member)
-    assert error.message == f"Unrecognized request argument supplied: {member}"
+    for member in ("no_such_parameter", "prompt" if is_chat else "messages"):
+        error = refusal(codec, {**body, member: 1}, chat=is_chat, strict=True)
+        assert_bad_parameter(error, member)
+        assert error.message == f"Unrecognized request argument supplied: {member}"
 
 
 def test_an_unknown_member_that_is_null_is_ignored(codec: TextCodec) -> None:
@@ -243,11 +255,14 @@ def test_best_of_may_repeat_n(codec: TextCodec) -> None:
 # -- max_tokens ---------------------------------------------------------------------------------------------
 
 
-def test_max_tokens_defaults_to_what_fits_after_the_longest_prompt(codec: TextCodec) -> None:
+def test_max_tokens_defaults_to_16_for_completions_and_the_context_for_chat(codec: TextCodec) -> None:
+    # OpenAI's and vLLM's defaults: 16 tokens for a completion, what fits the context for a chat.
     assert codec.context_length is not None
-    longest = len(codec.encode("Hello there, world"))
-    assert completion(codec, prompt=["Hello", "Hello there, world"]).max_tokens == codec.context_length - longest
+    assert completion(codec, prompt=["Hello", "Hello there, world"]).max_tokens == 16
     assert chat(codec).max_tokens == codec.context_length - len(codec.encode_chat(CHAT))
+    # Never more than fits after the longest prompt.
+    near_full = [1] * (codec.context_length - 5)
+    assert completion(codec, prompt=[[1], near_full]).max_tokens == 5
 
 
 def test_max_tokens_is_taken_up_to_the_context(codec: TextCodec) -> None:
@@ -281,12 +296,63 @@ def test_a_prompt_that_fills_the_context_is_a_400(codec: TextCodec) -> None:
     assert completion(small, prompt=[1, 2]).max_tokens == 1
 
 
-def test_without_a_known_context_max_tokens_is_required(codec: TextCodec) -> None:
-    unbounded = TextCodec(codec.tokenizer)
-    error = refusal(unbounded, {"prompt": "Hello"})
+def test_without_a_known_context_a_chat_needs_max_tokens(codec: TextCodec) -> None:
+    unbounded = TextCodec(codec.tokenizer, chat_template=codec.chat_template)
+    error = refusal(unbounded, {"messages": CHAT}, chat=True)
     assert_bad_parameter(error, "max_tokens")
     assert "required" in error.message
+    assert completion(unbounded).max_tokens == 16
     assert completion(unbounded, max_tokens=100_000).max_tokens == 100_000
+
+
+def test_a_prompt_too_large_for_the_context_is_refused_by_its_size_before_it_is_tokenized(codec: TextCodec) -> None:
+    assert codec.context_length is not None
+    # No token of the bundled model stands for more than 81 bytes (a newline and 80 spaces).
+    assert codec.max_token_bytes == 81
+    most = codec.context_length * codec.max_token_bytes
+    calls = []
+
+    class Counting(TextCodec):
+        def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+            calls.append(len(text))
+            return super().encode(text, add_special_tokens=add_special_tokens)
+
+    counted = Counting(codec.tokenizer, chat_template=codec.chat_template, context_length=codec.context_length)
+    # One byte over what context_length tokens can stand for: refused, never tokenized.
+    for prompt in ("x" * (most + 1), "é" * (most // 2 + 1)):
+        error = refusal(counted, {"prompt": prompt})
+        assert_bad_parameter(error, "prompt")
+        assert f"maximum context length is {codec.context_length} tokens" in error.message
+        tokenize = refusal(counted, {"prompt": ["Hello", prompt]})
+        assert tokenize.param == "prompt"
+        with pytest.raises(OpenAIError) as refused:
+            parse_tokenize({"prompt": prompt}, counted, served=SERVED, context=codec.context_length)
+        assert refused.value.param == "prompt"
+    big_message = [{"role": "user", "content": "x" * (most + 1)}]
+    assert_bad_parameter(refusal(counted, {"messages": big_message}, chat=True), "messages")
+    # Only the small prompt before the large one in a list was tokenized (once per loop).
+    assert calls == [len("Hello")] * 2
+    # Within the bound, the tokens decide: this one is tokenized, and then too long.
+    error = refusal(counted, {"prompt": "word " * 9000})
+    assert calls[-1] == len("word " * 9000) and "your prompt is 9001 tokens" in error.message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "\ud800"},
+        {"messages": [{"role": "user", "content": "a\udfffb"}]},
+        {"prompt": "Hi", "stop": ["\udc00"]},
+        {"prompt": "Hi", "\ud83d": 1},
+        {"prompt": "Hi", "user": {"deep": [["\udbff"]]}},
+    ],
+)
+def test_a_lone_surrogate_anywhere_is_a_400(body: dict[str, object]) -> None:
+    with pytest.raises(OpenAIError) as refused:
+        check_unicode(body)
+    assert refused.value.status == 400 and "surrogate" in refused.value.message
+    # A pair is one character, and text.
+    check_unicode({"prompt": "\ud83c\udf89".encode("utf-16", "surrogatepass").decode("utf-16")})
 
 
 # -- sampling -----------------------------------------------------------------------------------------------

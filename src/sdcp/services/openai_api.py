@@ -1,13 +1,15 @@
 """The OpenAI-compatible API's requests and answers, without I/O (the gateway is the adapter).
 
 Every parameter of `/v1/completions` and `/v1/chat/completions` that vLLM accepts is either
-implemented or refused with a 400 naming it; an unknown one is refused as OpenAI refuses it
-(docs/services.md lists which is which). Errors take OpenAI's shape.
+implemented or refused with a 400 naming it; an unknown one is ignored and named, as vLLM ignores
+it, or refused as OpenAI refuses it in strict mode (docs/services.md lists which is which). Errors
+take OpenAI's shape.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -23,6 +25,7 @@ __all__ = [
     "OpenAIError",
     "Prompt",
     "chat_logprobs",
+    "check_unicode",
     "completion_logprobs",
     "error_body",
     "parse_detokenize",
@@ -34,6 +37,8 @@ __all__ = [
 MAX_CHOICES = 16
 # vLLM takes any number of stop strings; this bounds the work of matching them.
 MAX_STOP_STRINGS = 16
+# OpenAI's and vLLM's max_tokens of a completions request that gives none (chat fills the context).
+DEFAULT_COMPLETION_TOKENS = 16
 
 
 class OpenAIError(Exception):
@@ -101,6 +106,8 @@ class Generation:
     include_stop_str: bool
     user: str | None
     request_id: str | None
+    # Members that no parameter reads, ignored (vLLM's behaviour; strict mode refuses them instead).
+    ignored: tuple[str, ...] = ()
 
     @property
     def prompt_tokens(self) -> int:
@@ -195,26 +202,39 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 
 
 def parse_generation(
-    body: object, codec: TextCodec, *, served: Sequence[str], chat: bool, context: int | None = None
+    body: object,
+    codec: TextCodec,
+    *,
+    served: Sequence[str],
+    chat: bool,
+    context: int | None = None,
+    strict: bool = False,
 ) -> Generation:
     """Validate a completions or chat request and tokenize it; raises OpenAIError (400, or 404 for
     a model this gateway does not serve). ``context``: the positions a session may fill, where the
-    target holds fewer than the codec's model. Tokenization makes this CPU work: run it off the loop."""
+    target holds fewer than the codec's model. A member no parameter reads is ignored and listed in
+    ``Generation.ignored``, as vLLM does; ``strict`` refuses it, as OpenAI does. Tokenization makes
+    this CPU work: run it off the loop."""
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     implemented = _CHAT_IMPLEMENTED if chat else _COMPLETIONS_IMPLEMENTED
+    ignored = []
     for key, value in body.items():
         if key in implemented or value is None:
             continue
         if key not in _NEUTRAL:
-            raise OpenAIError(f"Unrecognized request argument supplied: {key}", param=key)
+            if strict:
+                raise OpenAIError(f"Unrecognized request argument supplied: {key}", param=key)
+            ignored.append(key)
+            continue
         if not any(_same(value, neutral) for neutral in _NEUTRAL[key]):
             raise _refused(key, f"only {_neutral_text(key)} is accepted")
     model = body.get("model")
     if model is not None and model not in served:
         raise OpenAIError(f"The model '{model}' does not exist", status=404, param="model")
     reader = _Reader(body)
-    prompts = _chat_prompt(reader, codec) if chat else _completion_prompts(reader, codec)
+    context = context if context is not None else codec.context_length
+    prompts = _chat_prompt(reader, codec, context) if chat else _completion_prompts(reader, codec, context)
     n = reader.integer("n", 1, low=1, high=MAX_CHOICES)
     best_of = reader.integer("best_of", n, low=1, high=MAX_CHOICES)
     if best_of != n:
@@ -223,7 +243,7 @@ def parse_generation(
         raise OpenAIError(f"n times the number of prompts must be at most {MAX_CHOICES}", param="n")
     choices = tuple(Choice(p * n + j, prompt, j == 0) for p, prompt in enumerate(prompts) for j in range(n))
     longest = max(len(prompt.ids) for prompt in prompts)
-    max_tokens = _max_tokens(reader, context if context is not None else codec.context_length, longest, chat)
+    max_tokens = _max_tokens(reader, context, longest, chat)
     temperature = reader.number("temperature", 1.0, low=0.0, high=2.0)
     top_p = reader.number("top_p", 1.0, low=0.0, high=1.0, low_open=True)
     top_k = reader.integer("top_k", 0, low=-1, high=codec.vocab_size)
@@ -238,7 +258,9 @@ def parse_generation(
     echo = False if chat else reader.boolean("echo", False)
     if echo and logprobs is not None:
         raise _refused("echo", "echo with logprobs would need the prompt's log-probabilities")
-    reader.boolean("parallel_tool_calls", True)
+    if chat:
+        # Only chat reads it; on completions it is an ignored member like any other.
+        reader.boolean("parallel_tool_calls", True)
     user = reader.text("user")
     request_id = reader.text("request_id")
     # OpenAI's default temperature is 1; temperature 0 is greedy decoding, i.e. rule 1 (SDCP 6.4).
@@ -269,18 +291,21 @@ def parse_generation(
         include_stop_str=reader.boolean("include_stop_str_in_output", False),
         user=user,
         request_id=request_id,
+        ignored=tuple(ignored),
     )
 
 
-def parse_tokenize(body: object, codec: TextCodec, *, served: Sequence[str]) -> list[int]:
+def parse_tokenize(body: object, codec: TextCodec, *, served: Sequence[str], context: int | None = None) -> list[int]:
     """vLLM's ``POST /tokenize``: ``prompt`` (with ``add_special_tokens``) or chat ``messages``
-    (with ``add_generation_prompt``), as the completions and chat endpoints would tokenize them."""
+    (with ``add_generation_prompt``), as the completions and chat endpoints would tokenize them.
+    A prompt too large for the ``context`` by its size alone is refused untokenized, as there."""
     reader = _small_request(body, served, ("prompt", "messages", "add_special_tokens", "add_generation_prompt"))
     if "messages" in reader.body:
-        return list(_chat_prompt(reader, codec)[0].ids)
+        return list(_chat_prompt(reader, codec, context)[0].ids)
     prompt = reader.body.get("prompt")
     if not isinstance(prompt, str):
         raise OpenAIError("'prompt' must be a string (or give 'messages')", "prompt")
+    _check_size(prompt, codec, context, "prompt")
     return codec.encode(prompt, add_special_tokens=reader.boolean("add_special_tokens", True))
 
 
@@ -390,7 +415,49 @@ def _is_token(value: object, vocab_size: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
-def _completion_prompts(reader: _Reader, codec: TextCodec) -> list[Prompt]:
+def check_unicode(value: object) -> None:
+    """JSON may escape half of a UTF-16 surrogate pair (``"\\ud800"``): Python reads it into a
+    string that is no Unicode text, which no tokenizer takes. Refused with a 400 before anything
+    reads the request (the strings and keys of ``value``, at any depth)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                raise OpenAIError("the request body holds a lone UTF-16 surrogate (an escape \\ud800-\\udfff)")
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_size(text: str, codec: TextCodec, context: int | None, param: str) -> None:
+    """Refuse, before it is tokenized, a text that cannot fit the context by its size alone: no token
+    covers more than ``codec.max_token_bytes`` of it, so it is at least that fraction of its UTF-8
+    bytes in tokens. Its characters bound its bytes from below; they are counted first, free."""
+    if context is None:
+        return
+    most = context * codec.max_token_bytes
+    # A character is 1 to 4 bytes: the bytes are counted (a copy) only where the characters leave it open.
+    if 4 * len(text) <= most or (len(text) <= most and _utf8_size(text) <= most):
+        return
+    at_least = -(-_utf8_size(text) // codec.max_token_bytes)
+    raise OpenAIError(
+        f"This model's maximum context length is {context} tokens. However, your prompt is at least "
+        f"{at_least} tokens ({len(text)} characters; no token is longer than {codec.max_token_bytes} bytes).",
+        param=param,
+    )
+
+
+def _utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _completion_prompts(reader: _Reader, codec: TextCodec, context: int | None) -> list[Prompt]:
     """`prompt`: a string, a list of strings, a list of token ids or a list of such lists."""
     value = reader.body.get("prompt")
     add_special = reader.boolean("add_special_tokens", True)
@@ -406,6 +473,7 @@ def _completion_prompts(reader: _Reader, codec: TextCodec) -> list[Prompt]:
     prompts = []
     for item in items:
         if isinstance(item, str) and item:
+            _check_size(item, codec, context, "prompt")
             ids = codec.encode(item, add_special_tokens=add_special)
             prompts.append(Prompt(tuple(ids), item))
         elif isinstance(item, list) and item and all(_is_token(t, 2**63) for t in item):
@@ -421,7 +489,7 @@ def _completion_prompts(reader: _Reader, codec: TextCodec) -> list[Prompt]:
     return prompts
 
 
-def _chat_prompt(reader: _Reader, codec: TextCodec) -> list[Prompt]:
+def _chat_prompt(reader: _Reader, codec: TextCodec, context: int | None) -> list[Prompt]:
     messages = reader.body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("'messages' must be a non-empty list", param="messages")
@@ -430,6 +498,7 @@ def _chat_prompt(reader: _Reader, codec: TextCodec) -> list[Prompt]:
         text = codec.render_chat(rendered, add_generation_prompt=reader.boolean("add_generation_prompt", True))
     except ChatTemplateError as exc:
         raise OpenAIError(str(exc), param="messages") from exc
+    _check_size(text, codec, context, "messages")
     ids = codec.encode(text, add_special_tokens=False)
     if not ids:
         raise OpenAIError("the messages encode to no tokens", param="messages")
@@ -455,7 +524,8 @@ def _message(message: object, index: int) -> dict[str, str]:
 
 
 def _max_tokens(reader: _Reader, context: int | None, prompt_tokens: int, chat: bool) -> int:
-    """By default what fits the context after the longest prompt; more is a 400, as in vLLM."""
+    """By default what fits the context after the longest prompt (chat) or 16 tokens (completions,
+    at most what fits); more than fits is a 400, as in vLLM."""
     key = "max_completion_tokens" if chat and reader.body.get("max_completion_tokens") is not None else "max_tokens"
     room = None if context is None else context - prompt_tokens
     if room is not None and room < 1:
@@ -466,6 +536,8 @@ def _max_tokens(reader: _Reader, context: int | None, prompt_tokens: int, chat: 
         )
     requested = reader.integer(key, None, low=1, high=2**32 - 1)
     if requested is None:
+        if not chat:
+            return DEFAULT_COMPLETION_TOKENS if room is None else min(DEFAULT_COMPLETION_TOKENS, room)
         if room is None:
             raise OpenAIError(f"'{key}' is required: the model's context length is unknown", param=key)
         return room
