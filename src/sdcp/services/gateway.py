@@ -7,6 +7,10 @@ output is read with the epoch rule of SDCP 6.7 (``sdcp.client.ClusterClient.stre
 and failovers never duplicate or lose tokens. Its listener takes no client certificates (browsers
 and the `openai` package carry none): plain HTTP on loopback, or TLS when configured. It needs no
 torch: text goes through ``sdcp.text`` (the `tokenizers` library).
+
+The outermost layer (``_Admission``) admits at most ``[gateway] max_requests_in_flight`` requests
+at once (429 with Retry-After past it) and writes one access-log line per request, when it has
+been answered whole, refused, or abandoned by its client.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sdcp import __version__
 from sdcp.client import ClusterClient, SessionHandle, build_contract
@@ -40,6 +45,7 @@ from sdcp.services.openai_api import (
     Generation,
     OpenAIError,
     chat_logprobs,
+    check_unicode,
     completion_logprobs,
     error_body,
     parse_detokenize,
@@ -79,6 +85,22 @@ REQUEST_SUCCESS = Counter(
 )
 REQUESTS_IN_PROGRESS = Gauge("sdcp_gateway_requests_in_progress", "Requests being answered", ["instance"])
 REQUESTS_OPENING = Gauge("sdcp_gateway_requests_opening", "Requests whose sessions are being opened", ["instance"])
+REQUESTS_IN_FLIGHT = Gauge(
+    "sdcp_gateway_requests_in_flight",
+    "Requests admitted and not yet answered, at most [gateway] max_requests_in_flight",
+    ["instance"],
+)
+REQUESTS_REFUSED = Counter(
+    "sdcp_gateway_requests_refused",
+    "Requests refused with 429 because max_requests_in_flight were in flight",
+    ["instance"],
+)
+# The routes whose requests count towards the cap: those that read a body and may tokenize it.
+_CAPPED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+# A body this large is parsed off the event loop.
+_PARSE_INLINE_BYTES = 64 * 1024
+# The status an access line gives a request whose client went away before its answer began (nginx's).
+_CLIENT_GONE = 499
 
 
 @dataclass
@@ -90,6 +112,97 @@ class _Piece:
     finish: str | None
     tokens: int
     logprobs: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
+
+
+@dataclass
+class _AccessRecord:
+    """What a request's access-log line says besides its status and time; the handler fills it in."""
+
+    request_id: str
+    note: str = ""
+    # "answered" (the whole answer was sent), "aborted" (the client went away first), "failed"
+    # (the cluster failed a stream after its 200); None: decided from what was sent.
+    outcome: str | None = None
+
+
+_RECORD_KEY = "sdcp.access"
+
+
+def _record(request: Request) -> _AccessRecord:
+    record = request.scope.get(_RECORD_KEY)
+    if not isinstance(record, _AccessRecord):
+        # The routes' app used without _Admission (tests of the routes alone).
+        record = request.scope[_RECORD_KEY] = _AccessRecord(_request_id(request.headers.get("x-request-id")))
+    return record
+
+
+class _Admission:
+    """Caps the requests in flight and writes one access-log line per request, whatever its end: a
+    stream whose client goes away ends here as an abandoned call, never reaching the routes' code
+    again."""
+
+    def __init__(self, app: ASGIApp, *, limit: int, uri: str) -> None:
+        self.app = app
+        self.limit = limit
+        self.in_flight = 0
+        self._gauge = REQUESTS_IN_FLIGHT.labels(uri)
+        self._refused = REQUESTS_REFUSED.labels(uri)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+        record = _AccessRecord(_request_id(headers.get("x-request-id")))
+        scope[_RECORD_KEY] = record
+        status: int | None = None
+        whole = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal status, whole
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                whole = True
+            await send(message)
+
+        capped = scope["path"] in _CAPPED_PATHS
+        try:
+            if capped and self.in_flight >= self.limit:
+                self._refused.inc()
+                record.note = f"{self.in_flight} requests in flight, the most [gateway] max_requests_in_flight admits"
+                message = f"too many requests in flight ({self.limit}); retry later"
+                refusal = JSONResponse(
+                    error_body(message, "rate_limit_error"), status_code=429, headers={"Retry-After": "1"}
+                )
+                await refusal(scope, receive, tracked)
+                return
+            if capped:
+                self.in_flight += 1
+                self._gauge.inc()
+            try:
+                await self.app(scope, receive, tracked)
+            finally:
+                if capped:
+                    self.in_flight -= 1
+                    self._gauge.dec()
+        finally:
+            outcome = record.outcome or ("answered" if whole else "aborted")
+            if outcome == "aborted" and not record.note:
+                record.note = "the client went away"
+            client = scope.get("client")
+            log.info(
+                "%s %s %s %d %s request %s %.3f s: %s",
+                client[0] if client else "-",
+                scope["method"],
+                scope["path"],
+                _CLIENT_GONE if status is None else status,
+                outcome,
+                record.request_id,
+                time.perf_counter() - started,
+                record.note or "-",
+            )
 
 
 class _ClusterFailed(Exception):
@@ -129,12 +242,13 @@ class GatewayNode:
             family.labels(self.uri)
         for reason in FINISH_REASONS:
             REQUEST_SUCCESS.labels(self.uri, reason)
-        for gauge in (REQUESTS_IN_PROGRESS, REQUESTS_OPENING):
+        for gauge in (REQUESTS_IN_PROGRESS, REQUESTS_OPENING, REQUESTS_IN_FLIGHT):
             gauge.labels(self.uri)
         # The target digest that contracts name, until no verifier of it opens a session.
         self._target: bytes | None = None
         # The positions per session that each listed target's verifier holds, where it says.
         self._target_contexts: dict[bytes, int] = {}
+        REQUESTS_REFUSED.labels(self.uri)
         # Cancellations under way, kept referenced until they are done.
         self._cancelling: set[asyncio.Future[None]] = set()
 
@@ -143,8 +257,8 @@ class GatewayNode:
         assert self._server is not None
         return self._server.base_url
 
-    def app(self) -> Starlette:
-        return Starlette(
+    def app(self) -> ASGIApp:
+        routes = Starlette(
             routes=[
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -157,6 +271,7 @@ class GatewayNode:
             ],
             exception_handlers={404: _not_found, 405: _method_not_allowed},
         )
+        return _Admission(routes, limit=self.settings.max_requests_in_flight, uri=self.uri)
 
     async def start(self) -> None:
         self._server = FrontEndServer(self.app(), self.listener)
@@ -217,7 +332,7 @@ class GatewayNode:
         context = await self._context_length()
 
         def answer(body: object) -> dict[str, Any]:
-            tokens = parse_tokenize(body, self.codec, served=(self.model_name,))
+            tokens = parse_tokenize(body, self.codec, served=(self.model_name,), context=context)
             return {"tokens": tokens, "count": len(tokens), "max_model_len": context}
 
         return await self._answer_small(request, answer)
@@ -235,6 +350,7 @@ class GatewayNode:
             body = await self._read_json(request)
             return JSONResponse(await asyncio.to_thread(answer, body))
         except OpenAIError as exc:
+            _record(request).note = exc.message
             return JSONResponse(exc.body(), status_code=exc.status)
 
     async def completions(self, request: Request) -> Response:
@@ -253,7 +369,7 @@ class GatewayNode:
             raise OpenAIError("Incorrect API key provided", status=401, kind="authentication_error")
 
     async def _serve(self, request: Request, *, chat: bool) -> Response:
-        request_id = _request_id(request.headers.get("x-request-id"))
+        record = _record(request)
         started = time.perf_counter()
         try:
             self._check_key(request)
@@ -261,52 +377,84 @@ class GatewayNode:
             context = await self._context_length()
             # Tokenizing and rendering a chat template are CPU work: off the event loop.
             generation = await asyncio.to_thread(
-                parse_generation, body, self.codec, served=(self.model_name,), chat=chat, context=context
+                parse_generation,
+                body,
+                self.codec,
+                served=(self.model_name,),
+                chat=chat,
+                context=context,
+                strict=self.settings.strict,
             )
-            request_id = _request_id(generation.request_id) if generation.request_id else request_id
+            if generation.request_id:
+                record.request_id = _request_id(generation.request_id)
+            if generation.ignored:
+                log.warning(
+                    "gateway: request %s: ignored members that no parameter reads: %s",
+                    record.request_id,
+                    ", ".join(generation.ignored),
+                )
             with REQUESTS_OPENING.labels(self.uri).track_inprogress():
-                handles = await self._open_all(generation, request_id)
+                handles = await self._open_all(generation, record.request_id)
         except OpenAIError as exc:
-            _access(request, exc.status, request_id, started, exc.message)
+            record.note = exc.message
             return JSONResponse(exc.body(), status_code=exc.status)
         except _ClusterFailed as exc:
-            _access(request, 503, request_id, started, str(exc))
+            record.note = str(exc)
             return _unavailable(str(exc))
         except ClientDisconnect:
-            _access(request, 499, request_id, started, "the client went away")
-            return Response(status_code=499)
+            record.outcome, record.note = "aborted", "the client went away while sending"
+            return Response(status_code=_CLIENT_GONE)
+        request_id = record.request_id
         sessions = ",".join(h.session.hex() for h in handles)
         log.info("gateway: request %s (user %s) opened sessions %s", request_id, generation.user or "-", sessions)
         PROMPT_TOKENS.labels(self.uri).inc(generation.prompt_tokens)
         completion_id = ("chatcmpl-" if chat else "cmpl-") + request_id
         # The sessions of the choices, in choice order, so that an operator can follow them.
         headers = {"X-Request-Id": request_id, "X-SDCP-Sessions": sessions}
+        if generation.ignored:
+            headers["X-SDCP-Ignored-Members"] = ",".join(_header_safe(name) for name in generation.ignored)
         streams = [
             self._texts(handle, generation, choice, started)
             for handle, choice in zip(handles, generation.choices, strict=True)
         ]
         if generation.stream:
+            record.note = f"sessions {sessions}, streamed"
             return StreamingResponse(
-                self._sse(_merged(streams), generation, completion_id, request, request_id, started),
+                self._sse(_merged(streams), generation, completion_id, record, started),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **headers},
             )
         collecting = [asyncio.ensure_future(_collected(stream)) for stream in streams]
+        # The body has been read: the next message is the client's going away, if it goes before
+        # the answer (the sessions are then cancelled, rather than decoded to their end for nobody).
+        gone = asyncio.ensure_future(_disconnected(request))
+        all_collected = asyncio.gather(*collecting)
         try:
             with REQUESTS_IN_PROGRESS.labels(self.uri).track_inprogress():
-                answers = await asyncio.gather(*collecting)
+                racing: set[asyncio.Future[Any]] = {all_collected, gone}
+                await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+                if not all_collected.done():
+                    record.outcome = "aborted"
+                    record.note = f"the client went away; sessions {sessions} cancelled"
+                    return Response(status_code=_CLIENT_GONE)
+                answers = all_collected.result()
         except _ClusterFailed as exc:
+            record.note = str(exc)
+            return _unavailable(str(exc))
+        finally:
+            gone.cancel()
+            # A choice not collected (the client left, another choice failed, the gateway stops):
+            # cancelling its task closes its stream, which cancels its session.
             for task in collecting:
                 task.cancel()
-            await asyncio.gather(*collecting, return_exceptions=True)
-            _access(request, 503, request_id, started, str(exc))
-            return _unavailable(str(exc))
+            await asyncio.gather(gone, all_collected, *collecting, return_exceptions=True)
         E2E_LATENCY.labels(self.uri).observe(time.perf_counter() - started)
-        _access(request, 200, request_id, started, f"sessions {sessions}")
+        record.note = f"sessions {sessions}"
         return JSONResponse(self._answer(generation, answers, completion_id), headers=headers)
 
     async def _read_json(self, request: Request) -> object:
-        """The body, read with the configured limit enforced while reading; then JSON."""
+        """The body, read with the configured limit enforced while reading; then JSON, refused
+        where it holds a string that is no Unicode text."""
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -316,10 +464,9 @@ class GatewayNode:
             received += chunk
             if len(received) > limit:
                 raise OpenAIError(f"the request body exceeds {limit} bytes", status=413)
-        try:
-            return json.loads(bytes(received))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise OpenAIError(f"the request body is not valid JSON: {exc}") from exc
+        if len(received) > _PARSE_INLINE_BYTES:
+            return await asyncio.to_thread(_parsed, received)
+        return _parsed(received)
 
     async def _open_all(self, generation: Generation, request_id: str) -> list[SessionHandle]:
         """One session per choice; if one cannot be opened, those that were are cancelled. When no
@@ -529,8 +676,7 @@ class GatewayNode:
         pieces: AsyncIterator[_Piece],
         generation: Generation,
         completion_id: str,
-        request: Request,
-        request_id: str,
+        record: _AccessRecord,
         started: float,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
@@ -572,20 +718,41 @@ class GatewayNode:
                 usage = _usage(prompt_tokens[piece.index], piece.tokens) if generation.continuous_usage else None
                 yield event([choice], usage)
         except _ClusterFailed as exc:
-            log.warning("gateway: request %s failed while streaming: %s", request_id, exc)
+            log.warning("gateway: request %s failed while streaming: %s", record.request_id, exc)
+            record.outcome, record.note = "failed", f"{record.note}: {exc}"
             yield f"data: {json.dumps(error_body(str(exc), 'server_error'))}\n\n".encode()
         else:
             if generation.include_usage:
                 yield event([], _usage(generation.prompt_tokens, sum(counts.values())))
             E2E_LATENCY.labels(self.uri).observe(time.perf_counter() - started)
-            _access(request, 200, request_id, started, "streamed")
         finally:
             in_progress.dec()
+            record.note += f", {sum(counts.values())} tokens"
         yield b"data: [DONE]\n\n"
 
 
 async def _collected(stream: AsyncIterator[_Piece]) -> list[_Piece]:
     return [piece async for piece in stream]
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (to be called once the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _parsed(body: bytearray) -> object:
+    try:
+        parsed = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise OpenAIError(f"the request body is not valid JSON: {exc}") from exc
+    check_unicode(parsed)
+    return parsed
+
+
+def _header_safe(name: str) -> str:
+    # A member's name goes into a header as printable ASCII (others escaped, as JSON writes them).
+    return json.dumps(name)[1:-1] if name.isascii() and name.isprintable() and "," not in name else json.dumps(name)
 
 
 async def _merged(streams: list[AsyncIterator[_Piece]]) -> AsyncIterator[_Piece]:
@@ -622,15 +789,6 @@ async def _merged(streams: list[AsyncIterator[_Piece]]) -> AsyncIterator[_Piece]
         for stream in streams:
             with contextlib.suppress(Exception):
                 await stream.aclose()  # type: ignore[attr-defined]
-
-
-def _access(request: Request, status: int, request_id: str, started: float, note: str) -> None:
-    """The access log: one line a request, with its request id (also in the router's and the
-    verifier's lines for its sessions)."""
-    elapsed = time.perf_counter() - started
-    client = request.client.host if request.client else "-"
-    path = request.url.path
-    log.info("%s %s %s %d request %s %.3f s: %s", client, request.method, path, status, request_id, elapsed, note)
 
 
 def _request_id(offered: str | None) -> str:
