@@ -28,6 +28,8 @@ __all__ = [
     "Action",
     "Alternative",
     "Assignment",
+    "CONSTRAINT_KINDS",
+    "Constraint",
     "Contract",
     "Event",
     "HistoryStatus",
@@ -56,6 +58,10 @@ SESSION_ID_SIZE = 16
 SCOPE_SIZE = 16
 # The most alternatives per token an output's log-probabilities carry (as vLLM's default max_logprobs).
 MAX_TOP_LOGPROBS = 20
+# The languages a session-open's constraint may name (docs/interpretations.md, "Structured output"),
+# and the longest text that defines one (a JSON schema, a regular expression, a grammar).
+CONSTRAINT_KINDS = frozenset({"json_schema", "regex", "choice", "lark"})
+MAX_CONSTRAINT_TEXT = 128 * 1024
 
 ErrorFactory = Callable[[str], ProtocolError]
 
@@ -169,6 +175,32 @@ class _ShortText(_Text):
         text = super().parse(value, ctx, where)
         if not 0 < len(text) <= self.most or not text.isascii() or not text.isprintable():
             raise ctx.error(f"{where} must be 1 to {self.most} printable ASCII characters")
+        return text
+
+
+@dataclass(frozen=True)
+class _OneOf(_Text):
+    """A text that is one of ``values``."""
+
+    values: frozenset[str]
+
+    def parse(self, value: object, ctx: _Context, where: str) -> str:
+        text = super().parse(value, ctx, where)
+        if text not in self.values:
+            raise ctx.error(f"{where} = {text!r} is not one of {', '.join(sorted(self.values))}")
+        return text
+
+
+@dataclass(frozen=True)
+class _BoundedText(_Text):
+    """A text of at most ``most`` characters."""
+
+    most: int
+
+    def parse(self, value: object, ctx: _Context, where: str) -> str:
+        text = super().parse(value, ctx, where)
+        if len(text) > self.most:
+            raise ctx.error(f"{where} holds {len(text)} characters, more than {self.most}")
         return text
 
 
@@ -462,6 +494,16 @@ class Resume(_Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Constraint(_Message):
+    """Extension (docs/interpretations.md, "Structured output"): the language the output must be a
+    prefix of, part of the session's target distribution: every position's distribution is the
+    target's restricted to the tokens that keep the output in the language, renormalised."""
+
+    kind: str = _required(_OneOf(CONSTRAINT_KINDS))
+    text: str = _required(_BoundedText(MAX_CONSTRAINT_TEXT))
+
+
+@dataclass(frozen=True, kw_only=True)
 class SessionOpen(_Message):
     session: bytes = _required(_SESSION)
     epoch: int = _required(_UINT)
@@ -479,6 +521,8 @@ class SessionOpen(_Message):
     min_new: int | None = _optional(_UINT)
     # Extension: the front end's request id, for the logs of every role (docs/interpretations.md).
     request: str | None = _optional(_REQUEST_ID)
+    # Extension: the output's language, part of the target distribution (structured output).
+    constraint: Constraint | None = _optional(_Nested(Constraint))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -492,6 +536,7 @@ class SessionRequest(_Message):
     logprobs: int | None = _optional(_UInt(high=MAX_TOP_LOGPROBS))
     min_new: int | None = _optional(_UINT)
     request: str | None = _optional(_REQUEST_ID)
+    constraint: Constraint | None = _optional(_Nested(Constraint))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -521,6 +566,9 @@ class Assignment(_Message):
     # Extension (docs/interpretations.md): the front end that opened the session, as session-open's
     # owner, so that a suffix drafter drafts from that front end's finished sessions only.
     owner: str | None = _optional(_TEXT)
+    # Extension: session-open's constraint, so that a drafter proposes the tokens it forces at full
+    # confidence and nothing it disallows (structured output).
+    constraint: Constraint | None = _optional(_Nested(Constraint))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from sdcp.protocol.constraint import TokenConstraint, constrain_rows
 from sdcp.protocol.control import SpeculationControl
 from sdcp.protocol.digest import extend_digest, prefix_digest
 from sdcp.protocol.logprobs import suppress_stops, token_logprobs
@@ -189,11 +190,14 @@ class VerifierSession:
         m_init: int | None = None,
         logprobs: int | None = None,
         min_new: int = 0,
+        constraint: TokenConstraint | None = None,
     ) -> None:
         self.rule = get_rule(contract.rule)
         # Extensions of session-open (docs/interpretations.md): None asks for no log-probabilities.
         self.top_logprobs = logprobs
         self.min_new = min_new
+        # The output's language, part of the target distribution (structured output).
+        self.constraint = constraint
         self.token_logprobs: list[TokenLogprob] = []
         self.session = session
         self.epoch = epoch
@@ -223,6 +227,12 @@ class VerifierSession:
         digest = extend_digest(self.digest, tokens)
         if digest != resume.digest:
             raise BadMessage("resume digest does not match the committed tokens")
+        if self.constraint is not None:
+            # The constraint's state follows the committed output: a new verifier resumes it there.
+            try:
+                self.constraint.commit(tokens)
+            except ValueError as exc:
+                raise BadMessage(f"the committed tokens are outside the constraint's language: {exc}") from exc
         self.tokens = list(tokens)
         # Tokens committed before the failover were decided elsewhere: their log-probabilities are unknown here.
         self.token_logprobs = [TokenLogprob() for _ in tokens]
@@ -416,7 +426,7 @@ class VerifierSession:
         tokens = proposal.tokens
         # SDCP 6.3: a rule that needs draft rows checks every one (rules.check_draft_rows) before it
         # draws its first random value.
-        acceptance = self.rule.accept(self._target_rows(logits, ticket.sampling), q_rows, tokens, ticket.rng)
+        acceptance = self.rule.accept(self._target_rows(logits, ticket.sampling, tokens), q_rows, tokens, ticket.rng)
         proposed_emitted = (*tokens[: acceptance.accepted], acceptance.extra_token)
         control = copy.copy(self.control)
         emitted, finished = self._truncate(proposed_emitted)
@@ -432,7 +442,7 @@ class VerifierSession:
         if self._require_ticket(ticket) is not None:
             raise ValueError("a proposal round is decided by decide")
         raw = np.asarray(logits).reshape(-1, np.shape(logits)[-1])[:1]
-        row = suppress_stops(raw, self.committed, self.min_new, self.contract.stop)[0]
+        row = self._target_logits(raw, ())[0]
         if isinstance(self.rule, GreedyRule):
             token = int(np.argmax(row))
         else:
@@ -450,6 +460,9 @@ class VerifierSession:
     def apply(self, pending: PendingCommit) -> Verdict:
         """The commit record is durable: commit the tokens and record the verdict together."""
         self._require_ticket(pending.ticket)
+        if self.constraint is not None:
+            # Every emitted token was drawn from rows the constraint restricted: it is allowed.
+            self.constraint.commit(pending.record.emitted)
         self.tokens.extend(pending.record.emitted)
         self.token_logprobs.extend(pending.logprobs)
         self.digest = pending.record.digest
@@ -488,8 +501,16 @@ class VerifierSession:
             rng = SecureRandom()
         return RoundTicket(round_number, proposal, sampling, rng)
 
-    def _target_rows(self, logits: np.ndarray, sampling: Sampling | None) -> np.ndarray:
-        logits = suppress_stops(logits, self.committed, self.min_new, self.contract.stop)
+    def _target_logits(self, logits: np.ndarray, proposed: tuple[int, ...]) -> np.ndarray:
+        """The logits of the target distribution at the positions after the committed output and
+        ``proposed``: the constraint's disallowed tokens at -inf, and the stop tokens before min_new."""
+        if self.constraint is None:
+            return suppress_stops(logits, self.committed, self.min_new, self.contract.stop)
+        allowed = self.constraint.allowed(proposed)
+        return constrain_rows(logits, allowed, self.committed, self.min_new, self.contract.stop)
+
+    def _target_rows(self, logits: np.ndarray, sampling: Sampling | None, proposed: tuple[int, ...]) -> np.ndarray:
+        logits = self._target_logits(logits, proposed)
         if isinstance(self.rule, GreedyRule):
             # argmax p equals argmax of the logits under every sampling profile (temperature is
             # monotone; top-k and top-p keep the most probable token), so rule 1 skips the softmax.
