@@ -42,7 +42,8 @@ _CANCEL_WAIT_S = 5.0
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    err_console.print(f"[red]sdcp:[/red] {escape(message)}", highlight=False)
+    # One line however narrow the terminal (rich wraps at 80 columns where there is none).
+    err_console.print(f"[red]sdcp:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -227,6 +228,12 @@ for _role in Role:
 # -- the local cluster ----------------------------------------------------------------------------
 
 
+class DtypeName(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 class BackendName(StrEnum):
     auto = "auto"
     torch = "torch"
@@ -249,10 +256,34 @@ def up(
         "or llamacpp:NAME_OR_GGUF (a model much smaller than the target).",
     ),
     gateway_port: int = typer.Option(8000, "--gateway-port", help="Port of the OpenAI-compatible API (0: any)."),
+    host: str = typer.Option(
+        None,
+        "--host",
+        help="Address the OpenAI-compatible API listens on (default 127.0.0.1). Another than loopback needs "
+        "--api-key and serves TLS with a certificate from the cluster's CA.",
+    ),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        envvar="SDCP_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1. Kept (mode 0600) in the cluster's home for restarts; "
+        "never printed.",
+        show_envvar=True,
+    ),
+    served_model_name: str = typer.Option(
+        None, "--served-model-name", help="The model name the API reports and accepts (default: --model)."
+    ),
+    device: str = typer.Option(
+        None, "--device", help="Where the verifier (and hf: drafters) run: cpu (default), cuda, cuda:N or mps."
+    ),
+    dtype: DtypeName = typer.Option(
+        None, "--dtype", help="Their precision: float32 (default), bfloat16 or float16 (torch backend)."
+    ),
     home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp)."),
 ) -> None:
     """Start a local cluster in the background: router, verifier, drafters, embedded MLC, and the
-    OpenAI-compatible API on 127.0.0.1."""
+    OpenAI-compatible API (on 127.0.0.1 unless --host). A cluster that exists is left as it runs,
+    its stopped instances restarted with the options it was started with; other options are an error."""
     from sdcp.cluster import DEFAULT_DRAFTERS, LocalCluster
 
     with user_errors():
@@ -269,11 +300,31 @@ def up(
                 drafters=tuple(drafter or DEFAULT_DRAFTERS),
                 redis_url=redis,
                 gateway_port=gateway_port,
+                device=device,
+                dtype=None if dtype is None else dtype.value,
+                host=host,
+                served_model_name=served_model_name,
+                api_key=api_key,
             )
     _print_instances(instances)
+    _print_api(LocalCluster(home))
     for name, target in LocalCluster(home).target().items():
         err_console.print(f"{name}: {target}", highlight=False)
     _print_dashboard(LocalCluster(home))
+
+
+def _print_api(cluster: Any) -> None:
+    """How to reach the API: its TLS trust and where its key is, never the key."""
+    gateway = cluster.gateway
+    if gateway is None:
+        return
+    notes = []
+    if gateway.startswith("https:"):
+        notes.append(f"TLS: trust {cluster.certs / 'ca.pem'}")
+    if cluster.api_key_file.is_file():
+        notes.append(f"API key in {cluster.api_key_file}")
+    if notes:
+        err_console.print(f"API: {gateway} ({'; '.join(notes)})", highlight=False)
 
 
 def _print_dashboard(cluster: Any) -> None:

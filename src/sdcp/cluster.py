@@ -2,21 +2,27 @@
 
 Layout under ``$SDCP_HOME/cluster`` (docs/deploy.md shows the same files for several hosts):
 ``certs/`` (dev CA and one certificate per instance), ``<name>.toml`` (one config per instance),
-``logs/<name>.log``, ``mlc/`` (the embedded MLC's shared disk tier) and ``cluster.json`` (what runs:
-names, roles, URIs, pids).
+``logs/<name>.log``, ``mlc/`` (the embedded MLC's shared disk tier), ``cluster.json`` (what runs:
+names, roles, URIs, pids), ``options.json`` (the `sdcp up` options it was started with) and, with
+``--api-key``, ``api-key`` (mode 0600; the gateway's TOML names the file, never the key).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from sdcp.home import sdcp_home
 from sdcp.localhost import accepts, free_port
@@ -24,11 +30,14 @@ from sdcp.threads import usable_cores
 from sdcp.transport.certs import instance_name, make_certs
 
 __all__ = [
+    "API_KEY_FILE",
     "CLIENT_URI",
     "GATEWAY_URI",
     "ClusterError",
     "Instance",
     "LocalCluster",
+    "UpOptions",
+    "check_up_options",
 ]
 
 CLIENT_URI = "https://localhost/sdcp-client"
@@ -38,6 +47,51 @@ GATEWAY_URI = "https://localhost/sdcp-gateway"
 # drafter (`--drafter hf:NAME`) pays where it is much smaller than the target.
 DEFAULT_DRAFTERS = ("ngram",)
 _TTL_MS = 3000
+API_KEY_FILE = "api-key"
+_OPTIONS_FILE = "options.json"
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """The options of `sdcp up` that shape the cluster's instances, kept in ``options.json``: a
+    restart runs the instances with the same ones, and `sdcp up` given others while the cluster
+    exists is an error, not silently ignored. None: not given (the cluster's, or the default)."""
+
+    device: str | None = None
+    dtype: str | None = None
+    host: str | None = None
+    served_model_name: str | None = None
+    # Kept as whether one is set: the key itself is only in the api-key file.
+    api_key: bool | None = None
+
+    def given(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def check_up_options(
+    backend: str, *, device: str | None, dtype: str | None, host: str | None, api_key: str | None
+) -> None:
+    """Options that cannot be, or cannot go together, as one line each (ClusterError)."""
+    if device is not None and re.fullmatch(r"cpu|mps|cuda(:\d+)?", device) is None:
+        raise ClusterError(f"--device {device} is none of cpu, cuda, cuda:N, mps")
+    if backend == "llamacpp" and device not in (None, "cpu"):
+        raise ClusterError(f"--backend llamacpp runs on the cpu, not on {device}; use --backend torch (or auto) for it")
+    if backend == "llamacpp" and dtype not in (None, "float32"):
+        raise ClusterError("--backend llamacpp runs the GGUF's own types; --dtype is for --backend torch")
+    if host is not None and not is_loopback(host) and api_key is None:
+        raise ClusterError(
+            f"--host {host} serves the API beyond this machine: give --api-key too "
+            "(the gateway then also serves TLS with a certificate from the cluster's CA)"
+        )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class ClusterError(RuntimeError):
@@ -143,13 +197,26 @@ class LocalCluster:
         redis_url: str | None = None,
         gateway_port: int = 8000,
         timeout_s: float = 180.0,
+        device: str | None = None,
+        dtype: str | None = None,
+        host: str | None = None,
+        served_model_name: str | None = None,
+        api_key: str | None = None,
     ) -> list[Instance]:
         """Start router, verifier, drafters and the gateway as separate processes; wait until they
-        serve. A cluster of which some instances stopped gets those restarted, the others untouched."""
-        if self.running():
-            return self.instances()
+        serve. A cluster of which some instances stopped gets those restarted, the others untouched,
+        with the options it was started with (its API key among them); options given that differ
+        from those are a ClusterError. ``device``, ``dtype``: the verifier's and the ``hf:``
+        drafters' torch device and precision; ``host``: where the gateway listens (loopback by
+        default; another address needs ``api_key`` and gets TLS); ``served_model_name``: the model
+        name the API reports and accepts; ``api_key``: required on every /v1 request."""
+        given = UpOptions(device, dtype, host, served_model_name, None if api_key is None else True)
         if self.instances():
+            self._check_same(given, api_key)
+            if self.running():
+                return self.instances()
             return self.restart_stopped(timeout_s)
+        check_up_options(backend, device=device, dtype=dtype, host=host, api_key=api_key)
         if gateway_port and accepts(gateway_port):
             raise ClusterError(
                 f"port {gateway_port} is busy; start the cluster with `sdcp up --gateway-port N` (0 picks a free one)"
@@ -160,14 +227,33 @@ class LocalCluster:
         plan.extend((f"drafter-{index}", "drafter", spec) for index, spec in enumerate(drafters, start=1))
         plan.append(("gateway", "gateway", model))
         uris = {name: f"https://127.0.0.1:{free_port()}" for name, _, _ in plan}
-        # The gateway's SDCP identity is a client one; its own URI is where the OpenAI API listens.
-        uris["gateway"] = f"http://127.0.0.1:{gateway_port or free_port()}/v1"
+        # The gateway's SDCP identity is a client one; its own URI is where the OpenAI API listens:
+        # plain HTTP on loopback, else TLS under the name clients reach it by (_api_host).
+        listen_host = host or "127.0.0.1"
+        port = gateway_port or free_port()
+        tls = not is_loopback(listen_host)
+        uris["gateway"] = f"https://{_api_host(listen_host)}:{port}/v1" if tls else f"http://{listen_host}:{port}/v1"
         admins = {name: f"http://127.0.0.1:{free_port()}" for name, _, _ in plan}
-        make_certs(self.certs, [*(uri for name, uri in uris.items() if name != "gateway"), CLIENT_URI, GATEWAY_URI])
+        make_certs(
+            self.certs,
+            [
+                *(uri for name, uri in uris.items() if name != "gateway"),
+                CLIENT_URI,
+                GATEWAY_URI,
+                *([uris["gateway"]] if tls else []),
+            ],
+        )
+        options = UpOptions(device or "cpu", dtype or "float32", listen_host, served_model_name, api_key is not None)
+        self._write_options(options, api_key)
+        gateway = _GatewaySettings(
+            listen_host, port, served_model_name, api_key is not None, uris["gateway"] if tls else None
+        )
         started: list[Instance] = []
         try:
             for name, role, what in plan:
-                config = self._write_config(name, role, what, uris, admins[name], model, backend, redis_url)
+                config = self._write_config(
+                    name, role, what, uris, admins[name], model, backend, redis_url, options, gateway
+                )
                 started.append(self._spawn(name, role, uris[name], admins[name], config))
                 self._save(started)
             self._wait_ready(started, timeout_s)
@@ -176,6 +262,47 @@ class LocalCluster:
             self.state_file.unlink(missing_ok=True)
             raise
         return started
+
+    @property
+    def api_key_file(self) -> Path:
+        return self.root / API_KEY_FILE
+
+    def options(self) -> UpOptions:
+        """The options the cluster was started with (defaults for a cluster of an older sdcp)."""
+        path = self.root / _OPTIONS_FILE
+        if not path.is_file():
+            return UpOptions("cpu", "float32", "127.0.0.1", None, self.api_key_file.is_file())
+        try:
+            return UpOptions(**json.loads(path.read_text(encoding="utf-8")))
+        except (ValueError, TypeError) as exc:
+            raise ClusterError(f"{path} is damaged ({exc}); run `sdcp down` and `sdcp up` again") from exc
+
+    def _write_options(self, options: UpOptions, api_key: str | None) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / _OPTIONS_FILE).write_text(json.dumps(asdict(options), indent=2) + "\n", encoding="utf-8")
+        self.api_key_file.unlink(missing_ok=True)
+        if api_key is not None:
+            # Created with mode 0600, never wider for an instant; the gateway reads it at each start.
+            descriptor = os.open(self.api_key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+                stream.write(api_key + "\n")
+
+    def _check_same(self, given: UpOptions, api_key: str | None) -> None:
+        """Options given to `sdcp up` for a cluster that exists must be those it runs with."""
+        current = self.options()
+        for name, value in given.given().items():
+            if name == "api_key":
+                stored = self.api_key_file.read_text(encoding="utf-8").strip() if self.api_key_file.is_file() else None
+                if stored != api_key:
+                    runs = "with another API key" if stored else "without an API key"
+                    raise ClusterError(f"the cluster runs {runs}; `sdcp down` first to start it with --api-key")
+                continue
+            if getattr(current, name) != value:
+                option = "--" + name.replace("_", "-")
+                raise ClusterError(
+                    f"the cluster runs with {option} {getattr(current, name)}, not {value}; "
+                    "`sdcp down` first to start it with other options"
+                )
 
     def stopped(self) -> list[Instance]:
         return [instance for instance in self.instances() if not instance.alive()]
@@ -199,6 +326,9 @@ class LocalCluster:
         instances = self.instances()
         self._terminate(instances, timeout_s)
         self.state_file.unlink(missing_ok=True)
+        # A cluster started later has options and a key of its own: no secret is left behind.
+        (self.root / _OPTIONS_FILE).unlink(missing_ok=True)
+        self.api_key_file.unlink(missing_ok=True)
         return instances
 
     def _write_config(
@@ -211,6 +341,8 @@ class LocalCluster:
         model: str,
         backend: str,
         redis_url: str | None,
+        options: UpOptions,
+        gateway: _GatewaySettings,
     ) -> Path:
         uri = GATEWAY_URI if role == "gateway" else uris[name]
         stem = instance_name(uri)
@@ -231,13 +363,15 @@ class LocalCluster:
             lines.append(f'redis_url = "{redis_url}"')
         lines += _trust(uris)
         lines += ["", "[admin]", f'listen = "{admin.removeprefix("http://")}"']
+        torch = [f'device = "{options.device}"', f'dtype = "{options.dtype}"']
         if role == "verifier":
-            lines += ["", "[verifier]", f'model = "{what}"', f'backend = "{backend}"']
+            lines += ["", "[verifier]", f'model = "{what}"', f'backend = "{backend}"', *torch]
         elif role == "drafter":
             lines += ["", "[drafter]", f'model = "{what}"', f'target = "{model}"']
+            # Only a model drafter of torch runs on a device (a llamacpp: one on the cpu).
+            lines += torch if what.startswith("hf:") else []
         elif role == "gateway":
-            port = uris["gateway"].rsplit(":", 1)[1].split("/", 1)[0]
-            lines += ["", "[gateway]", f'listen = "127.0.0.1:{port}"', f'model = "{what}"']
+            lines += gateway.toml_lines(what)
         path = self.root / f"{name}.toml"
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return path
@@ -247,8 +381,9 @@ class LocalCluster:
         with log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "sdcp", role, "--config", str(config)],
-                # Models load from this cluster's home, whatever the caller's $SDCP_HOME says.
-                env={**os.environ, "SDCP_HOME": str(self.home)},
+                # Models load from this cluster's home, whatever the caller's $SDCP_HOME says; the
+                # gateway's key is the cluster's file, whatever the caller's $SDCP_API_KEY says.
+                env={**_without(os.environ, "SDCP_API_KEY"), "SDCP_HOME": str(self.home)},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -269,7 +404,7 @@ class LocalCluster:
                 if not instance.alive():
                     tail = self._log_tail(instance.name)
                     raise ClusterError(f"{instance.name} exited during start-up: {tail}")
-                if accepts(instance.port):
+                if accepts(instance.port, _probe_host(instance)):
                     waiting.remove(instance)
             if time.monotonic() > deadline:
                 names = ", ".join(instance.name for instance in waiting)
@@ -296,6 +431,43 @@ class LocalCluster:
                 os.kill(instance.pid, signal.SIGKILL)
 
 
+@dataclass(frozen=True)
+class _GatewaySettings:
+    """What the gateway's TOML says besides its identity: where it listens, under which name it
+    serves the model, whether it reads an API key file, and its TLS certificate's URI (None: plain
+    HTTP on loopback)."""
+
+    host: str
+    port: int
+    served_model_name: str | None
+    api_key: bool
+    tls_uri: str | None
+
+    def toml_lines(self, model: str) -> list[str]:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        lines = ["", "[gateway]", f'listen = "{host}:{self.port}"', f'model = "{model}"']
+        if self.served_model_name is not None:
+            lines.append(f"served_model_name = {json.dumps(self.served_model_name)}")
+        if self.api_key:
+            lines.append(f'api_key_file = "{API_KEY_FILE}"')
+        if self.tls_uri is not None:
+            stem = instance_name(self.tls_uri)
+            lines += [f'cert = "certs/{stem}.pem"', f'key = "certs/{stem}.key"']
+        return lines
+
+
+def _api_host(listen_host: str) -> str:
+    """The name clients reach a gateway listening on ``listen_host`` by, for its certificate: the
+    address itself, or for every address (0.0.0.0, ::) this machine's host name."""
+    bare = listen_host.strip("[]")
+    try:
+        if ipaddress.ip_address(bare).is_unspecified:
+            return socket.gethostname()
+    except ValueError:
+        pass
+    return f"[{bare}]" if ":" in bare else bare
+
+
 def _trust(uris: dict[str, str]) -> list[str]:
     """Every instance trusts the cluster's own verifier and drafters; the CLI and the gateway open
     sessions, and the CLI is the operator (docs/security.md)."""
@@ -311,6 +483,22 @@ def _trust(uris: dict[str, str]) -> list[str]:
         f"front_ends = {listed([CLIENT_URI, GATEWAY_URI])}",
         f"operators = {listed([CLIENT_URI])}",
     ]
+
+
+def _without(environment: Mapping[str, str], name: str) -> dict[str, str]:
+    return {key: value for key, value in environment.items() if key != name}
+
+
+def _probe_host(instance: Instance) -> str:
+    """Where to find an instance listening: loopback, or the gateway's own address when it listens
+    on another (its URI's host; loopback where that name does not resolve, as a host name of a
+    gateway on every address may not)."""
+    host = (urlsplit(instance.uri).hostname or "127.0.0.1") if instance.role == "gateway" else "127.0.0.1"
+    try:
+        socket.getaddrinfo(host, instance.port)
+    except OSError:
+        return "127.0.0.1"
+    return host
 
 
 def _threads(role: str) -> int:
