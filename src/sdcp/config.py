@@ -13,6 +13,8 @@ ttl_ms = 3000
 [mlc]
 disk_dir = "/var/tmp/sdcp/mlc"      # shared by the instances of one host
 redis_url = "redis://127.0.0.1:6379/0"
+redis_username = "sdcp-verifier"    # this role's Redis ACL user (`sdcp redis-acl`)
+redis_password_file = "redis/verifier.password"
 
 [verifier]                          # or [drafter], [router]
 model = "smollm2"
@@ -46,6 +48,7 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 from pydantic_core import ErrorDetails
 
+from sdcp.cache.redis_acl import RedisAccess
 from sdcp.models.backend import BackendSetting
 from sdcp.threads import usable_cores
 
@@ -189,8 +192,19 @@ class MLCConfig:
     memory_bytes: Count = 256 * 2**20
     disk_dir: FilePath | None = None
     disk_bytes: Count = 4096 * 2**20
-    redis_url: Text | None = None
+    # redis://host:port/db, or rediss:// for TLS. It may carry user:password, but such a URL is a
+    # secret wherever it is written: prefer redis_username and redis_password_file.
+    redis_url: Text | None = field(default=None, repr=False)
     redis_prefix: Text = "sdcp:mlc:"
+    # AUTH as this Redis ACL user (one per role: `sdcp redis-acl`, docs/security.md), with the
+    # password read from the first line of a file (mode 0600; a Kubernetes Secret), never logged.
+    redis_username: Text | None = None
+    redis_password_file: FilePath | None = None
+    # TLS to Redis (a rediss:// URL): the CA that issued the server's certificate, and the client
+    # certificate and key where the server asks for one (tls-auth-clients).
+    redis_ca: FilePath | None = None
+    redis_cert: FilePath | None = None
+    redis_key: FilePath | None = None
     # Base URI of a remote MLC node (sdcp.services.mlc) to use as the shared store, over mTLS with
     # this instance's certificate; disk_dir then names a local cache (docs/cache.md).
     mlc_url: HttpsURI | None = None
@@ -200,6 +214,38 @@ class MLCConfig:
     # kept privately here is one that the router, using its own MLC, could never fence (SDCP 6.9).
     authorities: dict[str, MLCRoute] = field(default_factory=dict)
     unlisted: Literal["own", "refuse"] = "refuse"
+
+    def __post_init__(self) -> None:
+        tls = (self.redis_ca, self.redis_cert, self.redis_key)
+        if any(value is not None for value in tls) and not (self.redis_url or "").startswith("rediss://"):
+            raise ValueError("redis_ca, redis_cert and redis_key need a rediss:// redis_url (TLS)")
+        if (self.redis_cert is None) != (self.redis_key is None):
+            raise ValueError("redis_cert and redis_key go together")
+
+    def redis_access(self, role: str | None) -> RedisAccess:
+        """User, password and TLS files for Redis, as the given role's user (None: a user that may
+        write every key, such as an MLC node's); the password read from ``redis_password_file``."""
+        password = None
+        if self.redis_password_file is not None:
+            try:
+                lines = self.redis_password_file.read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"mlc.redis_password_file: cannot read {self.redis_password_file}: {exc}") from exc
+            password = lines[0].strip() if lines else ""
+            if not password:
+                raise ConfigError(f"mlc.redis_password_file: {self.redis_password_file} holds no password")
+
+        def text(path: Path | None) -> str | None:
+            return None if path is None else str(path)
+
+        return RedisAccess(
+            role=role,
+            username=self.redis_username,
+            password=password,
+            ca=text(self.redis_ca),
+            cert=text(self.redis_cert),
+            key=text(self.redis_key),
+        )
 
 
 @dataclass(frozen=True, config=_SECTION)

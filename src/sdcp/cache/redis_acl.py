@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
 
 from sdcp.cache.uri import HISTORY_KIND, Q_ROWS_KIND, TARGET_KV_KIND, TOKENS_KIND
 
@@ -45,6 +46,7 @@ __all__ = [
     "create_users",
     "ensure_passwords",
     "namespace_of_kind",
+    "redact_url",
     "writes",
 ]
 
@@ -113,6 +115,15 @@ def writes(role: str | None, namespace: str) -> bool:
     if role is None or role not in _WRITES:
         return True
     return namespace in _WRITES[role]
+
+
+def redact_url(url: str) -> str:
+    """`url` without its user and password: for messages, and for configurations that name the
+    user and the password file apart (a password in a URL is a secret wherever it is written)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, parts.query, parts.fragment))
 
 
 def _glob_escape(text: str) -> str:
