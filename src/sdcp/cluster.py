@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from sdcp.config import SUFFIX_DRAFTER
 from sdcp.home import sdcp_home
 from sdcp.localhost import accepts, free_port
 from sdcp.threads import usable_cores
@@ -370,6 +371,9 @@ class LocalCluster:
             lines += ["", "[drafter]", f'model = "{what}"', f'target = "{model}"']
             # Only a model drafter of torch runs on a device (a llamacpp: one on the cpu).
             lines += torch if what.startswith("hf:") else []
+            if what == SUFFIX_DRAFTER:
+                # The cluster's front ends: a suffix drafter drafts from their history from its start.
+                lines.append(f'history_warm_owners = ["{GATEWAY_URI}", "{CLIENT_URI}"]')
         elif role == "gateway":
             lines += gateway.toml_lines(what)
         path = self.root / f"{name}.toml"

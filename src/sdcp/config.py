@@ -291,8 +291,12 @@ class VerifierConfig:
     # (docs/models.md): whose sessions share it ("owner": the front end that opened them, the
     # default; "target": every session of the contract's target, tokenizer and scope; the drafters'
     # history_scope must say the same), and the newest entries a scope keeps (0 = publish none).
+    # The lookahead reads the same scopes (docs/interpretations.md, "Self-decoding with
+    # lookahead"): the newest history_entries of a scope when a session of it opens, a scope at
+    # most once per history_refresh_s (0 entries: none).
     history_scope: HistoryScope = "owner"
     history_entries: Count = 256
+    history_refresh_s: Seconds = 5.0
 
 
 NGRAM_DRAFTER = "ngram"
@@ -315,6 +319,11 @@ class DrafterConfig:
     history_scope: HistoryScope = "owner"
     history_entries: Count = 256
     history_refresh_s: Seconds = 5.0
+    # Warming at start: a new instance reads, before its first status report, the history scopes
+    # of these front ends (the sessions' owners; under history_scope "target" those of every front
+    # end), for at most history_warm_s (0 = not at start, only at each scope's first assignment).
+    history_warm_owners: tuple[HttpsURI, ...] = ()
+    history_warm_s: Seconds = 5.0
     # Prepare the next proposal while one is at the verifier (SDCP 6.2, docs/performance.md);
     # off for measurement, or where drafting competes with the verifier for cores.
     predraft: Flag = True

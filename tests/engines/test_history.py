@@ -1,6 +1,7 @@
 """Finished sessions' output through the MLC (sdcp.engines.history): publications by several
 verifiers land in one bounded index, a reader takes each entry once and at most N per refresh, and
-scopes keep owners apart. Two MLC instances over one disk directory stand for two hosts."""
+scopes keep owners apart, and a drafter warms at its start from the directories of the owners it is
+configured for only. Two MLC instances over one disk directory stand for two hosts."""
 
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ import pytest
 
 from sdcp.cache import MLC
 from sdcp.engines.history import (
+    HistoryDirectory,
     HistoryIndex,
     HistoryReader,
+    directory_uri,
     entry_uri,
     history_scope_key,
     index_uri,
+    list_scope,
     publish_output,
+    scope_key_of,
+    warm,
 )
 from sdcp.protocol.messages import Action, Contract
 
@@ -151,3 +157,63 @@ async def test_a_lost_index_starts_a_new_generation(mlcs: tuple[MLC, MLC]) -> No
     assert await reader.refresh(uri, Learned()) == 0
     await publish(writer, key, [4])
     assert HistoryIndex.decode(await writer.get(uri)).entries[-1].seq == 0
+
+
+async def test_a_drafter_warms_from_the_directories_of_its_owners_only(mlcs: tuple[MLC, MLC]) -> None:
+    writer, reader_mlc = mlcs
+    other = "https://gateway-b.example"
+    scopes = {
+        (owner, scope): history_scope_key(contract(scope), owner, "owner")
+        for owner in (OWNER, other)
+        for scope in (None, bytes(16))
+    }
+    for (owner, scope), key in scopes.items():
+        await publish_output(
+            writer, contract=contract(scope), key=key, session=os.urandom(16), epoch=1, output=[7, len(owner)], keep=8
+        )
+        directory = directory_uri("local", owner, "owner")
+        # Listing is idempotent: a scope appears once however often its sessions finish.
+        for _ in range(2):
+            assert await list_scope(writer, directory=directory, index=index_uri("local", contract(scope), key))
+    listed = HistoryDirectory.decode(await writer.get(directory_uri("local", OWNER, "owner")))
+    assert listed.scopes == tuple(
+        index_uri("local", contract(scope), scopes[OWNER, scope]) for scope in (None, bytes(16))
+    )
+
+    learned: list[tuple[bytes, tuple[int, ...]]] = []
+
+    async def learn(key: bytes, output: tuple[int, ...]) -> None:
+        learned.append((key, output))
+
+    reader = HistoryReader(reader_mlc, entries=256, refresh_s=3600)
+    directories = [directory_uri("local", OWNER, "owner")]
+    assert await warm(reader, directories, learn, lambda: False) == 2
+    # Each output under its own scope's key, the most recently listed scope first; nothing of the other owner.
+    assert learned == [(scopes[OWNER, bytes(16)], (7, len(OWNER))), (scopes[OWNER, None], (7, len(OWNER)))]
+    # The reader now stands past them: an assignment within refresh_s reads nothing again.
+    assert not reader.due(index_uri("local", contract(), scopes[OWNER, None]))
+    # A full history stops the warming before the next scope.
+    again: list[tuple[bytes, tuple[int, ...]]] = []
+
+    async def keep(key: bytes, output: tuple[int, ...]) -> None:
+        again.append((key, output))
+
+    assert await warm(HistoryReader(reader_mlc, entries=256, refresh_s=0), directories, keep, lambda: bool(again)) == 1
+
+
+async def test_directories_are_bounded_and_name_only_our_indexes(mlcs: tuple[MLC, MLC]) -> None:
+    writer, _ = mlcs
+    directory = directory_uri("local", OWNER, "owner")
+    indexes = [index_uri("local", contract(), os.urandom(16)) for _ in range(5)]
+    for index in indexes:
+        assert await list_scope(writer, directory=directory, index=index, keep=3)
+    assert HistoryDirectory.decode(await writer.get(directory)).scopes == tuple(indexes[2:])
+    # Under "target" every owner shares one directory; under "owner" each has its own.
+    assert directory_uri("local", OWNER, "target") == directory_uri("local", "https://gateway-b.example", "target")
+    assert directory != directory_uri("local", "https://gateway-b.example", "owner")
+    assert directory != directory_uri("local", OWNER, "target")
+    # What a drafter files a listed index's outputs under is the key the index's own name carries.
+    key = history_scope_key(contract(), OWNER, "owner")
+    assert scope_key_of(index_uri("local", contract(), key)) == key
+    for foreign in (directory, "mlc://local/-/log/" + key.hex(), "https://example/x", "mlc://local/-/history/zz"):
+        assert scope_key_of(foreign) is None

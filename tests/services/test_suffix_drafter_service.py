@@ -10,6 +10,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -28,13 +29,15 @@ from tests.services.test_drafter_service import target as target  # noqa: PLC041
 from tests.waiting import eventually
 
 from sdcp.cache import MLC, build_uri
-from sdcp.config import DrafterConfig, MLCConfig
+from sdcp.config import DrafterConfig, MLCConfig, VerifierConfig
 from sdcp.engines.history import history_scope_key
 from sdcp.localhost import free_port
 from sdcp.models.suffix import SuffixDrafter
 from sdcp.models.target import TargetModel
+from sdcp.protocol.digest import prefix_digest
 from sdcp.protocol.messages import Contract, HistoryStatus, SessionOpen, session_path_id
 from sdcp.services.drafter import DrafterNode
+from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 
 pytestmark = pytest.mark.timeout(120)
@@ -75,16 +78,27 @@ def published(verifier: str) -> float:
     return REGISTRY.get_sample_value("sdcp_verifier_history_published_total", labels) or 0.0
 
 
-async def run_session(env: Env, contract: Contract, drafter: str, owner: str) -> tuple[list[int], int]:
+async def run_session(
+    env: Env, contract: Contract, drafter: str, owner: str, prompt: tuple[int, ...] = PROMPT
+) -> tuple[list[int], int]:
     """As the router: a session of ``owner`` drafted by ``drafter``, to its end, and once its
     output is published; the output and how many drafted tokens the verifier accepted."""
+    output, stats = await run_session_stats(env, contract, drafter, owner, prompt)
+    return output, stats["accepted"]
+
+
+async def run_session_stats(
+    env: Env, contract: Contract, drafter: str, owner: str, prompt: tuple[int, ...]
+) -> tuple[list[int], dict[str, Any]]:
+    """``run_session``, with the session's id and its stats (GET sessions/{id}/stats)."""
     session = os.urandom(16)
     router = env.client(env.verifier_uri, ROUTER)
     log_uri = build_uri("local", None, "log", session.hex())
-    opened = SessionOpen(session=session, epoch=1, contract=contract, prompt=PROMPT, commit_log=log_uri, owner=owner)
+    opened = SessionOpen(session=session, epoch=1, contract=contract, prompt=prompt, commit_log=log_uri, owner=owner)
     status, _ = await router.post_cbor("sessions", opened.to_obj())
     assert status == 201
-    assignment = make_assignment(env, contract, session, drafter=drafter, owner=owner)
+    digest = prefix_digest(contract.digest, prompt)
+    assignment = make_assignment(env, contract, session, drafter=drafter, owner=owner, prompt=prompt, digest=digest)
     await router.put_cbor(f"sessions/{session_path_id(session)}/drafter", assignment.to_obj())
     before = published(env.verifier_uri)
     await env.client(drafter, ROUTER).post_cbor("assignments", assignment.to_obj())
@@ -92,7 +106,7 @@ async def run_session(env: Env, contract: Contract, drafter: str, owner: str) ->
     await eventually(lambda: published(env.verifier_uri) > before)
     _, stats = await env.client(env.verifier_uri, STRANGER).get_cbor(f"sessions/{session_path_id(session)}/stats")
     assert isinstance(stats, dict)
-    return output, stats["accepted"]
+    return output, {**stats, "session": session}
 
 
 async def test_drafter_instances_draft_from_each_others_finished_sessions(env: Env, target: TargetModel) -> None:
@@ -150,3 +164,54 @@ async def test_drafter_instances_draft_from_each_others_finished_sessions(env: E
     finally:
         await fresh.stop()
         await verifier.stop()
+
+
+async def test_a_new_drafter_instance_warms_from_redis_at_start(env: Env, target: TargetModel, redis_url: str) -> None:
+    """Sessions finish while one drafter instance serves; a second instance started afterwards
+    reads its configured owners' history from the shared tier before it reports status, and
+    drafts from it on its very first round, without reading the store at that assignment."""
+    prefix = f"sdcp:warm-{os.urandom(4).hex()}:"
+
+    def shared() -> MLC:
+        return MLC.from_config(authority=MLCConfig().authority, redis_url=redis_url, redis_prefix=prefix)
+
+    for session in list(target._sessions):
+        target.close_session(session)
+    verifier_config = env.config(env.verifier_uri, verifier=VerifierConfig(model="tiny", output_wait_s=0.5))
+    verifier = VerifierNode(verifier_config, target=target, mlc=shared())
+    await verifier.start()
+    first_uri, second_uri = env.drafter_uri, env.second_drafter_uri  # type: ignore[attr-defined]
+    first = DrafterNode(env.config(first_uri, drafter=DrafterConfig(model="suffix", target="tiny")), mlc=shared())
+    await first.start()
+    running: list[DrafterNode | VerifierNode] = [verifier, first]
+    contract = make_contract(target, max_new=32)
+    try:
+        answer, _ = await run_session(env, contract, first_uri, TENANT)
+        await run_session(env, contract, first_uri, OTHER_TENANT)
+        await running.pop().stop()
+        # A later turn that quotes the earlier answer: its prompt ends with the answer's start.
+        quoting = (*PROMPT, *answer[:6])
+        settings = DrafterConfig(model="suffix", target="tiny", history_warm_owners=(TENANT,), history_refresh_s=3600.0)
+        second = DrafterNode(env.config(second_uri, drafter=settings), mlc=shared())
+        await second.start()
+        running.append(second)
+        suffix = second.engine.drafter
+        assert isinstance(suffix, SuffixDrafter)
+        # Warmed before its first status report: the tenant's session, not the other tenant's.
+        assert second.status().history == HistoryStatus(
+            sessions=1, tokens=contract.max_new, max_tokens=suffix.history.max_tokens
+        )
+        assert suffix.history.index(history_scope_key(contract, TENANT, "owner")) is not None
+        assert suffix.history.index(history_scope_key(contract, OTHER_TENANT, "owner")) is None
+        learned = REGISTRY.get_sample_value("sdcp_drafter_history_learned_total", {"instance": second_uri})
+
+        output, stats = await run_session_stats(env, contract, second_uri, TENANT, quoting)
+        assert output == greedy(target, quoting, contract.max_new)  # SDCP 6.4 rule 1
+        # Nothing was read at the assignment (refresh_s): what it drafted from came at start.
+        assert REGISTRY.get_sample_value("sdcp_drafter_history_learned_total", {"instance": second_uri}) == learned
+        first_round = verifier.engine.trace(stats["session"])[0]
+        assert first_round["kind"] == "proposal" and first_round["drafter"] == second_uri
+        assert first_round["accepted"] == first_round["proposed"] >= 3
+    finally:
+        for node in reversed(running):
+            await node.stop()

@@ -24,7 +24,7 @@ from sdcp.cache import MLC, CacheError, InvalidURI, build_uri
 from sdcp.cache.uri import Q_ROWS_KIND
 from sdcp.config import DrafterConfig
 from sdcp.engines.errors import Unanswered
-from sdcp.engines.history import HistoryReader, history_scope_key, index_uri
+from sdcp.engines.history import HistoryReader, directory_uri, history_scope_key, index_uri, warm
 from sdcp.engines.ports import VerifierLink
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.models.draft import Drafter, DraftResult
@@ -241,6 +241,42 @@ class DrafterEngine:
     async def start(self) -> None:
         # An HF drafter hashes and packs its weights once: before the first status report and draft.
         await self._worker.run_async(self.drafter.prepare)
+        await self._warm_history()
+
+    async def _warm_history(self) -> None:
+        """Read the history scopes of the owners this instance is configured for, within
+        ``history_warm_s`` (readiness waits no longer) and the history's token budget, so that it
+        drafts from them from its first round (sdcp.engines.history, ``warm``). Only those owners'
+        directories are read: another owner's history reaches this instance at an assignment of
+        that owner's session, as the router decides, never at start."""
+        settings = self.settings
+        shares, reader = self._shares, self._history
+        if shares is None or reader is None or settings.history_warm_s <= 0:
+            return
+        authority = self.mlc.authority
+        if settings.history_scope == "target":
+            directories = [directory_uri(authority, None, "target")]
+        else:
+            directories = [directory_uri(authority, owner, "owner") for owner in settings.history_warm_owners]
+        if not directories:
+            return
+
+        async def learn(key: bytes, output: tuple[int, ...]) -> None:
+            await self._worker.run_async(shares.learn, key, output)
+            HISTORY_LEARNED.labels(self.uri).inc()
+
+        def full() -> bool:
+            size = shares.history_size
+            return size.tokens >= size.max_tokens
+
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(settings.history_warm_s):
+                learned = await warm(reader, directories, learn, full)
+        except TimeoutError:
+            log.warning("%s: history warming stopped after %.1f s", self.uri, settings.history_warm_s)
+            return
+        log.info("%s: history warmed with %d outputs in %.2f s", self.uri, learned, time.perf_counter() - started)
 
     async def stop(self) -> None:
         await self._tasks.cancel_all()

@@ -3,8 +3,8 @@
 
 The verifier is the one role that sees every session end: it commits every token, self-decoded or
 drafted, and knows the session's owner. A session that ends with ``finish`` (not ``fail``, not
-fenced) has its output stored in the MLC under its history scope, in the background: a failure is
-logged and changes nothing for the session.
+fenced) has its output stored in the MLC under its history scope, and the scope listed in its
+owner's directory, in the background: a failure is logged and changes nothing for the session.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from prometheus_client import Counter
 
 from sdcp.cache import MLC
 from sdcp.config import VerifierConfig
-from sdcp.engines.history import history_scope_key, publish_output
+from sdcp.engines.history import directory_uri, history_scope_key, index_uri, list_scope, publish_output
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.protocol.messages import Action
@@ -72,3 +72,15 @@ class HistoryPublisher:
             log.warning("%s: session %s: output not published: %r", self._uri, machine.session.hex(), exc)
             published = False
         HISTORY_PUBLISHED.labels(self._uri, "published" if published else "failed").inc()
+        if published:
+            await self._list(live, settings, key)
+
+    async def _list(self, live: LiveSession, settings: VerifierConfig, key: bytes) -> None:
+        """List the scope in its owner's directory, where drafters look at their start."""
+        directory = directory_uri(self._mlc.authority, live.owner, settings.history_scope)
+        index = index_uri(self._mlc.authority, live.machine.contract, key)
+        try:
+            if not await list_scope(self._mlc, directory=directory, index=index):
+                log.info("%s: history scope %s not listed: every try lost", self._uri, index)
+        except Exception as exc:  # noqa: BLE001 - as above; the next publication lists it again
+            log.warning("%s: history scope %s not listed: %r", self._uri, index, exc)
