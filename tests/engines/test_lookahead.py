@@ -1,12 +1,30 @@
 """VerifierLookahead: self-decoding's guesses from the session's own tokens and from the outputs of
-sessions that finished on this verifier, kept apart per contract and owner."""
+sessions that finished on this verifier or were published to the MLC by another (read with the
+drafters' HistoryReader), kept apart per contract and owner."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from tests.waiting import eventually, eventually_async
+
+from sdcp.cache import MLC, build_uri
+from sdcp.config import VerifierConfig
+from sdcp.engines.history import HistoryReader, history_scope_key, index_uri, publish_output
+from sdcp.engines.verifier import VerifierEngine
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.lookahead import VerifierLookahead
-from sdcp.protocol.messages import Action, Contract
+from sdcp.models.registry import LoadedModel
+from sdcp.models.target import TargetModel
+from sdcp.protocol.messages import Action, Contract, SelfDecodeRequest, SessionOpen
 from sdcp.protocol.verifier import VerifierSession
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB = 1000
 
 PROMPT = (1, 2, 3)
 ANSWER = (40, 41, 42, 43, 44, 45, 46, 47)
@@ -28,9 +46,13 @@ def _contract(target: bytes = b"\x01" * 32) -> Contract:
 
 
 def _live(
-    tokens: tuple[int, ...] = (), *, owner: str | None = "https://a.test", contract: Contract | None = None
+    tokens: tuple[int, ...] = (),
+    *,
+    owner: str | None = "https://a.test",
+    contract: Contract | None = None,
+    session: bytes = bytes(16),
 ) -> LiveSession:
-    machine = VerifierSession(session=bytes(16), epoch=1, contract=contract or _contract(), prompt=PROMPT)
+    machine = VerifierSession(session=session, epoch=1, contract=contract or _contract(), prompt=PROMPT)
     machine.tokens.extend(tokens)
     return LiveSession(machine=machine, log=None, etag="", owner=owner)  # type: ignore[arg-type]
 
@@ -80,3 +102,143 @@ def test_the_history_is_bounded_oldest_first() -> None:
     oldest, newest = _live((100, 101)), _live((300, 301))
     assert lookahead.predict(oldest, _context(oldest), 2) == ()
     assert lookahead.predict(newest, _context(newest), 2) == (302, 303)
+
+
+@pytest.fixture
+async def mlcs(tmp_path: Path) -> AsyncIterator[tuple[MLC, MLC]]:
+    """Two MLC instances over one shared directory: two verifiers' hosts."""
+    first = MLC.from_config(authority="local", disk_dir=tmp_path / "mlc")
+    second = MLC.from_config(authority="local", disk_dir=tmp_path / "mlc")
+    try:
+        yield first, second
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def _publish(mlc: MLC, live: LiveSession) -> None:
+    """What a verifier publishes at a finished session's end (sdcp.engines.verifier.history)."""
+    machine = live.machine
+    await publish_output(
+        mlc,
+        contract=machine.contract,
+        key=history_scope_key(machine.contract, live.owner, "owner"),
+        session=machine.session,
+        epoch=machine.epoch,
+        output=machine.tokens,
+        keep=256,
+    )
+
+
+def _reading(mlc: MLC, refresh_s: float = 0.0) -> VerifierLookahead:
+    return VerifierLookahead(reader=HistoryReader(mlc, entries=256, refresh_s=refresh_s), vocab_size=VOCAB)
+
+
+async def test_a_second_verifier_guesses_from_the_outputs_another_published(mlcs: tuple[MLC, MLC]) -> None:
+    first, second = mlcs
+    finished = _live(ANSWER, session=os.urandom(16))
+    finished.machine.control.finish()
+    await _publish(first, finished)
+    # Another tenant's output, and one with a token this target does not have.
+    elsewhere = _live(tuple(range(60, 68)), owner="https://b.test", session=os.urandom(16))
+    elsewhere.machine.control.finish()
+    await _publish(first, elsewhere)
+    foreign = _live((5, 40, 41, VOCAB), session=os.urandom(16))
+    foreign.machine.control.finish()
+    await _publish(first, foreign)
+
+    lookahead = _reading(second)
+    later = _live((5, 40, 41))
+    assert lookahead.predict(later, _context(later), 3) == ()
+    await lookahead.refresh(later.machine.contract, later.owner)
+    assert lookahead.predict(later, _context(later), 3) == (42, 43, 44)
+    assert lookahead.history.size.sessions == 1
+    other_owner = _live((5, 60, 61), owner="https://b.test")
+    assert lookahead.predict(other_owner, _context(other_owner), 2) == ()
+
+
+async def test_a_session_that_finished_here_is_not_read_back(mlcs: tuple[MLC, MLC]) -> None:
+    mlc, _ = mlcs
+    lookahead = _reading(mlc)
+    finished = _live(ANSWER, session=os.urandom(16))
+    finished.machine.control.finish()
+    lookahead.learn(finished)
+    await _publish(mlc, finished)
+    await lookahead.refresh(finished.machine.contract, finished.owner)
+    assert lookahead.history.size.sessions == 1
+    # Another verifier's publication of the scope is read.
+    other = _live(tuple(range(50, 58)), session=os.urandom(16))
+    other.machine.control.finish()
+    await _publish(mlc, other)
+    await lookahead.refresh(other.machine.contract, other.owner)
+    assert lookahead.history.size.sessions == 2
+
+
+async def test_a_restarted_verifier_engine_reads_its_scopes_history_when_a_session_opens(
+    mlcs: tuple[MLC, MLC], tiny_loaded: LoadedModel
+) -> None:
+    """Sessions finish on one verifier engine, which publishes them; a new engine on another host
+    reads the scope's history at a session's open and guesses its continuation from it."""
+    first_mlc, second_mlc = mlcs
+    first_target = TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny")
+    first = VerifierEngine(
+        uri="https://verifier-1.test", settings=VerifierConfig(), target=first_target, mlc=first_mlc, ttl_ms=1000
+    )
+    await first.start()
+    contract = Contract.from_obj(
+        {
+            "target": first_target.weights_digest,
+            "tokenizer": first_target.tokenizer_digest,
+            "rule": 1,
+            "m_max": 4,
+            "max_new": 24,
+            "stop": [],
+            "low_rounds": 1000,
+            "fallback": [Action.REDUCE],
+            "self_load": 100,
+        }
+    )
+    prompt = tuple(range(10, 30))
+    owner = "https://a.test"
+    try:
+        answer = await _self_decode_to_the_end(first, first_mlc, contract, prompt, owner)
+        published = index_uri("local", contract, history_scope_key(contract, owner, "owner"))
+        await eventually_async(lambda: first_mlc.exists(published))
+    finally:
+        await first.stop()
+
+    second_target = TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny")
+    second = VerifierEngine(
+        uri="https://verifier-2.test", settings=VerifierConfig(), target=second_target, mlc=second_mlc, ttl_ms=1000
+    )
+    await second.start()
+    try:
+        # A later turn quoting the earlier answer's start.
+        quoting = (*prompt, *answer[:6])
+        session = await _open(second, contract, quoting, owner)
+        await eventually(lambda: second.lookahead.history.size.sessions == 1)
+        live = second.sessions[session]
+        assert second.lookahead.predict(live, quoting, 8) == tuple(answer[6:14])
+    finally:
+        await second.stop()
+
+
+async def _open(engine: VerifierEngine, contract: Contract, prompt: tuple[int, ...], owner: str) -> bytes:
+    session = os.urandom(16)
+    log = build_uri("local", None, "log", session.hex())
+    opened = SessionOpen(session=session, epoch=1, contract=contract, prompt=prompt, commit_log=log, owner=owner)
+    await engine.open_session(opened)
+    return session
+
+
+async def _self_decode_to_the_end(
+    engine: VerifierEngine, mlc: MLC, contract: Contract, prompt: tuple[int, ...], owner: str
+) -> list[int]:
+    session = await _open(engine, contract, prompt, owner)
+    await engine.self_decode(SelfDecodeRequest(session=session, epoch=1))
+    tokens: list[int] = []
+    while True:
+        output = await engine.output(session, len(tokens))
+        tokens.extend(output.tokens)
+        if output.final:
+            return tokens

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from sdcp.cache import MLC, CacheError, InvalidURI, ObjectNotFound, target_kv_uri
 from sdcp.config import VerifierConfig
 from sdcp.engines.errors import SessionNotFound, Unavailable
+from sdcp.engines.history import HistoryReader
 from sdcp.engines.ports import EventSink
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.events import RouterEvents, SessionSweeps
@@ -109,6 +110,13 @@ class VerifierEngine:
         self._kv_publisher = KVPublisher(
             uri=uri, target=target, thread=self.scorer, mlc=mlc, settings=lambda: self.settings, tasks=self._tasks
         )
+        # Self-decoding's guesses, from the session and the outputs of earlier finished sessions:
+        # those that finished here and those of the session's history scope in the MLC.
+        self.lookahead = VerifierLookahead(
+            lambda: self.settings.history_scope,
+            reader=HistoryReader(mlc, entries=settings.history_entries, refresh_s=settings.history_refresh_s),
+            vocab_size=target.vocab_size,
+        )
         self._sweeps = SessionSweeps(
             uri=uri,
             settings=lambda: self.settings,
@@ -118,6 +126,7 @@ class VerifierEngine:
             kv_publisher=self._kv_publisher,
             tasks=self._tasks,
             history=HistoryPublisher(uri=uri, mlc=mlc, settings=lambda: self.settings, tasks=self._tasks),
+            lookahead=self.lookahead,
         )
         self._long_polls = 0
         # Seconds per self-decoded token, for the router's choice between drafters and this
@@ -138,8 +147,6 @@ class VerifierEngine:
             start_self_decoding=self._start_self_decoding,
             sign=sign,
         )
-        # Self-decoding's guesses, from the session and the outputs of sessions finished here.
-        self.lookahead = VerifierLookahead(lambda: self.settings.history_scope)
         self._self_decoding = SelfDecoding(
             uri=uri,
             rounds=self._rounds,
@@ -277,6 +284,8 @@ class VerifierEngine:
         newest = max((record.get("epoch", 0) for record in snapshot.records), default=0)
         if newest > message.epoch:
             raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log is fenced at epoch {newest}")
+        # The scope's new history arrives while the prompt is prefilled, for the session's guesses.
+        self._tasks.spawn(self.lookahead.refresh(contract, message.owner))
         imported = await self._prefill(message, prompt, committed)
         live = LiveSession(
             machine,

@@ -20,6 +20,7 @@ from sdcp.engines.verifier.history import HistoryPublisher
 from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
+from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.protocol.messages import Action, Event
 from sdcp.protocol.problems import ProtocolError
 
@@ -88,6 +89,7 @@ class SessionSweeps:
         kv_publisher: KVPublisher,
         tasks: BackgroundTasks,
         history: HistoryPublisher | None = None,
+        lookahead: VerifierLookahead | None = None,
     ) -> None:
         self._uri = uri
         self._settings = settings
@@ -97,6 +99,7 @@ class SessionSweeps:
         self._kv_publisher = kv_publisher
         self._tasks = tasks
         self._history = history
+        self._lookahead = lookahead
 
     def start(self) -> None:
         self._tasks.spawn(self._forget_idle_sessions())
@@ -111,7 +114,10 @@ class SessionSweeps:
 
     async def forget_later(self, live: LiveSession) -> None:
         """An ended or fenced session stays readable for a while, then its memory is freed; a
-        finished one's output goes to the drafters' shared history first."""
+        finished one's output goes to the lookahead's history and the drafters' shared one first,
+        in one step, so that the lookahead never reads its own session back from the MLC."""
+        if self._lookahead is not None:
+            self._lookahead.learn(live)
         if self._history is not None:
             self._history.ended(live)
         await asyncio.sleep(self._settings().ended_retention_s)

@@ -119,8 +119,8 @@ class SelfDecoding:
         """SDCP 6.5.2 self_decode: one target token per round until self_max, load or the end.
 
         A pass scores the continuation that the verifier's lookahead predicts after the committed
-        tokens (VerifierLookahead: the session's tokens and the outputs of sessions that finished
-        here) along with the next position. Each round still draws its one token from its own row exactly as
+        tokens (VerifierLookahead: the session's tokens and the outputs of earlier finished
+        sessions) along with the next position. Each round still draws its one token from its own row exactly as
         without the prediction; while the drawn tokens match the prediction, the rows that follow
         are the target's rows for the committed prefix, so the next rounds need no pass of their own
         (docs/interpretations.md). The next pass is queued as soon as a pass's tokens are decided,
@@ -137,7 +137,6 @@ class SelfDecoding:
                 now = time.perf_counter()
                 self._token_time.record(now - mark, machine.committed - committed)
                 mark, committed = now, machine.committed
-            self._lookahead.learn(live)
         except Exception as exc:  # noqa: BLE001 - the period ends, the router assigns a drafter again
             if machine.fenced or machine.ended:
                 return
