@@ -76,6 +76,12 @@ class Target(Protocol):
     @property
     def tokenizer_digest(self) -> bytes: ...
 
+    @property
+    def tokenizer_definition(self) -> str:
+        """The tokenizer's definition (a Hugging Face ``tokenizer.json``): what a constraint's token
+        masks are computed over (sdcp.grammar)."""
+        ...
+
     def prepare(self) -> None:
         """Work the first request would otherwise pay (digests, weight layouts)."""
 

@@ -18,7 +18,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -26,21 +27,68 @@ from sdcp.futures import Outcome, settle_soon
 from sdcp.models.backend import SessionId, Target
 from sdcp.models.errors import ModelError
 from sdcp.models.worker import Call, ModelThread, ModelThreadClosed
+from sdcp.protocol.constraint import TokenConstraint, constrain_rows
 from sdcp.threads import CoreGovernor
 
 # The scorer's name for a closed model thread.
 ScorerClosed = ModelThreadClosed
 
 
+class GreedyPicker(Protocol):
+    """Which token a greedy run feeds next (on the scorer's thread)."""
+
+    def follow(self, rows: np.ndarray, proposed: Sequence[int]) -> int | None:
+        """The token after ``rows``, the rows of a pass over ``proposed`` (row j after
+        ``proposed[:j]``), or None where the run stops: a proposed token that is not the one
+        greedy decoding takes."""
+        ...
+
+
+class MostProbable:
+    """The target's most probable token, ties to the smallest id (SDCP 6.4 rule 1)."""
+
+    def follow(self, rows: np.ndarray, proposed: Sequence[int]) -> int | None:
+        greedy = [int(token) for token in np.argmax(rows, axis=-1)]
+        return greedy[-1] if list(proposed) == greedy[: len(proposed)] else None
+
+
+class ConstrainedMostProbable:
+    """The most probable token the session's constraint allows, as the verifier decides it under
+    rule 1 (sdcp.protocol.constraint), from ``constraint``, a copy of the session's that only the run
+    advances; ``first_index`` is the output index of the pass's first row."""
+
+    def __init__(self, constraint: TokenConstraint, first_index: int, min_new: int, stop: Sequence[int]) -> None:
+        self._constraint = constraint
+        self._index = first_index
+        self._min_new = min_new
+        self._stop = tuple(stop)
+
+    def follow(self, rows: np.ndarray, proposed: Sequence[int]) -> int | None:
+        allowed = self._constraint.allowed(proposed)
+        if len(allowed) <= len(proposed):
+            return None
+        logits = constrain_rows(rows, allowed, self._index, self._min_new, self._stop)
+        greedy = [int(token) for token in np.argmax(logits, axis=-1)]
+        if list(proposed) != greedy[: len(proposed)]:
+            return None
+        token = greedy[-1]
+        if token not in self._stop:
+            self._constraint.commit((*proposed, token))
+        self._index += len(proposed) + 1
+        return token
+
+
 @dataclass(frozen=True)
 class ScoredRun:
     """A pass and the greedy run after it (`BatchingScorer.score_ahead_async`): ``rows`` are the
-    pass's; step i's future gives the row after the most probable token of the row before it (the
-    pass's last row, then step i - 1's), once the scorer fed that token, or None where the run
-    stopped before it."""
+    pass's; step i's future gives the row after the token the run's picker took from the row before
+    it (the pass's last row, then step i - 1's), ``fed[i]``, once the scorer fed that token, or None
+    where the run stopped before it."""
 
     rows: asyncio.Future[np.ndarray]
     steps: tuple[asyncio.Future[np.ndarray | None], ...]
+    # Appended on the scorer's thread before the rows it follows reach the caller's loop.
+    fed: list[int] = field(default_factory=list)
 
     def cancel(self, *, after: int = -1) -> None:
         """Withdraw the steps after step ``after`` (all by default) not computed yet: the run stops
@@ -51,11 +99,14 @@ class ScoredRun:
 
 @dataclass
 class _Run:
-    """What is left of a greedy run: the futures of its steps (on ``loop``) and the tokens that end it."""
+    """What is left of a greedy run: the futures of its steps (on ``loop``), the tokens that end it,
+    how it picks its tokens and those it fed."""
 
     loop: asyncio.AbstractEventLoop
     steps: deque[asyncio.Future[np.ndarray | None]]
     stop_tokens: frozenset[int]
+    picker: GreedyPicker
+    fed: list[int]
 
 
 @dataclass(frozen=True)
@@ -156,19 +207,26 @@ class BatchingScorer(ModelThread):
         return rows
 
     def score_ahead_async(
-        self, session: SessionId, tokens: Sequence[int], steps: int, stop_tokens: frozenset[int]
+        self,
+        session: SessionId,
+        tokens: Sequence[int],
+        steps: int,
+        stop_tokens: frozenset[int],
+        picker: GreedyPicker | None = None,
     ) -> ScoredRun:
-        """`score_async`, and then up to ``steps`` greedy steps (ScoredRun) while the target's most
-        probable tokens repeat ``tokens`` and are not ``stop_tokens``: the scorer feeds each next
-        token itself, in the session's next pass, without waiting for the caller to decide it.
-        Whoever decides otherwise cancels the run; a later `score` of the session drops the steps'
-        tokens with the rest of its proposal (Target.score)."""
+        """`score_async`, and then up to ``steps`` greedy steps (ScoredRun) while the tokens
+        ``picker`` takes (default: the target's most probable) repeat ``tokens`` and are not
+        ``stop_tokens``: the scorer feeds each next token itself, in the session's next pass,
+        without waiting for the caller to decide it. Whoever decides otherwise cancels the run; a
+        later `score` of the session drops the steps' tokens with the rest of its proposal
+        (Target.score)."""
         loop = asyncio.get_running_loop()
-        run = _Run(loop, deque(loop.create_future() for _ in range(steps)), stop_tokens)
+        fed: list[int] = []
+        run = _Run(loop, deque(loop.create_future() for _ in range(steps)), stop_tokens, picker or MostProbable(), fed)
         rows: asyncio.Future[np.ndarray] = loop.create_future()
         future = self._queue(session, tokens, (loop, rows), run)
         rows.add_done_callback(lambda done: future.cancel() if done.cancelled() else None)
-        return ScoredRun(rows, tuple(run.steps))
+        return ScoredRun(rows, tuple(run.steps), fed)
 
     def _queue(
         self,
@@ -291,17 +349,18 @@ class BatchingScorer(ModelThread):
     @staticmethod
     def _next_step(request: _Request, rows: np.ndarray) -> _Request | None:
         """The run's next step after ``rows``, None where the run stops: a proposed token that is
-        not the most probable one, a stop token next, no step left or the next one withdrawn."""
+        not the picker's, a stop token next, no step left or the next one withdrawn."""
         run = request.run
         assert run is not None
-        greedy = [int(token) for token in np.argmax(rows, axis=-1)]
+        if not run.steps or run.steps[0].cancelled():
+            return None
         proposed = () if request.extends else request.tokens
-        if list(proposed) != greedy[: len(proposed)] or greedy[-1] in run.stop_tokens or not run.steps:
+        token = run.picker.follow(rows, proposed)
+        if token is None or token in run.stop_tokens:
             return None
+        run.fed.append(token)
         waiter = run.steps.popleft()
-        if waiter.cancelled():
-            return None
-        return _Request(request.session, (greedy[-1],), Future(), (run.loop, waiter), run, extends=True)  # type: ignore[arg-type]
+        return _Request(request.session, (token,), Future(), (run.loop, waiter), run, extends=True)  # type: ignore[arg-type]
 
     def _refuse(self, item: object) -> None:
         if not isinstance(item, _Request):

@@ -48,10 +48,15 @@ def _little_endian_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def tokenizer_digest(tokenizer: object) -> bytes:
+    return tokenizer_definition_digest(tokenizer_definition(tokenizer))
+
+
+def tokenizer_definition(tokenizer: object) -> str:
+    """A fast tokenizer's definition, its ``tokenizer.json``."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        raise ModelError(f"{type(tokenizer).__name__} is not a fast tokenizer; cannot digest it")
-    return tokenizer_definition_digest(backend.to_str())
+        raise ModelError(f"{type(tokenizer).__name__} is not a fast tokenizer; cannot read its definition")
+    return str(backend.to_str())
 
 
 def gguf_digest(path: Path) -> bytes:

@@ -164,6 +164,12 @@ class LlamaCppTarget:
             raise ModelError(f"target {self.name} was loaded without a tokenizer.json")
         return tokenizer_file_digest(self.tokenizer_json)
 
+    @cached_property
+    def tokenizer_definition(self) -> str:
+        if self.tokenizer_json is None:
+            raise ModelError(f"target {self.name} was loaded without a tokenizer.json")
+        return self.tokenizer_json.read_text(encoding="utf-8")
+
     def prepare(self) -> None:
         """Hash the GGUF file and the tokenizer before the first contract is checked."""
         _ = self.weights_digest, self.tokenizer_digest

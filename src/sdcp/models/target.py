@@ -32,7 +32,7 @@ from sdcp.models.backend import (
     lookup_session,
     proposal_rest,
 )
-from sdcp.models.digests import tokenizer_digest, weights_digest
+from sdcp.models.digests import tokenizer_definition, tokenizer_digest, weights_digest
 from sdcp.models.errors import BadTokens, ModelError, SessionExists
 from sdcp.models.kvformat import decode_kv, encode_kv
 from sdcp.models.packed import pack_weights, with_packed_linears
@@ -122,6 +122,12 @@ class TargetModel:
         if self.tokenizer is None:
             raise ModelError(f"target {self.name} was loaded without a tokenizer")
         return tokenizer_digest(self.tokenizer)
+
+    @cached_property
+    def tokenizer_definition(self) -> str:
+        if self.tokenizer is None:
+            raise ModelError(f"target {self.name} was loaded without a tokenizer")
+        return tokenizer_definition(self.tokenizer)
 
     def prepare(self) -> None:
         """Work the first request would otherwise pay: hash the weights and the tokenizer, pack the

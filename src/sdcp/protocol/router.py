@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from sdcp.protocol.drafter import expected_rate
 from sdcp.protocol.messages import (
     Assignment,
+    Constraint,
     Contract,
     Resume,
     Role,
@@ -250,6 +251,9 @@ class RouterSession:
     logprobs: int | None = None
     min_new: int | None = None
     request: str | None = None
+    # The output's language (structured output): part of the target distribution, so it goes with
+    # the session to every verifier it is opened at, and to its drafters.
+    constraint: Constraint | None = None
 
     def open_message(self) -> SessionOpen:
         """session-open for the current verifier; carries ``resume`` after a failover."""
@@ -265,6 +269,7 @@ class RouterSession:
             logprobs=self.logprobs,
             min_new=self.min_new,
             request=self.request,
+            constraint=self.constraint,
         )
 
     def assignment(
@@ -293,6 +298,7 @@ class RouterSession:
             committed_tokens=committed_tokens,
             m_init=m_init,
             owner=self.owner,
+            constraint=self.constraint,
         )
 
     def fence_for_failover(self, verifier: str | None = None) -> FenceRecord:

@@ -39,6 +39,7 @@ from sdcp.engines.verifier.observe import (
 )
 from sdcp.engines.verifier.rounds import RecordSign, Rounds, Scoring
 from sdcp.engines.verifier.selfdecode import SelfDecoding
+from sdcp.grammar import ConstraintError, GrammarConstraint, grammar_tokenizer
 from sdcp.models.backend import Target
 from sdcp.models.batching import BatchingScorer
 from sdcp.models.draft import TokenTimer
@@ -46,6 +47,7 @@ from sdcp.models.errors import DigestMismatch
 from sdcp.protocol.messages import (
     Assignment,
     CancelRequest,
+    Constraint,
     Output,
     Policy,
     Proposal,
@@ -263,6 +265,9 @@ class VerifierEngine:
                 f"prompt ({len(prompt)} tokens) plus max_new ({contract.max_new}) "
                 f"exceeds the model's context of {context}"
             )
+        constraint = None
+        if message.constraint is not None:
+            constraint = await self._constraint(message.constraint, contract.stop)
         machine = VerifierSession(
             session=message.session,
             epoch=message.epoch,
@@ -272,6 +277,7 @@ class VerifierEngine:
             committed_tokens=committed,
             logprobs=message.logprobs,
             min_new=message.min_new or 0,
+            constraint=constraint,
         )
         try:
             commit_log = self.mlc.commit_log(message.commit_log)
@@ -476,6 +482,22 @@ class VerifierEngine:
                 log.warning("%s: target KV %s unusable, prefilling: %r", self.uri, resume.target_kv, exc)
         await self.scorer.run_async(self.target.open_session, message.session, tokens)
         return 0
+
+    async def _constraint(self, constraint: Constraint, stop: Sequence[int]) -> GrammarConstraint:
+        """The session's constraint over the target's tokenizer; one this verifier cannot apply
+        makes the session unsupported: its target distribution would not be the one asked for."""
+        vocab = self.target.vocab_size
+
+        def compiled() -> GrammarConstraint:
+            # Off the event loop: a tokenizer's first use takes about half a second, a grammar up to one.
+            return GrammarConstraint(
+                grammar_tokenizer(self.target.tokenizer_definition, vocab), constraint, stop, vocab
+            )
+
+        try:
+            return await asyncio.to_thread(compiled)
+        except ConstraintError as exc:
+            raise BadContract(f"constraint: {exc}") from exc
 
     def _start_self_decoding(self, live: LiveSession) -> None:
         # Rounds start self-decoding periods, whose rounds they commit: each refers to the other.

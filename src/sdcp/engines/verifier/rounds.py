@@ -30,7 +30,7 @@ from sdcp.engines.verifier.observe import (
     record_round,
 )
 from sdcp.models.backend import Target
-from sdcp.models.batching import BatchingScorer, ScoredRun
+from sdcp.models.batching import BatchingScorer, GreedyPicker, ScoredRun
 from sdcp.protocol.messages import Action, Verdict
 from sdcp.protocol.problems import ProblemType, ProtocolError
 from sdcp.protocol.rules import parse_q_rows
@@ -64,11 +64,13 @@ class Scoring:
         rows.add_done_callback(lambda _: self._settled())
         return rows
 
-    def submit_ahead(self, live: LiveSession, tokens: tuple[int, ...], steps: int) -> ScoredRun:
+    def submit_ahead(
+        self, live: LiveSession, tokens: tuple[int, ...], steps: int, picker: GreedyPicker | None = None
+    ) -> ScoredRun:
         """`submit`, and the greedy run of up to ``steps`` passes after it (BatchingScorer.score_ahead_async),
-        which counts as waiting until its last step is settled."""
+        which counts as waiting until its last step is settled; ``picker`` takes the run's tokens."""
         machine = live.machine
-        run = self._scorer.score_ahead_async(machine.session, tokens, steps, frozenset(machine.contract.stop))
+        run = self._scorer.score_ahead_async(machine.session, tokens, steps, frozenset(machine.contract.stop), picker)
         self.waiting += 1
         run.rows.add_done_callback(lambda done: self._scored(live, len(tokens) + 1, done))
         futures: tuple[asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None], ...] = (run.rows, *run.steps)

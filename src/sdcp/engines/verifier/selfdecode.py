@@ -19,7 +19,7 @@ from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.engines.verifier.observe import PassCosts
 from sdcp.engines.verifier.rounds import Rounds, Scoring
-from sdcp.models.batching import ScoredRun
+from sdcp.models.batching import ConstrainedMostProbable, ScoredRun
 from sdcp.models.draft import TokenTimer
 from sdcp.protocol.rules import GreedyRule
 from sdcp.protocol.verifier import PendingCommit, VerifierSession
@@ -80,6 +80,17 @@ class _Pass:
         self.logits.cancel()
         if self.run is not None:
             self.run.cancel()
+
+
+def _undecided(machine: VerifierSession, context: tuple[int, ...]) -> tuple[int, ...]:
+    """The tokens of ``context`` decided after the session's committed ones (not yet released)."""
+    return context[len(machine.prompt) + machine.committed :]
+
+
+def _fed(scoring: _Pass) -> int | None:
+    """The token the run of ``scoring`` fed after its rows, None where it fed none."""
+    run = scoring.run
+    return run.fed[scoring.step] if run is not None and scoring.step < len(run.fed) else None
 
 
 class SelfDecoding:
@@ -155,10 +166,20 @@ class SelfDecoding:
         """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens), under
         rule 1 with the greedy run after it; ``predicted``: `_predict`'s answer, where known."""
         prediction, guess = predicted if predicted is not None else self._predict(live, context)
-        steps = self._run_ahead(live.machine, context, guess)
+        machine = live.machine
+        steps = self._run_ahead(machine, context, guess)
         if not steps:
             return _Pass(context, prediction, guess, self._scoring.submit(live, guess))
-        run = self._scoring.submit_ahead(live, guess, steps)
+        picker = None
+        if machine.constraint is not None:
+            # The run feeds the tokens rule 1 decides, the constraint's most probable, from a copy
+            # of the constraint that it advances itself on the scorer's thread.
+            constraint = machine.constraint.fork()
+            constraint.commit(_undecided(machine, context))
+            picker = ConstrainedMostProbable(
+                constraint, len(context) - len(machine.prompt), machine.min_new, machine.contract.stop
+            )
+        run = self._scoring.submit_ahead(live, guess, steps, picker)
         return _Pass(context, prediction, guess, run.rows, run)
 
     def _follow(self, live: LiveSession, scoring: _Pass, context: tuple[int, ...], greedy: bool) -> _Pass:
@@ -178,13 +199,18 @@ class SelfDecoding:
         return self._start_pass(live, context, predicted)
 
     def _predict(self, live: LiveSession, context: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The lookahead's prediction after ``context``, and the part of it worth scoring."""
-        prediction = self._lookahead.predict(live, context, SELF_DECODE_LOOKAHEAD)
+        """The lookahead's prediction after ``context``, and the part of it worth scoring: first the
+        tokens the session's constraint forces, all scored, then the lookahead's guess after them."""
+        machine = live.machine
+        forced: tuple[int, ...] = ()
+        if machine.constraint is not None:
+            forced = machine.constraint.forced(_undecided(machine, context), SELF_DECODE_LOOKAHEAD)
+        guessed = self._lookahead.predict(live, context + forced, SELF_DECODE_LOOKAHEAD - len(forced))
         # A prediction that was not scored still counts towards the hit rate.
-        guess = prediction[
-            : lookahead_length(live.lookahead_hits, self._active_sessions(), len(prediction), self._pass_costs)
+        guess = guessed[
+            : lookahead_length(live.lookahead_hits, self._active_sessions(), len(guessed), self._pass_costs)
         ]
-        return prediction, guess
+        return forced + guessed, forced + guess
 
     def _run_ahead(self, machine: VerifierSession, context: tuple[int, ...], guess: tuple[int, ...]) -> int:
         """Greedy steps the scorer takes after a pass: under rule 1 the drawn token is the most
@@ -218,8 +244,8 @@ class SelfDecoding:
                         # The pass's earlier rounds are released: decided = their tokens + this one's.
                         committed = self._model_sync.sync_soon(machine, pending, len(decided) - 1, decided)
                         if continues:
-                            # The scorer fed the most probable token after the whole guess.
-                            greedy = position == len(scoring.guess) and decided[-1] == int(np.argmax(row))
+                            # The scorer fed the decided token after the whole guess.
+                            greedy = position == len(scoring.guess) and _fed(scoring) == decided[-1]
                             following = self._follow(live, scoring, committed, greedy)
                         elif scoring.run is not None:
                             scoring.run.cancel()

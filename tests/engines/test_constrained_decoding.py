@@ -1,0 +1,202 @@
+"""Structured output through the verifier engine (docs/interpretations.md, "Structured output"): the
+tiny random target self-decodes under a JSON schema, its greedy runs and lookahead guided by the
+grammar, and a failover hands the session to a second verifier, which resumes the grammar after the
+committed tokens. Under rule 1 the output is greedy decoding of the masked target, under rule 2
+(seeded) the draws from the masked distribution; every output parses and validates.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import jsonschema
+import numpy as np
+import pytest
+from tests.waiting import eventually
+
+from sdcp.cache import MLC, build_uri
+from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
+from sdcp.config import VerifierConfig
+from sdcp.engines.verifier import VerifierEngine
+from sdcp.grammar import GrammarConstraint, grammar_tokenizer
+from sdcp.models.registry import LoadedModel
+from sdcp.models.target import TargetModel
+from sdcp.protocol.constraint import constrain_rows
+from sdcp.protocol.messages import Action, Constraint, Contract, Sampling, SelfDecodeRequest, SessionOpen
+from sdcp.protocol.problems import BadContract
+from sdcp.protocol.records import encode_token_list, replay_commit_log
+from sdcp.protocol.router import RouterSession
+from sdcp.protocol.rules import PURPOSE_EXTRA_TOKEN, verifier_random
+from sdcp.protocol.sampling import draw_token, target_distribution
+
+pytestmark = pytest.mark.timeout(180)
+
+SESSION = bytes(range(16))
+AUTHORITY = "mlc.test"
+PROMPT = tuple((11 * i + 5) % 250 + 1 for i in range(24))
+EOT = 0
+MAX_NEW = 96
+# Tokens self-decoded per period: the first verifier stops after one period.
+SELF_MAX = 10
+# Bounded strings and numbers: a random model's text ends within MAX_NEW.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "size": {"type": "integer", "minimum": 0, "maximum": 999},
+        "kind": {"enum": ["alpha", "beta"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "size", "kind", "ok"],
+    "additionalProperties": False,
+}
+CONSTRAINT = Constraint(kind="json_schema", text=json.dumps(SCHEMA))
+SEED = 20261130
+SAMPLING = Sampling(temperature_milli=800, seed=SEED)
+
+
+@dataclass
+class Pair:
+    mlc: MLC
+    first: VerifierEngine
+    second: VerifierEngine
+    commit_log: str
+
+
+@pytest.fixture
+async def pair(tiny_loaded: LoadedModel) -> AsyncIterator[Pair]:
+    mlc = MLC.from_config(authority=AUTHORITY)
+    engines = [
+        VerifierEngine(
+            uri=f"https://verifier{i}.test",
+            settings=VerifierConfig(),
+            target=TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny"),
+            mlc=mlc,
+            ttl_ms=1000,
+        )
+        for i in (1, 2)
+    ]
+    for engine in engines:
+        await engine.start()
+    yield Pair(mlc, engines[0], engines[1], build_uri(AUTHORITY, None, LOG_KIND, SESSION.hex()))
+    for engine in engines:
+        await engine.stop()
+    await mlc.close()
+
+
+def contract_of(target: TargetModel, rule: int) -> Contract:
+    obj: dict[str, object] = {
+        "target": target.weights_digest,
+        "tokenizer": target.tokenizer_digest,
+        "rule": rule,
+        "m_max": 4,
+        "max_new": MAX_NEW,
+        "stop": [EOT],
+        "low_rounds": 1000,
+        "fallback": [Action.FAIL],
+        "self_load": 100,
+        "self_max": SELF_MAX,
+    }
+    if rule == 2:
+        obj["sampling"] = SAMPLING.to_obj()
+    return Contract.from_obj(obj)
+
+
+def reference(loaded: LoadedModel, rule: int) -> tuple[int, ...]:
+    """The masked target's decoding of PROMPT, one token per pass, written from the definition:
+    rule 1 the most probable allowed token, rule 2 a draw from the restricted distribution with the
+    verifier's seeded value of the token's round (each self-decoded token is a round of its own)."""
+    target = TargetModel(loaded.model, loaded.tokenizer, name="tiny")
+    grammar = GrammarConstraint(
+        grammar_tokenizer(target.tokenizer_definition, target.vocab_size), CONSTRAINT, [EOT], target.vocab_size
+    )
+    target.open_session(SESSION, PROMPT)
+    tokens: list[int] = []
+    while not tokens or tokens[-1] != EOT:
+        (rows,) = target.score([(SESSION, ())])
+        row = constrain_rows(rows[:1], grammar.allowed(()), len(tokens), 0, [EOT])[0]
+        if rule == 1:
+            token = int(np.argmax(row))
+        else:
+            r = verifier_random(SEED, SESSION, len(tokens) + 1, 1, PURPOSE_EXTRA_TOKEN)
+            token = draw_token(target_distribution(row, SAMPLING), r)
+        tokens.append(token)
+        grammar.commit([token])
+        target.commit(SESSION, 0, [token])
+    return tuple(tokens)
+
+
+async def decode(engine: VerifierEngine, epoch: int, until: int) -> None:
+    """Self-decoding periods at ``engine`` until ``until`` tokens are committed or the session ends."""
+    live = engine.sessions[SESSION]
+    machine = live.machine
+    while machine.committed < until and not machine.ended:
+        await engine.self_decode(SelfDecodeRequest(session=SESSION, epoch=epoch))
+        await eventually(lambda: not machine.self_decoding)
+        decoder = live.self_decoder
+        if decoder is not None:
+            await eventually(decoder.done)
+
+
+async def fail_over(pair: Pair, plan: RouterSession) -> None:
+    """What the router does at a failover (SDCP 6.9): fence, replay the log, open the session at the
+    second verifier from the plan, whose session-open carries the constraint again."""
+    await pair.mlc.commit_log(pair.commit_log).fence(2)
+    snapshot = await pair.mlc.commit_log(pair.commit_log).read()
+    replay = replay_commit_log(snapshot.records, plan.contract.digest, PROMPT)
+    tokens = build_uri(AUTHORITY, None, TOKENS_KIND, f"{SESSION.hex()}-{len(replay.tokens)}")
+    await pair.mlc.put(tokens, encode_token_list(replay.tokens))
+    moved = plan.fail_over(pair.second.uri, replay, tokens)
+    await pair.second.open_session(moved.open_message())
+
+
+@pytest.mark.parametrize("rule", [1, 2])
+async def test_a_constrained_session_fails_over_and_its_output_validates(
+    pair: Pair, tiny_loaded: LoadedModel, rule: int
+) -> None:
+    assert isinstance(pair.first.target, TargetModel)
+    contract = contract_of(pair.first.target, rule)
+    plan = RouterSession(
+        session=SESSION,
+        epoch=1,
+        contract=contract,
+        prompt=PROMPT,
+        commit_log=pair.commit_log,
+        verifier=pair.first.uri,
+        constraint=CONSTRAINT,
+    )
+    passes_before = pair.first.scorer.batches_run + pair.second.scorer.batches_run
+    await pair.first.open_session(plan.open_message())
+    await decode(pair.first, 1, SELF_MAX)
+    assert pair.first.sessions[SESSION].machine.committed == SELF_MAX
+
+    await fail_over(pair, plan)
+    await decode(pair.second, 2, MAX_NEW)
+
+    output = await pair.second.output(SESSION, 0)
+    assert output.final and output.finish == Action.FINISH
+    assert output.tokens == reference(tiny_loaded, rule)
+    # The tokens the grammar forces (the keys, the punctuation, the rest of an enum value) are
+    # scored along with each pass: far fewer passes than tokens.
+    passes = pair.first.scorer.batches_run + pair.second.scorer.batches_run - passes_before
+    assert 2 * passes < len(output.tokens)
+    assert output.tokens[-1] == EOT
+    text = tiny_loaded.tokenizer.decode(list(output.tokens[:-1]))
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+async def test_a_constraint_the_verifier_cannot_compile_is_refused(pair: Pair) -> None:
+    assert isinstance(pair.first.target, TargetModel)
+    message = SessionOpen(
+        session=SESSION,
+        epoch=1,
+        contract=contract_of(pair.first.target, 1),
+        prompt=PROMPT,
+        commit_log=pair.commit_log,
+        constraint=Constraint(kind="regex", text="(["),
+    )
+    with pytest.raises(BadContract, match="constraint"):
+        await pair.first.open_session(message)
+    assert SESSION not in pair.first.sessions
