@@ -282,3 +282,39 @@ def test_the_grafana_dashboard_queries_metrics_that_exist() -> None:
 def _sample_names(family: Any) -> set[str]:
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     return {family.name + suffix for suffix in suffixes.get(family.type, ("",))}
+
+
+def test_each_role_reaches_redis_as_its_own_user(tmp_path: Path) -> None:
+    """#29, docs/security.md "Store credentials per role": Redis loads the ACL file of the Secret
+    sdcp-redis-acl (default user off, a user per role with the rules of sdcp.cache.redis_acl, the
+    passwords hashed), and each pod mounts the password of its own role's user only, the one its
+    TOML names."""
+    import hashlib
+
+    from sdcp.cache.redis_acl import acl_rules
+
+    secrets = _secrets(tmp_path)
+    acl = secrets["sdcp-redis-acl"]["users.acl"].decode()
+    lines = {line.split()[1]: line.split() for line in acl.splitlines()}
+    assert lines["default"][2] == "off"
+    (redis,) = (w for w in of_kind("StatefulSet") if w["metadata"]["name"] == "redis")
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    assert container["args"][-2:] == ["--aclfile", "/etc/redis/acl/users.acl"]
+    for role in ("router", "verifier", "drafter", "admin"):
+        password = secrets[f"sdcp-redis-{role}"]["password"].decode().strip()
+        assert password.encode() not in secrets["sdcp-redis-acl"]["users.acl"]
+        user = lines[f"sdcp-{role}"]
+        assert user[2:4] == ["on", f"#{hashlib.sha256(password.encode()).hexdigest()}"]
+        assert user[4:] == " ".join(acl_rules(role, "sdcp:mlc:")).split()
+    files = config_files()
+    for name, pod in _pods():
+        role = name.split("-")[0]
+        mounted = [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v]
+        if role == "gateway":  # reaches no store
+            assert not [m for m in mounted if m.startswith("sdcp-redis-")] and "redis_url" not in files["gateway.toml"]
+            continue
+        assert [m for m in mounted if m.startswith("sdcp-redis-")] == [f"sdcp-redis-{role}"], name
+        text = files[f"{name}.toml"]
+        assert f'redis_username = "sdcp-{role}"' in text and 'redis_password_file = "/etc/sdcp/redis/password"' in text
+        (container,) = pod["containers"]
+        assert {"name": "redis", "mountPath": "/etc/sdcp/redis", "readOnly": True} in container["volumeMounts"]

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # A dev CA and one certificate per instance (`sdcp certs`), printed as the Secrets the manifests
 # mount: one Secret per identity (sdcp-<workload>, holding that identity's certificate and key
-# only), sdcp-ca (the CA's certificate, never its key) and sdcp-gateway-api-key (a new random key,
-# or $SDCP_API_KEY). Each pod mounts sdcp-ca and its own identity's Secret, so no pod holds a key
+# only), sdcp-ca (the CA's certificate, never its key), sdcp-gateway-api-key (a new random key,
+# or $SDCP_API_KEY), and Redis's users (`sdcp redis-acl`): sdcp-redis-acl (the ACL file Redis loads,
+# passwords hashed) and sdcp-redis-<role> (the password of the router's, verifiers', drafters' and
+# admin's user; each pod mounts its role's). Each pod mounts sdcp-ca and its own identity's Secret, so no pod holds a key
 # with which it could pose as another instance. With your own CA, create the same Secrets from
 # your files instead (docs/deploy.md).
 #   deploy/kubernetes/make-secrets.sh [CERT_DIR] | kubectl apply -f -
@@ -68,5 +70,13 @@ if $everything; then
   # 32 random bytes in hex, unless the caller chose the key.
   printf '%s\n' "${SDCP_API_KEY:-$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')}" >"$scratch/api-key"
   secret sdcp-gateway-api-key "$scratch/api-key"
+  # One Redis user per role, new random passwords (docs/security.md, "Store credentials per role").
+  sdcp redis-acl --secrets "$scratch/redis" --acl-file "$scratch/users.acl" \
+    --role router --role verifier --role drafter --role admin >/dev/null
+  secret sdcp-redis-acl "$scratch/users.acl"
+  for role in router verifier drafter admin; do
+    cp "$scratch/redis/$role.password" "$scratch/password"
+    secret "sdcp-redis-$role" "$scratch/password"
+  done
   echo "the gateway's API key: kubectl -n sdcp get secret sdcp-gateway-api-key -o jsonpath='{.data.api-key}' | base64 -d" >&2
 fi

@@ -258,6 +258,7 @@ class RouterEngine:
                 logprobs=wanted.logprobs,
                 min_new=wanted.min_new,
                 request=wanted.request,
+                constraint=wanted.constraint,
             )
             try:
                 # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
