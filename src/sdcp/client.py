@@ -17,6 +17,7 @@ from pathlib import Path
 from sdcp.protocol.messages import (
     Action,
     CancelRequest,
+    Constraint,
     Contract,
     Output,
     Sampling,
@@ -129,11 +130,12 @@ class ClusterClient:
         logprobs: int | None = None,
         min_new: int | None = None,
         request: str | None = None,
+        constraint: Constraint | None = None,
     ) -> SessionHandle:
         """Open a session; ``logprobs`` asks for log-probabilities with that many alternatives per
         output token, ``min_new`` holds the contract's stop tokens back until that many tokens are
-        out, ``request`` names the front end's request in every role's log (extensions,
-        docs/interpretations.md)."""
+        out, ``request`` names the front end's request in every role's log, ``constraint`` is the
+        output's language (extensions, docs/interpretations.md)."""
         wanted = SessionRequest(
             prompt=tuple(prompt),
             contract=contract,
@@ -141,6 +143,7 @@ class ClusterClient:
             logprobs=logprobs,
             min_new=min_new,
             request=request,
+            constraint=constraint,
         )
         _, body = await self.peers.get(self.router).post_cbor("sessions", wanted.to_obj())
         return _handle(body)

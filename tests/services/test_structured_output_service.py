@@ -1,0 +1,182 @@
+"""Structured output through the router, verifiers and drafters over HTTP/2 + mTLS
+(docs/interpretations.md, "Structured output"): every output of the tiny random target is in its
+constraint's language under rule 1 and rule 2, whatever the n-gram or model drafter proposes, and a
+failover keeps the constraint. Schemas bound their strings and numbers: a random model's text must
+end within max_new."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+
+import jsonschema
+import numpy as np
+import pytest
+from tests.services.outputs import output_tokens, read_output
+from tests.services.test_router_service import (
+    PROMPT,
+    Deployment,
+    deployment,
+    open_session,
+    start_drafter,
+    start_verifier,
+    target,
+    tiny_contract,
+)
+from tests.waiting import eventually_async
+
+from sdcp.config import DrafterConfig
+from sdcp.grammar import GrammarConstraint, grammar_tokenizer
+from sdcp.models.target import TargetModel
+from sdcp.protocol.constraint import constrain_rows
+from sdcp.protocol.messages import Action, Constraint, session_path_id
+from sdcp.services.drafter import DrafterNode
+
+__all__ = ["deployment", "target"]  # fixtures, from the router's service tests
+
+pytestmark = pytest.mark.timeout(300)
+
+EOT = 0
+MAX_NEW = 120
+
+
+def _schema(**properties: object) -> str:
+    return json.dumps(
+        {"type": "object", "properties": properties, "required": sorted(properties), "additionalProperties": False}
+    )
+
+
+NAME = {"type": "string", "maxLength": 5}
+COUNT = {"type": "integer", "minimum": 0, "maximum": 99}
+FLAG = {"type": "boolean"}
+COLOR = {"enum": ["red", "green", "blue"]}
+
+# (kind, text): the sessions' constraints, from a choice to nested JSON.
+CONSTRAINTS: list[tuple[str, str]] = [
+    ("json_schema", _schema(name=NAME)),
+    ("json_schema", _schema(count=COUNT)),
+    ("json_schema", _schema(flag=FLAG, color=COLOR)),
+    ("json_schema", _schema(name=NAME, count=COUNT, flag=FLAG)),
+    ("json_schema", _schema(tags={"type": "array", "items": NAME, "maxItems": 3})),
+    ("json_schema", _schema(point=json.loads(_schema(x=COUNT, y=COUNT)))),
+    ("json_schema", _schema(color=COLOR, sizes={"type": "array", "items": COUNT, "minItems": 1, "maxItems": 2})),
+    ("json_schema", json.dumps({"type": "array", "items": COLOR, "minItems": 2, "maxItems": 4})),
+    ("json_schema", json.dumps({"enum": ["yes", "no", "maybe"]})),
+    ("json_schema", _schema(id={"type": "string", "pattern": "^[a-f0-9]{4}$"}, ok=FLAG)),
+    (
+        "json_schema",
+        _schema(when={"type": "string", "enum": ["am", "pm"]}, n={"type": "integer", "maximum": 9, "minimum": -9}),
+    ),
+    ("json_schema", _schema(person=json.loads(_schema(name=NAME, age=COUNT)), ok=FLAG)),
+    ("regex", "[A-Z]{2}-[0-9]{3}"),
+    ("regex", "(cat|dog|bird)s?"),
+    ("choice", json.dumps(["positive", "negative", "neutral"])),
+    ("lark", 'start: "(" NUM ("," NUM)? ")"\nNUM: /[0-9]{1,2}/'),
+]
+
+
+def in_language(kind: str, text: str) -> Callable[[str], None]:
+    """A check that an output text is a complete text of the constraint's language."""
+    if kind == "json_schema":
+        return lambda out: jsonschema.validate(json.loads(out), json.loads(text))
+    if kind == "regex":
+        return lambda out: _assert(re.fullmatch(text, out) is not None, out)
+    if kind == "choice":
+        return lambda out: _assert(out in json.loads(text), out)
+    return lambda out: _assert(re.fullmatch(r"\([0-9]{1,2}(,[0-9]{1,2})?\)", out) is not None, out)
+
+
+def _assert(holds: bool, out: str) -> None:
+    assert holds, f"{out!r} is outside the language"
+
+
+def masked_greedy(target: TargetModel, constraint: Constraint) -> list[int]:
+    """Greedy decoding of the masked tiny target after PROMPT, one token per pass."""
+    reference = TargetModel(target.model, target.tokenizer, name="tiny")
+    vocab = reference.vocab_size
+    grammar = GrammarConstraint(grammar_tokenizer(reference.tokenizer_definition, vocab), constraint, [EOT], vocab)
+    session = b"masked-greedy-ref"
+    reference.open_session(session, PROMPT)
+    tokens: list[int] = []
+    while (not tokens or tokens[-1] != EOT) and len(tokens) < MAX_NEW:
+        (rows,) = reference.score([(session, ())])
+        tokens.append(int(np.argmax(constrain_rows(rows[:1], grammar.allowed(()), len(tokens), 0, [EOT])[0])))
+        grammar.commit(tokens[-1:])
+        reference.commit(session, 0, tokens[-1:])
+    return tokens
+
+
+async def constrained_output(env: Deployment, target: TargetModel, rule: int, kind: str, text: str) -> str:
+    extra = {"sampling": {"temperature_milli": 900, "seed": 7}} if rule == 2 else {}
+    opened = await open_session(
+        env,
+        tiny_contract(target, rule=rule, max_new=MAX_NEW, stop=[EOT], **extra),
+        constraint={"kind": kind, "text": text},
+    )
+    session = opened["session"]
+    assert isinstance(session, bytes)
+    outputs = await read_output(env.client("frontend", peer="verifier1"), session)
+    tokens = output_tokens(outputs)
+    assert outputs[-1].finish == Action.FINISH and tokens[-1] == EOT, (kind, text, tokens)
+    return str(target.tokenizer.decode(tokens[:-1]))
+
+
+async def test_every_output_is_in_its_language_under_rule_1_and_rule_2(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    router = deployment.router
+    assert router is not None
+    await start_verifier(deployment, "verifier1")
+    await start_drafter(deployment, "drafter1")
+    model_drafter = DrafterNode(
+        deployment.config("drafter2", drafter=DrafterConfig(model="hf:tiny-draft", target="tiny"))
+    )
+    await deployment.start(model_drafter)
+    checked = 0
+    for rule in (1, 2):
+        for kind, text in CONSTRAINTS:
+            out = await constrained_output(deployment, target, rule, kind, text)
+            in_language(kind, text)(out)
+            if rule == 1:
+                # SDCP 6.4 rule 1: greedy decoding of the masked target, whoever drafted.
+                assert (
+                    target.tokenizer.encode(out, add_special_tokens=False)
+                    == masked_greedy(target, Constraint(kind=kind, text=text))[:-1]
+                )
+            checked += 1
+    assert checked >= 2 * 16
+
+
+@pytest.mark.parametrize("rule", [1, 2])
+async def test_a_failover_keeps_the_constraint(deployment: Deployment, target: TargetModel, rule: int) -> None:
+    first = await start_verifier(deployment, "verifier1")
+    await start_drafter(deployment, "drafter1")
+    kind, text = "json_schema", _schema(name=NAME, count=COUNT, flag=FLAG, color=COLOR)
+    extra = {"sampling": {"temperature_milli": 900, "seed": 11}} if rule == 2 else {}
+    opened = await open_session(
+        deployment,
+        tiny_contract(target, rule=rule, max_new=MAX_NEW, stop=[EOT], **extra),
+        constraint={"kind": kind, "text": text},
+    )
+    session = opened["session"]
+    assert isinstance(session, bytes) and opened["verifier"] == first.uri
+    second = await start_verifier(deployment, "verifier2")
+    before = await read_output(deployment.client("frontend", peer="verifier1"), session, until=4)
+    assert not before[-1].final, "the session finished before the verifier could be stopped"
+    await deployment.stop(first)
+
+    frontend = deployment.client("frontend")
+
+    async def moved() -> bool:
+        _, described = await frontend.get_cbor(f"sessions/{session_path_id(session)}")
+        return isinstance(described, dict) and described["verifier"] == second.uri
+
+    await eventually_async(moved)
+    after = await read_output(deployment.client("frontend", peer="verifier2"), session)
+    tokens = output_tokens(after)
+    assert {output.epoch for output in after} == {2} and after[-1].finish == Action.FINISH
+    assert tokens[: len(output_tokens(before))] == output_tokens(before) and tokens[-1] == EOT
+    in_language(kind, text)(str(target.tokenizer.decode(tokens[:-1])))
+    if rule == 1:
+        assert tokens == masked_greedy(target, Constraint(kind=kind, text=text))
