@@ -85,6 +85,9 @@ def deployment(empty_home: Path) -> Iterator[tuple[Path, int]]:
     uris = sorted(set(re.findall(r'uri = "(https://[^"]+)"', "".join(files.values()))))
     certs = sdcp(empty_home, "certs", str(root / "certs"), *[arg for uri in uris for arg in ("--instance", uri)])
     assert certs.returncode == 0, certs.stderr
+    # As documented: a Redis user per role, the default user off (docs/security.md).
+    users = sdcp(empty_home, "redis-acl", "--secrets", str(root / "redis"), "--acl-file", str(root / "users.acl"))
+    assert users.returncode == 0, users.stderr
     pidfile = root / "redis.pid"
     subprocess.run(
         [
@@ -105,6 +108,8 @@ def deployment(empty_home: Path) -> Iterator[tuple[Path, int]]:
             str(root),
             "--pidfile",
             str(pidfile),
+            "--aclfile",
+            str(root / "users.acl"),
         ],
         check=True,
         capture_output=True,
