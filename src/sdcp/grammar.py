@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import llguidance
 import numpy as np
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from sdcp.protocol.messages import Constraint
 
@@ -33,6 +34,7 @@ __all__ = [
     "GrammarConstraint",
     "check",
     "compile_constraint",
+    "gbnf_to_lark",
     "grammar_tokenizer",
 ]
 
@@ -70,6 +72,15 @@ def compile_constraint(constraint: Constraint) -> str:
     if kind == "lark":
         return str(llguidance.LLMatcher.grammar_from_lark(text))
     raise ConstraintError(f"no language of kind {kind!r}")
+
+
+def gbnf_to_lark(text: str) -> str:
+    """A grammar in Lark syntax from one in Lark or in GBNF (llama.cpp's, which vLLM's
+    ``guided_grammar`` also takes): llguidance's conversion, which leaves Lark as it is."""
+    try:
+        return str(any_to_lark(text))
+    except GbnfToLarkError as exc:
+        raise ConstraintError(f"the grammar is neither Lark nor GBNF: {exc}") from exc
 
 
 def check(constraint: Constraint, tokenizer: llguidance.LLTokenizer | None = None) -> None:

@@ -499,6 +499,7 @@ class GatewayNode:
                     logprobs=generation.logprobs,
                     min_new=generation.min_tokens or None,
                     request=request_id,
+                    constraint=generation.constraint,
                 )
                 for choice in generation.choices
             ),

@@ -8,14 +8,16 @@ take OpenAI's shape.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
+from sdcp.grammar import ConstraintError, check, gbnf_to_lark
 from sdcp.protocol.logprobs import LOGPROB_SCALE
-from sdcp.protocol.messages import MAX_TOP_LOGPROBS, Sampling, TokenLogprob
+from sdcp.protocol.messages import MAX_CONSTRAINT_TEXT, MAX_TOP_LOGPROBS, Constraint, Sampling, TokenLogprob
 from sdcp.text import ChatTemplateError, IncrementalDecoder, TextCodec
 
 __all__ = [
@@ -106,6 +108,8 @@ class Generation:
     include_stop_str: bool
     user: str | None
     request_id: str | None
+    # The output's language (structured output: response_format, vLLM's guided_*), or None.
+    constraint: Constraint | None = None
     # Members that no parameter reads, ignored (vLLM's behaviour; strict mode refuses them instead).
     ignored: tuple[str, ...] = ()
 
@@ -141,6 +145,14 @@ _COMMON_IMPLEMENTED = frozenset(
         "skip_special_tokens",
         "include_stop_str_in_output",
         "request_id",
+        # Structured output (_constraint): OpenAI's and vLLM's spellings.
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "structured_outputs",
     }
 )
 _COMPLETIONS_IMPLEMENTED = _COMMON_IMPLEMENTED | {"prompt", "echo", "add_special_tokens"}
@@ -162,7 +174,6 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "logit_bias": ({},),
     "suffix": ("",),
     "use_beam_search": (False,),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -175,13 +186,8 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "prompt_logprobs": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "guided_decoding_backend": (),
+    # The json_schema language has no whitespace outside strings (docs/interpretations.md).
     "guided_whitespace_pattern": (),
-    "structured_outputs": (),
     "logits_processors": (),
     "truncate_prompt_tokens": (),
     "documents": (),
@@ -263,6 +269,10 @@ def parse_generation(
         reader.boolean("parallel_tool_calls", True)
     user = reader.text("user")
     request_id = reader.text("request_id")
+    constraint = _constraint(reader)
+    if constraint is not None and ignore_eos:
+        # A text of the language ends with a stop token: without one the session could not end.
+        raise _refused("ignore_eos", "structured output ends each choice at its end-of-text token")
     # OpenAI's default temperature is 1; temperature 0 is greedy decoding, i.e. rule 1 (SDCP 6.4).
     greedy = temperature == 0.0
     sampling = None
@@ -280,7 +290,9 @@ def parse_generation(
         rule=1 if greedy else 2,
         sampling=sampling,
         stop_texts=stop_texts,
-        stop_ids=_stop_ids(codec, stop_texts, extra_stop_ids, ignore_eos),
+        # Under a constraint a stop token is no text, so a one-token stop string is matched in the
+        # text instead (a JSON output's "}" must stay a token of the output).
+        stop_ids=_stop_ids(codec, stop_texts if constraint is None else (), extra_stop_ids, ignore_eos),
         min_tokens=min_tokens,
         stream=stream,
         include_usage=include_usage,
@@ -291,8 +303,99 @@ def parse_generation(
         include_stop_str=reader.boolean("include_stop_str_in_output", False),
         user=user,
         request_id=request_id,
+        constraint=constraint,
         ignored=tuple(ignored),
     )
+
+
+# The members that name an output's language, and the constraint kind each gives.
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "lark"}
+_STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
+
+
+def _constraint(reader: _Reader) -> Constraint | None:
+    """The output's language from ``response_format`` (OpenAI: json_object, json_schema), vLLM's
+    ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (Lark or GBNF) or its
+    ``structured_outputs``; at most one of them. ``guided_decoding_backend`` names an engine: ours
+    is llguidance whatever it says."""
+    reader.text("guided_decoding_backend")
+    given: list[tuple[str, str, object]] = []
+    response_format = reader.body.get("response_format")
+    if response_format is not None:
+        formatted = _response_format(response_format)
+        if formatted is not None:
+            given.append(("response_format", *formatted))
+    for member, kind in _GUIDED.items():
+        if reader.body.get(member) is not None:
+            given.append((member, kind, reader.body[member]))
+    structured = reader.body.get("structured_outputs")
+    if structured is not None:
+        if not isinstance(structured, dict):
+            raise OpenAIError("'structured_outputs' must be an object", param="structured_outputs")
+        for key, value in structured.items():
+            if value is None or value is False:
+                continue
+            if key == "json_object" and value is True:
+                given.append(("structured_outputs.json_object", "json_schema", {"type": "object"}))
+            elif key in _STRUCTURED:
+                given.append((f"structured_outputs.{key}", _STRUCTURED[key], value))
+            else:
+                raise _refused(f"structured_outputs.{key}", "json, regex, choice, grammar and json_object are")
+    if not given:
+        return None
+    if len(given) > 1:
+        raise OpenAIError(f"give one of {', '.join(member for member, _, _ in given)}", param=given[1][0])
+    member, kind, value = given[0]
+    constraint = Constraint(kind=kind, text=_constraint_text(member, kind, value))
+    try:
+        check(constraint)
+    except ConstraintError as exc:
+        raise OpenAIError(f"'{member}' names no language this server can apply: {exc}", param=member) from exc
+    return constraint
+
+
+def _response_format(value: object) -> tuple[str, object] | None:
+    """OpenAI's ``response_format``: None for text, else the constraint kind and its value."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_schema", {"type": "object"}
+    if kind == "json_schema" and isinstance(value, dict):
+        described = value.get("json_schema")
+        if not isinstance(described, dict):
+            raise OpenAIError("'response_format.json_schema' must be an object", param="response_format")
+        # OpenAI's json_schema without a schema allows any JSON value.
+        return "json_schema", described.get("schema", {})
+    raise OpenAIError(
+        "'response_format.type' must be one of 'text', 'json_object', 'json_schema'", param="response_format"
+    )
+
+
+def _constraint_text(member: str, kind: str, value: object) -> str:
+    if kind == "json_schema":
+        # A schema comes as an object or as its JSON text (vLLM takes both).
+        if isinstance(value, str):
+            text = value
+        elif isinstance(value, dict | bool):
+            text = json.dumps(value)
+        else:
+            raise OpenAIError(f"'{member}' must be a JSON schema (an object or its JSON text)", param=member)
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise OpenAIError(f"'{member}' must be a non-empty list of strings", param=member)
+        text = json.dumps(value)
+    else:
+        if not isinstance(value, str) or not value:
+            raise OpenAIError(f"'{member}' must be a non-empty string", param=member)
+        # vLLM's guided_grammar is Lark or GBNF (llama.cpp's); the constraint carries Lark.
+        try:
+            text = gbnf_to_lark(value) if kind == "lark" else value
+        except ConstraintError as exc:
+            raise OpenAIError(f"'{member}': {exc}", param=member) from exc
+    if len(text) > MAX_CONSTRAINT_TEXT:
+        raise OpenAIError(f"'{member}' is longer than {MAX_CONSTRAINT_TEXT} characters", param=member)
+    return text
 
 
 def parse_tokenize(body: object, codec: TextCodec, *, served: Sequence[str], context: int | None = None) -> list[int]:
