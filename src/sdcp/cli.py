@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -453,6 +454,10 @@ class RuleName(StrEnum):
     sampling = "sampling"
 
 
+# The most sessions one `generate` opens (as the gateway's choices of a request).
+_MAX_CHOICES = 16
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
@@ -473,7 +478,19 @@ def generate(
         "--top-k or --top-p is given, else greedy.",
     ),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to the prompt."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    system: str = typer.Option(
+        None, "--system", help="A system message before the prompt (applies the chat template, as --chat)."
+    ),
+    stop: list[str] = typer.Option(
+        None, "--stop", help="End the generation where this text appears (repeatable); it is left out of the text."
+    ),
+    n: int = typer.Option(1, "-n", min=1, max=_MAX_CHOICES, help="Generate this many completions, each a session."),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print one JSON object instead of streaming text: the session id, tokens, text, finish reason "
+        '(stop, length, eos; fail), statistics; with -n above 1, {"choices": [...]}.',
+    ),
     model: str = typer.Option("smollm2", help="Target model (for the tokenizer and a new local cluster)."),
     home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp)."),
 ) -> None:
@@ -482,35 +499,54 @@ def generate(
     from sdcp.protocol.messages import Sampling
 
     with user_errors():
+        rule = _chosen_rule(rule, temperature, top_k, top_p, seed)
+        stops = tuple(stop or ())
+        if any(not text for text in stops):
+            fail("--stop needs a non-empty text")
         tokenizer = _load_tokenizer(model, home)
-        prompt_ids = _tokenize(tokenizer, prompt, chat)
-        sampling = Sampling(
-            temperature_milli=None if temperature is None else round(temperature * 1000),
-            top_k=top_k,
-            top_p_milli=None if top_p is None else round(top_p * 1000),
-            seed=seed,
-        )
-        has_sampling = any(v is not None for v in (temperature, top_k, top_p, seed))
-        if rule is None:
-            samples = bool(temperature) or top_k is not None or top_p is not None
-            rule = RuleName.sampling if samples else RuleName.greedy
+        prompt_ids = _tokenize(tokenizer, prompt, chat or system is not None, system)
+        sampling = None
+        if rule is RuleName.sampling:
+            sampling = Sampling(
+                temperature_milli=None if temperature is None else round(temperature * 1000),
+                top_k=top_k,
+                top_p_milli=None if top_p is None else round(top_p * 1000),
+                seed=seed,
+            )
         cluster = LocalCluster(home)
         _ensure_running(cluster, model)
         if not as_json:
             _print_dashboard(cluster)
-        result = asyncio.run(
-            _generate(
-                cluster,
-                tokenizer,
-                prompt_ids,
-                max_new,
-                1 if rule is RuleName.greedy else 2,
-                sampling if has_sampling else None,
-                as_json,
-            )
-        )
+        request = _Request(prompt_ids, max_new, 1 if rule is RuleName.greedy else 2, sampling, stops, n)
+        result = asyncio.run(_generate(cluster, tokenizer, request, as_json))
     if as_json:
         typer.echo(json.dumps(result))
+
+
+def _chosen_rule(
+    rule: RuleName | None, temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None
+) -> RuleName:
+    """The rule the options ask for; options that the rule would ignore are a one-line error."""
+    shaping = [
+        name
+        for name, given in (
+            ("--temperature", bool(temperature)),
+            ("--top-k", top_k is not None),
+            ("--top-p", top_p is not None),
+        )
+        if given
+    ]
+    if rule is RuleName.greedy and (shaping or seed is not None):
+        given = ", ".join([*shaping, *(["--seed"] if seed is not None else [])])
+        fail(
+            f"--rule greedy takes the most probable token and would ignore {given}: "
+            "leave them out or use --rule sampling"
+        )
+    if rule is None:
+        rule = RuleName.sampling if shaping else RuleName.greedy
+    if rule is RuleName.greedy and seed is not None:
+        fail("--seed applies only to sampling: give --temperature above 0, --top-k, --top-p or --rule sampling")
+    return rule
 
 
 def _ensure_running(cluster: Any, model: str) -> None:
@@ -532,20 +568,29 @@ def _load_tokenizer(model: str, home: Path | None) -> Any:
     return load_tokenizer(model, home)
 
 
-def _tokenize(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+def _tokenize(tokenizer: Any, prompt: str, chat: bool, system: str | None = None) -> list[int]:
     if chat:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        messages.append({"role": "user", "content": prompt})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return list(ids)
     return list(tokenizer(prompt)["input_ids"])
 
 
-async def _generate(
-    cluster: Any, tokenizer: Any, prompt_ids: list[int], max_new: int, rule: int, sampling: Any, as_json: bool
-) -> dict[str, Any]:
-    from rich.live import Live
+@dataclass(frozen=True)
+class _Request:
+    """What `generate` asks of each of its sessions."""
+
+    prompt_ids: list[int]
+    max_new: int
+    rule: int
+    sampling: Any
+    stops: tuple[str, ...]
+    n: int
+
+
+async def _generate(cluster: Any, tokenizer: Any, request: _Request, as_json: bool) -> dict[str, Any]:
     from rich.text import Text
 
     from sdcp.client import ClusterClient, build_contract
@@ -559,64 +604,145 @@ async def _generate(
         target_digest, tokenizer_digest = targets[0]["model"], targets[0]["tokenizer"]
         if not isinstance(target_digest, bytes) or not isinstance(tokenizer_digest, bytes):
             fail("the router's target list does not give the target's digests")
+        eos = set(end_of_text_tokens(tokenizer))
+        # A stop text of one token stops the session at the verifier (the contract's stop list); a
+        # longer one is matched in the text, which then cancels the session (as the gateway does).
+        single = {
+            ids[0] for ids in (tokenizer.encode(s, add_special_tokens=False) for s in request.stops) if len(ids) == 1
+        }
         contract = build_contract(
             target=target_digest,
             tokenizer=tokenizer_digest,
-            rule=rule,
-            max_new=max_new,
-            stop=end_of_text_tokens(tokenizer),
-            sampling=sampling,
+            rule=request.rule,
+            max_new=request.max_new,
+            stop=sorted(eos | single),
+            sampling=request.sampling,
         )
         started = time.monotonic()
-        handle = await client.open(prompt_ids, contract)
-        tokens: list[int] = []
-        printed = ""
-        finish = None
-        stats: dict[str, Any] = {}
-        live = None if as_json else Live(Text(""), console=err_console, transient=True, refresh_per_second=8)
-        last_stats = 0.0
-        if live is not None:
-            live.start()
+        opened = await asyncio.gather(
+            *(client.open(request.prompt_ids, contract) for _ in range(request.n)), return_exceptions=True
+        )
+        handles = [h for h in opened if not isinstance(h, BaseException)]
+        failure = next((e for e in opened if isinstance(e, BaseException)), None)
+        if failure is not None:
+            await _cancel_all(client, handles)
+            raise failure
+        live = request.n == 1 and not as_json
         try:
-            async for chunk in client.stream(handle):
-                tokens.extend(chunk.tokens)
-                finish = chunk.finish
-                now = time.monotonic()
-                if now - last_stats > 0.25 or finish is not None:
-                    stats = await _safe_stats(client, handle)
-                    last_stats = now
-                if live is not None:
-                    text = tokenizer.decode(tokens, skip_special_tokens=True)
-                    sys.stdout.write(text[len(printed) :])
-                    sys.stdout.flush()
-                    printed = text
-                    live.update(_status_line(len(tokens), now - started, stats))
+            choices = await asyncio.gather(
+                *(_choice(client, tokenizer, handle, request, eos, started, live=live) for handle in handles)
+            )
         except asyncio.CancelledError:
-            # Ctrl-C: end the session rather than leave the verifier decoding to max_new.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(client.cancel(handle), _CANCEL_WAIT_S)
+            # Ctrl-C: end the sessions rather than leave the verifier decoding to max_new.
+            await _cancel_all(client, handles)
             raise
-        finally:
-            if live is not None:
-                live.stop()
-        elapsed = time.monotonic() - started
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    finish_name = finish.name.lower() if finish is not None else "unknown"
-    summary = {
+    for index, summary in enumerate(choices):
+        summary["prompt_tokens"] = len(request.prompt_ids)
+        if not as_json and request.n > 1:
+            sys.stdout.write(f"--- choice {index} (session {summary['session']})\n{summary['text']}\n")
+        if not as_json:
+            err_console.print(Text(_summary_line(summary), style="dim"), soft_wrap=True)
+    if not as_json and any(summary["finish"] == "fail" for summary in choices):
+        fail("the verifier ended the session with an error (escalation ladder exhausted)")
+    if request.n == 1:
+        return choices[0]
+    return {"choices": [{"index": index, **summary} for index, summary in enumerate(choices)]}
+
+
+async def _cancel_all(client: ClusterClient, handles: list[SessionHandle]) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(asyncio.gather(*(client.cancel(h) for h in handles)), _CANCEL_WAIT_S)
+
+
+async def _choice(
+    client: ClusterClient,
+    tokenizer: Any,
+    handle: SessionHandle,
+    request: _Request,
+    eos: set[int],
+    started: float,
+    *,
+    live: bool,
+) -> dict[str, Any]:
+    """One session's tokens, text and finish reason; its text streamed to stdout with ``live``
+    (held back by what may start a stop text)."""
+    from rich.live import Live
+    from rich.text import Text
+
+    from sdcp.protocol.messages import Action
+
+    tokens: list[int] = []
+    printed = ""
+    finish = None
+    stopped = False
+    stats: dict[str, Any] = {}
+    hold = max((len(s) - 1 for s in request.stops), default=0)
+    status = Live(Text(""), console=err_console, transient=True, refresh_per_second=8) if live else None
+    last_stats = 0.0
+    if status is not None:
+        status.start()
+    try:
+        async for chunk in client.stream(handle):
+            tokens.extend(chunk.tokens)
+            finish = chunk.finish
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            found = _stop_at(text, request.stops)
+            if found is not None:
+                # The stop text decides the end (one of a single token also stopped the session at
+                # the verifier): the tokens up to its end, the text before it; a session that goes
+                # on is cancelled.
+                at, matched = found
+                tokens = _tokens_to(tokenizer, tokens, at + len(matched))
+                text, stopped = text[:at], True
+                if finish is None:
+                    await _cancel_all(client, [handle])
+            now = time.monotonic()
+            if now - last_stats > 0.25 or finish is not None or stopped:
+                stats = await _safe_stats(client, handle)
+                last_stats = now
+            if status is not None:
+                ready = text if finish is not None or stopped else text[: max(len(printed), len(text) - hold)]
+                sys.stdout.write(ready[len(printed) :])
+                sys.stdout.flush()
+                printed = ready
+                status.update(_status_line(len(tokens), now - started, stats))
+            if stopped:
+                break
+    finally:
+        if status is not None:
+            status.stop()
+            sys.stdout.write("\n")
+    elapsed = time.monotonic() - started
+    if stopped:
+        reason = "stop"
+    elif finish is Action.FINISH:
+        reason = "eos" if tokens and tokens[-1] in eos else "length"
+    else:
+        reason = finish.name.lower() if finish is not None else "unknown"
+    return {
+        "session": handle.session.hex(),
         "tokens": tokens,
-        "text": text,
-        "finish": finish_name,
-        "prompt_tokens": len(prompt_ids),
+        "text": tokenizer.decode(tokens, skip_special_tokens=True) if not stopped else text,
+        "finish": reason,
         "seconds": round(elapsed, 3),
         "tokens_per_second": round(len(tokens) / elapsed, 2) if elapsed > 0 else None,
         "stats": stats,
     }
-    if not as_json:
-        sys.stdout.write("\n")
-        err_console.print(Text(_summary_line(summary), style="dim"), soft_wrap=True)
-        if finish_name == "fail":
-            fail("the verifier ended the session with an error (escalation ladder exhausted)")
-    return summary
+
+
+def _stop_at(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """Where the earliest stop text starts in ``text``, and which, if one is there."""
+    found = [(at, s) for s, at in ((s, text.find(s)) for s in stops) if at >= 0]
+    return min(found, default=None)
+
+
+def _tokens_to(tokenizer: Any, tokens: list[int], length: int) -> list[int]:
+    """The fewest leading tokens whose text reaches ``length`` characters: the output up to the
+    token that ended the stop text."""
+    for count in range(1, len(tokens) + 1):
+        if len(tokenizer.decode(tokens[:count], skip_special_tokens=True)) >= length:
+            return tokens[:count]
+    return tokens
 
 
 async def _safe_stats(client: ClusterClient, handle: SessionHandle) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -22,7 +23,7 @@ from tests.e2e.support import MAX_NEW, PROMPTS, sdcp, stats_when_ended
 from tests.waiting import HANG_GUARD_S, wait_until
 
 from sdcp.cluster import LocalCluster
-from sdcp.models.registry import load_tokenizer
+from sdcp.models.registry import end_of_text_tokens, load_tokenizer
 from sdcp.protocol.messages import Action
 from sdcp.transport.client import SDCPClient
 
@@ -35,7 +36,10 @@ def test_generate_rule1_equals_transformers_greedy(home: Path, reference: dict[s
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["tokens"] == reference[prompt]
-    assert summary["finish"] == "finish"
+    # The session that `sdcp trace` takes, and why it ended: its end-of-text token, or max-new.
+    assert len(bytes.fromhex(summary["session"])) == 16
+    ended_by_eos = summary["tokens"][-1] in end_of_text_tokens(load_tokenizer("smollm2"))
+    assert summary["finish"] == ("eos" if ended_by_eos else "length")
     assert summary["stats"]["committed"] == len(reference[prompt])
 
 
@@ -43,7 +47,7 @@ def test_generate_streams_text_and_summary(home: Path) -> None:
     result = sdcp(home, "generate", "--max-new", "8", PROMPTS[0])
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
-    assert "tokens in" in result.stderr and "[finish]" in result.stderr
+    assert "tokens in" in result.stderr and "[length]" in result.stderr
     dashboard = LocalCluster(home).dashboard
     assert dashboard is not None and f"dashboard: {dashboard}" in result.stderr
 
@@ -73,7 +77,59 @@ def test_rule2_runs_end_to_end_and_at_temperature_zero_is_greedy(home: Path, ref
     )
     assert warm.returncode == 0, warm.stderr
     summary = json.loads(warm.stdout)
-    assert 1 <= len(summary["tokens"]) <= 12 and summary["finish"] == "finish"
+    assert 1 <= len(summary["tokens"]) <= 12 and summary["finish"] in ("eos", "length")
+
+
+def test_generate_stop_system_and_n(home: Path) -> None:
+    tokenizer: Any = load_tokenizer("smollm2")
+    base = ["generate", "--json", "--max-new", "40", LONG_PROMPT]
+    full = json.loads(sdcp(home, *base).stdout)
+    assert full["finish"] == "length"
+    # A stop text of several tokens from the middle of the greedy text ends the generation there.
+    text = full["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 12]
+    assert len(tokenizer(stop, add_special_tokens=False)["input_ids"]) > 1
+    stopped = sdcp(home, *base, "--stop", stop, "--stop", "never in this text")
+    assert stopped.returncode == 0, stopped.stderr
+    summary = json.loads(stopped.stdout)
+    assert summary["finish"] == "stop" and summary["text"] == text[: text.find(stop)]
+    assert summary["tokens"] == full["tokens"][: len(summary["tokens"])] and len(summary["tokens"]) < 40
+    # The session was cancelled after the stop text, not decoded on to max-new.
+    stats = asyncio.run(stats_when_ended(home, bytes.fromhex(summary["session"])))
+    assert stats["state"] == Action.FAIL and int(stats["committed"]) < 40  # type: ignore[call-overload]
+
+    # A system message goes through the chat template, before the prompt.
+    chat = sdcp(home, "generate", "--json", "--system", "Answer in one word.", "--max-new", "4", "What is 2+2?")
+    assert chat.returncode == 0, chat.stderr
+    answer = json.loads(chat.stdout)
+    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "What is 2+2?"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert answer["prompt_tokens"] == len(rendered) and answer["finish"] == "length"
+    # The model ends its turn itself (the chat test of the gateway's default max_tokens): eos.
+    ended = json.loads(sdcp(home, "generate", "--json", "--chat", "--max-new", "200", "Say hi.").stdout)
+    assert ended["finish"] == "eos" and len(ended["tokens"]) < 200
+
+    # -n: that many sessions of the prompt; greedy, each the same text.
+    several = sdcp(home, "generate", "--json", "-n", "3", "--max-new", "8", PROMPTS[0])
+    assert several.returncode == 0, several.stderr
+    choices = json.loads(several.stdout)["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert len({c["session"] for c in choices}) == 3 and len({c["text"] for c in choices}) == 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--temperature", "0.7", "--rule", "greedy"],
+        ["--top-k", "5", "--rule", "greedy"],
+        ["--seed", "3"],
+        ["--stop", ""],
+    ],
+)
+def test_conflicting_generate_options_are_one_line(home: Path, options: list[str]) -> None:
+    result = sdcp(home, "generate", *options, "hello")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_status_lists_the_running_instances(home: Path) -> None:
