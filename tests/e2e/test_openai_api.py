@@ -3,8 +3,10 @@ each parameter vLLM accepts is implemented or refused with a 400 naming it (#19)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import socket
 import ssl
 import subprocess
 import sys
@@ -14,12 +16,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tests.e2e.support import MAX_NEW, PROMPTS, cluster_backend, reference_log_probs
+from tests.e2e.support import MAX_NEW, PROMPTS, cluster_backend, reference_log_probs, stats_when_ended
 from tests.waiting import wait_until
 
 import sdcp
 from sdcp.cluster import LocalCluster
 from sdcp.localhost import accepts, free_port
+from sdcp.protocol.messages import Action
 from sdcp.text import load_text_codec
 
 pytestmark = pytest.mark.timeout(600)
@@ -173,7 +176,6 @@ def test_an_unknown_model_is_a_404(home: Path) -> None:
         ({"logit_bias": {"42": 10}}, "logit_bias"),
         ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
         ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
-        ({"extra_body": {"no_such_parameter": 1}}, "no_such_parameter"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"n": 2, "extra_body": {"best_of": 3}}, "best_of"),
         ({"max_tokens": 300_000_000}, "max_tokens"),
@@ -187,6 +189,53 @@ def test_what_is_not_implemented_is_a_400_naming_it(home: Path, params: dict[str
     error = refused.value.body
     assert isinstance(error, dict) and error["param"] == named and error["type"] == "invalid_request_error"
     assert named in error["message"] or "context length" in error["message"]
+
+
+def test_unknown_members_are_ignored_as_vllm_ignores_them(home: Path) -> None:
+    raw = client_of(home).completions.with_raw_response.create(
+        model="smollm2", prompt="Hi", max_tokens=2, temperature=0, extra_body={"no_such_parameter": 1}
+    )
+    assert raw.headers["x-sdcp-ignored-members"] == "no_such_parameter"
+    assert raw.parse().usage.completion_tokens == 2  # type: ignore[union-attr]
+
+
+def test_a_completion_without_max_tokens_is_16_tokens(home: Path) -> None:
+    reply = client_of(home).completions.create(
+        model="smollm2", prompt=PROMPTS[0], temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 16
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_a_non_streaming_client_that_goes_away_cancels_its_session(home: Path) -> None:
+    gateway = LocalCluster(home).gateway
+    assert gateway is not None
+    host, port = gateway.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+    request_id = f"leaves-{uuid.uuid4().hex}"
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 3000, "temperature": 0, "ignore_eos": True}).encode()
+    log = home / "cluster" / "logs" / "gateway.log"
+
+    def opened() -> str | None:
+        line = next((x for x in log.read_text().splitlines() if f"request {request_id} " in x and "opened" in x), None)
+        return None if line is None else line.rsplit(" ", 1)[-1]
+
+    with socket.create_connection((host, int(port))) as connection:
+        connection.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nx-request-id: {request_id}\r\n\r\n".encode()
+            + body
+        )
+        # The session is open: the client leaves without its answer.
+        wait_until(lambda: opened() is not None, what="the session opened")
+    session = opened()
+    assert session is not None
+    # The verifier ends the session at a round boundary (a cancel ends it as fail), long before
+    # max_tokens; its committed count grows no more.
+    stats = asyncio.run(stats_when_ended(home, bytes.fromhex(session)))
+    assert stats["state"] == Action.FAIL and int(stats["committed"]) < 3000  # type: ignore[call-overload]
+    wait_until(
+        lambda: any(f"request {request_id} " in x and " 499 aborted " in x for x in log.read_text().splitlines())
+    )
 
 
 def test_a_prompt_longer_than_the_context_is_a_400(home: Path) -> None:
@@ -210,6 +259,8 @@ def test_a_prompt_longer_than_the_context_is_a_400(home: Path) -> None:
         b'{"prompt": "hi", "n": 100}',
         b'{"prompt": [99999999]}',
         b"[" * 100_000 + b"]" * 100_000,
+        # A lone surrogate escape: a string that is no Unicode text (once a plain-text 500).
+        b'{"prompt": "\\ud800", "max_tokens": 1}',
     ],
 )
 def test_malformed_completions_are_4xx_and_the_gateway_serves_on(home: Path, body: bytes) -> None:
