@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -243,7 +244,18 @@ class BackendName(StrEnum):
 
 @app.command()
 def up(
-    redis: str = typer.Option(None, "--redis", help="Use this Redis (redis://host:port/db) as the MLC's shared tier."),
+    redis: str = typer.Option(
+        None,
+        "--redis",
+        help="Use this Redis (redis://[user:password@]host:port/db, rediss:// for TLS) as the MLC's shared tier; "
+        "its user must be allowed ACL SETUSER: each role gets a user of its own (docs/security.md).",
+    ),
+    redis_acl: bool = typer.Option(
+        True, "--redis-acl/--no-redis-acl", help="A Redis user per role, or the --redis URL for every role."
+    ),
+    redis_ca: Path = typer.Option(None, "--redis-ca", help="CA of the Redis server's certificate (rediss://)."),
+    redis_cert: Path = typer.Option(None, "--redis-cert", help="Client certificate for Redis (rediss://)."),
+    redis_key: Path = typer.Option(None, "--redis-key", help="Key of --redis-cert."),
     model: str = typer.Option("smollm2", help="Target model of the verifier."),
     backend: BackendName = typer.Option(
         "auto",
@@ -289,8 +301,12 @@ def up(
 
     with user_errors():
         cluster = LocalCluster(home)
+        setup = None
         if redis is not None:
-            _check_redis(redis)
+            from sdcp.cluster import RedisSetup
+
+            setup = RedisSetup(redis, acl=redis_acl, ca=redis_ca, cert=redis_cert, key=redis_key)
+            _check_redis(setup)
         with err_console.status(
             "starting the local cluster (the verifier loads its model; the first time, "
             "it measures which backend runs it faster)..."
@@ -299,7 +315,7 @@ def up(
                 model=model,
                 backend=backend.value,
                 drafters=tuple(drafter or DEFAULT_DRAFTERS),
-                redis_url=redis,
+                redis_url=setup,
                 gateway_port=gateway_port,
                 device=device,
                 dtype=None if dtype is None else dtype.value,
@@ -334,13 +350,66 @@ def _print_dashboard(cluster: Any) -> None:
         err_console.print(f"dashboard: {dashboard}", highlight=False)
 
 
-def _check_redis(url: str) -> None:
+def _check_redis(setup: Any) -> None:
     import redis as redis_client
 
+    from sdcp.cache.redis_acl import redact_url
+
     try:
-        redis_client.Redis.from_url(url, socket_connect_timeout=2).ping()
+        redis_client.Redis.from_url(setup.url, socket_connect_timeout=2, **setup.client_options()).ping()
     except (redis_client.RedisError, ValueError) as exc:
-        fail(f"Redis at {url} is unreachable: {exc}")
+        # The URL may carry a password: never printed.
+        fail(f"Redis at {redact_url(setup.url)} is unreachable: {exc}")
+
+
+@app.command("redis-acl")
+def redis_acl(
+    secrets_dir: Path = typer.Option(
+        None, "--secrets", help="Directory of the roles' password files (default: the cluster's home, cluster/redis)."
+    ),
+    acl_file: Path = typer.Option(
+        None, "--acl-file", help="Write an ACL file for redis-server --aclfile (the default user off)."
+    ),
+    url: str = typer.Option(
+        None, "--url", help="Create the users on this Redis now (ACL SETUSER), with the URL's credentials."
+    ),
+    prefix: str = typer.Option("sdcp:mlc:", "--prefix", help="The deployment's [mlc] redis_prefix."),
+    role: list[str] = typer.Option(
+        None, "--role", help="Roles to make users for (default: router, verifier, drafter, mlc, admin)."
+    ),
+    home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp)."),
+) -> None:
+    """Redis ACL users, one per role (sdcp-router, sdcp-verifier, sdcp-drafter, sdcp-mlc for an MLC
+    node, sdcp-admin): random passwords kept in files of mode 0600 (reused when they exist), an
+    ACL file and/or the users created on a running server. Passwords are never printed."""
+    from sdcp.cache.redis_acl import ADMIN, ROLE_USERS, ROLES, acl_file_text, create_users, ensure_passwords, redact_url
+    from sdcp.home import sdcp_home
+
+    roles = tuple(role or (*ROLES, ADMIN))
+    unknown = sorted(set(roles) - set(ROLE_USERS))
+    if unknown:
+        fail(f"no Redis user for {', '.join(unknown)}; roles are {', '.join(ROLE_USERS)}")
+    with user_errors():
+        directory = secrets_dir or (home or sdcp_home()) / "cluster" / "redis"
+        passwords = ensure_passwords(directory, roles)
+        if acl_file is not None:
+            descriptor = os.open(acl_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+                stream.write(acl_file_text(passwords, prefix))
+            err_console.print(f"ACL file: {acl_file}", highlight=False)
+        if url is not None:
+            import redis as redis_client
+
+            client = redis_client.Redis.from_url(url, socket_connect_timeout=5)
+            try:
+                create_users(client, passwords, prefix)
+            except (redis_client.RedisError, ValueError) as exc:
+                fail(f"cannot create the users at {redact_url(url)}: {exc}")
+            finally:
+                client.close()
+            err_console.print(f"users created at {redact_url(url)}", highlight=False)
+    for name in roles:
+        print(f"{name}\t{ROLE_USERS[name]}\t{directory / f'{name}.password'}")
 
 
 @app.command()

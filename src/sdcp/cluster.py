@@ -9,6 +9,7 @@ names, roles, URIs, pids), ``options.json`` (the `sdcp up` options it was starte
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
@@ -37,6 +38,7 @@ __all__ = [
     "ClusterError",
     "Instance",
     "LocalCluster",
+    "RedisSetup",
     "UpOptions",
     "check_up_options",
 ]
@@ -48,6 +50,10 @@ GATEWAY_URI = "https://localhost/sdcp-gateway"
 # drafter (`--drafter hf:NAME`) pays where it is much smaller than the target.
 DEFAULT_DRAFTERS = ("ngram",)
 _TTL_MS = 3000
+# The roles whose processes reach the store (the gateway reaches none), and the key prefix of
+# `[mlc] redis_prefix`'s default, which their users' key patterns name.
+ROLE_STORE_USERS = ("router", "verifier", "drafter")
+_REDIS_PREFIX = "sdcp:mlc:"
 API_KEY_FILE = "api-key"
 _OPTIONS_FILE = "options.json"
 
@@ -99,6 +105,25 @@ class ClusterError(RuntimeError):
     """The local cluster cannot be started, found or stopped; the message says why."""
 
 
+@dataclass(frozen=True, repr=False)
+class RedisSetup:
+    """Redis as the shared tier: ``url`` with credentials that may create ACL users (``acl``, the
+    default: each role then gets its own user, sdcp.cache.redis_acl, its password in
+    ``redis/<role>.password`` with mode 0600, and each instance its own disk cache ``cache/<name>``),
+    or that every role uses as they are (``acl=False``, for a Redis without ACLs); TLS files for a
+    ``rediss://`` URL. No repr: the URL may carry a password."""
+
+    url: str
+    acl: bool = True
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+
+    def client_options(self) -> dict[str, str]:
+        options = {"ssl_ca_certs": self.ca, "ssl_certfile": self.cert, "ssl_keyfile": self.key}
+        return {name: str(path.resolve()) for name, path in options.items() if path is not None}
+
+
 @dataclass(frozen=True)
 class Instance:
     name: str
@@ -135,6 +160,8 @@ class LocalCluster:
         self.root = self.home / "cluster"
         self.certs = self.root / "certs"
         self.state_file = self.root / "cluster.json"
+        # Each role's Redis user, once `up` created them (None: no Redis, or its URL for every role).
+        self._redis_users: dict[str, str] | None = None
 
     # -- what runs ---------------------------------------------------------------------------
 
@@ -195,7 +222,7 @@ class LocalCluster:
         model: str = "smollm2",
         backend: str = "auto",
         drafters: tuple[str, ...] = DEFAULT_DRAFTERS,
-        redis_url: str | None = None,
+        redis_url: str | RedisSetup | None = None,
         gateway_port: int = 8000,
         timeout_s: float = 180.0,
         device: str | None = None,
@@ -223,6 +250,9 @@ class LocalCluster:
                 f"port {gateway_port} is busy; start the cluster with `sdcp up --gateway-port N` (0 picks a free one)"
             )
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
+        # A URL alone: a Redis user per role, created with the URL's rights (RedisSetup).
+        redis_url = RedisSetup(redis_url) if isinstance(redis_url, str) else redis_url
+        self._redis_users = self._create_redis_users(redis_url) if redis_url is not None and redis_url.acl else None
         plan = [("router", "router", "router")]
         plan.append(("verifier", "verifier", model))
         plan.extend((f"drafter-{index}", "drafter", spec) for index, spec in enumerate(drafters, start=1))
@@ -341,7 +371,7 @@ class LocalCluster:
         admin: str,
         model: str,
         backend: str,
-        redis_url: str | None,
+        redis_url: RedisSetup | None,
         options: UpOptions,
         gateway: _GatewaySettings,
     ) -> Path:
@@ -358,10 +388,11 @@ class LocalCluster:
             f"threads = {_threads(role)}",
             "",
             "[mlc]",
-            'disk_dir = "mlc"',
         ]
-        if redis_url is not None:
-            lines.append(f'redis_url = "{redis_url}"')
+        if redis_url is None:
+            lines.append('disk_dir = "mlc"')
+        elif role != "gateway":  # the gateway reaches no store
+            lines += self._redis_lines(name, role, redis_url)
         lines += _trust(uris)
         lines += ["", "[admin]", f'listen = "{admin.removeprefix("http://")}"']
         torch = [f'device = "{options.device}"', f'dtype = "{options.dtype}"']
@@ -379,6 +410,47 @@ class LocalCluster:
         path = self.root / f"{name}.toml"
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return path
+
+    def _create_redis_users(self, redis: RedisSetup) -> dict[str, str]:
+        """Create (or reset) this cluster's Redis user of each role with ACL SETUSER, using the
+        URL's credentials; the passwords stay in ``redis/`` (0600). Named after this home, so that
+        clusters of several homes on one Redis do not reset each other's."""
+        import redis as redis_client
+
+        from sdcp.cache.redis_acl import create_users, ensure_passwords, redact_url
+
+        passwords = ensure_passwords(self.root / "redis", ROLE_STORE_USERS)
+        tag = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:8]
+        users = {role: f"sdcp-{role}-{tag}" for role in ROLE_STORE_USERS}
+        client = redis_client.Redis.from_url(redis.url, socket_connect_timeout=5, **redis.client_options())
+        try:
+            create_users(client, passwords, _REDIS_PREFIX, users)
+        except redis_client.RedisError as exc:
+            raise ClusterError(
+                f"cannot create the roles' Redis users at {redact_url(redis.url)} ({exc}): give a URL whose user "
+                "may run ACL SETUSER, or --no-redis-acl to let every role use the URL as it is"
+            ) from exc
+        finally:
+            client.close()
+        return users
+
+    def _redis_lines(self, name: str, role: str, redis: RedisSetup) -> list[str]:
+        """The [mlc] keys of one instance: its role's user, its own disk cache in front of Redis."""
+        from sdcp.cache.redis_acl import redact_url
+
+        # A disk cache shared by the roles would let one role's process plant copies that another
+        # serves (docs/security.md): each instance caches in a directory of its own.
+        lines = [f'disk_dir = "cache/{name}"']
+        users = self._redis_users
+        if users is None:
+            lines.append(f'redis_url = "{redis.url}"')
+        else:
+            lines.append(f'redis_url = "{redact_url(redis.url)}"')
+            lines += [f'redis_username = "{users[role]}"', f'redis_password_file = "redis/{role}.password"']
+        for key, path in (("redis_ca", redis.ca), ("redis_cert", redis.cert), ("redis_key", redis.key)):
+            if path is not None:
+                lines.append(f'{key} = "{path.resolve()}"')
+        return lines
 
     def _spawn(self, name: str, role: str, uri: str, admin: str | None, config: Path) -> Instance:
         log = open(self.root / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
