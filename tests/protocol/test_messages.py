@@ -202,7 +202,7 @@ def test_unknown_keys_are_ignored_in_nested_non_contract_maps() -> None:
     assert Proposal.from_obj(proposal).status == Status.from_obj(STATUS)
     opened = {**VALID[SessionOpen], "resume": {**RESUME, "hint": 1}}
     assert SessionOpen.from_obj(opened).resume == Resume.from_obj(RESUME)
-    policy = {**VALID[Policy], "sampling": {"top_k": 3, "min_p_milli": 50}}
+    policy = {**VALID[Policy], "sampling": {"top_k": 3, "typical_p_milli": 50}}
     assert Policy.from_obj(policy).sampling == Sampling(top_k=3)
 
 

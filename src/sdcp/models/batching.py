@@ -27,7 +27,8 @@ from sdcp.futures import Outcome, settle_soon
 from sdcp.models.backend import SessionId, Target
 from sdcp.models.errors import ModelError
 from sdcp.models.worker import Call, ModelThread, ModelThreadClosed
-from sdcp.protocol.constraint import TokenConstraint, constrain_rows
+from sdcp.protocol.messages import Sampling
+from sdcp.protocol.shaping import TargetLogits
 from sdcp.threads import CoreGovernor
 
 # The scorer's name for a closed model thread.
@@ -52,29 +53,24 @@ class MostProbable:
         return greedy[-1] if list(proposed) == greedy[: len(proposed)] else None
 
 
-class ConstrainedMostProbable:
-    """The most probable token the session's constraint allows, as the verifier decides it under
-    rule 1 (sdcp.protocol.constraint), from ``constraint``, a copy of the session's that only the run
-    advances; ``first_index`` is the output index of the pass's first row."""
+class TargetMostProbable:
+    """The token the verifier decides under rule 1: the most probable of the session's shaped
+    target logits (sdcp.protocol.shaping: min_new, the constraint, penalties and logit_bias under
+    ``sampling``), from ``logits``, a copy of the session's that only the run advances."""
 
-    def __init__(self, constraint: TokenConstraint, first_index: int, min_new: int, stop: Sequence[int]) -> None:
-        self._constraint = constraint
-        self._index = first_index
-        self._min_new = min_new
-        self._stop = tuple(stop)
+    def __init__(self, logits: TargetLogits, sampling: Sampling | None) -> None:
+        self._logits = logits
+        self._sampling = sampling
 
     def follow(self, rows: np.ndarray, proposed: Sequence[int]) -> int | None:
-        allowed = self._constraint.allowed(proposed)
-        if len(allowed) <= len(proposed):
-            return None
-        logits = constrain_rows(rows, allowed, self._index, self._min_new, self._stop)
-        greedy = [int(token) for token in np.argmax(logits, axis=-1)]
+        # A proposed token the constraint disallows is at -inf in its own row: never the argmax.
+        greedy = [int(token) for token in np.argmax(self._logits.rows(rows, proposed, self._sampling), axis=-1)]
         if list(proposed) != greedy[: len(proposed)]:
             return None
         token = greedy[-1]
-        if token not in self._stop:
-            self._constraint.commit((*proposed, token))
-        self._index += len(proposed) + 1
+        if token not in self._logits.stop:
+            # A stop token ends the run (and the output): nothing follows it to shape.
+            self._logits.commit((*proposed, token))
         return token
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "LADDER_ACTIONS",
     "TOKEN_MAX",
     "UINT_MAX",
+    "MAX_LOGIT_BIAS",
     "MAX_TOP_LOGPROBS",
     "Action",
     "Alternative",
@@ -62,6 +63,11 @@ MAX_TOP_LOGPROBS = 20
 # and the longest text that defines one (a JSON schema, a regular expression, a grammar).
 CONSTRAINT_KINDS = frozenset({"json_schema", "regex", "choice", "lark"})
 MAX_CONSTRAINT_TEXT = 128 * 1024
+# The sampling profile's extension members that shape p (docs/interpretations.md, "Penalties,
+# logit_bias and min_p"): OpenAI's ranges, in thousandths as the draft's own members.
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_MILLI = 100_000
+PENALTY_MILLI = 2000
 
 ErrorFactory = Callable[[str], ProtocolError]
 
@@ -312,6 +318,31 @@ class _Ignorable(_Kind):
         return self.kind.dump(value)
 
 
+@dataclass(frozen=True)
+class _LogitBias(_Kind):
+    """``[* [token: uint, bias_milli: int]]``, tokens in ascending order, each once: one encoding
+    per bias, so that every party computes the same contract digest."""
+
+    def parse(self, value: object, ctx: _Context, where: str) -> tuple[tuple[int, int], ...]:
+        if not isinstance(value, (list, tuple)):
+            raise ctx.error(f"{where} must be an array, not {type(value).__name__}")
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ctx.error(f"{where} holds {len(value)} entries, more than {MAX_LOGIT_BIAS}")
+        entries: list[tuple[int, int]] = []
+        for index, entry in enumerate(value):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+                raise ctx.error(f"{where}[{index}] must be [token, bias_milli]")
+            token = _TOKEN.parse(entry[0], ctx, f"{where}[{index}][0]")
+            bias = _BIAS.parse(entry[1], ctx, f"{where}[{index}][1]")
+            if entries and token <= entries[-1][0]:
+                raise ctx.error(f"{where} must list each token once, in ascending order")
+            entries.append((token, bias))
+        return tuple(entries)
+
+    def dump(self, value: Any) -> object:
+        return [[token, bias] for token, bias in value]
+
+
 _UINT = _UInt()
 _TOKEN = _UInt(high=TOKEN_MAX)
 _TOKENS = _Array(_TOKEN)
@@ -320,6 +351,7 @@ _HASH = _Bytes(HASH_SIZE)
 _SESSION = _Bytes(SESSION_ID_SIZE)
 _ACTION = _ActionKind()
 _REQUEST_ID = _ShortText(128)
+_BIAS = _Int(low=-LOGIT_BIAS_MILLI, high=LOGIT_BIAS_MILLI)
 # A natural logarithm of a probability in millionths (SDCP bodies carry no floats).
 _LOGPROB = _Int(low=-(2**63), high=0)
 
@@ -409,12 +441,21 @@ class _Message:
 
 @dataclass(frozen=True, kw_only=True)
 class Sampling(_Message):
-    """The sampling profile (SDCP 4.1)."""
+    """The sampling profile (SDCP 4.1), and our extension members that shape the target distribution
+    further (docs/interpretations.md, "Penalties, logit_bias and min_p"): all in thousandths, as the
+    draft's own; a penalty's neutral value is absent."""
 
     temperature_milli: int | None = _optional(_UINT)
     top_k: int | None = _optional(_UINT)
     top_p_milli: int | None = _optional(_UInt(high=1000))
     seed: int | None = _optional(_UINT)
+    # Extensions (sdcp.protocol.shaping): OpenAI's presence and frequency penalties, vLLM's
+    # repetition penalty (1000 is none), OpenAI's logit_bias, vLLM's min_p.
+    presence_penalty_milli: int | None = _optional(_Int(low=-PENALTY_MILLI, high=PENALTY_MILLI))
+    frequency_penalty_milli: int | None = _optional(_Int(low=-PENALTY_MILLI, high=PENALTY_MILLI))
+    repetition_penalty_milli: int | None = _optional(_UInt(low=1))
+    logit_bias_milli: tuple[tuple[int, int], ...] | None = _optional(_LogitBias())
+    min_p_milli: int | None = _optional(_UInt(high=1000))
 
 
 @dataclass(frozen=True, kw_only=True)

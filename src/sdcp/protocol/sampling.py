@@ -5,6 +5,10 @@ top-p, in that order; a temperature of zero selects the most probable token, tie
 token id. The precise reading of each step (documented in docs/interpretations.md):
 
 - temperature: logits are divided by ``temperature_milli / 1000``; absent means 1.0.
+- min-p (extension, docs/interpretations.md, "Penalties, logit_bias and min_p"): keep the tokens
+  whose probability is at least ``min_p_milli / 1000`` times the most probable one's, as vLLM does
+  after temperature; 0 or absent means "not applied". It commutes with top-k (both keep the most
+  probable tokens, and renormalising keeps the ratios), so its place before top-k is vLLM's order.
 - top-k: keep the ``top_k`` most probable tokens (ties by ascending token id); ``top_k`` of 0 or
   absent, or ``top_k >= V``, means "not applied".
 - top-p: on the distribution left by top-k (renormalised), keep the smallest set of most probable
@@ -40,6 +44,7 @@ def target_distribution(logits: np.ndarray, sampling: Sampling | None) -> np.nda
     temperature_milli = sampling.temperature_milli if sampling is not None else None
     top_k = sampling.top_k if sampling is not None else None
     top_p_milli = sampling.top_p_milli if sampling is not None else None
+    min_p_milli = sampling.min_p_milli if sampling is not None else None
     _check_profile(temperature_milli, top_k, top_p_milli)
 
     if temperature_milli == 0:
@@ -50,6 +55,8 @@ def target_distribution(logits: np.ndarray, sampling: Sampling | None) -> np.nda
     else:
         temperature = 1.0 if temperature_milli is None else temperature_milli / _MILLI
         probs = _softmax(rows / temperature)
+        if min_p_milli:
+            probs = _apply_min_p(probs, min_p_milli / _MILLI)
         if top_k:
             probs = _apply_top_k(probs, top_k)
         if top_p_milli is not None and top_p_milli < _MILLI:
@@ -128,6 +135,12 @@ def _apply_top_k(probs: np.ndarray, top_k: int) -> np.ndarray:
         return probs
     counts = np.full(probs.shape[0], top_k)
     return _keep_first(probs, _descending_order(probs), counts)
+
+
+def _apply_min_p(probs: np.ndarray, min_p: float) -> np.ndarray:
+    kept = np.where(probs >= min_p * np.max(probs, axis=-1, keepdims=True), probs, 0.0)
+    normalised: np.ndarray = kept / np.sum(kept, axis=-1, keepdims=True)
+    return normalised
 
 
 def _apply_top_p(probs: np.ndarray, top_p: float) -> np.ndarray:

@@ -25,10 +25,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sdcp.protocol.constraint import TokenConstraint, constrain_rows
+from sdcp.protocol.constraint import TokenConstraint
 from sdcp.protocol.control import SpeculationControl
 from sdcp.protocol.digest import extend_digest, prefix_digest
-from sdcp.protocol.logprobs import suppress_stops, token_logprobs
+from sdcp.protocol.logprobs import token_logprobs
 from sdcp.protocol.messages import (
     Action,
     Assignment,
@@ -54,6 +54,7 @@ from sdcp.protocol.rules import (
     get_rule,
 )
 from sdcp.protocol.sampling import draw_token, target_distribution
+from sdcp.protocol.shaping import TargetLogits
 
 __all__ = [
     "PendingCommit",
@@ -196,13 +197,16 @@ class VerifierSession:
         # Extensions of session-open (docs/interpretations.md): None asks for no log-probabilities.
         self.top_logprobs = logprobs
         self.min_new = min_new
-        # The output's language, part of the target distribution (structured output).
-        self.constraint = constraint
         self.token_logprobs: list[TokenLogprob] = []
         self.session = session
         self.epoch = epoch
         self.contract = contract
         self.prompt = tuple(prompt)
+        # The logits every rule and self-decoding compute p from: min_new, the output's language
+        # (structured output) and the sampling profile's penalties and logit_bias.
+        self.target_logits = TargetLogits(
+            prompt=self.prompt, stop=contract.stop, min_new=min_new, constraint=constraint
+        )
         self.tokens: list[int] = []
         self.digest = prefix_digest(contract.digest, self.prompt)
         self.round = 0
@@ -227,12 +231,12 @@ class VerifierSession:
         digest = extend_digest(self.digest, tokens)
         if digest != resume.digest:
             raise BadMessage("resume digest does not match the committed tokens")
-        if self.constraint is not None:
-            # The constraint's state follows the committed output: a new verifier resumes it there.
-            try:
-                self.constraint.commit(tokens)
-            except ValueError as exc:
-                raise BadMessage(f"the committed tokens are outside the constraint's language: {exc}") from exc
+        # The constraint's state and the penalties' counts follow the committed output: a new
+        # verifier resumes them there.
+        try:
+            self.target_logits.commit(tokens)
+        except ValueError as exc:
+            raise BadMessage(f"the committed tokens are outside the constraint's language: {exc}") from exc
         self.tokens = list(tokens)
         # Tokens committed before the failover were decided elsewhere: their log-probabilities are unknown here.
         self.token_logprobs = [TokenLogprob() for _ in tokens]
@@ -246,6 +250,11 @@ class VerifierSession:
     @property
     def committed(self) -> int:
         return len(self.tokens)
+
+    @property
+    def constraint(self) -> TokenConstraint | None:
+        """The output's language, part of the target distribution (structured output)."""
+        return self.target_logits.constraint
 
     @property
     def serving_state(self) -> ServingState:
@@ -442,7 +451,7 @@ class VerifierSession:
         if self._require_ticket(ticket) is not None:
             raise ValueError("a proposal round is decided by decide")
         raw = np.asarray(logits).reshape(-1, np.shape(logits)[-1])[:1]
-        row = self._target_logits(raw, ())[0]
+        row = self.target_logits.rows(raw, (), ticket.sampling)[0]
         if isinstance(self.rule, GreedyRule):
             token = int(np.argmax(row))
         else:
@@ -460,9 +469,8 @@ class VerifierSession:
     def apply(self, pending: PendingCommit) -> Verdict:
         """The commit record is durable: commit the tokens and record the verdict together."""
         self._require_ticket(pending.ticket)
-        if self.constraint is not None:
-            # Every emitted token was drawn from rows the constraint restricted: it is allowed.
-            self.constraint.commit(pending.record.emitted)
+        # Every emitted token was drawn from rows the constraint restricted: it is allowed.
+        self.target_logits.commit(pending.record.emitted)
         self.tokens.extend(pending.record.emitted)
         self.token_logprobs.extend(pending.logprobs)
         self.digest = pending.record.digest
@@ -501,19 +509,11 @@ class VerifierSession:
             rng = SecureRandom()
         return RoundTicket(round_number, proposal, sampling, rng)
 
-    def _target_logits(self, logits: np.ndarray, proposed: tuple[int, ...]) -> np.ndarray:
-        """The logits of the target distribution at the positions after the committed output and
-        ``proposed``: the constraint's disallowed tokens at -inf, and the stop tokens before min_new."""
-        if self.constraint is None:
-            return suppress_stops(logits, self.committed, self.min_new, self.contract.stop)
-        allowed = self.constraint.allowed(proposed)
-        return constrain_rows(logits, allowed, self.committed, self.min_new, self.contract.stop)
-
     def _target_rows(self, logits: np.ndarray, sampling: Sampling | None, proposed: tuple[int, ...]) -> np.ndarray:
-        logits = self._target_logits(logits, proposed)
+        logits = self.target_logits.rows(logits, proposed, sampling)
         if isinstance(self.rule, GreedyRule):
-            # argmax p equals argmax of the logits under every sampling profile (temperature is
-            # monotone; top-k and top-p keep the most probable token), so rule 1 skips the softmax.
+            # argmax p equals argmax of the shaped logits under every sampling profile (temperature
+            # is monotone; min-p, top-k and top-p keep the most probable token), so rule 1 skips the softmax.
             return np.asarray(logits)
         return target_distribution(logits, sampling)
 

@@ -64,9 +64,7 @@ class Scoring:
         rows.add_done_callback(lambda _: self._settled())
         return rows
 
-    def submit_ahead(
-        self, live: LiveSession, tokens: tuple[int, ...], steps: int, picker: GreedyPicker | None = None
-    ) -> ScoredRun:
+    def submit_ahead(self, live: LiveSession, tokens: tuple[int, ...], steps: int, picker: GreedyPicker) -> ScoredRun:
         """`submit`, and the greedy run of up to ``steps`` passes after it (BatchingScorer.score_ahead_async),
         which counts as waiting until its last step is settled; ``picker`` takes the run's tokens."""
         machine = live.machine

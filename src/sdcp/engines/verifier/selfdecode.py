@@ -19,7 +19,7 @@ from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.engines.verifier.observe import PassCosts
 from sdcp.engines.verifier.rounds import Rounds, Scoring
-from sdcp.models.batching import ConstrainedMostProbable, ScoredRun
+from sdcp.models.batching import ScoredRun, TargetMostProbable
 from sdcp.models.draft import TokenTimer
 from sdcp.protocol.rules import GreedyRule
 from sdcp.protocol.verifier import PendingCommit, VerifierSession
@@ -170,15 +170,13 @@ class SelfDecoding:
         steps = self._run_ahead(machine, context, guess)
         if not steps:
             return _Pass(context, prediction, guess, self._scoring.submit(live, guess))
-        picker = None
-        if machine.constraint is not None:
-            # The run feeds the tokens rule 1 decides, the constraint's most probable, from a copy
-            # of the constraint that it advances itself on the scorer's thread.
-            constraint = machine.constraint.fork()
-            constraint.commit(_undecided(machine, context))
-            picker = ConstrainedMostProbable(
-                constraint, len(context) - len(machine.prompt), machine.min_new, machine.contract.stop
-            )
+        # The run feeds the tokens rule 1 decides, the most probable of the shaped target logits
+        # (the constraint's, the penalties'), from a copy of the session's shaping state that it
+        # advances itself on the scorer's thread. A policy that changes the profile meanwhile only
+        # makes a fed token differ from the decided one, which ends the run.
+        logits = machine.target_logits.fork()
+        logits.commit(_undecided(machine, context))
+        picker = TargetMostProbable(logits, machine.sampling_for(machine.round + 1))
         run = self._scoring.submit_ahead(live, guess, steps, picker)
         return _Pass(context, prediction, guess, run.rows, run)
 
