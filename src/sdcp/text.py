@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -106,12 +107,31 @@ class TextCodec:
 
     # -- chat --------------------------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    @cached_property
+    def template_reads_tools(self) -> bool:
+        """Whether the chat template renders tool definitions (reads a ``tools`` variable), as the
+        templates of models trained to call tools do; transformers passes ``tools`` to any template,
+        and one that does not read them drops them."""
+        if self.chat_template is None:
+            return False
+        environment = _compiled(self.chat_template).environment
+        return "tools" in jinja2.meta.find_undeclared_variables(environment.parse(self.chat_template))
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The messages through the chat template; ``tools`` (OpenAI's tool definitions) are given
+        to it as transformers' ``apply_chat_template(tools=...)`` gives them."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
             return _compiled(self.chat_template).render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.special_tokens.get("bos_token", ""),
                 eos_token=self.special_tokens.get("eos_token", ""),

@@ -52,6 +52,7 @@ from sdcp.services.openai_api import (
     parse_generation,
     parse_tokenize,
 )
+from sdcp.services.tool_calls import ToolCallReader, message_tool_calls, read_tool_calls, stream_tool_calls
 from sdcp.text import load_text_codec
 from sdcp.transport.errors import StatusError, TransportError
 from sdcp.transport.server import FrontEndServer, Listener, Server
@@ -658,7 +659,14 @@ class GatewayNode:
                 # Offsets start at 0: echo comes without logprobs (openai_api refuses the pair).
                 "logprobs": self._logprobs(generation, entries, 0),
             }
-            if generation.chat:
+            if generation.chat and generation.tool_parser is not None:
+                content, calls = read_tool_calls(text, generation.tool_parser)
+                message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+                if calls:
+                    message["tool_calls"] = message_tool_calls(calls)
+                    answer["finish_reason"] = "tool_calls" if finish == "stop" else finish
+                answer["message"] = message
+            elif generation.chat:
                 answer["message"] = {"role": "assistant", "content": text}
             else:
                 answer["text"] = text
@@ -684,6 +692,10 @@ class GatewayNode:
         chat = generation.chat
         kind = "chat.completion.chunk" if chat else "text_completion"
         greeted: set[int] = set()
+        # Each chat choice's tool calls, read as its text comes.
+        readers = {
+            c.index: ToolCallReader(generation.tool_parser) for c in generation.choices if generation.tool_parser
+        }
         counts: dict[int, int] = {}
         offsets: dict[int, int] = {}
         prompt_tokens = {c.index: len(c.prompt.ids) for c in generation.choices}
@@ -707,15 +719,24 @@ class GatewayNode:
                 counts[piece.index] = piece.tokens
                 logprobs = self._logprobs(generation, piece.logprobs, offsets.get(piece.index, 0))
                 offsets[piece.index] = offsets.get(piece.index, 0) + len(piece.text)
+                finish = piece.finish
                 if chat:
                     delta: dict[str, Any] = {"content": piece.text}
+                    reader = readers.get(piece.index)
+                    if reader is not None:
+                        read = reader.feed(piece.text, last=finish is not None)
+                        delta["content"] = read.content or (None if read.calls else "")
+                        if read.calls:
+                            delta["tool_calls"] = stream_tool_calls(read.calls)
+                        if reader.calls and finish == "stop":
+                            finish = "tool_calls"
                     if piece.index not in greeted:
                         greeted.add(piece.index)
                         delta["role"] = "assistant"
                     choice: dict[str, Any] = {"index": piece.index, "delta": delta}
                 else:
                     choice = {"index": piece.index, "text": piece.text}
-                choice |= {"logprobs": logprobs, "finish_reason": piece.finish}
+                choice |= {"logprobs": logprobs, "finish_reason": finish}
                 usage = _usage(prompt_tokens[piece.index], piece.tokens) if generation.continuous_usage else None
                 yield event([choice], usage)
         except _ClusterFailed as exc:

@@ -18,6 +18,7 @@ from typing import Any, overload
 from sdcp.grammar import ConstraintError, check, gbnf_to_lark
 from sdcp.protocol.logprobs import LOGPROB_SCALE
 from sdcp.protocol.messages import MAX_CONSTRAINT_TEXT, MAX_TOP_LOGPROBS, Constraint, Sampling, TokenLogprob
+from sdcp.services.tool_calls import ToolsError, ToolUse, hermes_messages, parse_tools, tool_message_fields
 from sdcp.text import ChatTemplateError, IncrementalDecoder, TextCodec
 
 __all__ = [
@@ -112,6 +113,8 @@ class Generation:
     constraint: Constraint | None = None
     # Members that no parameter reads, ignored (vLLM's behaviour; strict mode refuses them instead).
     ignored: tuple[str, ...] = ()
+    # How a chat answer's tool calls are read from its text (sdcp.services.tool_calls), or None.
+    tool_parser: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -162,6 +165,8 @@ _CHAT_IMPLEMENTED = _COMMON_IMPLEMENTED | {
     "top_logprobs",
     "add_generation_prompt",
     "parallel_tool_calls",
+    "tools",
+    "tool_choice",
 }
 
 # Accepted at the value that changes nothing (None, which is "absent", always is).
@@ -174,8 +179,6 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "logit_bias": ({},),
     "suffix": ("",),
     "use_beam_search": (False,),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     "spaces_between_special_tokens": (True,),
@@ -240,7 +243,8 @@ def parse_generation(
         raise OpenAIError(f"The model '{model}' does not exist", status=404, param="model")
     reader = _Reader(body)
     context = context if context is not None else codec.context_length
-    prompts = _chat_prompt(reader, codec, context) if chat else _completion_prompts(reader, codec, context)
+    tool_use = _tool_use(body) if chat else None
+    prompts = _chat_prompt(reader, codec, context, tool_use) if chat else _completion_prompts(reader, codec, context)
     n = reader.integer("n", 1, low=1, high=MAX_CHOICES)
     best_of = reader.integer("best_of", n, low=1, high=MAX_CHOICES)
     if best_of != n:
@@ -270,6 +274,10 @@ def parse_generation(
     user = reader.text("user")
     request_id = reader.text("request_id")
     constraint = _constraint(reader)
+    if tool_use is not None and tool_use.constraint is not None:
+        if constraint is not None:
+            raise OpenAIError("a tool_choice that forces a call is a constraint: give no other", param="tool_choice")
+        constraint = tool_use.constraint
     if constraint is not None and ignore_eos:
         # A text of the language ends with a stop token: without one the session could not end.
         raise _refused("ignore_eos", "structured output ends each choice at its end-of-text token")
@@ -305,7 +313,15 @@ def parse_generation(
         request_id=request_id,
         constraint=constraint,
         ignored=tuple(ignored),
+        tool_parser=None if tool_use is None else tool_use.parser,
     )
+
+
+def _tool_use(body: dict[str, Any]) -> ToolUse | None:
+    try:
+        return parse_tools(body)
+    except ToolsError as exc:
+        raise OpenAIError(str(exc), param=exc.param) from exc
 
 
 # The members that name an output's language, and the constraint kind each gives.
@@ -592,13 +608,21 @@ def _completion_prompts(reader: _Reader, codec: TextCodec, context: int | None) 
     return prompts
 
 
-def _chat_prompt(reader: _Reader, codec: TextCodec, context: int | None) -> list[Prompt]:
+def _chat_prompt(
+    reader: _Reader, codec: TextCodec, context: int | None, tool_use: ToolUse | None = None
+) -> list[Prompt]:
     messages = reader.body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("'messages' must be a non-empty list", param="messages")
     rendered = [_message(m, i) for i, m in enumerate(messages)]
+    tools = list(tool_use.tools) if tool_use is not None else []
+    if not codec.template_reads_tools:
+        # The template would drop tools and calls: they go into the messages' text.
+        rendered, tools = hermes_messages(rendered, tools), []
     try:
-        text = codec.render_chat(rendered, add_generation_prompt=reader.boolean("add_generation_prompt", True))
+        text = codec.render_chat(
+            rendered, add_generation_prompt=reader.boolean("add_generation_prompt", True), tools=tools or None
+        )
     except ChatTemplateError as exc:
         raise OpenAIError(str(exc), param="messages") from exc
     _check_size(text, codec, context, "messages")
@@ -608,22 +632,30 @@ def _chat_prompt(reader: _Reader, codec: TextCodec, context: int | None) -> list
     return [Prompt(tuple(ids), text)]
 
 
-def _message(message: object, index: int) -> dict[str, str]:
-    """A chat message of text: content a string or a list of text parts."""
+def _message(message: object, index: int) -> dict[str, Any]:
+    """A chat message of text: content a string or a list of text parts (or none, on an assistant
+    message that calls tools); an assistant's ``tool_calls`` and a tool message's ``tool_call_id``."""
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise OpenAIError(f"'{where}' must be an object with a string 'role'", param="messages")
+    for key in message:
+        if key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
+            raise _refused(f"{where}.{key}", "only role, content, name, tool_calls and tool_call_id are read")
+    try:
+        fields = tool_message_fields(message, where)
+    except ToolsError as exc:
+        raise OpenAIError(str(exc), param=exc.param) from exc
     content = message.get("content")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise OpenAIError(f"'{where}.content': only text parts are supported", param="messages")
         content = "".join(p["text"] for p in content)
+    if content is None and "tool_calls" in fields:
+        # OpenAI's assistant message that only calls tools has no content.
+        content = ""
     if not isinstance(content, str):
         raise OpenAIError(f"'{where}.content' must be a string or a list of text parts", param="messages")
-    for key in message:
-        if key not in ("role", "content", "name"):
-            raise _refused(f"{where}.{key}", "only role, content and name are read")
-    return {"role": message["role"], "content": content}
+    return {"role": message["role"], "content": content, **fields}
 
 
 def _max_tokens(reader: _Reader, context: int | None, prompt_tokens: int, chat: bool) -> int:
