@@ -171,10 +171,10 @@ def test_an_unknown_model_is_a_404(home: Path) -> None:
 @pytest.mark.parametrize(
     ("params", "named"),
     [
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"presence_penalty": 1.0}, "presence_penalty"),
-        ({"logit_bias": {"42": 10}}, "logit_bias"),
-        ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3.0}, "presence_penalty"),
+        ({"logit_bias": {"42": 101}}, "logit_bias"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
         ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"n": 2, "extra_body": {"best_of": 3}}, "best_of"),

@@ -28,6 +28,7 @@ from sdcp.cache import MLC, LogSnapshot, build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.engines.verifier.engine import OUTPUT_LINGER_TOKENS
 from sdcp.localhost import free_port
+from sdcp.models.backend import Target
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.digest import extend_digest
@@ -97,7 +98,7 @@ class Cluster:
 
 @asynccontextmanager
 async def running_cluster(
-    tmp_path: Path, target: TargetModel, mlc_unlisted: str | None = "own", **verifier: float
+    tmp_path: Path, target: Target, mlc_unlisted: str | None = "own", **verifier: float
 ) -> AsyncIterator[Cluster]:
     """A verifier; its MLC serves unlisted authorities ("own") unless ``mlc_unlisted`` says
     otherwise (None: the default of ``[mlc] unlisted``)."""
@@ -142,7 +143,7 @@ async def cluster(tmp_path: Path, target: TargetModel) -> AsyncIterator[Cluster]
         yield env
 
 
-def contract(model: TargetModel, **overrides: object) -> Contract:
+def contract(model: Target, **overrides: object) -> Contract:
     obj: dict[str, object] = {
         "target": model.weights_digest,
         "tokenizer": model.tokenizer_digest,

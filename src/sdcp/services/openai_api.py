@@ -17,7 +17,14 @@ from typing import Any, overload
 
 from sdcp.grammar import ConstraintError, check, gbnf_to_lark
 from sdcp.protocol.logprobs import LOGPROB_SCALE
-from sdcp.protocol.messages import MAX_CONSTRAINT_TEXT, MAX_TOP_LOGPROBS, Constraint, Sampling, TokenLogprob
+from sdcp.protocol.messages import (
+    MAX_CONSTRAINT_TEXT,
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    Constraint,
+    Sampling,
+    TokenLogprob,
+)
 from sdcp.services.tool_calls import ToolsError, ToolUse, hermes_messages, parse_tools, tool_message_fields
 from sdcp.text import ChatTemplateError, IncrementalDecoder, TextCodec
 
@@ -42,6 +49,8 @@ MAX_CHOICES = 16
 MAX_STOP_STRINGS = 16
 # OpenAI's and vLLM's max_tokens of a completions request that gives none (chat fills the context).
 DEFAULT_COMPLETION_TOKENS = 16
+# vLLM bounds repetition_penalty only from below; this keeps it a number the profile can carry.
+REPETITION_PENALTY_MAX = 1000.0
 
 
 class OpenAIError(Exception):
@@ -148,6 +157,13 @@ _COMMON_IMPLEMENTED = frozenset(
         "skip_special_tokens",
         "include_stop_str_in_output",
         "request_id",
+        # The target distribution's shaping (_shaping): OpenAI's penalties and logit_bias, vLLM's
+        # repetition_penalty and min_p.
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_p",
         # Structured output (_constraint): OpenAI's and vLLM's spellings.
         "response_format",
         "guided_json",
@@ -171,12 +187,7 @@ _CHAT_IMPLEMENTED = _COMMON_IMPLEMENTED | {
 
 # Accepted at the value that changes nothing (None, which is "absent", always is).
 _NEUTRAL: dict[str, tuple[object, ...]] = {
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
     "length_penalty": (1, 1.0),
-    "min_p": (0, 0.0),
-    "logit_bias": ({},),
     "suffix": ("",),
     "use_beam_search": (False,),
     "functions": ([],),
@@ -283,6 +294,7 @@ def parse_generation(
         raise _refused("ignore_eos", "structured output ends each choice at its end-of-text token")
     # OpenAI's default temperature is 1; temperature 0 is greedy decoding, i.e. rule 1 (SDCP 6.4).
     greedy = temperature == 0.0
+    shaping = _shaping(reader, codec.vocab_size)
     sampling = None
     if not greedy:
         sampling = Sampling(
@@ -290,7 +302,12 @@ def parse_generation(
             top_k=top_k if top_k > 0 else None,
             top_p_milli=round(top_p * 1000) if top_p < 1.0 else None,
             seed=seed,
+            **shaping,
         )
+    elif shaping.keys() - {"min_p_milli"}:
+        # Rule 1 takes the argmax of the shaped logits: the penalties and the bias change it, min_p
+        # (like top-k and top-p) does not, so a greedy contract carries only the former.
+        sampling = Sampling(**{member: value for member, value in shaping.items() if member != "min_p_milli"})
     return Generation(
         chat=chat,
         choices=choices,
@@ -315,6 +332,29 @@ def parse_generation(
         ignored=tuple(ignored),
         tool_parser=None if tool_use is None else tool_use.parser,
     )
+
+
+def _shaping(reader: _Reader, vocab_size: int) -> dict[str, Any]:
+    """The sampling profile's shaping members (docs/interpretations.md, "Penalties, logit_bias and
+    min_p"), in thousandths, each left out at its neutral value: OpenAI's presence_penalty and
+    frequency_penalty (-2 to 2) and logit_bias (at most 300 token ids, each to -100 to 100), vLLM's
+    repetition_penalty (0.001 to 1000; 1 is none) and min_p (0 to 1)."""
+    members: dict[str, Any] = {}
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = round(reader.number(key, 0.0, low=-2.0, high=2.0) * 1000)
+        if value:
+            members[f"{key}_milli"] = value
+    # Thousandths, as the profile carries them: the least penalty is 0.001.
+    repetition = round(reader.number("repetition_penalty", 1.0, low=0.001, high=REPETITION_PENALTY_MAX) * 1000)
+    if repetition != 1000:
+        members["repetition_penalty_milli"] = repetition
+    min_p = round(reader.number("min_p", 0.0, low=0.0, high=1.0) * 1000)
+    if min_p:
+        members["min_p_milli"] = min_p
+    bias = reader.logit_bias("logit_bias", vocab_size)
+    if bias:
+        members["logit_bias_milli"] = bias
+    return members
 
 
 def _tool_use(body: dict[str, Any]) -> ToolUse | None:
@@ -520,6 +560,24 @@ class _Reader:
         if not isinstance(texts, list) or len(texts) > most or not all(isinstance(s, str) and s for s in texts):
             raise self._invalid(key, f"must be a non-empty string or a list of up to {most} of them")
         return tuple(texts)
+
+    def logit_bias(self, key: str, vocab_size: int) -> tuple[tuple[int, int], ...]:
+        """OpenAI's logit_bias: token ids (as JSON object keys) to a bias from -100 to 100, in
+        thousandths, in ascending token order."""
+        value = self._get(key)
+        if value is None:
+            return ()
+        requirement = f"must map at most {MAX_LOGIT_BIAS} token ids below {vocab_size} to numbers in [-100, 100]"
+        if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+            raise self._invalid(key, requirement)
+        bias: dict[int, int] = {}
+        for token, amount in value.items():
+            if not re.fullmatch(r"[0-9]{1,10}", token) or int(token) >= vocab_size or int(token) in bias:
+                raise self._invalid(key, requirement)
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
+                raise self._invalid(key, requirement)
+            bias[int(token)] = round(amount * 1000)
+        return tuple(sorted(bias.items()))
 
     def token_ids(self, key: str, vocab_size: int) -> tuple[int, ...]:
         value = self._get(key)
