@@ -21,6 +21,7 @@ from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
 from sdcp.config import VerifierConfig
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.grammar import GrammarConstraint, grammar_tokenizer
+from sdcp.models.batching import TargetMostProbable
 from sdcp.models.registry import LoadedModel
 from sdcp.models.target import TargetModel
 from sdcp.protocol.constraint import constrain_rows
@@ -30,6 +31,7 @@ from sdcp.protocol.records import encode_token_list, replay_commit_log
 from sdcp.protocol.router import RouterSession
 from sdcp.protocol.rules import PURPOSE_EXTRA_TOKEN, verifier_random
 from sdcp.protocol.sampling import draw_token, target_distribution
+from sdcp.protocol.shaping import TargetLogits
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -200,3 +202,23 @@ async def test_a_constraint_the_verifier_cannot_compile_is_refused(pair: Pair) -
     with pytest.raises(BadContract, match="constraint"):
         await pair.first.open_session(message)
     assert SESSION not in pair.first.sessions
+
+
+def test_a_greedy_run_ends_at_a_proposed_stop_token(tiny_loaded: LoadedModel) -> None:
+    """Self-decoding scores the stop token the grammar forces where the output is complete; the
+    greedy run after that pass has nothing to feed: the picker stops it rather than commit a token
+    after the stop token (which broke the scorer's thread)."""
+    target = TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny")
+    choice = Constraint(kind="choice", text=json.dumps(["ab"]))
+    grammar = GrammarConstraint(
+        grammar_tokenizer(target.tokenizer_definition, target.vocab_size), choice, [EOT], target.vocab_size
+    )
+    forced = grammar.forced((), 8)
+    complete = forced + grammar.forced(forced, 8)
+    assert complete[-1] == EOT
+    picker = TargetMostProbable(TargetLogits(prompt=PROMPT, stop=(EOT,), constraint=grammar), None)
+    # Rows whose most probable tokens are the proposal and then some token after it.
+    rows = np.zeros((len(complete) + 1, target.vocab_size), dtype=np.float32)
+    for row, token in zip(rows, (*complete, 5), strict=True):
+        row[token] = 10.0
+    assert picker.follow(rows, complete) is None

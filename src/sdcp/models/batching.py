@@ -63,6 +63,10 @@ class TargetMostProbable:
         self._sampling = sampling
 
     def follow(self, rows: np.ndarray, proposed: Sequence[int]) -> int | None:
+        if any(token in self._logits.stop for token in proposed):
+            # The output ends at a proposed stop token (self-decoding scores one the constraint
+            # forces where the output is complete): no token follows it.
+            return None
         # A proposed token the constraint disallows is at -inf in its own row: never the argmax.
         greedy = [int(token) for token in np.argmax(self._logits.rows(rows, proposed, self._sampling), axis=-1)]
         if list(proposed) != greedy[: len(proposed)]:
