@@ -34,6 +34,8 @@ __all__ = ["ClusterClient", "OutputChunk", "SessionHandle", "build_contract"]
 # Self-decoding periods keep a session going where drafts keep failing; each entry of the ladder is
 # used once until R good rounds reset it, so the ladder holds enough of them for max_new tokens.
 DEFAULT_SELF_MAX = 48
+# The most tokens a proposal holds (m_max) unless the front end asks for another bound.
+DEFAULT_M_MAX = 16
 # While an output read is outstanding, how often the router is asked whether the session moved.
 LOCATE_EVERY_S = 3.0
 
@@ -46,7 +48,7 @@ def build_contract(
     max_new: int = 128,
     stop: Sequence[int] = (),
     sampling: Sampling | None = None,
-    m_max: int = 16,
+    m_max: int = DEFAULT_M_MAX,
     low_rounds: int = 2,
     self_load: int = 100,
     self_max: int = DEFAULT_SELF_MAX,
@@ -131,11 +133,13 @@ class ClusterClient:
         min_new: int | None = None,
         request: str | None = None,
         constraint: Constraint | None = None,
+        self_decode_only: bool = False,
     ) -> SessionHandle:
         """Open a session; ``logprobs`` asks for log-probabilities with that many alternatives per
         output token, ``min_new`` holds the contract's stop tokens back until that many tokens are
         out, ``request`` names the front end's request in every role's log, ``constraint`` is the
-        output's language (extensions, docs/interpretations.md)."""
+        output's language, ``self_decode_only`` has the verifier decode it without drafters
+        (extensions, docs/interpretations.md)."""
         wanted = SessionRequest(
             prompt=tuple(prompt),
             contract=contract,
@@ -144,6 +148,7 @@ class ClusterClient:
             min_new=min_new,
             request=request,
             constraint=constraint,
+            self_decode_only=self_decode_only or None,
         )
         _, body = await self.peers.get(self.router).post_cbor("sessions", wanted.to_obj())
         return _handle(body)

@@ -564,6 +564,9 @@ class SessionOpen(_Message):
     request: str | None = _optional(_REQUEST_ID)
     # Extension: the output's language, part of the target distribution (structured output).
     constraint: Constraint | None = _optional(_Nested(Constraint))
+    # Extension: the front end asked for no speculation; the router assigns no drafter and has the
+    # verifier decode alone (docs/interpretations.md, "Per-request speculation").
+    self_decode_only: bool | None = _optional(_Bool())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -578,6 +581,7 @@ class SessionRequest(_Message):
     min_new: int | None = _optional(_UINT)
     request: str | None = _optional(_REQUEST_ID)
     constraint: Constraint | None = _optional(_Nested(Constraint))
+    self_decode_only: bool | None = _optional(_Bool())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -254,6 +254,8 @@ class RouterSession:
     # The output's language (structured output): part of the target distribution, so it goes with
     # the session to every verifier it is opened at, and to its drafters.
     constraint: Constraint | None = None
+    # No speculation: the session is decoded by its verifier alone, wherever it runs.
+    self_decode_only: bool | None = None
 
     def open_message(self) -> SessionOpen:
         """session-open for the current verifier; carries ``resume`` after a failover."""
@@ -270,6 +272,7 @@ class RouterSession:
             min_new=self.min_new,
             request=self.request,
             constraint=self.constraint,
+            self_decode_only=self.self_decode_only,
         )
 
     def assignment(

@@ -34,7 +34,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sdcp import __version__
-from sdcp.client import ClusterClient, SessionHandle, build_contract
+from sdcp.client import DEFAULT_M_MAX, ClusterClient, SessionHandle, build_contract
 from sdcp.config import ConfigError, ServiceConfig
 from sdcp.protocol.messages import TokenLogprob
 from sdcp.protocol.problems import BadContract, ProtocolError
@@ -104,6 +104,10 @@ _PARSE_INLINE_BYTES = 64 * 1024
 _CLIENT_GONE = 499
 
 
+# The verifier's session stats (GET sessions/{id}/stats) that a request's usage reports.
+_ACCEPTANCE = ("rounds", "proposed", "accepted", "self_decoded")
+
+
 @dataclass
 class _Piece:
     """Text newly decided for one choice, the tokens it came with, and the finish reason on the last."""
@@ -113,6 +117,9 @@ class _Piece:
     finish: str | None
     tokens: int
     logprobs: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
+    # On the last piece, where the request asked for it: the session's acceptance figures, as its
+    # verifier counted them (sdcp.protocol.verifier.SessionStats), None where they could not be read.
+    acceptance: dict[str, int] | None = None
 
 
 @dataclass
@@ -491,6 +498,8 @@ class GatewayNode:
             max_new=generation.max_tokens,
             stop=generation.stop_ids,
             sampling=generation.sampling,
+            m_max=generation.speculation.max_tokens or DEFAULT_M_MAX,
+            drafters=generation.speculation.drafters,
         )
         opened = await asyncio.gather(
             *(
@@ -501,6 +510,7 @@ class GatewayNode:
                     min_new=generation.min_tokens or None,
                     request=request_id,
                     constraint=generation.constraint,
+                    self_decode_only=not generation.speculation.enabled,
                 )
                 for choice in generation.choices
             ),
@@ -600,9 +610,9 @@ class GatewayNode:
         final_token: int | None = None
         logprobs: list[tuple[int, TokenLogprob | None]] = []
 
-        def piece(decided: str, finish: str | None) -> _Piece:
+        def piece(decided: str, finish: str | None, acceptance: dict[str, int] | None = None) -> _Piece:
             nonlocal echo, logprobs
-            out = _Piece(choice.index, echo + decided, finish, tokens, logprobs)
+            out = _Piece(choice.index, echo + decided, finish, tokens, logprobs, acceptance)
             echo, logprobs = "", []
             return out
 
@@ -615,14 +625,34 @@ class GatewayNode:
             if stopped:
                 # A stop string of several tokens: the verifier would decode on to max_tokens.
                 self._cancel_soon(handle)
-                yield piece(decided, "stop")
+                yield piece(decided, "stop", await self._acceptance(handle, chunk.epoch, generation))
                 return
             if chunk.finish is not None:
                 stop_token = final_token is not None and final_token in generation.stop_ids
-                yield piece(decided, "stop" if stop_token else "length")
+                yield piece(
+                    decided, "stop" if stop_token else "length", await self._acceptance(handle, chunk.epoch, generation)
+                )
                 return
             if decided:
                 yield piece(decided, None)
+
+    async def _acceptance(self, handle: SessionHandle, epoch: int, generation: Generation) -> dict[str, int] | None:
+        """The session's acceptance figures from the verifier that committed its last tokens (at
+        ``epoch``), where the request asked for them; None where they cannot be read (the answer
+        goes out without them)."""
+        if not generation.speculation.report:
+            return None
+        try:
+            where = handle if handle.epoch == epoch else await self.client.locate(handle)
+            stats = await self.client.stats(where)
+        except (ProtocolError, TransportError) as exc:
+            log.warning("gateway: acceptance of session %s not read: %s", handle.session.hex(), exc)
+            return None
+        figures = {name: stats.get(name) for name in _ACCEPTANCE}
+        if not all(isinstance(value, int) for value in figures.values()):
+            log.warning("gateway: session %s: its stats lack acceptance figures", handle.session.hex())
+            return None
+        return {name: int(value) for name, value in figures.items() if isinstance(value, int)}
 
     def _cancel_soon(self, handle: SessionHandle) -> None:
         # In a task of its own: the request's task may be being cancelled (a client that went away).
@@ -677,7 +707,9 @@ class GatewayNode:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
-            "usage": _usage(generation.prompt_tokens, completion_tokens),
+            "usage": _usage(
+                generation.prompt_tokens, completion_tokens, generation, [pieces[-1] for pieces in answers if pieces]
+            ),
         }
 
     async def _sse(
@@ -697,6 +729,8 @@ class GatewayNode:
             c.index: ToolCallReader(generation.tool_parser) for c in generation.choices if generation.tool_parser
         }
         counts: dict[int, int] = {}
+        # Each choice's last piece, with its acceptance figures.
+        last: dict[int, _Piece] = {}
         offsets: dict[int, int] = {}
         prompt_tokens = {c.index: len(c.prompt.ids) for c in generation.choices}
 
@@ -717,6 +751,8 @@ class GatewayNode:
         try:
             async for piece in pieces:
                 counts[piece.index] = piece.tokens
+                if piece.finish is not None:
+                    last[piece.index] = piece
                 logprobs = self._logprobs(generation, piece.logprobs, offsets.get(piece.index, 0))
                 offsets[piece.index] = offsets.get(piece.index, 0) + len(piece.text)
                 finish = piece.finish
@@ -745,7 +781,7 @@ class GatewayNode:
             yield f"data: {json.dumps(error_body(str(exc), 'server_error'))}\n\n".encode()
         else:
             if generation.include_usage:
-                yield event([], _usage(generation.prompt_tokens, sum(counts.values())))
+                yield event([], _usage(generation.prompt_tokens, sum(counts.values()), generation, list(last.values())))
             E2E_LATENCY.labels(self.uri).observe(time.perf_counter() - started)
         finally:
             in_progress.dec()
@@ -820,12 +856,32 @@ def _request_id(offered: str | None) -> str:
     return uuid.uuid4().hex
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def _usage(
+    prompt_tokens: int, completion_tokens: int, generation: Generation | None = None, finals: Sequence[_Piece] = ()
+) -> dict[str, Any]:
+    """OpenAI's usage; where ``generation`` asked for it, with ``speculative``: the acceptance
+    figures of its choices' sessions (their ``finals``) summed, null where one could not be read."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if generation is not None and generation.speculation.report:
+        figures = [piece.acceptance for piece in finals]
+        if len(figures) != len(generation.choices) or any(f is None for f in figures):
+            usage["speculative"] = None
+        else:
+            total = {name: sum(f[name] for f in figures if f is not None) for name in _ACCEPTANCE}
+            rounds = total["rounds"]
+            usage["speculative"] = {
+                "rounds": rounds,
+                "drafted_tokens": total["proposed"],
+                "accepted_tokens": total["accepted"],
+                # Draft tokens accepted per verified proposal (vLLM's mean acceptance length is 1 more).
+                "mean_accepted_length": round(total["accepted"] / rounds, 3) if rounds else 0.0,
+                "self_decoded_tokens": total["self_decoded"],
+            }
+    return usage
 
 
 def _unavailable(message: str) -> JSONResponse:

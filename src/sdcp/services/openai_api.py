@@ -34,6 +34,7 @@ __all__ = [
     "Generation",
     "OpenAIError",
     "Prompt",
+    "Speculation",
     "chat_logprobs",
     "check_unicode",
     "completion_logprobs",
@@ -49,6 +50,10 @@ MAX_CHOICES = 16
 MAX_STOP_STRINGS = 16
 # OpenAI's and vLLM's max_tokens of a completions request that gives none (chat fills the context).
 DEFAULT_COMPLETION_TOKENS = 16
+# SDCP 4.1: m_max .le 64, the most a request's speculative.max_tokens may ask.
+MAX_DRAFT_TOKENS = 64
+# The most drafter models a request's speculative.drafters may name.
+MAX_DRAFTER_MODELS = 16
 # vLLM bounds repetition_penalty only from below; this keeps it a number the profile can carry.
 REPETITION_PENALTY_MAX = 1000.0
 
@@ -97,6 +102,18 @@ class Choice:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """A request's ``speculative`` member (docs/services.md, "Per-request speculation"): whether
+    drafters propose at all, the most tokens a proposal holds (the contract's m_max), the drafter
+    models permitted (the contract's drafters), and whether the answer's usage reports acceptance."""
+
+    enabled: bool = True
+    max_tokens: int | None = None
+    drafters: tuple[bytes, ...] | None = None
+    report: bool = False
+
+
+@dataclass(frozen=True)
 class Generation:
     """A parsed request: what every session of it decodes and how its answer is written."""
 
@@ -124,6 +141,8 @@ class Generation:
     ignored: tuple[str, ...] = ()
     # How a chat answer's tool calls are read from its text (sdcp.services.tool_calls), or None.
     tool_parser: str | None = None
+    # What the request asks of speculation (its ``speculative`` member).
+    speculation: Speculation = Speculation()
 
     @property
     def prompt_tokens(self) -> int:
@@ -164,6 +183,8 @@ _COMMON_IMPLEMENTED = frozenset(
         "repetition_penalty",
         "logit_bias",
         "min_p",
+        # Per-request speculation (_speculation).
+        "speculative",
         # Structured output (_constraint): OpenAI's and vLLM's spellings.
         "response_format",
         "guided_json",
@@ -331,6 +352,7 @@ def parse_generation(
         constraint=constraint,
         ignored=tuple(ignored),
         tool_parser=None if tool_use is None else tool_use.parser,
+        speculation=_speculation(reader),
     )
 
 
@@ -742,6 +764,50 @@ def _max_tokens(reader: _Reader, context: int | None, prompt_tokens: int, chat: 
             param=key,
         )
     return requested
+
+
+# The members of ``speculative``.
+_SPECULATION_MEMBERS = ("enabled", "max_tokens", "drafters", "report")
+
+
+def _speculation(reader: _Reader) -> Speculation:
+    """``speculative``: a boolean (enabled or not), or an object of ``enabled``, ``max_tokens``
+    (1 to 64, SDCP 4.1's bound on m_max), ``drafters`` (drafter model digests, in hex) and
+    ``report`` (acceptance in the usage)."""
+    value = reader.body.get("speculative")
+    if value is None:
+        return Speculation()
+    if isinstance(value, bool):
+        return Speculation(enabled=value)
+    if not isinstance(value, dict):
+        raise OpenAIError("'speculative' must be a boolean or an object", param="speculative")
+    for key in value:
+        if key not in _SPECULATION_MEMBERS:
+            raise OpenAIError(
+                f"'speculative' has no member {key!r} (it has {', '.join(_SPECULATION_MEMBERS)})", param="speculative"
+            )
+    inner = _Reader(value, within="speculative.")
+    enabled = inner.boolean("enabled", True)
+    max_tokens = inner.integer("max_tokens", None, low=1, high=MAX_DRAFT_TOKENS)
+    drafters = value.get("drafters")
+    if drafters is not None:
+        if (
+            not isinstance(drafters, list)
+            or not 0 < len(drafters) <= MAX_DRAFTER_MODELS
+            or not all(isinstance(d, str) and re.fullmatch(r"[0-9a-fA-F]{64}", d) for d in drafters)
+        ):
+            raise OpenAIError(
+                f"'speculative.drafters' must list 1 to {MAX_DRAFTER_MODELS} drafter model digests "
+                "(64 hexadecimal digits each)",
+                param="speculative.drafters",
+            )
+        drafters = tuple(bytes.fromhex(d) for d in drafters)
+    if not enabled and (max_tokens is not None or drafters is not None):
+        raise OpenAIError(
+            "'speculative.enabled' is false: no drafter proposes, so max_tokens and drafters have nothing to bound",
+            param="speculative.enabled",
+        )
+    return Speculation(enabled, max_tokens, drafters, inner.boolean("report", False))
 
 
 def _stream_options(reader: _Reader, stream: bool) -> tuple[bool, bool]:

@@ -259,6 +259,7 @@ class RouterEngine:
                 min_new=wanted.min_new,
                 request=wanted.request,
                 constraint=wanted.constraint,
+                self_decode_only=wanted.self_decode_only,
             )
             try:
                 # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
@@ -418,6 +419,11 @@ class RouterEngine:
         if only_if_missing and (
             tracked.self_decoding or (current is not None and self.registry.is_live(current, self.clock()))
         ):
+            return
+        if tracked.plan.self_decode_only:
+            # The front end asked for no speculation (docs/interpretations.md, "Per-request
+            # speculation"): the verifier decodes alone, period after period, whatever it costs.
+            await self._send_self_decode(tracked)
             return
         unreachable: list[str] = []
         self_decode = True
