@@ -346,6 +346,9 @@ class RouterConfig:
     # the longest validity a status report may claim (a longer ttl_ms is cut to it).
     max_sessions_per_front_end: AtLeastOne = 256
     max_ttl_ms: AtLeastOne = 60_000
+    # The sessions this router holds at once, whoever opened them: past it, opening one and taking
+    # one over from the shared tier (another router's, docs/reliability.md) are 503 with Retry-After.
+    max_sessions: AtLeastOne = 4096
     # How long a verifier may take to answer a session-open; past it the router cancels what the
     # verifier may have opened and tries another.
     open_timeout_s: PositiveSeconds = 30.0

@@ -70,30 +70,31 @@ class InMemoryVerifierLink:
 
 
 class InMemoryRouterLink:
-    """A ``RouterLink`` that calls the verifier and drafter engines directly, each message encoded
-    and decoded as on the wire."""
+    """A ``RouterLink`` that calls the verifier and drafter engines (by URI) directly, each message
+    encoded and decoded as on the wire."""
 
-    def __init__(self, verifier: VerifierEngine, drafters: Mapping[str, DrafterEngine]) -> None:
-        self._verifier = verifier
+    def __init__(self, verifiers: Mapping[str, VerifierEngine], drafters: Mapping[str, DrafterEngine]) -> None:
+        self._verifiers = verifiers
         self._drafters = drafters
 
     async def open_session(self, verifier: str, message: SessionOpen, *, timeout: float) -> SessionState:
-        return _state(await self._verifier.open_session(SessionOpen.from_cbor(message.to_cbor())))
+        return _state(await self._verifiers[verifier].open_session(SessionOpen.from_cbor(message.to_cbor())))
 
     async def inform_verifier(self, verifier: str, assignment: Assignment) -> SessionState:
-        return _state(await self._verifier.assign(Assignment.from_cbor(assignment.to_cbor())))
+        return _state(await self._verifiers[verifier].assign(Assignment.from_cbor(assignment.to_cbor())))
 
     async def assign(self, drafter: str, assignment: Assignment) -> None:
         await self._drafters[drafter].assign(Assignment.from_cbor(assignment.to_cbor()))
 
     async def policy(self, verifier: str, policy: Policy) -> SessionState:
-        return _state(await self._verifier.apply_policy(Policy.from_cbor(policy.to_cbor())))
+        return _state(await self._verifiers[verifier].apply_policy(Policy.from_cbor(policy.to_cbor())))
 
     async def self_decode(self, verifier: str, request: SelfDecodeRequest) -> SessionState:
-        return _state(await self._verifier.self_decode(SelfDecodeRequest.from_cbor(request.to_cbor())))
+        message = SelfDecodeRequest.from_cbor(request.to_cbor())
+        return _state(await self._verifiers[verifier].self_decode(message))
 
     async def cancel(self, verifier: str, request: CancelRequest) -> SessionState:
-        return _state(await self._verifier.cancel(CancelRequest.from_cbor(request.to_cbor())))
+        return _state(await self._verifiers[verifier].cancel(CancelRequest.from_cbor(request.to_cbor())))
 
 
 def _state(state: SessionState) -> SessionState:
@@ -149,7 +150,7 @@ class InProcessSDCPSystem:
             link=link(in_memory) if link is not None else in_memory,
             ttl_ms=_TTL_MS,
         )
-        in_memory_router = InMemoryRouterLink(self.verifier, {self.drafter_uri: self.drafter})
+        in_memory_router = InMemoryRouterLink({self.verifier_uri: self.verifier}, {self.drafter_uri: self.drafter})
         self.router = RouterEngine(
             uri=ROUTER_URI,
             settings=RouterConfig,
@@ -158,6 +159,7 @@ class InProcessSDCPSystem:
             # The verifier engine here signs nothing: its records are replayed unchecked.
             record_check=None,
             interval_s=_TTL_MS / 3000,
+            grace_s=_TTL_MS / 1000,
         )
         self._self_decoding = self_decoding
         self._reports: asyncio.Task[None] | None = None
@@ -217,4 +219,4 @@ class InProcessSDCPSystem:
 
     async def _on_event(self, event: Event) -> None:
         received = Event.from_cbor(event.to_cbor())
-        await self.router.event(self.router.session(received.session), received)
+        await self.router.event(await self.router.contact(received.session), received)

@@ -7,8 +7,9 @@ patterns alone say what a role's credentials reach (docs/cache.md "Redis layout"
 against the calling user's commands and key patterns (`%R~` read-only, `~` read-write) and refuses
 the rest with NOPERM, whatever the client's code says.
 
-- router: writes `tokens` and the logs' fences; reads the logs' commit records and `target-kv`
-  objects, and deletes `target-kv` objects (a selector: DEL and the delete script, no write);
+- router: writes `tokens`, `router-session` (sessions' durable facts, sdcp.engines.router.store)
+  and the logs' fences; reads the logs' commit records and `target-kv` objects, and deletes
+  `target-kv` objects (a selector: DEL and the delete script, no write);
 - verifier: writes `target-kv`, `history` and the logs' commit records; reads `q-rows`, `tokens`,
   `other` and the logs' fences;
 - drafter: writes `q-rows`; reads `tokens`, `history` and `other`; no commit log at all;
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
-from sdcp.cache.uri import HISTORY_KIND, Q_ROWS_KIND, TARGET_KV_KIND, TOKENS_KIND
+from sdcp.cache.uri import HISTORY_KIND, Q_ROWS_KIND, ROUTER_SESSION_KIND, TARGET_KV_KIND, TOKENS_KIND
 
 if TYPE_CHECKING:
     import redis
@@ -57,8 +58,9 @@ Q_ROWS = Q_ROWS_KIND
 TOKENS = TOKENS_KIND
 TARGET_KV = TARGET_KV_KIND
 HISTORY = HISTORY_KIND
+ROUTER_SESSIONS = ROUTER_SESSION_KIND
 OTHER = "other"
-NAMESPACES = (Q_ROWS, TOKENS, TARGET_KV, HISTORY, OTHER)
+NAMESPACES = (Q_ROWS, TOKENS, TARGET_KV, HISTORY, ROUTER_SESSIONS, OTHER)
 COMMITS, COMMITS_META, FENCES, FENCES_META = "log:c", "log:cm", "log:f", "log:fm"
 
 ROLES = ("router", "verifier", "drafter", "mlc")
@@ -75,7 +77,7 @@ _COMMANDS = (
 _DELETE_COMMANDS = ("evalsha", "eval", "script|load", "exists", "hstrlen", "decrby", "del", "zrem")
 
 _WRITES: dict[str, frozenset[str]] = {
-    "router": frozenset({TOKENS, FENCES, FENCES_META}),
+    "router": frozenset({TOKENS, ROUTER_SESSIONS, FENCES, FENCES_META}),
     "verifier": frozenset({TARGET_KV, HISTORY, COMMITS, COMMITS_META}),
     "drafter": frozenset({Q_ROWS}),
 }
@@ -102,7 +104,13 @@ class RedisAccess:
     key: str | None = None
 
 
-_KIND_NAMESPACES = {Q_ROWS_KIND: Q_ROWS, TOKENS_KIND: TOKENS, TARGET_KV_KIND: TARGET_KV, HISTORY_KIND: HISTORY}
+_KIND_NAMESPACES = {
+    Q_ROWS_KIND: Q_ROWS,
+    TOKENS_KIND: TOKENS,
+    TARGET_KV_KIND: TARGET_KV,
+    HISTORY_KIND: HISTORY,
+    ROUTER_SESSION_KIND: ROUTER_SESSIONS,
+}
 
 
 def namespace_of_kind(kind: str | None) -> str:

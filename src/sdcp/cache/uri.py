@@ -25,12 +25,14 @@ NO_SCOPE = "-"
 # The kinds this implementation names its objects with: commit logs (the router), committed-token
 # lists (the router, at failover), draft rows (drafters, SDCP 5.2 q_rows), a session's target KV
 # (its verifier, for a failover: SDCP 6.9 resume.target_kv), finished sessions' output for the
-# suffix drafters' shared history and its index (the verifiers: sdcp.engines.history).
+# suffix drafters' shared history and its index (the verifiers: sdcp.engines.history), a router
+# session's durable facts (the routers: sdcp.engines.router.store).
 LOG_KIND = "log"
 TOKENS_KIND = "tokens"
 Q_ROWS_KIND = "q-rows"
 TARGET_KV_KIND = "target-kv"
 HISTORY_KIND = "history"
+ROUTER_SESSION_KIND = "router-session"
 
 _AUTHORITY = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5})?")
 _KIND = re.compile(r"[a-z0-9][a-z0-9_-]*")

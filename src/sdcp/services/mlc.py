@@ -43,7 +43,7 @@ from sdcp.cache import (
     InvalidURI,
     ObjectNotFound,
 )
-from sdcp.cache.uri import LOG_KIND, Q_ROWS_KIND, TOKENS_KIND, check_ref, parse_uri
+from sdcp.cache.uri import LOG_KIND, Q_ROWS_KIND, ROUTER_SESSION_KIND, TOKENS_KIND, check_ref, parse_uri
 from sdcp.cache.wire import status_of
 from sdcp.config import ConfigError, ServiceConfig
 from sdcp.services.authz import Party
@@ -99,7 +99,8 @@ class MLCNode(Node):
     Who may do what is the authorization table (sdcp.services.authz, docs/security.md), and within
     it: commit records come only from the verifier they name, and an epoch's records from one
     verifier; fences only from routers; draft rows (kind ``q-rows``) are written only by drafters,
-    and only by the lease holder while a lease is live; committed-token objects only by routers; logs
+    and only by the lease holder while a lease is live; committed-token objects and router sessions'
+    durable facts (kind ``router-session``) only by routers; logs
     never through the object resources. A lease is taken, renewed and released only in the caller's
     own name, so a peer cannot drop another's protection.
     """
@@ -194,9 +195,9 @@ class MLCNode(Node):
             holders = await self.mlc.lease_holders(uri)
             if holders and caller not in holders:
                 raise Forbidden(f"{uri} is leased by another drafter")
-        elif kind == TOKENS_KIND:
+        elif kind in (TOKENS_KIND, ROUTER_SESSION_KIND):
             if not self.trust.is_member(caller, Party.ROUTER):
-                raise Forbidden(f"{caller} is not a router: committed-token objects are the router's")
+                raise Forbidden(f"{caller} is not a router: {kind} objects are the routers'")
         elif kind is None:
             # Another implementation's name (SDCP 5.2 cache-ref): its kind is unknown, so any
             # deployment role may write it, and a lease keeps it its holder's.

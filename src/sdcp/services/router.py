@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute, Route
 from sdcp.cache import MLC
 from sdcp.config import ServiceConfig
 from sdcp.engines.errors import Unanswered
-from sdcp.engines.router import RouterEngine
+from sdcp.engines.router import RouterEngine, TrackedSession
 from sdcp.protocol.messages import (
     Assignment,
     CancelRequest,
@@ -116,6 +116,8 @@ class RouterNode(Node):
             # SDCP 1.3, 6.9: a failover replays only records its epoch's verifier signed.
             record_check=RecordCheck.load(config.instance.ca),
             interval_s=config.instance.ttl_ms / 3000,
+            # The deployment's instances are taken to share the router's TTL (sdcp up gives all one).
+            grace_s=config.instance.ttl_ms / 1000,
             clock=clock,
         )
         # What the tests and the dashboard look at: the engine's clock, registry and sessions.
@@ -177,8 +179,11 @@ class RouterNode(Node):
         """POST events (SDCP 6.5.2): switch reassigns the drafter; finish and fail end the session."""
         body = await read_cbor_body(request)
         event = Event.from_obj(body)
-        tracked = self.engine.session(event.session)
-        self.trust.admit(request, "POST events", SessionParties(verifier=tracked.plan.verifier))
+        self._member(request, Party.VERIFIER)
+        tracked = await self.engine.contact(
+            event.session,
+            lambda t: self.trust.admit(request, "POST events", SessionParties(verifier=t.plan.verifier)),
+        )
         await self.engine.event(tracked, event)
         return Response(status_code=204)
 
@@ -198,14 +203,12 @@ class RouterNode(Node):
 
     async def get_session(self, request: Request) -> Response:
         """GET sessions/{id}: where the session runs now, so that a client can follow a failover."""
-        tracked = self.engine.session(parse_session_path_id(request.path_params["id"]))
-        self.trust.admit(request, "GET sessions/{id}", SessionParties(owner=tracked.plan.owner))
+        tracked = await self._session_of_owner(request, "GET sessions/{id}", Party.FRONT_END, Party.OPERATOR)
         return cbor_response(tracked.describe())
 
     async def cancel_session(self, request: Request) -> Response:
         """POST sessions/{id}/cancel (extension): the front end ends its session."""
-        tracked = self.engine.session(parse_session_path_id(request.path_params["id"]))
-        self.trust.admit(request, "POST sessions/{id}/cancel", SessionParties(owner=tracked.plan.owner))
+        tracked = await self._session_of_owner(request, "POST sessions/{id}/cancel", Party.FRONT_END)
         message = CancelRequest.from_obj(await read_cbor_body(request))
         if message.session != tracked.plan.session:
             raise BadMessage("the cancel request names another session than the path")
@@ -214,10 +217,24 @@ class RouterNode(Node):
 
     async def post_policy(self, request: Request) -> Response:
         """POST sessions/{id}/policy: forwarded to the verifier, kept for later assignments (SDCP 6.6)."""
-        tracked = self.engine.session(parse_session_path_id(request.path_params["id"]))
-        self.trust.admit(request, "POST sessions/{id}/policy", SessionParties(owner=tracked.plan.owner))
+        tracked = await self._session_of_owner(request, "POST sessions/{id}/policy", Party.FRONT_END)
         policy = Policy.from_obj(await read_cbor_body(request))
         if policy.session != tracked.plan.session:
             raise BadMessage("the policy names another session than the path")
         state = await self.engine.change_policy(tracked, policy)
         return cbor_response(state.to_obj())
+
+    async def _session_of_owner(self, request: Request, endpoint: str, *parties: Party) -> TrackedSession:
+        """The session the path names, for a caller the endpoint admits for it (its front end)."""
+        self._member(request, *parties)
+        session = parse_session_path_id(request.path_params["id"])
+        return await self.engine.contact(
+            session, lambda t: self.trust.admit(request, endpoint, SessionParties(owner=t.plan.owner))
+        )
+
+    def _member(self, request: Request, *parties: Party) -> None:
+        """Only a trusted party of a role that may hold rights to sessions makes the router look a
+        session up in the shared tier (what a peer can make the router read and hold is bounded)."""
+        peer = peer_uri(request)
+        if peer is None or not any(self.trust.is_member(peer, party) for party in parties):
+            raise Forbidden(f"{peer} may not ask about sessions here")

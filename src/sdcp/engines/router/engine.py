@@ -7,6 +7,12 @@ its calls; ``sdcp bench``'s in-process system drives it over memory.
 
 Every change to one session (assignment, switch, failover, policy) runs under that session's lock,
 so the verifier and the drafter always hear of them in the order the router made them.
+
+Each session's durable facts live in the shared tier (``store``): a router that does not hold a
+session (restarted, or another router whose peer could not reach the one that held it) loads it on
+first contact and can fail it over. A router claims a session before each change by a conditional
+write of its facts; one that finds that another router changed them since lets the session go
+(docs/reliability.md, "Routers").
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from sdcp.config import RouterConfig
 from sdcp.engines.errors import OverQuota, SessionNotFound, Unanswered, Unavailable
 from sdcp.engines.ports import RouterLink
 from sdcp.engines.router.sessions import SELF_DECODING, TrackedSession
+from sdcp.engines.router.store import SessionStore, Superseded
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.protocol.messages import (
     Action,
@@ -83,6 +90,14 @@ UNTRUSTED_RECORDS = Counter(
     "Commit records a replay left out: not signed by their epoch's verifier",
     ["instance"],
 )
+TAKEN_OVER = Counter(
+    "sdcp_router_sessions_loaded_total",
+    "Sessions loaded from the shared tier on first contact (after a restart, or another router's)",
+    ["instance"],
+)
+LET_GO = Counter(
+    "sdcp_router_sessions_let_go_total", "Sessions another router changed since this one held them", ["instance"]
+)
 CHOICES = Counter(
     "sdcp_router_decoding_choices_total",
     "Decisions on who drafts for a session: a drafter, an exploration of an unmeasured drafter, or the verifier alone",
@@ -118,7 +133,9 @@ class RouterEngine:
     ``settings`` gives the router's settings as they are at each look (they may be replaced while
     the engine runs); ``clock`` is what status TTLs and decision ages are measured with (tests jump
     it forward); ``interval_s`` is how often the periodic task looks at every session;
-    ``record_check`` checks commit records before a failover replays them (None: unsigned logs).
+    ``record_check`` checks commit records before a failover replays them (None: unsigned logs);
+    ``grace_s`` is how long after its start the router waits for the status report of an instance
+    it has not heard of before it takes it for failed (instances report every third of their TTL).
     """
 
     def __init__(
@@ -130,6 +147,7 @@ class RouterEngine:
         link: RouterLink,
         record_check: RecordAuthority | None,
         interval_s: float,
+        grace_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.uri = uri
@@ -138,9 +156,12 @@ class RouterEngine:
         self.link = link
         self.record_check = record_check
         self.interval_s = interval_s
+        self.grace_s = grace_s
         self.clock = clock
         self.registry = InstanceRegistry()
         self.sessions: dict[bytes, TrackedSession] = {}
+        self.store = SessionStore(mlc, uri)
+        self._started_at = clock()
         self._wake = asyncio.Event()
         self._tasks = BackgroundTasks(uri, log)
 
@@ -153,8 +174,9 @@ class RouterEngine:
             EVENTS.labels(self.uri, kind.name.lower())
         for choice in ("drafter", "explore", "self"):
             CHOICES.labels(self.uri, choice)
-        for family in (FAILOVERS, SESSIONS_OPEN):
+        for family in (FAILOVERS, SESSIONS_OPEN, TAKEN_OVER, LET_GO):
             family.labels(self.uri)
+        self._started_at = self.clock()
         self._tasks.spawn(self._maintain_forever())
 
     async def stop(self) -> None:
@@ -216,12 +238,49 @@ class RouterEngine:
 
     # -- sessions --------------------------------------------------------------------------------
 
-    def session(self, session: bytes) -> TrackedSession:
-        """The session of that id this router holds; ``SessionNotFound`` otherwise."""
-        tracked = self.sessions.get(session)
-        if tracked is None:
-            raise SessionNotFound("no such session at this router")
-        return tracked
+    async def contact(
+        self, session: bytes, admit: Callable[[TrackedSession], object] = lambda _tracked: None
+    ) -> TrackedSession:
+        """The session of that id as the shared tier holds it now, for a peer's request about it.
+
+        One this router holds is checked against the shared tier: facts another router wrote since
+        are taken over, and a session whose facts are gone has ended elsewhere. One it does not
+        hold is loaded (after a restart, or another router's whose peer could not reach that
+        router), once ``admit`` has passed the caller, and held from then on: this router fails it
+        over and assigns it like its own. ``SessionNotFound`` where neither has it."""
+        held = self.sessions.get(session)
+        stored = await self.store.load(session)
+        if held is not None:
+            admit(held)
+            if stored is None:
+                if not held.ended:
+                    self._end(held, Action.FINISH, delete=False)
+            elif stored.etag != held.etag and stored.router != self.uri:
+                # Another router's facts (ours, read while we wrote newer ones, are older than memory).
+                log.info("%s: session %s was changed by %s; taken over", self.uri, session.hex(), stored.router)
+                held.take_over(stored)
+            return held
+        if stored is None:
+            raise SessionNotFound("no such session at this router or in the shared tier")
+        admit(stored)
+        self._check_capacity()
+        self.sessions[session] = stored
+        SESSIONS_OPEN.labels(self.uri).inc()
+        TAKEN_OVER.labels(self.uri).inc()
+        log.info(
+            "%s: session %s loaded from the shared tier (written by %s, epoch %d at %s)",
+            self.uri,
+            session.hex(),
+            stored.router,
+            stored.plan.epoch,
+            stored.plan.verifier,
+        )
+        return stored
+
+    def _check_capacity(self) -> None:
+        held = sum(1 for tracked in self.sessions.values() if not tracked.ended)
+        if held >= self.settings.max_sessions:
+            raise Unavailable(f"this router holds {held} sessions, its limit", retry_after_s=_RETRY_AFTER_S)
 
     async def open_session(self, owner: str, wanted: SessionRequest) -> TrackedSession:
         """Open a session at a verifier, then assign a drafter (SDCP 6.1 order). Runs to its end
@@ -229,6 +288,7 @@ class RouterEngine:
         quota = self.settings.max_sessions_per_front_end
         if sum(1 for t in self.sessions.values() if t.plan.owner == owner and not t.ended) >= quota:
             raise OverQuota(f"{owner} has {quota} open sessions, its quota", retry_after_s=_RETRY_AFTER_S)
+        self._check_capacity()
         return await asyncio.shield(self._open_session(owner, wanted))
 
     async def _open_session(self, owner: str, wanted: SessionRequest) -> TrackedSession:
@@ -277,17 +337,27 @@ class RouterEngine:
                 log.info("%s: verifier %s, which reports no model, refused the contract: %s", self.uri, verifier, exc)
                 refused.append(verifier)
         tracked = TrackedSession(plan, wanted.prompt)
+        try:
+            # Durable before anyone depends on it: a session no router could find again would run
+            # unattended (no failover, no cancel).
+            await self.store.save(tracked)
+        except Exception:
+            self._tasks.spawn(self._cancel_abandoned(plan))
+            raise
         self.sessions[session] = tracked
         log.info("%s: session %s opened at %s (request %s)", self.uri, session.hex(), verifier, wanted.request or "-")
         SESSIONS_OPEN.labels(self.uri).inc()
         async with tracked.lock:
-            if wanted.sampling is not None:
-                # SDCP 6.6: the user's preference is a policy from the first round on.
-                await self._send_policy(tracked, Policy(session=session, from_round=1, sampling=wanted.sampling))
             try:
-                await self._assign_drafter(tracked)
-            except (ProtocolError, Unanswered) as exc:
-                log.warning("%s: session %s opened without a drafter: %s", self.uri, tracked.plan.session.hex(), exc)
+                if wanted.sampling is not None:
+                    # SDCP 6.6: the user's preference is a policy from the first round on.
+                    await self._send_policy(tracked, Policy(session=session, from_round=1, sampling=wanted.sampling))
+                try:
+                    await self._assign_drafter(tracked)
+                except (ProtocolError, Unanswered) as exc:
+                    log.warning("%s: session %s opened without a drafter: %s", self.uri, session.hex(), exc)
+            finally:
+                await self._save_quietly(tracked)
         return tracked
 
     async def event(self, tracked: TrackedSession, event: Event) -> None:
@@ -362,7 +432,15 @@ class RouterEngine:
         async with tracked.lock:
             if tracked.ended:
                 raise ProtocolError(ProblemType.SESSION_CLOSED, "the session has ended")
-            return await self._send_policy(tracked, policy)
+            try:
+                await self.store.save(tracked, force=True)
+            except Superseded as exc:
+                self._let_go(tracked, exc)
+                raise Unavailable("another router changed the session just now", retry_after_s=1) from exc
+            try:
+                return await self._send_policy(tracked, policy)
+            finally:
+                await self._save_quietly(tracked)
 
     # -- assignment, failover and the periodic task ----------------------------------------------
 
@@ -375,11 +453,11 @@ class RouterEngine:
         for tracked in list(self.sessions.values()):
             if tracked.ended:
                 continue
-            if not self.registry.is_live(tracked.plan.verifier, now):
+            if self._failed(tracked.plan.verifier, now):
                 work.append(self._locked(tracked, partial(self._fail_over, tracked)))
-            elif tracked.self_decoding:
-                continue  # its verifier's event asks for a drafter when the period ends
-            elif tracked.plan.drafter is None or not self.registry.is_live(tracked.plan.drafter, now):
+            elif tracked.self_decoding or not self.registry.is_live(tracked.plan.verifier, now):
+                continue  # the period ends with its verifier's event; or the verifier has yet to report
+            elif tracked.plan.drafter is None or self._failed(tracked.plan.drafter, now):
                 # SDCP 6.9 drafter failure, or a session still waiting for its first drafter.
                 work.append(self._locked(tracked, partial(self._assign_drafter, tracked, only_if_missing=True)))
             elif self._worth_moving(tracked, now):
@@ -387,20 +465,38 @@ class RouterEngine:
                 work.append(self._locked(tracked, partial(self._assign_drafter, tracked)))
         await asyncio.gather(*work)
 
+    def _failed(self, uri: str, now: float) -> bool:
+        """Whether an instance has no live status here: one this router has not heard of yet
+        counts only after ``grace_s`` (a restarted router learns of every live instance by then)."""
+        if self.registry.is_live(uri, now):
+            return False
+        return self.registry.get(uri) is not None or now - self._started_at >= self.grace_s
+
     async def _maintain_forever(self) -> None:
         while True:
             await self.maintain()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that arrives as
+            # the wake-up does, and the loop would outlive stop().
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await self._wake.wait()
             self._wake.clear()
 
     async def _locked(self, tracked: TrackedSession, change: Callable[[], Awaitable[None]]) -> None:
-        """Run one change of a session under its lock; a failure is logged and retried next tick."""
+        """Run one change of a session under its lock, claimed first and its new facts written
+        after; a failure is logged and retried next tick; a session another router changed since
+        is let go (it holds the session now)."""
         async with tracked.lock:
-            if tracked.ended:
+            if tracked.ended or self.sessions.get(tracked.session) is not tracked:
                 return
             try:
-                await change()
+                await self.store.save(tracked, force=True)
+                try:
+                    await change()
+                finally:
+                    await self.store.save(tracked)
+            except Superseded as exc:
+                self._let_go(tracked, exc)
             except ProtocolError as exc:
                 if exc.problem is ProblemType.SESSION_CLOSED:
                     self._end(tracked, Action.FINISH)
@@ -593,6 +689,8 @@ class RouterEngine:
         # Fencing the same epoch again appends nothing, so a failover retried next tick is safe. The
         # fence names the new verifier: only its signed records count in the new epoch.
         tracked.failover_to = verifier
+        # Durable before the fence: a router that takes the session over retries at that verifier.
+        await self.store.save(tracked)
         fence = plan.fence_for_failover(verifier)
         await self.mlc.commit_log(plan.commit_log).fence(fence.epoch, fence.verifier)
         replay, tokens = await self._committed_prefix(tracked)
@@ -682,14 +780,43 @@ class RouterEngine:
         candidates = [view for view in live if _serves(view, contract)] or _unreported(live)
         return prefer_idle_and_accepting(candidates).uri if candidates else None
 
-    def _end(self, tracked: TrackedSession, kind: Action) -> None:
+    def _end(self, tracked: TrackedSession, kind: Action, *, delete: bool = True) -> None:
+        """The session ended: nothing is assigned again, and its facts leave the shared tier
+        (``delete``; not where they are gone already)."""
         if tracked.ended:
             return
         tracked.ended = True
         tracked.plan.drafter = None
         SESSIONS_OPEN.labels(self.uri).dec()
         log.info("%s: session %s ended (%s)", self.uri, tracked.plan.session.hex(), kind.name.lower())
+        if delete:
+            self._tasks.spawn(self._delete_state(tracked.session))
         self._tasks.spawn(self._forget_later(tracked))
+
+    def _let_go(self, tracked: TrackedSession, why: Exception) -> None:
+        """Another router changed the session since this one read it: that router holds it now."""
+        if self.sessions.get(tracked.session) is tracked:
+            del self.sessions[tracked.session]
+            if not tracked.ended:
+                SESSIONS_OPEN.labels(self.uri).dec()
+            LET_GO.labels(self.uri).inc()
+        log.info("%s: session %s is held by another router now: %s", self.uri, tracked.session.hex(), why)
+
+    async def _save_quietly(self, tracked: TrackedSession) -> None:
+        """Write the session's changed facts where no caller waits for the outcome: a failure is
+        logged, and the next change writes them again."""
+        try:
+            await self.store.save(tracked)
+        except Superseded as exc:
+            self._let_go(tracked, exc)
+        except CacheError as exc:
+            log.warning("%s: session %s: its state not written: %s", self.uri, tracked.session.hex(), exc)
+
+    async def _delete_state(self, session: bytes) -> None:
+        try:
+            await self.store.delete(session)
+        except CacheError as exc:
+            log.warning("%s: session %s: its state not deleted: %s", self.uri, session.hex(), exc)
 
     async def _forget_later(self, tracked: TrackedSession) -> None:
         """An ended session can be looked up for a while, then its memory is freed."""

@@ -1,17 +1,23 @@
 """A session as the router holds it: the plan (``sdcp.protocol.router.RouterSession``) and what the
-router keeps beside it to decide and to replay the commit log."""
+router keeps beside it to decide and to replay the commit log; its durable facts as one CBOR map
+(``durable``, ``from_durable``), which any router can load from the shared tier (``store``)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from sdcp.protocol.messages import session_path_id
+from sdcp.protocol.messages import Sampling, SessionOpen, session_path_id
+from sdcp.protocol.problems import BadMessage
 from sdcp.protocol.records import LogReplayer
 from sdcp.protocol.router import RouterSession
 
 __all__ = ["SELF_DECODING", "TrackedSession"]
+
+# The form of the durable facts; a router refuses a form it does not know.
+DURABLE_VERSION = 1
 
 # Who served a session, in the router's session description: a drafter's URI, or this for the
 # verifier decoding alone at the router's request.
@@ -40,6 +46,12 @@ class TrackedSession:
     # each read asks only for the records appended since (no whole-log read per assignment).
     replayer: LogReplayer | None = None
     tokens_uri: str | None = None
+    # The version of the durable facts in the shared tier this router last read or wrote (its ETag
+    # and bytes): a write on another version fails (another router changed the session since).
+    etag: str | None = None
+    saved: bytes | None = None
+    # The router that wrote the facts last read (None: none read, this router opened the session).
+    router: str | None = None
 
     def __post_init__(self) -> None:
         if not self.first_verifier and self.plan.epoch == 1:
@@ -81,3 +93,77 @@ class TrackedSession:
         if self.served:
             described["served"] = list(self.served)
         return described
+
+    def take_over(self, stored: TrackedSession) -> None:
+        """Another router changed the session: its facts, as ``stored`` holds them, replace ours."""
+        self.plan = stored.plan
+        self.first_verifier = stored.first_verifier
+        self.failover_to = stored.failover_to
+        self.self_decoding = stored.self_decoding
+        self.etag, self.saved, self.router = stored.etag, stored.saved, stored.router
+        self.exploring = None
+
+    def durable(self, router: str) -> dict[str, object]:
+        """The facts another router needs to take the session over (docs/reliability.md): the
+        session-open as the current verifier got it (contract, prompt, epoch, commit log, front end,
+        request id, resume), where it runs and who drafts, the sampling profile (SDCP 6.6), the
+        verifier of epoch 1 and a failover's named verifier (signed records), and ``router``, the
+        router that wrote them."""
+        plan = self.plan
+        state: dict[str, object] = {
+            "v": DURABLE_VERSION,
+            "router": router,
+            "open": plan.open_message().to_obj(),
+            "verifier": plan.verifier,
+            "first_verifier": self.first_verifier,
+            "opened_ms": int(self.opened_at * 1000),
+            "self_decoding": self.self_decoding,
+        }
+        if plan.drafter is not None:
+            state["drafter"] = plan.drafter
+        if plan.sampling is not None:
+            state["sampling"] = plan.sampling.to_obj()
+        if self.failover_to is not None:
+            state["failover_to"] = self.failover_to
+        return state
+
+    @classmethod
+    def from_durable(cls, obj: object) -> TrackedSession:
+        """A session from its durable facts; BadMessage for anything a router did not write."""
+        if not isinstance(obj, dict) or obj.get("v") != DURABLE_VERSION:
+            raise BadMessage(f"not a router session's state of version {DURABLE_VERSION}")
+        opened = SessionOpen.from_obj(obj.get("open"))
+        if not isinstance(opened.prompt, tuple):
+            raise BadMessage("a router session's prompt is its tokens")
+        verifier, first_verifier = obj.get("verifier"), obj.get("first_verifier")
+        drafter, failover_to = obj.get("drafter"), obj.get("failover_to")
+        if not isinstance(verifier, str) or not isinstance(first_verifier, str):
+            raise BadMessage("a router session's state names its verifier and the one of epoch 1")
+        if not (drafter is None or isinstance(drafter, str)) or not (
+            failover_to is None or isinstance(failover_to, str)
+        ):
+            raise BadMessage("a router session's instances are text URIs")
+        opened_ms, self_decoding = obj.get("opened_ms"), obj.get("self_decoding")
+        if not isinstance(opened_ms, int) or isinstance(opened_ms, bool) or not isinstance(self_decoding, bool):
+            raise BadMessage("a router session's state carries opened_ms and self_decoding")
+        sampling = obj.get("sampling")
+        # The plan's members that session-open carries, from it; the rest from the state.
+        carried = {
+            f.name: getattr(opened, f.name) for f in dataclasses.fields(RouterSession) if hasattr(opened, f.name)
+        }
+        plan = RouterSession(
+            **carried,
+            verifier=verifier,
+            drafter=drafter,
+            sampling=None if sampling is None else Sampling.from_obj(sampling),
+        )
+        router = obj.get("router")
+        return cls(
+            plan,
+            opened.prompt,
+            router=router if isinstance(router, str) else None,
+            self_decoding=self_decoding,
+            opened_at=opened_ms / 1000,
+            first_verifier=first_verifier,
+            failover_to=failover_to,
+        )

@@ -1,0 +1,321 @@
+"""The router engine without sockets: its sessions in the shared tier, so that a restarted router or
+a second one fails over a session it did not open (docs/reliability.md, "Routers").
+
+Real verifier and drafter engines (the tiny random target, the n-gram drafter) over one host-memory
+MLC, joined to the routers by the bench's in-memory links; the routers' clock is the test's, so an
+instance "fails" when the test stops reporting its status and moves the clock past its TTL. Rule 1's
+output must be the target's greedy decoding, whichever router moved the session where.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+from tests.waiting import eventually
+
+from sdcp.bench.inprocess import InMemoryRouterLink, InMemoryVerifierLink
+from sdcp.cache import MLC
+from sdcp.config import DrafterConfig, RouterConfig, VerifierConfig
+from sdcp.engines.drafter import DrafterEngine
+from sdcp.engines.errors import SessionNotFound, Unanswered, Unavailable
+from sdcp.engines.router import RouterEngine, TrackedSession
+from sdcp.engines.router.store import MAX_STATE_BYTES
+from sdcp.engines.verifier import VerifierEngine
+from sdcp.models.draft import NgramDrafter
+from sdcp.models.registry import LoadedModel
+from sdcp.models.target import TargetModel
+from sdcp.protocol import codec
+from sdcp.protocol.messages import Action, Contract, Event, Output, Proposal, Sampling, SessionRequest, Verdict
+from sdcp.protocol.problems import BadMessage
+from sdcp.protocol.records import replay_commit_log
+from sdcp.protocol.router import RouterSession
+from sdcp.protocol.rules import GREEDY
+
+pytestmark = pytest.mark.timeout(120)
+
+ROUTER_A, ROUTER_B = "https://router-a.test", "https://router-b.test"
+V1, V2, DRAFTER = "https://verifier1.test", "https://verifier2.test", "https://drafter.test"
+FRONT_END = "https://frontend.test"
+PROMPT = (5, 17, 42, 9, 100, 3)
+MAX_NEW = 120
+TTL_MS = 1000
+
+
+class ByVerifier:
+    """The drafter's way to whichever verifier an assignment names (a ``VerifierLink``); a verifier
+    in ``cut`` answers nothing, after the time a request takes to time out here."""
+
+    def __init__(self, links: dict[str, InMemoryVerifierLink], cut: set[str]) -> None:
+        self._links = links
+        self._cut = cut
+
+    async def propose(self, verifier: str, proposal: Proposal) -> Verdict:
+        await self._reach(verifier)
+        return await self._links[verifier].propose(verifier, proposal)
+
+    async def output(self, verifier: str, session: bytes, start: int) -> Output:
+        await self._reach(verifier)
+        return await self._links[verifier].output(verifier, session, start)
+
+    async def _reach(self, verifier: str) -> None:
+        if verifier in self._cut:
+            await asyncio.sleep(0.05)
+            raise Unanswered(f"{verifier} is cut off")
+
+
+@dataclass
+class World:
+    mlc: MLC
+    verifiers: dict[str, VerifierEngine]
+    drafter: DrafterEngine
+    contract: Contract
+    # The verifiers whose links are cut: they report nothing, and nothing reaches them or leaves them.
+    cut: set[str]
+    now: list[float] = field(default_factory=lambda: [0.0])
+    routers: list[RouterEngine] = field(default_factory=list)
+    # Where the verifiers' events go: the router a verifier can reach.
+    events_to: list[RouterEngine] = field(default_factory=list)
+
+    def router(self, uri: str, **settings: int) -> RouterEngine:
+        router = RouterEngine(
+            uri=uri,
+            settings=lambda: RouterConfig(m_init=4, **settings),
+            mlc=self.mlc,
+            link=InMemoryRouterLink(self.verifiers, {DRAFTER: self.drafter}),
+            record_check=None,
+            # The periodic task runs when the test calls maintain() (and once at the start).
+            interval_s=3600.0,
+            grace_s=TTL_MS / 1000,
+            clock=lambda: self.now[0],
+        )
+        self.routers.append(router)
+        return router
+
+    def report(self, *, quiet: tuple[str, ...] = ()) -> None:
+        """Every instance neither cut nor ``quiet`` reports its status to every router."""
+        for router in self.routers:
+            for uri, verifier in self.verifiers.items():
+                if uri not in self.cut and uri not in quiet:
+                    router.report(verifier.status())
+            router.report(self.drafter.status())
+
+    def advance(self, seconds: float) -> None:
+        self.now[0] += seconds
+        self.report()
+
+    def sink(self, verifier: str) -> Callable[[Event], Awaitable[None]]:
+        """Where ``verifier``'s events go: the router it can reach."""
+
+        async def send(event: Event) -> None:
+            if verifier in self.cut:
+                raise Unanswered(f"{verifier} is cut off")
+            router = self.events_to[-1]
+            await router.event(await router.contact(event.session), event)
+
+        return send
+
+
+@pytest.fixture
+async def world(tiny_loaded: LoadedModel) -> AsyncIterator[World]:
+    mlc = MLC.from_config(authority="routers.test")
+    holder: list[World] = []
+    cut: set[str] = set()
+
+    def sink(verifier: str) -> Callable[[Event], Awaitable[None]]:
+        async def send(event: Event) -> None:
+            await holder[0].sink(verifier)(event)
+
+        return send
+
+    verifiers = {
+        uri: VerifierEngine(
+            uri=uri,
+            settings=VerifierConfig(),
+            target=TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny"),
+            mlc=mlc,
+            ttl_ms=TTL_MS,
+            events=sink(uri),
+        )
+        for uri in (V1, V2)
+    }
+    links = {uri: InMemoryVerifierLink(engine, DRAFTER) for uri, engine in verifiers.items()}
+    vocab = next(iter(verifiers.values())).target.vocab_size
+    drafter = DrafterEngine(
+        uri=DRAFTER,
+        settings=DrafterConfig(),
+        drafter=NgramDrafter(vocab),
+        mlc=mlc,
+        link=ByVerifier(links, cut),
+        ttl_ms=TTL_MS,
+    )
+    target = verifiers[V1].target
+    contract = Contract.from_obj(
+        {
+            "target": target.weights_digest,
+            "tokenizer": target.tokenizer_digest,
+            "rule": GREEDY.id,
+            "m_max": 4,
+            "max_new": MAX_NEW,
+            "stop": [],
+            # The drafter drives every round: rejections never escalate.
+            "low_rounds": 1_000_000,
+            "fallback": [int(Action.REDUCE), int(Action.FAIL)],
+        }
+    )
+    world = World(mlc, verifiers, drafter, contract, cut)
+    holder.append(world)
+    for verifier in verifiers.values():
+        await verifier.start()
+    await drafter.start()
+    yield world
+    for router in world.routers:
+        await router.stop()
+    await drafter.stop()
+    for engine in verifiers.values():
+        await engine.stop()
+    await mlc.close()
+
+
+def greedy(loaded: LoadedModel, count: int) -> tuple[int, ...]:
+    """The tiny target's greedy continuation of PROMPT, one token per pass (SDCP 6.4 rule 1)."""
+    target = TargetModel(loaded.model, loaded.tokenizer, name="tiny")
+    session = bytes(16)
+    target.open_session(session, PROMPT)
+    tokens: list[int] = []
+    for _ in range(count):
+        (rows,) = target.score([(session, ())])
+        tokens.append(int(rows[0].argmax()))
+        target.commit(session, 0, tokens[-1:])
+    return tuple(tokens)
+
+
+async def committed(world: World, tracked: TrackedSession) -> tuple[int, ...]:
+    """The session's committed output, as its commit log holds it."""
+    records = (await world.mlc.commit_log(tracked.plan.commit_log).read()).records
+    return replay_commit_log(records, world.contract.digest, PROMPT).tokens
+
+
+async def open_on_v1(world: World, router: RouterEngine) -> TrackedSession:
+    """A session opened at V1 (V2 reports later), driven by the drafter, with tokens committed;
+    then V1 is cut off mid-session, the session left unfinished there."""
+    world.report(quiet=(V2,))
+    tracked = await router.open_session(FRONT_END, SessionRequest(prompt=PROMPT, contract=world.contract))
+    assert tracked.plan.verifier == V1 and tracked.plan.drafter == DRAFTER
+    machine = world.verifiers[V1].sessions[tracked.session].machine
+    await eventually(lambda: machine.committed >= 10)
+    world.cut.add(V1)
+    assert not machine.ended
+    world.report()
+    return tracked
+
+
+async def test_a_restarted_router_loads_the_session_and_fails_it_over(world: World, tiny_loaded: LoadedModel) -> None:
+    """Router kill -9 and restart, then the verifier cut: the restarted router (same identity, empty
+    memory) loads the session on the front end's first question and moves it to V2."""
+    before = world.router(ROUTER_A)
+    await before.start()
+    world.events_to.append(before)
+    tracked = await open_on_v1(world, before)
+    session = tracked.session
+    await before.stop()  # killed: its memory is gone, the shared tier keeps the session
+    after = world.router(ROUTER_A)
+    world.routers.remove(before)
+    await after.start()
+    world.events_to.append(after)
+    # V1 reports no more: the restarted router waits out its grace for it, then fails it over.
+    world.advance(2 * TTL_MS / 1000)
+    loaded = await after.contact(session)  # GET sessions/{id} from the front end
+    assert loaded.plan.epoch == 1 and loaded.plan.verifier == V1 and loaded.plan.drafter == DRAFTER
+    await after.maintain()
+    assert loaded.plan.epoch == 2 and loaded.plan.verifier == V2
+    resumed = world.verifiers[V2].sessions[session].machine
+    await eventually(lambda: resumed.ended)
+    assert await committed(world, loaded) == greedy(tiny_loaded, MAX_NEW)
+    # Ended: the session's facts have left the shared tier.
+    await eventually(lambda: loaded.ended)
+    assert await after.store.load(session) is None
+
+
+async def test_the_session_of_a_router_that_is_gone_is_taken_over_by_another(
+    world: World, tiny_loaded: LoadedModel
+) -> None:
+    """Two routers: the verifier's event reaches B (A is unreachable), B takes the session over, and
+    A, which still holds it in memory, lets it go at its next change instead of undoing B's."""
+    a, b = world.router(ROUTER_A), world.router(ROUTER_B)
+    for router in (a, b):
+        await router.start()
+    world.events_to.append(a)
+    tracked = await open_on_v1(world, a)
+    session = tracked.session
+    taken = await b.contact(session)
+    assert taken.router == ROUTER_A and session in b.sessions
+    world.events_to.append(b)
+    world.advance(2 * TTL_MS / 1000)
+    await b.maintain()  # B fails the session over: its claim is on the version it read
+    assert taken.plan.epoch == 2 and taken.plan.verifier == V2
+    stored = await b.store.load(session)
+    assert stored is not None and stored.router == ROUTER_B and stored.plan.epoch == 2
+    await a.maintain()  # A's claim is on the version before B's: A lets the session go
+    assert session not in a.sessions
+    assert world.verifiers[V2].sessions[session].machine.epoch == 2
+    resumed = world.verifiers[V2].sessions[session].machine
+    await eventually(lambda: resumed.ended)
+    assert await committed(world, taken) == greedy(tiny_loaded, MAX_NEW)
+    await eventually(lambda: taken.ended)
+    assert await b.store.load(session) is None
+
+
+async def test_a_router_holds_what_its_limits_allow(world: World) -> None:
+    a = world.router(ROUTER_A)
+    b = world.router(ROUTER_B, max_sessions=1)
+    for router in (a, b):
+        await router.start()
+    world.events_to.append(a)
+    world.report(quiet=(V2,))
+    request = SessionRequest(prompt=PROMPT, contract=world.contract)
+    first, second = [await a.open_session(FRONT_END, request) for _ in range(2)]
+    await b.contact(first.session)
+    with pytest.raises(Unavailable):
+        await b.contact(second.session)  # B holds one session already
+    with pytest.raises(SessionNotFound):
+        await b.contact(bytes(16))
+    # A state larger than a session-open is refused unread.
+    await world.mlc.put(a.store.uri(second.session), b"\x00" * (MAX_STATE_BYTES + 1))
+    with pytest.raises(BadMessage):
+        await a.store.load(second.session)
+
+
+def test_the_durable_facts_round_trip() -> None:
+    contract = Contract.from_obj(
+        {
+            "target": bytes(32),
+            "tokenizer": bytes(32),
+            "rule": 1,
+            "m_max": 4,
+            "max_new": 8,
+            "stop": [],
+            "low_rounds": 2,
+            "fallback": [int(Action.FAIL)],
+        }
+    )
+    plan = RouterSession(
+        session=bytes(range(16)),
+        epoch=3,
+        contract=contract,
+        prompt=PROMPT,
+        commit_log="mlc://routers.test/-/log/00",
+        verifier=V2,
+        drafter=DRAFTER,
+        sampling=Sampling.from_obj({"temperature_milli": 700}),
+        owner=FRONT_END,
+        request="req-1",
+    )
+    tracked = TrackedSession(plan, PROMPT, first_verifier=V1, failover_to=V2, self_decoding=True)
+    back = TrackedSession.from_durable(codec.decode(codec.encode(tracked.durable(ROUTER_A))))
+    assert back.plan == plan and back.router == ROUTER_A
+    assert (back.first_verifier, back.failover_to, back.self_decoding) == (V1, V2, True)
+    with pytest.raises(BadMessage):
+        TrackedSession.from_durable({**tracked.durable(ROUTER_A), "v": 99})
