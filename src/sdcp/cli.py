@@ -554,6 +554,12 @@ def generate(
         None, "--stop", help="End the generation where this text appears (repeatable); it is left out of the text."
     ),
     n: int = typer.Option(1, "-n", min=1, max=_MAX_CHOICES, help="Generate this many completions, each a session."),
+    max_draft: int = typer.Option(
+        None, "--max-draft", min=1, max=64, help="Most tokens a drafter proposes in a round (the contract's m_max)."
+    ),
+    no_speculation: bool = typer.Option(
+        False, "--no-speculation", help="No drafter proposes: the verifier decodes alone (same greedy output)."
+    ),
     as_json: bool = typer.Option(
         False,
         "--json",
@@ -569,6 +575,8 @@ def generate(
 
     with user_errors():
         rule = _chosen_rule(rule, temperature, top_k, top_p, seed)
+        if no_speculation and max_draft is not None:
+            fail("--no-speculation leaves no proposal for --max-draft to bound: give one of them")
         stops = tuple(stop or ())
         if any(not text for text in stops):
             fail("--stop needs a non-empty text")
@@ -586,7 +594,9 @@ def generate(
         _ensure_running(cluster, model)
         if not as_json:
             _print_dashboard(cluster)
-        request = _Request(prompt_ids, max_new, 1 if rule is RuleName.greedy else 2, sampling, stops, n)
+        request = _Request(
+            prompt_ids, max_new, 1 if rule is RuleName.greedy else 2, sampling, stops, n, max_draft, no_speculation
+        )
         result = asyncio.run(_generate(cluster, tokenizer, request, as_json))
     if as_json:
         typer.echo(json.dumps(result))
@@ -657,12 +667,16 @@ class _Request:
     sampling: Any
     stops: tuple[str, ...]
     n: int
+    # Per-request speculation (docs/services.md): the contract's m_max, or None for the default;
+    # whether no drafter may propose (session request self_decode_only).
+    max_draft: int | None = None
+    self_decode_only: bool = False
 
 
 async def _generate(cluster: Any, tokenizer: Any, request: _Request, as_json: bool) -> dict[str, Any]:
     from rich.text import Text
 
-    from sdcp.client import ClusterClient, build_contract
+    from sdcp.client import DEFAULT_M_MAX, ClusterClient, build_contract
     from sdcp.models.registry import end_of_text_tokens
 
     cert, key, ca = cluster.client_credentials()
@@ -686,10 +700,15 @@ async def _generate(cluster: Any, tokenizer: Any, request: _Request, as_json: bo
             max_new=request.max_new,
             stop=sorted(eos | single),
             sampling=request.sampling,
+            m_max=request.max_draft or DEFAULT_M_MAX,
         )
         started = time.monotonic()
         opened = await asyncio.gather(
-            *(client.open(request.prompt_ids, contract) for _ in range(request.n)), return_exceptions=True
+            *(
+                client.open(request.prompt_ids, contract, self_decode_only=request.self_decode_only)
+                for _ in range(request.n)
+            ),
+            return_exceptions=True,
         )
         handles = [h for h in opened if not isinstance(h, BaseException)]
         failure = next((e for e in opened if isinstance(e, BaseException)), None)
