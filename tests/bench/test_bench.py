@@ -30,6 +30,9 @@ def _write_prompts(directory: Path) -> Path:
     (directory / "mixed.txt").write_text("xyz xyz then something new\n", encoding="utf-8")
     (directory / "copyedit.txt").write_text("fix the speling of this text\n", encoding="utf-8")
     (directory / "open.txt").write_text("why is the sky blue\n", encoding="utf-8")
+    # Bounded: the tiny random model's answer ends within max_new.
+    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
+    (directory / "structured.txt").write_text(f"{schema}\nis it ok, as JSON\n", encoding="utf-8")
     return directory
 
 
@@ -65,6 +68,8 @@ def test_bench_command_on_tiny_model_writes_results(tmp_path: Path) -> None:
         assert isinstance(summary["ratios"][key], float), key
     assert summary["overhead_ms_p50"] is not None and summary["overhead_ms_p99"] >= summary["overhead_ms_p50"]
     assert summary["identical_outputs"] is True and summary["mismatches"] == []
+    # The structured workload: the engines against the masked target alone, the same tokens.
+    assert isinstance(summary["ratios"]["structured_vs_target_only"], float)
     assert {"hf_target", "hf_prompt_lookup", "sdcp_target_only", "sdcp_inprocess", "sdcp_e2e"} <= set(
         summary["systems"]
     )

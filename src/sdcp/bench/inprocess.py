@@ -28,6 +28,7 @@ from sdcp.models.draft import Drafter, NgramDrafter
 from sdcp.protocol.messages import (
     Assignment,
     CancelRequest,
+    Constraint,
     Contract,
     Event,
     Output,
@@ -190,9 +191,15 @@ class InProcessSDCPSystem:
             await asyncio.sleep(_TTL_MS / 3000)
             self._report()
 
-    async def generate(self, prompt: Sequence[int], max_new: int, contract: Contract | None = None) -> RunResult:
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        max_new: int,
+        contract: Contract | None = None,
+        constraint: Constraint | None = None,
+    ) -> RunResult:
         """One session of ``prompt``; under ``contract`` where given (its max_new then applies), else
-        under the client's default contract."""
+        under the client's default contract; its output in the language of ``constraint``, if given."""
         if contract is None:
             contract = build_contract(
                 target=self.target.weights_digest,
@@ -201,7 +208,8 @@ class InProcessSDCPSystem:
                 stop=self.stop,
             )
         started = time.perf_counter()
-        tracked = await self.router.open_session(FRONT_END, SessionRequest(prompt=tuple(prompt), contract=contract))
+        request = SessionRequest(prompt=tuple(prompt), contract=contract, constraint=constraint)
+        tracked = await self.router.open_session(FRONT_END, request)
         session = tracked.session
         tokens: list[int] = []
         first_token_ms: float | None = None

@@ -4,6 +4,8 @@ Within one repeat the systems take turns on each prompt (the order rotates betwe
 that load from other work on the machine spreads over all of them. Ratios are computed within each
 repeat and the report gives their median. The workloads where history matters run in the first
 repeat only: a second would send each cluster requests whose answers its drafters have already seen.
+The structured workload (JSON schema prompts) runs on SDCP's target alone with the grammar on, its
+baseline, and on SDCP's engines in process (``STRUCTURED_SYSTEMS``).
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ from sdcp.bench.workloads import (
     DEFAULT_PROMPTS_DIR,
     HISTORY_QUICK_PROMPTS,
     HISTORY_WORKLOADS,
+    STRUCTURED_WORKLOAD,
     BenchInputError,
     Conversations,
     Prompt,
     Workload,
     load_history_workloads,
+    load_structured_workload,
     load_workloads,
     tokenize_prompt,
 )
@@ -76,6 +80,9 @@ CHAT_SYSTEMS = (
 )
 # The workloads only CHAT_SYSTEMS run.
 USER_WORKLOADS = (*CHAT_WORKLOADS, *HISTORY_WORKLOADS)
+# The systems that run the structured workload, each with its prompts' constraints: the masked target
+# alone (the baseline with the grammar on) and the engines, whose output must equal it (rule 1).
+STRUCTURED_SYSTEMS = ("sdcp_target_only", "sdcp_inprocess")
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,11 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
     if missing:
         log(f"history workloads left out (no prompt file in {config.prompts_dir}): {', '.join(missing)}")
     workloads += history
+    structured = load_structured_workload(config.prompts_dir, per_workload=config.effective_per_workload)
+    if structured is None:
+        log(f"the {STRUCTURED_WORKLOAD} workload left out (no prompt file in {config.prompts_dir})")
+    else:
+        workloads.append(structured)
     config.out.mkdir(parents=True, exist_ok=True)
     log(f"loading {config.model}")
     loaded = load_model(config.model)
@@ -172,7 +184,13 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
     stop = end_of_text_tokens(tokenizer)
     target = _sdcp_target(config, loaded, log)
     backend = target.backend
-    prompts = {w.name: [Prompt(p, tuple(tokenize_prompt(tokenizer, p))) for p in w.prompts] for w in workloads}
+    prompts = {
+        w.name: [
+            Prompt(p, tuple(tokenize_prompt(tokenizer, p)), constraint=w.constraint_at(i))
+            for i, p in enumerate(w.prompts)
+        ]
+        for w in workloads
+    }
     in_process: list[Any] = [HFTargetSystem(loaded.model, stop), HFPromptLookupSystem(loaded.model, stop)]
     if config.model == TINY_NAME:
         in_process.append(HFAssistedSystem(loaded.model, stop, load_model(TINY_DRAFT_NAME).model))
@@ -299,6 +317,8 @@ async def _measure(
                     for name, run in order:
                         if workload in USER_WORKLOADS and name not in CHAT_SYSTEMS:
                             continue
+                        if workload == STRUCTURED_WORKLOAD and name not in STRUCTURED_SYSTEMS:
+                            continue
                         sent = conversations.prompt(name, index, prompt)
                         result = await run(sent, max_new)
                         conversations.answered(name, sent, result.tokens)
@@ -320,21 +340,23 @@ async def _measure(
 
 def _engines(system: InProcessSDCPSystem) -> Callable[[Prompt, int], Any]:
     async def run(prompt: Prompt, max_new: int) -> RunResult:
-        return await system.generate(list(prompt.tokens), max_new)
+        return await system.generate(list(prompt.tokens), max_new, constraint=prompt.constraint)
 
     return run
 
 
-def _on_model_thread(
-    thread: ModelThread | None, generate: Callable[[list[int], int], RunResult]
-) -> Callable[[Prompt, int], Any]:
+def _on_model_thread(thread: ModelThread | None, generate: Callable[..., RunResult]) -> Callable[[Prompt, int], Any]:
     """A baseline's generation, on the model thread when there is one (else on this thread, which
-    then blocks the loop: nothing else runs meanwhile)."""
+    then blocks the loop: nothing else runs meanwhile). A prompt's constraint goes to the systems
+    that take one: only STRUCTURED_SYSTEMS are sent prompts that have one."""
 
     async def run(prompt: Prompt, max_new: int) -> RunResult:
+        arguments: tuple[object, ...] = (list(prompt.tokens), max_new)
+        if prompt.constraint is not None:
+            arguments += (prompt.constraint,)
         if thread is None:
-            return generate(list(prompt.tokens), max_new)
-        return await thread.run_async(generate, list(prompt.tokens), max_new)
+            return generate(*arguments)
+        return await thread.run_async(generate, *arguments)
 
     return run
 

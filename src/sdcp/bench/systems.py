@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sdcp.grammar import GrammarConstraint, grammar_tokenizer
 from sdcp.models.backend import Target
+from sdcp.protocol.constraint import constrain_rows
+from sdcp.protocol.messages import Constraint
 
 if TYPE_CHECKING:  # llama-cpp-python is optional: imported only when its systems are built
     from llama_cpp.llama_speculative import LlamaDraftModel
@@ -160,7 +163,9 @@ class TargetOnlySDCPSystem:
     """SDCP's target backend decoding one token per pass: no drafts, no protocol.
 
     Its gap to ``hf_target`` is what the backend itself gains (sdcp.models.packed); the gap between
-    it and the speculative systems is what speculation gains on top.
+    it and the speculative systems is what speculation gains on top. Under a constraint it decodes
+    the masked target (the most probable token the grammar allows, as the verifier's rule 1 does):
+    structured output's baseline, with the grammar on.
     """
 
     name = "sdcp_target_only"
@@ -170,17 +175,27 @@ class TargetOnlySDCPSystem:
         self.stop = set(stop)
         self._sessions = 0
 
-    def generate(self, prompt: Sequence[int], max_new: int) -> RunResult:
+    def generate(self, prompt: Sequence[int], max_new: int, constraint: Constraint | None = None) -> RunResult:
         self._sessions += 1
         session = (1 << 64 | self._sessions).to_bytes(16, "big")
         tokens: list[int] = []
         first_token_ms: float | None = None
         started = time.perf_counter()
+        grammar = None
+        if constraint is not None:
+            # Compiled within the timed generation, as the verifier compiles a session's at its open.
+            vocab = self.target.vocab_size
+            tokenizer = grammar_tokenizer(self.target.tokenizer_definition, vocab)
+            grammar = GrammarConstraint(tokenizer, constraint, sorted(self.stop), vocab)
         self.target.open_session(session, list(prompt))
         try:
             while len(tokens) < max_new and not (tokens and tokens[-1] in self.stop):
                 (row,) = self.target.score([(session, ())])
+                if grammar is not None:
+                    row = constrain_rows(row[:1], grammar.allowed(()), len(tokens), 0, sorted(self.stop))
                 token = int(row[0].argmax())
+                if grammar is not None:
+                    grammar.commit([token])
                 self.target.commit(session, 0, [token])
                 tokens.append(token)
                 if first_token_ms is None:

@@ -10,13 +10,20 @@ drafter (or the verifier's lookahead) kept of earlier answers can help. In ``mul
 prompt is a conversation: a line that is exactly ``+++`` starts its next user turn, every turn is
 one request, and ``{answer}`` in a later turn stands for the answer the system itself generated to
 the turn before (``Conversations`` builds that turn once the answer is known).
+
+In ``structured.txt`` each prompt's first line is the JSON schema its answer follows (on one line):
+the session's constraint (structured output), with the grammar on in every system that runs it
+(runner.STRUCTURED_SYSTEMS).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from sdcp.protocol.messages import Constraint
 
 __all__ = [
     "ANSWER_PLACEHOLDER",
@@ -25,6 +32,7 @@ __all__ = [
     "DEFAULT_PROMPTS_DIR",
     "HISTORY_QUICK_PROMPTS",
     "HISTORY_WORKLOADS",
+    "STRUCTURED_WORKLOAD",
     "WORKLOADS",
     "BenchInputError",
     "Conversations",
@@ -32,6 +40,7 @@ __all__ = [
     "Workload",
     "chat_messages",
     "load_history_workloads",
+    "load_structured_workload",
     "load_workloads",
     "plain_text",
     "tokenize_prompt",
@@ -45,6 +54,8 @@ WORKLOADS = (*CORE_WORKLOADS, *CHAT_WORKLOADS)
 # Issue 28: workloads where history matters, sent one request after another (load_history_workloads;
 # not in WORKLOADS, whose prompts other tests decode as "every benchmark prompt").
 HISTORY_WORKLOADS = ("json_extraction", "sql", "code_edit", "multiturn")
+# Issue 30: prompts whose answers follow a JSON schema, decoded with the grammar on.
+STRUCTURED_WORKLOAD = "structured"
 # Requests per history workload in `sdcp bench --quick` (the full run sends every one, 16 or more).
 HISTORY_QUICK_PROMPTS = 6
 DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
@@ -64,9 +75,16 @@ class Workload:
     # Per prompt: whether it is a later turn of the conversation of the prompt before it (empty:
     # none is).
     continues: tuple[bool, ...] = ()
+    # Per prompt: the JSON schema (its text) that the answer follows (empty: none does).
+    schemas: tuple[str, ...] = ()
 
     def continues_at(self, index: int) -> bool:
         return 0 <= index < len(self.continues) and self.continues[index]
+
+    def constraint_at(self, index: int) -> Constraint | None:
+        if not 0 <= index < len(self.schemas):
+            return None
+        return Constraint(kind="json_schema", text=self.schemas[index])
 
 
 @dataclass(frozen=True)
@@ -77,6 +95,8 @@ class Prompt:
     tokens: tuple[int, ...]
     # The conversation before it: (user text, answer text) per earlier turn, oldest first.
     history: tuple[tuple[str, str], ...] = ()
+    # The language its answer is decoded in (structured output), if any.
+    constraint: Constraint | None = None
 
 
 def parse_prompts(text: str) -> tuple[str, ...]:
@@ -132,6 +152,31 @@ def load_history_workloads(directory: Path = DEFAULT_PROMPTS_DIR, *, per_workloa
             prompts, continues = prompts[:per_workload], continues[:per_workload]
         workloads.append(Workload(name, tuple(prompts), tuple(continues)))
     return workloads
+
+
+def load_structured_workload(
+    directory: Path = DEFAULT_PROMPTS_DIR, *, per_workload: int | None = None
+) -> Workload | None:
+    """The structured workload, if ``directory`` holds its prompt file: each prompt with the JSON
+    schema of its first line, limited to the first ``per_workload`` when given."""
+    path = directory / f"{STRUCTURED_WORKLOAD}.txt"
+    if not path.is_file():
+        return None
+    prompts, schemas = [], []
+    for block in parse_prompts(path.read_text(encoding="utf-8")):
+        schema, _, prompt = block.partition("\n")
+        try:
+            json.loads(schema)
+        except ValueError as exc:
+            raise BenchInputError(f"{path}: a prompt's first line is no JSON schema: {exc}") from exc
+        if not prompt.strip():
+            raise BenchInputError(f"{path}: a prompt has a schema and no text")
+        prompts.append(prompt.strip())
+        schemas.append(schema)
+    if not prompts:
+        raise BenchInputError(f"prompt file {path} holds no prompt")
+    limit = per_workload or len(prompts)
+    return Workload(STRUCTURED_WORKLOAD, tuple(prompts[:limit]), schemas=tuple(schemas[:limit]))
 
 
 def _split_turns(conversation: str) -> list[str]:
