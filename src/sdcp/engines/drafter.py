@@ -6,18 +6,26 @@ lease until the verdict, a ``VerifierLink`` carries proposals and output reads. 
 choose M -> draft in the worker -> write and lease q_rows (rule 2) -> propose (pre-drafting the next
 round meanwhile) -> apply the verdict -> sync the backend to the committed prefix -> release and
 delete the rows.
+
+A constrained session (structured output: the assignment's ``constraint``) is drafted with its
+grammar where this drafter knows the contract's tokenizer (``[drafter] target``'s): where the
+grammar forces the next tokens they are the proposal, at full confidence (one-hot rows, so rule 2
+stays exact: each token is drawn from the row it carries), else the backend's draft up to its first
+token the grammar disallows (docs/interpretations.md, "Structured output").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
 from sdcp.cache import MLC, CacheError, InvalidURI, build_uri
@@ -27,10 +35,12 @@ from sdcp.engines.errors import Unanswered
 from sdcp.engines.history import HistoryReader, directory_uri, history_scope_key, index_uri, warm
 from sdcp.engines.ports import VerifierLink
 from sdcp.engines.tasks import BackgroundTasks
+from sdcp.grammar import ConstraintError, GrammarConstraint, grammar_tokenizer
 from sdcp.models.draft import Drafter, DraftResult
-from sdcp.models.errors import UnknownSession
+from sdcp.models.errors import ModelError, UnknownSession
 from sdcp.models.suffix import SharesHistory
 from sdcp.models.worker import InlineModelThread, ModelThread
+from sdcp.protocol.contract import tokenizer_definition_digest
 from sdcp.protocol.digest import extend_digest, prefix_digest
 from sdcp.protocol.drafter import AcceptanceEstimate, DrafterSession
 from sdcp.protocol.messages import (
@@ -141,6 +151,11 @@ class _SessionRun:
     task: asyncio.Task[None] | None = None
     # When the last verdict arrived (perf_counter), until the next proposal leaves.
     verdict_at: float | None = None
+    # A constrained session's grammar where this drafter reads its tokenizer (else None): at the
+    # empty output, and a copy advanced over ``guided``, the output tokens it has consumed.
+    grammar: GrammarConstraint | None = None
+    guide: GrammarConstraint | None = None
+    guided: list[int] = field(default_factory=list)
 
     @property
     def session(self) -> bytes:
@@ -368,6 +383,23 @@ class DrafterEngine:
             await self._adopt_committed_object(run, assignment.committed_tokens)
         await self._catch_up(run, assignment.committed, assignment.digest)
         await self._worker.run_async(self.drafter.sync, run.session, run.committed_prefix)
+        if assignment.constraint is not None:
+            run.grammar = await asyncio.to_thread(self._grammar, assignment)
+
+    def _grammar(self, assignment: Assignment) -> GrammarConstraint | None:
+        """The session's grammar over the target's tokenizer, if ``[drafter] target`` names the
+        contract's; else None (drafted unguided: the verifier applies the constraint anyway)."""
+        assert assignment.constraint is not None
+        contract = assignment.contract
+        try:
+            definition, digest = _target_tokenizer(self.settings.target)
+            if digest != contract.tokenizer:
+                return None
+            tokenizer = grammar_tokenizer(definition, self.drafter.vocab_size)
+            return GrammarConstraint(tokenizer, assignment.constraint, contract.stop, self.drafter.vocab_size)
+        except (ModelError, OSError, ConstraintError) as exc:
+            log.warning("%s: session %s drafted without its grammar: %s", self.uri, assignment.session.hex(), exc)
+            return None
 
     async def _bind_history(self, run: _SessionRun, drafter: SharesHistory) -> None:
         """Draft from the finished sessions of the assignment's history scope (its contract and,
@@ -505,7 +537,43 @@ class DrafterEngine:
         return t_d, self._round_trip.seconds
 
     async def _draft(self, run: _SessionRun, m: int) -> DraftResult:
-        return await self._worker.run_async(self.drafter.draft, run.session, m, run.state.sampling)
+        guide = self._guide(run)
+        if guide is None:
+            return await self._worker.run_async(self.drafter.draft, run.session, m, run.state.sampling)
+        # Masks take up to a millisecond each: off the event loop.
+        forced = await asyncio.to_thread(guide.forced, (), m)
+        if forced:
+            rows = None
+            if get_rule(run.state.contract.rule).needs_q:
+                rows = np.zeros((len(forced), self.drafter.vocab_size), dtype=np.float32)
+                rows[np.arange(len(forced)), forced] = 1.0
+            return DraftResult(forced, rows, 0.0)
+        draft = await self._worker.run_async(self.drafter.draft, run.session, m, run.state.sampling)
+        allowed = await asyncio.to_thread(guide.allowed, draft.tokens)
+        # The tokens up to the first one the grammar disallows (a stop token where the output is
+        # complete included); at least one, as a proposal has: the verifier then emits its own.
+        keep = len(allowed) - 1
+        if keep < len(draft.tokens) and allowed[keep][draft.tokens[keep]]:
+            keep += 1
+        keep = max(keep, 1)
+        return DraftResult(draft.tokens[:keep], None if draft.q_rows is None else draft.q_rows[:keep], draft.seconds)
+
+    def _guide(self, run: _SessionRun) -> GrammarConstraint | None:
+        """The session's grammar at its committed output (None when unguided), advanced from the
+        tokens it consumed before, or again from the start where a resync changed those."""
+        if run.grammar is None:
+            return None
+        if run.guide is None or run.output[: len(run.guided)] != run.guided:
+            run.guide, run.guided = run.grammar.fork(), []
+        try:
+            run.guide.commit(run.output[len(run.guided) :])
+        except ValueError as exc:
+            # Not the verifier's language after all: draft unguided rather than guess.
+            log.warning("%s: session %s: grammar left: %s", self.uri, run.session.hex(), exc)
+            run.grammar = run.guide = None
+            return None
+        run.guided = list(run.output)
+        return run.guide
 
     async def _round(self, run: _SessionRun, draft: DraftResult) -> tuple[Verdict | None, Proposal, DraftResult | None]:
         """Publish the rows, send the proposal, pre-draft the next round; the verdict or None."""
@@ -517,7 +585,8 @@ class DrafterEngine:
             # SDCP 6.2: base, base_digest and round come from the last verdict; one outstanding.
             proposal = state.propose(draft.tokens, status=self.status(), q_rows=rows_uri)
             send = asyncio.ensure_future(self._send(run, proposal))
-            if self.settings.predraft:
+            # A guided session's drafts are not the backend's own continuation: none is prepared.
+            if self.settings.predraft and run.grammar is None:
                 if self.drafter.runs_inline:
                     # An inline drafter pre-drafts on this event loop: the proposal leaves first.
                     await asyncio.sleep(0)
@@ -684,6 +753,17 @@ def confirmed_predraft(
     keep = min(m, len(predraft.tokens) - 1)
     rows = predraft.q_rows[1 : 1 + keep] if predraft.q_rows is not None else None
     return DraftResult(predraft.tokens[1 : 1 + keep], rows, predraft.seconds)
+
+
+@functools.lru_cache(maxsize=2)
+def _target_tokenizer(name: str) -> tuple[str, bytes]:
+    """A target's tokenizer definition (its ``tokenizer.json``, as the verifier's grammar reads it)
+    and digest, from the tokenizer alone; kept, as a drafter serves one target."""
+    from sdcp.models.digests import tokenizer_definition
+    from sdcp.models.registry import load_tokenizer
+
+    definition = tokenizer_definition(load_tokenizer(name))
+    return definition, tokenizer_definition_digest(definition)
 
 
 async def _settled(task: asyncio.Future[DraftResult]) -> DraftResult | None:
