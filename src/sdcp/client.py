@@ -1,4 +1,8 @@
-"""A front end's view of an SDCP deployment: open sessions through the router, stream their output.
+"""A front end's view of an SDCP deployment: open sessions through a router, stream their output.
+
+A front end may know several routers (docs/reliability.md, "Routers"): it opens a session at the
+first that answers and asks the one that answered it about the session, another where that one
+does not answer; any of them can load the session from the shared tier.
 
 Output follows SDCP 6.7: indices are stable, every message carries the session epoch, and output of
 a lower epoch than one already seen is discarded, so a reader that retries or follows a failover
@@ -10,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +86,8 @@ class SessionHandle:
     epoch: int
     verifier: str
     drafter: str | None
+    # The router that last answered about the session: it is asked first.
+    router: str | None = None
 
     @property
     def path_id(self) -> str:
@@ -101,10 +107,15 @@ class OutputChunk:
 
 
 class ClusterClient:
-    """An authenticated client of one router and the verifiers it names."""
+    """An authenticated client of one router, or of several (``router`` a list, the first
+    preferred), and of the verifiers they name."""
 
-    def __init__(self, router: str, *, cert: Path, key: Path, ca: Path, follow_attempts: int = 20) -> None:
-        self.router = router
+    def __init__(
+        self, router: str | Sequence[str], *, cert: Path, key: Path, ca: Path, follow_attempts: int = 20
+    ) -> None:
+        self.routers = (router,) if isinstance(router, str) else tuple(router)
+        if not self.routers:
+            raise ValueError("a cluster client needs a router")
         self.peers = PeerClients(cert, key, ca)
         self.follow_attempts = follow_attempts
 
@@ -117,8 +128,21 @@ class ClusterClient:
     async def __aexit__(self, *_exc: object) -> None:
         await self.aclose()
 
+    async def _at_router(
+        self, call: Callable[[str], Awaitable[tuple[int, object | None]]], first: str | None = None
+    ) -> tuple[str, object | None]:
+        """``call`` at ``first`` (else the first router), then at each other router while the last
+        one did not answer; the router that answered, and its body."""
+        order = ([first] if first is not None else []) + [router for router in self.routers if router != first]
+        for router in order[:-1]:
+            try:
+                return router, (await call(router))[1]
+            except TransportError:
+                continue
+        return order[-1], (await call(order[-1]))[1]
+
     async def targets(self) -> list[dict[str, object]]:
-        _, body = await self.peers.get(self.router).get_cbor("targets")
+        _, body = await self._at_router(lambda router: self.peers.get(router).get_cbor("targets"))
         if not isinstance(body, list):
             raise BadMessage("the router's target list is not an array")
         return body
@@ -150,19 +174,26 @@ class ClusterClient:
             constraint=constraint,
             self_decode_only=self_decode_only or None,
         )
-        _, body = await self.peers.get(self.router).post_cbor("sessions", wanted.to_obj())
-        return _handle(body)
+        # A router that opened the session but whose answer was lost leaves it unread; the next
+        # router opens another (docs/reliability.md, "Routers").
+        router, body = await self._at_router(lambda r: self.peers.get(r).post_cbor("sessions", wanted.to_obj()))
+        return _handle(body, router)
 
     async def locate(self, handle: SessionHandle) -> SessionHandle:
         """Where the session runs now (after a failover, another verifier and a higher epoch)."""
-        return _handle(await self.describe(handle))
+        router, body = await self._describe(handle)
+        return _handle(body, router)
 
     async def describe(self, handle: SessionHandle) -> dict[str, object]:
         """The router's description of the session: where it runs, whether it ended, who served it."""
-        _, body = await self.peers.get(self.router).get_cbor(f"sessions/{handle.path_id}")
+        return (await self._describe(handle))[1]
+
+    async def _describe(self, handle: SessionHandle) -> tuple[str, dict[str, object]]:
+        path = f"sessions/{handle.path_id}"
+        router, body = await self._at_router(lambda r: self.peers.get(r).get_cbor(path), handle.router)
         if not isinstance(body, dict):
             raise BadMessage("the router's session description is not a map")
-        return body
+        return router, body
 
     async def stats(self, handle: SessionHandle) -> dict[str, object]:
         _, body = await self.peers.get(handle.verifier).get_cbor(f"sessions/{handle.path_id}/stats")
@@ -173,7 +204,8 @@ class ClusterClient:
     async def cancel(self, handle: SessionHandle) -> None:
         """End the session early (POST sessions/{id}/cancel at the router, docs/interpretations.md)."""
         request = CancelRequest(session=handle.session, epoch=handle.epoch)
-        await self.peers.get(self.router).post_cbor(f"sessions/{handle.path_id}/cancel", request.to_obj())
+        path = f"sessions/{handle.path_id}/cancel"
+        await self._at_router(lambda r: self.peers.get(r).post_cbor(path, request.to_obj()), handle.router)
 
     async def stream(self, handle: SessionHandle, start: int = 0) -> AsyncIterator[OutputChunk]:
         """Committed tokens from output index ``start`` on, until the final output (SDCP 6.7)."""
@@ -235,11 +267,11 @@ class ClusterClient:
             read.cancel()
 
 
-def _handle(body: object) -> SessionHandle:
+def _handle(body: object, router: str) -> SessionHandle:
     if not isinstance(body, dict):
         raise BadMessage("the router's session description is not a map")
     session, epoch, verifier = body.get("session"), body.get("epoch"), body.get("verifier")
     drafter = body.get("drafter")
     if not isinstance(session, bytes) or not isinstance(epoch, int) or not isinstance(verifier, str):
         raise BadMessage("the router's session description lacks session, epoch or verifier")
-    return SessionHandle(session, epoch, verifier, drafter if isinstance(drafter, str) else None)
+    return SessionHandle(session, epoch, verifier, drafter if isinstance(drafter, str) else None, router)

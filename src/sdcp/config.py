@@ -7,7 +7,9 @@ listen = "127.0.0.1:9101"           # optional; host:port of the URI by default
 cert = "certs/127.0.0.1_9101.pem"
 key = "certs/127.0.0.1_9101.key"
 ca = "certs/ca.pem"
-router = "https://127.0.0.1:9100"   # where status reports and events go (not for the router)
+router = "https://127.0.0.1:9100"   # where status reports and events go (not for the router);
+                                    # a list names several routers, each able to take over
+                                    # the others' sessions (docs/reliability.md, "Routers")
 ttl_ms = 3000
 
 [mlc]
@@ -137,12 +139,24 @@ FilePath = Annotated[Path, BeforeValidator(_relative_to_file)]
 HttpsURI = Annotated[str, Strict(), BeforeValidator(_https_uri)]
 TrustEntry = Annotated[str, Strict(), BeforeValidator(_trust_entry)]
 HostPort = Annotated[str, Strict(), BeforeValidator(_host_port)]
+# `[instance] router`: one https URI, or a non-empty list of distinct ones (kept as a tuple).
+Routers = Annotated[str | tuple[str, ...], BeforeValidator(lambda v: _routers(v))]
 Device = Annotated[str, Strict(), StringConstraints(pattern=r"^(cpu|mps|cuda(:\d+)?)$")]
 ModelDtype = Literal["float32", "bfloat16", "float16"]
 # Whose finished output a suffix drafter may draft from (sdcp.engines.history, docs/security.md).
 HistoryScope = Literal["owner", "target"]
 OWN_MLC = "own"
 MLCRoute = Annotated[str, Strict(), BeforeValidator(lambda v: v if v == OWN_MLC else _https_uri(v))]
+
+
+def _routers(value: object) -> object:
+    if isinstance(value, str):
+        return _https_uri(value)
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
+        raise ValueError("must be an https URI or a non-empty list of them")
+    if len(set(value)) != len(value):
+        raise ValueError("names a router twice")
+    return tuple(_https_uri(v) for v in value)
 
 
 def _number(value: object) -> object:
@@ -163,12 +177,22 @@ class InstanceConfig:
     key: FilePath
     ca: FilePath
     listen: HostPort | None = None
-    router: HttpsURI | None = None
+    # One router, or several (the first preferred): see ``routers``.
+    router: Routers | None = None
     # At least 1: reports go every ttl_ms / 3, and a zero would send them without pause.
     ttl_ms: AtLeastOne = 3000
     # Threads for the instance's model work (docs/deploy.md, "Threads and cores"); 0: every usable
     # core for the roles that run a model (the verifier, model drafters), one for the others.
     threads: Count = 0
+
+    @property
+    def routers(self) -> tuple[str, ...]:
+        """The routers this instance reports its status to, all of them, and sends a session's
+        events to (the session's own router first, the others where it does not answer); a front
+        end opens sessions at the first that answers."""
+        if self.router is None:
+            return ()
+        return (self.router,) if isinstance(self.router, str) else self.router
 
     @property
     def host(self) -> str:
@@ -278,6 +302,9 @@ class VerifierConfig:
     # A session no drafter has proposed for in this long is reported to the router with a switch
     # event, on which it assigns a drafter again; 0 = never.
     drafter_silence_s: Seconds = 10.0
+    # A session whose event no router has answered for this long, or that no router holds (404),
+    # is an orphan and ends (failed) here rather than waiting for idle_timeout_s (docs/reliability.md).
+    orphan_timeout_s: PositiveSeconds = 60.0
     # Quotas (docs/security.md): sessions being decoded here, and output reads waiting for tokens;
     # past them, 503 with Retry-After.
     max_sessions: AtLeastOne = 256

@@ -167,3 +167,32 @@ def test_the_api_key_file_is_read_and_an_empty_or_missing_one_is_one_line(tmp_pa
     assert config.gateway.resolved_api_key() == "s3cret"
     # A key given directly (the TOML's api_key, --api-key, SDCP_API_KEY) takes precedence.
     assert dataclasses.replace(config.gateway, api_key="other").resolved_api_key() == "other"
+
+
+@pytest.mark.parametrize(
+    ("value", "routers"),
+    [
+        ("'https://r1:1'", ("https://r1:1",)),
+        ("['https://r1:1', 'https://r2:2']", ("https://r1:1", "https://r2:2")),
+    ],
+)
+def test_instance_router_is_one_router_or_a_list(tmp_path: Path, value: str, routers: tuple[str, ...]) -> None:
+    path = tmp_path / "instance.toml"
+    path.write_text(INSTANCE + f"router = {value}\n", encoding="utf-8")
+    assert load_config(path).instance.routers == routers
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("[]", "instance.router must be an https URI or a non-empty list of them"),
+        ("['https://r1:1', 'https://r1:1']", "instance.router names a router twice"),
+        ("['https://r1:1', 'http://r2:2']", "instance.router must be an https URI with a host"),
+        ("3", "instance.router must be an https URI or a non-empty list of them"),
+    ],
+)
+def test_a_bad_router_list_is_one_line(tmp_path: Path, value: str, message: str) -> None:
+    path = tmp_path / "instance.toml"
+    path.write_text(INSTANCE + f"router = {value}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)

@@ -132,7 +132,7 @@ class Trust:
     def from_config(cls, config: ServiceConfig, role: str) -> Trust:
         """``[trust]``; routers default to the instance's own ``[instance] router`` (or itself)."""
         trust = config.trust
-        routers = trust.routers or tuple(r for r in (config.instance.router,) if r is not None)
+        routers = trust.routers or config.instance.routers
         if role == "router":
             routers = (config.instance.uri,)
         return cls(

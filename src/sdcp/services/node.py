@@ -112,7 +112,7 @@ class Node(ABC):
         self._server: Server | None = None
         self._admin: AdminServer | None = None
         self._tasks = BackgroundTasks(self.uri, log)
-        # When the router last took this instance's status report (time.monotonic).
+        # When a router last took this instance's status report (time.monotonic).
         self._reported_at: float | None = None
 
     @abstractmethod
@@ -139,7 +139,7 @@ class Node(ABC):
 
     async def readiness(self) -> Readiness:
         """Whether the instance can do its work (GET /ready on the admin listener): an instance that
-        reports status is ready while the router holds a report of it that has not expired."""
+        reports status is ready while a router holds a report of it that has not expired."""
         if self.status() is None:
             return Readiness(True, "serving")
         ttl_s = self.config.instance.ttl_ms / 1000
@@ -184,8 +184,11 @@ class Node(ABC):
         )
         self._server = MTLSServer(self.app(), listener)
         await self._server.start()
-        if instance.router is not None and instance.router != self.uri and self.status() is not None:
-            self.spawn(self._report_status_forever(instance.router))
+        if self.status() is not None:
+            # Every router hears of the instance, so that each can assign to it and take over the
+            # sessions of another (docs/reliability.md, "Routers").
+            for router in self._routers():
+                self.spawn(self._report_status_forever(router))
         if self.config.admin.listen is not None:
             self._admin = AdminServer(
                 self.role, self.config.admin.listen, self.readiness, self.admin_routes(), build=self.build()
@@ -229,10 +232,12 @@ class Node(ABC):
             self._reported_at = time.monotonic()
 
     def report_status_soon(self) -> None:
-        """Send a status report now, besides the periodic ones (a measurement the router awaits)."""
-        router = self.config.instance.router
-        if router is not None and router != self.uri:
+        """Send a status report now, besides the periodic ones (a measurement the routers await)."""
+        for router in self._routers():
             self.spawn(self._try_report_status(router))
+
+    def _routers(self) -> tuple[str, ...]:
+        return tuple(router for router in self.config.instance.routers if router != self.uri)
 
     async def _try_report_status(self, router: str) -> None:
         try:

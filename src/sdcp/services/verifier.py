@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from dataclasses import replace
 from typing import TypeVar
 
@@ -37,7 +38,7 @@ from sdcp.protocol.messages import (
     parse_session_path_id,
 )
 from sdcp.protocol.problems import BadMessage, ProtocolError
-from sdcp.services.authz import SessionParties
+from sdcp.services.authz import Party, SessionParties
 from sdcp.services.node import Node
 from sdcp.threads import CoreGovernor
 from sdcp.transport.asgi import cbor_response, read_cbor_body
@@ -87,10 +88,14 @@ class VerifierNode(Node):
             mlc=self.mlc,
             ttl_ms=config.instance.ttl_ms,
             cores=CoreGovernor(threads, set_threads=target.set_threads),
-            events=self._post_event if config.instance.router is not None else None,
+            events=self._post_event if config.instance.routers else None,
             # Signed commit records (docs/security.md): with the key of this instance's certificate.
             sign=RecordSigner.load(config.instance.cert, config.instance.key).sign,
         )
+        # The router each session last heard from or answered (SDCP 6.5.2): its events go there
+        # first, the configured routers after it (docs/reliability.md, "Routers"). As many entries
+        # as sessions may be held here, twice over, the oldest forgotten first.
+        self._session_routers: OrderedDict[bytes, str] = OrderedDict()
 
     def build(self) -> dict[str, str]:
         return {"model": self.config.verifier.model, "backend": self.backend}
@@ -105,14 +110,28 @@ class VerifierNode(Node):
         await self.engine.stop()
 
     async def _post_event(self, event: Event) -> None:
-        router = self.config.instance.router
-        assert router is not None  # the engine gets this sink only where a router is configured
-        try:
-            await self.peers.get(router).post_cbor("events", event.to_obj(), idempotent=True)
-        except PeerClientError as exc:
-            raise ProtocolError(None, exc.detail, status=exc.status) from exc
-        except (ConnectionLost, PeerTimeout, PeerServerError) as exc:
-            raise Unanswered(str(exc)) from exc
+        """POST events at the session's router, or at the next one where it does not answer: any
+        router can load the session from the shared tier and act on it."""
+        first = self._session_routers.get(event.session)
+        routers = ([first] if first is not None else []) + [r for r in self.config.instance.routers if r != first]
+        unanswered = []
+        for router in routers:
+            try:
+                await self.peers.get(router).post_cbor("events", event.to_obj(), idempotent=True)
+            except PeerClientError as exc:
+                raise ProtocolError(None, exc.detail, status=exc.status) from exc
+            except (ConnectionLost, PeerTimeout, PeerServerError) as exc:
+                unanswered.append(f"{router}: {exc}")
+                continue
+            self._heard_from(event.session, router)
+            return
+        raise Unanswered("; ".join(unanswered))
+
+    def _heard_from(self, session: bytes, router: str) -> None:
+        self._session_routers[session] = router
+        self._session_routers.move_to_end(session)
+        while len(self._session_routers) > 2 * self.engine.settings.max_sessions:
+            self._session_routers.popitem(last=False)
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -129,9 +148,11 @@ class VerifierNode(Node):
 
     async def open_session(self, request: Request) -> Response:
         """POST sessions (SDCP 6.1, 6.9 resume)."""
-        self.trust.admit(request, "POST sessions")
+        router = self.trust.admit(request, "POST sessions")
         body = await read_cbor_body(request)
-        state = await asyncio.shield(self.engine.open_session(SessionOpen.from_obj(body)))
+        message = SessionOpen.from_obj(body)
+        state = await asyncio.shield(self.engine.open_session(message))
+        self._heard_from(message.session, router)
         return cbor_response(state.to_obj(), status=201)
 
     async def assign_drafter(self, request: Request) -> Response:
@@ -156,7 +177,9 @@ class VerifierNode(Node):
         """POST sessions/{id}/cancel (extension, docs/interpretations.md): the router or the
         session's front end ends it before max_new."""
         session = parse_session_path_id(request.path_params["id"])
-        self.trust.admit(request, "POST sessions/{id}/cancel", self._parties(session))
+        peer = self.trust.admit(request, "POST sessions/{id}/cancel", self._parties(session))
+        if self.trust.is_member(peer, Party.ROUTER):
+            self._heard_from(session, peer)
         message = CancelRequest.from_obj(await read_cbor_body(request))
         if message.session != session:
             raise BadMessage("the cancel request names another session than the path")
@@ -165,12 +188,13 @@ class VerifierNode(Node):
 
     async def _router_message(self, request: Request, endpoint: str, kind: type[_RouterMessage]) -> _RouterMessage:
         """A router's message about the session the path names."""
-        self.trust.admit(request, endpoint)
+        router = self.trust.admit(request, endpoint)
         body = await read_cbor_body(request)
         session = parse_session_path_id(request.path_params["id"])
         message = kind.from_obj(body)
         if message.session != session:
             raise BadMessage(f"the {kind.__name__.lower()} names another session than the path")
+        self._heard_from(session, router)
         return message
 
     async def propose(self, request: Request) -> Response:

@@ -108,7 +108,13 @@ class VerifierEngine:
         self.sessions: dict[bytes, LiveSession] = {}
         self._tasks = BackgroundTasks(uri, log)
         self._model_sync = ModelSync(uri, target, self.scorer, self.sessions)
-        self._events = RouterEvents(uri, events, self.sessions)
+        self._events = RouterEvents(
+            uri,
+            events,
+            self.sessions,
+            orphan_s=lambda: self.settings.orphan_timeout_s,
+            orphaned=lambda session, epoch: self.cancel(CancelRequest(session=session, epoch=epoch)),
+        )
         self._kv_publisher = KVPublisher(
             uri=uri, target=target, thread=self.scorer, mlc=mlc, settings=lambda: self.settings, tasks=self._tasks
         )

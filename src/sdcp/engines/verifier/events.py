@@ -1,6 +1,7 @@
 """What the verifier tells the router unasked, and its care of sessions that nothing drives.
 
-``RouterEvents`` sends events (SDCP 6.5.2) until the router answers. ``SessionSweeps`` looks over
+``RouterEvents`` sends events (SDCP 6.5.2) until a router answers, and ends a session no router
+holds (an orphan) instead of keeping it for nobody. ``SessionSweeps`` looks over
 the sessions now and then: a session no drafter proposes for gets a switch event, an idle one is
 forgotten, and an ended or fenced one is freed once it has stayed readable long enough.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from sdcp.config import VerifierConfig
 from sdcp.engines.errors import Unanswered
@@ -28,31 +29,48 @@ __all__ = ["RouterEvents", "SessionSweeps"]
 
 log = logging.getLogger("sdcp.verifier")
 
-# An event the router did not answer is sent again, after a growing wait, for this long.
-_EVENT_RETRY_S, _EVENT_RETRY_MAX_S, _EVENT_RETRY_FOR_S = 0.2, 5.0, 300.0
+# An event no router answered is sent again, after a growing wait ([verifier] orphan_timeout_s).
+_EVENT_RETRY_S, _EVENT_RETRY_MAX_S = 0.2, 5.0
+# What a router answers for a session it cannot find, neither in memory nor in the shared tier.
+_NO_SUCH_SESSION = 404
 # The longest wait between two looks for idle sessions.
 _IDLE_CHECK_S = 30.0
 
 
 class RouterEvents:
-    """Sends the events of the sessions in ``sessions`` to ``sink``; without a sink, none."""
+    """Sends the events of the sessions in ``sessions`` to ``sink``; without a sink, none.
 
-    def __init__(self, uri: str, sink: EventSink | None, sessions: Mapping[bytes, LiveSession]) -> None:
+    A session no router holds is an orphan: no router would fail it over, assign it a drafter or
+    cancel it for its front end. ``orphaned`` ends it (epoch and session), once a router answers
+    that it knows no such session, or once no router has answered its event for ``orphan_s()``
+    seconds (docs/reliability.md, "Orphans")."""
+
+    def __init__(
+        self,
+        uri: str,
+        sink: EventSink | None,
+        sessions: Mapping[bytes, LiveSession],
+        *,
+        orphan_s: Callable[[], float],
+        orphaned: Callable[[bytes, int], Awaitable[object]],
+    ) -> None:
         self._uri = uri
         self._sink = sink
         self._sessions = sessions
+        self._orphan_s = orphan_s
+        self._orphaned = orphaned
 
     @property
     def connected(self) -> bool:
         return self._sink is not None
 
     async def send(self, event: Event) -> None:
-        """POST events at the router; one left unanswered is sent again (it is idempotent: the
-        router acts on a switch or an end of self-decoding once per epoch and state) until the
-        router answers, the session leaves this verifier, or ``_EVENT_RETRY_FOR_S`` passes."""
+        """POST events at a router; one left unanswered is sent again (it is idempotent: the
+        router acts on a switch or an end of self-decoding once per epoch and state) until a
+        router answers or the session leaves this verifier; past ``orphan_s()`` the session ends."""
         if self._sink is None:
             return
-        deadline = time.monotonic() + _EVENT_RETRY_FOR_S
+        deadline = time.monotonic() + self._orphan_s()
         wait = _EVENT_RETRY_S
         while True:
             try:
@@ -60,17 +78,32 @@ class RouterEvents:
                 return
             except ProtocolError as exc:
                 log.info("%s: the router refused event %s: %s", self._uri, event.kind.name, exc.detail)
+                if exc.status == _NO_SUCH_SESSION and event.kind not in (Action.FINISH, Action.FAIL):
+                    await self._end_orphan(event, "no router holds it")
                 return
             except Unanswered as exc:
                 live = self._sessions.get(event.session)
                 if live is None or live.machine.epoch != event.epoch or live.machine.fenced:
                     return
-                if time.monotonic() + wait > deadline:
-                    log.warning("%s: event %s unanswered, given up: %s", self._uri, event.kind.name, exc)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("%s: event %s unanswered: %s", self._uri, event.kind.name, exc)
+                    if event.kind not in (Action.FINISH, Action.FAIL):
+                        await self._end_orphan(event, f"no router answered for {self._orphan_s():.1f} s")
                     return
                 log.info("%s: event %s unanswered, again in %.1f s: %s", self._uri, event.kind.name, wait, exc)
-                await asyncio.sleep(wait)
+                await asyncio.sleep(min(wait, left))
                 wait = min(2 * wait, _EVENT_RETRY_MAX_S)
+
+    async def _end_orphan(self, event: Event, why: str) -> None:
+        live = self._sessions.get(event.session)
+        if live is None or live.machine.ended or live.machine.fenced or live.machine.epoch != event.epoch:
+            return
+        log.warning("%s: session %s ended: an orphan (%s)", self._uri, event.session.hex(), why)
+        try:
+            await self._orphaned(event.session, event.epoch)
+        except Exception as exc:  # noqa: BLE001 - left to the idle sweep, which closes it later
+            log.warning("%s: orphan session %s not ended: %r", self._uri, event.session.hex(), exc)
 
 
 class SessionSweeps:
