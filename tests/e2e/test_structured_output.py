@@ -116,7 +116,7 @@ def test_guided_choice_and_regex_answers_are_in_their_language(home: Path) -> No
     assert re.fullmatch(r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", completion.choices[0].text), completion
 
 
-GET_WEATHER = {
+GET_WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -129,7 +129,7 @@ GET_WEATHER = {
         },
     },
 }
-GET_TIME = {
+GET_TIME: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_time",
@@ -178,14 +178,15 @@ def test_a_tool_call_round_trip(home: Path) -> None:
 def test_a_named_tool_choice_gives_arguments_that_validate(home: Path, rule: int) -> None:
     client = client_of(home)
     for prompt, name in [("What time is it in Tokyo?", "get_time"), ("Is it raining in Oslo?", "get_weather")]:
-        reply = client.chat.completions.create(
-            model="smollm2",
-            messages=[{"role": "user", "content": prompt}],
-            tools=list(TOOLS.values()),
-            tool_choice={"type": "function", "function": {"name": name}},
-            max_tokens=48,
+        asked: dict[str, Any] = {
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": prompt}],
+            "tools": list(TOOLS.values()),
+            "tool_choice": {"type": "function", "function": {"name": name}},
+            "max_tokens": 48,
             **sampling(rule),
-        )
+        }
+        reply = client.chat.completions.create(**asked)
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         (call,) = choice.message.tool_calls or []
