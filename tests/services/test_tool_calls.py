@@ -19,7 +19,7 @@ from tests.services.test_gateway import MODEL_A, ROUTER, ScriptedCluster, chunke
 from sdcp.config import GatewayConfig, InstanceConfig, ServiceConfig
 from sdcp.grammar import GrammarConstraint, grammar_tokenizer
 from sdcp.services.gateway import GatewayNode
-from sdcp.services.openai_api import OpenAIError, parse_generation
+from sdcp.services.openai_api import OpenAIError, parse_generation, parse_tokenize
 from sdcp.services.tool_calls import ToolCallReader, read_tool_calls
 from sdcp.text import TextCodec, load_text_codec
 
@@ -110,6 +110,12 @@ def test_a_template_that_renders_tools_gets_them_with_the_calls_arguments_as_obj
     assert generation.choices[0].prompt.text == (
         "[get_weather][get_time]user:Weather in Paris?assistant:get_weatherParisget_timetool:sunny, 21 Ctool:noon"
     )
+
+
+def test_tokenize_gives_the_tokens_of_the_chat_with_its_tools(codec: TextCodec) -> None:
+    messages = [*ASK, *CALLED]
+    tokens = parse_tokenize({"messages": messages, "tools": TOOLS}, codec, served=SERVED)
+    assert tuple(tokens) == chat(codec, messages=messages, tools=TOOLS).choices[0].prompt.ids
 
 
 @pytest.mark.parametrize(

@@ -478,11 +478,13 @@ def _constraint_text(member: str, kind: str, value: object) -> str:
 
 def parse_tokenize(body: object, codec: TextCodec, *, served: Sequence[str], context: int | None = None) -> list[int]:
     """vLLM's ``POST /tokenize``: ``prompt`` (with ``add_special_tokens``) or chat ``messages``
-    (with ``add_generation_prompt``), as the completions and chat endpoints would tokenize them.
-    A prompt too large for the ``context`` by its size alone is refused untokenized, as there."""
-    reader = _small_request(body, served, ("prompt", "messages", "add_special_tokens", "add_generation_prompt"))
+    (with ``add_generation_prompt`` and ``tools``), as the completions and chat endpoints would
+    tokenize them. A prompt too large for the ``context`` by its size alone is refused untokenized,
+    as there."""
+    members = ("prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools")
+    reader = _small_request(body, served, members)
     if "messages" in reader.body:
-        return list(_chat_prompt(reader, codec, context)[0].ids)
+        return list(_chat_prompt(reader, codec, context, _tool_use(reader.body))[0].ids)
     prompt = reader.body.get("prompt")
     if not isinstance(prompt, str):
         raise OpenAIError("'prompt' must be a string (or give 'messages')", "prompt")
