@@ -9,9 +9,9 @@ delete the rows.
 
 A constrained session (structured output: the assignment's ``constraint``) is drafted with its
 grammar where this drafter knows the contract's tokenizer (``[drafter] target``'s): where the
-grammar forces the next tokens they are the proposal, at full confidence (one-hot rows, so rule 2
-stays exact: each token is drawn from the row it carries), else the backend's draft up to its first
-token the grammar disallows (docs/interpretations.md, "Structured output").
+grammar forces the next tokens they start the proposal, at full confidence (one-hot rows, so rule 2
+stays exact: each token is drawn from the row it carries), and the backend's draft after them goes
+on up to its first token the grammar disallows (docs/interpretations.md, "Structured output").
 """
 
 from __future__ import annotations
@@ -542,21 +542,32 @@ class DrafterEngine:
             return await self._worker.run_async(self.drafter.draft, run.session, m, run.state.sampling)
         # Masks take up to a millisecond each: off the event loop.
         forced = await asyncio.to_thread(guide.forced, (), m)
+        needs_q = get_rule(run.state.contract.rule).needs_q
+        if len(forced) == m or (forced and forced[-1] in run.state.contract.stop):
+            return DraftResult(forced, self._one_hot(forced) if needs_q else None, 0.0)
         if forced:
-            rows = None
-            if get_rule(run.state.contract.rule).needs_q:
-                rows = np.zeros((len(forced), self.drafter.vocab_size), dtype=np.float32)
-                rows[np.arange(len(forced)), forced] = 1.0
-            return DraftResult(forced, rows, 0.0)
-        draft = await self._worker.run_async(self.drafter.draft, run.session, m, run.state.sampling)
-        allowed = await asyncio.to_thread(guide.allowed, draft.tokens)
+            # The backend drafts on after the forced tokens, from the prefix they extend (the
+            # verdict's sync brings it back to the committed prefix).
+            await self._worker.run_async(self.drafter.sync, run.session, [*run.committed_prefix, *forced])
+        draft = await self._worker.run_async(self.drafter.draft, run.session, m - len(forced), run.state.sampling)
+        tokens = (*forced, *draft.tokens)
+        allowed = await asyncio.to_thread(guide.allowed, tokens)
         # The tokens up to the first one the grammar disallows (a stop token where the output is
         # complete included); at least one, as a proposal has: the verifier then emits its own.
         keep = len(allowed) - 1
-        if keep < len(draft.tokens) and allowed[keep][draft.tokens[keep]]:
+        if keep < len(tokens) and allowed[keep][tokens[keep]]:
             keep += 1
         keep = max(keep, 1)
-        return DraftResult(draft.tokens[:keep], None if draft.q_rows is None else draft.q_rows[:keep], draft.seconds)
+        rows = None
+        if draft.q_rows is not None:
+            rows = np.concatenate([self._one_hot(forced), draft.q_rows[: keep - len(forced)]])
+        return DraftResult(tokens[:keep], rows, draft.seconds)
+
+    def _one_hot(self, tokens: tuple[int, ...]) -> np.ndarray:
+        """The q rows of tokens proposed at full confidence: each is drawn from its row (SDCP 5.2)."""
+        rows = np.zeros((len(tokens), self.drafter.vocab_size), dtype=np.float32)
+        rows[np.arange(len(tokens)), tokens] = 1.0
+        return rows
 
     def _guide(self, run: _SessionRun) -> GrammarConstraint | None:
         """The session's grammar at its committed output (None when unguided), advanced from the
