@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sdcp.protocol.digest import extend_digest, prefix_digest
-from sdcp.protocol.records import CommitRecord, FenceRecord, UntrustedRecord, replay_commit_log
+from sdcp.protocol.records import CommitRecord, FenceRecord, LogReplayer, UntrustedRecord, replay_commit_log
 from sdcp.transport.certs import CA_CERT_FILE, make_certs
 from sdcp.transport.signing import RecordCheck, RecordSigner
 
@@ -105,6 +105,36 @@ def test_the_next_epoch_resumes_from_the_last_good_record(pki: Pki) -> None:
     # A drafter with write access appends a forged record after V1's; the router fences epoch 2 at V2.
     tokens, faults = replay(check, [good[0], forged, *good[1:]])
     assert tokens == (100, 101) and len(faults) == 1
+
+
+def test_a_failover_fences_above_a_second_verifiers_record_at_the_next_epoch(pki: Pki) -> None:
+    """V2, trusted, appends a validly signed record at epoch 2 to V1's session (no fence names it).
+    A fence at 2 would follow that record and leave epoch 2 poisoned: V2's own records after the
+    failover would never count. The router fences at 3, and V2's records there replay."""
+    check, signers, _ = pki
+    records = chain([(1, V1, signers[V1]), (1, V1, signers[V1])])
+    intruder = chain([(1, V1, signers[V1]), (1, V1, signers[V1]), (2, V2, signers[V2])])[-1]
+    replayer = LogReplayer(CONTRACT, PROMPT, authority=check, first_verifier=V1)
+    assert replayer.feed([*records, intruder]) != []
+    assert replayer.epoch_to_fence(1, V2) == 3
+    after = chain([(1, V1, signers[V1]), (1, V1, signers[V1]), (3, V2, signers[V2])])[2:]
+    assert replayer.feed(after) == []
+    assert replayer.replay.tokens == (100, 101, 102) and replayer.replay.epoch == 3
+
+
+def test_a_retried_failover_fences_its_own_epoch_again_and_a_clean_log_the_next(pki: Pki) -> None:
+    check, signers, _ = pki
+    replayer = LogReplayer(CONTRACT, PROMPT, authority=check, first_verifier=V1)
+    replayer.feed(chain([(1, V1, signers[V1])]))
+    assert replayer.epoch_to_fence(1, V2) == 2
+    # The fence of the last try named V2 at epoch 2: the same failover fences it again (nothing is
+    # appended); a failover to another verifier moves past it.
+    replayer.feed([FenceRecord(2, V2).to_obj()])
+    assert replayer.epoch_to_fence(1, V2) == 2
+    assert replayer.epoch_to_fence(1, V1) == 3
+    # A fence an intruder wrote far ahead is passed too.
+    replayer.feed([FenceRecord(9).to_obj()])
+    assert replayer.epoch_to_fence(1, V2) == 10
 
 
 def test_a_certificate_must_name_the_writer(pki: Pki) -> None:

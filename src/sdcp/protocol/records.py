@@ -188,6 +188,19 @@ class LogReplayer:
         """The committed state the records fed so far describe."""
         return LogReplay(self._epoch, self._round, tuple(self._tokens), self._digest, tuple(self._faults))
 
+    def epoch_to_fence(self, current: int, verifier: str) -> int:
+        """The epoch a failover of a session at epoch ``current`` to ``verifier`` fences the log at,
+        given the records fed so far: above every epoch in the log, not only above ``current``. A
+        writer other than the router (a second verifier, or anyone with write access to the store)
+        may have appended at ``current`` + 1 already; a fence of that epoch would come after its
+        record, which would keep the epoch poisoned and every record of the new verifier in it left
+        out of later replays. The one epoch above ``current`` kept is one a fence already opened
+        at ``verifier`` with no fault in it: a retried failover, whose fence appends nothing again."""
+        highest = max(current, self._epoch)
+        if highest > current and self._named.get(highest) == verifier and highest not in self._poisoned:
+            return highest
+        return highest + 1
+
     def feed(self, records: Iterable[object]) -> list[str]:
         """Take the next records of the log; returns the faults among them (see the class doc)."""
         faults_before = len(self._faults)

@@ -674,6 +674,9 @@ class RouterEngine:
         plan = tracked.plan
         if self.registry.is_live(plan.verifier, self.clock()):
             return
+        # The epoch the failed verifier served, which names the target KV it published; the plan's
+        # epoch may move up below, to fence above what the log holds.
+        served = plan.epoch
         verifier = self._pick_verifier(plan.contract, avoid=[plan.verifier])
         named = tracked.failover_to
         if named is not None and named != plan.verifier and self.registry.is_live(named, self.clock()):
@@ -685,6 +688,15 @@ class RouterEngine:
             # The last try's fence named another verifier at the next epoch, and a fence of that
             # epoch again appends nothing: that epoch is spent, the session moves at the one after.
             tracked.plan = plan = replace(plan, epoch=plan.epoch + 1)
+        # The fence goes above every epoch in the log, not only above the session's: a record that
+        # a second verifier (or anyone with write access to the store) appended at the next epoch
+        # would otherwise precede the fence and leave the new verifier's epoch poisoned.
+        epoch = (await self._read_log(tracked)).epoch_to_fence(plan.epoch, verifier)
+        if epoch > plan.epoch + 1:
+            log.warning(
+                "%s: session %s: the log holds epoch %d; fenced at %d", self.uri, plan.session.hex(), epoch - 1, epoch
+            )
+            tracked.plan = plan = replace(plan, epoch=epoch - 1)
         # SDCP 6.9: the fence comes first, so the old verifier can no longer commit or release output.
         # Fencing the same epoch again appends nothing, so a failover retried next tick is safe. The
         # fence names the new verifier: only its signed records count in the new epoch.
@@ -694,7 +706,7 @@ class RouterEngine:
         fence = plan.fence_for_failover(verifier)
         await self.mlc.commit_log(plan.commit_log).fence(fence.epoch, fence.verifier)
         replay, tokens = await self._committed_prefix(tracked)
-        published = target_kv_uri(plan.commit_log, plan.session, plan.epoch)
+        published = target_kv_uri(plan.commit_log, plan.session, served)
         moved = plan.fail_over(verifier, replay, tokens, target_kv=await self._available(published))
         await self.link.open_session(verifier, moved.open_message(), timeout=self.settings.open_timeout_s)
         tracked.plan = moved
@@ -724,6 +736,19 @@ class RouterEngine:
         """The committed state from the commit log, and its tokens written to the MLC. The log is
         read from the first record not read before, and each record replayed once."""
         plan = tracked.plan
+        replay = (await self._read_log(tracked)).replay
+        # The committed prefix of a given length never changes, so the name can say only its length.
+        uri = build_uri(
+            self.mlc.authority, plan.contract.scope, TOKENS_KIND, f"{plan.session.hex()}-{len(replay.tokens)}"
+        )
+        if uri != tracked.tokens_uri:
+            await self.mlc.put(uri, encode_token_list(replay.tokens))
+            tracked.tokens_uri = uri
+        return replay, uri
+
+    async def _read_log(self, tracked: TrackedSession) -> LogReplayer:
+        """The session's replayer, fed the records appended to its log since the last read."""
+        plan = tracked.plan
         replayer = tracked.replayer
         if replayer is None:
             replayer = tracked.replayer = LogReplayer(
@@ -741,15 +766,7 @@ class RouterEngine:
         for fault in faults:
             UNTRUSTED_RECORDS.labels(self.uri).inc()
             log.warning("%s: session %s: a commit record left out: %s", self.uri, plan.session.hex(), fault)
-        replay = replayer.replay
-        # The committed prefix of a given length never changes, so the name can say only its length.
-        uri = build_uri(
-            self.mlc.authority, plan.contract.scope, TOKENS_KIND, f"{plan.session.hex()}-{len(replay.tokens)}"
-        )
-        if uri != tracked.tokens_uri:
-            await self.mlc.put(uri, encode_token_list(replay.tokens))
-            tracked.tokens_uri = uri
-        return replay, uri
+        return replayer
 
     async def _available(self, uri: str | None) -> str | None:
         """``uri`` if the MLC holds it: the target KV the failed verifier published (SDCP 6.9)."""
