@@ -104,6 +104,12 @@ CHOICES = Counter(
     ["instance", "choice"],
 )
 
+
+class VerifierUnanswered(Unanswered):
+    """The session's verifier, not the drafter, left an assignment unanswered: another drafter
+    would wait on the same verifier, so the assignment stops and the failover gets its turn."""
+
+
 # The option of self-decoding at a verifier, in ``expected_rates`` (the dashboard's key).
 SELF_DECODING_AT = "self-decoding at "
 # A session is moved off its drafter only for an option expected to be this much faster, and at
@@ -543,6 +549,8 @@ class RouterEngine:
                 continue
             try:
                 await self._send_assignment(tracked, choice.drafter)
+            except VerifierUnanswered:
+                raise
             except Unanswered as exc:
                 log.warning("%s: drafter %s took no assignment: %s", self.uri, choice.drafter, exc)
                 unreachable.append(choice.drafter)
@@ -645,7 +653,12 @@ class RouterEngine:
         plan = tracked.plan
         replay, tokens = await self._committed_prefix(tracked)
         read_at = replay.round
-        state = await self.link.inform_verifier(plan.verifier, self._assignment(tracked, drafter, replay, tokens))
+        try:
+            state = await self.link.inform_verifier(plan.verifier, self._assignment(tracked, drafter, replay, tokens))
+        except Unanswered as exc:
+            # A verifier cut off mid-assignment is silent to each drafter tried in turn, and the
+            # session's lock, which its failover waits for, is held all that while.
+            raise VerifierUnanswered(f"verifier {plan.verifier}: {exc}") from exc
         plan.drafter = drafter
         if state.round != read_at:
             # The previous drafter's last round (or a self-decoded one) committed after the log was
