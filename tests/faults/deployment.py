@@ -18,6 +18,7 @@ from typing import Any
 
 from tests.faults.testnet import Testnet
 
+from sdcp.cache.redis_acl import ADMIN, ROLE_USERS, acl_file_text, ensure_passwords
 from sdcp.transport.certs import make_certs
 
 HOSTS = ("router", "verifier-a", "verifier-b", "drafter-1", "drafter-2", "redis", "client")
@@ -39,6 +40,7 @@ TTL_MS = 1500
 STARTUP_S = 600.0
 POLL_S = 0.2
 REPO = Path(__file__).resolve().parents[2]
+REDIS_PREFIX = "sdcp:mlc:"
 
 
 @dataclass
@@ -46,6 +48,10 @@ class Deployment:
     tmp: Path
     net: Testnet = field(default_factory=lambda: Testnet(HOSTS))
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://{self.net.address('redis')}:6379/0"
 
     def uri(self, host: str) -> str:
         return f"https://{self.net.address(host)}:{PORT}"
@@ -72,7 +78,16 @@ class Deployment:
         # The commit log must survive a restart: every write is in the append-only file first.
         command = ["redis-server", "--bind", address, "--port", "6379", "--save", "", "--protected-mode", "no"]
         command += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.tmp)]
+        # As shipped (`sdcp redis-acl`, docs/security.md): a Redis user per role, the default user off.
+        passwords = ensure_passwords(self.tmp / "redis", ("router", "verifier", "drafter", ADMIN))
+        aclfile = self.tmp / "redis" / "users.acl"
+        aclfile.write_text(acl_file_text(passwords, REDIS_PREFIX), encoding="utf-8")
+        command += ["--aclfile", str(aclfile)]
         self._spawn("redis", command)
+
+    def redis_user(self, role: str) -> tuple[str, Path]:
+        """The Redis user of `role` (router, verifier, drafter or admin) and its password file."""
+        return ROLE_USERS[role], self.tmp / "redis" / f"{role}.password"
 
     def config(self, host: str) -> str:
         cert, key = self.cert(host)
@@ -89,7 +104,9 @@ class Deployment:
             lines += ["[admin]", f'listen = "127.0.0.1:{ADMIN_PORT}"']
         else:
             lines.append(f'router = "{self.uri("router")}"')
-        lines += ["[mlc]", f'redis_url = "redis://{self.net.address("redis")}:6379/0"', "memory_bytes = 0"]
+        lines += ["[mlc]", f'redis_url = "{self.redis_url}"', "memory_bytes = 0"]
+        user, password_file = self.redis_user(role)
+        lines += [f'redis_username = "{user}"', f'redis_password_file = "{password_file}"']
         quoted = lambda hosts: "[" + ", ".join(f'"{self.uri(h)}"' for h in hosts) + "]"  # noqa: E731
         lines += [
             "[trust]",
@@ -196,16 +213,22 @@ class Deployment:
         self.wait_registered(INSTANCES)
         return Run(self.drive(sessions, max_new, until_stopped=until_stopped), self.tmp / "client-output.jsonl")
 
-    def commit_log(self, session_hex: str) -> list[dict[str, Any]]:
-        """The session's commit-log records, read from Redis on the client host (epoch, round,
-        committed of each; a fence record has only its epoch)."""
+    def commit_log(
+        self, session_hex: str, members: tuple[str, ...] = ("epoch", "round", "committed")
+    ) -> list[dict[str, Any]]:
+        """The session's commit-log records, read from Redis on the client host as the admin user
+        (epoch, round, committed of each, or the `members` asked for; a fence record has only its
+        epoch and the verifier it names)."""
+        user, password_file = self.redis_user(ADMIN)
         script = (
             "import asyncio, json\n"
             "from sdcp.cache import MLC\n"
+            "from sdcp.cache.redis_acl import RedisAccess\n"
             "async def main():\n"
-            f"    async with MLC.from_config(redis_url='redis://{self.net.address('redis')}:6379/0') as mlc:\n"
+            f"    access = RedisAccess(username={user!r}, password=open({str(password_file)!r}).read().strip())\n"
+            f"    async with MLC.from_config(redis_url={self.redis_url!r}, redis_access=access) as mlc:\n"
             f"        records = (await mlc.commit_log('mlc://local/-/log/{session_hex}').read()).records\n"
-            "    keep = ('epoch', 'round', 'committed')\n"
+            f"    keep = {members!r}\n"
             "    print(json.dumps([{k: r[k] for k in keep if k in r} for r in records]))\n"
             "asyncio.run(main())\n"
         )

@@ -8,14 +8,19 @@ of docs/reliability.md come from these figures.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from tests.faults.deployment import INSTANCES, Deployment, Run
+from tests.faults.deployment import ADMIN_PORT, INSTANCES, REPO, Deployment, Run
+
+from sdcp.cache.redis_acl import ADMIN
 
 # Bounds for a hung run, not how long a run takes: on a slow or busy machine the deployment takes
 # minutes to start and a run minutes to end.
@@ -23,6 +28,7 @@ pytestmark = pytest.mark.timeout(1800)
 HUNG_S = 600.0
 
 SESSIONS = 4
+VERIFIERS = ("verifier-a", "verifier-b")
 
 
 def _record(deployment: Deployment, name: str, **figures: Any) -> None:
@@ -236,3 +242,152 @@ def test_kill_9_of_every_role_at_seeded_random_points(deployment: Deployment, re
     assert set(run.opened) <= set(run.done), "a session opened and never ended"
     name = "kill -9 of each role, seeded order"
     _record(deployment, name, sessions=len(run.done), completed=completed, failed_clearly=failed, kills=killed)
+
+
+def _forge(deployment: Deployment, host: str, action: str, role: str, session: str, **options: Any) -> Any:
+    """tests/faults/forge.py run on `host` with `role`'s Redis user: what it wrote or was refused."""
+    user, password_file = deployment.redis_user(role)
+    command = [sys.executable, "-m", "tests.faults.forge", action, "--redis", deployment.redis_url]
+    command += ["--user", user, "--password-file", str(password_file), "--session", session]
+    for name, value in options.items():
+        command += [f"--{name.replace('_', '-')}", json.dumps(value) if isinstance(value, list) else str(value)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        deployment.net.exec_prefix(host) + command, capture_output=True, text=True, timeout=120, env=env, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def _untrusted_records(deployment: Deployment) -> float:
+    """The router's count of commit records a replay left out (its admin /metrics, on its host)."""
+    url = f"http://127.0.0.1:{ADMIN_PORT}/metrics"
+    script = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=30).read().decode())"
+    command = deployment.net.exec_prefix("router") + [sys.executable, "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    name = "sdcp_router_untrusted_records_total"
+    return sum(
+        float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith((name + "{", name + " "))
+    )
+
+
+def _other_verifier(deployment: Deployment, uri: str) -> tuple[str, str]:
+    """The verifier host whose URI is `uri`, and the other one."""
+    first = next(host for host in VERIFIERS if deployment.uri(host) == uri)
+    return first, next(host for host in VERIFIERS if host != first)
+
+
+def test_a_record_forged_into_redis_is_refused_by_acl_and_without_acls_never_replayed(
+    deployment: Deployment, reference: dict[int, list[int]]
+) -> None:
+    """Issue #29: from a drafter host, the drafter's Redis user may neither append a commit record
+    nor fence (NOPERM from Redis itself). With the admin's credentials instead (as with ACLs off),
+    the attacker appends a record in the verifier's name to a live session's log, signed with the
+    drafter's own key; the verifier is cut off; the failover replays only the verifier's signed
+    records: 0 forged tokens reach the client."""
+    run = _start(deployment, 400)
+    verifier_uri = run.opened[0]["verifier"]
+    victim, _ = _other_verifier(deployment, verifier_uri)
+    affected = [s for s, opened in run.opened.items() if opened["verifier"] == verifier_uri]
+    target = run.opened[0]["id"]
+    refusals = _forge(deployment, "drafter-1", "try", "drafter", target, writer=verifier_uri)
+    assert all(refusals.values()), f"the drafter's user wrote to the commit log: {refusals}"
+    assert all("noperm" in why.lower() or "no permissions" in why.lower() for why in refusals.values()), refusals
+    untrusted_before = _untrusted_records(deployment)
+    cert, key = deployment.cert("drafter-1")
+    forged = _forge(
+        deployment,
+        "drafter-1",
+        "append",
+        ADMIN,
+        target,
+        writer=verifier_uri,
+        reference=reference[400],
+        cert=cert,
+        key=key,
+    )
+    cut_at = time.monotonic()
+    deployment.net.cut(victim)
+    try:
+        _check_running(run)
+        run.wait(lambda r: all(r.epoch.get(s) == 2 for s in affected), HUNG_S)
+    finally:
+        deployment.net.restore(victim)
+    run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
+    recovery = run.longest_stall(affected, cut_at)
+    figures = _check_outputs(run, reference[400])
+    n = forged["committed"] - len(forged["emitted"])
+    assert run.done[0]["tokens"][n : forged["committed"]] != forged["emitted"]
+    untrusted = _untrusted_records(deployment) - untrusted_before
+    assert untrusted >= 1, "the router's replay did not count the forged record"
+    # The forged record is in the log (the admin may write anything), right after a record of the
+    # verifier's; the new epoch follows it.
+    records = deployment.commit_log(target, ("epoch", "round", "committed", "writer", "verifier"))
+    at = records.index({**{k: forged[k] for k in ("epoch", "round", "committed")}, "writer": verifier_uri})
+    assert records[at + 1 :] and all(r["epoch"] == 2 for r in records[at + 1 :])
+    _record(
+        deployment,
+        "record forged into Redis: drafter's user refused, admin's not replayed",
+        refused_writes=len(refusals),
+        forged_tokens=0,
+        untrusted_records=int(untrusted),
+        recovery_s=round(recovery, 2),
+        sessions=len(affected),
+        **figures,
+    )
+
+
+def test_a_second_verifier_appending_at_the_next_epoch_is_not_replayed(
+    deployment: Deployment, reference: dict[int, list[int]]
+) -> None:
+    """Issue #29: the second verifier, with its own Redis user and its own key, appends a validly
+    signed record at epoch + 1 to a session of the first, whose log no fence names it in. The first
+    verifier is cut off; the failover fences above that epoch, naming the second verifier, and
+    replays none of the intruding record: the output is the reference."""
+    run = _start(deployment, 400)
+    verifier_uri = run.opened[0]["verifier"]
+    victim, second = _other_verifier(deployment, verifier_uri)
+    affected = [s for s, opened in run.opened.items() if opened["verifier"] == verifier_uri]
+    target = run.opened[0]["id"]
+    untrusted_before = _untrusted_records(deployment)
+    cert, key = deployment.cert(second)
+    options = {
+        "writer": deployment.uri(second),
+        "reference": reference[400],
+        "epoch_ahead": 1,
+        "cert": cert,
+        "key": key,
+    }
+    forged = _forge(deployment, second, "append", "verifier", target, **options)
+    assert forged["epoch"] == 2
+    cut_at = time.monotonic()
+    deployment.net.cut(victim)
+    try:
+        _check_running(run)
+        run.wait(lambda r: all(r.epoch.get(s, 1) >= 2 for s in affected), HUNG_S)
+    finally:
+        deployment.net.restore(victim)
+    run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
+    recovery = run.longest_stall(affected, cut_at)
+    figures = _check_outputs(run, reference[400])
+    untrusted = _untrusted_records(deployment) - untrusted_before
+    assert untrusted >= 1, "the router's replay did not count the intruding record"
+    # The log: the first verifier's records at epoch 1, the intruder's at 2, then the router's fence
+    # at 3 naming the second verifier, and only that verifier's records after it.
+    records = deployment.commit_log(target, ("epoch", "round", "committed", "writer", "verifier"))
+    at = records.index({**{k: forged[k] for k in ("epoch", "round", "committed")}, "writer": deployment.uri(second)})
+    assert {r["epoch"] for r in records[:at]} == {1}
+    assert records[at + 1] == {"epoch": 3, "verifier": deployment.uri(second)}
+    assert all(r == {**r, "epoch": 3, "writer": deployment.uri(second)} for r in records[at + 2 :])
+    assert records[-1]["committed"] == len(reference[400])
+    assert run.done[0]["epochs"][-1] == 3
+    _record(
+        deployment,
+        "a second verifier appends at epoch + 1, then the verifier cut",
+        forged_tokens=0,
+        untrusted_records=int(untrusted),
+        fence_epoch=3,
+        recovery_s=round(recovery, 2),
+        sessions=len(affected),
+        **figures,
+    )
