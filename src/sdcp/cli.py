@@ -882,6 +882,14 @@ def bench(
     repeats: int = typer.Option(None, min=1, help="Runs of every system on every prompt."),
     concurrency: str = typer.Option(None, help="Comma-separated session counts, e.g. 1,4,8,16."),
     redis: bool = typer.Option(True, "--redis/--no-redis", help="Also run the Redis tier when redis-server exists."),
+    workloads: str = typer.Option(
+        None, help="Comma-separated workloads to run, e.g. structured (default: all of them)."
+    ),
+    systems: str = typer.Option(
+        None,
+        help="Comma-separated systems to run, sdcp_target_only among them, e.g. "
+        "sdcp_target_only,sdcp_default (default: all of them).",
+    ),
 ) -> None:
     """Benchmark target-only, transformers speculative, SDCP in-process, SDCP end to end, and the
     default `sdcp up` cluster through its OpenAI gateway (what a user runs)."""
@@ -904,6 +912,8 @@ def bench(
             repeats=repeats,
             concurrency=levels,
             redis=redis,
+            workloads=_names(workloads),
+            systems=_names(systems),
         )
         try:
             data = run_bench(config)
@@ -913,6 +923,11 @@ def bench(
     typer.echo((out / "results.md").read_text(encoding="utf-8"))
     if not summary["identical_outputs"]:
         fail("outputs of the exact systems differ from target-only decoding; see mismatches in results.json")
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    """A comma-separated list of names; None for an option not given."""
+    return None if text is None else tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def main() -> None:

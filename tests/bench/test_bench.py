@@ -68,8 +68,13 @@ def test_bench_command_on_tiny_model_writes_results(tmp_path: Path) -> None:
         assert isinstance(summary["ratios"][key], float), key
     assert summary["overhead_ms_p50"] is not None and summary["overhead_ms_p99"] >= summary["overhead_ms_p50"]
     assert summary["identical_outputs"] is True and summary["mismatches"] == []
-    # The structured workload: the engines against the masked target alone, the same tokens.
-    assert isinstance(summary["ratios"]["structured_vs_target_only"], float)
+    # The structured workload: the engines and both clusters (the default one through the gateway,
+    # the schema as response_format) against the masked target alone, the same tokens.
+    for key in ("structured_vs_target_only", "structured_e2e_vs_target_only", "structured_inprocess_vs_target_only"):
+        assert isinstance(summary["ratios"][key], float), key
+    for system in ("sdcp_inprocess", "sdcp_e2e", "sdcp_default"):
+        assert summary["systems"][system]["structured"]["tokens"] > 0, system
+    assert summary["systems"]["hf_target"]["structured"]["tokens"] == 0
     assert {"hf_target", "hf_prompt_lookup", "sdcp_target_only", "sdcp_inprocess", "sdcp_e2e"} <= set(
         summary["systems"]
     )
@@ -89,7 +94,7 @@ def test_bench_command_on_tiny_model_writes_results(tmp_path: Path) -> None:
     # The gateway's streamed answer is timed to its first text.
     assert summary["systems"]["sdcp_default"]["open"]["first_token_ms_p50"] > 0
     rows = summary["default_per_prompt"]
-    assert [(row["workload"], row["prompt"]) for row in rows] == [(w, 0) for w in workloads]
+    assert [(row["workload"], row["prompt"]) for row in rows] == [(w, 0) for w in [*workloads, "structured"]]
     assert all(row["served"] for row in rows)
     assert set(summary["noisy_neighbour"]) == {"idle_tokens_per_s", "busy_tokens_per_s", "busy_vs_idle"}
     assert summary["noisy_neighbour"]["busy_tokens_per_s"] > 0

@@ -4,6 +4,10 @@ and system 5, what a user runs: the default `sdcp up` cluster through the OpenAI
 Each cluster has its own SDCP home under the benchmark's output directory; its models directory is
 a symbolic link to the fetched one, so nothing is converted again. ``sdcp_e2e`` runs the n-gram
 drafter alone; ``sdcp_default`` whatever `sdcp up` starts by default (``DEFAULT_DRAFTERS``).
+
+A prompt of the structured workload carries its constraint: ``sdcp_e2e`` opens the session with it,
+``sdcp_default`` sends it as a user does, as the request's ``response_format`` (a JSON schema) or
+vLLM's ``guided_*`` member (``gateway_request``).
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from sdcp.bench.workloads import Prompt, chat_messages, plain_text
 from sdcp.client import ClusterClient, SessionHandle, build_contract
 from sdcp.cluster import DEFAULT_DRAFTERS, LocalCluster
 from sdcp.home import sdcp_home
-from sdcp.protocol.messages import Contract
+from sdcp.protocol.messages import Constraint, Contract
 
-__all__ = ["ClusterSystem", "GatewaySystem"]
+__all__ = ["ClusterSystem", "GatewaySystem", "gateway_request"]
 
 # A gateway request decodes at most max_new tokens; this bounds the wait for its answer.
 _GATEWAY_TIMEOUT_S = 600.0
@@ -91,7 +95,7 @@ class ClusterSystem:
             raise RuntimeError("connect() first")
         contract = self.contract(max_new, stop)
         started = time.perf_counter()
-        handle = await self.client.open(list(prompt.tokens), contract)
+        handle = await self.client.open(list(prompt.tokens), contract, constraint=prompt.constraint)
         tokens: list[int] = []
         inter_token: list[float] = []
         first_token_ms: float | None = None
@@ -139,12 +143,7 @@ class GatewaySystem(ClusterSystem):
     async def generate(self, prompt: Prompt, max_new: int, stop: Sequence[int]) -> RunResult:
         if self.client is None or self.cluster.gateway is None:
             raise RuntimeError("start() and connect() first")
-        request: dict[str, Any] = {"model": self.model, "max_tokens": max_new, "temperature": 0, "stream": True}
-        # A later turn of a conversation goes with the turns and answers before it.
-        if self.chat:
-            request["messages"] = chat_messages(prompt.text, prompt.history)
-        else:
-            request["prompt"] = plain_text(prompt.text, prompt.history)
+        request = gateway_request(self.model, prompt, max_new, chat=self.chat)
         endpoint = "chat/completions" if self.chat else "completions"
         started = time.perf_counter()
         answered = await asyncio.to_thread(_ask_gateway, f"{self.cluster.gateway}/{endpoint}", request, started)
@@ -155,6 +154,33 @@ class GatewaySystem(ClusterSystem):
         result.tokens = [token for chunk in [c async for c in self.client.stream(handle)] for token in chunk.tokens]
         result.first_token_ms = answered.first_text_ms
         return result
+
+
+def gateway_request(model: str, prompt: Prompt, max_new: int, *, chat: bool) -> dict[str, Any]:
+    """The streamed greedy request a user sends the gateway for ``prompt``: its chat messages (or
+    completions prompt), a later turn of a conversation with the turns and answers before it, and
+    its constraint as OpenAI's ``response_format`` (a JSON schema) or vLLM's ``guided_*`` member."""
+    request: dict[str, Any] = {"model": model, "max_tokens": max_new, "temperature": 0, "stream": True}
+    if chat:
+        request["messages"] = chat_messages(prompt.text, prompt.history)
+    else:
+        request["prompt"] = plain_text(prompt.text, prompt.history)
+    if prompt.constraint is not None:
+        request.update(_constraint_members(prompt.constraint))
+    return request
+
+
+def _constraint_members(constraint: Constraint) -> dict[str, Any]:
+    if constraint.kind == "json_schema":
+        schema = json.loads(constraint.text)
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+    if constraint.kind == "choice":
+        return {"guided_choice": json.loads(constraint.text)}
+    if constraint.kind == "regex":
+        return {"guided_regex": constraint.text}
+    if constraint.kind == "lark":
+        return {"guided_grammar": constraint.text}
+    raise ValueError(f"no request member carries a constraint of kind {constraint.kind!r}")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,13 @@ that load from other work on the machine spreads over all of them. Ratios are co
 repeat and the report gives their median. The workloads where history matters run in the first
 repeat only: a second would send each cluster requests whose answers its drafters have already seen.
 The structured workload (JSON schema prompts) runs on SDCP's target alone with the grammar on, its
-baseline, and on SDCP's engines in process (``STRUCTURED_SYSTEMS``).
+baseline, on SDCP's engines in process, on the n-gram-only cluster and on the default cluster
+through the gateway, whose request carries the schema as a user's does (``STRUCTURED_SYSTEMS``).
+
+``workloads`` and ``systems`` of the configuration run a part of the benchmark (`sdcp bench
+--workloads structured --systems sdcp_target_only,sdcp_default`): the concurrency sweep runs only
+with the n-gram-only cluster and the non-repetitive prompts, the noisy neighbour only with the
+default cluster and the open prompts.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,7 @@ from sdcp.bench.systems import (
 )
 from sdcp.bench.workloads import (
     CHAT_WORKLOADS,
+    CORE_WORKLOADS,
     DEFAULT_PROMPTS_DIR,
     HISTORY_QUICK_PROMPTS,
     HISTORY_WORKLOADS,
@@ -58,7 +65,7 @@ from sdcp.models.target import TargetModel
 from sdcp.models.worker import ModelThread
 from sdcp.threads import usable_cores
 
-__all__ = ["BenchConfig", "Measurement", "run_bench"]
+__all__ = ["ALL_SYSTEMS", "ALL_WORKLOADS", "BenchConfig", "Measurement", "run_bench"]
 
 # Time for the model threads to notice a neighbour before the busy measurement starts.
 _NEIGHBOUR_SETTLE_S = 2.0
@@ -81,8 +88,25 @@ CHAT_SYSTEMS = (
 # The workloads only CHAT_SYSTEMS run.
 USER_WORKLOADS = (*CHAT_WORKLOADS, *HISTORY_WORKLOADS)
 # The systems that run the structured workload, each with its prompts' constraints: the masked target
-# alone (the baseline with the grammar on) and the engines, whose output must equal it (rule 1).
-STRUCTURED_SYSTEMS = ("sdcp_target_only", "sdcp_inprocess")
+# alone (the baseline with the grammar on), and the engines in process, the n-gram-only cluster and
+# the default cluster through the gateway (response_format), whose outputs must equal it (rule 1).
+# Plain llama.cpp is left out: its JSON schema grammar is another language (whitespace between
+# tokens) over the GGUF's quantised weights, so no output of it could be compared (performance.md).
+STRUCTURED_SYSTEMS = ("sdcp_target_only", "sdcp_inprocess", "sdcp_e2e", "sdcp_default")
+# Every system and workload a run can be limited to (BenchConfig.systems, .workloads).
+ALL_SYSTEMS = (
+    "hf_target",
+    "hf_prompt_lookup",
+    "hf_assisted",
+    "llamacpp_target",
+    "llamacpp_prompt_lookup",
+    "sdcp_target_only",
+    "sdcp_inprocess",
+    "sdcp_e2e",
+    "sdcp_default",
+    "sdcp_e2e_redis",
+)
+ALL_WORKLOADS = (*CORE_WORKLOADS, *CHAT_WORKLOADS, *HISTORY_WORKLOADS, STRUCTURED_WORKLOAD)
 
 
 @dataclass(frozen=True)
@@ -96,6 +120,23 @@ class BenchConfig:
     repeats: int | None = None
     concurrency: tuple[int, ...] | None = None
     redis: bool = True
+    # Only these workloads and systems run, where given (None: all of them).
+    workloads: tuple[str, ...] | None = None
+    systems: tuple[str, ...] | None = None
+
+    def runs(self, system: str) -> bool:
+        return self.systems is None or system in self.systems
+
+    def check_selection(self) -> None:
+        """A typed error for an unknown workload or system, or a selection without the reference."""
+        for kind, given, known in (("workload", self.workloads, ALL_WORKLOADS), ("system", self.systems, ALL_SYSTEMS)):
+            unknown = [name for name in given or () if name not in known]
+            if unknown:
+                raise BenchInputError(f"no {kind} {', '.join(unknown)}; the {kind}s are {', '.join(known)}")
+            if given is not None and not given:
+                raise BenchInputError(f"name at least one {kind}")
+        if not self.runs("sdcp_target_only"):
+            raise BenchInputError("sdcp_target_only must run: the outputs are compared with its own")
 
     @property
     def effective_per_workload(self) -> int | None:
@@ -165,6 +206,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
         raise BenchInputError("max_new and repeats must be at least 1")
     if any(level < 1 for level in config.effective_concurrency):
         raise BenchInputError("concurrency levels must be at least 1")
+    config.check_selection()
     started = time.perf_counter()
     workloads = load_workloads(config.prompts_dir, per_workload=config.effective_per_workload)
     history = load_history_workloads(config.prompts_dir, per_workload=config.effective_history_per_workload)
@@ -177,6 +219,10 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
         log(f"the {STRUCTURED_WORKLOAD} workload left out (no prompt file in {config.prompts_dir})")
     else:
         workloads.append(structured)
+    if config.workloads is not None:
+        workloads = [w for w in workloads if w.name in config.workloads]
+        if not workloads:
+            raise BenchInputError(f"none of the workloads {', '.join(config.workloads)} has a prompt file")
     config.out.mkdir(parents=True, exist_ok=True)
     log(f"loading {config.model}")
     loaded = load_model(config.model)
@@ -199,17 +245,21 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = _log) -> BenchDa
         for w in workloads
         for index, prompt in enumerate(prompts[w.name])
     )
-    in_process.extend(_llamacpp_systems(config, stop, context_tokens=longest + config.effective_max_new, log=log))
+    if config.runs("llamacpp_target") or config.runs("llamacpp_prompt_lookup"):
+        context_tokens = longest + config.effective_max_new
+        in_process.extend(_llamacpp_systems(config, stop, context_tokens=context_tokens, log=log))
     in_process.append(TargetOnlySDCPSystem(target, stop))
-    in_process.append(InProcessSDCPSystem(target, stop))
+    if config.runs("sdcp_inprocess"):
+        in_process.append(InProcessSDCPSystem(target, stop))
+    in_process = [system for system in in_process if config.runs(system.name)]
     with ExitStack() as stack:
-        clusters = [
-            ClusterSystem(config.out / "sdcp-home", config.model),
-            GatewaySystem(
-                config.out / "sdcp-home-default", config.model, chat=bool(getattr(tokenizer, "chat_template", None))
-            ),
-        ]
-        if config.redis and redis_server_available():
+        clusters: list[ClusterSystem] = []
+        if config.runs("sdcp_e2e"):
+            clusters.append(ClusterSystem(config.out / "sdcp-home", config.model))
+        if config.runs("sdcp_default"):
+            chat = bool(getattr(tokenizer, "chat_template", None))
+            clusters.append(GatewaySystem(config.out / "sdcp-home-default", config.model, chat=chat))
+        if config.runs("sdcp_e2e_redis") and config.redis and redis_server_available():
             redis_url = stack.enter_context(local_redis_server(config.out / "redis"))
             clusters.append(
                 ClusterSystem(config.out / "sdcp-home-redis", config.model, redis_url=redis_url, name="sdcp_e2e_redis")
@@ -290,11 +340,18 @@ async def _measure(
         await system.start()
     for cluster in clusters:
         await cluster.connect()
+    # One thread runs every in-process system's model work: the engines' model thread (one of its
+    # own where they do not run). Two threads that run torch each bring an OpenMP team, whose
+    # spinning workers slow the other's passes.
+    own_thread = None if engines else ModelThread("bench-baselines")
     try:
         runners: list[tuple[str, Callable[[Prompt, int], Any]]] = []
-        # One thread runs every in-process system's model work: the engines' model thread. Two threads
-        # that run torch each bring an OpenMP team, whose spinning workers slow the other's passes.
-        model_thread = engines[0].verifier.scorer if engines else None
+        model_thread = engines[0].verifier.scorer if engines else own_thread
+        if own_thread is not None:
+            # What the engines' verifier does at its start (packed weights, digests).
+            for system in in_process:
+                if isinstance(system, TargetOnlySDCPSystem):
+                    await own_thread.run_async(system.target.prepare)
         for system in in_process:
             if isinstance(system, InProcessSDCPSystem):
                 runners.append((system.name, _engines(system)))
@@ -302,10 +359,15 @@ async def _measure(
                 runners.append((system.name, _on_model_thread(model_thread, system.generate)))
         for cluster in clusters:
             runners.append((cluster.name, _bound(cluster, stop)))
-        warm_prompt = next(iter(prompts.values()))[0]
+        # Every system warms up without a constraint; those of the structured workload also with
+        # one (the grammar engine's view of the tokenizer is built once per process).
+        warm_prompt = replace(next(iter(prompts.values()))[0], constraint=None)
+        structured = prompts.get(STRUCTURED_WORKLOAD, [])
         for name, run in runners:
             log(f"warming up {name}")
             await run(warm_prompt, min(8, max_new))
+            if structured and name in STRUCTURED_SYSTEMS:
+                await run(structured[0], min(8, max_new))
         measurements: list[Measurement] = []
         for repeat in range(config.effective_repeats):
             order = runners[repeat % len(runners) :] + runners[: repeat % len(runners)]
@@ -327,15 +389,26 @@ async def _measure(
                             f"repeat {repeat + 1} {workload}[{index}] {name}: {len(result.tokens)} tokens, "
                             f"{result.tokens_per_s:.1f} tok/s"
                         )
-        levels = await _concurrency_sweep(config, clusters[0], prompts, stop, log)
-        default = next(cluster for cluster in clusters if isinstance(cluster, GatewaySystem))
-        neighbour = await _noisy_neighbour(config, default, prompts["open"], stop, log)
+        e2e = next((cluster for cluster in clusters if cluster.name == "sdcp_e2e"), None)
+        levels: list[ConcurrencyLevel] = []
+        if e2e is not None and "nonrepetitive" in prompts:
+            levels = await _concurrency_sweep(config, e2e, prompts, stop, log)
+        else:
+            log("concurrency sweep left out (it runs sdcp_e2e on the nonrepetitive prompts)")
+        default = next((cluster for cluster in clusters if isinstance(cluster, GatewaySystem)), None)
+        neighbour: dict[str, float] = {}
+        if default is not None and "open" in prompts:
+            neighbour = await _noisy_neighbour(config, default, prompts["open"], stop, log)
+        else:
+            log("noisy neighbour left out (it runs sdcp_default on the open prompts)")
         return measurements, levels, neighbour
     finally:
         for cluster in clusters:
             await cluster.aclose()
         for system in engines:
             await system.aclose()
+        if own_thread is not None:
+            own_thread.close()
 
 
 def _engines(system: InProcessSDCPSystem) -> Callable[[Prompt, int], Any]:
