@@ -168,6 +168,8 @@ class RouterEngine:
         self.sessions: dict[bytes, TrackedSession] = {}
         self.store = SessionStore(mlc, uri)
         self._started_at = clock()
+        # Sessions a pass of the periodic task is changing now.
+        self._changing: set[bytes] = set()
         self._wake = asyncio.Event()
         self._tasks = BackgroundTasks(uri, log)
 
@@ -451,25 +453,37 @@ class RouterEngine:
     # -- assignment, failover and the periodic task ----------------------------------------------
 
     async def maintain(self) -> None:
-        """One pass of the periodic task: expire instances, reassign drafters, fail over verifiers."""
+        """One pass of the periodic task: expire instances, reassign drafters, fail over verifiers.
+        A session whose change from an earlier pass is still under way (a peer that does not
+        answer holds it up to its timeout) is left to a later pass."""
         now = self.clock()
         for view in self.registry.expire(now):
             log.info("%s: status of %s expired", self.uri, view.uri)
         work = []
         for tracked in list(self.sessions.values()):
-            if tracked.ended:
+            if tracked.ended or tracked.session in self._changing:
                 continue
             if self._failed(tracked.plan.verifier, now):
-                work.append(self._locked(tracked, partial(self._fail_over, tracked)))
+                change = partial(self._fail_over, tracked)
             elif tracked.self_decoding or not self.registry.is_live(tracked.plan.verifier, now):
                 continue  # the period ends with its verifier's event; or the verifier has yet to report
             elif tracked.plan.drafter is None or self._failed(tracked.plan.drafter, now):
                 # SDCP 6.9 drafter failure, or a session still waiting for its first drafter.
-                work.append(self._locked(tracked, partial(self._assign_drafter, tracked, only_if_missing=True)))
+                change = partial(self._assign_drafter, tracked, only_if_missing=True)
             elif self._worth_moving(tracked, now):
                 SWITCHES.labels(self.uri, tracked.plan.drafter).inc()
-                work.append(self._locked(tracked, partial(self._assign_drafter, tracked)))
+                change = partial(self._assign_drafter, tracked)
+            else:
+                continue
+            work.append(self._maintained(tracked, change))
         await asyncio.gather(*work)
+
+    async def _maintained(self, tracked: TrackedSession, change: Callable[[], Awaitable[None]]) -> None:
+        self._changing.add(tracked.session)
+        try:
+            await self._locked(tracked, change)
+        finally:
+            self._changing.discard(tracked.session)
 
     def _failed(self, uri: str, now: float) -> bool:
         """Whether an instance has no live status here: one this router has not heard of yet
@@ -480,7 +494,9 @@ class RouterEngine:
 
     async def _maintain_forever(self) -> None:
         while True:
-            await self.maintain()
+            # In the background: one slow session must not hold up the next pass, which expires
+            # instances (a verifier cut off while a change waits on it is failed over on time).
+            self._tasks.spawn(self.maintain())
             # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that arrives as
             # the wake-up does, and the loop would outlive stop().
             with contextlib.suppress(TimeoutError):
