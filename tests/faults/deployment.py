@@ -1,6 +1,6 @@
-"""An SDCP deployment on test hosts: Redis, a router, two verifiers and two drafters, each its own
-process on its own host, started with `ip netns exec HOST python -m sdcp ROLE --config FILE` from
-the TOML a user writes, with certificates from `sdcp certs` naming each host's URI."""
+"""An SDCP deployment on test hosts: Redis, a router (or two), two verifiers and two drafters, each
+its own process on its own host, started with `ip netns exec HOST python -m sdcp ROLE --config FILE`
+from the TOML a user writes, with certificates from `sdcp certs` naming each host's URI."""
 
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ from tests.faults.testnet import Testnet
 from sdcp.cache.redis_acl import ADMIN, ROLE_USERS, acl_file_text, ensure_passwords
 from sdcp.transport.certs import make_certs
 
-HOSTS = ("router", "verifier-a", "verifier-b", "drafter-1", "drafter-2", "redis", "client")
+# router-b last, so that the other hosts keep their addresses; it runs in two-router deployments only.
+HOSTS = ("router", "verifier-a", "verifier-b", "drafter-1", "drafter-2", "redis", "client", "router-b")
 ROLES = {
     "router": "router",
+    "router-b": "router",
     "verifier-a": "verifier",
     "verifier-b": "verifier",
     "drafter-1": "drafter",
@@ -46,6 +48,8 @@ REDIS_PREFIX = "sdcp:mlc:"
 @dataclass
 class Deployment:
     tmp: Path
+    # The router hosts that run: the instances and the client know all of them.
+    routers: tuple[str, ...] = ("router",)
     net: Testnet = field(default_factory=lambda: Testnet(HOSTS))
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -68,10 +72,15 @@ class Deployment:
         self.net.up()
         make_certs(self.tmp / "certs", [self.uri(host) for host in HOSTS if host != "redis"])
         self.start_redis()
-        for host in ROLES:
+        for host in self.roles:
             self.start(host)
-        self.wait_ready(["redis", *ROLES])
+        self.wait_ready(["redis", *self.roles])
         self.wait_registered(INSTANCES)
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """The hosts that run a role here, and the role."""
+        return {host: role for host, role in ROLES.items() if role != "router" or host in self.routers}
 
     def start_redis(self) -> None:
         address = self.net.address("redis")
@@ -100,17 +109,19 @@ class Deployment:
             f'ca = "{self.ca}"',
             f"ttl_ms = {TTL_MS}",
         ]
+        quoted = lambda hosts: "[" + ", ".join(f'"{self.uri(h)}"' for h in hosts) + "]"  # noqa: E731
         if role == "router":
             lines += ["[admin]", f'listen = "127.0.0.1:{ADMIN_PORT}"']
+        elif len(self.routers) == 1:
+            lines.append(f'router = "{self.uri(self.routers[0])}"')  # one router: a string, as before
         else:
-            lines.append(f'router = "{self.uri("router")}"')
+            lines.append(f"router = {quoted(self.routers)}")
         lines += ["[mlc]", f'redis_url = "{self.redis_url}"', "memory_bytes = 0"]
         user, password_file = self.redis_user(role)
         lines += [f'redis_username = "{user}"', f'redis_password_file = "{password_file}"']
-        quoted = lambda hosts: "[" + ", ".join(f'"{self.uri(h)}"' for h in hosts) + "]"  # noqa: E731
         lines += [
             "[trust]",
-            f"routers = {quoted(['router'])}",
+            f"routers = {quoted(self.routers)}",
             f"verifiers = {quoted(['verifier-a', 'verifier-b'])}",
             f"drafters = {quoted(['drafter-1', 'drafter-2'])}",
             f"front_ends = {quoted(['client'])}",
@@ -125,7 +136,7 @@ class Deployment:
     def start(self, host: str) -> None:
         path = self.tmp / f"{host}.toml"
         path.write_text(self.config(host), encoding="utf-8")
-        self._spawn(host, [sys.executable, "-m", "sdcp", ROLES[host], "--config", str(path)])
+        self._spawn(host, [sys.executable, "-m", "sdcp", self.roles[host], "--config", str(path)])
 
     def _spawn(self, host: str, command: list[str]) -> None:
         log = (self.tmp / f"{host}.log").open("ab")
@@ -148,12 +159,12 @@ class Deployment:
                     raise RuntimeError(f"{host} did not start: {self.log(host)[-2000:]}")
                 time.sleep(POLL_S)
 
-    def registered(self) -> set[str] | None:
-        """The hosts among INSTANCES whose status the router holds unexpired (its dashboard's
-        state, read on the router's host), or None while the router does not answer."""
+    def registered(self, router: str = "router") -> set[str] | None:
+        """The hosts among INSTANCES whose status `router` holds unexpired (its dashboard's state,
+        read on the router's host), or None while the router does not answer."""
         state = f"http://127.0.0.1:{ADMIN_PORT}/dashboard/state"
         script = f"import urllib.request; print(urllib.request.urlopen({state!r}, timeout=30).read().decode())"
-        command = self.net.exec_prefix("router") + [sys.executable, "-c", script]
+        command = self.net.exec_prefix(router) + [sys.executable, "-c", script]
         answered = subprocess.run(command, capture_output=True, text=True, timeout=STARTUP_S, check=False)
         if answered.returncode != 0:
             return None
@@ -161,13 +172,17 @@ class Deployment:
         return {host for host in INSTANCES if self.uri(host) in live}
 
     def wait_registered(self, hosts: tuple[str, ...]) -> None:
-        """Wait until the router holds a live status of exactly `hosts` among INSTANCES: all of
-        them once a fault is over, or all but a killed one once its status has expired."""
+        """Wait until every running router holds a live status of exactly `hosts` among INSTANCES:
+        all of them once a fault is over, or all but a killed one once its status has expired."""
         deadline = time.monotonic() + STARTUP_S
-        while (registered := self.registered()) != set(hosts):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the router holds {registered}, not {sorted(hosts)}: {self.log('router')[-2000:]}")
-            time.sleep(POLL_S)
+        for router in self.routers:
+            if self.processes[router].poll() is not None:
+                continue  # killed and not restarted
+            while (registered := self.registered(router)) != set(hosts):
+                if time.monotonic() > deadline:
+                    log = self.log(router)[-2000:]
+                    raise RuntimeError(f"{router} holds {registered}, not {sorted(hosts)}: {log}")
+                time.sleep(POLL_S)
 
     def signal(self, host: str, signum: int) -> None:
         self.processes[host].send_signal(signum)
@@ -193,7 +208,9 @@ class Deployment:
     def drive(self, sessions: int, max_new: int, *, until_stopped: bool) -> subprocess.Popen[str]:
         """The client host's program (tests/faults/drive.py); its stdout is JSON lines."""
         cert, key = self.cert("client")
-        command = [sys.executable, "-m", "tests.faults.drive", "--router", self.uri("router")]
+        command = [sys.executable, "-m", "tests.faults.drive"]
+        for router in self.routers:
+            command += ["--router", self.uri(router)]
         command += ["--cert", str(cert), "--key", str(key), "--ca", str(self.ca)]
         command += ["--sessions", str(sessions), "--max-new", str(max_new)]
         if until_stopped:

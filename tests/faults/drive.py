@@ -2,10 +2,14 @@
 following failovers as a front end does (SDCP 6.7). Prints one JSON object per line: `opened`,
 `progress` as tokens arrive, and `done` with every token and the epoch it came with.
 
+Given several routers (`--router` more than once), session lane i prefers router i modulo their
+number, so that each router holds sessions; each lane falls back to the others as a front end does.
+
 With `--until-stdin-closes` it keeps N sessions running, opening another as each ends, until its
 standard input closes; then those running go on to their end.
 
-python -m tests.faults.drive --router URI --cert F --key F --ca F --sessions N --max-new M [--until-stdin-closes]
+python -m tests.faults.drive --router URI [--router URI] --cert F --key F --ca F --sessions N --max-new M
+    [--until-stdin-closes]
 """
 
 from __future__ import annotations
@@ -77,36 +81,48 @@ async def _target(client: ClusterClient) -> dict[str, object]:
 
 
 async def main(args: argparse.Namespace) -> None:
-    async with ClusterClient(args.router, cert=args.cert, key=args.key, ca=args.ca, follow_attempts=60) as client:
-        target = await _target(client)
-        contract = Contract.from_obj(
-            {
-                "target": target["model"],
-                "tokenizer": target["tokenizer"],
-                "rule": 1,
-                "m_max": 4,
-                "max_new": args.max_new,
-                "stop": [],
-                # Drafters drive every round: rejections never escalate.
-                "low_rounds": 1_000_000,
-                "fallback": [int(Action.REDUCE), int(Action.FAIL)],
-            }
-        )
-        stdin_closed = asyncio.ensure_future(asyncio.to_thread(sys.stdin.read)) if args.until_stdin_closes else None
-        indices = itertools.count()
+    routers: list[str] = args.router
+    clients = [
+        ClusterClient(routers[i:] + routers[:i], cert=args.cert, key=args.key, ca=args.ca, follow_attempts=60)
+        for i in range(len(routers))
+    ]
+    try:
+        await _drive(args, clients)
+    finally:
+        for client in clients:
+            await client.aclose()
 
-        async def lane() -> None:
-            while True:
-                await _one(client, next(indices), contract)
-                if stdin_closed is None or stdin_closed.done():
-                    return
 
-        await asyncio.gather(*(lane() for _ in range(args.sessions)))
+async def _drive(args: argparse.Namespace, clients: list[ClusterClient]) -> None:
+    target = await _target(clients[0])
+    contract = Contract.from_obj(
+        {
+            "target": target["model"],
+            "tokenizer": target["tokenizer"],
+            "rule": 1,
+            "m_max": 4,
+            "max_new": args.max_new,
+            "stop": [],
+            # Drafters drive every round: rejections never escalate.
+            "low_rounds": 1_000_000,
+            "fallback": [int(Action.REDUCE), int(Action.FAIL)],
+        }
+    )
+    stdin_closed = asyncio.ensure_future(asyncio.to_thread(sys.stdin.read)) if args.until_stdin_closes else None
+    indices = itertools.count()
+
+    async def lane(client: ClusterClient) -> None:
+        while True:
+            await _one(client, next(indices), contract)
+            if stdin_closed is None or stdin_closed.done():
+                return
+
+    await asyncio.gather(*(lane(clients[i % len(clients)]) for i in range(args.sessions)))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--router", required=True)
+    parser.add_argument("--router", required=True, action="append")
     parser.add_argument("--cert", type=Path, required=True)
     parser.add_argument("--key", type=Path, required=True)
     parser.add_argument("--ca", type=Path, required=True)

@@ -181,6 +181,42 @@ def test_a_killed_and_restarted_process_loses_nothing(
     _record(deployment, name, recovery_s=round(stall, 2), **figures)
 
 
+def test_a_restarted_router_fails_over_the_sessions_it_opened_before(
+    deployment: Deployment, reference: dict[int, list[int]]
+) -> None:
+    """The router is killed -9 and restarted knowing no session in memory; then the verifier of the
+    sessions is cut off. The restarted router loads each session from the shared tier when its
+    front end asks where it went, fences it and resumes it at the other verifier (#29)."""
+    run = _start(deployment, 400)
+    deployment.kill("router")
+    _check_running(run)
+    time.sleep(1.0)  # the outage
+    deployment.restart("router")
+    deployment.wait_registered(INSTANCES)
+    verifier_uri = run.opened[0]["verifier"]
+    victim = next(host for host in ("verifier-a", "verifier-b") if deployment.uri(host) == verifier_uri)
+    affected = [s for s, opened in run.opened.items() if opened["verifier"] == verifier_uri]
+    cut_at = time.monotonic()
+    deployment.net.cut(victim)
+    try:
+        _check_running(run)
+        run.wait(lambda r: all(r.epoch.get(s) == 2 for s in affected), HUNG_S)
+    finally:
+        deployment.net.restore(victim)
+    run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
+    figures = _check_outputs(run, reference[400])
+    for session in affected:
+        assert run.done[session]["epochs"][-1] == 2, "the session did not move to a new epoch"
+    recovery = run.longest_stall(affected, cut_at)
+    _record(
+        deployment,
+        "router killed -9 and restarted, then the verifier cut",
+        recovery_s=round(recovery, 2),
+        sessions=len(affected),
+        **figures,
+    )
+
+
 def test_redis_unreachable_for_ten_seconds(deployment: Deployment, reference: dict[int, list[int]]) -> None:
     run = _start(deployment, 300)
     cut_at = time.monotonic()
