@@ -120,3 +120,20 @@ async def test_fence_racing_appenders_no_stale_record_after_it(make_mlc) -> None
     assert records[fence_at + 1 :] == []
     assert sum(kind == "ok" for kind, _ in outcomes) == fence_at > 0
     assert sorted(writer for kind, writer in outcomes if kind == "fenced") == list(range(1, 8))
+
+
+async def test_a_log_read_from_a_record_on_is_the_whole_log_from_there(make_mlc) -> None:
+    """A router's replay reads only what it has not read (CommitLog.read_from): from every index,
+    the same records and ETag as the whole log's, fences in their places."""
+    log = make_mlc().commit_log(LOG)
+    etag = await log.append(commit(1, 1), if_match=EMPTY_LOG_ETAG)
+    etag = await log.append(commit(1, 2), if_match=etag)
+    etag = await log.fence(2)
+    etag = await log.fence(3)
+    etag = await log.append(commit(3, 3), if_match=etag)
+    etag = await log.fence(4)
+    whole = await log.read()
+    assert len(whole.records) == 6
+    for start in range(len(whole.records) + 2):
+        tail = await log.read_from(start)
+        assert (tail.records, tail.etag) == (whole.records[start:], whole.etag)

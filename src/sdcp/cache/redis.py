@@ -444,6 +444,39 @@ class RedisCommitLog(CommitLog):
         return LogSnapshot(records, _etag_of(total, _text(cgen) + _text(fgen)))
 
     @_unavailable_on_redis_errors
+    async def read_from(self, start: int) -> LogSnapshot:
+        """The records from index `start` of the merged log on, reading only the commit records
+        from the first of them (a router replaying a long log reads what is new): the fences, few,
+        are read whole to place them; the commit records past the count read with them are left
+        out, so that the records are exactly the version the ETag names."""
+        async with self._store.client.pipeline(transaction=True) as pipe:
+            pipe.hmget(self._commits_meta, "n", "gen")
+            pipe.lrange(self._fences, 0, -1)
+            pipe.hget(self._fences_meta, "gen")
+            (count, cgen), fences, fgen = await pipe.execute()
+        commits = int(count or 0)
+        # Fence i goes before the commit record that followed it: merged index position + i.
+        fence_at: dict[int, bytes] = {}
+        for index, entry in enumerate(fences):
+            where, sep, payload = bytes(entry).partition(b":")
+            if not sep or not where.isdigit() or int(where) > commits:
+                raise CorruptRecord(f"{self.uri} fence {index}: not <position>:<record>")
+            fence_at[int(where) + index] = payload
+        first_commit = start - sum(1 for merged in fence_at if merged < start)
+        tail: list[bytes] = []
+        if first_commit < commits:
+            async with self._store.client.pipeline(transaction=False) as pipe:
+                pipe.lrange(self._commits, first_commit, commits - 1)
+                (tail,) = await pipe.execute()
+        following = iter(tail)
+        total = commits + len(fences)
+        records = [
+            decode_record(fence_at[merged] if merged in fence_at else next(following), f"{self.uri} record {merged}")
+            for merged in range(start, total)
+        ]
+        return LogSnapshot(records, _etag_of(total, _text(cgen) + _text(fgen)))
+
+    @_unavailable_on_redis_errors
     async def append(self, record: dict[str, Any], if_match: str) -> str:
         payload, epoch, fence_shaped = encode_record(record)
         outcome, detail = await self._store.append_script(
