@@ -308,3 +308,18 @@ async def test_configuration_is_checked(certs_dir: Path, tmp_path: Path) -> None
         MLCNode(ServiceConfig(instance=InstanceConfig(DRAFTER_A, creds["cert"], creds["key"], ca, router=DRAFTER_B)))
     with pytest.raises(ConfigError):
         MLCNode(ServiceConfig(instance=instance, mlc=MLCConfig(mlc_url=DRAFTER_A + "/")))
+
+
+async def test_a_log_is_read_from_a_record_on_through_the_node(start_node, backend: str) -> None:
+    """GET logs?from=n: a router's replay reads only the records it has not read."""
+    cluster: Cluster = await start_node(backend=backend)
+    verifier_log = cluster.remote(DRAFTER_A).commit_log(LOG)
+    router_log = cluster.remote(DRAFTER_B).commit_log(LOG)
+    etag = await verifier_log.append(commit(1, 1), if_match=EMPTY_LOG_ETAG)
+    await verifier_log.append(commit(1, 2), if_match=etag)
+    fenced = await router_log.fence(2)
+    await router_log.append(commit(2, 3, DRAFTER_B), if_match=fenced)
+    whole = await verifier_log.read()
+    for start in range(len(whole.records) + 1):
+        tail = await verifier_log.read_from(start)
+        assert (tail.records, tail.etag) == (whole.records[start:], whole.etag)

@@ -262,9 +262,15 @@ class MLCNode(Node):
         return check_ref(uri), holder, ttl_ms / 1000
 
     async def _read_log(self, request: Request) -> Response:
+        """The log's records from index ``from`` (default 0) on, and the ETag of the whole log's
+        version; ``from`` in the answer tells a client that the node took it."""
         self.trust.admit(request, "GET logs")
-        snapshot = await self._log(_uri_param(request)).read()
-        response = cbor_response({"records": snapshot.records, "etag": snapshot.etag})
+        start_text = request.query_params.get("from", "0")
+        if not (start_text.isascii() and start_text.isdigit() and len(start_text) <= 10):
+            raise InvalidArgument("'from' must be an unsigned integer")
+        start = int(start_text)
+        snapshot = await self._log(_uri_param(request)).read_from(start)
+        response = cbor_response({"records": snapshot.records, "etag": snapshot.etag, "from": start})
         response.headers["etag"] = snapshot.etag
         return response
 

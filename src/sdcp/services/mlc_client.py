@@ -140,13 +140,19 @@ class RemoteCommitLog(CommitLog):
         self.client = client
 
     async def read(self) -> LogSnapshot:
+        return await self.read_from(0)
+
+    async def read_from(self, start: int) -> LogSnapshot:
         with _cache_errors(LOG_ERRORS):
-            _, body = await self.client.get_cbor("logs", {"uri": self.uri})
+            _, body = await self.client.get_cbor("logs", {"uri": self.uri, "from": str(start)})
         records = _member(body, "records", list, self.client.base_uri)
         etag = _member(body, "etag", str, self.client.base_uri)
+        if not isinstance(body, dict) or body.get("from") != start:
+            records = records[start:]  # a node that does not take `from` answers the whole log
         where = f"{self.client.base_uri} log {self.uri}"
         # Through the same check as a record read from disk: a map with an integer epoch.
-        return LogSnapshot([_checked_record(record, f"{where} record {i}") for i, record in enumerate(records)], etag)
+        checked = [_checked_record(record, f"{where} record {i}") for i, record in enumerate(records, start)]
+        return LogSnapshot(checked, etag)
 
     async def append(self, record: dict[str, Any], if_match: str) -> str:
         encode_record(record)  # InvalidRecord here, as with a local log, before anything is sent
