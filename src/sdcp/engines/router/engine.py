@@ -263,8 +263,9 @@ class RouterEngine:
             if stored is None:
                 if not held.ended:
                     self._end(held, Action.FINISH, delete=False)
-            elif stored.etag != held.etag and stored.router != self.uri:
-                # Another router's facts (ours, read while we wrote newer ones, are older than memory).
+            elif stored.etag != held.etag and stored.router != self.uri and not held.lock.locked():
+                # Another router's facts (ours, read while we wrote newer ones, are older than
+                # memory). Not under a change of ours: its write fails on them, and lets go.
                 log.info("%s: session %s was changed by %s; taken over", self.uri, session.hex(), stored.router)
                 held.take_over(stored)
             return held
