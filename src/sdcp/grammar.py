@@ -54,10 +54,19 @@ def compile_constraint(constraint: Constraint) -> str:
             raise ConstraintError(f"the JSON schema is not JSON: {exc}") from exc
         if not isinstance(schema, dict | bool):
             raise ConstraintError("a JSON schema is an object or a boolean")
+        if schema is False:
+            raise ConstraintError("the JSON schema false allows no value")
         # Part of the json_schema language (docs/interpretations.md): whitespace outside strings
         # would let a small model spend its max_new on spaces, and every verifier must allow the
-        # same texts.
-        return str(llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False}))
+        # same texts. The schema true is the schema {} (llguidance applies its options to objects only).
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                "{}" if schema is True else text, defaults={"whitespace_flexible": False}
+            )
+        except ValueError as exc:
+            # llguidance's reading of the schema (nested deeper than it reads, say): the text's fault.
+            raise ConstraintError(f"the JSON schema cannot be read: {exc}") from exc
+        return str(grammar)
     if kind == "regex":
         return str(llguidance.LLMatcher.grammar_from_regex(text))
     if kind == "choice":
@@ -81,6 +90,8 @@ def gbnf_to_lark(text: str) -> str:
         return str(any_to_lark(text))
     except GbnfToLarkError as exc:
         raise ConstraintError(f"the grammar is neither Lark nor GBNF: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - the converter (Python) raises Exception, IndexError, RecursionError on text it cannot read
+        raise ConstraintError(f"the grammar is neither Lark nor GBNF: {exc!r}") from exc
 
 
 def check(constraint: Constraint, tokenizer: llguidance.LLTokenizer | None = None) -> None:

@@ -45,6 +45,7 @@ from sdcp.services.openai_api import (
     Generation,
     OpenAIError,
     chat_logprobs,
+    check_nesting,
     check_unicode,
     completion_logprobs,
     error_body,
@@ -802,8 +803,10 @@ async def _disconnected(request: Request) -> None:
 def _parsed(body: bytearray) -> object:
     try:
         parsed = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:
+        # ValueError: not UTF-8, not JSON, or an integer past Python's 4300 digits.
         raise OpenAIError(f"the request body is not valid JSON: {exc}") from exc
+    check_nesting(parsed)
     check_unicode(parsed)
     return parsed
 

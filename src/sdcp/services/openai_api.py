@@ -25,7 +25,15 @@ from sdcp.protocol.messages import (
     Sampling,
     TokenLogprob,
 )
-from sdcp.services.tool_calls import ToolsError, ToolUse, hermes_messages, parse_tools, tool_message_fields
+from sdcp.services.tool_calls import (
+    MAX_NESTING,
+    ToolsError,
+    ToolUse,
+    hermes_messages,
+    nested_deeper,
+    parse_tools,
+    tool_message_fields,
+)
 from sdcp.text import ChatTemplateError, IncrementalDecoder, TextCodec
 
 __all__ = [
@@ -36,6 +44,7 @@ __all__ = [
     "Prompt",
     "Speculation",
     "chat_logprobs",
+    "check_nesting",
     "check_unicode",
     "completion_logprobs",
     "error_body",
@@ -614,6 +623,14 @@ class _Reader:
 
 def _is_token(value: object, vocab_size: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
+def check_nesting(value: object) -> None:
+    """Refuse with a 400 a request body that nests arrays and objects deeper than ``MAX_NESTING``
+    levels, before anything reads it: no parameter needs as many, and writing such a value out
+    again (a schema as the constraint's text, a tool into the prompt) could exhaust the stack."""
+    if nested_deeper(value, MAX_NESTING):
+        raise OpenAIError(f"the request body nests arrays and objects more than {MAX_NESTING} levels deep")
 
 
 def check_unicode(value: object) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "ToolsError",
     "hermes_messages",
     "message_tool_calls",
+    "nested_deeper",
     "parse_tools",
     "read_tool_calls",
     "stream_tool_calls",
@@ -45,6 +46,10 @@ __all__ = [
 
 # OpenAI's limit on the tools of one request.
 MAX_TOOLS = 128
+# The deepest nesting of JSON arrays and objects read from a request (its body, a call's arguments):
+# llguidance reads schemas to 128 levels, and deeper values would reach Python's recursion limit
+# where they are written out again (json.dumps, a chat template's tojson).
+MAX_NESTING = 256
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _START, _END = "<tool_call>", "</tool_call>"
 # The start of a call in the Hermes format as models write it: the name first, then the arguments,
@@ -182,12 +187,28 @@ def _tool_call(call: object, where: str) -> dict[str, Any]:
     arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
     if not isinstance(call, dict) or not isinstance(name, str) or not isinstance(arguments, str):
         raise ToolsError(f"'{where}' must be a call with a function's name and arguments (a string)", where)
+    if not isinstance(call.get("id", ""), str | None):
+        raise ToolsError(f"'{where}.id' must be a string", where)
     try:
         read: Any = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         # OpenAI keeps arguments that are no JSON (a model may write them): rendered as the string.
         read = arguments
+    if nested_deeper(read, MAX_NESTING):
+        read = arguments
     return {"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": read}}
+
+
+def nested_deeper(value: object, limit: int) -> bool:
+    """Whether ``value`` (as JSON reads it) nests arrays and objects more than ``limit`` levels deep."""
+    pending = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict | list):
+            if depth == limit:
+                return True
+            pending.extend((inner, depth + 1) for inner in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 def hermes_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,128 @@
+"""Requests that once made the gateway answer 500, on a real tiny cluster (router, verifier,
+n-gram drafter, gateway on 127.0.0.1): schemas and grammars that llguidance cannot read, bodies
+that JSON cannot hold or that nest too deep."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from tests.services.test_gateway_service import Cluster, base, cluster
+
+from sdcp.grammar import ConstraintError, check, gbnf_to_lark
+from sdcp.protocol.messages import Constraint
+from sdcp.services.gateway import GatewayNode
+from sdcp.text import TextCodec
+
+__all__ = ["cluster"]  # the fixture, from the gateway's service tests
+
+pytestmark = pytest.mark.timeout(180)
+
+# The tiny tokenizer has no chat template: the chat requests get this one.
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def nested(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+async def chat_gateway(cluster: Cluster) -> GatewayNode:
+    gateway = await cluster.gateway()
+    codec = gateway.codec
+    gateway.codec = TextCodec(codec.tokenizer, chat_template=TEMPLATE, context_length=codec.context_length)
+    return gateway
+
+
+async def post(http: httpx.AsyncClient, path: str, body: dict[str, Any] | bytes) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return await http.post(path, content=content, headers={"content-type": "application/json"})
+
+
+def completion(**members: Any) -> dict[str, Any]:
+    return {"prompt": "Hello", "max_tokens": 20, **members}
+
+
+def chat(**members: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 20, **members}
+
+
+def tool(name: str = "f", parameters: object = None) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": name}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def test_what_llguidance_cannot_read_is_a_constraint_error() -> None:
+    # llguidance's ValueError (a schema nested past its 128 levels, options on a boolean schema)
+    # and the GBNF converter's bare Exception, IndexError and RecursionError were 500s.
+    for text in ("false", json.dumps(nested(200))):
+        with pytest.raises(ConstraintError):
+            check(Constraint(kind="json_schema", text=text))
+    check(Constraint(kind="json_schema", text="true"))
+    for grammar in (" ", "i::=a", "root ::= " + "(" * 3000 + '"a"' + ")" * 3000):
+        with pytest.raises(ConstraintError):
+            gbnf_to_lark(grammar)
+
+
+async def test_schemas_and_grammars_llguidance_cannot_read_are_a_400(cluster: Cluster) -> None:
+    gateway = await chat_gateway(cluster)
+    async with httpx.AsyncClient(base_url=base(gateway), timeout=60) as http:
+        for path, body, param in [
+            ("/v1/completions", completion(guided_json=False), "guided_json"),
+            ("/v1/completions", completion(guided_json=nested(200)), "guided_json"),
+            (
+                "/v1/completions",
+                completion(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": False}}),
+                "response_format",
+            ),
+            ("/v1/completions", completion(guided_grammar=" "), "guided_grammar"),
+            ("/v1/completions", completion(guided_grammar="i::=a"), "guided_grammar"),
+            (
+                "/v1/completions",
+                completion(guided_grammar="root ::= " + "(" * 3000 + '"a"' + ")" * 3000),
+                "guided_grammar",
+            ),
+            ("/v1/chat/completions", chat(tools=[tool(parameters=nested(200))], tool_choice="required"), "tools"),
+        ]:
+            answer = await post(http, path, body)
+            assert answer.status_code == 400, (param, answer.text)
+            assert answer.json()["error"]["param"] == param
+        # The schema true allows any JSON value, as {} does.
+        anything = await post(http, "/v1/completions", completion(guided_json=True))
+        assert anything.status_code == 200, anything.text
+
+
+async def test_a_body_json_cannot_hold_or_that_nests_too_deep_is_a_400(cluster: Cluster) -> None:
+    gateway = await chat_gateway(cluster)
+    long_integer = b'{"prompt": "Hi", "max_tokens": 1' + b"0" * 5000 + b"}"
+    # Nested within what json.loads reads, but past what writing a schema out again (json.dumps
+    # of the tools on a worker thread) or llguidance takes.
+    deep_tools = chat(tools=[tool(parameters=json.loads('{"a":' * 400 + "1" + "}" * 400))])
+    async with httpx.AsyncClient(base_url=base(gateway), timeout=60) as http:
+        bodies: list[tuple[str, dict[str, Any] | bytes]] = [
+            ("/v1/completions", long_integer),
+            ("/v1/completions", completion(x=json.loads("[" * 300 + "]" * 300))),
+            ("/v1/chat/completions", deep_tools),
+        ]
+        for path, body in bodies:
+            answer = await post(http, path, body)
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["type"] == "invalid_request_error"
+        # Arguments nested past what JSON reads are kept as their text, as arguments that are no JSON.
+        call = {"function": {"name": "f", "arguments": "[" * 2000}}
+        history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [call]}]
+        kept = await post(http, "/v1/chat/completions", chat(messages=history, max_tokens=1))
+        assert kept.status_code == 200, kept.text
+        # A call's id is a string.
+        bad_id = [{"role": "assistant", "tool_calls": [{"id": {"x": 1}, **call}]}]
+        refused = await post(http, "/v1/chat/completions", chat(messages=bad_id))
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages[0].tool_calls[0]"
