@@ -33,6 +33,7 @@ __all__ = [
     "ConstraintError",
     "GrammarConstraint",
     "check",
+    "check_start",
     "compile_constraint",
     "gbnf_to_lark",
     "grammar_tokenizer",
@@ -102,6 +103,18 @@ def check(constraint: Constraint, tokenizer: llguidance.LLTokenizer | None = Non
         raise ConstraintError(message)
 
 
+def check_start(
+    constraint: Constraint, tokenizer: llguidance.LLTokenizer, stop: Sequence[int], vocab_size: int
+) -> None:
+    """Raise ConstraintError where no output of the language can start over ``tokenizer`` with
+    these stop tokens: no token is allowed at its first position (an unsatisfiable schema such as
+    ``{"$ref": "#"}``, a regular expression of an empty class, a grammar without a finite
+    derivation, stop tokens that take every token an output starts with). A verifier would have no
+    token to decide: what a front end refuses before it opens a session."""
+    if not GrammarConstraint(tokenizer, constraint, stop, vocab_size).allowed(())[0].any():
+        raise ConstraintError("no output of the language can start: no token is allowed at its first position")
+
+
 @functools.lru_cache(maxsize=4)
 def grammar_tokenizer(definition: str, vocab_size: int) -> llguidance.LLTokenizer:
     """llguidance's view of a tokenizer, from its definition (a Hugging Face ``tokenizer.json``), with
@@ -148,7 +161,13 @@ class GrammarConstraint:
                 if not rows[-1][token] or token in self._stop:
                     # After a disallowed token nothing is defined; after a stop token the output ends.
                     break
-                self._consume(token)
+                try:
+                    self._consume(token)
+                except ValueError:
+                    # llguidance gave up (a limit of its parser): nothing may follow the token, and
+                    # the matcher, in error for good, allows nothing from now on.
+                    rows.append(np.zeros(self.vocab_size, dtype=bool))
+                    break
                 consumed += 1
                 rows.append(self._mask())
         finally:
@@ -175,7 +194,9 @@ class GrammarConstraint:
         """Up to ``limit`` tokens the language forces after the committed output and ``after``: a
         stop token where the output is complete and one stop token is all that may follow, else the
         tokens of the text every continuation starts with (llguidance's fast-forward tokens), as far
-        as each is allowed in turn. Empty where ``after`` leaves the language."""
+        as each is allowed in turn. Empty where ``after`` leaves the language, or where llguidance
+        gives up on it (a limit of ``LLParserLimits`` reached: the matcher is then in error, and the
+        masks after the committed output allow nothing, which ends the session)."""
         if limit <= 0 or self._ended:
             return ()
         consumed = 0
@@ -189,6 +210,8 @@ class GrammarConstraint:
                 return (int(self._stop_ids[0]),) if len(self._stop_ids) == 1 else ()
             candidates = self._matcher.compute_ff_tokens()[:limit]
             return tuple(candidates[: self._matcher.validate_tokens(candidates)])
+        except ValueError:
+            return ()
         finally:
             if consumed:
                 self._matcher.rollback(consumed)

@@ -69,10 +69,15 @@ class TextCodec:
         )
 
     @cached_property
+    def tokenizer_definition(self) -> str:
+        """The tokenizer's definition (its ``tokenizer.json``), as structured output reads it."""
+        return str(self.tokenizer.to_str())
+
+    @cached_property
     def tokenizer_digest(self) -> bytes:
         """The digest a contract names for this tokenizer (SDCP 4.1), as ``sdcp.models.digests``
         computes it from transformers' tokenizer: SHA-256 of its definition as canonical JSON."""
-        return tokenizer_definition_digest(self.tokenizer.to_str())
+        return tokenizer_definition_digest(self.tokenizer_definition)
 
     @cached_property
     def max_token_bytes(self) -> int:

@@ -1,6 +1,8 @@
-"""Requests that once made the gateway answer 500, on a real tiny cluster (router, verifier,
-n-gram drafter, gateway on 127.0.0.1): schemas and grammars that llguidance cannot read, bodies
-that JSON cannot hold or that nest too deep."""
+"""Requests that once made the gateway answer 500 or hang a session, on a real tiny cluster
+(router, verifier, n-gram drafter, gateway on 127.0.0.1): schemas and grammars that llguidance
+cannot read, bodies that JSON cannot hold or that nest too deep, languages that no output can start
+(a 400 before any session opens) and languages whose outputs dead-end (the verifier ends the session
+with fail: the choice's finish_reason is "abort", at once, instead of a session that never ends)."""
 
 from __future__ import annotations
 
@@ -126,3 +128,44 @@ async def test_a_body_json_cannot_hold_or_that_nests_too_deep_is_a_400(cluster: 
         bad_id = [{"role": "assistant", "tool_calls": [{"id": {"x": 1}, **call}]}]
         refused = await post(http, "/v1/chat/completions", chat(messages=bad_id))
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages[0].tool_calls[0]"
+
+
+async def test_a_language_that_no_output_can_start_is_a_400_before_a_session_opens(cluster: Cluster) -> None:
+    gateway = await chat_gateway(cluster)
+    every_token = list(range(gateway.codec.vocab_size))
+    async with httpx.AsyncClient(base_url=base(gateway), timeout=60) as http:
+        for body, param in [
+            (completion(guided_json={"$ref": "#"}), "guided_json"),
+            (completion(guided_json={"$ref": "#"}, stream=True), "guided_json"),
+            (completion(guided_regex="[a&&b]"), "guided_regex"),
+            # Stop tokens are no text: with every token one, no output starts.
+            (completion(guided_regex="a+", stop_token_ids=every_token), "guided_regex"),
+        ]:
+            answer = await post(http, "/v1/completions", body)
+            assert answer.status_code == 400, (body, answer.text)
+            error = answer.json()["error"]
+            assert error["param"] == param and "no output of the language can start" in error["message"]
+    assert not cluster.verifier.engine.sessions
+
+
+async def test_a_language_whose_output_dead_ends_ends_the_choice_as_abort(cluster: Cluster) -> None:
+    gateway = await chat_gateway(cluster)
+    (b,) = gateway.codec.encode("b", add_special_tokens=False)
+    async with httpx.AsyncClient(base_url=base(gateway), timeout=60) as http:
+        for path, body in [
+            # "b" is a stop token, so no text: after "a" nothing may follow.
+            ("/v1/completions", completion(guided_regex="ab", stop_token_ids=[b], temperature=0)),
+            ("/v1/completions", completion(guided_regex="ab", stop_token_ids=[b], temperature=1)),
+            # No finite derivation: llguidance gives up after the first token (its item limit).
+            ("/v1/completions", completion(guided_grammar='start: a\na: "x" a', temperature=0)),
+            # A call's arguments that no value validates against: the call starts, then dead-ends.
+            ("/v1/chat/completions", chat(tools=[tool(parameters={"$ref": "#"})], tool_choice="required")),
+        ]:
+            answer = await post(http, path, body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["finish_reason"] == "abort", (body, answer.text)
+        streamed = completion(guided_regex="ab", stop_token_ids=[b], stream=True)
+        async with http.stream("POST", "/v1/completions", json=streamed) as stream:
+            assert stream.status_code == 200
+            events = [line async for line in stream.aiter_lines() if line.startswith("data: {")]
+        assert json.loads(events[-1][len("data: ") :])["choices"][0]["finish_reason"] == "abort"

@@ -27,6 +27,7 @@ from sdcp.futures import Outcome, settle_soon
 from sdcp.models.backend import SessionId, Target
 from sdcp.models.errors import ModelError
 from sdcp.models.worker import Call, ModelThread, ModelThreadClosed
+from sdcp.protocol.constraint import DeadEnd
 from sdcp.protocol.messages import Sampling
 from sdcp.protocol.shaping import TargetLogits
 from sdcp.threads import CoreGovernor
@@ -68,7 +69,12 @@ class TargetMostProbable:
             # forces where the output is complete): no token follows it.
             return None
         # A proposed token the constraint disallows is at -inf in its own row: never the argmax.
-        greedy = [int(token) for token in np.argmax(self._logits.rows(rows, proposed, self._sampling), axis=-1)]
+        try:
+            shaped = self._logits.rows(rows, proposed, self._sampling)
+        except DeadEnd:
+            # No token may follow: the round that decides here ends the session; the run stops.
+            return None
+        greedy = [int(token) for token in np.argmax(shaped, axis=-1)]
         if list(proposed) != greedy[: len(proposed)]:
             return None
         token = greedy[-1]

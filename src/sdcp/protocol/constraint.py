@@ -17,7 +17,12 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["TokenConstraint", "constrain_rows"]
+__all__ = ["DeadEnd", "TokenConstraint", "constrain_rows"]
+
+
+class DeadEnd(ValueError):
+    """The constraint allows no token at a position: no output of its language continues the
+    tokens before it (docs/interpretations.md: the session then ends with fail)."""
 
 
 class TokenConstraint(Protocol):
@@ -60,7 +65,7 @@ def constrain_rows(
         if not mask.any():
             # A language whose every continuation is cut off has no distribution to draw from: that
             # is the constraint's fault, never something to decide a token by.
-            raise ValueError(f"the constraint allows no token at output index {first_index + index}")
+            raise DeadEnd(f"the constraint allows no token at output index {first_index + index}")
         keep = mask
         if first_index + index < min_new and stops:
             without_stops = mask.copy()

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sdcp.protocol.constraint import TokenConstraint
+from sdcp.protocol.constraint import DeadEnd, TokenConstraint
 from sdcp.protocol.control import SpeculationControl
 from sdcp.protocol.digest import extend_digest, prefix_digest
 from sdcp.protocol.logprobs import token_logprobs
@@ -433,9 +433,13 @@ class VerifierSession:
         if proposal is None:
             raise ValueError("a self-decoded round is decided by decide_self_decode")
         tokens = proposal.tokens
+        try:
+            rows = self._target_rows(logits, ticket.sampling, tokens)
+        except DeadEnd:
+            return self._dead_end(ticket, verifier_load)
         # SDCP 6.3: a rule that needs draft rows checks every one (rules.check_draft_rows) before it
         # draws its first random value.
-        acceptance = self.rule.accept(self._target_rows(logits, ticket.sampling, tokens), q_rows, tokens, ticket.rng)
+        acceptance = self.rule.accept(rows, q_rows, tokens, ticket.rng)
         proposed_emitted = (*tokens[: acceptance.accepted], acceptance.extra_token)
         control = copy.copy(self.control)
         emitted, finished = self._truncate(proposed_emitted)
@@ -451,7 +455,10 @@ class VerifierSession:
         if self._require_ticket(ticket) is not None:
             raise ValueError("a proposal round is decided by decide")
         raw = np.asarray(logits).reshape(-1, np.shape(logits)[-1])[:1]
-        row = self.target_logits.rows(raw, (), ticket.sampling)[0]
+        try:
+            row = self.target_logits.rows(raw, (), ticket.sampling)[0]
+        except DeadEnd:
+            return self._dead_end(ticket, verifier_load)
         if isinstance(self.rule, GreedyRule):
             token = int(np.argmax(row))
         else:
@@ -465,6 +472,15 @@ class VerifierSession:
         else:
             action, m_cap = control.after_self_decode_token(verifier_load), control.m_cap
         return self._with_logprobs(self._pending(ticket, control, emitted, 0, action, m_cap, verifier_load), raw)
+
+    def _dead_end(self, ticket: RoundTicket, verifier_load: int) -> PendingCommit:
+        """The constraint allows no token where the round decides one (a language that no output
+        continues from here: docs/interpretations.md): the round commits nothing and ends the
+        session with fail, as a cancel does, rather than leave it to fail again at every round."""
+        control = copy.copy(self.control)
+        control.self_decoding = False
+        action, m_cap = control.fail()
+        return self._pending(ticket, control, (), 0, action, m_cap, verifier_load)
 
     def apply(self, pending: PendingCommit) -> Verdict:
         """The commit record is durable: commit the tokens and record the verdict together."""

@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sdcp import __version__
 from sdcp.client import DEFAULT_M_MAX, ClusterClient, SessionHandle, build_contract
 from sdcp.config import ConfigError, ServiceConfig
-from sdcp.protocol.messages import TokenLogprob
+from sdcp.protocol.messages import Action, TokenLogprob
 from sdcp.protocol.problems import BadContract, ProtocolError
 from sdcp.services.admin import AdminServer, Readiness
 from sdcp.services.openai_api import (
@@ -630,9 +630,10 @@ class GatewayNode:
                 return
             if chunk.finish is not None:
                 stop_token = final_token is not None and final_token in generation.stop_ids
-                yield piece(
-                    decided, "stop" if stop_token else "length", await self._acceptance(handle, chunk.epoch, generation)
-                )
+                # A session its verifier ended with fail (a constraint that no output continues,
+                # docs/interpretations.md) is "abort", as vLLM names an output that did not finish.
+                finish = "abort" if chunk.finish == Action.FAIL else "stop" if stop_token else "length"
+                yield piece(decided, finish, await self._acceptance(handle, chunk.epoch, generation))
                 return
             if decided:
                 yield piece(decided, None)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
-from sdcp.grammar import ConstraintError, check, gbnf_to_lark
+from sdcp.grammar import ConstraintError, check, check_start, gbnf_to_lark, grammar_tokenizer
 from sdcp.protocol.logprobs import LOGPROB_SCALE
 from sdcp.protocol.messages import (
     MAX_CONSTRAINT_TEXT,
@@ -314,14 +314,20 @@ def parse_generation(
         reader.boolean("parallel_tool_calls", True)
     user = reader.text("user")
     request_id = reader.text("request_id")
-    constraint = _constraint(reader)
+    constrained = _constraint(reader)
     if tool_use is not None and tool_use.constraint is not None:
-        if constraint is not None:
+        if constrained is not None:
             raise OpenAIError("a tool_choice that forces a call is a constraint: give no other", param="tool_choice")
-        constraint = tool_use.constraint
+        constrained = ("tool_choice", tool_use.constraint)
+    constraint = None if constrained is None else constrained[1]
     if constraint is not None and ignore_eos:
         # A text of the language ends with a stop token: without one the session could not end.
         raise _refused("ignore_eos", "structured output ends each choice at its end-of-text token")
+    # Under a constraint a stop token is no text, so a one-token stop string is matched in the
+    # text instead (a JSON output's "}" must stay a token of the output).
+    stop_ids = _stop_ids(codec, stop_texts if constraint is None else (), extra_stop_ids, ignore_eos)
+    if constrained is not None:
+        _check_start(codec, *constrained, stop_ids)
     # OpenAI's default temperature is 1; temperature 0 is greedy decoding, i.e. rule 1 (SDCP 6.4).
     greedy = temperature == 0.0
     shaping = _shaping(reader, codec.vocab_size)
@@ -345,9 +351,7 @@ def parse_generation(
         rule=1 if greedy else 2,
         sampling=sampling,
         stop_texts=stop_texts,
-        # Under a constraint a stop token is no text, so a one-token stop string is matched in the
-        # text instead (a JSON output's "}" must stay a token of the output).
-        stop_ids=_stop_ids(codec, stop_texts if constraint is None else (), extra_stop_ids, ignore_eos),
+        stop_ids=stop_ids,
         min_tokens=min_tokens,
         stream=stream,
         include_usage=include_usage,
@@ -400,7 +404,7 @@ _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice
 _STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
 
 
-def _constraint(reader: _Reader) -> Constraint | None:
+def _constraint(reader: _Reader) -> tuple[str, Constraint] | None:
     """The output's language from ``response_format`` (OpenAI: json_object, json_schema), vLLM's
     ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (Lark or GBNF) or its
     ``structured_outputs``; at most one of them. ``guided_decoding_backend`` names an engine: ours
@@ -438,7 +442,18 @@ def _constraint(reader: _Reader) -> Constraint | None:
         check(constraint)
     except ConstraintError as exc:
         raise OpenAIError(f"'{member}' names no language this server can apply: {exc}", param=member) from exc
-    return constraint
+    return member, constraint
+
+
+def _check_start(codec: TextCodec, member: str, constraint: Constraint, stop_ids: Sequence[int]) -> None:
+    """Refuse a language that no output can start, over the model's tokens and the request's stop
+    tokens (``sdcp.grammar.check_start``): its session would have no token to decide."""
+    try:
+        check_start(
+            constraint, grammar_tokenizer(codec.tokenizer_definition, codec.vocab_size), stop_ids, codec.vocab_size
+        )
+    except ConstraintError as exc:
+        raise OpenAIError(f"'{member}' names a language this model cannot write: {exc}", param=member) from exc
 
 
 def _response_format(value: object) -> tuple[str, object] | None:
