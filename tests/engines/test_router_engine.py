@@ -28,7 +28,17 @@ from sdcp.models.draft import NgramDrafter
 from sdcp.models.registry import LoadedModel
 from sdcp.models.target import TargetModel
 from sdcp.protocol import codec
-from sdcp.protocol.messages import Action, Contract, Event, Output, Proposal, Sampling, SessionRequest, Verdict
+from sdcp.protocol.messages import (
+    Action,
+    Contract,
+    Event,
+    Output,
+    Policy,
+    Proposal,
+    Sampling,
+    SessionRequest,
+    Verdict,
+)
 from sdcp.protocol.problems import BadMessage
 from sdcp.protocol.records import replay_commit_log
 from sdcp.protocol.router import RouterSession
@@ -282,7 +292,11 @@ async def test_a_router_holds_what_its_limits_allow(world: World) -> None:
     world.report(quiet=(V2,))
     request = SessionRequest(prompt=PROMPT, contract=world.contract)
     first, second = [await a.open_session(FRONT_END, request) for _ in range(2)]
-    await b.contact(first.session)
+    at_b = await b.contact(first.session)
+    # B changes the session (a policy, SDCP 6.6); A, asked about it next, takes B's facts over.
+    policy = Policy(session=first.session, from_round=1_000_000, sampling=Sampling.from_obj({"top_k": 5}))
+    await b.change_policy(at_b, policy)
+    assert (await a.contact(first.session)).plan.sampling == policy.sampling
     with pytest.raises(Unavailable):
         await b.contact(second.session)  # B holds one session already
     with pytest.raises(SessionNotFound):
