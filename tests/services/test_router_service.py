@@ -1015,3 +1015,24 @@ async def test_a_drafter_without_our_cost_terms_is_ranked_by_its_accept_milli(
     vendor.report_status_soon()
     await eventually(lambda: router.registry.get(vendor.uri).status.accept_milli == 950)  # type: ignore[union-attr]
     assert await decode_one() == vendor.uri
+
+
+async def test_a_front_end_whose_first_router_is_gone_uses_the_next(
+    deployment: Deployment, target: TargetModel
+) -> None:
+    """[instance] router as a list (#29): the client opens the session at the first router that
+    answers, asks that one about it, and reads the greedy output; the first one answers nothing."""
+    router = deployment.router
+    assert router is not None
+    await start_verifier(deployment, "verifier1")
+    await start_drafter(deployment, "drafter1")
+    gone = f"https://127.0.0.1:{free_port()}"
+    cert, key = deployment.certs["frontend"]
+    async with ClusterClient([gone, router.uri], cert=cert, key=key, ca=deployment.ca) as client:
+        assert await client.targets()
+        handle = await client.open(PROMPT, tiny_contract(target, max_new=40))
+        assert handle.router == router.uri
+        tokens = [t async for chunk in client.stream(handle) for t in chunk.tokens]
+        assert tokens == greedy_reference(target, 40)
+        # Asked about the session, the router that answered it comes first (the gone one never does).
+        assert (await client.describe(handle))["session"] == handle.session
