@@ -291,12 +291,12 @@ def test_each_role_reaches_redis_as_its_own_user(tmp_path: Path) -> None:
     TOML names."""
     import hashlib
 
-    from sdcp.cache.redis_acl import acl_rules
+    from sdcp.cache.redis_acl import DEFAULT_USER, acl_rules
 
     secrets = _secrets(tmp_path)
     acl = secrets["sdcp-redis-acl"]["users.acl"].decode()
     lines = {line.split()[1]: line.split() for line in acl.splitlines()}
-    assert lines["default"][2] == "off"
+    assert lines["default"] == DEFAULT_USER.split() and lines["default"][2] == "off"
     (redis,) = (w for w in of_kind("StatefulSet") if w["metadata"]["name"] == "redis")
     (container,) = redis["spec"]["template"]["spec"]["containers"]
     assert container["args"][-2:] == ["--aclfile", "/etc/redis/acl/users.acl"]

@@ -16,8 +16,14 @@ the rest with NOPERM, whatever the client's code says.
 - mlc: every key under the prefix (an MLC node, which checks its callers itself);
 - admin: every key and command (for `sdcp redis-acl --url` and operators).
 
-The default user is switched off in the ACL file this module writes; a server whose default user
-stays open (no `requirepass`) gives every client the admin's rights, whatever the roles' users say.
+The default user is switched off in the ACL file this module writes, without any password: no
+connection can be it. A server whose default user stays open (no `requirepass`) gives every client
+the admin's rights, whatever the roles' users say. Its own rights are every command and key
+(`DEFAULT_USER`): they are what Redis replays the append-only file with. Redis 7.0 to 8.0 (until
+redis/redis#14545; Valkey likewise, valkey-io/valkey#3983) runs the file's EXECs as the default
+user and checks each queued command against that user's rules again; every script of the store
+that writes more than one command is in the file as a MULTI/EXEC of its effects, so a default user
+without rights loses them all at a restart (NOPERM in the server's log, the commit logs empty).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADMIN",
+    "DEFAULT_USER",
     "ROLES",
     "ROLE_USERS",
     "RedisAccess",
@@ -50,6 +57,13 @@ __all__ = [
     "redact_url",
     "writes",
 ]
+
+# The default user of the ACL file: off and without any password (`resetpass` also drops `nopass`), so
+# that no connection authenticates as it, on or off; with every command and key, because Redis
+# replays the append-only file's transactions as this user and refuses each queued command it may
+# not run (the EXEC re-check of redis/redis#14541), which would drop every multi-key script's writes
+# at a restart.
+DEFAULT_USER = "user default off resetpass resetkeys resetchannels ~* &* +@all"
 
 # Namespaces of objects: one per kind this implementation names its objects with, and `other` for
 # every other name (another implementation's URIs, kinds we do not create). Commit logs are not
@@ -179,8 +193,9 @@ def ensure_passwords(directory: Path, roles: Iterable[str] = (*ROLES, ADMIN)) ->
 
 def acl_file_text(passwords: Mapping[str, str], prefix: str, users: Mapping[str, str] = ROLE_USERS) -> str:
     """An ACL file (`redis-server --aclfile`) with one user per role given, named by `users`; the
-    default user off. Passwords are stored as their SHA-256 (`#<hex>`), never in clear."""
-    lines = ["user default off resetkeys -@all"]
+    default user off and without password (`DEFAULT_USER`). Passwords are stored as their SHA-256
+    (`#<hex>`), never in clear."""
+    lines = [DEFAULT_USER]
     for role, password in passwords.items():
         digest = hashlib.sha256(password.encode()).hexdigest()
         lines.append(" ".join(["user", users[role], "on", f"#{digest}", *acl_rules(role, prefix)]))
