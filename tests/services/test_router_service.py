@@ -19,10 +19,10 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 from tests.services.outputs import read_output
-from tests.waiting import eventually, eventually_async
+from tests.waiting import HANG_GUARD_S, eventually, eventually_async
 
 from sdcp.cache import MLC, PreconditionFailed, build_uri
-from sdcp.client import ClusterClient, SessionHandle
+from sdcp.client import ClusterClient, OutputChunk, SessionHandle
 from sdcp.config import (
     DrafterConfig,
     InstanceConfig,
@@ -65,21 +65,31 @@ pytestmark = pytest.mark.timeout(120)
 
 PROMPT = (5, 17, 42, 9, 100, 3)
 ROUTER_TTL_MS = 300
+# The status TTL of the deployment's instances: they report every third of it.
+INSTANCE_TTL_MS = 600
+# A jump of the router's clock past every status report it holds (and short of REDECIDE_AFTER_S,
+# so that one jump alone does not make the router decide its sessions' drafters again).
+PAST_TTL_S = 2 * INSTANCE_TTL_MS / 1000
 # A digest no real model has: the model of drafters played by the test.
 PLAYED_MODEL = hashlib.sha256(b"played drafter").digest()
 
 
 class JumpClock:
-    """The router's clock: monotonic time that a test can jump forward instead of sleeping."""
+    """The router's clock (status TTLs, decision ages), which stands still until the test moves it.
+
+    A status expires only when the test jumps past its TTL, never because a loaded machine held
+    an instance's report back: a test that waited for real TTLs to pass would race them (a
+    verifier's status expiring mid-session fails the session over while that verifier runs).
+    """
 
     def __init__(self) -> None:
-        self.offset = 0.0
+        self.now = time.monotonic()
 
     def __call__(self) -> float:
-        return time.monotonic() + self.offset
+        return self.now
 
     def advance(self, seconds: float) -> None:
-        self.offset += seconds
+        self.now += seconds
 
 
 @dataclass
@@ -97,7 +107,7 @@ class Deployment:
     def config(self, name: str, **sections: object) -> ServiceConfig:
         cert, key = self.certs[name]
         router = None if name == "router" else self.uris["router"]
-        ttl_ms = ROUTER_TTL_MS if name == "router" else 600
+        ttl_ms = ROUTER_TTL_MS if name == "router" else INSTANCE_TTL_MS
         instance = InstanceConfig(uri=self.uris[name], cert=cert, key=key, ca=self.ca, router=router, ttl_ms=ttl_ms)
         trust = TrustConfig(
             verifiers=(self.uris["verifier1"], self.uris["verifier2"]),
@@ -120,8 +130,13 @@ class Deployment:
         self.nodes.append(node)
 
     async def stop(self, node: VerifierNode | RouterNode | DrafterNode) -> None:
+        """Stop ``node``, and let the router see its status expire: the router's clock jumps past
+        every TTL (the instances still running report again within a third of theirs)."""
         self.nodes.remove(node)
         await node.stop()
+        # A report of the node's still in flight was cancelled with its connection (h2server).
+        if self.router is not None and node is not self.router:
+            jump_clock(self.router).advance(PAST_TTL_S)
 
 
 @pytest.fixture
@@ -587,15 +602,38 @@ async def test_a_reader_stuck_at_a_silent_verifier_follows_the_failover(
     async def unanswered(*_args: object, **_kwargs: object) -> None:
         await asyncio.Event().wait()
 
-    monkeypatch.setattr(first.engine, "output", unanswered)
+    reading = asyncio.Event()
+
+    async def unanswered_read(*_args: object, **_kwargs: object) -> None:
+        reading.set()
+        await unanswered()
+
+    monkeypatch.setattr(first.engine, "output", unanswered_read)
     monkeypatch.setattr(first.engine, "propose", unanswered)
     monkeypatch.setattr(first, "status", lambda: None)
+
+    def failed_over() -> bool:
+        # The router's clock jumps past the silent verifier's TTL; again if a report it sent
+        # before it fell silent arrived after the jump.
+        if router.registry.is_live(first.uri, router.clock()):
+            jump_clock(router).advance(PAST_TTL_S)
+        return router.sessions[session].plan.verifier != first.uri
+
     cert, key = deployment.certs["frontend"]
     async with ClusterClient(deployment.uris["router"], cert=cert, key=key, ca=deployment.ca) as client:
         handle = await client.locate(SessionHandle(session, 1, first.uri, None))
+        assert handle.verifier == first.uri
+
+        async def read_all() -> list[OutputChunk]:
+            return [chunk async for chunk in client.stream(handle)]
+
+        reader = asyncio.create_task(read_all())
+        # Once the reader waits at the silent verifier, the router fails the session over.
+        await asyncio.wait_for(reading.wait(), HANG_GUARD_S)
+        await eventually(failed_over)
         # Well within the 30 s a read waits for its answer: the router's new epoch is followed.
         async with asyncio.timeout(20):
-            chunks = [chunk async for chunk in client.stream(handle)]
+            chunks = await reader
     assert [t for chunk in chunks for t in chunk.tokens] == greedy_reference(target, max_new)
     assert chunks[-1].epoch == 2 and chunks[-1].finish == Action.FINISH
 
