@@ -32,6 +32,7 @@ from sdcp.config import (
     TrustConfig,
     VerifierConfig,
 )
+from sdcp.engines.router import TrackedSession
 from sdcp.localhost import free_port
 from sdcp.models.draft import DraftResult, NgramDrafter
 from sdcp.models.target import TargetModel
@@ -60,6 +61,7 @@ from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import RetryPolicy, SDCPClient
 from sdcp.transport.errors import ServiceUnavailable
+from sdcp.transport.signing import RecordSigner
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -580,6 +582,117 @@ async def test_a_record_forged_into_the_store_never_reaches_the_user(
     assert tokens[n : n + 5] != forged_tokens
     assert after[-1].finish == Action.FINISH
     assert counter("sdcp_router_untrusted_records_total", router.uri) > untrusted_before
+
+
+async def append_intruding_record(env: Deployment, session: bytes, intruder: str, reference: list[int]) -> list[int]:
+    """Append to the session's commit log, as another party with write access to the store, a
+    record of 5 tokens that are not the reference's: ``forged``, unsigned in the session's
+    verifier's name at its epoch; or ``second verifier``, validly signed by verifier2 at epoch + 1
+    (no fence names it). Returns the intruding tokens."""
+    async with MLC.from_config(disk_dir=env.tmp / "mlc") as mlc:
+        commit_log = mlc.commit_log(build_uri("local", None, "log", session.hex()))
+        while True:
+            snapshot = await commit_log.read()
+            last = [record for record in snapshot.records if "emitted" in record][-1]
+            n = last["committed"]
+            tokens = [reference[n + i] ^ 1 for i in range(5)]
+            record = {
+                "epoch": last["epoch"],
+                "round": last["round"] + 1,
+                "emitted": tokens,
+                "committed": n + len(tokens),
+                "digest": extend_digest(last["digest"], tokens),
+                "writer": last["writer"],
+            }
+            if intruder == "second verifier":
+                cert, key = env.certs["verifier2"]
+                record = {**record, "epoch": last["epoch"] + 1, "writer": env.uris["verifier2"]}
+                record = RecordSigner.load(cert, key).sign(record, with_cert=True)
+            try:
+                await commit_log.append(record, snapshot.etag)
+                return tokens
+            except PreconditionFailed:
+                continue  # the verifier committed a round meanwhile: append after it
+
+
+@pytest.mark.parametrize("intruder", ["forged", "second verifier"])
+async def test_a_live_session_whose_log_another_party_appends_to_completes(
+    deployment: Deployment, target: TargetModel, intruder: str
+) -> None:
+    """Issue #29: a record appended to a live session's log by someone else makes the verifier's
+    next append fail its precondition, and the verifier stops the session as fenced while it stays
+    live. The router, told by the verifier's event, fences above the log's highest epoch and opens
+    the session again at that verifier, replaying only its signed records."""
+    router = deployment.router
+    assert router is not None
+    verifier = await start_verifier(deployment, "verifier1")
+    await start_drafter(deployment, "drafter1")
+    max_new = 150
+    opened = await open_session(deployment, tiny_contract(target, max_new=max_new))
+    session = opened["session"]
+    assert isinstance(session, bytes) and opened["verifier"] == verifier.uri
+    reference = greedy_reference(target, max_new)
+    reader = deployment.client("frontend", peer="verifier1")
+    before = await read_output(reader, session, until=8)
+    assert not before[-1].final, "the session finished before the record could be appended"
+    untrusted_before = counter("sdcp_router_untrusted_records_total", router.uri)
+    reopened_before = counter("sdcp_router_sessions_reopened_total", router.uri)
+    intruding = await append_intruding_record(deployment, session, intruder, reference)
+
+    # No front end asks meanwhile: the verifier's event is what has the session opened again.
+    await eventually(lambda: counter("sdcp_router_sessions_reopened_total", router.uri) > reopened_before)
+    outputs = await read_output(reader, session)
+    tokens = [t for output in outputs for t in output.tokens]
+    # 0 intruding tokens: the output is the greedy reference, which differs from them everywhere.
+    assert tokens == reference and outputs[-1].finish == Action.FINISH
+    assert not any(tokens[i : i + 5] == intruding for i in range(len(tokens)))
+    assert counter("sdcp_router_untrusted_records_total", router.uri) > untrusted_before
+    # Fenced above every epoch in the log, naming the same verifier, which alone writes after it.
+    fenced_at = 2 if intruder == "forged" else 3
+    assert outputs[-1].epoch == fenced_at and router.sessions[session].plan.verifier == verifier.uri
+    async with MLC.from_config(disk_dir=deployment.tmp / "mlc") as mlc:
+        records = (await mlc.commit_log(build_uri("local", None, "log", session.hex())).read()).records
+    fence = records.index({"epoch": fenced_at, "verifier": verifier.uri})
+    assert all(r["epoch"] == fenced_at and r["writer"] == verifier.uri for r in records[fence + 1 :])
+    after = records[fence + 1 :]
+    resumed = after[0]["committed"] - len(after[0]["emitted"])
+    assert [t for r in after for t in r["emitted"]] == reference[resumed:]
+
+
+async def test_a_front_ends_read_reopens_a_session_whose_verifier_stopped_unheard(
+    deployment: Deployment, target: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the router never hears the verifier's event (lost, or a router that ignores
+    its fenced member and answers it): the front end, reading nothing more, asks the router where
+    the session runs, and the router finds the record in the log and opens the session again."""
+    router = deployment.router
+    assert router is not None
+    verifier = await start_verifier(deployment, "verifier1")
+    await start_drafter(deployment, "drafter1")
+    handled = router.engine.event
+
+    async def unheard_fence(tracked: TrackedSession, event: Event) -> None:
+        if not event.fenced:
+            await handled(tracked, event)
+
+    monkeypatch.setattr(router.engine, "event", unheard_fence)
+    max_new = 150
+    opened = await open_session(deployment, tiny_contract(target, max_new=max_new))
+    session = opened["session"]
+    assert isinstance(session, bytes) and opened["verifier"] == verifier.uri
+    reference = greedy_reference(target, max_new)
+    before = await read_output(deployment.client("frontend", peer="verifier1"), session, until=8)
+    assert not before[-1].final, "the session finished before the record could be appended"
+    intruding = await append_intruding_record(deployment, session, "second verifier", reference)
+    cert, key = deployment.certs["frontend"]
+    # The client follows the session for as long as it takes (the test's guard bounds it), not
+    # for its default number of tries, which a loaded machine might use up.
+    async with ClusterClient(router.uri, cert=cert, key=key, ca=deployment.ca, follow_attempts=10_000) as client:
+        chunks = [chunk async for chunk in client.stream(SessionHandle(session, 1, verifier.uri, None))]
+    tokens = [t for chunk in chunks for t in chunk.tokens]
+    assert tokens == reference and chunks[-1].finish == Action.FINISH
+    assert not any(tokens[i : i + 5] == intruding for i in range(len(tokens)))
+    assert chunks[-1].epoch == 3 and router.sessions[session].plan.verifier == verifier.uri
 
 
 async def test_a_reader_stuck_at_a_silent_verifier_follows_the_failover(

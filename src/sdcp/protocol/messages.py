@@ -723,6 +723,11 @@ class Event(_Message):
     kind: Action = _required(_ACTION)
     committed: int = _required(_UINT)
     digest: bytes = _required(_HASH)
+    # Extension member (docs/interpretations.md, "A fenced verifier"): true when the verifier
+    # stopped serving the session at this epoch because its commit-log append failed on a record it
+    # did not write (SDCP 6.3 Fencing). Sent with kind switch, which a router that ignores the
+    # member acts on as for a drafter that stopped; ours checks whether the fence is its own.
+    fenced: bool | None = _optional(_Bool())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -201,6 +201,11 @@ class LogReplayer:
             return highest
         return highest + 1
 
+    def poisoned(self, epoch: int) -> bool:
+        """Whether a record of ``epoch`` fed so far was not its verifier's signed record: nothing of
+        that epoch counts from there on, and its verifier's next append fails (docs/reliability.md)."""
+        return epoch in self._poisoned
+
     def feed(self, records: Iterable[object]) -> list[str]:
         """Take the next records of the log; returns the faults among them (see the class doc)."""
         faults_before = len(self._faults)

@@ -204,6 +204,11 @@ class RouterNode(Node):
     async def get_session(self, request: Request) -> Response:
         """GET sessions/{id}: where the session runs now, so that a client can follow a failover."""
         tracked = await self._session_of_owner(request, "GET sessions/{id}", Party.FRONT_END, Party.OPERATOR)
+        if not tracked.ended:
+            # A front end asks where the session runs when its verifier gives it nothing new: one
+            # that stopped the session, fenced by a record another party appended to the log,
+            # stays live and sends no event the router could have missed otherwise.
+            self.spawn(self.engine.look_for_intrusion(tracked))
         return cbor_response(tracked.describe())
 
     async def cancel_session(self, request: Request) -> Response:

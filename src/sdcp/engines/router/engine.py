@@ -85,6 +85,11 @@ EXPECTED_RATE = Gauge(
     ["instance", "option"],
 )
 FAILOVERS = Counter("sdcp_router_failovers_total", "Sessions moved to another verifier", ["instance"])
+REOPENED = Counter(
+    "sdcp_router_sessions_reopened_total",
+    "Sessions opened again above a record another party appended to their log, which stopped their verifier",
+    ["instance"],
+)
 UNTRUSTED_RECORDS = Counter(
     "sdcp_router_untrusted_records_total",
     "Commit records a replay left out: not signed by their epoch's verifier",
@@ -182,7 +187,7 @@ class RouterEngine:
             EVENTS.labels(self.uri, kind.name.lower())
         for choice in ("drafter", "explore", "self"):
             CHOICES.labels(self.uri, choice)
-        for family in (FAILOVERS, SESSIONS_OPEN, TAKEN_OVER, LET_GO):
+        for family in (FAILOVERS, REOPENED, SESSIONS_OPEN, TAKEN_OVER, LET_GO):
             family.labels(self.uri)
         self._started_at = self.clock()
         self._tasks.spawn(self._maintain_forever())
@@ -378,7 +383,21 @@ class RouterEngine:
                 ProblemType.STALE_EPOCH, f"event of epoch {event.epoch}; the session is at epoch {tracked.plan.epoch}"
             )
         EVENTS.labels(self.uri, event.kind.name.lower()).inc()
-        if event.kind == Action.SWITCH:
+        if event.kind == Action.SWITCH and event.fenced:
+            # The verifier stopped the session at this epoch, its append fenced. A fence of this
+            # router's would have moved the session to a later epoch (the event would be stale, or
+            # the failover that appended it holds the session's lock and moves it first); any other
+            # is a record someone else appended, and the session would stall while that verifier
+            # stays live: it opens again above that record.
+            log.warning(
+                "%s: session %s: verifier %s stopped it at epoch %d, fenced by a record not this router's",
+                self.uri,
+                tracked.plan.session.hex(),
+                tracked.plan.verifier,
+                event.epoch,
+            )
+            self._tasks.spawn(self._locked(tracked, partial(self._fail_over, tracked, stopped_at=event.epoch)))
+        elif event.kind == Action.SWITCH:
             # SDCP 6.5.2 switch (also the end of a self-decoding period): another drafter with a
             # permitted model, not the current one if any other is live, or the verifier alone when
             # no drafter is expected to beat it.
@@ -464,7 +483,9 @@ class RouterEngine:
         for tracked in list(self.sessions.values()):
             if tracked.ended or tracked.session in self._changing:
                 continue
-            if self._failed(tracked.plan.verifier, now):
+            if self._failed(tracked.plan.verifier, now) or tracked.failover_to is not None:
+                # A failed verifier; or a move whose fence is in the log but whose open failed, which
+                # the old verifier, even live, can no longer serve past.
                 change = partial(self._fail_over, tracked)
             elif tracked.self_decoding or not self.registry.is_live(tracked.plan.verifier, now):
                 continue  # the period ends with its verifier's event; or the verifier has yet to report
@@ -509,6 +530,7 @@ class RouterEngine:
         """Run one change of a session under its lock, claimed first and its new facts written
         after; a failure is logged and retried next tick; a session another router changed since
         is let go (it holds the session now)."""
+        stale = False
         async with tracked.lock:
             if tracked.ended or self.sessions.get(tracked.session) is not tracked:
                 return
@@ -525,8 +547,32 @@ class RouterEngine:
                     self._end(tracked, Action.FINISH)
                     return
                 log.warning("%s: session %s: %s", self.uri, tracked.plan.session.hex(), exc)
+                stale = exc.problem is ProblemType.STALE_EPOCH
             except Exception as exc:  # noqa: BLE001 - the change is retried on the next tick
                 log.warning("%s: session %s: %r", self.uri, tracked.plan.session.hex(), exc)
+        if stale:
+            # The verifier answered that the session's epoch is not current there: fenced, maybe
+            # by a record this router did not write.
+            self._tasks.spawn(self.look_for_intrusion(tracked))
+
+    async def look_for_intrusion(self, tracked: TrackedSession) -> None:
+        """Read what the session's log gained since the last read (a front end asked where the
+        session runs, or its verifier answered a stale epoch): a record of an epoch above the
+        session's, or one of its epoch that is not its verifier's signed record, has stopped that
+        verifier (its next append fails its precondition) or will, and the session opens again
+        above it. Skipped while a change of the session is under way: that change reads the log."""
+        if tracked.ended or tracked.lock.locked():
+            return
+        async with tracked.lock:
+            epoch = tracked.plan.epoch
+            try:
+                replayer = await self._read_log(tracked)
+            except Exception as exc:  # noqa: BLE001 - the next question or change looks again
+                log.info("%s: session %s: its log not read: %r", self.uri, tracked.session.hex(), exc)
+                return
+            intruded = replayer.replay.epoch > epoch or replayer.poisoned(epoch)
+        if intruded:
+            await self._locked(tracked, partial(self._fail_over, tracked, stopped_at=epoch))
 
     async def _assign_drafter(
         self, tracked: TrackedSession, *, avoid: Sequence[str] = (), only_if_missing: bool = False
@@ -699,15 +745,25 @@ class RouterEngine:
             committed_tokens=tokens,
         )
 
-    async def _fail_over(self, tracked: TrackedSession) -> None:
-        """SDCP 6.9 verifier failure: fence, replay the log, resume at another verifier, reassign."""
+    async def _fail_over(self, tracked: TrackedSession, *, stopped_at: int | None = None) -> None:
+        """SDCP 6.9 verifier failure: fence, replay the log, resume at another verifier, reassign.
+
+        With ``stopped_at``, the verifier stopped the session at that epoch, fenced by a record
+        this router did not write (a second verifier's, or a writer's with access to the store): the
+        session opens again above every epoch in the log, at that verifier while it is live. Without,
+        a move whose fence is in the log but whose open failed is finished, even at a live verifier."""
         plan = tracked.plan
-        if self.registry.is_live(plan.verifier, self.clock()):
+        live = self.registry.is_live(plan.verifier, self.clock())
+        if stopped_at is not None:
+            if tracked.ended or plan.epoch != stopped_at:
+                return  # a fence of this router's moved the session on already: the one it met
+        elif live and tracked.failover_to is None:
             return
         # The epoch the failed verifier served, which names the target KV it published; the plan's
         # epoch may move up below, to fence above what the log holds.
         served = plan.epoch
-        verifier = self._pick_verifier(plan.contract, avoid=[plan.verifier])
+        # A verifier that stopped the session (its append fenced) serves it again at the new epoch.
+        verifier = plan.verifier if live else self._pick_verifier(plan.contract, avoid=[plan.verifier])
         named = tracked.failover_to
         if named is not None and named != plan.verifier and self.registry.is_live(named, self.clock()):
             verifier = named
@@ -746,7 +802,7 @@ class RouterEngine:
             self._tasks.spawn(self._discard(published))
         # The new verifier knows nothing of a self-decoding period the old one was asked for.
         tracked.self_decoding = False
-        FAILOVERS.labels(self.uri).inc()
+        (FAILOVERS if verifier != plan.verifier else REOPENED).labels(self.uri).inc()
         log.info("%s: session %s moved to %s at epoch %d", self.uri, tracked.plan.session.hex(), verifier, moved.epoch)
         if moved.sampling is not None:
             # The new verifier knows only the contract; the current profile must follow the session.

@@ -83,7 +83,8 @@ class RouterEvents:
                 return
             except Unanswered as exc:
                 live = self._sessions.get(event.session)
-                if live is None or live.machine.epoch != event.epoch or live.machine.fenced:
+                # A fenced session's events are moot, except the one that tells of the fence.
+                if live is None or live.machine.epoch != event.epoch or (live.machine.fenced and not event.fenced):
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:

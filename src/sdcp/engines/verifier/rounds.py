@@ -31,7 +31,7 @@ from sdcp.engines.verifier.observe import (
 )
 from sdcp.models.backend import Target
 from sdcp.models.batching import BatchingScorer, GreedyPicker, ScoredRun
-from sdcp.protocol.messages import Action, Verdict
+from sdcp.protocol.messages import Action, Event, Verdict
 from sdcp.protocol.problems import ProblemType, ProtocolError
 from sdcp.protocol.rules import parse_q_rows
 from sdcp.protocol.verifier import PendingCommit, RoundTicket
@@ -258,6 +258,20 @@ class Rounds:
         self._tasks.spawn(self._model_sync.close(machine.session))
         self._tasks.spawn(self._sweeps.forget_later(live))
         log.warning("%s: session %s fenced: %s", self._uri, machine.session.hex(), cause)
+        # The router learns that the session stopped here: a fence of its own (a failover) has
+        # moved the session to a later epoch already and the event is stale; a record someone else
+        # appended (a second verifier, a writer with access to the store) would otherwise leave the
+        # session stalled while this verifier, live, keeps its status (docs/reliability.md).
+        state = machine.state()
+        event = Event(
+            session=machine.session,
+            epoch=machine.epoch,
+            kind=Action.SWITCH,
+            committed=state.committed,
+            digest=state.digest,
+            fenced=True,
+        )
+        self._tasks.spawn(self._events.send(event))
         raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log was fenced: {cause}") from cause
 
     def release(self, live: LiveSession, pending: PendingCommit) -> Verdict:
