@@ -229,6 +229,7 @@ def _status() -> str:
         ttl_ms=3000,
         model=hashlib.sha256(b"drafter weights").digest(),
         alpha_milli=720,
+        alpha_constrained_milli=930,
         draft_us=900,
         verify_us=61000,
         history=HistoryStatus(sessions=371, tokens=130543, max_tokens=131072),

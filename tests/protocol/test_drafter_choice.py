@@ -7,9 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from sdcp.protocol.drafter import expected_rate, expected_tokens
-from sdcp.protocol.messages import Role, Status
+from sdcp.protocol.drafter import CONSTRAINED, PLAIN, expected_rate, expected_tokens, session_class
+from sdcp.protocol.messages import Constraint, Role, Status
 from sdcp.protocol.router import (
+    DecodingChoice,
     DrafterCosts,
     InstanceRegistry,
     InstanceView,
@@ -164,6 +165,28 @@ def test_one_of_ours_is_measured_by_alpha_milli_only() -> None:
     assert measured_acceptance(InstanceView(replace(ours, verify_us=9000), 10.0)) is None
     measured = replace(ours, draft_us=800, alpha_milli=950)
     assert measured_acceptance(InstanceView(measured, 10.0)) == pytest.approx(0.95)
+
+
+def test_a_drafter_is_measured_per_class_of_session() -> None:
+    # #30: alpha_milli covers sessions without a constraint, alpha_constrained_milli constrained
+    # ones; one of ours measured on a class only is unmeasured (explored) on the other.
+    ours = Status(instance="https://ours", role=Role.DRAFTER, load=0, queue=0, ttl_ms=3000, draft_us=10)
+    plain_only = InstanceView(replace(ours, alpha_milli=50), 10.0)
+    assert measured_acceptance(plain_only) == pytest.approx(0.05)
+    assert measured_acceptance(plain_only, CONSTRAINED) is None
+    both = InstanceView(replace(ours, alpha_milli=50, alpha_constrained_milli=950), 10.0)
+    assert measured_acceptance(both, PLAIN) == pytest.approx(0.05)
+    assert drafter_costs(both, CONSTRAINED).alpha == pytest.approx(0.95)
+    constrained_only = InstanceView(replace(ours, draft_us=None, alpha_constrained_milli=950), 10.0)
+    assert measured_acceptance(constrained_only) is None
+    # So the same drafter loses to the verifier alone on one class and beats it on the other.
+    assert choose([drafter_costs(both, PLAIN)]) == DecodingChoice(None, 1 / SELF_S)
+    assert choose([drafter_costs(both, CONSTRAINED)]).drafter == "https://ours"  # type: ignore[union-attr]
+    # A drafter without our members has one measurement, the SDCP 5.2 accept_milli, for both.
+    status = Status(instance="https://v", role=Role.DRAFTER, load=0, queue=0, ttl_ms=3000)
+    vendor = InstanceView(status, 10.0, accept_milli=400)
+    assert measured_acceptance(vendor, PLAIN) == measured_acceptance(vendor, CONSTRAINED) == pytest.approx(0.4)
+    assert session_class(None) == PLAIN and session_class(Constraint(kind="regex", text="a+")) == CONSTRAINED
 
 
 def test_the_last_reported_accept_milli_is_kept_while_reports_omit_it() -> None:

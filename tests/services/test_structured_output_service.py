@@ -9,29 +9,36 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import replace
 
 import jsonschema
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 from tests.services.outputs import output_tokens, read_output
 from tests.services.test_router_service import (
     PROMPT,
     Deployment,
     deployment,
+    greedy_reference,
     open_session,
     start_drafter,
     start_verifier,
     target,
     tiny_contract,
 )
-from tests.waiting import eventually_async
+from tests.waiting import eventually, eventually_async
 
 from sdcp.config import DrafterConfig
+from sdcp.engines.router import SELF_DECODING
 from sdcp.grammar import GrammarConstraint, grammar_tokenizer
 from sdcp.models.target import TargetModel
+from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.constraint import constrain_rows
-from sdcp.protocol.messages import Action, Constraint, session_path_id
+from sdcp.protocol.messages import Action, Constraint, Contract, Status, session_path_id
+from sdcp.protocol.router import InstanceView
 from sdcp.services.drafter import DrafterNode
+from sdcp.services.router import RouterNode
 
 __all__ = ["deployment", "target"]  # fixtures, from the router's service tests
 
@@ -193,3 +200,90 @@ async def test_a_failover_keeps_the_constraint(deployment: Deployment, target: T
     in_language(kind, text)(str(target.tokenizer.decode(tokens[:-1])))
     if rule == 1:
         assert tokens == masked_greedy(target, Constraint(kind=kind, text=text))
+
+
+class _AcceptanceOnlyDrafter(DrafterNode):
+    """The n-gram drafter, guided on sessions whose contract names the tiny target's tokenizer (its
+    [drafter] target), whose status carries its acceptance as it measures it, by session class,
+    but fixed times (10 us a drafted token; a verification as long as one pass of the verifier):
+    the router's choice then turns on the measured acceptance alone, not on this machine's speed."""
+
+    def status(self) -> Status:
+        return replace(self.engine.status(), draft_us=10, verify_us=None)
+
+
+# Forced after its first token: a guided drafter proposes the rest, which rule 1 accepts whole.
+FORCED = Constraint(kind="regex", text="(yes|no): the quick brown fox jumps over the lazy dog")
+
+
+def choices(router: RouterNode) -> dict[str, float]:
+    """The router's decoding choices so far, by kind (drafter, explore, self)."""
+    return {
+        sample.labels["choice"]: sample.value
+        for family in REGISTRY.collect()
+        for sample in family.samples
+        if sample.name == "sdcp_router_decoding_choices_total" and sample.labels.get("instance") == router.uri
+    }
+
+
+async def test_constrained_sessions_go_to_a_drafter_by_its_acceptance_on_them(
+    deployment: Deployment, target: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#30: the router weighs a drafter's acceptance per class of session. The n-gram drafter is
+    rarely accepted on the tiny random target's free text, and the verifier decodes those sessions
+    alone; guided by a constraint's grammar it is accepted on nearly every forced token, and once it
+    has measured that on a constrained session (explored, as an unmeasured drafter is), constrained
+    sessions go to it while the others stay with the verifier alone. Outputs stay exact."""
+    router = deployment.router
+    assert router is not None
+    # SDCP 6.4 rule 1: the (masked) target's greedy decoding, whoever drafts (the masked one on a
+    # model of its own: the two references do not share one model's prepared weights).
+    free_text = greedy_reference(target, 12)
+    forced = masked_greedy(TargetModel(tiny_model(), tiny_tokenizer(), name="tiny"), FORCED)
+    await start_verifier(deployment, "verifier1")
+    # The verifier alone is counted at two tokens per pass, so that a drafter beats it where its
+    # measured acceptance does (above about 0.54 at M = 3), not where this machine's timing does.
+    self_decode_s = router.engine._self_decode_s
+
+    def twice_as_fast(contract: Contract, verifier: InstanceView | None) -> float | None:
+        seconds = self_decode_s(contract, verifier)
+        return None if seconds is None else seconds / 2
+
+    monkeypatch.setattr(router.engine, "_self_decode_s", twice_as_fast)
+    drafter = _AcceptanceOnlyDrafter(deployment.config("drafter1", drafter=DrafterConfig(model="ngram", target="tiny")))
+    await deployment.start(drafter)
+    await eventually(lambda: router.registry.is_live(drafter.uri, router.clock()))
+
+    def measured(member: str) -> bool:
+        view = router.registry.get(drafter.uri)
+        return view is not None and getattr(view.status, member) is not None
+
+    async def decode(constraint: Constraint | None) -> tuple[str, str]:
+        """One session to its end: who served it first, and the router's choice for it."""
+        before = choices(router)
+        extra = {} if constraint is None else {"constraint": constraint.to_obj()}
+        contract = tiny_contract(target, max_new=MAX_NEW if constraint else 12, stop=[EOT], self_load=100)
+        opened = await open_session(deployment, contract, **extra)
+        session = opened["session"]
+        assert isinstance(session, bytes)
+        (choice,) = [kind for kind, count in choices(router).items() if count > before.get(kind, 0)]
+        tokens = output_tokens(await read_output(deployment.client("frontend", peer="verifier1"), session))
+        assert tokens == (free_text if constraint is None else forced)
+        await eventually(lambda: router.sessions[session].ended)
+        return router.sessions[session].served[0], choice
+
+    # Free text: the drafter, unmeasured, is explored once, then the verifier decodes alone.
+    assert await decode(None) == (drafter.uri, "explore")
+    await eventually(lambda: measured("alpha_milli"))
+    assert await decode(None) == (SELF_DECODING, "self")
+    # Constrained: the drafter has no measurement on such sessions; explored on one, it is then
+    # chosen for each, its measured acceptance there far above its average.
+    assert not measured("alpha_constrained_milli")
+    assert await decode(FORCED) == (drafter.uri, "explore")
+    await eventually(lambda: measured("alpha_constrained_milli"))
+    for _ in range(2):
+        assert await decode(FORCED) == (drafter.uri, "drafter")
+    view = router.registry.get(drafter.uri)
+    assert view is not None and view.status.alpha_constrained_milli > 540 > view.status.alpha_milli  # type: ignore[operator]
+    # Free text keeps its choice.
+    assert await decode(None) == (SELF_DECODING, "self")

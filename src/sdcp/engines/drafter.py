@@ -42,7 +42,14 @@ from sdcp.models.suffix import SharesHistory
 from sdcp.models.worker import InlineModelThread, ModelThread
 from sdcp.protocol.contract import tokenizer_definition_digest
 from sdcp.protocol.digest import extend_digest, prefix_digest
-from sdcp.protocol.drafter import AcceptanceEstimate, DrafterSession
+from sdcp.protocol.drafter import (
+    CONSTRAINED,
+    PLAIN,
+    SESSION_CLASSES,
+    AcceptanceEstimate,
+    DrafterSession,
+    session_class,
+)
 from sdcp.protocol.messages import (
     Action,
     Assignment,
@@ -196,9 +203,11 @@ class DrafterEngine:
             InlineModelThread() if drafter.runs_inline else ModelThread(f"drafter-{drafter.name}", cores=cores)
         )
         self._round_trip = _RoundTrip()
-        # Acceptance across every session this instance drafted: the alpha of its status reports.
-        self._acceptance = AcceptanceEstimate()
-        self._verdicts = 0
+        # Acceptance across the sessions this instance drafted, by session class (constrained or
+        # not, ``session_class``): the alphas of its status reports, which the router compares with
+        # self-decoding for a session of that class. How many verdicts each took in besides.
+        self._acceptance = {klass: AcceptanceEstimate() for klass in SESSION_CLASSES}
+        self._verdicts = dict.fromkeys(SESSION_CLASSES, 0)
         self._assigning = asyncio.Lock()
         for family in (
             PROPOSALS,
@@ -212,7 +221,7 @@ class DrafterEngine:
         for outcome in PREDRAFT_OUTCOMES:
             PREDRAFTS.labels(uri, outcome)
         SECONDS_PER_TOKEN.labels(uri).set_function(lambda: self.drafter.seconds_per_token)
-        ACCEPTANCE.labels(uri).set_function(lambda: self._acceptance.alpha)
+        ACCEPTANCE.labels(uri).set_function(lambda: self._acceptance[PLAIN].alpha)
         # A drafter that drafts from earlier sessions reads finished sessions' output from the MLC.
         self._history: HistoryReader | None = None
         self._shares: SharesHistory | None = None
@@ -241,11 +250,18 @@ class DrafterEngine:
             cache_mbps=int(bandwidth) if bandwidth is not None else None,
             ttl_ms=self.ttl_ms,
             model=self.drafter.weights_digest,
-            alpha_milli=(round(1000 * self._acceptance.alpha) if self._verdicts >= MEASURED_AFTER_VERDICTS else None),
+            alpha_milli=self._alpha_milli(PLAIN),
+            alpha_constrained_milli=self._alpha_milli(CONSTRAINED),
             draft_us=round(1e6 * self.drafter.seconds_per_token),
             verify_us=round(1e6 * self._round_trip.seconds) if self._round_trip.measured else None,
             history=self._history_status(),
         )
+
+    def _alpha_milli(self, klass: str) -> int | None:
+        """The status report's acceptance on sessions of ``klass``, once measured."""
+        if self._verdicts[klass] < MEASURED_AFTER_VERDICTS:
+            return None
+        return round(1000 * self._acceptance[klass].alpha)
 
     def _history_status(self) -> HistoryStatus | None:
         if self._shares is None:
@@ -724,7 +740,7 @@ class DrafterEngine:
             return None
         action = state.apply_verdict(verdict)
         TOKENS_ACCEPTED.labels(self.uri).inc(verdict.accepted)
-        self._measure_acceptance(verdict.accepted, len(proposal.tokens))
+        self._measure_acceptance(session_class(run.assignment.constraint), verdict.accepted, len(proposal.tokens))
         if extend_digest(run.output_digest, verdict.emitted) == verdict.digest:
             run.output.extend(verdict.emitted)
             run.output_digest = verdict.digest
@@ -740,11 +756,11 @@ class DrafterEngine:
         await self._worker.run_async(self.drafter.sync, run.session, [*run.committed_prefix, *tentative])
         return ready
 
-    def _measure_acceptance(self, accepted: int, proposed: int) -> None:
-        self._acceptance.update(accepted, proposed)
-        self._verdicts += 1
-        # The router may be exploring this drafter: the measurement ends that at once.
-        if self._verdicts == MEASURED_AFTER_VERDICTS and self._on_measured is not None:
+    def _measure_acceptance(self, klass: str, accepted: int, proposed: int) -> None:
+        self._acceptance[klass].update(accepted, proposed)
+        self._verdicts[klass] += 1
+        # The router may be exploring this drafter on that class: the measurement ends that at once.
+        if self._verdicts[klass] == MEASURED_AFTER_VERDICTS and self._on_measured is not None:
             self._on_measured()
 
 

@@ -10,17 +10,31 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from sdcp.protocol.messages import Action, Assignment, Contract, Proposal, Sampling, SessionState, Status, Verdict
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    Constraint,
+    Contract,
+    Proposal,
+    Sampling,
+    SessionState,
+    Status,
+    Verdict,
+)
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.rules import get_rule
 
 __all__ = [
+    "CONSTRAINED",
+    "PLAIN",
+    "SESSION_CLASSES",
     "AcceptanceEstimate",
     "DrafterSession",
     "ProposalNotAllowed",
     "choose_m",
     "expected_rate",
     "expected_tokens",
+    "session_class",
 ]
 
 _MILLI = 1000
@@ -29,6 +43,19 @@ _MILLI = 1000
 _STOPPING_ACTIONS = frozenset({Action.SWITCH, Action.SELF_DECODE, Action.FINISH, Action.FAIL})
 # Problems after which this drafter can no longer serve the session.
 _STOPPING_PROBLEMS = frozenset({ProblemType.STALE_EPOCH, ProblemType.NOT_ASSIGNED, ProblemType.SESSION_CLOSED})
+
+
+# Classes of sessions whose acceptance a drafter measures, and the router weighs, apart (the
+# estimate of SDCP 6.2 is local): a constrained session (structured output, session-open's
+# `constraint`) is drafted far better by a drafter that proposes what its grammar forces, and far
+# worse by one that does not, than the drafter's other sessions; one average would misjudge both.
+PLAIN, CONSTRAINED = "plain", "constrained"
+SESSION_CLASSES = (PLAIN, CONSTRAINED)
+
+
+def session_class(constraint: Constraint | None) -> str:
+    """The class of a session whose output language is ``constraint`` (None: any text)."""
+    return PLAIN if constraint is None else CONSTRAINED
 
 
 class ProposalNotAllowed(RuntimeError):

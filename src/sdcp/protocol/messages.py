@@ -646,6 +646,12 @@ class Status(_Message):
     # drafter's per-token acceptance (thousandths), time to draft one token, and time from
     # proposal to verdict; a verifier's time per self-decoded token (microseconds).
     alpha_milli: int | None = _optional(_UInt(high=1000))
+    # Extension member: a drafter's per-token acceptance (thousandths) on constrained sessions
+    # (structured output: session-open's `constraint`), measured apart from `alpha_milli`, which
+    # then covers the other sessions: a drafter that proposes what a grammar forces is accepted far
+    # more often there, one that does not far less (docs/interpretations.md, "Cost terms in status
+    # reports").
+    alpha_constrained_milli: int | None = _optional(_UInt(high=1000))
     draft_us: int | None = _optional(_UINT)
     verify_us: int | None = _optional(_UINT)
     self_us: int | None = _optional(_UINT)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from sdcp.protocol.drafter import expected_rate
+from sdcp.protocol.drafter import CONSTRAINED, PLAIN, expected_rate
 from sdcp.protocol.messages import (
     Assignment,
     Constraint,
@@ -86,12 +86,13 @@ class DrafterCosts:
     load: int = 0
 
 
-def drafter_costs(view: InstanceView) -> DrafterCosts:
-    """A drafter's cost terms from its last status report (extension members, SDCP 5.2)."""
+def drafter_costs(view: InstanceView, session_class: str = PLAIN) -> DrafterCosts:
+    """A drafter's cost terms from its last status report (extension members, SDCP 5.2), for a
+    session of ``session_class`` (``sdcp.protocol.drafter.session_class``)."""
     status = view.status
     return DrafterCosts(
         uri=view.uri,
-        alpha=measured_acceptance(view),
+        alpha=measured_acceptance(view, session_class),
         draft_s=None if status.draft_us is None else status.draft_us / 1e6,
         verify_s=None if status.verify_us is None else status.verify_us / 1e6,
         queue=status.queue,
@@ -99,21 +100,30 @@ def drafter_costs(view: InstanceView) -> DrafterCosts:
     )
 
 
-def measured_acceptance(view: InstanceView) -> float | None:
-    """A drafter's per-token acceptance alpha (SDCP 6.2), or None while it is unmeasured.
+def measured_acceptance(view: InstanceView, session_class: str = PLAIN) -> float | None:
+    """A drafter's per-token acceptance alpha (SDCP 6.2) on sessions of ``session_class``, or None
+    while it is unmeasured there.
 
-    A drafter that reports our cost terms is measured by ``alpha_milli`` alone, which it sends
-    once it has taken in enough verdicts. One that reports none of them (a drafter written from
-    the draft) is measured by the draft's own status member ``accept_milli`` (SDCP 5.2: the EWMA
-    of a/M), the last one it reported: a/M does not exceed the per-token probability in
-    expectation, so the rate it gives is a lower bound (docs/interpretations.md, "Drafters and
-    verifiers without our private members").
+    A drafter that reports our cost terms is measured by ``alpha_milli`` alone on sessions without
+    a constraint, and by ``alpha_constrained_milli`` on constrained ones, each sent once it has
+    taken in enough verdicts of that class: a drafter measured on one class only is explored on
+    the other. One that reports none of them (a drafter written from the draft) is measured by the
+    draft's own status member ``accept_milli`` (SDCP 5.2: the EWMA of a/M, over every session), the
+    last one it reported: a/M does not exceed the per-token probability in expectation, so the rate
+    it gives is a lower bound (docs/interpretations.md, "Drafters and verifiers without our private
+    members").
     """
     status = view.status
-    if status.alpha_milli is not None:
-        return status.alpha_milli / 1000
-    if status.draft_us is not None or status.verify_us is not None:
-        return None  # one of ours: its alpha_milli is on the way
+    measured = status.alpha_constrained_milli if session_class == CONSTRAINED else status.alpha_milli
+    if measured is not None:
+        return measured / 1000
+    if (
+        status.draft_us is not None
+        or status.verify_us is not None
+        or status.alpha_milli is not None
+        or status.alpha_constrained_milli is not None
+    ):
+        return None  # one of ours: its measurement on this class is on the way
     accept_milli = status.accept_milli if status.accept_milli is not None else view.accept_milli
     return None if accept_milli is None else accept_milli / 1000
 

@@ -36,6 +36,7 @@ from sdcp.engines.ports import RouterLink
 from sdcp.engines.router.sessions import SELF_DECODING, TrackedSession
 from sdcp.engines.router.store import SessionStore, Superseded
 from sdcp.engines.tasks import BackgroundTasks
+from sdcp.protocol.drafter import CONSTRAINED, PLAIN
 from sdcp.protocol.messages import (
     Action,
     Assignment,
@@ -117,6 +118,8 @@ class VerifierUnanswered(Unanswered):
 
 # The option of self-decoding at a verifier, in ``expected_rates`` (the dashboard's key).
 SELF_DECODING_AT = "self-decoding at "
+# A drafter's option for a constrained session, measured apart (``session_class``).
+CONSTRAINED_BY = "constrained sessions by "
 # A session is moved off its drafter only for an option expected to be this much faster, and at
 # most once per this many seconds, so that estimates that differ by noise do not make it flap.
 SWITCH_MARGIN = 1.25
@@ -234,16 +237,18 @@ class RouterEngine:
 
     def expected_rates(self) -> dict[str, float]:
         """The cost model's expected tokens per second of a session (SDCP 6.2), by live option: a
-        drafter's URI, or self-decoding at a verifier."""
+        drafter's URI, the same for a constrained session (``CONSTRAINED_BY``), or self-decoding
+        at a verifier."""
         now = self.clock()
         verifiers = self.registry.live(Role.VERIFIER, now)
         verify_s = _verify_s(verifiers[0] if verifiers else None)
         m_limit = max(1, self.settings.m_init)
         rates = {}
         for view in self.registry.live(Role.DRAFTER, now):
-            costs = drafter_costs(view)
-            if costs.alpha is not None:
-                rates[view.uri] = drafter_rate(costs, verify_s=verify_s, m_limit=m_limit)
+            for klass, prefix in ((PLAIN, ""), (CONSTRAINED, CONSTRAINED_BY)):
+                costs = drafter_costs(view, klass)
+                if costs.alpha is not None:
+                    rates[f"{prefix}{view.uri}"] = drafter_rate(costs, verify_s=verify_s, m_limit=m_limit)
         for view in verifiers:
             if view.status.self_us:
                 rates[f"{SELF_DECODING_AT}{view.uri}"] = 1e6 / view.status.self_us
@@ -644,18 +649,23 @@ class RouterEngine:
         permitted = [view for view in live if drafter_permitted(contract, view.model)] or _unreported(live)
         pool = [view for view in permitted if view.uri not in avoid] or permitted
         verifier = self.registry.get(tracked.plan.verifier)
+        # A drafter is measured, and explored, per class of session: its acceptance on constrained
+        # sessions is not its average (a guided drafter proposes what the grammar forces).
+        klass = tracked.session_class
 
         def may_explore(uri: str) -> bool:
-            # Exploration is bounded: one session at a time per unmeasured drafter, and it ends
-            # with the drafter's first acceptance report (measured_acceptance: our alpha_milli, or
-            # SDCP 5.2 accept_milli from a drafter without our cost terms). Asked only about
-            # unmeasured drafters, so that maintenance of measured ones scans no sessions.
+            # Exploration is bounded: one session of a class at a time per drafter unmeasured on
+            # that class, and it ends with the drafter's first acceptance report for it
+            # (measured_acceptance: our alpha_milli or alpha_constrained_milli, or SDCP 5.2
+            # accept_milli from a drafter without our cost terms). Asked only about unmeasured
+            # drafters, so that maintenance of measured ones scans no sessions.
             return not any(
-                other.exploring == uri and other is not tracked and not other.ended for other in self.sessions.values()
+                other.exploring == uri and other is not tracked and not other.ended and other.session_class == klass
+                for other in self.sessions.values()
             )
 
         return choose_decoding(
-            [drafter_costs(view) for view in pool],
+            [drafter_costs(view, klass) for view in pool],
             self_decode_s=self._self_decode_s(contract, verifier) if self_decode else None,
             verify_s=_verify_s(verifier),
             m_limit=self._m_limit(contract),
@@ -682,7 +692,7 @@ class RouterEngine:
         view = self.registry.get(drafter) if drafter is not None else None
         if view is None or now - tracked.decided_at < REDECIDE_AFTER_S:
             return False
-        costs = drafter_costs(view)
+        costs = drafter_costs(view, tracked.session_class)
         if costs.alpha is None:
             return False  # its measurement is on the way (alpha_milli or accept_milli: measured_acceptance)
         best = self._choose(tracked)

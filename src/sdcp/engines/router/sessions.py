@@ -9,6 +9,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from sdcp.protocol.drafter import session_class
 from sdcp.protocol.messages import Sampling, SessionOpen, session_path_id
 from sdcp.protocol.problems import BadMessage
 from sdcp.protocol.records import LogReplayer
@@ -68,6 +69,11 @@ class TrackedSession:
     @property
     def drafter(self) -> str | None:
         return self.plan.drafter
+
+    @property
+    def session_class(self) -> str:
+        """Which of a drafter's acceptance measurements the session's choices weigh."""
+        return session_class(self.plan.constraint)
 
     @property
     def request(self) -> str | None:
