@@ -225,9 +225,11 @@ class ClusterClient:
                 failures += 1
                 if failures > self.follow_attempts:
                     raise
-                # The verifier failed or was fenced: ask the router where the session went.
+                # The verifier failed or was fenced: ask the router where the session went. A router
+                # that cannot answer now (its store out of reach) counts as one more failure.
                 await asyncio.sleep(min(2.0, 0.1 * failures))
-                handle = await self.locate(handle)
+                with contextlib.suppress(TransportError, ProtocolError):
+                    handle = await self.locate(handle)
                 continue
             failures = 0
             # SDCP 6.7: output with a lower epoch than one already seen is discarded.
@@ -242,10 +244,12 @@ class ClusterClient:
                 return
             if not output.tokens:
                 # A verifier that lost the session without learning it (its status expired, the
-                # router fenced the log) still answers, with nothing new: ask where it went.
-                moved = await self.locate(handle)
-                if moved.epoch > handle.epoch:
-                    handle = moved
+                # router fenced the log) still answers, with nothing new: ask where it went. No
+                # answer now leaves the session where it was: the next read asks again.
+                with contextlib.suppress(TransportError, ProtocolError):
+                    moved = await self.locate(handle)
+                    if moved.epoch > handle.epoch:
+                        handle = moved
 
     async def _read_or_move(self, handle: SessionHandle, position: int) -> Output | SessionHandle:
         """GET output at the session's verifier; while the answer is outstanding, the router is

@@ -17,7 +17,7 @@ import pytest
 from tests.waiting import eventually
 
 from sdcp.bench.inprocess import InMemoryRouterLink, InMemoryVerifierLink
-from sdcp.cache import MLC
+from sdcp.cache import MLC, StoreUnavailable
 from sdcp.config import DrafterConfig, RouterConfig, VerifierConfig
 from sdcp.engines.drafter import DrafterEngine
 from sdcp.engines.errors import SessionNotFound, Unanswered, Unavailable
@@ -305,6 +305,28 @@ async def test_a_router_holds_what_its_limits_allow(world: World) -> None:
     await world.mlc.put(a.store.uri(second.session), b"\x00" * (MAX_STATE_BYTES + 1))
     with pytest.raises(BadMessage):
         await a.store.load(second.session)
+
+
+async def test_a_store_outage_leaves_the_sessions_a_router_holds_answerable(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shared tier out of reach (Redis cut off, tests/faults): a front end following its session
+    is answered from the router's memory; a session the router does not hold cannot be loaded."""
+    router = world.router(ROUTER_A)
+    await router.start()
+    world.events_to.append(router)
+    world.report(quiet=(V2,))
+    tracked = await router.open_session(FRONT_END, SessionRequest(prompt=PROMPT, contract=world.contract))
+
+    async def unreachable(*_args: object, **_kwargs: object) -> None:
+        raise StoreUnavailable("redis: Timeout reading")
+
+    with monkeypatch.context() as outage:
+        outage.setattr(world.mlc, "fetch", unreachable)
+        assert await router.contact(tracked.session) is tracked
+        with pytest.raises(StoreUnavailable):
+            await router.contact(bytes(16))
+    assert await router.contact(tracked.session) is tracked
 
 
 def test_the_durable_facts_round_trip() -> None:

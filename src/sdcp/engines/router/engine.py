@@ -28,7 +28,7 @@ from functools import partial
 
 from prometheus_client import Counter, Gauge
 
-from sdcp.cache import MLC, CacheError, build_uri, target_kv_uri
+from sdcp.cache import MLC, CacheError, StoreUnavailable, build_uri, target_kv_uri
 from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
 from sdcp.config import RouterConfig
 from sdcp.engines.errors import OverQuota, SessionNotFound, Unanswered, Unavailable
@@ -267,7 +267,16 @@ class RouterEngine:
         router), once ``admit`` has passed the caller, and held from then on: this router fails it
         over and assigns it like its own. ``SessionNotFound`` where neither has it."""
         held = self.sessions.get(session)
-        stored = await self.store.load(session)
+        try:
+            stored = await self.store.load(session)
+        except StoreUnavailable:
+            if held is None:
+                raise
+            # The shared tier is out of reach (a Redis outage): this router's own facts answer
+            # until it is back, as before the tier held sessions; a front end following its
+            # session must not fail because the check for another router's changes could not run.
+            admit(held)
+            return held
         if held is not None:
             admit(held)
             if stored is None:
