@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import pytest
+from tests.engines.verifier_pair import Pair, verifier_pair
 
 from sdcp.models.registry import LoadedModel, load_model
 from sdcp.models.target import TargetModel
@@ -16,3 +19,10 @@ def tiny_loaded() -> LoadedModel:
 @pytest.fixture
 def target(tiny_loaded: LoadedModel) -> TargetModel:
     return TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny")
+
+
+@pytest.fixture
+async def pair(tiny_loaded: LoadedModel) -> AsyncIterator[Pair]:
+    """Two verifier engines over one MLC (tests.engines.verifier_pair)."""
+    async with verifier_pair(tiny_loaded) as made:
+        yield made

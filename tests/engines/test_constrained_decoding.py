@@ -8,26 +8,19 @@ committed tokens. Under rule 1 the output is greedy decoding of the masked targe
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import jsonschema
 import numpy as np
 import pytest
-from tests.waiting import eventually
+from tests.engines.verifier_pair import PROMPT, SESSION, Pair, decode, fail_over
 
-from sdcp.cache import MLC, build_uri
-from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
-from sdcp.config import VerifierConfig
-from sdcp.engines.verifier import VerifierEngine
 from sdcp.grammar import GrammarConstraint, grammar_tokenizer
 from sdcp.models.batching import TargetMostProbable
 from sdcp.models.registry import LoadedModel
 from sdcp.models.target import TargetModel
 from sdcp.protocol.constraint import constrain_rows
-from sdcp.protocol.messages import Action, Constraint, Contract, Sampling, SelfDecodeRequest, SessionOpen
+from sdcp.protocol.messages import Action, Constraint, Contract, Sampling, SessionOpen
 from sdcp.protocol.problems import BadContract
-from sdcp.protocol.records import encode_token_list, replay_commit_log
 from sdcp.protocol.router import RouterSession
 from sdcp.protocol.rules import PURPOSE_EXTRA_TOKEN, verifier_random
 from sdcp.protocol.sampling import draw_token, target_distribution
@@ -35,9 +28,6 @@ from sdcp.protocol.shaping import TargetLogits
 
 pytestmark = pytest.mark.timeout(180)
 
-SESSION = bytes(range(16))
-AUTHORITY = "mlc.test"
-PROMPT = tuple((11 * i + 5) % 250 + 1 for i in range(24))
 EOT = 0
 MAX_NEW = 96
 # Tokens self-decoded per period: the first verifier stops after one period.
@@ -57,35 +47,6 @@ SCHEMA = {
 CONSTRAINT = Constraint(kind="json_schema", text=json.dumps(SCHEMA))
 SEED = 20261130
 SAMPLING = Sampling(temperature_milli=800, seed=SEED)
-
-
-@dataclass
-class Pair:
-    mlc: MLC
-    first: VerifierEngine
-    second: VerifierEngine
-    commit_log: str
-
-
-@pytest.fixture
-async def pair(tiny_loaded: LoadedModel) -> AsyncIterator[Pair]:
-    mlc = MLC.from_config(authority=AUTHORITY)
-    engines = [
-        VerifierEngine(
-            uri=f"https://verifier{i}.test",
-            settings=VerifierConfig(),
-            target=TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny"),
-            mlc=mlc,
-            ttl_ms=1000,
-        )
-        for i in (1, 2)
-    ]
-    for engine in engines:
-        await engine.start()
-    yield Pair(mlc, engines[0], engines[1], build_uri(AUTHORITY, None, LOG_KIND, SESSION.hex()))
-    for engine in engines:
-        await engine.stop()
-    await mlc.close()
 
 
 def contract_of(target: TargetModel, rule: int) -> Contract:
@@ -128,30 +89,6 @@ def reference(loaded: LoadedModel, rule: int) -> tuple[int, ...]:
         grammar.commit([token])
         target.commit(SESSION, 0, [token])
     return tuple(tokens)
-
-
-async def decode(engine: VerifierEngine, epoch: int, until: int) -> None:
-    """Self-decoding periods at ``engine`` until ``until`` tokens are committed or the session ends."""
-    live = engine.sessions[SESSION]
-    machine = live.machine
-    while machine.committed < until and not machine.ended:
-        await engine.self_decode(SelfDecodeRequest(session=SESSION, epoch=epoch))
-        await eventually(lambda: not machine.self_decoding)
-        decoder = live.self_decoder
-        if decoder is not None:
-            await eventually(decoder.done)
-
-
-async def fail_over(pair: Pair, plan: RouterSession) -> None:
-    """What the router does at a failover (SDCP 6.9): fence, replay the log, open the session at the
-    second verifier from the plan, whose session-open carries the constraint again."""
-    await pair.mlc.commit_log(pair.commit_log).fence(2)
-    snapshot = await pair.mlc.commit_log(pair.commit_log).read()
-    replay = replay_commit_log(snapshot.records, plan.contract.digest, PROMPT)
-    tokens = build_uri(AUTHORITY, None, TOKENS_KIND, f"{SESSION.hex()}-{len(replay.tokens)}")
-    await pair.mlc.put(tokens, encode_token_list(replay.tokens))
-    moved = plan.fail_over(pair.second.uri, replay, tokens)
-    await pair.second.open_session(moved.open_message())
 
 
 @pytest.mark.parametrize("rule", [1, 2])

@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from tests.engines.verifier_pair import PROMPT, SESSION, Pair, decode, fail_over
 from tests.protocol.test_shaping import reference_logits, reference_p
-from tests.waiting import eventually
 
-from sdcp.cache import MLC, build_uri
-from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
-from sdcp.config import VerifierConfig
-from sdcp.engines.verifier import VerifierEngine
 from sdcp.models.batching import BatchingScorer, TargetMostProbable
 from sdcp.models.registry import LoadedModel
 from sdcp.models.target import TargetModel
-from sdcp.protocol.messages import Action, Contract, Sampling, SelfDecodeRequest
-from sdcp.protocol.records import encode_token_list, replay_commit_log
+from sdcp.protocol.messages import Action, Contract, Sampling
 from sdcp.protocol.router import RouterSession
 from sdcp.protocol.rules import PURPOSE_EXTRA_TOKEN, verifier_random
 from sdcp.protocol.sampling import draw_token
@@ -32,9 +25,6 @@ from sdcp.protocol.shaping import TargetLogits
 
 pytestmark = pytest.mark.timeout(180)
 
-SESSION = bytes(range(16))
-AUTHORITY = "mlc.test"
-PROMPT = tuple((11 * i + 5) % 250 + 1 for i in range(24))
 EOT = 0
 MAX_NEW = 48
 SELF_MAX = 12
@@ -46,35 +36,6 @@ PENALTIES = Sampling(
     logit_bias_milli=((EOT, -100_000), (PROMPT[3], 1500)),
 )
 PROFILES = {1: PENALTIES, 2: dataclasses.replace(PENALTIES, temperature_milli=900, seed=SEED, min_p_milli=40)}
-
-
-@dataclass
-class Pair:
-    mlc: MLC
-    first: VerifierEngine
-    second: VerifierEngine
-    commit_log: str
-
-
-@pytest.fixture
-async def pair(tiny_loaded: LoadedModel) -> AsyncIterator[Pair]:
-    mlc = MLC.from_config(authority=AUTHORITY)
-    engines = [
-        VerifierEngine(
-            uri=f"https://verifier{i}.test",
-            settings=VerifierConfig(),
-            target=TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny"),
-            mlc=mlc,
-            ttl_ms=1000,
-        )
-        for i in (1, 2)
-    ]
-    for engine in engines:
-        await engine.start()
-    yield Pair(mlc, engines[0], engines[1], build_uri(AUTHORITY, None, LOG_KIND, SESSION.hex()))
-    for engine in engines:
-        await engine.stop()
-    await mlc.close()
 
 
 def contract_of(target: TargetModel, rule: int, sampling: Sampling | None) -> Contract:
@@ -114,30 +75,6 @@ def reference(loaded: LoadedModel, rule: int, sampling: Sampling) -> tuple[int, 
         tokens.append(token)
         target.commit(SESSION, 0, [token])
     return tuple(tokens)
-
-
-async def decode(engine: VerifierEngine, epoch: int, until: int) -> None:
-    """Self-decoding periods at ``engine`` until ``until`` tokens are committed or the session ends."""
-    live = engine.sessions[SESSION]
-    machine = live.machine
-    while machine.committed < until and not machine.ended:
-        await engine.self_decode(SelfDecodeRequest(session=SESSION, epoch=epoch))
-        await eventually(lambda: not machine.self_decoding)
-        decoder = live.self_decoder
-        if decoder is not None:
-            await eventually(decoder.done)
-
-
-async def fail_over(pair: Pair, plan: RouterSession) -> None:
-    """What the router does at a failover (SDCP 6.9): fence, replay the log, open the session at the
-    second verifier with the same contract, whose sampling profile holds the penalties."""
-    await pair.mlc.commit_log(pair.commit_log).fence(2)
-    snapshot = await pair.mlc.commit_log(pair.commit_log).read()
-    replay = replay_commit_log(snapshot.records, plan.contract.digest, PROMPT)
-    tokens = build_uri(AUTHORITY, None, TOKENS_KIND, f"{SESSION.hex()}-{len(replay.tokens)}")
-    await pair.mlc.put(tokens, encode_token_list(replay.tokens))
-    moved = plan.fail_over(pair.second.uri, replay, tokens)
-    await pair.second.open_session(moved.open_message())
 
 
 @pytest.mark.parametrize("rule", [1, 2])
