@@ -35,7 +35,7 @@ from sdcp.protocol.messages import (
     session_path_id,
 )
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
-from sdcp.protocol.records import CommitRecord, FenceRecord, encode_token_list
+from sdcp.protocol.records import CommitRecord, FenceRecord, bind_record, encode_token_list, session_terms
 
 __all__ = ["diagnostic", "render"]
 
@@ -92,15 +92,19 @@ def _contract() -> Contract:
 
 
 def _commit_records() -> str:
-    record = CommitRecord(epoch=1, round=3, emitted=(42, 7), committed=5, digest=DIGEST).to_obj()
-    # The verifier adds its identity, which an MLC node checks against the caller (docs/security.md).
-    written = {**record, "writer": VERIFIER}
+    record = CommitRecord(epoch=1, round=3, emitted=(42, 7), committed=5, digest=DIGEST)
+    # The verifier adds its identity, which an MLC node checks against the caller (docs/security.md),
+    # and the session and its terms, which bind the record to one log (signed commit records).
+    written = bind_record(record, writer=VERIFIER, session=SESSION, terms=session_terms(constraint=None, min_new=None))
     return (
         "## Commit records and fence records (SDCP 6.8)\n\n"
         "A commit log is a sequence of CBOR maps in deterministic encoding, appended conditionally "
         "(an append names the ETag of the log it last read). A commit record carries the session's "
         "epoch, the round, the tokens emitted in it, the committed length n after it and d[n]; we add "
-        "`writer`, the base URI of the verifier that wrote it. Replaying a log concatenates `emitted` "
+        "`writer`, the base URI of the verifier that wrote it, `session`, the session id, and `terms`, "
+        "the digest of what decides the session's tokens besides its contract and prompt "
+        '(docs/interpretations.md, "Records bound to their place"); ours are signed besides (`sig`, '
+        "`cert`). Replaying a log concatenates `emitted` "
         "of every commit record in order, each checked against its `committed` and `digest`; epochs "
         "never decrease along a log.\n\n" + _example(written) + "\nA fence record holds only `epoch`; after it, "
         "appends with a lower epoch fail (SDCP 6.8, 6.9):\n\n" + _example(FenceRecord(epoch=2).to_obj())

@@ -54,7 +54,7 @@ def _live(
 ) -> LiveSession:
     machine = VerifierSession(session=session, epoch=1, contract=contract or _contract(), prompt=PROMPT)
     machine.tokens.extend(tokens)
-    return LiveSession(machine=machine, log=None, etag="", owner=owner)  # type: ignore[arg-type]
+    return LiveSession(machine=machine, log=None, etag="", terms=b"", owner=owner)  # type: ignore[arg-type]
 
 
 def _context(live: LiveSession) -> tuple[int, ...]:

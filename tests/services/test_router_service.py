@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client import REGISTRY
-from tests.services.outputs import read_output
+from tests.services.outputs import output_tokens, read_output
 from tests.waiting import HANG_GUARD_S, eventually, eventually_async
 
 from sdcp.cache import MLC, PreconditionFailed, build_uri
@@ -657,6 +657,77 @@ async def test_a_live_session_whose_log_another_party_appends_to_completes(
     after = records[fence + 1 :]
     resumed = after[0]["committed"] - len(after[0]["emitted"])
     assert [t for r in after for t in r["emitted"]] == reference[resumed:]
+
+
+SPLICED_TEXT = "(SPLICED )+"
+
+
+@pytest.mark.parametrize("when", ["live", "across a failover"])
+async def test_records_signed_for_another_session_are_never_spliced_into_this_one(
+    deployment: Deployment, target: TargetModel, when: str
+) -> None:
+    """Issue #36 (failed before records named their session): an attacker opens a session with
+    the victim's contract and prompt at the victim's verifier, under a constraint that forces its
+    own text, and copies that session's genuinely signed records into the victim's log, whose
+    digest chain starts where theirs does. The victim's verifier, appending next, stops as fenced
+    (``live``), or is stopped and the session fails over; either way the router's replay refuses
+    the records (they name another session and other terms) and the victim's output is the greedy
+    reference."""
+    router = deployment.router
+    assert router is not None
+    first = await start_verifier(deployment, "verifier1")
+    max_new = 40
+    # A constrained session needs a stop token: the tiny tokenizer's end of text.
+    contract = tiny_contract(target, max_new=max_new, stop=[0])
+    reference = greedy_reference(target, max_new)
+    reference = reference[: reference.index(0) + 1] if 0 in reference else reference
+    drafter = await start_drafter(deployment, "drafter1")
+    attack = await open_session(deployment, contract, constraint={"kind": "regex", "text": SPLICED_TEXT})
+    attacker = attack["session"]
+    assert isinstance(attacker, bytes) and attack["verifier"] == first.uri
+    reader = deployment.client("frontend", peer="verifier1")
+    spliced_tokens = output_tokens(await read_output(reader, attacker))
+    assert target.tokenizer.decode(spliced_tokens).startswith("SPLICED SPLICED")
+    await deployment.stop(drafter)
+    await eventually(lambda: router.registry.is_live(first.uri, router.clock()))
+    # No drafter is live now: the victim's session opens and waits at committed 0 for one.
+    opened = await open_session(deployment, contract)
+    victim = opened["session"]
+    assert isinstance(victim, bytes) and opened["verifier"] == first.uri
+    untrusted_before = counter("sdcp_router_untrusted_records_total", router.uri)
+    async with MLC.from_config(disk_dir=deployment.tmp / "mlc") as mlc:
+        source = (await mlc.commit_log(build_uri("local", None, "log", attacker.hex())).read()).records
+        signed = [record for record in source if "emitted" in record]
+        assert all(record["writer"] == first.uri and "sig" in record for record in signed)
+        log = mlc.commit_log(build_uri("local", None, "log", victim.hex()))
+        etag = (await log.read()).etag
+        for record in signed:
+            etag = await log.append(record, etag)
+    frontend = deployment.client("frontend")
+    path = f"sessions/{session_path_id(victim)}"
+    if when == "live":
+        reopened_before = counter("sdcp_router_sessions_reopened_total", router.uri)
+        await start_drafter(deployment, "drafter2")
+        # The victim's verifier finds its log changed at its first append and stops as fenced.
+        await eventually(lambda: counter("sdcp_router_sessions_reopened_total", router.uri) > reopened_before)
+    else:
+        second = await start_verifier(deployment, "verifier2")
+        await deployment.stop(first)
+
+        async def moved() -> bool:
+            _, described = await frontend.get_cbor(path)
+            return isinstance(described, dict) and described["verifier"] == second.uri
+
+        await eventually_async(moved)
+        reader = deployment.client("frontend", peer="verifier2")
+        await start_drafter(deployment, "drafter2")
+    _, described = await frontend.get_cbor(path)
+    assert isinstance(described, dict) and described["epoch"] >= 2
+    outputs = await read_output(reader, victim)
+    tokens = output_tokens(outputs)
+    assert tokens == reference and outputs[-1].finish == Action.FINISH
+    assert "SPLICED" not in target.tokenizer.decode(tokens)
+    assert counter("sdcp_router_untrusted_records_total", router.uri) > untrusted_before
 
 
 async def test_a_front_ends_read_reopens_a_session_whose_verifier_stopped_unheard(

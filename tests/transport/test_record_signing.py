@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 from sdcp.protocol.digest import extend_digest, prefix_digest
-from sdcp.protocol.records import CommitRecord, FenceRecord, LogReplayer, UntrustedRecord, replay_commit_log
+from sdcp.protocol.messages import Constraint
+from sdcp.protocol.records import (
+    CommitRecord,
+    FenceRecord,
+    LogReplayer,
+    UntrustedRecord,
+    bind_record,
+    replay_commit_log,
+    session_terms,
+)
 from sdcp.transport.certs import CA_CERT_FILE, make_certs
 from sdcp.transport.signing import RecordCheck, RecordSigner
 
@@ -155,3 +164,54 @@ def test_signing_costs_little(pki: Pki) -> None:
     per_sign = (time.perf_counter() - started) / 200
     print(f"sign: {per_sign * 1e6:.0f} us")
     assert per_sign < 0.005
+
+
+SESSION = b"\x11" * 16
+OTHER_SESSION = b"\x22" * 16
+
+
+def bound_chain(signer: RecordSigner, session: bytes, terms: bytes, count: int) -> list[dict[str, object]]:
+    """``count`` signed records of one token each, bound to ``session`` and ``terms`` as ours are."""
+    digest = prefix_digest(CONTRACT, PROMPT)
+    records: list[dict[str, object]] = []
+    for index in range(count):
+        digest = extend_digest(digest, (100 + index,))
+        record = CommitRecord(1, index + 1, (100 + index,), index + 1, digest)
+        records.append(signer.sign(bind_record(record, writer=V1, session=session, terms=terms), index == 0))
+    return records
+
+
+@pytest.mark.parametrize(
+    "spliced",
+    ["another session, same terms", "same session id, another constraint", "another session and constraint"],
+)
+def test_a_record_signed_for_another_place_is_a_fault(pki: Pki, spliced: str) -> None:
+    """Issue #36: a verifier's genuinely signed records, of a session with the same contract and
+    prompt (so the same digest chain), copied into another session's log are never replayed."""
+    check, signers, _ = pki
+    plain = session_terms(constraint=None, min_new=None)
+    forcing = session_terms(constraint=Constraint(kind="regex", text="SPLICED.*"), min_new=None)
+    session, terms = {
+        "another session, same terms": (OTHER_SESSION, plain),
+        "same session id, another constraint": (SESSION, forcing),
+        "another session and constraint": (OTHER_SESSION, forcing),
+    }[spliced]
+    records = bound_chain(signers[V1], session, terms, 3)
+    replayer = LogReplayer(CONTRACT, PROMPT, authority=check, first_verifier=V1, session=SESSION, terms=plain)
+    faults = replayer.feed(records)
+    assert replayer.replay.tokens == () and len(faults) == 1 and "another log" in faults[0]
+    own = LogReplayer(CONTRACT, PROMPT, authority=check, first_verifier=V1, session=session, terms=terms)
+    assert own.feed(records) == [] and own.replay.tokens == (100, 101, 102)
+
+
+def test_terms_bind_the_constraint_and_min_new() -> None:
+    json_schema = Constraint(kind="json_schema", text="{}")
+    terms = {
+        session_terms(constraint=None, min_new=None),
+        session_terms(constraint=json_schema, min_new=None),
+        session_terms(constraint=Constraint(kind="json_schema", text='{"type": "object"}'), min_new=None),
+        session_terms(constraint=Constraint(kind="regex", text="{}"), min_new=None),
+        session_terms(constraint=None, min_new=3),
+    }
+    assert len(terms) == 5
+    assert session_terms(constraint=None, min_new=0) == session_terms(constraint=None, min_new=None)

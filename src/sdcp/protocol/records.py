@@ -1,21 +1,23 @@
 """Commit-log records and the replay of a log (SDCP 6.8, 6.9).
 
 Records are CBOR maps in deterministic encoding. A commit record is
-``{"epoch", "round", "emitted", "committed", "digest"}``, and ours carry ``writer``, ``sig`` and on
-the first of an epoch ``cert`` besides (signed records, ``sdcp.transport.signing``); a fence record is
+``{"epoch", "round", "emitted", "committed", "digest"}``, and ours carry ``writer``, ``session``,
+``terms``, ``sig`` and on the first of an epoch ``cert`` besides (signed records,
+``sdcp.transport.signing``; ``bind_record``: the place a record is valid in); a fence record is
 ``{"epoch"}`` alone, or ``{"epoch", "verifier"}`` naming the verifier the router opens that epoch
 at (docs/interpretations.md, "Signed commit records").
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sdcp.protocol import codec
 from sdcp.protocol.digest import extend_digest, prefix_digest
-from sdcp.protocol.messages import TOKEN_MAX
+from sdcp.protocol.messages import TOKEN_MAX, Constraint
 from sdcp.protocol.problems import BadMessage
 
 __all__ = [
@@ -27,10 +29,12 @@ __all__ = [
     "LogReplayer",
     "RecordAuthority",
     "UntrustedRecord",
+    "bind_record",
     "decode_token_list",
     "encode_token_list",
     "parse_log_record",
     "replay_commit_log",
+    "session_terms",
 ]
 
 
@@ -38,6 +42,31 @@ SIG_MEMBER = "sig"
 CERT_MEMBER = "cert"
 WRITER_MEMBER = "writer"
 VERIFIER_MEMBER = "verifier"
+SESSION_MEMBER = "session"
+TERMS_MEMBER = "terms"
+_TERMS_DOMAIN = b"SDCP-TERMS-1\x00"
+
+
+def session_terms(*, constraint: Constraint | None, min_new: int | None) -> bytes:
+    """What decides a session's tokens beyond its contract and prompt (which d[0] binds): the
+    session-open extensions that change the target distribution (the output's language, min_new),
+    as SHA-256("SDCP-TERMS-1" 0x00 || deterministic CBOR of those present). Two sessions with the
+    same contract and prompt but another constraint have other terms (docs/interpretations.md,
+    "Records bound to their place")."""
+    terms: dict[str, object] = {}
+    if constraint is not None:
+        terms["constraint"] = constraint.to_obj()
+    if min_new:
+        terms["min_new"] = min_new
+    return hashlib.sha256(_TERMS_DOMAIN + codec.encode(terms)).digest()
+
+
+def bind_record(record: CommitRecord, *, writer: str, session: bytes, terms: bytes) -> dict[str, Any]:
+    """A commit record as a verifier of ours appends it: naming its writer, its session and the
+    session's terms, so that once signed it is valid in one place of one log only: the session
+    (``session``, ``terms``), the epoch, the round and the committed length it states, after the
+    digest it extends (SDCP 1.3, 6.8; extension, docs/interpretations.md)."""
+    return {**record.to_obj(), WRITER_MEMBER: writer, SESSION_MEMBER: session, TERMS_MEMBER: terms}
 
 
 class UntrustedRecord(ValueError):
@@ -138,9 +167,13 @@ def replay_commit_log(
     *,
     authority: RecordAuthority | None = None,
     first_verifier: str | None = None,
+    session: bytes | None = None,
+    terms: bytes | None = None,
 ) -> LogReplay:
     """Rebuild the committed prefix from a whole log (``LogReplayer``, fed once)."""
-    replayer = LogReplayer(contract_digest, prompt, authority=authority, first_verifier=first_verifier)
+    replayer = LogReplayer(
+        contract_digest, prompt, authority=authority, first_verifier=first_verifier, session=session, terms=terms
+    )
     replayer.feed(records)
     return replayer.replay
 
@@ -156,9 +189,12 @@ class LogReplayer:
     the sole commit authority): it must name as ``writer`` the verifier of its epoch (the last
     fence record of the epoch names it; ``first_verifier`` is epoch 1's, opened without a fence),
     and carry that verifier's valid signature, the key from the certificate of the epoch's first
-    record. A record that fails is a fault, never replayed: it and every later record of its epoch
-    are left out, so the output up to the last good record stands and the next epoch (the router's
-    next fence) resumes from it. An unsigned record fails too: older logs are not replayed.
+    record, and be bound to this log's place (``bind_record``): ``session`` and ``terms`` are this
+    session's, so that a record signed for another session with the same contract and prompt (a
+    constraint that forced other text, say) is refused. A record that fails is a fault, never
+    replayed: it and every later record of its epoch are left out, so the output up to the last
+    good record stands and the next epoch (the router's next fence) resumes from it. An unsigned
+    record fails too: older logs are not replayed.
 
     A router keeps one per session and feeds it only the records appended since the last read,
     so that each record is parsed and its signature checked once (``fed`` counts them).
@@ -171,8 +207,11 @@ class LogReplayer:
         *,
         authority: RecordAuthority | None = None,
         first_verifier: str | None = None,
+        session: bytes | None = None,
+        terms: bytes | None = None,
     ) -> None:
         self._authority = authority
+        self._place = {SESSION_MEMBER: session, TERMS_MEMBER: terms}
         self._epoch = 0
         self._round = 0
         self._tokens: list[int] = []
@@ -228,7 +267,7 @@ class LogReplayer:
                 return
             assert isinstance(obj, dict)
             try:
-                _check(obj, self._authority, self._named.get(epoch), self._keys)
+                _check(obj, self._authority, self._named.get(epoch), self._keys, self._place)
             except UntrustedRecord as exc:
                 self._poisoned.add(epoch)
                 self._faults.append(f"epoch {epoch} round {record.round}: {exc}")
@@ -245,8 +284,15 @@ class LogReplayer:
         self._round = record.round
 
 
-def _check(record: dict[str, Any], authority: RecordAuthority, verifier: str | None, keys: dict[int, Any]) -> None:
-    """SDCP 6.9 (extension): the record is the signed record of its epoch's verifier."""
+def _check(
+    record: dict[str, Any],
+    authority: RecordAuthority,
+    verifier: str | None,
+    keys: dict[int, Any],
+    place: dict[str, bytes | None],
+) -> None:
+    """SDCP 6.9 (extension): the record is the signed record of its epoch's verifier, bound to this
+    session and its terms."""
     epoch = record["epoch"]
     writer = record.get(WRITER_MEMBER)
     if verifier is None:
@@ -262,6 +308,9 @@ def _check(record: dict[str, Any], authority: RecordAuthority, verifier: str | N
     else:
         raise UntrustedRecord(f"the first record of epoch {epoch} carries no certificate")
     authority.signature(record, key)
+    for member, expected in place.items():
+        if expected is not None and record.get(member) != expected:
+            raise UntrustedRecord(f"the record's {member} is not this session's: it belongs in another log")
     keys[epoch] = key
 
 

@@ -51,7 +51,7 @@ from sdcp.protocol.messages import (
     Status,
 )
 from sdcp.protocol.problems import BadContract, ProblemType, ProtocolError
-from sdcp.protocol.records import LogReplay, LogReplayer, RecordAuthority, encode_token_list
+from sdcp.protocol.records import LogReplay, LogReplayer, RecordAuthority, encode_token_list, session_terms
 from sdcp.protocol.router import (
     DecodingChoice,
     InstanceRegistry,
@@ -857,7 +857,12 @@ class RouterEngine:
         replayer = tracked.replayer
         if replayer is None:
             replayer = tracked.replayer = LogReplayer(
-                plan.contract.digest, tracked.prompt, authority=self.record_check, first_verifier=tracked.first_verifier
+                plan.contract.digest,
+                tracked.prompt,
+                authority=self.record_check,
+                first_verifier=tracked.first_verifier,
+                session=plan.session,
+                terms=session_terms(constraint=plan.constraint, min_new=plan.min_new),
             )
         snapshot = await self.mlc.commit_log(plan.commit_log).read_from(replayer.fed)
         try:

@@ -59,7 +59,7 @@ from sdcp.protocol.messages import (
     Verdict,
 )
 from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
-from sdcp.protocol.records import decode_token_list
+from sdcp.protocol.records import decode_token_list, session_terms
 from sdcp.protocol.verifier import Replay, VerifierSession, Wait
 from sdcp.threads import CoreGovernor
 
@@ -303,6 +303,7 @@ class VerifierEngine:
             machine,
             commit_log,
             snapshot.etag,
+            session_terms(constraint=message.constraint, min_new=message.min_new),
             owner=message.owner,
             kv_uri=target_kv_uri(message.commit_log, message.session, message.epoch),
             kv_imported=imported,

@@ -26,6 +26,9 @@ class LiveSession:
     machine: VerifierSession
     log: CommitLog
     etag: str
+    # What decides the session's tokens beyond contract and prompt (sdcp.protocol.records.session_terms):
+    # every commit record names them, so that it is valid in this session's log only.
+    terms: bytes
     # The front end that opened the session at the router (session-open's owner extension).
     owner: str | None = None
     rounds: dict[int, asyncio.Future[Verdict]] = field(default_factory=dict)

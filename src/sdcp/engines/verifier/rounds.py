@@ -33,6 +33,7 @@ from sdcp.models.backend import Target
 from sdcp.models.batching import BatchingScorer, GreedyPicker, ScoredRun
 from sdcp.protocol.messages import Action, Event, Verdict
 from sdcp.protocol.problems import ProblemType, ProtocolError
+from sdcp.protocol.records import bind_record
 from sdcp.protocol.rules import parse_q_rows
 from sdcp.protocol.verifier import PendingCommit, RoundTicket
 
@@ -205,8 +206,9 @@ class Rounds:
         """Append the round's commit record; raises, and releases nothing, if it is not there."""
         machine = live.machine
         # The writer's identity goes with the record: an MLC node admits commit records only from
-        # the verifier they name (docs/security.md); readers treat the member as opaque.
-        record: dict[str, Any] = {**pending.record.to_obj(), "writer": self._uri}
+        # the verifier they name (docs/security.md). The session and its terms go with it too, so
+        # that, signed, it is valid in one place of one log (a router's replay checks both).
+        record = bind_record(pending.record, writer=self._uri, session=machine.session, terms=live.terms)
         if self._sign is not None:
             # SDCP 1.3: only the verifier commits; its signature lets a router tell its records
             # from anything else written to the store (docs/security.md, signed commit records).
