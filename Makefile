@@ -47,6 +47,11 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # llama-cpp-python as the verifier extra pins it, built on its own so that its long build shows pip's
 # progress (a GPU host passes CMAKE_ARGS, docs/models.md).
 LLAMA_SPEC := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml | head -n 1)
+# A portable x86-64 build (AVX2): llama.cpp's native build turns on its AMX kernels on CPUs that
+# have them, which crash (SIGSEGV in ggml_backend_amx_mul_mat) where the sandbox does not grant AMX
+# state, as on this project's machines. A GPU host or another CPU passes its own CMAKE_ARGS.
+CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+export CMAKE_ARGS
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --index-url $(TORCH_INDEX) "$(TORCH_SPEC)"
