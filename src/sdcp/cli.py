@@ -160,7 +160,13 @@ def _serve(role: Role, config_path: Path, log_level: LogLevel, log_json: bool, a
                 loop.add_signal_handler(signum, shutdown.set)
             await node.run_until(shutdown)
 
-        asyncio.run(run())
+        from sdcp.services.node import ModelThreadDied
+
+        try:
+            asyncio.run(run())
+        except ModelThreadDied as exc:
+            # EX_SOFTWARE: a supervisor (Kubernetes, `sdcp up` again) starts the role anew.
+            fail(str(exc), code=70)
 
 
 def _build_node(role: Role, config: Any) -> Any:

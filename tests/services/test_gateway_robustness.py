@@ -15,8 +15,10 @@ from tests.services.test_gateway_service import Cluster, base, cluster
 
 from sdcp.grammar import ConstraintError, check, gbnf_to_lark
 from sdcp.protocol.messages import Constraint
+from sdcp.protocol.problems import BadContract
 from sdcp.services.gateway import GatewayNode
 from sdcp.text import TextCodec
+from sdcp.transport.client import SDCPClient
 
 __all__ = ["cluster"]  # the fixture, from the gateway's service tests
 
@@ -169,3 +171,48 @@ async def test_a_language_whose_output_dead_ends_ends_the_choice_as_abort(cluste
             assert stream.status_code == 200
             events = [line async for line in stream.aiter_lines() if line.startswith("data: {")]
         assert json.loads(events[-1][len("data: ") :])["choices"][0]["finish_reason"] == "abort"
+
+
+# Issue #36: a 36 KB grammar of 2,000 alternatives killed the verifier's scorer thread (a parser
+# limit at self-decoding); a 47 KB chain of 3,000 rules crashed the gateway, and through the router
+# each verifier it tried (a segmentation fault in llguidance).
+WIDE_GRAMMAR = "start: " + " | ".join(f'"alternative{i:05d}"' for i in range(2000))
+CHAIN_GRAMMAR = "\n".join(["start: rule0", *(f"rule{i}: rule{i + 1}" for i in range(2999)), 'rule2999: "x"'])
+
+
+async def test_the_grammars_that_stopped_the_cluster_are_refused_at_every_hop(cluster: Cluster) -> None:
+    gateway = await chat_gateway(cluster)
+    verifier = cluster.verifier
+    target = verifier.engine.target
+    contract = {
+        "target": target.weights_digest,
+        "tokenizer": target.tokenizer_digest,
+        "rule": 1,
+        "m_max": 4,
+        "max_new": 8,
+        "stop": [0],
+        "low_rounds": 2,
+        "fallback": [3, 5],
+        "self_load": 100,
+    }
+    cert, key = cluster.certs["gateway"]
+    front_end = SDCPClient(cluster.uris["router"], cert, key, cluster.ca)
+    try:
+        async with httpx.AsyncClient(base_url=base(gateway), timeout=60) as http:
+            for grammar in (WIDE_GRAMMAR, CHAIN_GRAMMAR):
+                answer = await post(http, "/v1/completions", completion(guided_grammar=grammar))
+                assert answer.status_code == 400, answer.text
+                assert answer.json()["error"]["param"] == "guided_grammar"
+                assert "exceeds a limit" in answer.json()["error"]["message"]
+                # A trusted front end sends it to the router: the verifier refuses it too (a peer's
+                # constraint is input), before llguidance reads it.
+                with pytest.raises(BadContract, match="exceeds a limit"):
+                    await front_end.post_cbor(
+                        "sessions",
+                        {"prompt": [5, 6, 7], "contract": contract, "constraint": {"kind": "lark", "text": grammar}},
+                    )
+            assert verifier.engine.scorer.alive and (await verifier.readiness()).ready
+            after = await post(http, "/v1/completions", completion(temperature=0, max_tokens=4))
+            assert after.status_code == 200, after.text
+    finally:
+        await front_end.aclose()

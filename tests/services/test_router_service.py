@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -37,6 +38,7 @@ from sdcp.localhost import free_port
 from sdcp.models.draft import DraftResult, NgramDrafter
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.worker import ModelThreadClosed
 from sdcp.protocol.digest import extend_digest
 from sdcp.protocol.messages import (
     Action,
@@ -728,6 +730,56 @@ async def test_records_signed_for_another_session_are_never_spliced_into_this_on
     assert tokens == reference and outputs[-1].finish == Action.FINISH
     assert "SPLICED" not in target.tokenizer.decode(tokens)
     assert counter("sdcp_router_untrusted_records_total", router.uri) > untrusted_before
+
+
+async def test_a_verifier_whose_scorer_thread_dies_goes_unready_and_its_session_fails_over(
+    deployment: Deployment, target: TargetModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue #36: whatever kills the scorer's thread (here an error injected into its pass) leaves
+    no caller waiting on it: calls fail at once (503 over HTTP), /ready goes false with the reason,
+    the verifier stops reporting status and asks its process to exit; the router, its status
+    expired, moves the session to the other verifier, and the output is the greedy reference."""
+    router = deployment.router
+    assert router is not None
+    first = await start_verifier(deployment, "verifier1")
+    await start_drafter(deployment, "drafter1")
+    max_new = 150
+    opened = await open_session(deployment, tiny_contract(target, max_new=max_new))
+    session = opened["session"]
+    assert isinstance(session, bytes) and opened["verifier"] == first.uri
+    second = await start_verifier(deployment, "verifier2")
+    before = await read_output(deployment.client("frontend", peer="verifier1"), session, until=8)
+    assert not before[-1].final, "the session finished before the scorer could be broken"
+    scorer = first.engine.scorer
+
+    def broken(*_args: object, **_kwargs: object) -> list[object]:
+        raise RuntimeError("injected: the scorer's pass failed outside any request")
+
+    monkeypatch.setattr(scorer, "_score", broken)
+    await eventually(lambda: not scorer.alive)
+    assert isinstance(scorer.failure, RuntimeError) and first._model_died.is_set()
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.CRITICAL] == [
+        f"sdcp-scorer died: {scorer.failure!r}"
+    ]
+    caplog.clear()  # the death is logged as it must be; any other error still fails the test
+    readiness = await first.readiness()
+    assert not readiness.ready and "model thread died" in readiness.reason
+    with pytest.raises(ModelThreadClosed):
+        await scorer.run_async(lambda: None)
+    reported = first._reported_at
+    await first.report_status(router.uri)
+    assert first._reported_at == reported
+    # The router's clock passes the TTL of the report it holds; the verifier reports no other.
+    jump_clock(router).advance(PAST_TTL_S)
+    frontend = deployment.client("frontend")
+
+    async def moved() -> bool:
+        _, described = await frontend.get_cbor(f"sessions/{session_path_id(session)}")
+        return isinstance(described, dict) and described["verifier"] == second.uri
+
+    await eventually_async(moved)
+    after = await read_output(deployment.client("frontend", peer="verifier2"), session)
+    assert output_tokens(after) == greedy_reference(target, max_new) and after[-1].finish == Action.FINISH
 
 
 async def test_a_front_ends_read_reopens_a_session_whose_verifier_stopped_unheard(

@@ -199,7 +199,7 @@ class DrafterEngine:
         self._on_measured = on_measured
         self._tasks = BackgroundTasks(uri, log)
         self.runs: dict[bytes, _SessionRun] = {}
-        self._worker: ModelThread | InlineModelThread = (
+        self.worker: ModelThread | InlineModelThread = (
             InlineModelThread() if drafter.runs_inline else ModelThread(f"drafter-{drafter.name}", cores=cores)
         )
         self._round_trip = _RoundTrip()
@@ -244,8 +244,8 @@ class DrafterEngine:
         return Status(
             instance=self.uri,
             role=Role.DRAFTER,
-            load=round(100 * self._worker.busy_fraction()),
-            queue=self._worker.queue,
+            load=round(100 * self.worker.busy_fraction()),
+            queue=self.worker.queue,
             accept_milli=round(sum(known) / len(known)) if known else None,
             cache_mbps=int(bandwidth) if bandwidth is not None else None,
             ttl_ms=self.ttl_ms,
@@ -271,7 +271,7 @@ class DrafterEngine:
 
     async def start(self) -> None:
         # An HF drafter hashes and packs its weights once: before the first status report and draft.
-        await self._worker.run_async(self.drafter.prepare)
+        await self.worker.run_async(self.drafter.prepare)
         await self._warm_history()
 
     async def _warm_history(self) -> None:
@@ -293,7 +293,7 @@ class DrafterEngine:
             return
 
         async def learn(key: bytes, output: tuple[int, ...]) -> None:
-            await self._worker.run_async(shares.learn, key, output)
+            await self.worker.run_async(shares.learn, key, output)
             HISTORY_LEARNED.labels(self.uri).inc()
 
         def full() -> bool:
@@ -312,7 +312,7 @@ class DrafterEngine:
     async def stop(self) -> None:
         await self._tasks.cancel_all()
         # Closing joins the model's thread after its queued work: not on the event loop.
-        await asyncio.to_thread(self._worker.close)
+        await asyncio.to_thread(self.worker.close)
 
     # -- what the router asks --------------------------------------------------------------------
 
@@ -380,7 +380,7 @@ class DrafterEngine:
     async def _close_backend_session(self, session: bytes) -> None:
         # UnknownSession: the open was cancelled before the worker started it.
         with contextlib.suppress(UnknownSession):
-            await self._worker.run_async(self.drafter.close_session, session)
+            await self.worker.run_async(self.drafter.close_session, session)
 
     async def _prepare(self, run: _SessionRun) -> None:
         """SDCP 6.2: bring the drafter's own state to the committed prefix of the assignment."""
@@ -392,13 +392,13 @@ class DrafterEngine:
         run.output_digest = prefix_digest(assignment.contract.digest, run.prompt)
         # Marked before the call: a cancellation may land while the worker is opening it.
         run.opened = True
-        await self._worker.run_async(self.drafter.open_session, run.session, list(run.prompt))
+        await self.worker.run_async(self.drafter.open_session, run.session, list(run.prompt))
         if self._shares is not None:
             await self._bind_history(run, self._shares)
         if assignment.committed > 0 and assignment.committed_tokens is not None:
             await self._adopt_committed_object(run, assignment.committed_tokens)
         await self._catch_up(run, assignment.committed, assignment.digest)
-        await self._worker.run_async(self.drafter.sync, run.session, run.committed_prefix)
+        await self.worker.run_async(self.drafter.sync, run.session, run.committed_prefix)
         if assignment.constraint is not None:
             run.grammar = await asyncio.to_thread(self._grammar, assignment)
 
@@ -424,13 +424,13 @@ class DrafterEngine:
         a new instance from the shared store. A store that does not answer costs the history only."""
         assignment = run.assignment
         key = history_scope_key(assignment.contract, assignment.owner, self.settings.history_scope)
-        await self._worker.run_async(drafter.bind_history, run.session, key)
+        await self.worker.run_async(drafter.bind_history, run.session, key)
         reader = self._history
         if reader is None or not reader.due(index := index_uri(self.mlc.authority, assignment.contract, key)):
             return
 
         async def learn(output: tuple[int, ...]) -> None:
-            await self._worker.run_async(drafter.learn, key, output)
+            await self.worker.run_async(drafter.learn, key, output)
             HISTORY_LEARNED.labels(self.uri).inc()
 
         try:
@@ -555,7 +555,7 @@ class DrafterEngine:
     async def _draft(self, run: _SessionRun, m: int) -> DraftResult:
         guide = self._guide(run)
         if guide is None:
-            return await self._worker.run_async(self.drafter.draft, run.session, m, run.state.sampling)
+            return await self.worker.run_async(self.drafter.draft, run.session, m, run.state.sampling)
         # Masks take up to a millisecond each: off the event loop.
         forced = await asyncio.to_thread(guide.forced, (), m)
         needs_q = get_rule(run.state.contract.rule).needs_q
@@ -564,8 +564,8 @@ class DrafterEngine:
         if forced:
             # The backend drafts on after the forced tokens, from the prefix they extend (the
             # verdict's sync brings it back to the committed prefix).
-            await self._worker.run_async(self.drafter.sync, run.session, [*run.committed_prefix, *forced])
-        draft = await self._worker.run_async(self.drafter.draft, run.session, m - len(forced), run.state.sampling)
+            await self.worker.run_async(self.drafter.sync, run.session, [*run.committed_prefix, *forced])
+        draft = await self.worker.run_async(self.drafter.draft, run.session, m - len(forced), run.state.sampling)
         tokens = (*forced, *draft.tokens)
         allowed = await asyncio.to_thread(guide.allowed, tokens)
         # The tokens up to the first one the grammar disallows (a stop token where the output is
@@ -620,7 +620,7 @@ class DrafterEngine:
                 # SDCP 6.2: the next proposal MAY be prepared assuming full acceptance. The backend
                 # continues after the tentative tokens: one token stands for the verifier's extra token.
                 length = state.m_after_full_acceptance(*self._costs(run)) + 1
-                predraft = self._worker.schedule(self.drafter.draft, run.session, length, state.sampling)
+                predraft = self.worker.schedule(self.drafter.draft, run.session, length, state.sampling)
             try:
                 verdict = await send
             except ProtocolError as error:
@@ -711,7 +711,7 @@ class DrafterEngine:
         else:
             state.on_problem(error)
         if state.stopped_by is None:
-            await self._worker.run_async(self.drafter.sync, run.session, run.committed_prefix)
+            await self.worker.run_async(self.drafter.sync, run.session, run.committed_prefix)
 
     async def _apply_verdict(
         self, run: _SessionRun, proposal: Proposal, verdict: Verdict, predraft: DraftResult | None
@@ -753,7 +753,7 @@ class DrafterEngine:
         if predraft is not None:
             PREDRAFTS.labels(self.uri, "used" if ready is not None else "discarded").inc()
         tentative = ready.tokens if ready is not None else ()
-        await self._worker.run_async(self.drafter.sync, run.session, [*run.committed_prefix, *tentative])
+        await self.worker.run_async(self.drafter.sync, run.session, [*run.committed_prefix, *tentative])
         return ready
 
     def _measure_acceptance(self, klass: str, accepted: int, proposed: int) -> None:

@@ -13,6 +13,7 @@ rollback, KV export) goes through the same thread with `run`/`run_async`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import time
 from collections import deque
@@ -31,6 +32,8 @@ from sdcp.protocol.constraint import DeadEnd
 from sdcp.protocol.messages import Sampling
 from sdcp.protocol.shaping import TargetLogits
 from sdcp.threads import CoreGovernor
+
+log = logging.getLogger("sdcp.models")
 
 # The scorer's name for a closed model thread.
 ScorerClosed = ModelThreadClosed
@@ -264,9 +267,28 @@ class BatchingScorer(ModelThread):
                 batch.append(item)
             with self._working():
                 stopping = self._gather(batch, deferred) or stopping
-                # A run's next step goes first into the next pass, as the pass's session would.
-                deferred.extendleft(reversed(self._score(batch, stopping=stopping)))
+                try:
+                    # A run's next step goes first into the next pass, as the pass's session would.
+                    deferred.extendleft(reversed(self._score(batch, stopping=stopping)))
+                except BaseException as exc:
+                    # The thread dies of it (ModelThread): no request of the pass, nor a step
+                    # deferred to the next, is left for a caller to wait on.
+                    self._fail_requests([*batch, *deferred], exc)
+                    raise
         self._refuse_pending()
+
+    @staticmethod
+    def _fail_requests(requests: list[_Request], error: BaseException) -> None:
+        outcomes = _Outcomes()
+        failure = ModelThreadClosed(f"the scorer failed: {error!r}")
+        for request in requests:
+            if request.future.done():
+                continue
+            if request.future.running() or request.future.set_running_or_notify_cancel():
+                outcomes.exception(request, failure)
+            if request.run is not None:
+                outcomes.end_run(request.run)
+        outcomes.deliver()
 
     def _gather(self, batch: list[_Request], deferred: deque[_Request]) -> bool:
         """Fill `batch` within the window; a second request of a session waits for a later pass."""
@@ -361,7 +383,13 @@ class BatchingScorer(ModelThread):
         if not run.steps or run.steps[0].cancelled():
             return None
         proposed = () if request.extends else request.tokens
-        token = run.picker.follow(rows, proposed)
+        try:
+            token = run.picker.follow(rows, proposed)
+        except Exception as exc:  # noqa: BLE001 - a run only saves passes: the round decides anyway
+            # A picker's failure (a grammar library's error on one session's constraint) stops that
+            # session's run, never the scorer every session shares.
+            log.warning("session %s: greedy run stopped: %r", request.session, exc)
+            return None
         if token is None or token in run.stop_tokens:
             return None
         run.fed.append(token)

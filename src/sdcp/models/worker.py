@@ -6,11 +6,16 @@ that, and ``sdcp.threads.CoreGovernor`` sizes its team to the free cores before 
 ``ModelThread`` is that thread for a drafter backend; ``sdcp.models.batching.BatchingScorer``
 extends it for the target model with passes batched across sessions. Both measure what a status
 report needs: calls waiting to start (``queue``) and the share of the recent past spent busy.
+
+A thread that dies of an error its work did not catch stays dead: ``failure`` says why, work queued
+and submitted after fails with ``ModelThreadClosed`` at once (no caller waits for a thread that is
+gone), and ``on_death`` tells the role, which stops being ready (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -27,6 +32,8 @@ __all__ = ["Call", "InlineModelThread", "ModelThread", "ModelThreadClosed"]
 
 _T = TypeVar("_T")
 _STOP = object()
+
+log = logging.getLogger("sdcp.models")
 
 
 class ModelThreadClosed(ModelError):
@@ -96,8 +103,16 @@ class ModelThread:
         self._busy = _BusyMeter(busy_window_s)
         self._waiting = 0
         self._waiting_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        # Why the thread died, and who is told (set before any work can fail it).
+        self.failure: BaseException | None = None
+        self.on_death: Callable[[BaseException], None] | None = None
+        self._thread = threading.Thread(target=self._serve_guarded, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread serves work: False once closed or dead."""
+        return self.failure is None and not self._closed.is_set()
 
     def run(self, function: Callable[..., _T], *args: object) -> Future[_T]:
         """Queue ``function(*args)`` from any thread; its future completes on the model thread."""
@@ -139,11 +154,15 @@ class ModelThread:
     # -- on the model thread -----------------------------------------------------------------------
 
     def _put(self, item: object) -> None:
+        if self.failure is not None:
+            raise ModelThreadClosed(f"{self._thread.name} died: {self.failure!r}")
         if self._closed.is_set():
             raise ModelThreadClosed(f"{self._thread.name} is closed")
         with self._waiting_lock:
             self._waiting += 1
         self._inbox.put(item)
+        if self.failure is not None:
+            self._refuse_pending()  # the thread died while this was put: nobody else will refuse it
 
     def _take(self, timeout: float | None = None) -> object:
         """The next item (``_STOP`` once closed); raises ``queue.Empty`` after ``timeout`` (0: none waiting)."""
@@ -165,6 +184,17 @@ class ModelThread:
     def _working(self) -> _Working:
         """Brackets one piece of work: sizes the OpenMP team, counts the time as busy."""
         return _Working(self)
+
+    def _serve_guarded(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - whatever killed the thread, no caller may wait on it
+            self.failure = exc
+            log.critical("%s died: %r", self._thread.name, exc, exc_info=exc)
+            self._closed.set()
+            self._refuse_pending()
+            if self.on_death is not None:
+                self.on_death(exc)
 
     def _serve(self) -> None:
         while True:
@@ -209,6 +239,10 @@ class _Working:
 class InlineModelThread:
     """The same interface for a backend that holds no model (prompt lookup): each call runs at once
     on the caller's thread, as cheap as a dictionary lookup."""
+
+    failure: BaseException | None = None
+    on_death: Callable[[BaseException], None] | None = None
+    alive = True
 
     def __init__(self) -> None:
         self._busy = _BusyMeter(10.0)

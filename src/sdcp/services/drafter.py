@@ -18,6 +18,7 @@ from sdcp.engines.drafter import DrafterEngine
 from sdcp.engines.errors import Unanswered
 from sdcp.models.draft import Drafter
 from sdcp.models.registry import load_drafter, target_vocab_size
+from sdcp.models.worker import InlineModelThread, ModelThread
 from sdcp.protocol.messages import Assignment, Output, Proposal, Status, Verdict, session_path_id
 from sdcp.services.node import Node
 from sdcp.threads import CoreGovernor
@@ -83,6 +84,9 @@ class DrafterNode(Node):
 
     def status(self) -> Status:
         return self.engine.status()
+
+    def model_threads(self) -> tuple[ModelThread | InlineModelThread]:
+        return (self.engine.worker,)
 
     async def on_start(self) -> None:
         await self.engine.start()

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -19,6 +19,7 @@ from sdcp.cache import MLC, StoreUnavailable
 from sdcp.config import OWN_MLC, ServiceConfig
 from sdcp.engines.errors import OverQuota, SessionNotFound, Unanswered, Unavailable
 from sdcp.engines.tasks import BackgroundTasks
+from sdcp.models.worker import InlineModelThread, ModelThread, ModelThreadClosed
 from sdcp.protocol.codec import DEFAULT_MAX_SIZE
 from sdcp.protocol.messages import Status, instance_path_id
 from sdcp.services.admin import AdminServer, Readiness
@@ -30,9 +31,14 @@ from sdcp.transport.errors import NotFound, ServiceUnavailable, TooManyRequests
 from sdcp.transport.metrics import metrics_route
 from sdcp.transport.server import Listener, MTLSServer, Server
 
-__all__ = ["Node", "build_mlc"]
+__all__ = ["ModelThreadDied", "Node", "build_mlc"]
 
 log = logging.getLogger("sdcp.services")
+
+
+class ModelThreadDied(RuntimeError):
+    """The thread that owns the instance's model died: the instance stopped, and its process
+    exits so that a supervisor starts it again (docs/reliability.md)."""
 
 
 def build_mlc(config: ServiceConfig, *, store_every_authority: bool = False, role: str | None = None) -> MLC:
@@ -91,6 +97,8 @@ _ENGINE_ERROR_HANDLERS = {
     SessionNotFound: _not_found,
     Unavailable: _unavailable,
     Unanswered: _unavailable,
+    # The instance's model thread died: it serves nothing until restarted (another instance may).
+    ModelThreadClosed: _unavailable,
     OverQuota: _over_quota,
     StoreUnavailable: _store_unavailable,
 }
@@ -114,6 +122,8 @@ class Node(ABC):
         self._tasks = BackgroundTasks(self.uri, log)
         # When a router last took this instance's status report (time.monotonic).
         self._reported_at: float | None = None
+        # Set from a model thread that died (on that thread): the instance stops serving.
+        self._model_died = asyncio.Event()
 
     @abstractmethod
     def routes(self) -> list[BaseRoute]:
@@ -137,9 +147,21 @@ class Node(ABC):
         """What GET /version says of this instance besides sdcp's version and the role."""
         return {}
 
+    def model_threads(self) -> Sequence[ModelThread | InlineModelThread]:
+        """The threads that own the instance's models: the instance works only while each lives."""
+        return ()
+
+    def model_failure(self) -> BaseException | None:
+        """What killed a model thread of this instance, if one died."""
+        return next((thread.failure for thread in self.model_threads() if thread.failure is not None), None)
+
     async def readiness(self) -> Readiness:
-        """Whether the instance can do its work (GET /ready on the admin listener): an instance that
-        reports status is ready while a router holds a report of it that has not expired."""
+        """Whether the instance can do its work (GET /ready on the admin listener): not once a model
+        thread died; an instance that reports status is ready while a router holds a report of it
+        that has not expired."""
+        failure = self.model_failure()
+        if failure is not None:
+            return Readiness(False, f"the model thread died: {failure!r}")
         if self.status() is None:
             return Readiness(True, "serving")
         ttl_s = self.config.instance.ttl_ms / 1000
@@ -184,6 +206,13 @@ class Node(ABC):
         )
         self._server = MTLSServer(self.app(), listener)
         await self._server.start()
+        loop = asyncio.get_running_loop()
+
+        def died(_exc: BaseException) -> None:
+            loop.call_soon_threadsafe(self._model_died.set)
+
+        for thread in self.model_threads():
+            thread.on_death = died
         if self.status() is not None:
             # Every router hears of the instance, so that each can assign to it and take over the
             # sessions of another (docs/reliability.md, "Routers").
@@ -214,18 +243,31 @@ class Node(ABC):
         await self.stop()
 
     async def run_until(self, shutdown: asyncio.Event) -> None:
+        """Serve until ``shutdown`` is set; raises ModelThreadDied, after stopping, where a model
+        thread died first (the instance cannot work: a supervisor restarts the process)."""
         await self.start()
         try:
-            await shutdown.wait()
+            stopping = asyncio.ensure_future(shutdown.wait())
+            dying = asyncio.ensure_future(self._model_died.wait())
+            try:
+                await asyncio.wait((stopping, dying), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+                dying.cancel()
         finally:
             await self.stop()
+        failure = self.model_failure()
+        if failure is not None and not shutdown.is_set():
+            raise ModelThreadDied(f"{self.uri}: the model thread died: {failure!r}")
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``coro`` in the background for the life of the node; failures are logged."""
         return self._tasks.spawn(coro)
 
     async def report_status(self, router: str) -> None:
-        status = self.status()
+        # An instance whose model thread died reports nothing: routers let its status expire and
+        # move its sessions elsewhere (SDCP 6.1, 6.9).
+        status = None if self.model_failure() is not None else self.status()
         if status is not None:
             path = f"instances/{instance_path_id(self.uri)}/status"
             await self.peers.get(router).put_cbor(path, status.to_obj())

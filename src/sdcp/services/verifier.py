@@ -24,6 +24,7 @@ from sdcp.config import ServiceConfig, thread_budget
 from sdcp.engines.errors import SessionNotFound, Unanswered
 from sdcp.engines.verifier import TRACE_ROUNDS, VerifierEngine
 from sdcp.models.backend import DEFAULT_KV_SLOTS, LLAMACPP_KV_SLOTS, Target, TargetBackend
+from sdcp.models.batching import BatchingScorer
 from sdcp.models.choice import BackendChoice, choose_backend
 from sdcp.models.registry import load_target
 from sdcp.protocol.messages import (
@@ -102,6 +103,9 @@ class VerifierNode(Node):
 
     def status(self) -> Status:
         return self.engine.status()
+
+    def model_threads(self) -> tuple[BatchingScorer]:
+        return (self.engine.scorer,)
 
     async def on_start(self) -> None:
         await self.engine.start()

@@ -187,8 +187,9 @@ class VerifierEngine:
                 live.self_decoder.cancel()
         # The target may outlive this engine (a node restarted in the same process): the model
         # sessions go with the engine's, also where their closing was still queued as a task. The
-        # scorer runs this before its thread ends.
-        self.scorer.run(self._close_model_sessions)
+        # scorer runs this before its thread ends; a scorer that died holds nothing worth closing.
+        if self.scorer.alive:
+            self.scorer.run(self._close_model_sessions)
         # Closing joins the scorer's thread once the work queued on it has run, which takes up to a
         # few passes: the event loop goes on serving the node's other work meanwhile.
         await asyncio.to_thread(self.scorer.close)
