@@ -16,7 +16,7 @@ from tests.waiting import eventually
 
 from sdcp.protocol.verifier import SessionStats
 from sdcp.services.drafter import DrafterNode
-from sdcp.services.gateway import GatewayNode
+from sdcp.services.gateway import GatewayNode, api_tenant
 from sdcp.services.router import RouterNode
 
 __all__ = ["cluster"]  # the fixture, from the gateway's service tests
@@ -109,3 +109,19 @@ async def test_a_stream_reports_the_acceptance_of_every_choice_in_its_usage_chun
     usage = events[-1]["usage"]
     assert events[-1]["choices"] == [] and usage["completion_tokens"] == 2 * MAX_TOKENS
     assert usage["speculative"] == reported(stats_of(cluster, answer.headers["x-sdcp-sessions"]))
+
+
+async def test_each_api_user_is_its_sessions_tenant(cluster: Cluster) -> None:
+    """Issue #36: the gateway names the request's API user (its credential and OpenAI's ``user``,
+    as a digest) as the session's tenant, which scopes the history its drafts come from."""
+    gateway = await cluster.gateway()
+    tenants = {}
+    for user in ("alice", "bob", None):
+        body: dict[str, Any] = {"user": user} if user is not None else {}
+        _, sessions = await completion(gateway, **body)
+        (session,) = (bytes.fromhex(s) for s in sessions.split(","))
+        tenants[user] = cluster.verifier.engine.sessions[session].tenant
+    # The openai client sends its (unused) key as a bearer credential.
+    assert tenants == {user: api_tenant("Bearer unused", user) for user in ("alice", "bob", None)}
+    assert len(set(tenants.values())) == 3 and all(t is not None and len(t) == 32 for t in tenants.values())
+    assert api_tenant(None, None) is None and api_tenant("Bearer k", None) != api_tenant("Bearer k2", None)

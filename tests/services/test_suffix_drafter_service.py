@@ -79,26 +79,36 @@ def published(verifier: str) -> float:
 
 
 async def run_session(
-    env: Env, contract: Contract, drafter: str, owner: str, prompt: tuple[int, ...] = PROMPT
+    env: Env,
+    contract: Contract,
+    drafter: str,
+    owner: str,
+    prompt: tuple[int, ...] = PROMPT,
+    tenant: str | None = None,
 ) -> tuple[list[int], int]:
-    """As the router: a session of ``owner`` drafted by ``drafter``, to its end, and once its
-    output is published; the output and how many drafted tokens the verifier accepted."""
-    output, stats = await run_session_stats(env, contract, drafter, owner, prompt)
+    """As the router: a session of ``owner`` (and its ``tenant``) drafted by ``drafter``, to its
+    end, and once its output is published; the output and how many drafted tokens the verifier
+    accepted."""
+    output, stats = await run_session_stats(env, contract, drafter, owner, prompt, tenant)
     return output, stats["accepted"]
 
 
 async def run_session_stats(
-    env: Env, contract: Contract, drafter: str, owner: str, prompt: tuple[int, ...]
+    env: Env, contract: Contract, drafter: str, owner: str, prompt: tuple[int, ...], tenant: str | None = None
 ) -> tuple[list[int], dict[str, Any]]:
     """``run_session``, with the session's id and its stats (GET sessions/{id}/stats)."""
     session = os.urandom(16)
     router = env.client(env.verifier_uri, ROUTER)
     log_uri = build_uri("local", None, "log", session.hex())
-    opened = SessionOpen(session=session, epoch=1, contract=contract, prompt=prompt, commit_log=log_uri, owner=owner)
+    opened = SessionOpen(
+        session=session, epoch=1, contract=contract, prompt=prompt, commit_log=log_uri, owner=owner, tenant=tenant
+    )
     status, _ = await router.post_cbor("sessions", opened.to_obj())
     assert status == 201
     digest = prefix_digest(contract.digest, prompt)
-    assignment = make_assignment(env, contract, session, drafter=drafter, owner=owner, prompt=prompt, digest=digest)
+    assignment = make_assignment(
+        env, contract, session, drafter=drafter, owner=owner, prompt=prompt, digest=digest, tenant=tenant
+    )
     await router.put_cbor(f"sessions/{session_path_id(session)}/drafter", assignment.to_obj())
     before = published(env.verifier_uri)
     await env.client(drafter, ROUTER).post_cbor("assignments", assignment.to_obj())
@@ -163,6 +173,32 @@ async def test_drafter_instances_draft_from_each_others_finished_sessions(env: E
         assert reported == HistoryStatus(sessions=3, tokens=3 * contract.max_new, max_tokens=bound)
     finally:
         await fresh.stop()
+        await verifier.stop()
+
+
+async def test_one_api_users_output_is_never_drafted_for_another(env: Env, target: TargetModel) -> None:
+    """Issue #36, the history oracle: every API user of one gateway shares its certificate (the
+    sessions' owner), so a user's output drafted another's session of the same prompt, and the
+    accepted count (usage.speculative) told whether someone had received that output: 157 of 160
+    against 3-4. The gateway now names the user as the session's tenant (failed before: the second
+    tenant drafted from the first's output): a tenant drafts from its own outputs only."""
+    verifier = await verifier_node(env, target)
+    drafter = await suffix_node(env, env.drafter_uri)
+    contract = make_contract(target, max_new=32)
+    expected = greedy(target, PROMPT, contract.max_new)
+    try:
+        output, alone = await run_session(env, contract, env.drafter_uri, TENANT, tenant="alice")
+        assert output == expected
+        output, other = await run_session(env, contract, env.drafter_uri, TENANT, tenant="bob")
+        assert output == expected
+        output, again = await run_session(env, contract, env.drafter_uri, TENANT, tenant="alice")
+        assert output == expected
+        # Alice's second session drafts from her first; Bob's, from nothing but his prompt.
+        assert 2 * again > contract.max_new and other <= alone < again
+        for tenant in ("alice", "bob"):
+            assert history_scope_key(contract, TENANT, "owner", tenant) != history_scope_key(contract, TENANT, "owner")
+    finally:
+        await drafter.stop()
         await verifier.stop()
 
 

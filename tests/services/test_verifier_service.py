@@ -48,6 +48,7 @@ from sdcp.protocol.messages import (
     session_path_id,
 )
 from sdcp.protocol.problems import ProblemType, ProtocolError
+from sdcp.protocol.records import session_terms
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
@@ -405,6 +406,9 @@ async def test_commit_records_precede_verdicts(cluster: Cluster, target: TargetM
             "committed": verdict.committed,
             "digest": verdict.digest,
             "writer": cluster.node.uri,
+            # Bound to its place: this session, and its terms (no constraint, no min_new).
+            "session": SESSION,
+            "terms": session_terms(constraint=None, min_new=None),
         }
     ]
     assert cbor2.loads(cbor2.dumps(records[0])) == records[0]

@@ -423,7 +423,7 @@ class DrafterEngine:
         the last look (sdcp.engines.history): all of them at its first assignment here, which warms
         a new instance from the shared store. A store that does not answer costs the history only."""
         assignment = run.assignment
-        key = history_scope_key(assignment.contract, assignment.owner, self.settings.history_scope)
+        key = history_scope_key(assignment.contract, assignment.owner, self.settings.history_scope, assignment.tenant)
         await self.worker.run_async(drafter.bind_history, run.session, key)
         reader = self._history
         if reader is None or not reader.due(index := index_uri(self.mlc.authority, assignment.contract, key)):

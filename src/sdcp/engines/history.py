@@ -80,13 +80,15 @@ _PUBLISH_BACKOFF_S = 0.01
 _MAX_SCOPES = 4096
 
 
-def history_scope_key(contract: Contract, owner: str | None, policy: HistoryScope) -> bytes:
+def history_scope_key(contract: Contract, owner: str | None, policy: HistoryScope, tenant: str | None = None) -> bytes:
     """The 16 bytes naming whose finished output a session's drafts may come from: the contract's
-    target, tokenizer and scope, and under ``owner`` the front end that opened the session (a
-    session without one shares with the other owner-less sessions only)."""
+    target, tokenizer and scope, and under ``owner`` the front end that opened the session and the
+    tenant it named (its API user: a session without one shares with the front end's other
+    tenant-less sessions only, one without an owner with the other owner-less sessions)."""
     digest = hashlib.sha256(_LABEL)
     owner_part = (owner or "").encode() if policy == "owner" else b""
-    for part in (policy.encode(), contract.target, contract.tokenizer, contract.scope or b"", owner_part):
+    tenant_part = (tenant or "").encode() if policy == "owner" else b""
+    for part in (policy.encode(), contract.target, contract.tokenizer, contract.scope or b"", owner_part, tenant_part):
         digest.update(len(part).to_bytes(4, "big"))
         digest.update(part)
     return digest.digest()[:_KEY_BYTES]

@@ -351,6 +351,8 @@ _HASH = _Bytes(HASH_SIZE)
 _SESSION = _Bytes(SESSION_ID_SIZE)
 _ACTION = _ActionKind()
 _REQUEST_ID = _ShortText(128)
+# Extension: whose history a session shares (docs/interpretations.md, "Tenants"): opaque to roles.
+_TENANT = _ShortText(128)
 _BIAS = _Int(low=-LOGIT_BIAS_MILLI, high=LOGIT_BIAS_MILLI)
 # A natural logarithm of a probability in millionths (SDCP bodies carry no floats).
 _LOGPROB = _Int(low=-(2**63), high=0)
@@ -567,6 +569,9 @@ class SessionOpen(_Message):
     # Extension: the front end asked for no speculation; the router assigns no drafter and has the
     # verifier decode alone (docs/interpretations.md, "Per-request speculation").
     self_decode_only: bool | None = _optional(_Bool())
+    # Extension: the front end's user of the session, within the owner: history never crosses
+    # tenants (docs/interpretations.md, "Tenants").
+    tenant: str | None = _optional(_TENANT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -582,6 +587,7 @@ class SessionRequest(_Message):
     request: str | None = _optional(_REQUEST_ID)
     constraint: Constraint | None = _optional(_Nested(Constraint))
     self_decode_only: bool | None = _optional(_Bool())
+    tenant: str | None = _optional(_TENANT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -614,6 +620,8 @@ class Assignment(_Message):
     # Extension: session-open's constraint, so that a drafter proposes the tokens it forces at full
     # confidence and nothing it disallows (structured output).
     constraint: Constraint | None = _optional(_Nested(Constraint))
+    # Extension: session-open's tenant, which with the owner names the history drafts come from.
+    tenant: str | None = _optional(_TENANT)
 
 
 @dataclass(frozen=True, kw_only=True)

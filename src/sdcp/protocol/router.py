@@ -266,6 +266,8 @@ class RouterSession:
     constraint: Constraint | None = None
     # No speculation: the session is decoded by its verifier alone, wherever it runs.
     self_decode_only: bool | None = None
+    # The front end's user (tenant): with the owner, whose history the session's drafts draw on.
+    tenant: str | None = None
 
     def open_message(self) -> SessionOpen:
         """session-open for the current verifier; carries ``resume`` after a failover."""
@@ -283,6 +285,7 @@ class RouterSession:
             request=self.request,
             constraint=self.constraint,
             self_decode_only=self.self_decode_only,
+            tenant=self.tenant,
         )
 
     def assignment(
@@ -312,6 +315,7 @@ class RouterSession:
             m_init=m_init,
             owner=self.owner,
             constraint=self.constraint,
+            tenant=self.tenant,
         )
 
     def fence_for_failover(self, verifier: str | None = None) -> FenceRecord:

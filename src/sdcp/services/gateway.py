@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -135,6 +136,20 @@ class _AccessRecord:
 
 
 _RECORD_KEY = "sdcp.access"
+_TENANT_LABEL = b"sdcp-tenant-1\x00"
+
+
+def api_tenant(authorization: str | None, user: str | None) -> str | None:
+    """Whose history a request's sessions share (session-open's ``tenant``): the API credential it
+    presented and OpenAI's ``user`` member, as a digest (never the key itself); None for a request
+    with neither, which shares with the other anonymous ones. Two API users never draft from each
+    other's outputs, so ``usage.speculative`` cannot confirm another user's output (docs/security.md)."""
+    if not authorization and not user:
+        return None
+    digest = hashlib.sha256(_TENANT_LABEL)
+    for part in ((authorization or "").encode(), (user or "").encode()):
+        digest.update(len(part).to_bytes(4, "big") + part)
+    return digest.hexdigest()[:32]
 
 
 def _record(request: Request) -> _AccessRecord:
@@ -402,8 +417,9 @@ class GatewayNode:
                     record.request_id,
                     ", ".join(generation.ignored),
                 )
+            tenant = api_tenant(request.headers.get("authorization"), generation.user)
             with REQUESTS_OPENING.labels(self.uri).track_inprogress():
-                handles = await self._open_all(generation, record.request_id)
+                handles = await self._open_all(generation, record.request_id, tenant)
         except OpenAIError as exc:
             record.note = exc.message
             return JSONResponse(exc.body(), status_code=exc.status)
@@ -477,21 +493,23 @@ class GatewayNode:
             return await asyncio.to_thread(_parsed, received)
         return _parsed(received)
 
-    async def _open_all(self, generation: Generation, request_id: str) -> list[SessionHandle]:
+    async def _open_all(self, generation: Generation, request_id: str, tenant: str | None) -> list[SessionHandle]:
         """One session per choice; if one cannot be opened, those that were are cancelled. When no
         verifier of the target opens them, the router's list gives another target, tried once."""
         target = self._target or await self._choose_target()
         try:
-            return await self._open_each(target, generation, request_id)
+            return await self._open_each(target, generation, request_id, tenant)
         except _TargetLost as lost:
             try:
                 replacement = await self._choose_target(instead_of=target)
             except _ClusterFailed as exc:
                 raise _ClusterFailed(f"{lost}; {exc}") from lost
             log.info("gateway: target %s failed (%s); contracts name %s now", target.hex(), lost, replacement.hex())
-            return await self._open_each(replacement, generation, request_id)
+            return await self._open_each(replacement, generation, request_id, tenant)
 
-    async def _open_each(self, target: bytes, generation: Generation, request_id: str) -> list[SessionHandle]:
+    async def _open_each(
+        self, target: bytes, generation: Generation, request_id: str, tenant: str | None
+    ) -> list[SessionHandle]:
         contract = build_contract(
             target=target,
             tokenizer=self.codec.tokenizer_digest,
@@ -512,6 +530,7 @@ class GatewayNode:
                     request=request_id,
                     constraint=generation.constraint,
                     self_decode_only=not generation.speculation.enabled,
+                    tenant=tenant,
                 )
                 for choice in generation.choices
             ),

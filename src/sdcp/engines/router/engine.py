@@ -348,6 +348,7 @@ class RouterEngine:
                 request=wanted.request,
                 constraint=wanted.constraint,
                 self_decode_only=wanted.self_decode_only,
+                tenant=wanted.tenant,
             )
             try:
                 # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.

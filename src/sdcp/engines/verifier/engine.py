@@ -298,7 +298,7 @@ class VerifierEngine:
         if newest > message.epoch:
             raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log is fenced at epoch {newest}")
         # The scope's new history arrives while the prompt is prefilled, for the session's guesses.
-        self._tasks.spawn(self.lookahead.refresh(contract, message.owner))
+        self._tasks.spawn(self.lookahead.refresh(contract, message.owner, message.tenant))
         imported = await self._prefill(message, prompt, committed)
         live = LiveSession(
             machine,
@@ -306,6 +306,7 @@ class VerifierEngine:
             snapshot.etag,
             session_terms(constraint=message.constraint, min_new=message.min_new),
             owner=message.owner,
+            tenant=message.tenant,
             kv_uri=target_kv_uri(message.commit_log, message.session, message.epoch),
             kv_imported=imported,
         )

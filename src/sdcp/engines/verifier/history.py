@@ -57,7 +57,7 @@ class HistoryPublisher:
 
     async def _publish(self, live: LiveSession, settings: VerifierConfig) -> None:
         machine = live.machine
-        key = history_scope_key(machine.contract, live.owner, settings.history_scope)
+        key = history_scope_key(machine.contract, live.owner, settings.history_scope, live.tenant)
         try:
             published = await publish_output(
                 self._mlc,

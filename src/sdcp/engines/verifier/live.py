@@ -29,8 +29,10 @@ class LiveSession:
     # What decides the session's tokens beyond contract and prompt (sdcp.protocol.records.session_terms):
     # every commit record names them, so that it is valid in this session's log only.
     terms: bytes
-    # The front end that opened the session at the router (session-open's owner extension).
+    # The front end that opened the session at the router (session-open's owner extension), and
+    # the user it named (tenant): together they scope the session's history.
     owner: str | None = None
+    tenant: str | None = None
     rounds: dict[int, asyncio.Future[Verdict]] = field(default_factory=dict)
     committed: asyncio.Event = field(default_factory=asyncio.Event)
     self_decoder: asyncio.Task[None] | None = None

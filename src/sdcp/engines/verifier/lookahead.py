@@ -69,7 +69,7 @@ class VerifierLookahead:
         steps = plan_draft(
             context,
             index,
-            self.history.index(self._scope(live.machine.contract, live.owner)),
+            self.history.index(self._scope(live.machine.contract, live.owner, live.tenant)),
             limit,
             min_match=LOOKAHEAD_MIN_MATCH,
             # As long as the match holds: how much of it a pass scores is the cost model's choice.
@@ -82,7 +82,7 @@ class VerifierLookahead:
         machine = live.machine
         if machine.control.ended is not Action.FINISH or machine.fenced:
             return
-        key = self._scope(machine.contract, live.owner)
+        key = self._scope(machine.contract, live.owner, live.tenant)
         self.history.learn(key, machine.tokens)
         if self._reader is not None:
             # Where this verifier publishes it (sdcp.engines.verifier.history): not read back.
@@ -91,14 +91,14 @@ class VerifierLookahead:
             while len(self._held) > _HELD_ENTRIES:
                 self._held.popitem(last=False)
 
-    async def refresh(self, contract: Contract, owner: str | None) -> None:
-        """Learn the entries of the history scope of a session of ``contract`` and ``owner`` that
+    async def refresh(self, contract: Contract, owner: str | None, tenant: str | None = None) -> None:
+        """Learn the entries of the history scope of a session of ``contract``, ``owner`` and ``tenant`` that
         were published since the last look (at most once per the reader's ``refresh_s``), those
         of sessions learned here excepted. A store that does not answer costs the history only."""
         reader = self._reader
         if reader is None:
             return
-        key = self._scope(contract, owner)
+        key = self._scope(contract, owner, tenant)
         index = index_uri(reader.mlc.authority, contract, key)
         if not reader.due(index):
             return
@@ -112,5 +112,5 @@ class VerifierLookahead:
         except Exception as exc:  # noqa: BLE001 - the history only makes guesses longer
             log.warning("history %s not read for the lookahead: %r", index, exc)
 
-    def _scope(self, contract: Contract, owner: str | None) -> bytes:
-        return history_scope_key(contract, owner, self._policy())
+    def _scope(self, contract: Contract, owner: str | None, tenant: str | None) -> bytes:
+        return history_scope_key(contract, owner, self._policy(), tenant)
