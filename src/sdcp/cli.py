@@ -259,6 +259,12 @@ def up(
     redis_acl: bool = typer.Option(
         True, "--redis-acl/--no-redis-acl", help="A Redis user per role, or the --redis URL for every role."
     ),
+    redis_insecure: bool = typer.Option(
+        False,
+        "--redis-insecure",
+        help="Use a Redis whose default user is open (anyone who reaches it reads and writes everything), "
+        "or that keeps its users in no file (they are gone at its restart).",
+    ),
     redis_ca: Path = typer.Option(None, "--redis-ca", help="CA of the Redis server's certificate (rediss://)."),
     redis_cert: Path = typer.Option(None, "--redis-cert", help="Client certificate for Redis (rediss://)."),
     redis_key: Path = typer.Option(None, "--redis-key", help="Key of --redis-cert."),
@@ -311,7 +317,9 @@ def up(
         if redis is not None:
             from sdcp.cluster import RedisSetup
 
-            setup = RedisSetup(redis, acl=redis_acl, ca=redis_ca, cert=redis_cert, key=redis_key)
+            setup = RedisSetup(
+                redis, acl=redis_acl, insecure=redis_insecure, ca=redis_ca, cert=redis_cert, key=redis_key
+            )
             _check_redis(setup)
         with err_console.status(
             "starting the local cluster (the verifier loads its model; the first time, "
@@ -329,6 +337,10 @@ def up(
                 served_model_name=served_model_name,
                 api_key=api_key,
             )
+    if setup is not None and setup.acl:
+        kept = cluster.redis_users_kept_in
+        where = f"kept in the server's {kept}" if kept else "NOT kept over a Redis restart (--redis-insecure)"
+        err_console.print(f"Redis: a user per role, {where}", highlight=False)
     _print_instances(instances)
     _print_api(LocalCluster(home))
     for name, target in LocalCluster(home).target().items():
@@ -377,7 +389,16 @@ def redis_acl(
         None, "--acl-file", help="Write an ACL file for redis-server --aclfile (the default user off)."
     ),
     url: str = typer.Option(
-        None, "--url", help="Create the users on this Redis now (ACL SETUSER), with the URL's credentials."
+        None,
+        "--url",
+        help="Create the users on this Redis now (ACL SETUSER) with the URL's credentials, and keep them in "
+        "its ACL file (ACL SAVE) or configuration file (CONFIG REWRITE).",
+    ),
+    lock_default: bool = typer.Option(
+        False,
+        "--lock-default",
+        help="With --url: also turn the server's default user off, so that nobody gets in without a user "
+        "and password (the URL must name another user, such as sdcp-admin).",
     ),
     prefix: str = typer.Option("sdcp:mlc:", "--prefix", help="The deployment's [mlc] redis_prefix."),
     role: list[str] = typer.Option(
@@ -388,10 +409,23 @@ def redis_acl(
     """Redis ACL users, one per role (sdcp-router, sdcp-verifier, sdcp-drafter, sdcp-mlc for an MLC
     node, sdcp-admin): random passwords kept in files of mode 0600 (reused when they exist), an
     ACL file and/or the users created on a running server. Passwords are never printed."""
-    from sdcp.cache.redis_acl import ADMIN, ROLE_USERS, ROLES, acl_file_text, create_users, ensure_passwords, redact_url
+    from sdcp.cache.redis_acl import (
+        ADMIN,
+        ROLE_USERS,
+        ROLES,
+        UsersNotPersisted,
+        acl_file_text,
+        create_users,
+        ensure_passwords,
+        lock_default_user,
+        persist_users,
+        redact_url,
+    )
     from sdcp.home import sdcp_home
 
     roles = tuple(role or (*ROLES, ADMIN))
+    if lock_default and url is None:
+        fail("--lock-default acts on a running server: give its --url")
     unknown = sorted(set(roles) - set(ROLE_USERS))
     if unknown:
         fail(f"no Redis user for {', '.join(unknown)}; roles are {', '.join(ROLE_USERS)}")
@@ -408,12 +442,16 @@ def redis_acl(
 
             client = redis_client.Redis.from_url(url, socket_connect_timeout=5)
             try:
+                if lock_default:
+                    lock_default_user(client)
                 create_users(client, passwords, prefix)
-            except (redis_client.RedisError, ValueError) as exc:
-                fail(f"cannot create the users at {redact_url(url)}: {exc}")
+                kept = persist_users(client)
+            except (redis_client.RedisError, ValueError, UsersNotPersisted) as exc:
+                fail(f"at {redact_url(url)}: {exc}")
             finally:
                 client.close()
-            err_console.print(f"users created at {redact_url(url)}", highlight=False)
+            locked = "; the default user is off" if lock_default else ""
+            err_console.print(f"users created at {redact_url(url)}, kept in its {kept}{locked}", highlight=False)
     for name in roles:
         print(f"{name}\t{ROLE_USERS[name]}\t{directory / f'{name}.password'}")
 

@@ -115,6 +115,8 @@ class RedisSetup:
 
     url: str
     acl: bool = True
+    # Accept a server whose default user is open, or that cannot keep the users over a restart.
+    insecure: bool = False
     ca: Path | None = None
     cert: Path | None = None
     key: Path | None = None
@@ -162,6 +164,9 @@ class LocalCluster:
         self.state_file = self.root / "cluster.json"
         # Each role's Redis user, once `up` created them (None: no Redis, or its URL for every role).
         self._redis_users: dict[str, str] | None = None
+        # Where the Redis server keeps the roles' users over a restart ("ACL file", "configuration
+        # file"; None: nowhere, accepted with --redis-insecure).
+        self.redis_users_kept_in: str | None = None
 
     # -- what runs ---------------------------------------------------------------------------
 
@@ -417,14 +422,34 @@ class LocalCluster:
         clusters of several homes on one Redis do not reset each other's."""
         import redis as redis_client
 
-        from sdcp.cache.redis_acl import create_users, ensure_passwords, redact_url
+        from sdcp.cache.redis_acl import (
+            UsersNotPersisted,
+            create_users,
+            default_user_open,
+            ensure_passwords,
+            persist_users,
+            redact_url,
+        )
 
         passwords = ensure_passwords(self.root / "redis", ROLE_STORE_USERS)
         tag = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:8]
         users = {role: f"sdcp-{role}-{tag}" for role in ROLE_STORE_USERS}
         client = redis_client.Redis.from_url(redis.url, socket_connect_timeout=5, **redis.client_options())
+        where = redact_url(redis.url)
         try:
+            if default_user_open(client) and not redis.insecure:
+                raise ClusterError(
+                    f"the Redis at {where} lets anyone in as its default user (on, no password), who could "
+                    "read every output and write commit logs: close it with `sdcp redis-acl --url ADMIN_URL "
+                    "--lock-default`, or pass --redis-insecure"
+                )
             create_users(client, passwords, _REDIS_PREFIX, users)
+            try:
+                self.redis_users_kept_in = persist_users(client)
+            except UsersNotPersisted as exc:
+                if not redis.insecure:
+                    raise ClusterError(f"the roles' Redis users at {where}: {exc}; or pass --redis-insecure") from exc
+                self.redis_users_kept_in = None
         except redis_client.RedisError as exc:
             raise ClusterError(
                 f"cannot create the roles' Redis users at {redact_url(redis.url)} ({exc}): give a URL whose user "

@@ -21,7 +21,18 @@ from redis.exceptions import NoPermissionError, ResponseError
 from sdcp.bench.redis_process import RedisTLS, local_redis_server
 from sdcp.cache import MLC, AccessDenied, CacheFull, build_uri, target_kv_uri
 from sdcp.cache.commitlog import EMPTY_LOG_ETAG
-from sdcp.cache.redis_acl import ADMIN, ROLES, RedisAccess, acl_file_text, create_users, ensure_passwords
+from sdcp.cache.redis_acl import (
+    ADMIN,
+    ROLES,
+    RedisAccess,
+    UsersNotPersisted,
+    acl_file_text,
+    create_users,
+    default_user_open,
+    ensure_passwords,
+    lock_default_user,
+    persist_users,
+)
 from sdcp.cache.uri import HISTORY_KIND, LOG_KIND, Q_ROWS_KIND, TOKENS_KIND
 from sdcp.transport.certs import make_certs
 
@@ -239,3 +250,38 @@ async def test_an_acl_file_with_the_default_user_off_over_tls(tmp_path: Path) ->
         for who in (access(None, None), access("drafter", "wrong")):
             async with MLC.from_config(redis_url=url, redis_access=who, memory_bytes=0) as anonymous:
                 await refused(lambda anonymous=anonymous: anonymous.put(Q_ROWS, b"x"))
+
+
+def test_users_are_kept_where_the_server_keeps_them_and_the_default_user_locked(tmp_path: Path) -> None:
+    """Issue #36: users made with ACL SETUSER are kept with ACL SAVE in the server's ACL file; a
+    server started without one keeps them nowhere (UsersNotPersisted); the open default user is
+    seen and locked, but never through the default user's own connection."""
+    with local_redis_server(tmp_path / "plain") as url:
+        client = redis.Redis.from_url(url)
+        try:
+            assert default_user_open(client)
+            with pytest.raises(UsersNotPersisted, match="--aclfile"):
+                persist_users(client)
+            with pytest.raises(ValueError, match="default user"):
+                lock_default_user(client)
+            assert default_user_open(client)
+        finally:
+            client.close()
+    passwords = ensure_passwords(tmp_path / "secrets", (ADMIN,))
+    acl_file = tmp_path / "users.acl"
+    acl_file.write_text(
+        "user default on nopass ~* &* +@all\n" + acl_file_text(passwords, "sdcp:mlc:").split("\n", 1)[1]
+    )
+    admin = ("sdcp-admin", passwords[ADMIN])
+    with local_redis_server(tmp_path / "acl", aclfile=acl_file, admin=admin) as url:
+        client = redis.Redis.from_url(url, username=admin[0], password=admin[1])
+        try:
+            assert default_user_open(client)
+            lock_default_user(client)
+            create_users(client, ensure_passwords(tmp_path / "secrets", ("drafter",)), "sdcp:mlc:")
+            assert persist_users(client) == "ACL file"
+            assert not default_user_open(client)
+        finally:
+            client.close()
+    kept = acl_file.read_text()
+    assert "user sdcp-drafter on" in kept and "user default off" in kept

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 import redis
 from tests.e2e.support import MAX_NEW, PROMPTS, sdcp
+
+from sdcp.cluster import LocalCluster
+from sdcp.localhost import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -16,8 +25,16 @@ pytestmark = pytest.mark.timeout(600)
 def test_generate_over_the_redis_tier_equals_greedy(
     empty_home: Path, redis_url: str, reference: dict[str, list[int]]
 ) -> None:
-    started = sdcp(empty_home, "up", "--redis", redis_url, "--drafter", "ngram", "--gateway-port", "0")
+    # The session's Redis is open (its default user on without password): told so, sdcp up refuses
+    # it, then takes it when the user insists.
+    refused = sdcp(empty_home, "up", "--redis", redis_url, "--drafter", "ngram", "--gateway-port", "0")
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "default user" in refused.stderr and "--lock-default" in refused.stderr
+    started = sdcp(
+        empty_home, "up", "--redis", redis_url, "--redis-insecure", "--drafter", "ngram", "--gateway-port", "0"
+    )
     assert started.returncode == 0, started.stderr
+    assert "NOT kept over a Redis restart" in started.stderr
     try:
         result = sdcp(empty_home, "generate", "--json", "--max-new", str(MAX_NEW), PROMPTS[1])
         assert result.returncode == 0, result.stderr
@@ -62,3 +79,98 @@ def assert_each_role_has_its_own_redis_user(cluster: Path, redis_url: str) -> No
             drafter.close()
     finally:
         admin.close()
+
+
+class AclRedis:
+    """A redis-server as a careful user runs it: users in an ACL file whose default user is off (as
+    `sdcp redis-acl --acl-file` writes it), the append-only file fsynced on every write; stopped and
+    started again on the same files."""
+
+    def __init__(self, directory: Path, acl_file: Path) -> None:
+        self.directory, self.acl_file, self.port = directory, acl_file, free_port()
+        self.pidfile = directory / "redis.pid"
+
+    def start(self) -> None:
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--daemonize", "yes", "--pidfile", str(self.pidfile)]
+        args += ["--dir", str(self.directory), "--aclfile", str(self.acl_file), "--save", ""]
+        args += ["--appendonly", "yes", "--appendfsync", "always"]
+        subprocess.run(["redis-server", *args], check=True, timeout=30)
+        for _ in range(600):
+            if self.pidfile.exists():
+                try:
+                    redis.Redis(port=self.port, socket_timeout=1).ping()
+                except redis.AuthenticationError:
+                    return  # up, and refusing the default user as it should
+                except redis.ConnectionError:
+                    pass
+            time.sleep(0.05)
+        raise AssertionError("redis-server did not start")
+
+    def stop(self) -> None:
+        if not self.pidfile.exists():
+            return
+        pid = int(self.pidfile.read_text().strip())
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(600):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+        raise AssertionError("redis-server did not stop")
+
+
+@pytest.fixture
+def acl_redis(tmp_path: Path, empty_home: Path) -> Iterator[tuple[AclRedis, str]]:
+    secrets, acl_file = tmp_path / "secrets", tmp_path / "users.acl"
+    written = sdcp(empty_home, "redis-acl", "--secrets", str(secrets), "--acl-file", str(acl_file), "--role", "admin")
+    assert written.returncode == 0, written.stderr
+    password = (secrets / "admin.password").read_text().strip()
+    data = tmp_path / "redis"
+    data.mkdir()
+    server = AclRedis(data, acl_file)
+    server.start()
+    try:
+        yield server, f"redis://sdcp-admin:{password}@127.0.0.1:{server.port}/0"
+    finally:
+        server.stop()
+
+
+def streamed(client: openai.OpenAI, prompt: str, *, after_first: object = None) -> str:
+    """A greedy streamed completion's text; ``after_first`` (a callable) runs once its first
+    tokens have arrived, mid-generation."""
+    text = []
+    stream = client.completions.create(model="smollm2", prompt=prompt, max_tokens=160, temperature=0, stream=True)
+    for chunk in stream:
+        text.append(chunk.choices[0].text if chunk.choices else "")
+        if after_first is not None and len(text) == 8:
+            after_first()  # type: ignore[operator]
+    return "".join(text)
+
+
+def test_a_redis_restart_mid_generation_keeps_every_role_in_and_the_output_identical(
+    empty_home: Path, acl_redis: tuple[AclRedis, str]
+) -> None:
+    """Issue #36: `sdcp up --redis` created the roles' users with ACL SETUSER only, so a Redis
+    restart dropped them: every role was refused, streams hung and new requests got 503 while
+    readiness stayed green (failed before: the stream below never ended). The users are now kept in
+    the server's ACL file (ACL SAVE), and the restart costs a pause."""
+    server, url = acl_redis
+    started = sdcp(empty_home, "up", "--redis", url, "--drafter", "ngram", "--gateway-port", "0")
+    assert started.returncode == 0, started.stderr
+    assert "kept in the server's ACL file" in started.stderr
+    try:
+        gateway = LocalCluster(empty_home).gateway
+        assert gateway is not None
+        client = openai.OpenAI(base_url=gateway, api_key="unused", timeout=120, max_retries=0)
+        quiet = streamed(client, PROMPTS[0])
+
+        def restart() -> None:
+            server.stop()
+            server.start()
+
+        assert streamed(client, PROMPTS[0], after_first=restart) == quiet
+        # Every role is still let in: a new request after the restart is served too.
+        assert streamed(client, PROMPTS[0]) == quiet
+    finally:
+        assert sdcp(empty_home, "down").returncode == 0

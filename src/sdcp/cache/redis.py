@@ -397,6 +397,12 @@ class RedisStore:
         holders = await self._holders(keys=[], args=[self._object_keys(uri)[1]])
         return frozenset(holder.decode() if isinstance(holder, bytes) else str(holder) for holder in holders)
 
+    @_unavailable_on_redis_errors
+    async def ping(self) -> None:
+        """Whether the server takes this process's user now: AccessDenied where it refuses it (a
+        user gone after a restart that did not keep it), StoreUnavailable where it is unreachable."""
+        await self.client.ping()
+
     def commit_log(self, uri: str) -> CommitLog:
         return RedisCommitLog(uri, self)
 

@@ -49,11 +49,15 @@ __all__ = [
     "ROLES",
     "ROLE_USERS",
     "RedisAccess",
+    "UsersNotPersisted",
     "acl_file_text",
     "acl_rules",
     "create_users",
+    "default_user_open",
     "ensure_passwords",
+    "lock_default_user",
     "namespace_of_kind",
+    "persist_users",
     "redact_url",
     "writes",
 ]
@@ -202,11 +206,60 @@ def acl_file_text(passwords: Mapping[str, str], prefix: str, users: Mapping[str,
     return "\n".join(lines) + "\n"
 
 
+class UsersNotPersisted(RuntimeError):
+    """The server keeps its ACL users neither in an ACL file nor in a configuration file: users
+    created with ACL SETUSER are gone at its next restart."""
+
+
 def create_users(
     client: redis.Redis, passwords: Mapping[str, str], prefix: str, users: Mapping[str, str] = ROLE_USERS
 ) -> None:
     """Create or reset each role's user on a running server with `ACL SETUSER`; `client` is a
-    `redis.Redis` whose user may administer ACLs. The default user is left as it is."""
+    `redis.Redis` whose user may administer ACLs. The default user is left as it is; nothing is
+    persisted (``persist_users``)."""
     for role, password in passwords.items():
         rules = acl_rules(role, prefix)
         client.execute_command("ACL", "SETUSER", users[role], "reset", "on", f">{password}", *rules)  # type: ignore[no-untyped-call]
+
+
+def persist_users(client: redis.Redis) -> str:
+    """Write the server's ACL users where its next start reads them: `ACL SAVE` into the ACL file of
+    a server started with `aclfile`, else `CONFIG REWRITE` into its configuration file. Returns
+    which ("ACL file" or "configuration file"); raises UsersNotPersisted where the server has
+    neither (started with command-line options only), so that its users would not survive a restart."""
+    from redis.exceptions import ResponseError
+
+    try:
+        client.execute_command("ACL", "SAVE")  # type: ignore[no-untyped-call]
+        return "ACL file"
+    except ResponseError:
+        try:
+            client.execute_command("CONFIG", "REWRITE")  # type: ignore[no-untyped-call]
+            return "configuration file"
+        except ResponseError as no_config_file:
+            raise UsersNotPersisted(
+                "the server keeps its ACL users in no file (it has neither --aclfile nor a configuration "
+                "file), so they would be gone at its next restart: start redis-server with --aclfile FILE "
+                "(sdcp redis-acl --acl-file writes one) or with a configuration file"
+            ) from no_config_file
+
+
+def default_user_open(client: redis.Redis) -> bool:
+    """Whether anyone who reaches the server is its default user: the user is on and needs no password."""
+    described = client.execute_command("ACL", "GETUSER", "default")  # type: ignore[no-untyped-call]
+    if not described:
+        return False
+    if isinstance(described, list):  # RESP2 without redis-py's parsing: a flat list of pairs
+        described = dict(zip(described[::2], described[1::2], strict=False))
+    raw = described.get(b"flags", described.get("flags", []))
+    flags = {flag.decode() if isinstance(flag, bytes) else flag for flag in raw}
+    return "on" in flags and "nopass" in flags
+
+
+def lock_default_user(client: redis.Redis) -> None:
+    """Turn the default user off, without password (`DEFAULT_USER`): no connection authenticates as
+    it any more. The caller must be another user: `client`'s connection is not the default user's."""
+    whoami = client.execute_command("ACL", "WHOAMI")  # type: ignore[no-untyped-call]
+    if (whoami.decode() if isinstance(whoami, bytes) else whoami) == "default":
+        raise ValueError("the URL's user is the default user, which this would lock out: give the admin's URL")
+    client.execute_command("ACL", "SETUSER", *DEFAULT_USER.split()[1:])  # type: ignore[no-untyped-call]

@@ -15,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
-from sdcp.cache import MLC, StoreUnavailable
+from sdcp.cache import MLC, AccessDenied, StoreUnavailable
+from sdcp.cache.redis import RedisStore
 from sdcp.config import OWN_MLC, ServiceConfig
 from sdcp.engines.errors import OverQuota, SessionNotFound, Unanswered, Unavailable
 from sdcp.engines.tasks import BackgroundTasks
@@ -162,6 +163,15 @@ class Node(ABC):
         failure = self.model_failure()
         if failure is not None:
             return Readiness(False, f"the model thread died: {failure!r}")
+        if isinstance(self.mlc.shared, RedisStore):
+            # A role whose Redis user is refused (users lost at a restart) can do nothing: every
+            # request would hang on the store. Each /ready asks again (redis-py reconnects).
+            try:
+                await self.mlc.shared.ping()
+            except AccessDenied as exc:
+                return Readiness(False, f"Redis refuses this role's user: {exc}")
+            except StoreUnavailable as exc:
+                return Readiness(False, f"Redis is unreachable: {exc}")
         if self.status() is None:
             return Readiness(True, "serving")
         ttl_s = self.config.instance.ttl_ms / 1000
