@@ -24,7 +24,7 @@ from typing import Any
 from sdcp.bench.systems import RunResult, result_from_stats
 from sdcp.bench.workloads import Prompt, chat_messages, plain_text
 from sdcp.client import ClusterClient, SessionHandle, build_contract
-from sdcp.cluster import DEFAULT_DRAFTERS, LocalCluster
+from sdcp.cluster import DEFAULT_DRAFTERS, LocalCluster, RedisSetup
 from sdcp.home import sdcp_home
 from sdcp.protocol.messages import Constraint, Contract
 
@@ -61,7 +61,10 @@ class ClusterSystem:
         fetched = sdcp_home() / "models"
         if not models.exists() and fetched.is_dir() and fetched.resolve() != models.resolve():
             models.symlink_to(fetched.resolve(), target_is_directory=True)
-        self.cluster.up(model=self.model, drafters=self.drafters, redis_url=self.redis_url, gateway_port=0)
+        # The bench's own throwaway redis-server on loopback: its default user is open and it keeps no
+        # users over a restart, which a user's Redis must not be (docs/security.md).
+        redis = None if self.redis_url is None else RedisSetup(self.redis_url, insecure=True)
+        self.cluster.up(model=self.model, drafters=self.drafters, redis_url=redis, gateway_port=0)
 
     def stop(self) -> None:
         self.cluster.down()
