@@ -476,6 +476,8 @@ def status(home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME o
     if not instances:
         fail("no local cluster is running; start one with `sdcp up`")
     _print_instances(instances)
+    for name, target in LocalCluster(home).target().items():
+        err_console.print(f"{name}: {target}", highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -195,7 +195,8 @@ class LocalCluster:
         return None if admin is None else f"{admin}/dashboard"
 
     def target(self) -> dict[str, str]:
-        """The verifiers' model and backend, by instance name (their admin listener's /version)."""
+        """The verifiers' model, backend and target digest (the one a contract must name), by
+        instance name (their admin listener's /version)."""
         found = {}
         for instance in self.instances():
             if instance.role == "verifier" and instance.admin is not None:
@@ -204,7 +205,10 @@ class LocalCluster:
                         about = json.loads(response.read())
                 except (OSError, ValueError):
                     continue
-                found[instance.name] = f"{about.get('model')} on {about.get('backend')}"
+                described = f"{about.get('model')} on {about.get('backend')}"
+                if about.get("target"):
+                    described += f", target digest {about['target']}"
+                found[instance.name] = described
         return found
 
     @property

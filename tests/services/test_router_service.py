@@ -219,6 +219,49 @@ async def test_an_instance_reports_only_its_own_status(deployment: Deployment) -
     assert live[0].model == PLAYED_MODEL
 
 
+async def test_verifiers_of_one_model_with_different_target_digests_are_shown(
+    deployment: Deployment, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue #41: backend "auto" chooses per host, so two verifiers of one model may advertise
+    different target digests (torch digests the weights, llama.cpp the GGUF file), and a session
+    cannot fail over between them. The router says so: a warning, a gauge, its targets and its
+    dashboard state, each naming the verifiers and their backends."""
+    router = deployment.router
+    assert router is not None
+    torch_digest, gguf_digest = hashlib.sha256(b"weights").digest(), hashlib.sha256(b"gguf").digest()
+
+    def verifier_status(name: str, digest: bytes, backend: str) -> Status:
+        return Status(
+            instance=deployment.uris[name],
+            role=Role.VERIFIER,
+            load=0,
+            queue=0,
+            ttl_ms=INSTANCE_TTL_MS,
+            model=digest,
+            tokenizer=torch_digest,
+            model_name="smollm2",
+            backend=backend,
+        )
+
+    assert await report(deployment.client("verifier1"), verifier_status("verifier1", torch_digest, "torch")) == 204
+    assert router.engine.target_splits() == {}
+    assert await report(deployment.client("verifier2"), verifier_status("verifier2", gguf_digest, "llamacpp")) == 204
+    split = router.engine.target_splits()["smollm2"]
+    assert split == {
+        torch_digest.hex(): [f"{deployment.uris['verifier1']} (torch)"],
+        gguf_digest.hex(): [f"{deployment.uris['verifier2']} (llamacpp)"],
+    }
+    gauge = REGISTRY.get_sample_value(
+        "sdcp_router_verifier_target_digests", {"instance": router.uri, "model": "smollm2"}
+    )
+    assert gauge == 2
+    (warning,) = [r.getMessage() for r in caplog.records if "cannot take over each other's sessions" in r.getMessage()]
+    assert "pin `backend`" in warning and deployment.uris["verifier2"] in warning
+    targets = {t["instance"]: t for t in router.engine.targets()}
+    assert targets[deployment.uris["verifier2"]]["backend"] == "llamacpp"
+    assert targets[deployment.uris["verifier1"]]["model_name"] == "smollm2"
+
+
 async def test_a_malformed_status_is_a_bad_message(deployment: Deployment) -> None:
     drafter1 = deployment.client("drafter1")
     path = f"instances/{instance_path_id(deployment.uris['drafter1'])}/status"

@@ -11,6 +11,7 @@ and a proposal of `_DRAFT_TOKENS`) is kept in the models directory, keyed by wha
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import importlib.util
 import json
@@ -64,10 +65,19 @@ def choose_backend(
         return known
     cache = models_dir(home) / CHOICES_FILE
     key = _measurement_key(model, threads)
-    measured = {backend: _measure(load or _small_target(model, threads, home), backend) for backend in _BACKENDS}
-    fastest = min(measured, key=lambda backend: sum(measured[backend]))
-    choice = BackendChoice(fastest, "measured", {backend: ms for backend, ms in measured.items()})
-    _write_choice(cache, key, choice)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    # One measurement per host: processes that start together (a verifier, `sdcp models digest`)
+    # wait for the first and read its choice, so that they agree on the backend and so on the
+    # target digest a contract must name.
+    with (cache.parent / f"{CHOICES_FILE}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        measured_before = _known_choice(cache, key)
+        if measured_before is not None:
+            return measured_before
+        measured = {backend: _measure(load or _small_target(model, threads, home), backend) for backend in _BACKENDS}
+        fastest = min(measured, key=lambda backend: sum(measured[backend]))
+        choice = BackendChoice(fastest, "measured", {backend: ms for backend, ms in measured.items()})
+        _write_choice(cache, key, choice)
     return choice
 
 

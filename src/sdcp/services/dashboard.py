@@ -75,8 +75,11 @@ class Dashboard:
         peers: PeerClients,
         clock: Callable[[], float],
         expected_rates: Callable[[], dict[str, float]],
+        target_splits: Callable[[], dict[str, dict[str, list[str]]]] = dict,
     ) -> None:
         self.registry = registry
+        # Models whose live verifiers advertise different target digests (no failover between them).
+        self.target_splits = target_splits
         self.sessions = sessions
         self.peers = peers
         self.clock = clock
@@ -116,6 +119,7 @@ class Dashboard:
                 "sessions_ended": len(tracked) - live,
                 "sessions_time": sessions_time,
                 "sessions": sessions,
+                "target_splits": self.target_splits(),
             }
         )
 
@@ -146,6 +150,10 @@ class Dashboard:
             "expected_speedup": (
                 round(rate / best_alone, 2) if rate is not None and best_alone and status.role == Role.DRAFTER else None
             ),
+            # A verifier's model, runtime and the target digest its sessions' contracts name.
+            "model": status.model_name,
+            "backend": status.backend,
+            "target": None if status.role == Role.DRAFTER or status.model is None else status.model.hex(),
         }
 
     async def _session(self, view: SessionView) -> dict[str, Any]:

@@ -141,6 +141,7 @@ class RouterNode(Node):
             peers=self.peers,
             clock=self.clock,
             expected_rates=self.engine.expected_rates,
+            target_splits=self.engine.target_splits,
         )
         return dashboard.routes()
 

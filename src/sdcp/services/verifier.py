@@ -99,7 +99,14 @@ class VerifierNode(Node):
         self._session_routers: OrderedDict[bytes, str] = OrderedDict()
 
     def build(self) -> dict[str, str]:
-        return {"model": self.config.verifier.model, "backend": self.backend}
+        # The digests a session-open's contract must name here (SDCP 6.1), as `sdcp models digest`
+        # prints them for this backend.
+        return {
+            "model": self.config.verifier.model,
+            "backend": self.backend,
+            "target": self.engine.target.weights_digest.hex(),
+            "tokenizer": self.engine.target.tokenizer_digest.hex(),
+        }
 
     def status(self) -> Status:
         return self.engine.status()

@@ -101,6 +101,12 @@ TAKEN_OVER = Counter(
     "Sessions loaded from the shared tier on first contact (after a restart, or another router's)",
     ["instance"],
 )
+TARGET_DIGESTS = Gauge(
+    "sdcp_router_verifier_target_digests",
+    "Distinct target digests among the live verifiers of one model: above 1, those verifiers cannot take "
+    "over each other's sessions (pin their backend, docs/deploy.md)",
+    ["instance", "model"],
+)
 LET_GO = Counter(
     "sdcp_router_sessions_let_go_total", "Sessions another router changed since this one held them", ["instance"]
 )
@@ -173,6 +179,8 @@ class RouterEngine:
         self.grace_s = grace_s
         self.clock = clock
         self.registry = InstanceRegistry()
+        # How many target digests the live verifiers of each model advertised at the last report.
+        self._digest_counts: dict[str, int] = {}
         self.sessions: dict[bytes, TrackedSession] = {}
         self.store = SessionStore(mlc, uri)
         self._started_at = clock()
@@ -209,12 +217,47 @@ class RouterEngine:
         # An instance cannot claim to stay live longer than the router allows.
         capped = replace(status, ttl_ms=min(status.ttl_ms, self.settings.max_ttl_ms))
         self.registry.report(capped, now, model=status.model)
+        if status.role == Role.VERIFIER and status.model_name is not None:
+            self._check_target_digests(status.model_name)
         if status.role == Role.DRAFTER:
             # A drafter's series start at zero when it first reports.
             ASSIGNMENTS.labels(self.uri, status.instance)
             SWITCHES.labels(self.uri, status.instance)
         for option, rate in self.expected_rates().items():
             EXPECTED_RATE.labels(self.uri, option).set(rate)
+
+    def target_splits(self) -> dict[str, dict[str, list[str]]]:
+        """The models whose live verifiers advertise more than one target digest: by model name,
+        the verifiers of each digest (hex) with their backend. A session opened at one of them
+        cannot fail over to a verifier of another digest (SDCP 6.1: the contract names the digest)."""
+        groups: dict[str, dict[str, list[str]]] = {}
+        for view in self.registry.live(Role.VERIFIER, self.clock()):
+            status = view.status
+            if status.model_name is None or status.model is None:
+                continue
+            described = f"{view.uri} ({status.backend or 'backend unknown'})"
+            groups.setdefault(status.model_name, {}).setdefault(status.model.hex(), []).append(described)
+        return {name: digests for name, digests in groups.items() if len(digests) > 1}
+
+    def _check_target_digests(self, model_name: str) -> None:
+        digests = {
+            view.status.model
+            for view in self.registry.live(Role.VERIFIER, self.clock())
+            if view.status.model_name == model_name and view.status.model is not None
+        }
+        previous = self._digest_counts.get(model_name, 1)
+        self._digest_counts[model_name] = len(digests)
+        TARGET_DIGESTS.labels(self.uri, model_name).set(len(digests))
+        if len(digests) > 1 and len(digests) != previous:
+            split = self.target_splits().get(model_name, {})
+            log.warning(
+                "%s: the live verifiers of %s advertise %d target digests and cannot take over each other's "
+                "sessions: %s; pin `backend` in every verifier of the model (docs/deploy.md)",
+                self.uri,
+                model_name,
+                len(digests),
+                "; ".join(f"{digest[:16]}: {', '.join(where)}" for digest, where in split.items()),
+            )
 
     def live_counts(self) -> tuple[int, int]:
         """How many verifiers and drafters are registered (their reports have not expired)."""
@@ -232,6 +275,10 @@ class RouterEngine:
                 target["tokenizer"] = view.status.tokenizer
             if view.status.context is not None:
                 target["context"] = view.status.context
+            if view.status.model_name is not None:
+                target["model_name"] = view.status.model_name
+            if view.status.backend is not None:
+                target["backend"] = view.status.backend
             targets.append(target)
         return sorted(targets, key=lambda t: str(t["instance"]))
 

@@ -220,6 +220,8 @@ class VerifierEngine:
             tokenizer=self.target.tokenizer_digest,
             self_us=round(1e6 * self.self_decode_time.value),
             context=self.target.context_length,
+            model_name=self.settings.model,
+            backend=self.target.backend,
         )
 
     def _time_one_pass(self) -> None:
