@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -41,6 +42,8 @@ app.add_typer(conformance_app, name="conformance")
 err_console = Console(stderr=True)
 # How long Ctrl-C in `sdcp generate` waits for the session's cancellation.
 _CANCEL_WAIT_S = 5.0
+# How long `sdcp generate` waits for a session's statistics before going on without them.
+_STATS_WAIT_S = 2.0
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -817,6 +820,9 @@ async def _choice(
         status.start()
     try:
         async for chunk in client.stream(handle):
+            if chunk.verifier is not None and chunk.verifier != handle.verifier:
+                # A failover: the statistics are the new verifier's; the old one may never answer.
+                handle = dataclasses.replace(handle, verifier=chunk.verifier, epoch=chunk.epoch)
             tokens.extend(chunk.tokens)
             finish = chunk.finish
             text = tokenizer.decode(tokens, skip_special_tokens=True)
@@ -884,8 +890,10 @@ async def _safe_stats(client: ClusterClient, handle: SessionHandle) -> dict[str,
     from sdcp.transport.errors import TransportError
 
     try:
-        return await client.stats(handle)
-    except (ProtocolError, TransportError):
+        # Statistics only: a verifier that does not answer at once never holds up the output.
+        async with asyncio.timeout(_STATS_WAIT_S):
+            return await client.stats(handle)
+    except (ProtocolError, TransportError, TimeoutError):
         return {}
 
 

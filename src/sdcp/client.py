@@ -104,6 +104,8 @@ class OutputChunk:
     finish: Action | None
     # One per token when the session was opened with ``logprobs``.
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # The verifier the tokens came from: after a failover, the one to ask for the session's stats.
+    verifier: str | None = None
 
 
 class ClusterClient:
@@ -241,7 +243,7 @@ class ClusterClient:
             highest_epoch = output.epoch
             if output.tokens or output.final:
                 finish = output.finish if output.final else None
-                yield OutputChunk(position, output.tokens, output.epoch, finish, output.logprobs)
+                yield OutputChunk(position, output.tokens, output.epoch, finish, output.logprobs, handle.verifier)
                 position += len(output.tokens)
             if output.final:
                 return

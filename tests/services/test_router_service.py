@@ -915,6 +915,10 @@ async def test_a_reader_stuck_at_a_silent_verifier_follows_the_failover(
             chunks = await reader
     assert [t for chunk in chunks for t in chunk.tokens] == greedy_reference(target, max_new)
     assert chunks[-1].epoch == 2 and chunks[-1].finish == Action.FINISH
+    # Each chunk names the verifier it came from: a reader asks the new one for the statistics
+    # (issue #36: `sdcp generate` asked the silent one and waited its 30 s).
+    assert chunks[-1].verifier == router.sessions[session].plan.verifier != first.uri
+    assert {chunk.verifier for chunk in chunks if chunk.epoch == 1} <= {first.uri}
 
 
 async def test_a_session_no_drafter_drives_is_assigned_again(

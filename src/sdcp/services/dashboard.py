@@ -2,17 +2,22 @@
 script, no build step) and ``/dashboard/state`` (the JSON it polls every second).
 
 The admin listener asks for no credentials (docs/security.md, "Admin listeners"), so the state holds
-no session content: no prompt, no output, no text and no token ids, only figures (instances' load
-and rates, sessions' counts, rounds and acceptance). The instances' figures are the router's own;
-what a session did (committed tokens, m_cap, rounds, escalations) it asks the session's verifier, as
-the router may (docs/security.md), at most once per ``REFRESH_S`` whoever asks and however often:
-an anonymous request never makes the router call a verifier beyond that refresh.
+no session content and no identifier a client chose or could look up: no prompt, output, text or
+token ids, no session or request id and no per-round trace, only counts (instances' load and rates;
+per session its committed tokens, rounds, escalations and acceptance), each session under a key
+that this router process alone can link to it. The instances' figures are the router's own; what a
+session did it asks the session's verifier (its stats), as the router may (docs/security.md), at
+most once per ``REFRESH_S`` whoever asks and however often: an anonymous request never makes the
+router call a verifier beyond that refresh.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -33,8 +38,6 @@ log = logging.getLogger("sdcp.dashboard")
 
 # Sessions the page shows: the live ones first, then the most recently ended, this many in all.
 MAX_SESSIONS = 24
-# Rounds of a session whose acceptance the page charts.
-CHART_ROUNDS = 48
 # How long the router waits for a verifier's answer about one session.
 _ASK_TIMEOUT_S = 2.0
 # The sessions' figures are asked of their verifiers at most this often (two requests a session,
@@ -92,6 +95,8 @@ class Dashboard:
         self._refreshed_wall = 0.0
         # One refresh at a time: requests that arrive during one wait for it instead of starting more.
         self._refreshing = asyncio.Lock()
+        # Keys the page tells sessions apart by, which name nothing outside this process.
+        self._key_salt = secrets.token_bytes(16)
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -157,10 +162,9 @@ class Dashboard:
         }
 
     async def _session(self, view: SessionView) -> dict[str, Any]:
-        """A session's figures; never its prompt, output or text (nor token ids)."""
+        """A session's counts; never its prompt, output, text, token ids, id or trace."""
         entry: dict[str, Any] = {
-            "session": view.session.hex(),
-            "request": view.request,
+            "key": hmac.new(self._key_salt, view.session, hashlib.sha256).hexdigest()[:8],
             "verifier": view.verifier,
             "drafter": view.drafter,
             "ended": view.ended,
@@ -171,15 +175,13 @@ class Dashboard:
         try:
             async with asyncio.timeout(_ASK_TIMEOUT_S):
                 _, stats = await verifier.get_cbor(f"{path}/stats")
-                # The chart's rounds only: a trace holds up to 1,024 and the page asks every second.
-                _, trace = await verifier.get_cbor(f"{path}/trace", {"last": str(CHART_ROUNDS)})
-                if not isinstance(stats, dict) or not isinstance(trace, list):
-                    raise TypeError("its stats are not a map or its trace is not an array")
+                if not isinstance(stats, dict):
+                    raise TypeError("its stats are not a map")
                 committed = int(stats.get("committed", 0))
+                proposed, accepted = int(stats.get("proposed", 0)), int(stats.get("accepted", 0))
         except Exception as exc:  # noqa: BLE001 - a verifier that forgot or lost the session
             entry["error"] = f"the verifier did not describe the session: {exc}"
             return entry
-        proposals = [r for r in trace if r.get("kind") == "proposal"][-CHART_ROUNDS:]
         entry |= {
             "committed": committed,
             "m_cap": stats.get("m_cap"),
@@ -187,6 +189,6 @@ class Dashboard:
             "self_decoded": stats.get("self_decoded"),
             "escalations": stats.get("escalations"),
             "escalated": stats.get("escalated"),
-            "acceptance": [round(r["accepted"] / r["proposed"], 3) for r in proposals if r.get("proposed")],
+            "acceptance": round(accepted / proposed, 3) if proposed else None,
         }
         return entry

@@ -16,12 +16,12 @@ from dataclasses import replace
 from typing import TypeVar
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from sdcp.cache import MLC
 from sdcp.config import ServiceConfig, thread_budget
-from sdcp.engines.errors import SessionNotFound, Unanswered
+from sdcp.engines.errors import Unanswered
 from sdcp.engines.verifier import TRACE_ROUNDS, VerifierEngine
 from sdcp.models.backend import DEFAULT_KV_SLOTS, LLAMACPP_KV_SLOTS, Target, TargetBackend
 from sdcp.models.batching import BatchingScorer
@@ -228,17 +228,6 @@ class VerifierNode(Node):
         if not (last_text.isascii() and last_text.isdigit() and len(last_text) <= 10):
             raise BadMessage("'last' must be an unsigned integer")
         return cbor_response(self.engine.trace(session, int(last_text)))
-
-    def admin_routes(self) -> list[BaseRoute]:
-        return [Route("/sessions/{hex}/trace", self.trace_json, methods=["GET"])]
-
-    async def trace_json(self, request: Request) -> Response:
-        """The session's trace as JSON on the admin listener; the session id in hex, as in the logs."""
-        try:
-            session = bytes.fromhex(request.path_params["hex"])
-            return JSONResponse(self.engine.trace(session))
-        except (ValueError, SessionNotFound) as exc:
-            return JSONResponse({"error": f"no session {request.path_params['hex']} here: {exc}"}, status_code=404)
 
     def _parties(self, session: bytes) -> SessionParties:
         owner, drafter = self.engine.parties(session)
