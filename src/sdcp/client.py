@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,14 @@ DEFAULT_SELF_MAX = 48
 DEFAULT_M_MAX = 16
 # While an output read is outstanding, how often the router is asked whether the session moved.
 LOCATE_EVERY_S = 3.0
+# How long a stream waits for its session's next tokens before it ends with SessionStalled: long
+# enough for a prefill of a whole context on a loaded CPU, a failover and a Redis restart.
+STALL_S = 300.0
+
+
+class SessionStalled(TransportError):
+    """No token came for ``stall_s``: the session's verifier answers but commits nothing (its store
+    out of reach, say) and no router moved it. The stream ends with this instead of waiting forever."""
 
 
 def build_contract(
@@ -113,13 +122,21 @@ class ClusterClient:
     preferred), and of the verifiers they name."""
 
     def __init__(
-        self, router: str | Sequence[str], *, cert: Path, key: Path, ca: Path, follow_attempts: int = 20
+        self,
+        router: str | Sequence[str],
+        *,
+        cert: Path,
+        key: Path,
+        ca: Path,
+        follow_attempts: int = 20,
+        stall_s: float = STALL_S,
     ) -> None:
         self.routers = (router,) if isinstance(router, str) else tuple(router)
         if not self.routers:
             raise ValueError("a cluster client needs a router")
         self.peers = PeerClients(cert, key, ca)
         self.follow_attempts = follow_attempts
+        self.stall_s = stall_s
 
     async def aclose(self) -> None:
         await self.peers.aclose()
@@ -217,15 +234,21 @@ class ClusterClient:
         position = start
         highest_epoch = handle.epoch
         failures = 0
+        progressed_at = time.monotonic()
         while True:
+            deadline = progressed_at + self.stall_s
+            if time.monotonic() > deadline:
+                raise self._stalled(handle, position)
             try:
-                read = await self._read_or_move(handle, position)
+                read = await self._read_or_move(handle, position, deadline)
                 if isinstance(read, SessionHandle):
                     handle = read  # the session moved while its old verifier kept us waiting
                     continue
                 output = read
             except (TransportError, ProtocolError) as exc:
-                if isinstance(exc, ProtocolError) and exc.problem not in (ProblemType.STALE_EPOCH, None):
+                if isinstance(exc, SessionStalled) or (
+                    isinstance(exc, ProtocolError) and exc.problem not in (ProblemType.STALE_EPOCH, None)
+                ):
                     raise
                 failures += 1
                 if failures > self.follow_attempts:
@@ -242,6 +265,7 @@ class ClusterClient:
                 continue
             highest_epoch = output.epoch
             if output.tokens or output.final:
+                progressed_at = time.monotonic()
                 finish = output.finish if output.final else None
                 yield OutputChunk(position, output.tokens, output.epoch, finish, output.logprobs, handle.verifier)
                 position += len(output.tokens)
@@ -256,7 +280,13 @@ class ClusterClient:
                     if moved.epoch > handle.epoch:
                         handle = moved
 
-    async def _read_or_move(self, handle: SessionHandle, position: int) -> Output | SessionHandle:
+    def _stalled(self, handle: SessionHandle, position: int) -> SessionStalled:
+        return SessionStalled(
+            f"session {handle.session.hex()}: no output for {self.stall_s:.0f} s at {handle.verifier} "
+            f"(output index {position}): its verifier commits nothing and no router moved it"
+        )
+
+    async def _read_or_move(self, handle: SessionHandle, position: int, deadline: float) -> Output | SessionHandle:
         """GET output at the session's verifier; while the answer is outstanding, the router is
         asked every ``LOCATE_EVERY_S`` where the session runs, and a higher epoch elsewhere wins
         (a paused or cut-off verifier answers nothing, not even its fencing, SDCP 6.9)."""
@@ -265,7 +295,10 @@ class ClusterClient:
         )
         try:
             while True:
-                done, _ = await asyncio.wait({read}, timeout=LOCATE_EVERY_S)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._stalled(handle, position)
+                done, _ = await asyncio.wait({read}, timeout=min(LOCATE_EVERY_S, left))
                 if done:
                     return Output.from_obj(read.result()[1])
                 with contextlib.suppress(TransportError, ProtocolError):

@@ -23,7 +23,7 @@ from tests.services.outputs import output_tokens, read_output
 from tests.waiting import HANG_GUARD_S, eventually, eventually_async
 
 from sdcp.cache import MLC, PreconditionFailed, build_uri
-from sdcp.client import ClusterClient, OutputChunk, SessionHandle
+from sdcp.client import ClusterClient, OutputChunk, SessionHandle, SessionStalled
 from sdcp.config import (
     DrafterConfig,
     InstanceConfig,
@@ -919,6 +919,40 @@ async def test_a_reader_stuck_at_a_silent_verifier_follows_the_failover(
     # (issue #36: `sdcp generate` asked the silent one and waited its 30 s).
     assert chunks[-1].verifier == router.sessions[session].plan.verifier != first.uri
     assert {chunk.verifier for chunk in chunks if chunk.epoch == 1} <= {first.uri}
+
+
+async def test_a_stream_whose_verifier_commits_nothing_ends_with_a_clear_error(
+    deployment: Deployment, target: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #36: a session whose verifier stays live but can commit nothing (its store gone, say:
+    every append fails) and that no router moves used to keep its stream open forever. After the
+    client's stall bound the stream ends with SessionStalled, which the gateway sends as an error."""
+    await start_verifier(deployment, "verifier1")
+    await start_drafter(deployment, "drafter1")
+    opened = await open_session(deployment, tiny_contract(target, max_new=60))
+    session = opened["session"]
+    assert isinstance(session, bytes)
+    first = next(node for node in deployment.nodes if getattr(node, "uri", None) == opened["verifier"])
+    assert isinstance(first, VerifierNode)
+    before = await read_output(deployment.client("frontend", peer="verifier1"), session, until=4)
+    assert not before[-1].final, "the session finished before its commits could be stopped"
+    committing = asyncio.Event()
+
+    async def no_commit(*_args: object, **_kwargs: object) -> None:
+        committing.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(first.engine, "propose", no_commit)
+    cert, key = deployment.certs["frontend"]
+    async with ClusterClient(deployment.uris["router"], cert=cert, key=key, ca=deployment.ca, stall_s=2.0) as client:
+        handle = await client.locate(SessionHandle(session, 1, first.uri, None))
+        await asyncio.wait_for(committing.wait(), HANG_GUARD_S)
+        chunks: list[OutputChunk] = []
+        with pytest.raises(SessionStalled, match="no output for 2 s"):
+            async with asyncio.timeout(HANG_GUARD_S):
+                async for chunk in client.stream(handle):
+                    chunks.append(chunk)
+    assert all(chunk.finish is None for chunk in chunks)
 
 
 async def test_a_session_no_drafter_drives_is_assigned_again(
