@@ -290,6 +290,10 @@ class VerifierConfig:
     # cost address space only, on a GPU memory; llama.cpp's are memory from the start.
     kv_slots: Count | None = None
     kv_capacity: Count = 0
+    # The prefix cache (docs/models.md, "Prefix cache"; llama.cpp backend): bytes of prompt-prefix
+    # KV kept in host memory, so that a prompt that shares whole blocks with an earlier one prefills
+    # only the rest (0: off).
+    prefix_cache_bytes: Count = 256 * 1024 * 1024
     output_wait_s: Seconds = 10.0
     # A reader waiting at the end of a session's output gets the tokens committed within this long
     # of the first new one in one answer (up to 16; 0 = each at once). The first answer never waits.

@@ -13,6 +13,7 @@ from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 
+from sdcp.cache.prefix import PrefixIndex
 from sdcp.models.errors import BadTokens, DigestMismatch, InconsistentCommit, UnknownSession
 
 __all__ = [
@@ -125,6 +126,11 @@ class Target(Protocol):
 
     def kv_usage(self) -> float:
         """The share of the KV pool that sessions hold, 0 to 1 (a metric, read without the lock)."""
+        ...
+
+    @property
+    def prefixes(self) -> PrefixIndex | None:
+        """The prefix cache `open_session` starts prefills from (sdcp.cache.prefix), None where off."""
         ...
 
 

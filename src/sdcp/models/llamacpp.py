@@ -12,6 +12,13 @@ output does not depend on what drafters propose or on which sessions share a pas
 llama.cpp's CPU kernels that holds, bit for bit, only with flash attention, a KV cache of its own
 per sequence, fewer than 64 tokens of a sequence per llama_decode call and one thread for a ubatch
 of one token (docs/models.md, where the deviations are measured); this module keeps to that.
+
+With ``prefix_cache_bytes``, a prefill starts from the KV of the longest whole-block prefix of the
+prompt that an earlier prefill computed (``sdcp.cache.prefix``, blocks of SEQUENCE_TOKENS_PER_CALL
+tokens): the sequence's state is restored from the stored blob, cut at the block boundary, and the
+rest is decoded. Every prefill decodes in calls that start at a multiple of the block from position
+0, cold or not, so the restored cells and the computed ones are those a cold prefill computes, bit
+for bit, and rule 1's output is the same with and without the cache.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from sdcp.cache.prefix import PrefixIndex
 from sdcp.models.backend import (
     LLAMACPP_KV_SLOTS,
     ScoreRequest,
@@ -103,6 +111,7 @@ class LlamaCppTarget:
         kv_slots: int = LLAMACPP_KV_SLOTS,
         kv_capacity: int | None = None,
         native_log: bool = False,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.gguf = gguf
         self.tokenizer_json = tokenizer_json
@@ -136,6 +145,7 @@ class LlamaCppTarget:
         self._free_ids = list(range(kv_slots - 1, -1, -1))  # popped lowest first
         self._sessions: dict[SessionId, _Sequence] = {}
         self._lock = threading.RLock()
+        self._prefix_cache_bytes = prefix_cache_bytes
 
     backend: TargetBackend = "llamacpp"
 
@@ -182,13 +192,25 @@ class LlamaCppTarget:
         held = sum(len(state.tokens) - 1 for state in list(self._sessions.values()))
         return min(1.0, held / (self._kv_slots * self._capacity))
 
+    @cached_property
+    def prefixes(self) -> PrefixIndex | None:
+        """The prefix cache (module doc), None where it is off; bound to this GGUF and this cache
+        layout, whose state blobs only it reads."""
+        if self._prefix_cache_bytes <= 0:
+            return None
+        salt = self.weights_digest + self._kv_layout.encode()
+        return PrefixIndex(capacity_bytes=self._prefix_cache_bytes, block=SEQUENCE_TOKENS_PER_CALL, salt=salt)
+
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
-        """Prefill the committed prefix but its last token."""
+        """Prefill the committed prefix but its last token, from a cached prefix's KV where one is held."""
         tokens = self._checked_prefix(prompt_tokens)
+        prefix = tokens[:-1]
         with self._lock:
             state = self._add_session(session, tokens)
             try:
-                self._decode([_Feed(state.seq_id, 0, tokens[:-1])], rows=False)
+                start = self._restore_prefix(state, prefix)
+                self._decode([_Feed(state.seq_id, start, prefix[start:])], rows=False)
+                self._keep_prefix(state, prefix, start)
             except BaseException:
                 self._remove_session(session)
                 raise
@@ -295,6 +317,32 @@ class LlamaCppTarget:
             self._drop_pending(self._session(session))
 
     # -- on the lock ---------------------------------------------------------------------------------
+
+    def _restore_prefix(self, state: _Sequence, prefix: Sequence[int]) -> int:
+        """Restore the KV of the longest cached whole-block prefix into the (empty) sequence;
+        returns its length (0: none held, or the blob did not restore: the prefill computes it all)."""
+        index = self.prefixes
+        found = None if index is None else index.lookup(prefix)
+        if found is None:
+            return 0
+        entry, length = found
+        buffer = (ctypes.c_uint8 * len(entry.data)).from_buffer_copy(entry.data)
+        read = llama_cpp.llama_state_seq_set_data(self._context, buffer, len(entry.data), state.seq_id)
+        llama_cpp.llama_memory_seq_rm(self._memory, state.seq_id, length, -1)
+        if read and llama_cpp.llama_memory_seq_pos_max(self._memory, state.seq_id) + 1 == length:
+            return length
+        llama_cpp.llama_memory_seq_rm(self._memory, state.seq_id, -1, -1)
+        return 0
+
+    def _keep_prefix(self, state: _Sequence, prefix: Sequence[int], restored: int) -> None:
+        """Store the sequence's KV for its prefix's whole blocks where they reach past what was restored."""
+        index = self.prefixes
+        if index is None or index.whole_blocks(len(prefix)) <= max(restored, index.covered(prefix)):
+            return
+        size = llama_cpp.llama_state_seq_get_size(self._context, state.seq_id)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self._context, buffer, size, state.seq_id)
+        index.insert(prefix, ctypes.string_at(buffer, written))
 
     def _add_session(self, session: SessionId, tokens: list[int]) -> _Sequence:
         if session in self._sessions:

@@ -106,6 +106,7 @@ def load_target(
     kv_capacity: int | None = None,
     backend: TargetBackend = "torch",
     threads: int | None = None,
+    prefix_cache_bytes: int = 0,
 ) -> Target:
     """The target model; ``kv_slots`` and ``kv_capacity`` size its KV pool. On ``backend``
     "llamacpp" it runs on the CPU in the GGUF's own types (``device`` and ``dtype`` are torch's),
@@ -113,7 +114,14 @@ def load_target(
     if backend == "llamacpp":
         if device != "cpu":
             raise ModelError(f"the llama.cpp backend runs on the cpu, not on {device!r}")
-        return _load_llamacpp_target(name_or_path, home, kv_slots=kv_slots, kv_capacity=kv_capacity, threads=threads)
+        return _load_llamacpp_target(
+            name_or_path,
+            home,
+            kv_slots=kv_slots,
+            kv_capacity=kv_capacity,
+            threads=threads,
+            prefix_cache_bytes=prefix_cache_bytes,
+        )
     placed, torch_dtype = torch_placement(device, dtype)
     loaded = load_model(name_or_path, home)
     return TargetModel(
@@ -128,7 +136,13 @@ def load_target(
 
 
 def _load_llamacpp_target(
-    name_or_path: str, home: Path | None, *, kv_slots: int, kv_capacity: int | None, threads: int | None
+    name_or_path: str,
+    home: Path | None,
+    *,
+    kv_slots: int,
+    kv_capacity: int | None,
+    threads: int | None,
+    prefix_cache_bytes: int,
 ) -> Target:
     """The bundled model's GGUF, or a `.gguf` file with the `tokenizer.json` of its directory."""
     if name_or_path == SMOLLM2_NAME:
@@ -147,7 +161,13 @@ def _load_llamacpp_target(
             raise
         raise ModelError("the llama.cpp backend needs llama-cpp-python: pip install 'sdcp[verifier]'") from None
     return LlamaCppTarget(
-        gguf, tokenizer_json, name=name_or_path, threads=threads, kv_slots=kv_slots, kv_capacity=kv_capacity
+        gguf,
+        tokenizer_json,
+        name=name_or_path,
+        threads=threads,
+        kv_slots=kv_slots,
+        kv_capacity=kv_capacity,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from sdcp.cache.prefix import PrefixIndex
 from sdcp.models import kvcache
 from sdcp.models.backend import (
     DEFAULT_KV_SLOTS,
@@ -98,6 +99,11 @@ class TargetModel:
         return next(self.model.parameters()).device
 
     backend: TargetBackend = "torch"
+
+    @property
+    def prefixes(self) -> PrefixIndex | None:
+        """No prefix cache on torch yet (docs/models.md, "Prefix cache")."""
+        return None
 
     def set_threads(self, threads: int) -> None:
         # OpenMP's team size is a setting of the calling thread: the scorer's, the model's own.

@@ -74,6 +74,7 @@ class VerifierNode(Node):
                 kv_capacity=settings.kv_capacity or None,
                 backend=choice.backend,
                 threads=threads,
+                prefix_cache_bytes=settings.prefix_cache_bytes,
             )
         self.backend = target.backend
         settings = replace(settings, backend=target.backend)

@@ -29,6 +29,8 @@ from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.engines.verifier.observe import (
     PASS_MS,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
     PROBLEMS,
     ROUND_SECONDS,
     TRACE_ROUNDS,
@@ -491,8 +493,18 @@ class VerifierEngine:
                 # the MLC holds: gone, corrupt, of another model, build or layout, over other tokens.
                 # Any failure to use it costs the prefill, never the open.
                 log.warning("%s: target KV %s unusable, prefilling: %r", self.uri, resume.target_kv, exc)
-        await self.scorer.run_async(self.target.open_session, message.session, tokens)
+        queried, hit = await self.scorer.run_async(self._open_in_target, message.session, tokens)
+        PREFIX_QUERIES.labels(self.uri).inc(queried)
+        PREFIX_HITS.labels(self.uri).inc(hit)
         return 0
+
+    def _open_in_target(self, session: bytes, tokens: tuple[int, ...]) -> tuple[int, int]:
+        """On the scorer thread: the prefill, and the prompt tokens it looked up in the prefix cache
+        and found there."""
+        prefixes = self.target.prefixes
+        before = (0, 0) if prefixes is None else (prefixes.queries, prefixes.hits)
+        self.target.open_session(session, tokens)
+        return (0, 0) if prefixes is None else (prefixes.queries - before[0], prefixes.hits - before[1])
 
     async def _constraint(self, constraint: Constraint, stop: Sequence[int]) -> GrammarConstraint:
         """The session's constraint over the target's tokenizer; one this verifier cannot apply

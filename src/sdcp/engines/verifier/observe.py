@@ -76,6 +76,9 @@ APPEND_CONFLICTS = Counter(
 )
 FENCED = Counter("sdcp_verifier_fenced_sessions_total", "Sessions this verifier stopped serving, fenced", ["instance"])
 DRAFTS = Counter("sdcp:spec_decode_num_drafts", "Proposals verified", ["instance"])
+# vLLM's names: prompt tokens looked up in the prefix cache, and those whose KV it held.
+PREFIX_QUERIES = Counter("sdcp:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", ["instance"])
+PREFIX_HITS = Counter("sdcp:prefix_cache_hits", "Prompt tokens whose KV the prefix cache held", ["instance"])
 DRAFT_TOKENS = Counter("sdcp:spec_decode_num_draft_tokens", "Tokens proposed in verified proposals", ["instance"])
 ACCEPTED_TOKENS = Counter("sdcp:spec_decode_num_accepted_tokens", "Proposed tokens accepted", ["instance"])
 ACCEPTED_BY_POSITION = Counter(

@@ -1,0 +1,138 @@
+"""The prefix cache's index: which stored KV covers the longest whole-block prefix of a prompt.
+
+A prompt's tokens are cut into blocks of ``block`` tokens; block i's hash chains the previous one
+(vLLM's automatic prefix caching):
+
+    h[-1] = SHA-256("SDCP-PREFIX-KV-1" || 0x00 || salt)
+    h[i]  = SHA-256(h[i-1] || uint32(t[i*block]) || ... || uint32(t[(i+1)*block - 1]))
+
+where ``salt`` binds what the KV depends on besides the tokens (the target's and tokenizer's digests
+and the runtime's layout), so that one index never serves KV of another model. Only whole blocks
+are reused: the tokens after the last whole block of a prompt are always computed. An entry is an
+opaque blob (the runtime's KV of its tokens) with the tokens it covers; the index holds entries up
+to ``capacity_bytes`` in all, the least recently used evicted first. A lookup compares the entry's
+tokens with the prompt's, so a hash collision can never serve another prefix's KV.
+
+Pure and thread-unsafe: its owner (a target, on its lock) serialises calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["PrefixEntry", "PrefixIndex", "block_hashes"]
+
+_DOMAIN = b"SDCP-PREFIX-KV-1\x00"
+
+
+def block_hashes(tokens: Sequence[int], *, block: int, salt: bytes) -> list[bytes]:
+    """The chained hash of each whole block of ``tokens`` (module doc)."""
+    if block < 1:
+        raise ValueError(f"a block holds at least one token, got {block}")
+    chained = hashlib.sha256(_DOMAIN + salt).digest()
+    hashes = []
+    for start in range(0, len(tokens) - block + 1, block):
+        digest = hashlib.sha256(chained)
+        digest.update(b"".join(int(token).to_bytes(4, "big") for token in tokens[start : start + block]))
+        chained = digest.digest()
+        hashes.append(chained)
+    return hashes
+
+
+@dataclass(frozen=True)
+class PrefixEntry:
+    """Stored KV: ``data`` holds the KV of at least ``tokens`` (a whole number of blocks)."""
+
+    tokens: tuple[int, ...]
+    data: bytes
+    # The chained hash of each of its blocks.
+    hashes: frozenset[bytes]
+
+
+class PrefixIndex:
+    """Entries by the hash of their last block, and every block hash of theirs to the newest entry
+    that covers it; bounded in bytes, least recently used evicted first."""
+
+    def __init__(self, *, capacity_bytes: int, block: int, salt: bytes) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"a prefix cache holds at least 0 bytes, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.block = block
+        self.salt = salt
+        self._entries: OrderedDict[bytes, PrefixEntry] = OrderedDict()
+        self._covering: dict[bytes, bytes] = {}
+        self.held_bytes = 0
+        # vLLM's counters, in tokens: prompt tokens looked up, and those served from the cache.
+        self.queries = 0
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def whole_blocks(self, length: int) -> int:
+        """The longest whole-block length within ``length`` tokens."""
+        return length - length % self.block
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[PrefixEntry, int] | None:
+        """The entry covering the longest whole-block prefix of ``tokens``, and that prefix's
+        length; None where no whole block is held. Counts the query and the hit."""
+        self.queries += len(tokens)
+        found: tuple[bytes, int] | None = None
+        for index, digest in enumerate(block_hashes(tokens, block=self.block, salt=self.salt)):
+            key = self._covering.get(digest)
+            if key is None:
+                break
+            found = (key, (index + 1) * self.block)
+        if found is None:
+            return None
+        key, length = found
+        entry = self._entries[key]
+        if tuple(tokens[:length]) != entry.tokens[:length]:
+            return None  # a hash collision: never another prefix's KV
+        self._entries.move_to_end(key)
+        self.hits += length
+        return entry, length
+
+    def covered(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` an entry covers, without counting a query."""
+        length = 0
+        for index, digest in enumerate(block_hashes(tokens, block=self.block, salt=self.salt)):
+            if digest not in self._covering:
+                break
+            length = (index + 1) * self.block
+        return length
+
+    def insert(self, tokens: Sequence[int], data: bytes) -> bool:
+        """Hold ``data`` as the KV of the whole blocks of ``tokens``; False where it does not fit
+        (larger than the capacity) or covers no whole block."""
+        hashes = block_hashes(tokens, block=self.block, salt=self.salt)
+        if not hashes or len(data) > self.capacity_bytes:
+            return False
+        key = hashes[-1]
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return True
+        while self._entries and self.held_bytes + len(data) > self.capacity_bytes:
+            self._evict()
+        entry = PrefixEntry(tuple(tokens[: len(hashes) * self.block]), data, frozenset(hashes))
+        self._entries[key] = entry
+        self.held_bytes += len(data)
+        for digest in hashes:
+            self._covering[digest] = key
+        return True
+
+    def _evict(self) -> None:
+        key, entry = self._entries.popitem(last=False)
+        self.held_bytes -= len(entry.data)
+        for digest in entry.hashes:
+            if self._covering.get(digest) != key:
+                continue
+            # Another entry holding this block, the newest, takes it over where there is one.
+            successor = next((other for other, held in reversed(self._entries.items()) if digest in held.hashes), None)
+            if successor is None:
+                del self._covering[digest]
+            else:
+                self._covering[digest] = successor

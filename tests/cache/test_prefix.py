@@ -1,0 +1,57 @@
+"""The prefix cache's index (sdcp.cache.prefix): chained block hashes bound to a salt, whole blocks
+only, the longest prefix found, LRU eviction by bytes, and tokens compared on every hit."""
+
+from __future__ import annotations
+
+from sdcp.cache.prefix import PrefixIndex, block_hashes
+
+BLOCK = 4
+
+
+def index(capacity: int = 1000) -> PrefixIndex:
+    return PrefixIndex(capacity_bytes=capacity, block=BLOCK, salt=b"target")
+
+
+def test_block_hashes_chain_and_bind_the_salt() -> None:
+    tokens = list(range(10))
+    hashes = block_hashes(tokens, block=BLOCK, salt=b"a")
+    assert len(hashes) == 2  # whole blocks only
+    assert hashes[0] != block_hashes(tokens, block=BLOCK, salt=b"b")[0]
+    # A block's hash depends on every block before it.
+    changed = block_hashes([99, *tokens[1:]], block=BLOCK, salt=b"a")
+    assert changed[1] != hashes[1]
+    assert block_hashes(tokens[:8], block=BLOCK, salt=b"a") == hashes
+
+
+def test_the_longest_whole_block_prefix_is_found_and_counted() -> None:
+    cache = index()
+    assert cache.insert(list(range(11)), b"kv-of-11")
+    assert cache.lookup([0, 1, 2]) is None  # no whole block
+    found = cache.lookup([0, 1, 2, 3, 4, 5, 6, 99, 100])
+    assert found is not None and found[1] == 4 and found[0].data == b"kv-of-11"
+    found = cache.lookup(list(range(20)))
+    assert found is not None and found[1] == 8
+    assert (cache.queries, cache.hits) == (3 + 9 + 20, 12)
+    assert cache.covered(list(range(9))) == 8 and cache.whole_blocks(11) == 8
+
+
+def test_eviction_is_by_bytes_least_recently_used_first_and_hands_blocks_on() -> None:
+    cache = index(capacity=10)
+    assert cache.insert([1, 2, 3, 4, 5, 6, 7, 8], b"aaaa")  # two blocks
+    assert cache.insert([1, 2, 3, 4, 9, 9, 9, 9], b"bbbb")  # shares the first block
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7, 8]) is not None  # "a" is now the most recent
+    assert cache.insert([7, 7, 7, 7], b"cccc")  # evicts "b"
+    assert cache.held_bytes == 8 and len(cache) == 2
+    assert cache.lookup([1, 2, 3, 4, 9, 9, 9, 9]) is not None  # its first block is "a"'s
+    assert cache.lookup([1, 2, 3, 4, 9, 9, 9, 9])[1] == 4  # type: ignore[index]
+    assert not cache.insert([5, 5, 5, 5], b"x" * 11)  # larger than the whole cache
+
+
+def test_a_hash_collision_never_serves_another_prefix() -> None:
+    cache = index()
+    cache.insert([1, 2, 3, 4], b"kv")
+    (digest,) = block_hashes([1, 2, 3, 4], block=BLOCK, salt=b"target")
+    # Forge the collision: another block's hash points at this entry.
+    (other,) = block_hashes([5, 6, 7, 8], block=BLOCK, salt=b"target")
+    cache._covering[other] = cache._covering[digest]
+    assert cache.lookup([5, 6, 7, 8]) is None

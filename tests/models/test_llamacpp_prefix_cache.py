@@ -1,0 +1,124 @@
+"""The llama.cpp target's prefix cache (issue #37): a prefill starts from the KV of the longest whole
+block prefix an earlier prefill computed, and nothing changes: every row of every pass is the same,
+bit for bit, as without the cache (SDCP 6.4 rule 1 gives the same tokens)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sdcp.models.fetch import FetchResult, smollm2_gguf
+from sdcp.models.llamacpp import SEQUENCE_TOKENS_PER_CALL, LlamaCppTarget
+from sdcp.models.registry import load_tokenizer
+
+pytestmark = pytest.mark.timeout(600)
+
+BLOCK = SEQUENCE_TOKENS_PER_CALL
+STEPS = 6
+CAPACITY = 1024
+
+
+@pytest.fixture(scope="module")
+def gguf(smollm2_fetch: FetchResult) -> Path:
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def text_tokens(smollm2_fetch: FetchResult) -> list[int]:
+    tokenizer = load_tokenizer("smollm2")
+    text = " ".join(f"Tool {n}: looks up the weather of city number {n} and answers in JSON." for n in range(60))
+    tokens = list(tokenizer(text)["input_ids"])
+    assert len(tokens) > 8 * BLOCK
+    return tokens
+
+
+def target_of(gguf: Path, cache_bytes: int) -> LlamaCppTarget:
+    return LlamaCppTarget(
+        gguf,
+        gguf.parent / "tokenizer.json",
+        threads=2,
+        kv_slots=4,
+        kv_capacity=CAPACITY,
+        prefix_cache_bytes=cache_bytes,
+    )
+
+
+@pytest.fixture(scope="module")
+def cold(gguf: Path) -> LlamaCppTarget:
+    return target_of(gguf, 0)
+
+
+def greedy_rows(target: LlamaCppTarget, session: bytes, prompt: list[int]) -> list[np.ndarray]:
+    """Open ``session`` on ``prompt`` and decode STEPS greedy tokens, one per pass: every row."""
+    target.open_session(session, prompt)
+    rows = []
+    try:
+        for _ in range(STEPS):
+            (row,) = target.score([(session, ())])
+            rows.append(row[0].copy())
+            target.commit(session, 0, [int(np.argmax(row[0]))])
+    finally:
+        target.close_session(session)
+    return rows
+
+
+def assert_same(warm: list[np.ndarray], cold: list[np.ndarray]) -> None:
+    assert len(warm) == len(cold)
+    for step, (a, b) in enumerate(zip(warm, cold, strict=True)):
+        assert np.array_equal(a, b), f"row {step} differs"
+
+
+def test_prompts_sharing_prefixes_of_every_length_decode_as_without_the_cache(
+    gguf: Path, cold: LlamaCppTarget, text_tokens: list[int]
+) -> None:
+    warm = target_of(gguf, 256 << 20)
+    index = warm.prefixes
+    assert index is not None
+    first = text_tokens[: 5 * BLOCK + 17]
+    assert_same(greedy_rows(warm, b"first", first), greedy_rows(cold, b"first", first))
+    assert index.hits == 0 and len(index) == 1
+    # Prompts that share with it a prefix ending inside a block, at a block's end, past its end,
+    # and one that extends it (an agent's next turn): the shared whole blocks come from the cache.
+    for shared in (BLOCK - 1, BLOCK, 2 * BLOCK + 5, 5 * BLOCK, 5 * BLOCK + 17):
+        other = [*first[:shared], *text_tokens[6 * BLOCK : 6 * BLOCK + 40]]
+        hits_before = index.hits
+        assert_same(greedy_rows(warm, b"other", other), greedy_rows(cold, b"other", other))
+        assert index.hits - hits_before == min(shared, len(other) - 1) // BLOCK * BLOCK
+    turn = [*first, *text_tokens[7 * BLOCK : 8 * BLOCK]]
+    hits_before = index.hits
+    assert_same(greedy_rows(warm, b"turn", turn), greedy_rows(cold, b"turn", turn))
+    assert index.hits - hits_before == 5 * BLOCK
+
+
+def test_concurrent_sessions_share_a_prefix_and_eviction_changes_nothing(
+    gguf: Path, cold: LlamaCppTarget, text_tokens: list[int]
+) -> None:
+    # Room for about one prefix's KV (SmolLM2: about 23 KB a position): each new prefix evicts the last.
+    warm = target_of(gguf, 6 << 20)
+    index = warm.prefixes
+    assert index is not None
+    system = text_tokens[: 3 * BLOCK]
+    prompts = [[*system, *text_tokens[4 * BLOCK + 9 * n : 4 * BLOCK + 9 * n + 20]] for n in range(3)]
+    expected = [greedy_rows(cold, b"ref", prompt) for prompt in prompts]
+    # Two sessions open on one cached prefix at once, decoded in the same passes.
+    warm.open_session(b"seed", prompts[0])
+    warm.close_session(b"seed")
+    for number, prompt in enumerate(prompts[1:], start=1):
+        warm.open_session(bytes([number]), prompt)
+    rows: dict[int, list[np.ndarray]] = {1: [], 2: []}
+    for _ in range(STEPS):
+        scored = warm.score([(bytes([n]), ()) for n in rows])
+        for n, row in zip(rows, scored, strict=True):
+            rows[n].append(row[0].copy())
+            warm.commit(bytes([n]), 0, [int(np.argmax(row[0]))])
+    for n in rows:
+        warm.close_session(bytes([n]))
+        assert_same(rows[n], expected[n])
+    # Under pressure: long prompts push each other out; every output stays the cold one.
+    for n in range(3):
+        long_prompt = [*text_tokens[n * BLOCK : (n + 5) * BLOCK], 42]
+        assert_same(greedy_rows(warm, b"long", long_prompt), greedy_rows(cold, b"long", long_prompt))
+        assert index.held_bytes <= index.capacity_bytes
+    assert len(index) <= 2
