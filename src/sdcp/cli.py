@@ -347,7 +347,7 @@ def up(
     _print_instances(instances)
     _print_api(LocalCluster(home))
     for name, target in LocalCluster(home).target().items():
-        err_console.print(f"{name}: {target}", highlight=False)
+        err_console.print(f"{name}: {target}", highlight=False, soft_wrap=True)
     _print_dashboard(LocalCluster(home))
 
 

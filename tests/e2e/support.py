@@ -15,6 +15,7 @@ from tests.waiting import HANG_GUARD_S
 
 from sdcp.cluster import LocalCluster
 from sdcp.models.choice import choose_backend
+from sdcp.models.digests import gguf_digest, tokenizer_file_digest, weights_digest
 from sdcp.models.fetch import smollm2_gguf
 from sdcp.models.llamacpp import SEQUENCE_TOKENS_PER_CALL
 from sdcp.models.registry import end_of_text_tokens, load_model, load_tokenizer
@@ -41,6 +42,15 @@ def cluster_backend() -> str:
     """The backend a default cluster's verifier runs its target on: the one `backend = "auto"`
     chooses on this host (the verifier reads the same measurement, sdcp.models.choice)."""
     return choose_backend("auto", "smollm2", device="cpu", threads=usable_cores()).backend
+
+
+def backend_digests(backend: str) -> dict[str, str]:
+    """The target and tokenizer digests a verifier of smollm2 on ``backend`` checks: the GGUF
+    file's SHA-256 on llama.cpp, the loaded weights' digest on torch (docs/models.md, "Digests")."""
+    tokenizer = tokenizer_file_digest(smollm2_gguf().parent / "tokenizer.json").hex()
+    if backend == "llamacpp":
+        return {"target": gguf_digest(smollm2_gguf()).hex(), "tokenizer": tokenizer}
+    return {"target": weights_digest(load_model("smollm2").model).hex(), "tokenizer": tokenizer}
 
 
 def greedy_reference() -> dict[str, list[int]]:

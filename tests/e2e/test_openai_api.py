@@ -16,7 +16,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tests.e2e.support import MAX_NEW, PROMPTS, cluster_backend, reference_log_probs, stats_when_ended
+from tests.e2e.support import (
+    MAX_NEW,
+    PROMPTS,
+    backend_digests,
+    cluster_backend,
+    reference_log_probs,
+    stats_when_ended,
+)
 from tests.waiting import wait_until
 
 import sdcp
@@ -297,8 +304,11 @@ def test_every_role_serves_health_readiness_metrics_and_version(home: Path) -> N
         ready = httpx.get(f"{instance.admin}/ready", timeout=10)
         assert ready.status_code == 200 and ready.json()["ready"] is True, ready.text
         version = httpx.get(f"{instance.admin}/version", timeout=10)
-        # A verifier also says which model it runs, and on which backend (the one "auto" chose).
-        built = {"model": "smollm2", "backend": cluster_backend()} if instance.role == "verifier" else {}
+        # A verifier also says which model it runs, on which backend (the one "auto" chose), and
+        # the digests a contract must name there (issue #41: those `sdcp models digest` prints).
+        built: dict[str, str] = {}
+        if instance.role == "verifier":
+            built = {"model": "smollm2", "backend": cluster_backend()} | backend_digests(cluster_backend())
         assert version.json() == {"version": sdcp.__version__, "role": instance.role, **built}
         # A Prometheus scrape over plain HTTP/1.1, without a client certificate.
         metrics = httpx.get(f"{instance.admin}/metrics", timeout=10)
