@@ -367,6 +367,17 @@ async def open_session(env: Deployment, contract: Contract, **extra: object) -> 
     return body
 
 
+async def moved_to(env: Deployment, session: bytes, verifier: str) -> None:
+    """Wait until the router describes ``session`` as running at ``verifier`` (a failover's end)."""
+    frontend = env.client("frontend")
+
+    async def moved() -> bool:
+        _, described = await frontend.get_cbor(f"sessions/{session_path_id(session)}")
+        return isinstance(described, dict) and described["verifier"] == verifier
+
+    await eventually_async(moved)
+
+
 async def test_events_are_admitted_only_from_the_serving_verifier_at_its_epoch(
     deployment: Deployment, target: TargetModel
 ) -> None:
@@ -541,15 +552,8 @@ async def test_failover_to_a_second_verifier_loses_and_repeats_no_token(
     assert not before[-1].final, "the session finished before the verifier could be stopped"
     await deployment.stop(first)
 
-    frontend = deployment.client("frontend")
-    path = f"sessions/{session_path_id(session)}"
-
-    async def moved() -> bool:
-        _, described = await frontend.get_cbor(path)
-        return isinstance(described, dict) and described["verifier"] == second.uri
-
-    await eventually_async(moved)
-    _, described = await frontend.get_cbor(path)
+    await moved_to(deployment, session, second.uri)
+    _, described = await deployment.client("frontend").get_cbor(f"sessions/{session_path_id(session)}")
     assert isinstance(described, dict) and described["epoch"] == 2
 
     after = await read_output(deployment.client("frontend", peer="verifier2"), session)
@@ -612,14 +616,7 @@ async def test_a_record_forged_into_the_store_never_reaches_the_user(
                 continue  # the verifier committed a round meanwhile: forge after it
     await deployment.stop(first)
 
-    frontend = deployment.client("frontend")
-    path = f"sessions/{session_path_id(session)}"
-
-    async def moved() -> bool:
-        _, described = await frontend.get_cbor(path)
-        return isinstance(described, dict) and described["verifier"] == second.uri
-
-    await eventually_async(moved)
+    await moved_to(deployment, session, second.uri)
     after = await read_output(deployment.client("frontend", peer="verifier2"), session)
     tokens = [t for output in after for t in output.tokens]
     # 0 forged tokens: the output is the greedy reference, which differs from the forgery at n..n+4.
@@ -758,12 +755,7 @@ async def test_records_signed_for_another_session_are_never_spliced_into_this_on
     else:
         second = await start_verifier(deployment, "verifier2")
         await deployment.stop(first)
-
-        async def moved() -> bool:
-            _, described = await frontend.get_cbor(path)
-            return isinstance(described, dict) and described["verifier"] == second.uri
-
-        await eventually_async(moved)
+        await moved_to(deployment, victim, second.uri)
         reader = deployment.client("frontend", peer="verifier2")
         await start_drafter(deployment, "drafter2")
     _, described = await frontend.get_cbor(path)
@@ -814,13 +806,7 @@ async def test_a_verifier_whose_scorer_thread_dies_goes_unready_and_its_session_
     assert first._reported_at == reported
     # The router's clock passes the TTL of the report it holds; the verifier reports no other.
     jump_clock(router).advance(PAST_TTL_S)
-    frontend = deployment.client("frontend")
-
-    async def moved() -> bool:
-        _, described = await frontend.get_cbor(f"sessions/{session_path_id(session)}")
-        return isinstance(described, dict) and described["verifier"] == second.uri
-
-    await eventually_async(moved)
+    await moved_to(deployment, session, second.uri)
     after = await read_output(deployment.client("frontend", peer="verifier2"), session)
     assert output_tokens(after) == greedy_reference(target, max_new) and after[-1].finish == Action.FINISH
 
