@@ -18,6 +18,7 @@ from sdcp.cache import (
     build_uri,
     content_etag,
 )
+from sdcp.cache.etags import ABSENT_ETAG
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,6 +61,18 @@ async def test_conditional_put(make_mlc) -> None:
         await mlc.put(uri("missing"), b"x", if_match=first.etag)
     data, info = await mlc.fetch(uri("c"))
     assert data == b"v2" and info.etag == second.etag
+
+
+async def test_a_conditional_create_fails_where_the_object_exists(make_mlc) -> None:
+    """ABSENT_ETAG as If-Match creates only where no object is (If-None-Match: *): two writers
+    creating one object at once, one of them fails instead of replacing the other's."""
+    mlc: MLC = make_mlc()
+    created = await mlc.put(uri("new"), b"first", if_match=ABSENT_ETAG)
+    with pytest.raises(PreconditionFailed):
+        await mlc.put(uri("new"), b"second", if_match=ABSENT_ETAG)
+    data, info = await mlc.fetch(uri("new"))
+    assert data == b"first" and info.etag == created.etag
+    await mlc.put(uri("new"), b"third", if_match=created.etag)
 
 
 async def test_bad_input_is_typed(make_mlc) -> None:

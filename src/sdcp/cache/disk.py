@@ -26,6 +26,7 @@ from pathlib import Path
 
 from sdcp.cache.commitlog import CommitLog, FileCommitLog
 from sdcp.cache.errors import CacheFull, LeaseNotHeld, ObjectNotFound, ObjectTooLarge, PreconditionFailed
+from sdcp.cache.etags import ABSENT_ETAG
 from sdcp.cache.tiers import CachedObject
 
 _SCHEMA = """
@@ -123,7 +124,7 @@ class DiskTier:
         now = time.time()
         with self._transaction() as db:
             current = db.execute("SELECT etag, file, size FROM objects WHERE uri = ?", (obj.uri,)).fetchone()
-            if if_match is not None and (current is None or current[0] != if_match):
+            if if_match is not None and (ABSENT_ETAG if current is None else current[0]) != if_match:
                 raise PreconditionFailed(f"{obj.uri}: If-Match {if_match} is not the current ETag")
             (used,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM objects").fetchone()
             need = used - (current[2] if current else 0) + size - self.capacity_bytes

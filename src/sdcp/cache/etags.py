@@ -13,6 +13,11 @@ import hashlib
 ETAG_HEX_CHARS = 32
 
 
+# An If-Match value that holds only where no object is (RFC 9110's If-None-Match: *): a create that
+# fails where another writer created the object first. No ETag is this (they are quoted hex).
+ABSENT_ETAG = "absent"
+
+
 def content_etag(data: bytes) -> str:
     """Quoted hex SHA-256 prefix of `data`."""
     return '"' + hashlib.sha256(data).hexdigest()[:ETAG_HEX_CHARS] + '"'

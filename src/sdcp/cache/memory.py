@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from sdcp.cache.commitlog import CommitLog, MemoryCommitLog
 from sdcp.cache.errors import CacheFull, LeaseNotHeld, ObjectNotFound, ObjectTooLarge, PreconditionFailed
+from sdcp.cache.etags import ABSENT_ETAG
 from sdcp.cache.tiers import CachedObject
 
 
@@ -143,7 +144,7 @@ class MemoryStore:
 
     async def store(self, obj: CachedObject, if_match: str | None) -> None:
         with self._lock:
-            if if_match is not None and self._objects.peek_etag(obj.uri) != if_match:
+            if if_match is not None and (self._objects.peek_etag(obj.uri) or ABSENT_ETAG) != if_match:
                 raise PreconditionFailed(f"{obj.uri}: If-Match {if_match} is not the current ETag")
             for evicted in self._objects.install_sync(obj, self._is_leased):
                 self._leases.pop(evicted.uri, None)

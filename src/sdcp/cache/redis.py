@@ -75,14 +75,15 @@ local function live_lease(key, now)
 end
 """
 
-# KEYS: object, lru, used (of one namespace). ARGV: uri, data, etag, if_match ('' = none),
+# KEYS: object, lru, used (of one namespace). ARGV: uri, data, etag, if_match ('' = none, 'absent' =
+# only where no object is: ABSENT_ETAG),
 # capacity (-1 = none), namespace prefix (victims are of the same namespace only).
 _PUT = (
     _NOW_MS
     + _LIVE_LEASE
     + """
 local current = redis.call('HGET', KEYS[1], 'e')
-if ARGV[4] ~= '' and current ~= ARGV[4] then return 'PRECONDITION' end
+if ARGV[4] ~= '' and (current or 'absent') ~= ARGV[4] then return 'PRECONDITION' end
 local old = 0
 if current then old = redis.call('HSTRLEN', KEYS[1], 'd') end
 local size = string.len(ARGV[2])

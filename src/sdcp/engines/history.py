@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Protocol, Self, TypeVar
 
 from sdcp.cache import MLC, CacheError, InvalidURI, ObjectNotFound, PreconditionFailed, build_uri
+from sdcp.cache.etags import ABSENT_ETAG
 from sdcp.cache.uri import HISTORY_KIND, parse_uri
 from sdcp.config import HistoryScope
 from sdcp.protocol import codec
@@ -247,16 +248,12 @@ async def _add(
             return []  # an earlier try landed
         updated, dropped = add(current)
         try:
-            await mlc.put(uri, updated.encode(), if_match=etag)
+            # A listing not there yet is created only if nobody created it meanwhile: a create
+            # without that condition replaced another writer's fresh listing, entry and all.
+            await mlc.put(uri, updated.encode(), if_match=ABSENT_ETAG if etag is None else etag)
         except PreconditionFailed:
             await asyncio.sleep(random.uniform(0, _PUBLISH_BACKOFF_S * 2**attempt))
             continue
-        if etag is None:
-            # Created without a precondition: a writer creating it at the same moment may have
-            # replaced it. The item counts once the listing holds it.
-            again, _ = await _read(mlc, uri, kind)
-            if again is None or not again.holds(item):
-                continue
         return dropped
     return None
 
