@@ -31,7 +31,8 @@ from sdcp.protocol.messages import (
     session_path_id,
 )
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
-from sdcp.transport.client import PeerClients
+from sdcp.protocol.router import open_deadline_s
+from sdcp.transport.client import DEFAULT_TIMEOUT_S, PeerClients
 from sdcp.transport.errors import TransportError
 
 __all__ = ["ClusterClient", "OutputChunk", "SessionHandle", "build_contract"]
@@ -198,7 +199,12 @@ class ClusterClient:
         )
         # A router that opened the session but whose answer was lost leaves it unread; the next
         # router opens another (docs/reliability.md, "Routers").
-        router, body = await self._at_router(lambda r: self.peers.get(r).post_cbor("sessions", wanted.to_obj()))
+        # The router waits for the verifier's prefill as long as the prompt asks (open_deadline_s);
+        # this waits that long with the router's default and a base of its own on top.
+        deadline = open_deadline_s(2 * DEFAULT_TIMEOUT_S, len(wanted.prompt))
+        router, body = await self._at_router(
+            lambda r: self.peers.get(r).post_cbor("sessions", wanted.to_obj(), timeout=deadline)
+        )
         return _handle(body, router)
 
     async def locate(self, handle: SessionHandle) -> SessionHandle:

@@ -380,9 +380,11 @@ class RouterConfig:
     # The sessions this router holds at once, whoever opened them: past it, opening one and taking
     # one over from the shared tier (another router's, docs/reliability.md) are 503 with Retry-After.
     max_sessions: AtLeastOne = 4096
-    # How long a verifier may take to answer a session-open; past it the router cancels what the
-    # verifier may have opened and tries another.
+    # How long a verifier may take to answer a session-open, plus this many milliseconds per token it
+    # prefills (the prompt; on a failover, the committed output too); past it the router cancels
+    # what the verifier may have opened and tries another.
     open_timeout_s: PositiveSeconds = 30.0
+    open_timeout_per_token_ms: Seconds = 25.0
 
 
 @dataclass(frozen=True, config=_SECTION)

@@ -36,12 +36,14 @@ from sdcp.protocol.messages import (
     Policy,
     Proposal,
     Sampling,
+    SessionOpen,
     SessionRequest,
+    SessionState,
     Verdict,
 )
 from sdcp.protocol.problems import BadMessage
 from sdcp.protocol.records import replay_commit_log
-from sdcp.protocol.router import RouterSession
+from sdcp.protocol.router import OPEN_MS_PER_PROMPT_TOKEN, RouterSession, open_deadline_s
 from sdcp.protocol.rules import GREEDY
 
 pytestmark = pytest.mark.timeout(120)
@@ -360,3 +362,26 @@ def test_the_durable_facts_round_trip() -> None:
     assert (back.first_verifier, back.failover_to, back.self_decoding) == (V1, V2, True)
     with pytest.raises(BadMessage):
         TrackedSession.from_durable({**tracked.durable(ROUTER_A), "v": 99})
+
+
+async def test_a_session_opens_deadline_grows_with_its_prefill(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #37: a fixed 30 s for a session-open made long prompts fail on a loaded machine. The
+    router waits open_timeout_s plus open_timeout_per_token_ms for each token the verifier prefills:
+    the prompt at the open, the prompt and the committed output at a failover."""
+    router = world.router("https://router.example", open_timeout_per_token_ms=40)
+    world.events_to.append(router)
+    world.report()
+    deadlines: list[tuple[int, float]] = []
+    opening = router.link.open_session
+
+    async def timed(verifier: str, message: SessionOpen, *, timeout: float) -> SessionState:
+        committed = 0 if message.resume is None else message.resume.committed
+        deadlines.append((len(message.prompt) + committed, timeout))
+        return await opening(verifier, message, timeout=timeout)
+
+    monkeypatch.setattr(router.link, "open_session", timed)
+    prompt = tuple(range(1, 201))
+    tracked = await router.open_session(FRONT_END, SessionRequest(prompt=prompt, contract=world.contract))
+    assert deadlines == [(200, 30.0 + 200 * 0.040)]
+    assert open_deadline_s(30.0, 2150) == 30.0 + 2150 * OPEN_MS_PER_PROMPT_TOKEN / 1000
+    await router.cancel(tracked)

@@ -23,9 +23,11 @@ from sdcp.protocol.messages import (
 from sdcp.protocol.records import FenceRecord, LogReplay
 
 __all__ = [
+    "OPEN_MS_PER_PROMPT_TOKEN",
     "DecodingChoice",
     "DrafterCosts",
     "InstanceRegistry",
+    "open_deadline_s",
     "InstanceView",
     "RouterSession",
     "choose_decoding",
@@ -34,6 +36,17 @@ __all__ = [
     "measured_acceptance",
     "prefer_idle_and_accepting",
 ]
+
+# What a session-open's deadline grows by per token the verifier prefills (the prompt, and on a
+# failover the committed output): a 2,150-token prompt outlasted a fixed 30 s on a loaded 2-core
+# machine (issue #37), and a queue of long prompts must degrade to waiting, not to 503s.
+OPEN_MS_PER_PROMPT_TOKEN = 25.0
+
+
+def open_deadline_s(base_s: float, prefill_tokens: int, per_token_ms: float = OPEN_MS_PER_PROMPT_TOKEN) -> float:
+    """How long a session-open of ``prefill_tokens`` tokens may take: ``base_s`` plus
+    ``per_token_ms`` a token."""
+    return base_s + prefill_tokens * per_token_ms / 1000
 
 
 @dataclass(frozen=True)

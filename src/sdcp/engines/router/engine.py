@@ -61,6 +61,7 @@ from sdcp.protocol.router import (
     drafter_costs,
     drafter_permitted,
     drafter_rate,
+    open_deadline_s,
     prefer_idle_and_accepting,
 )
 
@@ -259,6 +260,9 @@ class RouterEngine:
                 "; ".join(f"{digest[:16]}: {', '.join(where)}" for digest, where in split.items()),
             )
 
+    def _open_deadline(self, prefill_tokens: int) -> float:
+        return open_deadline_s(self.settings.open_timeout_s, prefill_tokens, self.settings.open_timeout_per_token_ms)
+
     def live_counts(self) -> tuple[int, int]:
         """How many verifiers and drafters are registered (their reports have not expired)."""
         now = self.clock()
@@ -399,7 +403,9 @@ class RouterEngine:
             )
             try:
                 # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
-                await self.link.open_session(verifier, plan.open_message(), timeout=self.settings.open_timeout_s)
+                await self.link.open_session(
+                    verifier, plan.open_message(), timeout=self._open_deadline(len(plan.prompt))
+                )
                 break
             except Unanswered as exc:
                 log.warning("%s: verifier %s did not open a session: %s", self.uri, verifier, exc)
@@ -861,7 +867,9 @@ class RouterEngine:
         replay, tokens = await self._committed_prefix(tracked)
         published = target_kv_uri(plan.commit_log, plan.session, served)
         moved = plan.fail_over(verifier, replay, tokens, target_kv=await self._available(published))
-        await self.link.open_session(verifier, moved.open_message(), timeout=self.settings.open_timeout_s)
+        await self.link.open_session(
+            verifier, moved.open_message(), timeout=self._open_deadline(len(tracked.prompt) + len(replay.tokens))
+        )
         tracked.plan = moved
         tracked.failover_to = None
         if published is not None:
