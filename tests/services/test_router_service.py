@@ -45,6 +45,7 @@ from sdcp.protocol.messages import (
     CancelRequest,
     Contract,
     Event,
+    Output,
     Policy,
     Role,
     Sampling,
@@ -534,22 +535,28 @@ async def test_a_switch_event_moves_the_session_to_the_other_drafter(
     assert counter("sdcp_drafter_proposals_total", other) > 0
 
 
+async def running_on_first_of_two(
+    env: Deployment, target: TargetModel, max_new: int
+) -> tuple[VerifierNode, VerifierNode, bytes, list[Output]]:
+    """A session of ``max_new`` tokens opened at verifier1, drafted by drafter1, with verifier2
+    live beside it and the session's first 8 tokens out: (verifier1, verifier2, session, output)."""
+    first = await start_verifier(env, "verifier1")
+    await start_drafter(env, "drafter1")
+    opened = await open_session(env, tiny_contract(target, max_new=max_new))
+    session = opened["session"]
+    assert isinstance(session, bytes) and opened["verifier"] == first.uri
+    second = await start_verifier(env, "verifier2")
+    before = await read_output(env.client("frontend", peer="verifier1"), session, until=8)
+    assert not before[-1].final, "the session finished before the fault"
+    return first, second, session, before
+
+
 async def test_failover_to_a_second_verifier_loses_and_repeats_no_token(
     deployment: Deployment, target: TargetModel
 ) -> None:
-    router = deployment.router
-    assert router is not None
-    first = await start_verifier(deployment, "verifier1")
-    await start_drafter(deployment, "drafter1")
     max_new = 150
-    opened = await open_session(deployment, tiny_contract(target, max_new=max_new))
-    session = opened["session"]
-    assert isinstance(session, bytes) and opened["verifier"] == first.uri
-    second = await start_verifier(deployment, "verifier2")
-
-    before = await read_output(deployment.client("frontend", peer="verifier1"), session, until=8)
+    first, second, session, before = await running_on_first_of_two(deployment, target, max_new)
     seen = [t for output in before for t in output.tokens]
-    assert not before[-1].final, "the session finished before the verifier could be stopped"
     await deployment.stop(first)
 
     await moved_to(deployment, session, second.uri)
@@ -776,15 +783,8 @@ async def test_a_verifier_whose_scorer_thread_dies_goes_unready_and_its_session_
     expired, moves the session to the other verifier, and the output is the greedy reference."""
     router = deployment.router
     assert router is not None
-    first = await start_verifier(deployment, "verifier1")
-    await start_drafter(deployment, "drafter1")
     max_new = 150
-    opened = await open_session(deployment, tiny_contract(target, max_new=max_new))
-    session = opened["session"]
-    assert isinstance(session, bytes) and opened["verifier"] == first.uri
-    second = await start_verifier(deployment, "verifier2")
-    before = await read_output(deployment.client("frontend", peer="verifier1"), session, until=8)
-    assert not before[-1].final, "the session finished before the scorer could be broken"
+    first, second, session, _ = await running_on_first_of_two(deployment, target, max_new)
     scorer = first.engine.scorer
 
     def broken(*_args: object, **_kwargs: object) -> list[object]:
