@@ -89,14 +89,17 @@ def test_generate_stop_system_and_n(home: Path) -> None:
     text = full["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 12]
     assert len(tokenizer(stop, add_special_tokens=False)["input_ids"]) > 1
-    stopped = sdcp(home, *base, "--stop", stop, "--stop", "never in this text")
+    # Room to decode far past the stop text, so that the cancel always lands before the end (with
+    # 40, a quick machine finished the session first: state finish, not fail).
+    long_run = ["generate", "--json", "--max-new", "400", LONG_PROMPT]
+    stopped = sdcp(home, *long_run, "--stop", stop, "--stop", "never in this text")
     assert stopped.returncode == 0, stopped.stderr
     summary = json.loads(stopped.stdout)
     assert summary["finish"] == "stop" and summary["text"] == text[: text.find(stop)]
     assert summary["tokens"] == full["tokens"][: len(summary["tokens"])] and len(summary["tokens"]) < 40
     # The session was cancelled after the stop text, not decoded on to max-new.
     stats = asyncio.run(stats_when_ended(home, bytes.fromhex(summary["session"])))
-    assert stats["state"] == Action.FAIL and int(stats["committed"]) < 40  # type: ignore[call-overload]
+    assert stats["state"] == Action.FAIL and int(stats["committed"]) < 400  # type: ignore[call-overload]
 
     # A system message goes through the chat template, before the prompt.
     chat = sdcp(home, "generate", "--json", "--system", "Answer in one word.", "--max-new", "4", "What is 2+2?")
