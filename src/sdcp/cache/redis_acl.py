@@ -249,8 +249,7 @@ def default_user_open(client: redis.Redis) -> bool:
     described = client.execute_command("ACL", "GETUSER", "default")  # type: ignore[no-untyped-call]
     if not described:
         return False
-    if isinstance(described, list):  # RESP2 without redis-py's parsing: a flat list of pairs
-        described = dict(zip(described[::2], described[1::2], strict=False))
+    # redis-py answers ACL GETUSER as a map, its keys bytes (or text with decode_responses).
     raw = described.get(b"flags", described.get("flags", []))
     flags = {flag.decode() if isinstance(flag, bytes) else flag for flag in raw}
     return "on" in flags and "nopass" in flags
