@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from sdcp.models.fetch import FetchResult, smollm2_gguf
-from sdcp.models.llamacpp import SEQUENCE_TOKENS_PER_CALL, LlamaCppTarget
+from sdcp.models.llamacpp import PREFIX_BLOCK_TOKENS, SEQUENCE_TOKENS_PER_CALL, LlamaCppTarget
 from sdcp.models.registry import load_tokenizer
 
 pytestmark = pytest.mark.timeout(600)
 
-BLOCK = SEQUENCE_TOKENS_PER_CALL
+BLOCK = PREFIX_BLOCK_TOKENS
 STEPS = 6
 CAPACITY = 1024
 
@@ -30,7 +30,7 @@ def text_tokens(smollm2_fetch: FetchResult) -> list[int]:
     tokenizer = load_tokenizer("smollm2")
     text = " ".join(f"Tool {n}: looks up the weather of city number {n} and answers in JSON." for n in range(60))
     tokens = list(tokenizer(text)["input_ids"])
-    assert len(tokens) > 8 * BLOCK
+    assert len(tokens) > 8 * SEQUENCE_TOKENS_PER_CALL
     return tokens
 
 
@@ -50,12 +50,12 @@ def cold(gguf: Path) -> LlamaCppTarget:
     return target_of(gguf, 0)
 
 
-def greedy_rows(target: LlamaCppTarget, session: bytes, prompt: list[int]) -> list[np.ndarray]:
-    """Open ``session`` on ``prompt`` and decode STEPS greedy tokens, one per pass: every row."""
+def greedy_rows(target: LlamaCppTarget, session: bytes, prompt: list[int], steps: int = STEPS) -> list[np.ndarray]:
+    """Open ``session`` on ``prompt`` and decode ``steps`` greedy tokens, one per pass: every row."""
     target.open_session(session, prompt)
     rows = []
     try:
-        for _ in range(STEPS):
+        for _ in range(steps):
             (row,) = target.score([(session, ())])
             rows.append(row[0].copy())
             target.commit(session, 0, [int(np.argmax(row[0]))])
@@ -89,7 +89,7 @@ def test_prompts_sharing_prefixes_of_every_length_decode_as_without_the_cache(
     turn = [*first, *text_tokens[7 * BLOCK : 8 * BLOCK]]
     hits_before = index.hits
     assert_same(greedy_rows(warm, b"turn", turn), greedy_rows(cold, b"turn", turn))
-    assert index.hits - hits_before == 5 * BLOCK
+    assert index.hits - hits_before == len(first) // BLOCK * BLOCK
 
 
 def test_concurrent_sessions_share_a_prefix_and_eviction_changes_nothing(
@@ -118,7 +118,29 @@ def test_concurrent_sessions_share_a_prefix_and_eviction_changes_nothing(
         assert_same(rows[n], expected[n])
     # Under pressure: long prompts push each other out; every output stays the cold one.
     for n in range(3):
-        long_prompt = [*text_tokens[n * BLOCK : (n + 5) * BLOCK], 42]
+        long_prompt = [*text_tokens[n * 60 : n * 60 + 200], 42]
         assert_same(greedy_rows(warm, b"long", long_prompt), greedy_rows(cold, b"long", long_prompt))
         assert index.held_bytes <= index.capacity_bytes
     assert len(index) <= 2
+
+
+def test_a_conversations_next_turn_starts_from_the_ended_turn(
+    gguf: Path, cold: LlamaCppTarget, text_tokens: list[int]
+) -> None:
+    """A session that ended leaves the KV of its prompt and output: the next turn, which repeats
+    both, prefills only what is new, and decodes as without the cache."""
+    warm = target_of(gguf, 256 << 20)
+    index = warm.prefixes
+    assert index is not None
+    prompt = text_tokens[: 4 * BLOCK + 3]
+    answer_steps = 2 * BLOCK + 5
+    first_turn = greedy_rows(warm, b"turn-1", prompt, steps=answer_steps)
+    assert_same(first_turn, greedy_rows(cold, b"ref", prompt, steps=answer_steps))
+    answered = [int(np.argmax(row)) for row in first_turn]
+    # The ended session's committed tokens: the prompt, then its answer (the last one not yet fed).
+    history = [*prompt, *answered]
+    assert index.covered(history[:-1]) == (len(history) - 1) // BLOCK * BLOCK
+    next_turn = [*history, *text_tokens[5 * BLOCK : 5 * BLOCK + 11]]
+    hits_before = index.hits
+    assert_same(greedy_rows(warm, b"turn-2", next_turn), greedy_rows(cold, b"turn-2", next_turn))
+    assert index.hits - hits_before == (len(history) - 1) // BLOCK * BLOCK

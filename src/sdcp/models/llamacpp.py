@@ -14,11 +14,13 @@ per sequence, fewer than 64 tokens of a sequence per llama_decode call and one t
 of one token (docs/models.md, where the deviations are measured); this module keeps to that.
 
 With ``prefix_cache_bytes``, a prefill starts from the KV of the longest whole-block prefix of the
-prompt that an earlier prefill computed (``sdcp.cache.prefix``, blocks of SEQUENCE_TOKENS_PER_CALL
-tokens): the sequence's state is restored from the stored blob, cut at the block boundary, and the
-rest is decoded. Every prefill decodes in calls that start at a multiple of the block from position
-0, cold or not, so the restored cells and the computed ones are those a cold prefill computes, bit
-for bit, and rule 1's output is the same with and without the cache.
+prompt that the target holds (``sdcp.cache.prefix``, blocks of PREFIX_BLOCK_TOKENS): the KV an
+earlier prefill computed, or the committed tokens of a session that ended (an agent's next turn
+repeats its conversation so far). The sequence's state is restored from the stored blob, cut at the
+block boundary, and the rest is decoded. A cell's KV is a function of the tokens up to its position
+alone under the settings above, whatever calls computed it (each of fewer than 64 tokens of the
+sequence), so the restored cells are those a cold prefill computes, bit for bit, and rule 1's
+output is the same with and without the cache.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from sdcp.models.kvformat import decode_llamacpp_kv, encode_llamacpp_kv
 from sdcp.models.llamacpp_native import PROPOSAL_ROOM, SEQUENCE_TOKENS_PER_CALL, load_native
 from sdcp.threads import usable_cores
 
-__all__ = ["BATCH_TOKENS", "SEQUENCE_TOKENS_PER_CALL", "SPLIT_FREE_POSITIONS", "LlamaCppTarget"]
+__all__ = ["BATCH_TOKENS", "PREFIX_BLOCK_TOKENS", "SEQUENCE_TOKENS_PER_CALL", "SPLIT_FREE_POSITIONS", "LlamaCppTarget"]
 
 # Tokens per llama_decode call, at most. It also bounds the logits buffer llama.cpp keeps (a row of
 # the vocabulary per token of a call).
@@ -67,6 +69,9 @@ BATCH_TOKENS = 512
 # from a wider ubatch's) only where the ubatch attends 512 cells or more: it pads the cells a
 # sequence uses to a multiple of at most 256, so a token at a position below this attends fewer.
 SPLIT_FREE_POSITIONS = 256
+# The prefix cache's block (vLLM's default size): a prefill recomputes at most this many tokens
+# less one of a prefix the cache holds.
+PREFIX_BLOCK_TOKENS = 16
 _DECODE_FAILURES = {
     1: "no room in the KV cache for the pass",
     2: "the pass was aborted",
@@ -194,12 +199,12 @@ class LlamaCppTarget:
 
     @cached_property
     def prefixes(self) -> PrefixIndex | None:
-        """The prefix cache (module doc), None where it is off; bound to this GGUF and this cache
-        layout, whose state blobs only it reads."""
+        """The prefix cache (module doc), None where it is off; its hashes bind the GGUF and the
+        tokenizer (the contract's digests), and its blobs are this cache layout's state."""
         if self._prefix_cache_bytes <= 0:
             return None
-        salt = self.weights_digest + self._kv_layout.encode()
-        return PrefixIndex(capacity_bytes=self._prefix_cache_bytes, block=SEQUENCE_TOKENS_PER_CALL, salt=salt)
+        salt = self.weights_digest + self.tokenizer_digest
+        return PrefixIndex(capacity_bytes=self._prefix_cache_bytes, block=PREFIX_BLOCK_TOKENS, salt=salt)
 
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
         """Prefill the committed prefix but its last token, from a cached prefix's KV where one is held."""
@@ -244,8 +249,11 @@ class LlamaCppTarget:
             return encode_llamacpp_kv(self.weights_digest, state.tokens, self._kv_layout, state_bytes)
 
     def close_session(self, session: SessionId) -> None:
+        """Forget ``session``; the prefix cache keeps the KV of its committed tokens but the last
+        (the next turn of a conversation starts from it)."""
         with self._lock:
-            self._session(session)
+            state = self._session(session)
+            self._keep_prefix(state, state.tokens[:-1], 0)
             self._remove_session(session)
 
     def has_session(self, session: SessionId) -> bool:
