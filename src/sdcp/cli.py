@@ -944,13 +944,24 @@ def bench(
         help="Comma-separated systems to run, sdcp_target_only among them, e.g. "
         "sdcp_target_only,sdcp_default (default: all of them).",
     ),
+    llama_server: Path = typer.Option(
+        None,
+        "--llama-server",
+        help="The llama-server binary of the agent workload (default: built once from the installed "
+        "llama-cpp-python's llama.cpp source).",
+    ),
 ) -> None:
     """Benchmark target-only, transformers speculative, SDCP in-process, SDCP end to end, and the
-    default `sdcp up` cluster through its OpenAI gateway (what a user runs)."""
+    default `sdcp up` cluster through its OpenAI gateway (what a user runs). `--workloads agent`
+    runs the agent workload instead: the default cluster with and without its prefix cache against
+    llama-server, streamed chat requests with a long shared system prompt (agent.md)."""
     from sdcp.bench import BenchConfig, BenchInputError, run_bench
     from sdcp.bench.report import write_report
     from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR
 
+    if _names(workloads) == ("agent",):
+        _agent_bench(out, max_new, per_workload, llama_server, _names(systems))
+        return
     with user_errors():
         try:
             levels = tuple(int(level) for level in concurrency.split(",")) if concurrency else None
@@ -977,6 +988,23 @@ def bench(
     typer.echo((out / "results.md").read_text(encoding="utf-8"))
     if not summary["identical_outputs"]:
         fail("outputs of the exact systems differ from target-only decoding; see mismatches in results.json")
+
+
+def _agent_bench(
+    out: Path, max_new: int | None, turns: int | None, llama_server: Path | None, systems: tuple[str, ...] | None
+) -> None:
+    from sdcp.bench.agent import AgentConfig, run_agent_bench
+    from sdcp.bench.workloads import BenchInputError
+
+    with user_errors():
+        config = AgentConfig(out=out, max_tokens=max_new or 96, turns=turns, llama_server=llama_server)
+        if systems is not None:
+            config = AgentConfig(out, config.max_tokens, turns, llama_server, systems)
+        try:
+            run_agent_bench(config, lambda message: typer.echo(message, err=True))
+        except BenchInputError as exc:
+            fail(str(exc))
+    typer.echo((out / "agent.md").read_text(encoding="utf-8"))
 
 
 def _names(text: str | None) -> tuple[str, ...] | None:

@@ -3,11 +3,12 @@
 A prompt's tokens are cut into blocks of ``block`` tokens; block i's hash chains the previous one
 (vLLM's automatic prefix caching):
 
-    h[-1] = SHA-256("SDCP-PREFIX-KV-1" || 0x00 || salt)
+    h[-1] = SHA-256("SDCP-PREFIX-KV-1" || 0x00 || salt || scope)
     h[i]  = SHA-256(h[i-1] || uint32(t[i*block]) || ... || uint32(t[(i+1)*block - 1]))
 
-where ``salt`` binds what the KV depends on besides the tokens (the target's and tokenizer's digests
-and the runtime's layout), so that one index never serves KV of another model. Only whole blocks
+where ``salt`` binds what the KV depends on besides the tokens (the target's and tokenizer's
+digests), so that one index never serves KV of another model, and ``scope`` whose prefixes they
+are (a tenant: one tenant's prompts and outputs never speed up another's). Only whole blocks
 are reused: the tokens after the last whole block of a prompt are always computed. An entry is an
 opaque blob (the runtime's KV of its tokens) with the tokens it covers; the index holds entries up
 to ``capacity_bytes`` in all, the least recently used evicted first. A lookup compares the entry's
@@ -20,19 +21,20 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["PrefixEntry", "PrefixIndex", "block_hashes"]
 
+
 _DOMAIN = b"SDCP-PREFIX-KV-1\x00"
 
 
-def block_hashes(tokens: Sequence[int], *, block: int, salt: bytes) -> list[bytes]:
-    """The chained hash of each whole block of ``tokens`` (module doc)."""
+def block_hashes(tokens: Sequence[int], *, block: int, salt: bytes, scope: bytes = b"") -> list[bytes]:
+    """The chained hash of each whole block of ``tokens`` (module doc); ``salt`` has a fixed length."""
     if block < 1:
         raise ValueError(f"a block holds at least one token, got {block}")
-    chained = hashlib.sha256(_DOMAIN + salt).digest()
+    chained = hashlib.sha256(_DOMAIN + salt + scope).digest()
     hashes = []
     for start in range(0, len(tokens) - block + 1, block):
         digest = hashlib.sha256(chained)
@@ -48,15 +50,23 @@ class PrefixEntry:
 
     tokens: tuple[int, ...]
     data: bytes
-    # The chained hash of each of its blocks.
-    hashes: frozenset[bytes]
+    # The chained hash of each of its blocks, in order.
+    hashes: tuple[bytes, ...]
+    scope: bytes = b""
 
 
 class PrefixIndex:
     """Entries by the hash of their last block, and every block hash of theirs to the newest entry
     that covers it; bounded in bytes, least recently used evicted first."""
 
-    def __init__(self, *, capacity_bytes: int, block: int, salt: bytes) -> None:
+    def __init__(
+        self,
+        *,
+        capacity_bytes: int,
+        block: int,
+        salt: bytes,
+        on_insert: Callable[[PrefixEntry], None] | None = None,
+    ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"a prefix cache holds at least 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -68,6 +78,8 @@ class PrefixIndex:
         # vLLM's counters, in tokens: prompt tokens looked up, and those served from the cache.
         self.queries = 0
         self.hits = 0
+        # Told of each new entry (the verifier shares it through the MLC), on the owner's thread.
+        self.on_insert = on_insert
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -76,12 +88,15 @@ class PrefixIndex:
         """The longest whole-block length within ``length`` tokens."""
         return length - length % self.block
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[PrefixEntry, int] | None:
+    def hashes(self, tokens: Sequence[int], scope: bytes = b"") -> list[bytes]:
+        return block_hashes(tokens, block=self.block, salt=self.salt, scope=scope)
+
+    def lookup(self, tokens: Sequence[int], scope: bytes = b"") -> tuple[PrefixEntry, int] | None:
         """The entry covering the longest whole-block prefix of ``tokens``, and that prefix's
         length; None where no whole block is held. Counts the query and the hit."""
         self.queries += len(tokens)
         found: tuple[bytes, int] | None = None
-        for index, digest in enumerate(block_hashes(tokens, block=self.block, salt=self.salt)):
+        for index, digest in enumerate(self.hashes(tokens, scope)):
             key = self._covering.get(digest)
             if key is None:
                 break
@@ -96,19 +111,19 @@ class PrefixIndex:
         self.hits += length
         return entry, length
 
-    def covered(self, tokens: Sequence[int]) -> int:
+    def covered(self, tokens: Sequence[int], scope: bytes = b"") -> int:
         """How many leading tokens of ``tokens`` an entry covers, without counting a query."""
         length = 0
-        for index, digest in enumerate(block_hashes(tokens, block=self.block, salt=self.salt)):
+        for index, digest in enumerate(self.hashes(tokens, scope)):
             if digest not in self._covering:
                 break
             length = (index + 1) * self.block
         return length
 
-    def insert(self, tokens: Sequence[int], data: bytes) -> bool:
+    def insert(self, tokens: Sequence[int], data: bytes, scope: bytes = b"", *, told: bool = True) -> bool:
         """Hold ``data`` as the KV of the whole blocks of ``tokens``; False where it does not fit
-        (larger than the capacity) or covers no whole block."""
-        hashes = block_hashes(tokens, block=self.block, salt=self.salt)
+        (larger than the capacity) or covers no whole block. ``told``: `on_insert` hears of it."""
+        hashes = self.hashes(tokens, scope)
         if not hashes or len(data) > self.capacity_bytes:
             return False
         key = hashes[-1]
@@ -117,12 +132,21 @@ class PrefixIndex:
             return True
         while self._entries and self.held_bytes + len(data) > self.capacity_bytes:
             self._evict()
-        entry = PrefixEntry(tuple(tokens[: len(hashes) * self.block]), data, frozenset(hashes))
+        entry = PrefixEntry(tuple(tokens[: len(hashes) * self.block]), data, tuple(hashes), scope)
         self._entries[key] = entry
         self.held_bytes += len(data)
         for digest in hashes:
             self._covering[digest] = key
+        if told and self.on_insert is not None:
+            self.on_insert(entry)
         return True
+
+    def discard(self, entry: PrefixEntry) -> None:
+        """Forget ``entry`` (its blob would not restore)."""
+        key = entry.hashes[-1]
+        if self._entries.get(key) is entry:
+            self._entries.move_to_end(key, last=False)
+            self._evict()
 
     def _evict(self) -> None:
         key, entry = self._entries.popitem(last=False)

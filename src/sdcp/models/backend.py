@@ -89,8 +89,9 @@ class Target(Protocol):
     def check_digests(self, target: bytes, tokenizer: bytes) -> None:
         """Raise DigestMismatch for a contract naming another target or tokenizer (SDCP 6.1)."""
 
-    def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
-        """Prefill the committed prefix (the prompt, or prompt + output when resuming)."""
+    def open_session(self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b"") -> None:
+        """Prefill the committed prefix (the prompt, or prompt + output when resuming), from the
+        KV the prefix cache holds of ``prefix_scope``'s prompts (a tenant's) where it is on."""
 
     def import_kv(self, session: SessionId, data: bytes, committed_tokens: Sequence[int]) -> None:
         """Open ``session`` from a blob of `export_kv` instead of a prefill (SDCP 6.9)."""

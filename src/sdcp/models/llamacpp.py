@@ -84,6 +84,8 @@ class _Sequence:
     seq_id: int
     tokens: list[int]
     pending: tuple[int, ...] | None = None
+    # Whose prefixes its KV may serve (Target.open_session).
+    prefix_scope: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -206,12 +208,14 @@ class LlamaCppTarget:
         salt = self.weights_digest + self.tokenizer_digest
         return PrefixIndex(capacity_bytes=self._prefix_cache_bytes, block=PREFIX_BLOCK_TOKENS, salt=salt)
 
-    def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
-        """Prefill the committed prefix but its last token, from a cached prefix's KV where one is held."""
+    def open_session(self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b"") -> None:
+        """Prefill the committed prefix but its last token, from a cached prefix's KV of
+        ``prefix_scope`` where one is held."""
         tokens = self._checked_prefix(prompt_tokens)
         prefix = tokens[:-1]
         with self._lock:
             state = self._add_session(session, tokens)
+            state.prefix_scope = prefix_scope
             try:
                 start = self._restore_prefix(state, prefix)
                 self._decode([_Feed(state.seq_id, start, prefix[start:])], rows=False)
@@ -330,8 +334,8 @@ class LlamaCppTarget:
         """Restore the KV of the longest cached whole-block prefix into the (empty) sequence;
         returns its length (0: none held, or the blob did not restore: the prefill computes it all)."""
         index = self.prefixes
-        found = None if index is None else index.lookup(prefix)
-        if found is None:
+        found = None if index is None else index.lookup(prefix, state.prefix_scope)
+        if index is None or found is None:
             return 0
         entry, length = found
         buffer = (ctypes.c_uint8 * len(entry.data)).from_buffer_copy(entry.data)
@@ -340,17 +344,20 @@ class LlamaCppTarget:
         if read and llama_cpp.llama_memory_seq_pos_max(self._memory, state.seq_id) + 1 == length:
             return length
         llama_cpp.llama_memory_seq_rm(self._memory, state.seq_id, -1, -1)
+        index.hits -= length
+        index.discard(entry)
         return 0
 
     def _keep_prefix(self, state: _Sequence, prefix: Sequence[int], restored: int) -> None:
         """Store the sequence's KV for its prefix's whole blocks where they reach past what was restored."""
         index = self.prefixes
-        if index is None or index.whole_blocks(len(prefix)) <= max(restored, index.covered(prefix)):
+        scope = state.prefix_scope
+        if index is None or index.whole_blocks(len(prefix)) <= max(restored, index.covered(prefix, scope)):
             return
         size = llama_cpp.llama_state_seq_get_size(self._context, state.seq_id)
         buffer = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(self._context, buffer, size, state.seq_id)
-        index.insert(prefix, ctypes.string_at(buffer, written))
+        index.insert(prefix, ctypes.string_at(buffer, written), scope)
 
     def _add_session(self, session: SessionId, tokens: list[int]) -> _Sequence:
         if session in self._sessions:

@@ -146,8 +146,9 @@ class TargetModel:
         """Refuse a contract naming other weights or another tokenizer (SDCP 6.1)."""
         check_contract_digests(self.name, (self.weights_digest, self.tokenizer_digest), (target, tokenizer))
 
-    def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
-        """Prefill the committed prefix (the prompt, or prompt + output when resuming)."""
+    def open_session(self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b"") -> None:
+        """Prefill the committed prefix (the prompt, or prompt + output when resuming); no prefix
+        cache here, whatever ``prefix_scope``."""
         tokens = self._checked_tokens(prompt_tokens)
         if not tokens:
             raise BadTokens("a session needs at least one prompt token")

@@ -45,7 +45,7 @@ from sdcp.threads import CoreGovernor
 from sdcp.transport.asgi import cbor_response, read_cbor_body
 from sdcp.transport.errors import ConnectionLost, PeerClientError, PeerServerError, PeerTimeout
 from sdcp.transport.peer import peer_uri
-from sdcp.transport.signing import RecordSigner
+from sdcp.transport.signing import RecordCheck, RecordSigner
 
 __all__ = ["VerifierNode"]
 
@@ -93,6 +93,8 @@ class VerifierNode(Node):
             events=self._post_event if config.instance.routers else None,
             # Signed commit records (docs/security.md): with the key of this instance's certificate.
             sign=RecordSigner.load(config.instance.cert, config.instance.key).sign,
+            record_check=RecordCheck.load(config.instance.ca),
+            trusted_verifier=lambda uri: self.trust.is_member(uri, Party.VERIFIER),
         )
         # The router each session last heard from or answered (SDCP 6.5.2): its events go there
         # first, the configured routers after it (docs/reliability.md, "Routers"). As many entries

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sdcp.cache import MLC, CacheError, InvalidURI, ObjectNotFound, target_kv_uri
 from sdcp.config import VerifierConfig
@@ -39,6 +39,7 @@ from sdcp.engines.verifier.observe import (
     session_stats,
     session_trace,
 )
+from sdcp.engines.verifier.prefixshare import PrefixSharing
 from sdcp.engines.verifier.rounds import RecordSign, Rounds, Scoring
 from sdcp.engines.verifier.selfdecode import SelfDecoding
 from sdcp.grammar import ConstraintError, GrammarConstraint, grammar_tokenizer
@@ -61,7 +62,7 @@ from sdcp.protocol.messages import (
     Verdict,
 )
 from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
-from sdcp.protocol.records import decode_token_list, session_terms
+from sdcp.protocol.records import RecordAuthority, decode_token_list, session_terms
 from sdcp.protocol.verifier import Replay, VerifierSession, Wait
 from sdcp.threads import CoreGovernor
 
@@ -80,6 +81,11 @@ _RETRY_AFTER_S = 5
 OUTPUT_LINGER_TOKENS = 16
 
 
+def prefix_scope(tenant: str | None) -> bytes:
+    """Whose prefixes a session's prefill may start from: its tenant's only (docs/security.md)."""
+    return b"" if tenant is None else tenant.encode()
+
+
 class VerifierEngine:
     """The target model's verifier: the sole commit authority of its sessions."""
 
@@ -94,6 +100,8 @@ class VerifierEngine:
         cores: CoreGovernor | None = None,
         events: EventSink | None = None,
         sign: RecordSign | None = None,
+        record_check: RecordAuthority | None = None,
+        trusted_verifier: Callable[[str], bool] = lambda _uri: False,
     ) -> None:
         self.uri = uri
         self.settings = settings
@@ -116,6 +124,18 @@ class VerifierEngine:
             self.sessions,
             orphan_s=lambda: self.settings.orphan_timeout_s,
             orphaned=lambda session, epoch: self.cancel(CancelRequest(session=session, epoch=epoch)),
+        )
+        # Prefix KV through the MLC: published with the record-signing key, used only as signed by a
+        # verifier of [trust] verifiers.
+        self._prefix_sharing = PrefixSharing(
+            uri=uri,
+            target=target,
+            thread=self.scorer,
+            mlc=mlc,
+            tasks=self._tasks,
+            sign=sign,
+            authority=record_check,
+            trusted=trusted_verifier,
         )
         self._kv_publisher = KVPublisher(
             uri=uri, target=target, thread=self.scorer, mlc=mlc, settings=lambda: self.settings, tasks=self._tasks
@@ -170,7 +190,11 @@ class VerifierEngine:
             lookahead=self.lookahead,
         )
         init_metrics(
-            uri, running=self._active_sessions, waiting=lambda: self._scoring.waiting, kv_usage=target.kv_usage
+            uri,
+            running=self._active_sessions,
+            waiting=lambda: self._scoring.waiting,
+            kv_usage=target.kv_usage,
+            prefix_bytes=self._prefix_bytes,
         )
 
     # -- life and status -------------------------------------------------------------------------
@@ -180,6 +204,7 @@ class VerifierEngine:
         # contract check or pass, on the scorer thread.
         await self.scorer.run_async(self.target.prepare)
         await self.scorer.run_async(self._time_one_pass)
+        self._prefix_sharing.start()
         self._sweeps.start()
 
     async def stop(self) -> None:
@@ -201,6 +226,11 @@ class VerifierEngine:
         for session in list(self.sessions):
             if self.target.has_session(session):
                 self.target.close_session(session)
+
+    def _prefix_bytes(self) -> int:
+        # Read without the scorer's lock: a metric needs no exact snapshot.
+        prefixes = self.target.prefixes
+        return 0 if prefixes is None else prefixes.held_bytes
 
     def _active_sessions(self) -> int:
         # Read from the scorer's thread: a snapshot of the values is enough for a batching hint.
@@ -303,7 +333,7 @@ class VerifierEngine:
             raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log is fenced at epoch {newest}")
         # The scope's new history arrives while the prompt is prefilled, for the session's guesses.
         self._tasks.spawn(self.lookahead.refresh(contract, message.owner, message.tenant))
-        imported = await self._prefill(message, prompt, committed)
+        imported = await self._prefill(message, prompt, committed, prefix_scope(message.tenant))
         live = LiveSession(
             machine,
             commit_log,
@@ -479,9 +509,13 @@ class VerifierEngine:
         except CacheError as exc:
             raise Unavailable(f"{what} {value!r} cannot be read from the MLC now: {exc}") from exc
 
-    async def _prefill(self, message: SessionOpen, prompt: tuple[int, ...], committed: tuple[int, ...]) -> int:
+    async def _prefill(
+        self, message: SessionOpen, prompt: tuple[int, ...], committed: tuple[int, ...], scope: bytes
+    ) -> int:
         """Open the session in the target at its committed tokens: from the resume's target KV
-        where it is usable (SDCP 6.9), else by a prefill. Returns how many tokens the KV covered."""
+        where it is usable (SDCP 6.9), else by a prefill from the longest prefix the prefix cache
+        holds of the tenant's (``scope``), locally or in the MLC. Returns how many tokens the
+        resume's KV covered."""
         tokens = prompt + committed
         resume = message.resume
         if resume is not None and resume.target_kv is not None:
@@ -493,17 +527,18 @@ class VerifierEngine:
                 # the MLC holds: gone, corrupt, of another model, build or layout, over other tokens.
                 # Any failure to use it costs the prefill, never the open.
                 log.warning("%s: target KV %s unusable, prefilling: %r", self.uri, resume.target_kv, exc)
-        queried, hit = await self.scorer.run_async(self._open_in_target, message.session, tokens)
+        await self._prefix_sharing.fetch(tokens[:-1], scope)
+        queried, hit = await self.scorer.run_async(self._open_in_target, message.session, tokens, scope)
         PREFIX_QUERIES.labels(self.uri).inc(queried)
         PREFIX_HITS.labels(self.uri).inc(hit)
         return 0
 
-    def _open_in_target(self, session: bytes, tokens: tuple[int, ...]) -> tuple[int, int]:
+    def _open_in_target(self, session: bytes, tokens: tuple[int, ...], scope: bytes) -> tuple[int, int]:
         """On the scorer thread: the prefill, and the prompt tokens it looked up in the prefix cache
         and found there."""
         prefixes = self.target.prefixes
         before = (0, 0) if prefixes is None else (prefixes.queries, prefixes.hits)
-        self.target.open_session(session, tokens)
+        self.target.open_session(session, tokens, prefix_scope=scope)
         return (0, 0) if prefixes is None else (prefixes.queries - before[0], prefixes.hits - before[1])
 
     async def _constraint(self, constraint: Constraint, stop: Sequence[int]) -> GrammarConstraint:

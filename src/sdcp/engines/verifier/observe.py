@@ -88,6 +88,7 @@ ACCEPTED_BY_POSITION = Counter(
 )
 RUNNING = Gauge("sdcp:num_requests_running", "Sessions this verifier decodes", ["instance"])
 WAITING = Gauge("sdcp:num_requests_waiting", "Rounds waiting for a scoring pass", ["instance"])
+PREFIX_BYTES = Gauge("sdcp:prefix_cache_bytes", "Bytes of KV the prefix cache holds", ["instance"])
 KV_USAGE = Gauge("sdcp:kv_cache_usage_perc", "Share of the KV slot pool's positions in use (1 = full)", ["instance"])
 # The longest proposal a contract allows (SDCP 4.1 m_max): positions of ACCEPTED_BY_POSITION.
 _MAX_POSITIONS = 64
@@ -116,7 +117,12 @@ TRACE_FIELDS = (
 
 
 def init_metrics(
-    uri: str, *, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float]
+    uri: str,
+    *,
+    running: Callable[[], float],
+    waiting: Callable[[], float],
+    kv_usage: Callable[[], float],
+    prefix_bytes: Callable[[], float],
 ) -> None:
     """Start every series of the instance ``uri`` at zero; the gauges read the given functions."""
     for kind in ROUND_KINDS:
@@ -135,6 +141,7 @@ def init_metrics(
     RUNNING.labels(uri).set_function(running)
     WAITING.labels(uri).set_function(waiting)
     KV_USAGE.labels(uri).set_function(kv_usage)
+    PREFIX_BYTES.labels(uri).set_function(prefix_bytes)
 
 
 @dataclass

@@ -1,0 +1,325 @@
+"""The ``agent`` workload (issue #37): what an agent sends an OpenAI endpoint, against llama-server on
+the same GGUF and threads.
+
+The requests (``prompts/agent.json``): a long system prompt describing twelve tools, then short user
+turns, each a request of its own after that system prompt; then conversations whose every turn
+repeats the one before with its answer (each system's own answer). Every request is a streamed chat
+completion, greedy, ``max_tokens`` tokens, sent to each system in turn (the order rotates from one
+request to the next), one request at a time.
+
+Systems: ``sdcp`` (the default `sdcp up` cluster, through its gateway), ``sdcp_no_prefix_cache``
+(the same with ``[verifier] prefix_cache_bytes = 0``) and ``llama_server`` (one slot, llama.cpp's
+prompt cache on, as llama-server starts). Figures per system: time to first token (from sending the
+request to the first chunk with text) and turn time, p50 and p99, over the later requests (all but
+the first, which finds every cache cold); for sdcp, the verifier's prefix cache hit rate and bytes
+held. sdcp's outputs with and without the prefix cache must be the same text (rule 1).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdcp.bench.llama_server import LlamaServer, llama_server_binary
+from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError
+from sdcp.cluster import LocalCluster
+from sdcp.home import sdcp_home
+from sdcp.models.fetch import fetch_smollm2, smollm2_gguf
+from sdcp.threads import usable_cores
+
+__all__ = ["AgentConfig", "AgentWorkload", "agent_requests", "load_agent_workload", "run_agent_bench"]
+
+AGENT_FILE = "agent.json"
+SDCP = "sdcp"
+SDCP_NO_CACHE = "sdcp_no_prefix_cache"
+LLAMA_SERVER = "llama_server"
+_MODEL = "smollm2"
+_TURN_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class AgentWorkload:
+    system: str
+    turns: tuple[str, ...]
+    conversations: tuple[tuple[str, ...], ...]
+
+
+def load_agent_workload(prompts_dir: Path = DEFAULT_PROMPTS_DIR) -> AgentWorkload:
+    path = prompts_dir / AGENT_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        workload = AgentWorkload(
+            str(data["system"]),
+            tuple(str(turn) for turn in data["turns"]),
+            tuple(tuple(str(turn) for turn in conversation) for conversation in data["conversations"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BenchInputError(f"{path}: not an agent workload ({exc})") from exc
+    if not workload.system or not (workload.turns or workload.conversations):
+        raise BenchInputError(f"{path}: an agent workload needs a system prompt and turns")
+    return workload
+
+
+@dataclass(frozen=True)
+class AgentRequest:
+    """One request: its label, and the user turns of its conversation so far (the last is new)."""
+
+    label: str
+    conversation: int | None
+    user_turns: tuple[str, ...]
+
+
+def agent_requests(workload: AgentWorkload, *, turns: int | None = None) -> Iterator[AgentRequest]:
+    """The requests in order: the short turns (at most ``turns``), then each conversation turn by turn."""
+    for number, turn in enumerate(workload.turns[:turns], start=1):
+        yield AgentRequest(f"turn {number}", None, (turn,))
+    for index, conversation in enumerate(workload.conversations):
+        for length in range(1, len(conversation) + 1):
+            yield AgentRequest(f"conversation {index + 1} turn {length}", index, conversation[:length])
+
+
+def chat_messages(system: str, user_turns: tuple[str, ...], answers: list[str]) -> list[dict[str, str]]:
+    """The system prompt, then each user turn followed by the system's own answer to it, if any."""
+    messages = [{"role": "system", "content": system}]
+    for number, turn in enumerate(user_turns):
+        messages.append({"role": "user", "content": turn})
+        if number < len(answers) and number < len(user_turns) - 1:
+            messages.append({"role": "assistant", "content": answers[number]})
+    return messages
+
+
+@dataclass
+class Turn:
+    label: str
+    first_token_ms: float | None
+    seconds: float
+    text: str
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def stream_chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> Turn:
+    """POST a streamed greedy chat completion and read it to its end, timed by the client."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    request = urllib.request.Request(
+        f"{url}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    started = time.perf_counter()
+    first: float | None = None
+    pieces: list[str] = []
+    usage: dict[str, Any] = {}
+    with urllib.request.urlopen(request, timeout=_TURN_TIMEOUT_S) as response:  # noqa: S310 - loopback
+        for line in response:
+            data = line.removeprefix(b"data: ").strip()
+            if not data or data == b"[DONE]":
+                continue
+            chunk = json.loads(data)
+            for choice in chunk.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    if first is None:
+                        first = 1000 * (time.perf_counter() - started)
+                    pieces.append(text)
+            usage = chunk.get("usage") or usage
+    seconds = time.perf_counter() - started
+    return Turn("", first, seconds, "".join(pieces), usage.get("prompt_tokens"), usage.get("completion_tokens"))
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    out: Path
+    max_tokens: int = 96
+    turns: int | None = None
+    llama_server: Path | None = None
+    systems: tuple[str, ...] = (SDCP, SDCP_NO_CACHE, LLAMA_SERVER)
+
+
+@dataclass
+class SystemRun:
+    name: str
+    url: str
+    model: str
+    turns: list[Turn] = field(default_factory=list)
+    answers: dict[int, list[str]] = field(default_factory=dict)
+    metrics_url: str | None = None
+    prefix_cache: dict[str, float] = field(default_factory=dict)
+
+
+def run_agent_bench(config: AgentConfig, log: Callable[[str], None]) -> dict[str, Any]:
+    """Run every system on the agent workload; write agent.json and agent.md under ``config.out``."""
+    workload = load_agent_workload()
+    unknown = set(config.systems) - {SDCP, SDCP_NO_CACHE, LLAMA_SERVER}
+    if unknown:
+        raise BenchInputError(f"agent workload: unknown systems {sorted(unknown)}")
+    fetch_smollm2()
+    config.out.mkdir(parents=True, exist_ok=True)
+    binary = llama_server_binary(config.llama_server, log) if LLAMA_SERVER in config.systems else None
+    clusters: list[LocalCluster] = []
+    runs: list[SystemRun] = []
+    server: LlamaServer | None = None
+    try:
+        for name in (SDCP, SDCP_NO_CACHE):
+            if name in config.systems:
+                log(f"starting {name}")
+                runs.append(_start_cluster(config.out / name, name, clusters))
+        if binary is not None:
+            log("starting llama_server")
+            server = LlamaServer(
+                binary,
+                smollm2_gguf(),
+                threads=usable_cores(),
+                slots=1,
+                context=4096,
+                log_file=config.out / "llama-server.log",
+            ).__enter__()
+            runs.append(SystemRun(LLAMA_SERVER, server.url, _MODEL))
+        for index, request in enumerate(agent_requests(workload, turns=config.turns)):
+            order = runs[index % len(runs) :] + runs[: index % len(runs)]
+            for run in order:
+                answers = run.answers.setdefault(request.conversation, []) if request.conversation is not None else []
+                messages = chat_messages(workload.system, request.user_turns, answers)
+                turn = stream_chat(run.url, run.model, messages, config.max_tokens)
+                turn.label = request.label
+                run.turns.append(turn)
+                if request.conversation is not None:
+                    answers.append(turn.text)
+                log(f"{request.label:>24} {run.name:>22}: first token {turn.first_token_ms or 0:8.0f} ms, "
+                    f"turn {turn.seconds:6.2f} s")  # fmt: skip
+        for run in runs:
+            if run.metrics_url is not None:
+                run.prefix_cache = _prefix_cache_figures(run.metrics_url)
+    finally:
+        if server is not None:
+            server.__exit__(None, None, None)
+        for cluster in clusters:
+            cluster.down()
+    results = _results(config, runs)
+    (config.out / "agent.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    (config.out / "agent.md").write_text(agent_markdown(results), encoding="utf-8")
+    return results
+
+
+def _start_cluster(home: Path, name: str, clusters: list[LocalCluster]) -> SystemRun:
+    home.mkdir(parents=True, exist_ok=True)
+    models = home / "models"
+    fetched = sdcp_home() / "models"
+    if not models.exists():
+        models.symlink_to(fetched.resolve(), target_is_directory=True)
+    cluster = LocalCluster(home)
+    clusters.append(cluster)
+    settings = {"prefix_cache_bytes": 0} if name == SDCP_NO_CACHE else None
+    cluster.up(model=_MODEL, gateway_port=0, verifier_settings=settings)
+    gateway = cluster.gateway
+    verifier = next(instance for instance in cluster.instances() if instance.role == "verifier")
+    if gateway is None or verifier.admin is None:
+        raise BenchInputError(f"the cluster under {home} has no gateway or no verifier admin listener")
+    return SystemRun(name, gateway, _MODEL, metrics_url=f"{verifier.admin}/metrics")
+
+
+def _prefix_cache_figures(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:  # noqa: S310 - loopback
+        text = response.read().decode()
+    figures: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_bytes"):
+            if line.startswith(f"sdcp:{name}{{"):
+                figures[name] = figures.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return figures
+
+
+def _percentile(values: list[float], share: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+
+
+def _results(config: AgentConfig, runs: list[SystemRun]) -> dict[str, Any]:
+    systems: dict[str, Any] = {}
+    for run in runs:
+        later = run.turns[1:]
+        first = [turn.first_token_ms for turn in later if turn.first_token_ms is not None]
+        whole = [1000 * turn.seconds for turn in later]
+        figures: dict[str, Any] = {
+            "first_token_ms_p50": statistics.median(first) if first else None,
+            "first_token_ms_p99": _percentile(first, 0.99),
+            "turn_ms_p50": statistics.median(whole) if whole else None,
+            "turn_ms_p99": _percentile(whole, 0.99),
+            "cold_first_token_ms": run.turns[0].first_token_ms if run.turns else None,
+            "turns": [asdict(turn) for turn in run.turns],
+        }
+        queries = run.prefix_cache.get("prefix_cache_queries_total")
+        if queries:
+            figures["prefix_hit_rate"] = run.prefix_cache.get("prefix_cache_hits_total", 0.0) / queries
+            figures["prefix_cache_bytes"] = run.prefix_cache.get("prefix_cache_bytes")
+        systems[run.name] = figures
+    texts = {run.name: [turn.text for turn in run.turns] for run in runs}
+    identical = texts[SDCP] == texts[SDCP_NO_CACHE] if SDCP in texts and SDCP_NO_CACHE in texts else None
+    return {
+        "workload": "agent",
+        "max_tokens": config.max_tokens,
+        "requests": len(runs[0].turns) if runs else 0,
+        "identical_with_and_without_prefix_cache": identical,
+        "ratios": _ratios(systems),
+        "systems": systems,
+    }
+
+
+def _ratios(systems: dict[str, Any]) -> dict[str, float]:
+    def p50(name: str) -> float | None:
+        value = systems.get(name, {}).get("first_token_ms_p50")
+        return float(value) if value else None
+
+    ratios = {}
+    sdcp, llama, off = p50(SDCP), p50(LLAMA_SERVER), p50(SDCP_NO_CACHE)
+    if sdcp and llama:
+        ratios["first_token_p50_sdcp_over_llama_server"] = sdcp / llama
+    if sdcp and off:
+        ratios["first_token_p50_cache_off_over_on"] = off / sdcp
+    return ratios
+
+
+def agent_markdown(results: dict[str, Any]) -> str:
+    lines = [
+        "# agent workload",
+        "",
+        f"{results['requests']} streamed chat requests per system, greedy, max_tokens {results['max_tokens']}; "
+        "figures over the later requests (all but the first).",
+        "",
+        "| system | first token p50 (ms) | p99 | turn p50 (ms) | p99 | cold first token (ms) | prefix hit rate |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, figures in results["systems"].items():
+        rate = figures.get("prefix_hit_rate")
+        cells = [
+            figures["first_token_ms_p50"],
+            figures["first_token_ms_p99"],
+            figures["turn_ms_p50"],
+            figures["turn_ms_p99"],
+            figures["cold_first_token_ms"],
+        ]
+        shown = ["-" if value is None else f"{value:.0f}" for value in cells]
+        lines.append(f"| {name} | {' | '.join(shown)} | {'-' if rate is None else f'{100 * rate:.0f} %'} |")
+    lines.append("")
+    for name, value in results["ratios"].items():
+        lines.append(f"- {name.replace('_', ' ')}: {value:.2f}")
+    identical = results["identical_with_and_without_prefix_cache"]
+    if identical is not None:
+        lines.append(f"- sdcp outputs identical with and without the prefix cache: {'yes' if identical else 'NO'}")
+    return "\n".join(lines) + "\n"
