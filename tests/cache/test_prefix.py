@@ -3,7 +3,8 @@ only, the longest prefix found, LRU eviction by bytes, and tokens compared on ev
 
 from __future__ import annotations
 
-from sdcp.cache.prefix import PrefixIndex, block_hashes
+from sdcp.cache.prefix import BLOCK_TOKENS, SHARE_TOKENS, PrefixIndex, block_hashes, shared_hashes
+from sdcp.protocol.messages import MAX_REPORTED_PREFIXES, Role, Status
 
 BLOCK = 4
 
@@ -55,3 +56,24 @@ def test_a_hash_collision_never_serves_another_prefix() -> None:
     (other,) = block_hashes([5, 6, 7, 8], block=BLOCK, salt=b"target")
     cache._covering[other] = cache._covering[digest]
     assert cache.lookup([5, 6, 7, 8]) is None
+
+
+def test_the_reported_prefixes_are_the_shared_names_of_held_entries_newest_first() -> None:
+    salt = bytes(64)
+    cache = PrefixIndex(capacity_bytes=1 << 20, block=BLOCK_TOKENS, salt=salt)
+    older = list(range(2 * SHARE_TOKENS + 5))
+    newer = [7, *range(SHARE_TOKENS)]
+    cache.insert(older, b"older")
+    cache.insert(newer, b"newer", b"tenant")
+    assert cache.reported(10) == [
+        *shared_hashes(newer, salt=salt, scope=b"tenant"),
+        *reversed(shared_hashes(older, salt=salt)),
+    ]
+    assert len(cache.reported(2)) == 2
+    # A status report carries them, bounded: a longer list reads as absent.
+    status = Status(
+        instance="https://v.test", role=Role.VERIFIER, load=0, queue=0, ttl_ms=1, prefixes=tuple(cache.reported(10))
+    )
+    assert Status.from_obj(status.to_obj()).prefixes == status.prefixes
+    too_many = {**status.to_obj(), "prefixes": [bytes(32)] * (MAX_REPORTED_PREFIXES + 1)}
+    assert Status.from_obj(too_many).prefixes is None

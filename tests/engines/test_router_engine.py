@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from tests.waiting import eventually
 
 from sdcp.bench.inprocess import InMemoryRouterLink, InMemoryVerifierLink
 from sdcp.cache import MLC, StoreUnavailable
+from sdcp.cache.prefix import SHARE_TOKENS, shared_hashes, tenant_scope
 from sdcp.config import DrafterConfig, RouterConfig, VerifierConfig
 from sdcp.engines.drafter import DrafterEngine
 from sdcp.engines.errors import SessionNotFound, Unanswered, Unavailable
@@ -385,3 +386,29 @@ async def test_a_session_opens_deadline_grows_with_its_prefill(world: World, mon
     assert deadlines == [(200, 30.0 + 200 * 0.040)]
     assert open_deadline_s(30.0, 2150) == 30.0 + 2150 * OPEN_MS_PER_PROMPT_TOKEN / 1000
     await router.cancel(tracked)
+
+
+async def test_a_session_goes_where_its_prompts_prefix_is_held_while_that_verifier_has_room(world: World) -> None:
+    """Verifiers report the prefixes whose KV they hold (Status.prefixes): the router opens a session
+    at the one holding the longest prefix of its prompt, for its tenant, though it is the busier,
+    and by load where that one is full or holds another tenant's prefixes (SGLang's cache-aware routing)."""
+    router = world.router("https://router.test")
+    world.events_to.append(router)
+    prompt = tuple((7 * i + 3) % 200 + 1 for i in range(2 * SHARE_TOKENS + 20))
+    salt = world.contract.target + world.contract.tokenizer
+    names = shared_hashes(prompt[:-1], salt=salt, scope=tenant_scope("tenant-a"))
+    assert len(names) == 2
+
+    async def opened_at(v2_load: int, v2_prefixes: tuple[bytes, ...], tenant: str) -> str:
+        router.report(replace(world.verifiers[V1].status(), load=0, queue=0))
+        router.report(replace(world.verifiers[V2].status(), load=v2_load, prefixes=v2_prefixes))
+        tracked = await router.open_session(
+            FRONT_END, SessionRequest(prompt=prompt, contract=world.contract, tenant=tenant)
+        )
+        await router.cancel(tracked)
+        return tracked.plan.verifier
+
+    assert await opened_at(60, names[:1], "tenant-a") == V2
+    assert await opened_at(60, (), "tenant-a") == V1
+    assert await opened_at(100, names, "tenant-a") == V1
+    assert await opened_at(60, names, "tenant-b") == V1

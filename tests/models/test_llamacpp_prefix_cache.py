@@ -9,13 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sdcp.cache.prefix import BLOCK_TOKENS
 from sdcp.models.fetch import FetchResult, smollm2_gguf
-from sdcp.models.llamacpp import PREFIX_BLOCK_TOKENS, SEQUENCE_TOKENS_PER_CALL, LlamaCppTarget
+from sdcp.models.llamacpp import SEQUENCE_TOKENS_PER_CALL, LlamaCppTarget
 from sdcp.models.registry import load_tokenizer
 
 pytestmark = pytest.mark.timeout(600)
 
-BLOCK = PREFIX_BLOCK_TOKENS
+BLOCK = BLOCK_TOKENS
 STEPS = 6
 CAPACITY = 1024
 

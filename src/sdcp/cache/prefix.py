@@ -24,10 +24,23 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PrefixEntry", "PrefixIndex", "block_hashes"]
-
+__all__ = [
+    "BLOCK_TOKENS",
+    "SHARE_TOKENS",
+    "PrefixEntry",
+    "PrefixIndex",
+    "block_hashes",
+    "shared_hashes",
+    "tenant_scope",
+]
 
 _DOMAIN = b"SDCP-PREFIX-KV-1\x00"
+# A block (vLLM's default size): a prefill recomputes at most this many tokens less one of a prefix
+# the cache holds.
+BLOCK_TOKENS = 16
+# Prefixes are shared (through the MLC, and in status reports to the router) at multiples of this
+# many tokens: one name each.
+SHARE_TOKENS = 256
 
 
 def block_hashes(tokens: Sequence[int], *, block: int, salt: bytes, scope: bytes = b"") -> list[bytes]:
@@ -42,6 +55,19 @@ def block_hashes(tokens: Sequence[int], *, block: int, salt: bytes, scope: bytes
         chained = digest.digest()
         hashes.append(chained)
     return hashes
+
+
+def tenant_scope(tenant: str | None) -> bytes:
+    """The scope of a session's prefixes: its tenant's (docs/security.md, "Tenants")."""
+    return b"" if tenant is None else tenant.encode()
+
+
+def shared_hashes(tokens: Sequence[int], *, salt: bytes, scope: bytes = b"") -> list[bytes]:
+    """The chained hash of ``tokens`` at each multiple of SHARE_TOKENS within them (blocks of
+    BLOCK_TOKENS): the names of their prefixes that verifiers share and report."""
+    hashes = block_hashes(tokens, block=BLOCK_TOKENS, salt=salt, scope=scope)
+    step = SHARE_TOKENS // BLOCK_TOKENS
+    return hashes[step - 1 :: step]
 
 
 @dataclass(frozen=True)
@@ -140,6 +166,19 @@ class PrefixIndex:
         if told and self.on_insert is not None:
             self.on_insert(entry)
         return True
+
+    def reported(self, limit: int) -> list[bytes]:
+        """The hashes at multiples of SHARE_TOKENS of the entries held, newest entry first, at most
+        ``limit`` (what a verifier tells the router it holds). Safe from any thread: it reads a copy."""
+        step = SHARE_TOKENS // self.block
+        found: list[bytes] = []
+        for entry in reversed(list(self._entries.values())):
+            for digest in reversed(entry.hashes[step - 1 :: step]):
+                if len(found) == limit:
+                    return found
+                if digest not in found:
+                    found.append(digest)
+        return found
 
     def discard(self, entry: PrefixEntry) -> None:
         """Forget ``entry`` (its blob would not restore)."""

@@ -14,7 +14,7 @@ per sequence, fewer than 64 tokens of a sequence per llama_decode call and one t
 of one token (docs/models.md, where the deviations are measured); this module keeps to that.
 
 With ``prefix_cache_bytes``, a prefill starts from the KV of the longest whole-block prefix of the
-prompt that the target holds (``sdcp.cache.prefix``, blocks of PREFIX_BLOCK_TOKENS): the KV an
+prompt that the target holds (``sdcp.cache.prefix``, blocks of BLOCK_TOKENS): the KV an
 earlier prefill computed, or the committed tokens of a session that ended (an agent's next turn
 repeats its conversation so far). The sequence's state is restored from the stored blob, cut at the
 block boundary, and the rest is decoded. A cell's KV is a function of the tokens up to its position
@@ -35,7 +35,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from sdcp.cache.prefix import PrefixIndex
+from sdcp.cache.prefix import BLOCK_TOKENS, PrefixIndex
 from sdcp.models.backend import (
     LLAMACPP_KV_SLOTS,
     ScoreRequest,
@@ -60,7 +60,7 @@ from sdcp.models.kvformat import decode_llamacpp_kv, encode_llamacpp_kv
 from sdcp.models.llamacpp_native import PROPOSAL_ROOM, SEQUENCE_TOKENS_PER_CALL, load_native
 from sdcp.threads import usable_cores
 
-__all__ = ["BATCH_TOKENS", "PREFIX_BLOCK_TOKENS", "SEQUENCE_TOKENS_PER_CALL", "SPLIT_FREE_POSITIONS", "LlamaCppTarget"]
+__all__ = ["BATCH_TOKENS", "SEQUENCE_TOKENS_PER_CALL", "SPLIT_FREE_POSITIONS", "LlamaCppTarget"]
 
 # Tokens per llama_decode call, at most. It also bounds the logits buffer llama.cpp keeps (a row of
 # the vocabulary per token of a call).
@@ -69,9 +69,6 @@ BATCH_TOKENS = 512
 # from a wider ubatch's) only where the ubatch attends 512 cells or more: it pads the cells a
 # sequence uses to a multiple of at most 256, so a token at a position below this attends fewer.
 SPLIT_FREE_POSITIONS = 256
-# The prefix cache's block (vLLM's default size): a prefill recomputes at most this many tokens
-# less one of a prefix the cache holds.
-PREFIX_BLOCK_TOKENS = 16
 _DECODE_FAILURES = {
     1: "no room in the KV cache for the pass",
     2: "the pass was aborted",
@@ -206,7 +203,7 @@ class LlamaCppTarget:
         if self._prefix_cache_bytes <= 0:
             return None
         salt = self.weights_digest + self.tokenizer_digest
-        return PrefixIndex(capacity_bytes=self._prefix_cache_bytes, block=PREFIX_BLOCK_TOKENS, salt=salt)
+        return PrefixIndex(capacity_bytes=self._prefix_cache_bytes, block=BLOCK_TOKENS, salt=salt)
 
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b"") -> None:
         """Prefill the committed prefix but its last token, from a cached prefix's KV of

@@ -25,6 +25,7 @@ __all__ = [
     "TOKEN_MAX",
     "UINT_MAX",
     "MAX_LOGIT_BIAS",
+    "MAX_REPORTED_PREFIXES",
     "MAX_TOP_LOGPROBS",
     "Action",
     "Alternative",
@@ -221,12 +222,15 @@ class _Bool(_Kind):
 class _Array(_Kind):
     item: _Kind
     non_empty: bool = False
+    max_items: int | None = None
 
     def parse(self, value: object, ctx: _Context, where: str) -> tuple[Any, ...]:
         if not isinstance(value, (list, tuple)):
             raise ctx.error(f"{where} must be an array, not {type(value).__name__}")
         if self.non_empty and not value:
             raise ctx.error(f"{where} must not be empty")
+        if self.max_items is not None and len(value) > self.max_items:
+            raise ctx.error(f"{where} holds {len(value)} items, at most {self.max_items}")
         return tuple(self.item.parse(item, ctx, f"{where}[{i}]") for i, item in enumerate(value))
 
     def dump(self, value: Any) -> object:
@@ -348,6 +352,8 @@ _TOKEN = _UInt(high=TOKEN_MAX)
 _TOKENS = _Array(_TOKEN)
 _TEXT = _Text()
 _HASH = _Bytes(HASH_SIZE)
+# Prefix names a verifier's status report carries at most (Status.prefixes).
+MAX_REPORTED_PREFIXES = 64
 _SESSION = _Bytes(SESSION_ID_SIZE)
 _ACTION = _ActionKind()
 _REQUEST_ID = _ShortText(128)
@@ -674,6 +680,11 @@ class Status(_Message):
     # verifiers of one model whose target digests differ (they cannot take over each other's sessions).
     model_name: str | None = _optional(_Ignorable(_REQUEST_ID))
     backend: str | None = _optional(_Ignorable(_REQUEST_ID))
+    # Extension member (docs/interpretations.md, "Prefix-aware routing"): the prefixes whose KV a
+    # verifier holds, each named by its chained block hash at a multiple of 256 tokens
+    # (sdcp.cache.prefix), the newest first, so that a router sends a session where its prompt's
+    # prefix is. Read as absent where malformed or longer than MAX_REPORTED_PREFIXES.
+    prefixes: tuple[bytes, ...] | None = _optional(_Ignorable(_Array(_HASH, max_items=MAX_REPORTED_PREFIXES)))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,6 +34,7 @@ __all__ = [
     "drafter_costs",
     "drafter_permitted",
     "measured_acceptance",
+    "prefer_cached_prefix",
     "prefer_idle_and_accepting",
 ]
 
@@ -80,6 +81,18 @@ def prefer_idle_and_accepting(candidates: Sequence[InstanceView]) -> InstanceVie
         return (status.load + 10 * status.queue - 5 * acceptance, view.uri)
 
     return min(candidates, key=cost)
+
+
+def prefer_cached_prefix(candidates: Sequence[InstanceView], cached: Callable[[InstanceView], int]) -> InstanceView:
+    """The verifier holding the longest prefix of the session's prompt (``cached``: its length in
+    tokens) among those with room (load under 100), SGLang's cache-aware routing; where none holds
+    any, or none with one has room, `prefer_idle_and_accepting`."""
+    with_room = [view for view in candidates if view.status.load < 100]
+    lengths = {view.uri: cached(view) for view in with_room}
+    longest = max(lengths.values(), default=0)
+    if longest == 0:
+        return prefer_idle_and_accepting(candidates)
+    return prefer_idle_and_accepting([view for view in with_room if lengths[view.uri] == longest])
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from functools import partial
 from prometheus_client import Counter, Gauge
 
 from sdcp.cache import MLC, CacheError, StoreUnavailable, build_uri, target_kv_uri
+from sdcp.cache.prefix import SHARE_TOKENS, shared_hashes, tenant_scope
 from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
 from sdcp.config import RouterConfig
 from sdcp.engines.errors import OverQuota, SessionNotFound, Unanswered, Unavailable
@@ -62,6 +63,7 @@ from sdcp.protocol.router import (
     drafter_permitted,
     drafter_rate,
     open_deadline_s,
+    prefer_cached_prefix,
     prefer_idle_and_accepting,
 )
 
@@ -375,7 +377,7 @@ class RouterEngine:
         tried: list[str] = []
         refused: list[str] = []
         while True:
-            verifier = self._pick_verifier(contract, avoid=tried + refused)
+            verifier = self._pick_verifier(contract, avoid=tried + refused, prompt=wanted.prompt, tenant=wanted.tenant)
             if verifier is None:
                 if tried:
                     raise Unavailable(
@@ -836,7 +838,11 @@ class RouterEngine:
         # epoch may move up below, to fence above what the log holds.
         served = plan.epoch
         # A verifier that stopped the session (its append fenced) serves it again at the new epoch.
-        verifier = plan.verifier if live else self._pick_verifier(plan.contract, avoid=[plan.verifier])
+        verifier = (
+            plan.verifier
+            if live
+            else self._pick_verifier(plan.contract, avoid=[plan.verifier], prompt=plan.prompt, tenant=plan.tenant)
+        )
         named = tracked.failover_to
         if named is not None and named != plan.verifier and self.registry.is_live(named, self.clock()):
             verifier = named
@@ -958,10 +964,20 @@ class RouterEngine:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _pick_verifier(self, contract: Contract, *, avoid: Sequence[str]) -> str | None:
+    def _pick_verifier(
+        self, contract: Contract, *, avoid: Sequence[str], prompt: tuple[int, ...] | str = (), tenant: str | None = None
+    ) -> str | None:
+        """A live verifier of the contract's target: where the prompt's longest prefix is held, if
+        any with room holds one, else the least loaded (sdcp.protocol.router)."""
         live = [view for view in self.registry.live(Role.VERIFIER, self.clock()) if view.uri not in avoid]
         candidates = [view for view in live if _serves(view, contract)] or _unreported(live)
-        return prefer_idle_and_accepting(candidates).uri if candidates else None
+        if not candidates:
+            return None
+        if isinstance(prompt, tuple) and len(prompt) > SHARE_TOKENS:
+            # The verifier prefills all but the prompt's last token; its prefixes are named so.
+            names = shared_hashes(prompt[:-1], salt=contract.target + contract.tokenizer, scope=tenant_scope(tenant))
+            return prefer_cached_prefix(candidates, partial(_cached_length, names)).uri
+        return prefer_idle_and_accepting(candidates).uri
 
     def _end(self, tracked: TrackedSession, kind: Action, *, delete: bool = True) -> None:
         """The session ended: nothing is assigned again, and its facts leave the shared tier
@@ -1006,6 +1022,12 @@ class RouterEngine:
         await asyncio.sleep(self.settings.ended_retention_s)
         if self.sessions.get(tracked.plan.session) is tracked:
             del self.sessions[tracked.plan.session]
+
+
+def _cached_length(names: Sequence[bytes], view: InstanceView) -> int:
+    """How many tokens of a prompt (``names``: its prefixes' names) the verifier reports holding."""
+    held = set(view.status.prefixes or ())
+    return max(((index + 1) * SHARE_TOKENS for index, name in enumerate(names) if name in held), default=0)
 
 
 def _verify_s(verifier: InstanceView | None) -> float:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from sdcp.cache import MLC, CacheError, InvalidURI, ObjectNotFound, target_kv_uri
+from sdcp.cache.prefix import tenant_scope
 from sdcp.config import VerifierConfig
 from sdcp.engines.errors import SessionNotFound, Unavailable
 from sdcp.engines.history import HistoryReader
@@ -48,6 +49,7 @@ from sdcp.models.batching import BatchingScorer
 from sdcp.models.draft import TokenTimer
 from sdcp.models.errors import DigestMismatch
 from sdcp.protocol.messages import (
+    MAX_REPORTED_PREFIXES,
     Assignment,
     CancelRequest,
     Constraint,
@@ -79,11 +81,6 @@ _ROUTER_WAIT_S = 5.0
 _RETRY_AFTER_S = 5
 # A lingering output read answers once it holds this many tokens (VerifierConfig.output_linger_ms).
 OUTPUT_LINGER_TOKENS = 16
-
-
-def prefix_scope(tenant: str | None) -> bytes:
-    """Whose prefixes a session's prefill may start from: its tenant's only (docs/security.md)."""
-    return b"" if tenant is None else tenant.encode()
 
 
 class VerifierEngine:
@@ -254,7 +251,14 @@ class VerifierEngine:
             context=self.target.context_length,
             model_name=self.settings.model,
             backend=self.target.backend,
+            prefixes=self._reported_prefixes(),
         )
+
+    def _reported_prefixes(self) -> tuple[bytes, ...] | None:
+        prefixes = self.target.prefixes
+        if prefixes is None:
+            return None
+        return tuple(prefixes.reported(MAX_REPORTED_PREFIXES))
 
     def _time_one_pass(self) -> None:
         """On the scorer thread: a one-token pass of a scratch session, the first estimate of the
@@ -333,7 +337,7 @@ class VerifierEngine:
             raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log is fenced at epoch {newest}")
         # The scope's new history arrives while the prompt is prefilled, for the session's guesses.
         self._tasks.spawn(self.lookahead.refresh(contract, message.owner, message.tenant))
-        imported = await self._prefill(message, prompt, committed, prefix_scope(message.tenant))
+        imported = await self._prefill(message, prompt, committed, tenant_scope(message.tenant))
         live = LiveSession(
             machine,
             commit_log,

@@ -33,7 +33,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from sdcp.cache import MLC, CacheError, ObjectNotFound, build_uri
-from sdcp.cache.prefix import PrefixEntry
+from sdcp.cache.prefix import SHARE_TOKENS, PrefixEntry
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.rounds import RecordSign
 from sdcp.models.backend import Target
@@ -47,8 +47,6 @@ __all__ = ["MAX_PROBES", "PREFIX_KV_KIND", "SHARE_TOKENS", "PrefixSharing", "pre
 log = logging.getLogger("sdcp.verifier")
 
 PREFIX_KV_KIND = "prefix-kv"
-# Prefixes are shared at multiples of this many tokens: a reader probes one name per multiple.
-SHARE_TOKENS = 256
 # Names a prefill probes at most (the longest first): prompts of up to 16 x 256 tokens find any.
 MAX_PROBES = 16
 # Names of objects this verifier published, remembered so that a prefix is written once.
