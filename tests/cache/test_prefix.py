@@ -24,16 +24,17 @@ def test_block_hashes_chain_and_bind_the_salt() -> None:
     assert block_hashes(tokens[:8], block=BLOCK, salt=b"a") == hashes
 
 
-def test_the_longest_whole_block_prefix_is_found_and_counted() -> None:
+def test_the_longest_whole_block_prefix_is_found_and_serves_as_far_as_the_tokens_agree() -> None:
     cache = index()
     assert cache.insert(list(range(11)), b"kv-of-11")
     assert cache.lookup([0, 1, 2]) is None  # no whole block
+    # Found by its first whole block, the entry serves the agreeing tokens past it too.
     found = cache.lookup([0, 1, 2, 3, 4, 5, 6, 99, 100])
-    assert found is not None and found[1] == 4 and found[0].data == b"kv-of-11"
+    assert found is not None and found[1] == 7 and found[0].data == b"kv-of-11"
     found = cache.lookup(list(range(20)))
-    assert found is not None and found[1] == 8
-    assert (cache.queries, cache.hits) == (3 + 9 + 20, 12)
-    assert cache.covered(list(range(9))) == 8 and cache.whole_blocks(11) == 8
+    assert found is not None and found[1] == 11
+    assert (cache.queries, cache.hits) == (3 + 9 + 20, 18)
+    assert cache.covered(list(range(9))) == 9 and cache.whole_blocks(11) == 8
 
 
 def test_eviction_is_by_bytes_least_recently_used_first_and_hands_blocks_on() -> None:

@@ -86,11 +86,15 @@ def test_prompts_sharing_prefixes_of_every_length_decode_as_without_the_cache(
         other = [*first[:shared], *text_tokens[6 * BLOCK : 6 * BLOCK + 40]]
         hits_before = index.hits
         assert_same(greedy_rows(warm, b"other", other), greedy_rows(cold, b"other", other))
-        assert index.hits - hits_before == min(shared, len(other) - 1) // BLOCK * BLOCK
+        # The cached entry serves the whole blocks, and the shared tokens past them.
+        if shared < BLOCK:
+            assert index.hits == hits_before
+        else:
+            assert index.hits - hits_before >= min(shared, len(other) - 1)
     turn = [*first, *text_tokens[7 * BLOCK : 8 * BLOCK]]
     hits_before = index.hits
     assert_same(greedy_rows(warm, b"turn", turn), greedy_rows(cold, b"turn", turn))
-    assert index.hits - hits_before == len(first) // BLOCK * BLOCK
+    assert index.hits - hits_before >= len(first)
 
 
 def test_concurrent_sessions_share_a_prefix_and_eviction_changes_nothing(
@@ -140,8 +144,9 @@ def test_a_conversations_next_turn_starts_from_the_ended_turn(
     answered = [int(np.argmax(row)) for row in first_turn]
     # The ended session's committed tokens: the prompt, then its answer (the last one not yet fed).
     history = [*prompt, *answered]
-    assert index.covered(history[:-1]) == (len(history) - 1) // BLOCK * BLOCK
+    assert len(history) % BLOCK != 1  # some of the history lies past its whole blocks
+    assert index.covered(history[:-1]) == len(history) - 1
     next_turn = [*history, *text_tokens[5 * BLOCK : 5 * BLOCK + 11]]
     hits_before = index.hits
     assert_same(greedy_rows(warm, b"turn-2", next_turn), greedy_rows(cold, b"turn-2", next_turn))
-    assert index.hits - hits_before == (len(history) - 1) // BLOCK * BLOCK
+    assert index.hits - hits_before == len(history) - 1

@@ -8,11 +8,13 @@ A prompt's tokens are cut into blocks of ``block`` tokens; block i's hash chains
 
 where ``salt`` binds what the KV depends on besides the tokens (the target's and tokenizer's
 digests), so that one index never serves KV of another model, and ``scope`` whose prefixes they
-are (a tenant: one tenant's prompts and outputs never speed up another's). Only whole blocks
-are reused: the tokens after the last whole block of a prompt are always computed. An entry is an
-opaque blob (the runtime's KV of its tokens) with the tokens it covers; the index holds entries up
-to ``capacity_bytes`` in all, the least recently used evicted first. A lookup compares the entry's
-tokens with the prompt's, so a hash collision can never serve another prefix's KV.
+are (a tenant: one tenant's prompts and outputs never speed up another's). An entry is an opaque
+blob (the runtime's KV of its tokens) with the tokens it covers, found by the hashes of their whole
+blocks; once found, it serves the prompt's tokens as far as the two agree, past the last whole
+block too (the end of a system prompt, a chat template's turn header), which vLLM's paged blocks
+cannot. The index holds entries up to ``capacity_bytes`` in all, the least recently used evicted
+first. A lookup compares the entry's tokens with the prompt's, so a hash collision can never serve
+another prefix's KV.
 
 Pure and thread-unsafe: its owner (a target, on its lock) serialises calls.
 """
@@ -72,7 +74,7 @@ def shared_hashes(tokens: Sequence[int], *, salt: bytes, scope: bytes = b"") -> 
 
 @dataclass(frozen=True)
 class PrefixEntry:
-    """Stored KV: ``data`` holds the KV of at least ``tokens`` (a whole number of blocks)."""
+    """Stored KV: ``data`` holds the KV of ``tokens``, found by the hashes of their whole blocks."""
 
     tokens: tuple[int, ...]
     data: bytes
@@ -118,9 +120,25 @@ class PrefixIndex:
         return block_hashes(tokens, block=self.block, salt=self.salt, scope=scope)
 
     def lookup(self, tokens: Sequence[int], scope: bytes = b"") -> tuple[PrefixEntry, int] | None:
-        """The entry covering the longest whole-block prefix of ``tokens``, and that prefix's
-        length; None where no whole block is held. Counts the query and the hit."""
+        """The entry covering the longest whole-block prefix of ``tokens``, and how many leading
+        tokens of ``tokens`` it holds the KV of: those whole blocks, and as many of the tokens after
+        them as the entry has too (the KV of a position depends on the tokens up to it alone).
+        None where no whole block is held. Counts the query and the hit."""
         self.queries += len(tokens)
+        found = self._find(tokens, scope)
+        if found is None:
+            return None
+        entry, length = found
+        self._entries.move_to_end(entry.hashes[-1])
+        self.hits += length
+        return entry, length
+
+    def covered(self, tokens: Sequence[int], scope: bytes = b"") -> int:
+        """How many leading tokens of ``tokens`` `lookup` would serve, without counting a query."""
+        found = self._find(tokens, scope)
+        return 0 if found is None else found[1]
+
+    def _find(self, tokens: Sequence[int], scope: bytes) -> tuple[PrefixEntry, int] | None:
         found: tuple[bytes, int] | None = None
         for index, digest in enumerate(self.hashes(tokens, scope)):
             key = self._covering.get(digest)
@@ -133,32 +151,28 @@ class PrefixIndex:
         entry = self._entries[key]
         if tuple(tokens[:length]) != entry.tokens[:length]:
             return None  # a hash collision: never another prefix's KV
-        self._entries.move_to_end(key)
-        self.hits += length
+        limit = min(len(tokens), len(entry.tokens))
+        while length < limit and tokens[length] == entry.tokens[length]:
+            length += 1
         return entry, length
 
-    def covered(self, tokens: Sequence[int], scope: bytes = b"") -> int:
-        """How many leading tokens of ``tokens`` an entry covers, without counting a query."""
-        length = 0
-        for index, digest in enumerate(self.hashes(tokens, scope)):
-            if digest not in self._covering:
-                break
-            length = (index + 1) * self.block
-        return length
-
     def insert(self, tokens: Sequence[int], data: bytes, scope: bytes = b"", *, told: bool = True) -> bool:
-        """Hold ``data`` as the KV of the whole blocks of ``tokens``; False where it does not fit
-        (larger than the capacity) or covers no whole block. ``told``: `on_insert` hears of it."""
+        """Hold ``data`` as the KV of ``tokens``; False where it does not fit (larger than the
+        capacity) or ``tokens`` hold no whole block. ``told``: `on_insert` hears of it."""
         hashes = self.hashes(tokens, scope)
         if not hashes or len(data) > self.capacity_bytes:
             return False
         key = hashes[-1]
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return True
+        held = self._entries.get(key)
+        if held is not None:
+            if len(held.tokens) >= len(tokens):
+                self._entries.move_to_end(key)
+                return True
+            # The same whole blocks, and more tokens after them: the newer entry replaces it.
+            self.discard(held)
         while self._entries and self.held_bytes + len(data) > self.capacity_bytes:
             self._evict()
-        entry = PrefixEntry(tuple(tokens[: len(hashes) * self.block]), data, tuple(hashes), scope)
+        entry = PrefixEntry(tuple(tokens), data, tuple(hashes), scope)
         self._entries[key] = entry
         self.held_bytes += len(data)
         for digest in hashes:

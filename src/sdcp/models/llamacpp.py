@@ -228,8 +228,9 @@ class LlamaCppTarget:
         state_bytes = decode_llamacpp_kv(data, self.weights_digest, tokens, self._kv_layout)
         with self._lock:
             state = self._add_session(session, tokens)
-            buffer = (ctypes.c_uint8 * len(state_bytes)).from_buffer_copy(state_bytes)
-            read = llama_cpp.llama_state_seq_set_data(self._context, buffer, len(state_bytes), state.seq_id)
+            read = llama_cpp.llama_state_seq_set_data(
+                self._context, _read_only(state_bytes), len(state_bytes), state.seq_id
+            )
             # A blob of a session that had a scored proposal holds its positions too.
             llama_cpp.llama_memory_seq_rm(self._memory, state.seq_id, len(tokens) - 1, -1)
             cached = llama_cpp.llama_memory_seq_pos_max(self._memory, state.seq_id) + 1
@@ -335,8 +336,7 @@ class LlamaCppTarget:
         if index is None or found is None:
             return 0
         entry, length = found
-        buffer = (ctypes.c_uint8 * len(entry.data)).from_buffer_copy(entry.data)
-        read = llama_cpp.llama_state_seq_set_data(self._context, buffer, len(entry.data), state.seq_id)
+        read = llama_cpp.llama_state_seq_set_data(self._context, _read_only(entry.data), len(entry.data), state.seq_id)
         llama_cpp.llama_memory_seq_rm(self._memory, state.seq_id, length, -1)
         if read and llama_cpp.llama_memory_seq_pos_max(self._memory, state.seq_id) + 1 == length:
             return length
@@ -349,7 +349,11 @@ class LlamaCppTarget:
         """Store the sequence's KV for its prefix's whole blocks where they reach past what was restored."""
         index = self.prefixes
         scope = state.prefix_scope
-        if index is None or index.whole_blocks(len(prefix)) <= max(restored, index.covered(prefix, scope)):
+        if (
+            index is None
+            or index.whole_blocks(len(prefix)) == 0
+            or len(prefix) <= max(restored, index.covered(prefix, scope))
+        ):
             return
         size = llama_cpp.llama_state_seq_get_size(self._context, state.seq_id)
         buffer = (ctypes.c_uint8 * size)()
@@ -439,6 +443,12 @@ class LlamaCppTarget:
         if len(checked) > self._capacity:
             raise BadTokens(f"{len(checked)} tokens exceed the {self._capacity} positions of a session")
         return checked
+
+
+def _read_only(data: bytes) -> ctypes._Pointer[ctypes.c_uint8]:
+    """A pointer to ``data``'s own buffer, for llama.cpp's readers of state (which never write it):
+    a copy of a prefix's state (tens of MB) costs more than restoring it."""
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
 
 
 def _calls(feeds: Sequence[_Feed]) -> Iterator[list[tuple[int, int]]]:
