@@ -33,7 +33,7 @@ from sdcp.cache.redis_acl import (
     lock_default_user,
     persist_users,
 )
-from sdcp.cache.uri import HISTORY_KIND, LOG_KIND, Q_ROWS_KIND, TOKENS_KIND
+from sdcp.cache.uri import HISTORY_KIND, LOG_KIND, PREFIX_KV_KIND, Q_ROWS_KIND, TOKENS_KIND
 from sdcp.transport.certs import make_certs
 
 SCOPE = bytes(range(16))
@@ -43,6 +43,7 @@ Q_ROWS = build_uri("local", SCOPE, Q_ROWS_KIND, f"{SESSION.hex()}-e1-r1")
 TOKENS = build_uri("local", SCOPE, TOKENS_KIND, f"{SESSION.hex()}-3")
 HISTORY = build_uri("local", SCOPE, HISTORY_KIND, "ab" * 16)
 TARGET_KV = str(target_kv_uri(LOG, SESSION, 1))
+PREFIX_KV = build_uri("local", None, PREFIX_KV_KIND, "cd" * 32)
 
 
 @dataclass
@@ -285,3 +286,12 @@ def test_users_are_kept_where_the_server_keeps_them_and_the_default_user_locked(
             client.close()
     kept = acl_file.read_text()
     assert "user sdcp-drafter on" in kept and "user default off" in kept
+
+
+async def test_only_verifiers_write_or_read_prompt_prefixes_kv(roles: Roles) -> None:
+    router, verifier, drafter = roles.mlc("router"), roles.mlc("verifier"), roles.mlc("drafter")
+    await verifier.put(PREFIX_KV, b"signed prefix kv")
+    assert await verifier.get(PREFIX_KV) == b"signed prefix kv"
+    for other in (router, drafter):
+        await refused(lambda other=other: other.put(PREFIX_KV, b"forged"))
+        await refused(lambda other=other: other.get(PREFIX_KV))

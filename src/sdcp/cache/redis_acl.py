@@ -10,7 +10,8 @@ the rest with NOPERM, whatever the client's code says.
 - router: writes `tokens`, `router-session` (sessions' durable facts, sdcp.engines.router.store)
   and the logs' fences; reads the logs' commit records and `target-kv` objects, and deletes
   `target-kv` objects (a selector: DEL and the delete script, no write);
-- verifier: writes `target-kv`, `history` and the logs' commit records; reads `q-rows`, `tokens`,
+- verifier: writes `target-kv`, `prefix-kv`, `history` and the logs' commit records (no other role
+  reads `prefix-kv`: prompts' KV); reads `q-rows`, `tokens`,
   `other` and the logs' fences;
 - drafter: writes `q-rows`; reads `tokens`, `history` and `other`; no commit log at all;
 - mlc: every key under the prefix (an MLC node, which checks its callers itself);
@@ -38,7 +39,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
-from sdcp.cache.uri import HISTORY_KIND, Q_ROWS_KIND, ROUTER_SESSION_KIND, TARGET_KV_KIND, TOKENS_KIND
+from sdcp.cache.uri import (
+    HISTORY_KIND,
+    PREFIX_KV_KIND,
+    Q_ROWS_KIND,
+    ROUTER_SESSION_KIND,
+    TARGET_KV_KIND,
+    TOKENS_KIND,
+)
 
 if TYPE_CHECKING:
     import redis
@@ -75,10 +83,11 @@ DEFAULT_USER = "user default off resetpass resetkeys resetchannels ~* &* +@all"
 Q_ROWS = Q_ROWS_KIND
 TOKENS = TOKENS_KIND
 TARGET_KV = TARGET_KV_KIND
+PREFIX_KV = PREFIX_KV_KIND
 HISTORY = HISTORY_KIND
 ROUTER_SESSIONS = ROUTER_SESSION_KIND
 OTHER = "other"
-NAMESPACES = (Q_ROWS, TOKENS, TARGET_KV, HISTORY, ROUTER_SESSIONS, OTHER)
+NAMESPACES = (Q_ROWS, TOKENS, TARGET_KV, PREFIX_KV, HISTORY, ROUTER_SESSIONS, OTHER)
 COMMITS, COMMITS_META, FENCES, FENCES_META = "log:c", "log:cm", "log:f", "log:fm"
 
 ROLES = ("router", "verifier", "drafter", "mlc")
@@ -96,7 +105,7 @@ _DELETE_COMMANDS = ("evalsha", "eval", "script|load", "exists", "hstrlen", "decr
 
 _WRITES: dict[str, frozenset[str]] = {
     "router": frozenset({TOKENS, ROUTER_SESSIONS, FENCES, FENCES_META}),
-    "verifier": frozenset({TARGET_KV, HISTORY, COMMITS, COMMITS_META}),
+    "verifier": frozenset({TARGET_KV, PREFIX_KV, HISTORY, COMMITS, COMMITS_META}),
     "drafter": frozenset({Q_ROWS}),
 }
 _READS: dict[str, frozenset[str]] = {
@@ -126,6 +135,7 @@ _KIND_NAMESPACES = {
     Q_ROWS_KIND: Q_ROWS,
     TOKENS_KIND: TOKENS,
     TARGET_KV_KIND: TARGET_KV,
+    PREFIX_KV_KIND: PREFIX_KV,
     HISTORY_KIND: HISTORY,
     ROUTER_SESSION_KIND: ROUTER_SESSIONS,
 }

@@ -31,6 +31,8 @@ LOG_KIND = "log"
 TOKENS_KIND = "tokens"
 Q_ROWS_KIND = "q-rows"
 TARGET_KV_KIND = "target-kv"
+# A prompt prefix's target KV, named by its block hash (sdcp.engines.verifier.prefixshare).
+PREFIX_KV_KIND = "prefix-kv"
 HISTORY_KIND = "history"
 ROUTER_SESSION_KIND = "router-session"
 

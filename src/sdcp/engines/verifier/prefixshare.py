@@ -34,6 +34,7 @@ from prometheus_client import Counter
 
 from sdcp.cache import MLC, CacheError, ObjectNotFound, build_uri
 from sdcp.cache.prefix import SHARE_TOKENS, PrefixEntry
+from sdcp.cache.uri import PREFIX_KV_KIND
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.rounds import RecordSign
 from sdcp.models.backend import Target
@@ -42,11 +43,10 @@ from sdcp.protocol import codec
 from sdcp.protocol.problems import BadMessage
 from sdcp.protocol.records import CERT_MEMBER, RecordAuthority, UntrustedRecord
 
-__all__ = ["MAX_PROBES", "PREFIX_KV_KIND", "SHARE_TOKENS", "PrefixSharing", "prefix_object_uri"]
+__all__ = ["MAX_PROBES", "PrefixSharing", "prefix_object_uri"]
 
 log = logging.getLogger("sdcp.verifier")
 
-PREFIX_KV_KIND = "prefix-kv"
 # Names a prefill probes at most (the longest first): prompts of up to 16 x 256 tokens find any.
 MAX_PROBES = 16
 # Names of objects this verifier published, remembered so that a prefix is written once.
