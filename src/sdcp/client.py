@@ -32,7 +32,7 @@ from sdcp.protocol.messages import (
 )
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.router import open_deadline_s
-from sdcp.transport.client import DEFAULT_TIMEOUT_S, PeerClients
+from sdcp.transport.client import PeerClients
 from sdcp.transport.errors import TransportError
 
 __all__ = ["ClusterClient", "OutputChunk", "SessionHandle", "build_contract"]
@@ -40,6 +40,9 @@ __all__ = ["ClusterClient", "OutputChunk", "SessionHandle", "build_contract"]
 # Self-decoding periods keep a session going where drafts keep failing; each entry of the ladder is
 # used once until R good rounds reset it, so the ladder holds enough of them for max_new tokens.
 DEFAULT_SELF_MAX = 48
+# How long a session-open may wait for the router's answer, besides its prompt's prefill: a queue
+# of long prompts at the verifier makes the router wait longer than a prompt of its own asks.
+_OPEN_PATIENCE_S = 600.0
 # The most tokens a proposal holds (m_max) unless the front end asks for another bound.
 DEFAULT_M_MAX = 16
 # While an output read is outstanding, how often the router is asked whether the session moved.
@@ -199,9 +202,10 @@ class ClusterClient:
         )
         # A router that opened the session but whose answer was lost leaves it unread; the next
         # router opens another (docs/reliability.md, "Routers").
-        # The router waits for the verifier's prefill as long as the prompt asks (open_deadline_s);
-        # this waits that long with the router's default and a base of its own on top.
-        deadline = open_deadline_s(2 * DEFAULT_TIMEOUT_S, len(wanted.prompt))
+        # The router waits for the verifier's prefill as long as the prompt and the verifier's queue
+        # of prefills ask (open_deadline_s) and answers then: this bound only guards against a
+        # router that never answers.
+        deadline = open_deadline_s(_OPEN_PATIENCE_S, len(wanted.prompt))
         router, body = await self._at_router(
             lambda r: self.peers.get(r).post_cbor("sessions", wanted.to_obj(), timeout=deadline)
         )

@@ -22,6 +22,7 @@ from sdcp.config import DrafterConfig, RouterConfig, VerifierConfig
 from sdcp.engines.drafter import DrafterEngine
 from sdcp.engines.ports import RouterLink, VerifierLink
 from sdcp.engines.router import RouterEngine
+from sdcp.engines.tasks import shielded_unless_gone
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.models.backend import Target
 from sdcp.models.draft import Drafter, NgramDrafter
@@ -79,7 +80,10 @@ class InMemoryRouterLink:
         self._drafters = drafters
 
     async def open_session(self, verifier: str, message: SessionOpen, *, timeout: float) -> SessionState:
-        return _state(await self._verifiers[verifier].open_session(SessionOpen.from_cbor(message.to_cbor())))
+        # As the verifier's service: withdrawn (cancelled) during the prefill, the open stops there.
+        opened = SessionOpen.from_cbor(message.to_cbor())
+        engine = self._verifiers[verifier]
+        return _state(await shielded_unless_gone(lambda gone: engine.open_session(opened, gone)))
 
     async def inform_verifier(self, verifier: str, assignment: Assignment) -> SessionState:
         return _state(await self._verifiers[verifier].assign(Assignment.from_cbor(assignment.to_cbor())))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["EngineError", "OverQuota", "SessionNotFound", "Unanswered", "Unavailable"]
+__all__ = ["EngineError", "OverQuota", "SessionNotFound", "Unanswered", "Unavailable", "RequesterGone"]
 
 
 class EngineError(Exception):
@@ -34,3 +34,7 @@ class OverQuota(EngineError):
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class RequesterGone(EngineError):
+    """The party that asked for the work went away before it was done: the work stopped."""

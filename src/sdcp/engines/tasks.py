@@ -4,10 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
-__all__ = ["BackgroundTasks"]
+__all__ = ["BackgroundTasks", "shielded_unless_gone"]
+
+_T = TypeVar("_T")
+
+
+async def shielded_unless_gone(work: Callable[[asyncio.Event], Coroutine[Any, Any, _T]]) -> _T:
+    """Run ``work`` to its end even if the caller is cancelled, as ``asyncio.shield`` does, and set
+    the event ``work`` is given when the caller goes: the work may stop at its next step (a prefill
+    nobody waits for). Its outcome is then retrieved and dropped."""
+    gone = asyncio.Event()
+    task = asyncio.ensure_future(work(gone))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        gone.set()
+        task.add_done_callback(_dropped)
+        raise
+
+
+def _dropped(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class BackgroundTasks:

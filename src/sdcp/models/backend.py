@@ -8,7 +8,7 @@ verifier engine and `sdcp.models.batching.BatchingScorer` are typed against the 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Generator, Sequence
 from typing import Literal, Protocol, TypeVar
 
 import numpy as np
@@ -92,6 +92,15 @@ class Target(Protocol):
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b"") -> None:
         """Prefill the committed prefix (the prompt, or prompt + output when resuming), from the
         KV the prefix cache holds of ``prefix_scope``'s prompts (a tenant's) where it is on."""
+
+    def open_session_steps(
+        self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b""
+    ) -> Generator[int, None, None]:
+        """`open_session` in steps, so that other sessions' passes run between them (chunked
+        prefill): each ``next`` runs one step and yields how many tokens are still to prefill; the
+        session is open once the iterator ends. Closing the iterator before its end forgets the
+        session. Every step runs on the scorer's thread."""
+        ...
 
     def import_kv(self, session: SessionId, data: bytes, committed_tokens: Sequence[int]) -> None:
         """Open ``session`` from a blob of `export_kv` instead of a prefill (SDCP 6.9)."""

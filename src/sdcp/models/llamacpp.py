@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -60,7 +60,7 @@ from sdcp.models.kvformat import decode_llamacpp_kv, encode_llamacpp_kv
 from sdcp.models.llamacpp_native import PROPOSAL_ROOM, SEQUENCE_TOKENS_PER_CALL, load_native
 from sdcp.threads import usable_cores
 
-__all__ = ["BATCH_TOKENS", "SEQUENCE_TOKENS_PER_CALL", "SPLIT_FREE_POSITIONS", "LlamaCppTarget"]
+__all__ = ["BATCH_TOKENS", "PREFILL_STEP_TOKENS", "SEQUENCE_TOKENS_PER_CALL", "SPLIT_FREE_POSITIONS", "LlamaCppTarget"]
 
 # Tokens per llama_decode call, at most. It also bounds the logits buffer llama.cpp keeps (a row of
 # the vocabulary per token of a call).
@@ -69,6 +69,9 @@ BATCH_TOKENS = 512
 # from a wider ubatch's) only where the ubatch attends 512 cells or more: it pads the cells a
 # sequence uses to a multiple of at most 256, so a token at a position below this attends fewer.
 SPLIT_FREE_POSITIONS = 256
+# Tokens of a prefill between two other passes (two llama_decode calls): a long prompt's prefill
+# delays other sessions' next pass by about this much work, not by all of it.
+PREFILL_STEP_TOKENS = 2 * SEQUENCE_TOKENS_PER_CALL
 _DECODE_FAILURES = {
     1: "no room in the KV cache for the pass",
     2: "the pass was aborted",
@@ -208,18 +211,38 @@ class LlamaCppTarget:
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b"") -> None:
         """Prefill the committed prefix but its last token, from a cached prefix's KV of
         ``prefix_scope`` where one is held."""
+        for _ in self.open_session_steps(session, prompt_tokens, prefix_scope=prefix_scope):
+            pass
+
+    def open_session_steps(
+        self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b""
+    ) -> Generator[int, None, None]:
+        """`open_session` in steps (Target.open_session_steps): the session is added and restored
+        from the prefix cache, then each step prefills up to PREFILL_STEP_TOKENS more."""
         tokens = self._checked_prefix(prompt_tokens)
         prefix = tokens[:-1]
         with self._lock:
             state = self._add_session(session, tokens)
             state.prefix_scope = prefix_scope
-            try:
+        opened = False
+        try:
+            with self._lock:
                 start = self._restore_prefix(state, prefix)
-                self._decode([_Feed(state.seq_id, start, prefix[start:])], rows=False)
+            position = start
+            while position < len(prefix):
+                yield len(prefix) - position
+                end = min(position + PREFILL_STEP_TOKENS, len(prefix))
+                with self._lock:
+                    self._decode([_Feed(state.seq_id, position, prefix[position:end])], rows=False)
+                position = end
+            with self._lock:
                 self._keep_prefix(state, prefix, start)
-            except BaseException:
-                self._remove_session(session)
-                raise
+            opened = True
+        finally:
+            if not opened:
+                with self._lock:
+                    if self._sessions.get(session) is state:
+                        self._remove_session(session)
 
     def import_kv(self, session: SessionId, data: bytes, committed_tokens: Sequence[int]) -> None:
         """Open ``session`` from a blob of `export_kv` by a target of this GGUF, llama.cpp build

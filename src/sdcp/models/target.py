@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -160,6 +160,14 @@ class TargetModel:
             return cache
 
         self._add_session(session, tokens, prefilled)
+
+    def open_session_steps(
+        self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b""
+    ) -> Generator[int, None, None]:
+        """`open_session` in one step: a prefill in chunks would round its KV otherwise than the
+        one-pass prefill that transformers' greedy decoding does."""
+        yield max(0, len(prompt_tokens) - 1)
+        self.open_session(session, prompt_tokens, prefix_scope=prefix_scope)
 
     def close_session(self, session: SessionId) -> None:
         with self._lock:

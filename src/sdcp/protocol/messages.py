@@ -685,6 +685,10 @@ class Status(_Message):
     # (sdcp.cache.prefix), the newest first, so that a router sends a session where its prompt's
     # prefix is. Read as absent where malformed or longer than MAX_REPORTED_PREFIXES.
     prefixes: tuple[bytes, ...] | None = _optional(_Ignorable(_Array(_HASH, max_items=MAX_REPORTED_PREFIXES)))
+    # Extension member: the prompt tokens of the session-opens a verifier has yet to prefill (queued
+    # behind each other, one prefill at a time), so that a router waits for an open as long as the
+    # queue ahead of it asks (docs/interpretations.md, "Prefill queue").
+    prefill_tokens: int | None = _optional(_Ignorable(_UINT))
 
 
 @dataclass(frozen=True, kw_only=True)

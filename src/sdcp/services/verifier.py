@@ -22,6 +22,7 @@ from starlette.routing import BaseRoute, Route
 from sdcp.cache import MLC
 from sdcp.config import ServiceConfig, thread_budget
 from sdcp.engines.errors import Unanswered
+from sdcp.engines.tasks import shielded_unless_gone
 from sdcp.engines.verifier import TRACE_ROUNDS, VerifierEngine
 from sdcp.models.backend import DEFAULT_KV_SLOTS, LLAMACPP_KV_SLOTS, Target, TargetBackend
 from sdcp.models.batching import BatchingScorer
@@ -165,7 +166,7 @@ class VerifierNode(Node):
         router = self.trust.admit(request, "POST sessions")
         body = await read_cbor_body(request)
         message = SessionOpen.from_obj(body)
-        state = await asyncio.shield(self.engine.open_session(message))
+        state = await shielded_unless_gone(lambda gone: self.engine.open_session(message, gone))
         self._heard_from(message.session, router)
         return cbor_response(state.to_obj(), status=201)
 

@@ -32,11 +32,11 @@ from sdcp.cache import MLC, CacheError, StoreUnavailable, build_uri, target_kv_u
 from sdcp.cache.prefix import SHARE_TOKENS, shared_hashes, tenant_scope
 from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
 from sdcp.config import RouterConfig
-from sdcp.engines.errors import OverQuota, SessionNotFound, Unanswered, Unavailable
+from sdcp.engines.errors import OverQuota, RequesterGone, SessionNotFound, Unanswered, Unavailable
 from sdcp.engines.ports import RouterLink
 from sdcp.engines.router.sessions import SELF_DECODING, TrackedSession
 from sdcp.engines.router.store import SessionStore, Superseded
-from sdcp.engines.tasks import BackgroundTasks
+from sdcp.engines.tasks import BackgroundTasks, shielded_unless_gone
 from sdcp.protocol.drafter import CONSTRAINED, PLAIN
 from sdcp.protocol.messages import (
     Action,
@@ -365,14 +365,16 @@ class RouterEngine:
 
     async def open_session(self, owner: str, wanted: SessionRequest) -> TrackedSession:
         """Open a session at a verifier, then assign a drafter (SDCP 6.1 order). Runs to its end
-        even if the caller goes away: a session half opened would be tracked nowhere."""
+        even if the caller goes away (a session half opened would be tracked nowhere), except that
+        a session-open still waiting for the verifier's prefill is withdrawn: the verifier stops
+        the prefill at its next step."""
         quota = self.settings.max_sessions_per_front_end
         if sum(1 for t in self.sessions.values() if t.plan.owner == owner and not t.ended) >= quota:
             raise OverQuota(f"{owner} has {quota} open sessions, its quota", retry_after_s=_RETRY_AFTER_S)
         self._check_capacity()
-        return await asyncio.shield(self._open_session(owner, wanted))
+        return await shielded_unless_gone(lambda gone: self._open_session(owner, wanted, gone))
 
-    async def _open_session(self, owner: str, wanted: SessionRequest) -> TrackedSession:
+    async def _open_session(self, owner: str, wanted: SessionRequest, gone: asyncio.Event) -> TrackedSession:
         contract = wanted.contract
         tried: list[str] = []
         refused: list[str] = []
@@ -405,9 +407,7 @@ class RouterEngine:
             )
             try:
                 # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
-                await self.link.open_session(
-                    verifier, plan.open_message(), timeout=self._open_deadline(len(plan.prompt))
-                )
+                await self._open_at_verifier(verifier, plan, gone)
                 break
             except Unanswered as exc:
                 log.warning("%s: verifier %s did not open a session: %s", self.uri, verifier, exc)
@@ -443,6 +443,27 @@ class RouterEngine:
             finally:
                 await self._save_quietly(tracked)
         return tracked
+
+    async def _open_at_verifier(self, verifier: str, plan: RouterSession, gone: asyncio.Event) -> None:
+        """The session-open at ``verifier``, withdrawn (its request reset) if the front end goes
+        away first: RequesterGone then, and the session, if the verifier opened it all the same,
+        is cancelled."""
+        # The verifier prefills one session at a time: this one's turn comes after its queue's.
+        view = self.registry.get(verifier)
+        queued = (view.status.prefill_tokens or 0) if view is not None else 0
+        deadline = self._open_deadline(len(plan.prompt) + queued)
+        opening = asyncio.ensure_future(self.link.open_session(verifier, plan.open_message(), timeout=deadline))
+        leaving = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({opening, leaving}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leaving.cancel()
+        if not opening.done():
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
+            self._tasks.spawn(self._cancel_abandoned(plan))
+            raise RequesterGone(f"session {plan.session.hex()}: its front end went away during the session-open")
+        opening.result()
 
     async def event(self, tracked: TrackedSession, event: Event) -> None:
         """An event from the session's verifier (SDCP 6.5.2): switch reassigns the drafter; finish

@@ -11,6 +11,7 @@ the model's copy of each session (kvsync.py), events and sweeps (events.py) and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from sdcp.cache import MLC, CacheError, InvalidURI, ObjectNotFound, target_kv_uri
 from sdcp.cache.prefix import tenant_scope
 from sdcp.config import VerifierConfig
-from sdcp.engines.errors import SessionNotFound, Unavailable
+from sdcp.engines.errors import RequesterGone, SessionNotFound, Unavailable
 from sdcp.engines.history import HistoryReader
 from sdcp.engines.ports import EventSink
 from sdcp.engines.tasks import BackgroundTasks
@@ -48,6 +49,7 @@ from sdcp.models.backend import Target
 from sdcp.models.batching import BatchingScorer
 from sdcp.models.draft import TokenTimer
 from sdcp.models.errors import DigestMismatch
+from sdcp.models.worker import ModelThreadClosed
 from sdcp.protocol.messages import (
     MAX_REPORTED_PREFIXES,
     Assignment,
@@ -156,6 +158,9 @@ class VerifierEngine:
             lookahead=self.lookahead,
         )
         self._long_polls = 0
+        self._prefill_turn = asyncio.Lock()
+        # Prompt tokens of the opens waiting for or in their prefill (status prefill_tokens).
+        self._prefill_backlog = 0
         # Seconds per self-decoded token, for the router's choice between drafters and this
         # verifier alone (status self_us); timed with one pass before serving.
         self.self_decode_time = TokenTimer(initial=PASS_MS / 1000)
@@ -252,6 +257,7 @@ class VerifierEngine:
             model_name=self.settings.model,
             backend=self.target.backend,
             prefixes=self._reported_prefixes(),
+            prefill_tokens=self._prefill_backlog,
         )
 
     def _reported_prefixes(self) -> tuple[bytes, ...] | None:
@@ -275,8 +281,10 @@ class VerifierEngine:
 
     # -- what the router asks --------------------------------------------------------------------
 
-    async def open_session(self, message: SessionOpen) -> SessionState:
-        """POST sessions (SDCP 6.1, 6.9 resume); an open of the same epoch and contract is a replay."""
+    async def open_session(self, message: SessionOpen, requester_gone: asyncio.Event | None = None) -> SessionState:
+        """POST sessions (SDCP 6.1, 6.9 resume); an open of the same epoch and contract is a replay.
+        Where ``requester_gone`` is set during the prefill, the prefill stops at its next step and
+        RequesterGone is raised: nobody waits for the session."""
         contract = message.contract
         try:
             # SDCP 6.1: the verifier MUST refuse a contract whose target digest does not match.
@@ -337,7 +345,7 @@ class VerifierEngine:
             raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log is fenced at epoch {newest}")
         # The scope's new history arrives while the prompt is prefilled, for the session's guesses.
         self._tasks.spawn(self.lookahead.refresh(contract, message.owner, message.tenant))
-        imported = await self._prefill(message, prompt, committed, tenant_scope(message.tenant))
+        imported = await self._prefill(message, prompt, committed, tenant_scope(message.tenant), requester_gone)
         live = LiveSession(
             machine,
             commit_log,
@@ -514,7 +522,12 @@ class VerifierEngine:
             raise Unavailable(f"{what} {value!r} cannot be read from the MLC now: {exc}") from exc
 
     async def _prefill(
-        self, message: SessionOpen, prompt: tuple[int, ...], committed: tuple[int, ...], scope: bytes
+        self,
+        message: SessionOpen,
+        prompt: tuple[int, ...],
+        committed: tuple[int, ...],
+        scope: bytes,
+        requester_gone: asyncio.Event | None,
     ) -> int:
         """Open the session in the target at its committed tokens: from the resume's target KV
         where it is usable (SDCP 6.9), else by a prefill from the longest prefix the prefix cache
@@ -531,19 +544,35 @@ class VerifierEngine:
                 # the MLC holds: gone, corrupt, of another model, build or layout, over other tokens.
                 # Any failure to use it costs the prefill, never the open.
                 log.warning("%s: target KV %s unusable, prefilling: %r", self.uri, resume.target_kv, exc)
-        await self._prefix_sharing.fetch(tokens[:-1], scope)
-        queried, hit = await self.scorer.run_async(self._open_in_target, message.session, tokens, scope)
-        PREFIX_QUERIES.labels(self.uri).inc(queried)
-        PREFIX_HITS.labels(self.uri).inc(hit)
+        self._prefill_backlog += len(tokens)
+        try:
+            # One prefill at a time, in arrival order, its steps between other sessions' passes: a
+            # queue of long prompts waits its turn, and running streams keep decoding meanwhile.
+            async with self._prefill_turn:
+                await self._prefix_sharing.fetch(tokens[:-1], scope)
+                await self._prefill_in_steps(message.session, tokens, scope, requester_gone)
+        finally:
+            self._prefill_backlog -= len(tokens)
         return 0
 
-    def _open_in_target(self, session: bytes, tokens: tuple[int, ...], scope: bytes) -> tuple[int, int]:
-        """On the scorer thread: the prefill, and the prompt tokens it looked up in the prefix cache
-        and found there."""
+    async def _prefill_in_steps(
+        self, session: bytes, tokens: tuple[int, ...], scope: bytes, requester_gone: asyncio.Event | None
+    ) -> None:
         prefixes = self.target.prefixes
         before = (0, 0) if prefixes is None else (prefixes.queries, prefixes.hits)
-        self.target.open_session(session, tokens, prefix_scope=scope)
-        return (0, 0) if prefixes is None else (prefixes.queries - before[0], prefixes.hits - before[1])
+        steps = self.target.open_session_steps(session, tokens, prefix_scope=scope)
+        try:
+            while await self.scorer.run_async(next, steps, None) is not None:
+                if requester_gone is not None and requester_gone.is_set():
+                    raise RequesterGone(f"session {session.hex()}: its opener went away during the prefill")
+        except BaseException:
+            # After the step in flight, if any: the session the steps added is forgotten.
+            with contextlib.suppress(ModelThreadClosed):
+                self.scorer.run(steps.close)
+            raise
+        if prefixes is not None:
+            PREFIX_QUERIES.labels(self.uri).inc(prefixes.queries - before[0])
+            PREFIX_HITS.labels(self.uri).inc(prefixes.hits - before[1])
 
     async def _constraint(self, constraint: Constraint, stop: Sequence[int]) -> GrammarConstraint:
         """The session's constraint over the target's tokenizer; one this verifier cannot apply

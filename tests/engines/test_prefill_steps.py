@@ -1,0 +1,107 @@
+"""A long prompt's prefill runs in steps between other sessions' passes (chunked prefill, issue #37):
+running sessions keep decoding meanwhile, opens wait their turn one prefill at a time, and a prefill
+whose opener went away stops at its next step, its sequence freed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from tests.waiting import eventually
+
+from sdcp.cache import MLC, build_uri
+from sdcp.cache.uri import LOG_KIND
+from sdcp.client import build_contract
+from sdcp.config import VerifierConfig
+from sdcp.engines.errors import RequesterGone
+from sdcp.engines.verifier import VerifierEngine
+from sdcp.home import sdcp_home
+from sdcp.models.fetch import fetch_smollm2
+from sdcp.models.llamacpp import PREFILL_STEP_TOKENS, LlamaCppTarget
+from sdcp.models.registry import load_target, load_tokenizer
+from sdcp.protocol.messages import SelfDecodeRequest, SessionOpen
+
+pytestmark = pytest.mark.timeout(600)
+
+AUTHORITY = "mlc.test"
+CAPACITY = 2048
+LONG = 8 * PREFILL_STEP_TOKENS
+
+
+def llama_target() -> LlamaCppTarget:
+    target = load_target("smollm2", backend="llamacpp", kv_slots=3, kv_capacity=CAPACITY, threads=2)
+    assert isinstance(target, LlamaCppTarget)
+    return target
+
+
+@pytest.fixture(scope="module")
+def text() -> list[int]:
+    fetch_smollm2(sdcp_home())
+    words = " ".join(f"Step {n}: copy file {n * 3} to the archive and log its size." for n in range(200))
+    tokens = list(load_tokenizer("smollm2")(words)["input_ids"])
+    assert len(tokens) > LONG + 100
+    return tokens
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[VerifierEngine]:
+    mlc = MLC.from_config(authority=AUTHORITY)
+    made = VerifierEngine(
+        uri="https://verifier.test", settings=VerifierConfig(), target=llama_target(), mlc=mlc, ttl_ms=1000
+    )
+    await made.start()
+    yield made
+    await made.stop()
+    await mlc.close()
+
+
+def open_message(engine: VerifierEngine, session: bytes, prompt: list[int], max_new: int = 400) -> SessionOpen:
+    contract = build_contract(
+        target=engine.target.weights_digest, tokenizer=engine.target.tokenizer_digest, max_new=max_new, stop=[]
+    )
+    log = build_uri(AUTHORITY, None, LOG_KIND, session.hex())
+    return SessionOpen(session=session, epoch=1, contract=contract, prompt=tuple(prompt), commit_log=log)
+
+
+async def test_running_sessions_decode_while_a_long_prompt_prefills(engine: VerifierEngine, text: list[int]) -> None:
+    running = b"r" * 16
+    await engine.open_session(open_message(engine, running, text[:20]))
+    await engine.self_decode(SelfDecodeRequest(session=running, epoch=1))
+    machine = engine.sessions[running].machine
+    await eventually(lambda: machine.committed >= 1)
+    opening = asyncio.ensure_future(engine.open_session(open_message(engine, b"l" * 16, text[:LONG])))
+    await eventually(lambda: engine.status().prefill_tokens == LONG)
+    at_start = machine.committed
+    # The long prefill takes eight steps; between them the running session's passes go on.
+    await eventually(lambda: machine.committed >= at_start + 3 or opening.done())
+    assert not opening.done(), "the running session did not decode during the long prefill"
+    await opening
+    assert engine.status().prefill_tokens == 0
+
+
+async def test_a_prefill_whose_opener_went_away_stops_and_frees_its_sequence(
+    engine: VerifierEngine, text: list[int]
+) -> None:
+    target = engine.target
+    assert isinstance(target, LlamaCppTarget)
+    gone = asyncio.Event()
+    session = b"g" * 16
+    opening = asyncio.ensure_future(engine.open_session(open_message(engine, session, text[:LONG]), gone))
+    await eventually(lambda: target.has_session(session))
+    gone.set()
+    with pytest.raises(RequesterGone):
+        await opening
+    await engine.scorer.run_async(lambda: None)
+    assert not target.has_session(session) and session not in engine.sessions
+    assert engine.status().prefill_tokens == 0
+    # Its sequence is free again: as many sessions open as before, and decode as on a fresh target.
+    prompt = text[:50]
+    for number in range(3):
+        await engine.open_session(open_message(engine, bytes([number]) * 16, prompt))
+    (rows,) = await engine.scorer.run_async(target.score, [(bytes([0]) * 16, ())])
+    fresh = llama_target()
+    fresh.open_session(b"f" * 16, prompt)
+    (expected,) = fresh.score([(b"f" * 16, ())])
+    assert np.array_equal(rows, expected)
