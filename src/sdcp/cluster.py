@@ -239,7 +239,7 @@ class LocalCluster:
         host: str | None = None,
         served_model_name: str | None = None,
         api_key: str | None = None,
-        verifier_settings: Mapping[str, int] | None = None,
+        role_settings: Mapping[str, Mapping[str, int]] | None = None,
     ) -> list[Instance]:
         """Start router, verifier, drafters and the gateway as separate processes; wait until they
         serve. A cluster of which some instances stopped gets those restarted, the others untouched,
@@ -248,7 +248,8 @@ class LocalCluster:
         drafters' torch device and precision; ``host``: where the gateway listens (loopback by
         default; another address needs ``api_key`` and gets TLS); ``served_model_name``: the model
         name the API reports and accepts; ``api_key``: required on every /v1 request;
-        ``verifier_settings``: further `[verifier]` settings (the benchmark turns the prefix cache off)."""
+        ``role_settings``: further settings of the `[verifier]` and `[router]` sections, by role
+        (the benchmark turns the prefix cache off, tests shorten deadlines)."""
         given = UpOptions(device, dtype, host, served_model_name, None if api_key is None else True)
         if self.instances():
             self._check_same(given, api_key)
@@ -296,9 +297,12 @@ class LocalCluster:
                 config = self._write_config(
                     name, role, what, uris, admins[name], model, backend, redis_url, options, gateway
                 )
-                if role == "verifier" and verifier_settings:
+                extra = (role_settings or {}).get(role)
+                if extra and role in ("verifier", "router"):
+                    # The verifier's section is its file's last; the router's has none of its own.
+                    header = ["[router]\n"] if role == "router" else []
                     with config.open("a", encoding="utf-8") as file:
-                        file.writelines(f"{key} = {int(value)}\n" for key, value in verifier_settings.items())
+                        file.writelines([*header, *(f"{key} = {int(value)}\n" for key, value in extra.items())])
                 started.append(self._spawn(name, role, uris[name], admins[name], config))
                 self._save(started)
             self._wait_ready(started, timeout_s)

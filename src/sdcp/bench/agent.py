@@ -223,8 +223,8 @@ def _start_cluster(home: Path, name: str, clusters: list[LocalCluster]) -> Syste
         models.symlink_to(fetched.resolve(), target_is_directory=True)
     cluster = LocalCluster(home)
     clusters.append(cluster)
-    settings = {"prefix_cache_bytes": 0} if name == SDCP_NO_CACHE else None
-    cluster.up(model=_MODEL, gateway_port=0, verifier_settings=settings)
+    settings = {"verifier": {"prefix_cache_bytes": 0}} if name == SDCP_NO_CACHE else None
+    cluster.up(model=_MODEL, gateway_port=0, role_settings=settings)
     gateway = cluster.gateway
     verifier = next(instance for instance in cluster.instances() if instance.role == "verifier")
     if gateway is None or verifier.admin is None:

@@ -191,6 +191,8 @@ class RouterEngine:
         self._changing: set[bytes] = set()
         self._wake = asyncio.Event()
         self._tasks = BackgroundTasks(uri, log)
+        # Prompt tokens of the session-opens in flight at each verifier (their prefill deadlines).
+        self._opening: dict[str, int] = {}
 
     @property
     def settings(self) -> RouterConfig:
@@ -448,16 +450,22 @@ class RouterEngine:
         """The session-open at ``verifier``, withdrawn (its request reset) if the front end goes
         away first: RequesterGone then, and the session, if the verifier opened it all the same,
         is cancelled."""
-        # The verifier prefills one session at a time: this one's turn comes after its queue's.
+        # The verifier prefills one session at a time: this one's turn comes after its queue, as it
+        # last reported it, and after this router's opens there since (not in that report yet).
         view = self.registry.get(verifier)
         queued = (view.status.prefill_tokens or 0) if view is not None else 0
+        queued += self._opening.get(verifier, 0)
         deadline = self._open_deadline(len(plan.prompt) + queued)
+        self._opening[verifier] = self._opening.get(verifier, 0) + len(plan.prompt)
         opening = asyncio.ensure_future(self.link.open_session(verifier, plan.open_message(), timeout=deadline))
         leaving = asyncio.ensure_future(gone.wait())
         try:
             await asyncio.wait({opening, leaving}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             leaving.cancel()
+            self._opening[verifier] -= len(plan.prompt)
+            if not self._opening[verifier]:
+                del self._opening[verifier]
         if not opening.done():
             opening.cancel()
             await asyncio.gather(opening, return_exceptions=True)

@@ -343,6 +343,13 @@ class VerifierEngine:
         newest = max((record.get("epoch", 0) for record in snapshot.records), default=0)
         if newest > message.epoch:
             raise ProtocolError(ProblemType.STALE_EPOCH, f"the commit log is fenced at epoch {newest}")
+        log.info(
+            "%s: session %s opening, %d tokens to prefill (request %s)",
+            self.uri,
+            message.session.hex(),
+            len(prompt) + len(committed),
+            message.request or "-",
+        )
         # The scope's new history arrives while the prompt is prefilled, for the session's guesses.
         self._tasks.spawn(self.lookahead.refresh(contract, message.owner, message.tenant))
         imported = await self._prefill(message, prompt, committed, tenant_scope(message.tenant), requester_gone)
@@ -564,6 +571,7 @@ class VerifierEngine:
         try:
             while await self.scorer.run_async(next, steps, None) is not None:
                 if requester_gone is not None and requester_gone.is_set():
+                    log.info("%s: session %s: prefill stopped, its opener went away", self.uri, session.hex())
                     raise RequesterGone(f"session {session.hex()}: its opener went away during the prefill")
         except BaseException:
             # After the step in flight, if any: the session the steps added is forgotten.
