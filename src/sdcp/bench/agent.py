@@ -13,13 +13,23 @@ prompt cache on, as llama-server starts). Figures per system: time to first toke
 request to the first chunk with text) and turn time, p50 and p99, over the later requests (all but
 the first, which finds every cache cold); for sdcp, the verifier's prefix cache hit rate and bytes
 held. sdcp's outputs with and without the prefix cache must be the same text (rule 1).
+
+Then, on ``sdcp``: its verifier is restarted (its own prefix cache empty; what it computed before is
+in the cluster's shared MLC tier) and asked one more turn, whose first token is compared with the
+cold first turn's; and CONCURRENT conversations (each of the short turns, the workload's follow-ups
+after it) run at once beside a busy core, then one at a time on the quiet machine: every request
+must succeed and every answer be the same.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
+import subprocess
+import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -41,6 +51,7 @@ SDCP_NO_CACHE = "sdcp_no_prefix_cache"
 LLAMA_SERVER = "llama_server"
 _MODEL = "smollm2"
 _TURN_TIMEOUT_S = 600.0
+CONCURRENT = 16
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,8 @@ class AgentWorkload:
     system: str
     turns: tuple[str, ...]
     conversations: tuple[tuple[str, ...], ...]
+    # Later turns of the concurrent conversations, after one of ``turns`` each.
+    followups: tuple[str, ...] = ()
 
 
 def load_agent_workload(prompts_dir: Path = DEFAULT_PROMPTS_DIR) -> AgentWorkload:
@@ -58,6 +71,7 @@ def load_agent_workload(prompts_dir: Path = DEFAULT_PROMPTS_DIR) -> AgentWorkloa
             str(data["system"]),
             tuple(str(turn) for turn in data["turns"]),
             tuple(tuple(str(turn) for turn in conversation) for conversation in data["conversations"]),
+            tuple(str(turn) for turn in data.get("followups", ())),
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BenchInputError(f"{path}: not an agent workload ({exc})") from exc
@@ -148,6 +162,7 @@ class AgentConfig:
     turns: int | None = None
     llama_server: Path | None = None
     systems: tuple[str, ...] = (SDCP, SDCP_NO_CACHE, LLAMA_SERVER)
+    concurrent: int = CONCURRENT
 
 
 @dataclass
@@ -173,6 +188,7 @@ def run_agent_bench(config: AgentConfig, log: Callable[[str], None]) -> dict[str
     clusters: list[LocalCluster] = []
     runs: list[SystemRun] = []
     server: LlamaServer | None = None
+    extra: dict[str, Any] = {}
     try:
         for name in (SDCP, SDCP_NO_CACHE):
             if name in config.systems:
@@ -204,12 +220,16 @@ def run_agent_bench(config: AgentConfig, log: Callable[[str], None]) -> dict[str
         for run in runs:
             if run.metrics_url is not None:
                 run.prefix_cache = _prefix_cache_figures(run.metrics_url)
+        if SDCP in config.systems:
+            sdcp_run = next(run for run in runs if run.name == SDCP)
+            extra["restarted_verifier"] = _restarted_verifier_turn(clusters[0], sdcp_run, workload, config, log)
+            extra["concurrent"] = _concurrent_conversations(sdcp_run, workload, config, log)
     finally:
         if server is not None:
             server.__exit__(None, None, None)
         for cluster in clusters:
             cluster.down()
-    results = _results(config, runs)
+    results = {**_results(config, runs), **extra}
     (config.out / "agent.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (config.out / "agent.md").write_text(agent_markdown(results), encoding="utf-8")
     return results
@@ -232,6 +252,93 @@ def _start_cluster(home: Path, name: str, clusters: list[LocalCluster]) -> Syste
     return SystemRun(name, gateway, _MODEL, metrics_url=f"{verifier.admin}/metrics")
 
 
+def _restarted_verifier_turn(
+    cluster: LocalCluster, run: SystemRun, workload: AgentWorkload, config: AgentConfig, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """The verifier killed and started again: its first turn finds the prefix in the shared tier."""
+    verifier = next(instance for instance in cluster.instances() if instance.role == "verifier")
+    log("restarting sdcp's verifier")
+    subprocess.run(["kill", "-9", str(verifier.pid)], check=True)  # noqa: S607 - the cluster's own process
+    while verifier.alive():
+        time.sleep(0.05)
+    cluster.restart_stopped()
+    # The router hears of the restarted verifier with its next status report.
+    turn = _first_served_turn(run, workload, config)
+    cold = run.turns[0].first_token_ms if run.turns else None
+    log(f"restarted verifier: first token {turn.first_token_ms or 0:.0f} ms (cold: {cold or 0:.0f} ms)")
+    figures = _prefix_cache_figures(run.metrics_url) if run.metrics_url else {}
+    return {
+        "first_token_ms": turn.first_token_ms,
+        "cold_first_token_ms": cold,
+        "cold_over_restarted": cold / turn.first_token_ms if cold and turn.first_token_ms else None,
+        "shared_objects_used": figures.get("prefix_cache_shared_objects_used", 0.0),
+    }
+
+
+def _first_served_turn(run: SystemRun, workload: AgentWorkload, config: AgentConfig) -> Turn:
+    messages = chat_messages(workload.system, (workload.turns[-1],), [])
+    deadline = time.monotonic() + _TURN_TIMEOUT_S
+    while True:
+        try:
+            return stream_chat(run.url, run.model, messages, config.max_tokens)
+        except urllib.error.HTTPError as exc:
+            # 503 until the router has the restarted verifier's first status report.
+            if exc.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _concurrent_conversations(
+    run: SystemRun, workload: AgentWorkload, config: AgentConfig, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """CONCURRENT conversations at once beside a busy core, then alone on the quiet machine."""
+    openers = [workload.turns[index % len(workload.turns)] for index in range(config.concurrent)]
+
+    def converse(opener: str) -> list[Turn]:
+        answers: list[str] = []
+        turns = []
+        user_turns: tuple[str, ...] = ()
+        for text in (opener, *workload.followups):
+            user_turns = (*user_turns, text)
+            turn = stream_chat(
+                run.url, run.model, chat_messages(workload.system, user_turns, answers), config.max_tokens
+            )
+            answers.append(turn.text)
+            turns.append(turn)
+        return turns
+
+    async def at_once() -> list[list[Turn] | BaseException]:
+        return await asyncio.gather(
+            *(asyncio.to_thread(converse, opener) for opener in openers), return_exceptions=True
+        )
+
+    log(f"{config.concurrent} conversations at once beside a busy core")
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # noqa: S603 - our interpreter
+    try:
+        busy = asyncio.run(at_once())
+    finally:
+        burner.kill()
+        burner.wait()
+    failed = [outcome for outcome in busy if isinstance(outcome, BaseException)]
+    log(f"the same conversations one at a time ({len(failed)} failed at once)")
+    quiet = [converse(opener) for opener in openers]
+    same = sum(
+        1
+        for outcome, alone in zip(busy, quiet, strict=True)
+        if not isinstance(outcome, BaseException) and [t.text for t in outcome] == [t.text for t in alone]
+    )
+    first = [t.first_token_ms for o in busy if not isinstance(o, BaseException) for t in o if t.first_token_ms]
+    return {
+        "conversations": config.concurrent,
+        "requests": config.concurrent * (1 + len(workload.followups)),
+        "failed_conversations": len(failed),
+        "failures": [repr(error)[:300] for error in failed],
+        "identical_to_quiet": same,
+        "first_token_ms_p50": statistics.median(first) if first else None,
+        "first_token_ms_p99": _percentile(first, 0.99),
+    }
+
+
 def _prefix_cache_figures(metrics_url: str) -> dict[str, float]:
     with urllib.request.urlopen(metrics_url, timeout=10) as response:  # noqa: S310 - loopback
         text = response.read().decode()
@@ -240,6 +347,8 @@ def _prefix_cache_figures(metrics_url: str) -> dict[str, float]:
         for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_bytes"):
             if line.startswith(f"sdcp:{name}{{"):
                 figures[name] = figures.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        if line.startswith("sdcp:prefix_cache_shared_objects_total{") and 'outcome="used"' in line:
+            figures["prefix_cache_shared_objects_used"] = float(line.rsplit(" ", 1)[1])
     return figures
 
 
@@ -322,4 +431,21 @@ def agent_markdown(results: dict[str, Any]) -> str:
     identical = results["identical_with_and_without_prefix_cache"]
     if identical is not None:
         lines.append(f"- sdcp outputs identical with and without the prefix cache: {'yes' if identical else 'NO'}")
+    restarted = results.get("restarted_verifier")
+    if restarted and restarted.get("first_token_ms"):
+        lines.append(
+            f"- a restarted verifier's first turn (the prefix from the shared tier): first token "
+            f"{restarted['first_token_ms']:.0f} ms against {restarted['cold_first_token_ms']:.0f} ms cold "
+            f"({restarted['cold_over_restarted']:.1f}x lower; "
+            f"{restarted['shared_objects_used']:.0f} shared objects used)"
+        )
+    concurrent = results.get("concurrent")
+    if concurrent:
+        lines.append(
+            f"- {concurrent['conversations']} conversations at once beside a busy core ({concurrent['requests']} "
+            f"requests): {concurrent['failed_conversations']} failed, "
+            f"{concurrent['identical_to_quiet']} identical to a quiet run; "
+            f"first token p50 {concurrent['first_token_ms_p50'] or 0:.0f} ms, "
+            f"p99 {concurrent['first_token_ms_p99'] or 0:.0f} ms"
+        )
     return "\n".join(lines) + "\n"
