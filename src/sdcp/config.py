@@ -290,9 +290,9 @@ class VerifierConfig:
     # cost address space only, on a GPU memory; llama.cpp's are memory from the start.
     kv_slots: Count | None = None
     kv_capacity: Count = 0
-    # The prefix cache (docs/models.md, "Prefix cache"; llama.cpp backend): bytes of prompt-prefix
-    # KV kept in host memory, so that a prompt that shares whole blocks with an earlier one prefills
-    # only the rest (0: off).
+    # The prefix cache (docs/models.md, "Prefix cache"; both backends): bytes of prompt-prefix KV
+    # kept in host memory, so that a prompt that shares a prefix with an earlier one prefills only
+    # the rest (0: off; on torch, off also means a prefill in one pass instead of 64-token chunks).
     prefix_cache_bytes: Count = 256 * 1024 * 1024
     output_wait_s: Seconds = 10.0
     # A reader waiting at the end of a session's output gets the tokens committed within this long

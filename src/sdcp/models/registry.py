@@ -132,6 +132,7 @@ def load_target(
         dtype=torch_dtype,
         kv_slots=kv_slots,
         kv_capacity=kv_capacity,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
 
 

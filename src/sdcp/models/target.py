@@ -16,9 +16,12 @@ from functools import cached_property
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 from transformers import DynamicCache, PreTrainedModel
 
-from sdcp.cache.prefix import PrefixIndex
+from sdcp.cache.prefix import BLOCK_TOKENS, PrefixIndex
 from sdcp.models import kvcache
 from sdcp.models.backend import (
     DEFAULT_KV_SLOTS,
@@ -34,12 +37,15 @@ from sdcp.models.backend import (
     proposal_rest,
 )
 from sdcp.models.digests import tokenizer_definition, tokenizer_digest, weights_digest
-from sdcp.models.errors import BadTokens, ModelError, SessionExists
+from sdcp.models.errors import BadTokens, KVFormatError, ModelError, SessionExists
 from sdcp.models.kvformat import decode_kv, encode_kv
 from sdcp.models.packed import pack_weights, with_packed_linears
 from sdcp.models.ragged import RaggedBatchCache, SlotPass, supports_ragged_attention, use_ragged_attention
 
 log = logging.getLogger("sdcp.models")
+
+# A prefill's chunk with the prefix cache on (open_session_steps): the cache keeps whole chunks.
+PREFILL_CHUNK_TOKENS = 64
 
 
 @dataclass
@@ -67,6 +73,7 @@ class TargetModel:
         dtype: torch.dtype = torch.float32,
         kv_slots: int = DEFAULT_KV_SLOTS,
         kv_capacity: int | None = None,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         # Verification runs in fp32 by default: bf16 changes greedy outputs of SmolLM2 on a CPU, and
         # its weights digest differs (the dtype is part of it). The caller's model is left as it is;
@@ -93,6 +100,7 @@ class TargetModel:
                 log.warning("target %s: no KV slot pool (%s); every session gets a cache of its own", name, exc)
         self._sessions: dict[SessionId, _Session] = {}
         self._lock = threading.RLock()
+        self._prefix_cache_bytes = prefix_cache_bytes
 
     @property
     def device(self) -> torch.device:
@@ -100,10 +108,14 @@ class TargetModel:
 
     backend: TargetBackend = "torch"
 
-    @property
+    @cached_property
     def prefixes(self) -> PrefixIndex | None:
-        """No prefix cache on torch yet (docs/models.md, "Prefix cache")."""
-        return None
+        """The prefix cache (docs/models.md, "Prefix cache"), None where it is off: the KV of the
+        whole PREFILL_CHUNK_TOKENS chunks of each prompt prefilled, float32 safetensors on the host."""
+        if self._prefix_cache_bytes <= 0:
+            return None
+        salt = self.weights_digest + self.tokenizer_digest
+        return PrefixIndex(capacity_bytes=self._prefix_cache_bytes, block=BLOCK_TOKENS, salt=salt)
 
     def set_threads(self, threads: int) -> None:
         # OpenMP's team size is a setting of the calling thread: the scorer's, the model's own.
@@ -147,12 +159,58 @@ class TargetModel:
         check_contract_digests(self.name, (self.weights_digest, self.tokenizer_digest), (target, tokenizer))
 
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b"") -> None:
-        """Prefill the committed prefix (the prompt, or prompt + output when resuming); no prefix
-        cache here, whatever ``prefix_scope``."""
+        """Prefill the committed prefix (the prompt, or prompt + output when resuming), from the
+        prefix cache where it is on (`open_session_steps`)."""
+        for _ in self.open_session_steps(session, prompt_tokens, prefix_scope=prefix_scope):
+            pass
+
+    def open_session_steps(
+        self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b""
+    ) -> Generator[int, None, None]:
+        """`open_session` in steps (Target.open_session_steps). Without the prefix cache, one step:
+        a one-pass prefill, as transformers' generate does. With it, the prefix is prefilled in
+        chunks of PREFILL_CHUNK_TOKENS from position 0, a step each, cached or not, so that a chunk's
+        KV is computed alike whether a later prompt restores it or computes it."""
         tokens = self._checked_tokens(prompt_tokens)
         if not tokens:
             raise BadTokens("a session needs at least one prompt token")
+        index = self.prefixes
+        if index is None:
+            yield len(tokens) - 1
+            self._open_in_one_pass(session, tokens)
+            return
+        prefix = tokens[:-1]
+        with self._lock:
+            restored, start = self._restore_prefix(index, prefix, prefix_scope)
+            self._add_session(
+                session,
+                tokens,
+                lambda buffers: (
+                    kvcache.cache_from_tensors(self.model, restored, buffers)
+                    if restored
+                    else kvcache.new_cache(self.model, buffers)
+                ),
+            )
+        opened = False
+        try:
+            position = start
+            while position < len(prefix):
+                yield len(prefix) - position
+                end = min(position + PREFILL_CHUNK_TOKENS, len(prefix))
+                with self._lock:
+                    fed = torch.tensor([prefix[position:end]], device=self.device)
+                    self._forward(fed, None, self._session(session).cache)
+                position = end
+            with self._lock:
+                self._keep_prefix(index, self._session(session), prefix, start, prefix_scope)
+            opened = True
+        finally:
+            if not opened:
+                with self._lock:
+                    if session in self._sessions:
+                        self.close_session(session)
 
+    def _open_in_one_pass(self, session: SessionId, tokens: list[int]) -> None:
         def prefilled(buffers: list[tuple[torch.Tensor, torch.Tensor]] | None) -> DynamicCache:
             cache = kvcache.new_cache(self.model, buffers)
             if len(tokens) > 1:
@@ -161,13 +219,45 @@ class TargetModel:
 
         self._add_session(session, tokens, prefilled)
 
-    def open_session_steps(
-        self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b""
-    ) -> Generator[int, None, None]:
-        """`open_session` in one step: a prefill in chunks would round its KV otherwise than the
-        one-pass prefill that transformers' greedy decoding does."""
-        yield max(0, len(prompt_tokens) - 1)
-        self.open_session(session, prompt_tokens, prefix_scope=prefix_scope)
+    def _restore_prefix(
+        self, index: PrefixIndex, prefix: Sequence[int], scope: bytes
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """The cached KV of the longest whole-chunk prefix of ``prefix`` (on the model's device
+        and dtype) and its length; ([], 0) where none is held or the blob does not fit this model."""
+        found = index.lookup(prefix, scope)
+        if found is None:
+            return [], 0
+        entry, served = found
+        length = served - served % PREFILL_CHUNK_TOKENS
+        index.hits -= served - length
+        try:
+            layers = _unpacked_kv(entry.data, self._kv_shapes(len(entry.tokens)))
+        except KVFormatError as exc:
+            log.warning("target %s: a cached prefix's KV is unusable: %s", self.name, exc)
+            index.hits -= length
+            index.discard(entry)
+            return [], 0
+        if length == 0:
+            return [], 0
+        dtype = next(self.model.parameters()).dtype
+        return [
+            (keys[:, :, :length].to(self.device, dtype), values[:, :, :length].to(self.device, dtype))
+            for keys, values in layers
+        ], length
+
+    def _keep_prefix(
+        self, index: PrefixIndex, state: _Session, prefix: Sequence[int], start: int, scope: bytes
+    ) -> None:
+        """Store the KV of the prefix's whole chunks where they reach past what was restored (a
+        last partial chunk was computed at another width than a longer prompt computes it)."""
+        length = len(prefix) - len(prefix) % PREFILL_CHUNK_TOKENS
+        if length == 0 or length <= max(start, index.covered(prefix[:length], scope)):
+            return
+        layers = [
+            (keys[:, :, :length].to("cpu", torch.float32), values[:, :, :length].to("cpu", torch.float32))
+            for keys, values in kvcache.layer_tensors(state.cache)
+        ]
+        index.insert(prefix[:length], _packed_kv(layers), scope)
 
     def close_session(self, session: SessionId) -> None:
         with self._lock:
@@ -386,3 +476,33 @@ class TargetModel:
 
     def _checked_tokens(self, tokens: Sequence[int]) -> list[int]:
         return checked_tokens(tokens, self.vocab_size)
+
+
+def _packed_kv(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bytes:
+    """Per-layer keys and values as float32 safetensors (a prefix cache entry's blob)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for index, (keys, values) in enumerate(layers):
+        tensors[f"{index}.keys"] = keys.contiguous()
+        tensors[f"{index}.values"] = values.contiguous()
+    return save_tensors(tensors)
+
+
+def _unpacked_kv(
+    data: bytes, shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The layers of `_packed_kv`, checked against this model's KV shapes over the entry's tokens."""
+    try:
+        tensors = load_tensors(data)
+    except SafetensorError as exc:
+        raise KVFormatError(f"not safetensors: {exc}") from exc
+    layers = []
+    for index, (key_shape, value_shape) in enumerate(shapes):
+        keys, values = tensors.get(f"{index}.keys"), tensors.get(f"{index}.values")
+        if keys is None or values is None or tuple(keys.shape) != key_shape or tuple(values.shape) != value_shape:
+            raise KVFormatError(f"layer {index} is missing or of another shape")
+        if keys.dtype != torch.float32 or values.dtype != torch.float32:
+            raise KVFormatError(f"layer {index} is not float32")
+        layers.append((keys, values))
+    if len(tensors) != 2 * len(shapes):
+        raise KVFormatError(f"{len(tensors)} tensors for {len(shapes)} layers")
+    return layers
