@@ -1021,8 +1021,13 @@ async def test_a_session_open_that_times_out_is_cancelled_where_it_was_opened(
     for node in verifiers:
         opened_by = node.engine.open_session
 
-        async def open_late(message: SessionOpen, node: VerifierNode = node, opened_by=opened_by) -> SessionState:  # noqa: ANN001
-            state = await opened_by(message)
+        async def open_late(
+            message: SessionOpen,
+            requester_gone: asyncio.Event | None = None,
+            node: VerifierNode = node,
+            opened_by=opened_by,  # noqa: ANN001
+        ) -> SessionState:
+            state = await opened_by(message, requester_gone)
             if slow:
                 opened_elsewhere.set()
                 return state
