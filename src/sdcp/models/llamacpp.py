@@ -35,7 +35,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from sdcp.cache.prefix import BLOCK_TOKENS, PrefixIndex
+from sdcp.cache.prefix import BLOCK_TOKENS, SHARE_TOKENS, PrefixIndex
 from sdcp.models.backend import (
     LLAMACPP_KV_SLOTS,
     ScoreRequest,
@@ -235,8 +235,11 @@ class LlamaCppTarget:
                 with self._lock:
                     self._decode([_Feed(state.seq_id, position, prefix[position:end])], rows=False)
                 position = end
-            with self._lock:
-                self._keep_prefix(state, prefix, start)
+            if len(prefix) - start >= SHARE_TOKENS:
+                # A prefill that computed little leaves its storing to the session's end (close_session):
+                # copying the sequence's state (tens of MB) would delay the session's first token.
+                with self._lock:
+                    self._keep_prefix(state, prefix, start)
             opened = True
         finally:
             if not opened:
@@ -369,7 +372,8 @@ class LlamaCppTarget:
         return 0
 
     def _keep_prefix(self, state: _Sequence, prefix: Sequence[int], restored: int) -> None:
-        """Store the sequence's KV for its prefix's whole blocks where they reach past what was restored."""
+        """Store the sequence's KV of ``prefix`` where it reaches past what was restored and what
+        the cache holds."""
         index = self.prefixes
         scope = state.prefix_scope
         if (

@@ -154,7 +154,11 @@ class PrefixSharing:
         if index is None or self._authority is None:
             return
         hashes = index.hashes(prefix, scope)
-        held = index.covered(prefix, scope)
+        try:
+            # On the scorer's thread, which changes the index.
+            held = await self._thread.run_async(index.covered, prefix, scope)
+        except ModelThreadClosed:
+            return
         lengths = range(len(hashes) * index.block // SHARE_TOKENS * SHARE_TOKENS, held, -SHARE_TOKENS)
         for length in list(lengths)[:MAX_PROBES]:
             uri = prefix_object_uri(self._mlc.authority, hashes[length // index.block - 1])
