@@ -43,7 +43,18 @@ from sdcp.home import sdcp_home
 from sdcp.models.fetch import fetch_smollm2, smollm2_gguf
 from sdcp.threads import usable_cores
 
-__all__ = ["AgentConfig", "AgentWorkload", "agent_requests", "load_agent_workload", "run_agent_bench"]
+__all__ = [
+    "AgentConfig",
+    "AgentWorkload",
+    "SystemRun",
+    "Turn",
+    "agent_markdown",
+    "agent_requests",
+    "chat_messages",
+    "load_agent_workload",
+    "results_of",
+    "run_agent_bench",
+]
 
 AGENT_FILE = "agent.json"
 SDCP = "sdcp"
@@ -229,7 +240,7 @@ def run_agent_bench(config: AgentConfig, log: Callable[[str], None]) -> dict[str
             server.__exit__(None, None, None)
         for cluster in clusters:
             cluster.down()
-    results = {**_results(config, runs), **extra}
+    results = {**results_of(config, runs), **extra}
     (config.out / "agent.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (config.out / "agent.md").write_text(agent_markdown(results), encoding="utf-8")
     return results
@@ -359,7 +370,7 @@ def _percentile(values: list[float], share: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
-def _results(config: AgentConfig, runs: list[SystemRun]) -> dict[str, Any]:
+def results_of(config: AgentConfig, runs: list[SystemRun]) -> dict[str, Any]:
     systems: dict[str, Any] = {}
     for run in runs:
         later = run.turns[1:]
