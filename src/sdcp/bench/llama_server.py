@@ -5,7 +5,7 @@ runs instead of sdcp to serve a GGUF).
 ships (its sdist's ``vendor/llama.cpp``, the same kernels as sdcp's llama.cpp target) into
 ``$SDCP_HOME/llama-server/<version>/``, or takes one given by path. The build is static and portable
 (x86-64 with AVX2, as the Makefile builds llama-cpp-python; ``CMAKE_ARGS`` replaces those flags) and
-takes about 15 minutes on 2 cores. `LlamaServer` runs it on loopback with the settings a user would
+takes about 4 minutes on 2 cores. `LlamaServer` runs it on loopback with the settings a user would
 give: the GGUF, the threads, the slots.
 """
 
@@ -64,7 +64,7 @@ def llama_server_binary(given: Path | None, log: Callable[[str], None]) -> Path:
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise BenchInputError(f"building llama-server needs {tool}; or give one with --llama-server PATH")
-    log(f"building llama-server from llama-cpp-python {version}'s llama.cpp source into {home} (about 15 min)")
+    log(f"building llama-server from llama-cpp-python {version}'s llama.cpp source into {home} (minutes)")
     home.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=home) as scratch:
         work = Path(scratch)
