@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sdcp.cache.prefix import BLOCK_TOKENS
+from sdcp.cache.prefix import BLOCK_TOKENS, SHARE_TOKENS
 from sdcp.models.fetch import FetchResult, smollm2_gguf
 from sdcp.models.llamacpp import SEQUENCE_TOKENS_PER_CALL, LlamaCppTarget
 from sdcp.models.registry import load_tokenizer
@@ -150,3 +150,28 @@ def test_a_conversations_next_turn_starts_from_the_ended_turn(
     hits_before = index.hits
     assert_same(greedy_rows(warm, b"turn-2", next_turn), greedy_rows(cold, b"turn-2", next_turn))
     assert index.hits - hits_before == len(history) - 1
+
+
+def test_a_prefix_cached_while_its_session_still_extends_it_serves_another_session(
+    gguf: Path, cold: LlamaCppTarget, text_tokens: list[int]
+) -> None:
+    """A prompt whose prefill computed 256 tokens or more is kept at once: a second session opened
+    on it while the first still decodes (its sequence growing past the prompt) starts from it, and
+    both decode as without the cache."""
+    warm = target_of(gguf, 256 << 20)
+    index = warm.prefixes
+    assert index is not None
+    prompt = text_tokens[: SHARE_TOKENS + 30]
+    warm.open_session(b"first", prompt)
+    assert index.covered(prompt[:-1]) == len(prompt) - 1
+    first_rows = []
+    for _ in range(STEPS):
+        (row,) = warm.score([(b"first", ())])
+        first_rows.append(row[0].copy())
+        warm.commit(b"first", 0, [int(np.argmax(row[0]))])
+    second = [*prompt, *text_tokens[-9:]]
+    hits_before = index.hits
+    assert_same(greedy_rows(warm, b"second", second), greedy_rows(cold, b"second", second))
+    assert index.hits - hits_before == len(prompt) - 1
+    warm.close_session(b"first")
+    assert_same(first_rows, greedy_rows(cold, b"first", prompt))
