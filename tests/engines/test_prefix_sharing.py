@@ -117,6 +117,19 @@ def cold_row(cold: LlamaCppTarget, prompt: list[int]) -> np.ndarray:
         cold.close_session(b"cold")
 
 
+async def published(mlc: MLC, name: bytes) -> None:
+    """Wait until the prefix object of that name is in the MLC (the verifier writes it in a task)."""
+
+    async def there() -> bool:
+        try:
+            await mlc.get(prefix_object_uri(AUTHORITY, name))
+        except ObjectNotFound:
+            return False
+        return True
+
+    await eventually_async(there)
+
+
 def hits(engine: VerifierEngine) -> int:
     prefixes = engine.target.prefixes
     assert prefixes is not None
@@ -133,14 +146,7 @@ async def test_a_prefix_one_verifier_computed_starts_anothers_prefill_for_the_sa
     assert prefixes is not None
     name = prefixes.hashes(shared, b"tenant-a")[2 * SHARE_TOKENS // prefixes.block - 1]
 
-    async def published() -> bool:
-        try:
-            await mlc.get(prefix_object_uri(AUTHORITY, name))
-        except ObjectNotFound:
-            return False
-        return True
-
-    await eventually_async(published)
+    await published(mlc, name)
     # Another tenant's prompt with the same prefix computes it all.
     other_tenant = [*shared, *text[-60:-40]]
     await second.open_session(open_message(second, b"b" * 16, other_tenant, "tenant-b"))
@@ -166,14 +172,7 @@ async def test_a_forged_prefix_object_is_refused_and_changes_no_row(
     assert donor_prefixes is not None
     donor_name = donor_prefixes.hashes(donor[:-1])[SHARE_TOKENS // donor_prefixes.block - 1]
 
-    async def donor_published() -> bool:
-        try:
-            await mlc.get(prefix_object_uri(AUTHORITY, donor_name))
-        except ObjectNotFound:
-            return False
-        return True
-
-    await eventually_async(donor_published)
+    await published(mlc, donor_name)
     genuine = codec.decode(await mlc.get(prefix_object_uri(AUTHORITY, donor_name)), max_size=1 << 30)
     assert isinstance(genuine, dict)
     body = {key: value for key, value in genuine.items() if key not in ("sig", "cert")}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.models.greedy_rows import assert_same, greedy_rows
 
 from sdcp.cache.prefix import BLOCK_TOKENS, SHARE_TOKENS
 from sdcp.models.fetch import FetchResult, smollm2_gguf
@@ -51,26 +52,6 @@ def cold(gguf: Path) -> LlamaCppTarget:
     return target_of(gguf, 0)
 
 
-def greedy_rows(target: LlamaCppTarget, session: bytes, prompt: list[int], steps: int = STEPS) -> list[np.ndarray]:
-    """Open ``session`` on ``prompt`` and decode ``steps`` greedy tokens, one per pass: every row."""
-    target.open_session(session, prompt)
-    rows = []
-    try:
-        for _ in range(steps):
-            (row,) = target.score([(session, ())])
-            rows.append(row[0].copy())
-            target.commit(session, 0, [int(np.argmax(row[0]))])
-    finally:
-        target.close_session(session)
-    return rows
-
-
-def assert_same(warm: list[np.ndarray], cold: list[np.ndarray]) -> None:
-    assert len(warm) == len(cold)
-    for step, (a, b) in enumerate(zip(warm, cold, strict=True)):
-        assert np.array_equal(a, b), f"row {step} differs"
-
-
 def test_prompts_sharing_prefixes_of_every_length_decode_as_without_the_cache(
     gguf: Path, cold: LlamaCppTarget, text_tokens: list[int]
 ) -> None:
@@ -78,14 +59,14 @@ def test_prompts_sharing_prefixes_of_every_length_decode_as_without_the_cache(
     index = warm.prefixes
     assert index is not None
     first = text_tokens[: 5 * BLOCK + 17]
-    assert_same(greedy_rows(warm, b"first", first), greedy_rows(cold, b"first", first))
+    assert_same(greedy_rows(warm, b"first", first, STEPS), greedy_rows(cold, b"first", first, STEPS))
     assert index.hits == 0 and len(index) == 1
     # Prompts that share with it a prefix ending inside a block, at a block's end, past its end,
     # and one that extends it (an agent's next turn): the shared whole blocks come from the cache.
     for shared in (BLOCK - 1, BLOCK, 2 * BLOCK + 5, 5 * BLOCK, 5 * BLOCK + 17):
         other = [*first[:shared], *text_tokens[6 * BLOCK : 6 * BLOCK + 40]]
         hits_before = index.hits
-        assert_same(greedy_rows(warm, b"other", other), greedy_rows(cold, b"other", other))
+        assert_same(greedy_rows(warm, b"other", other, STEPS), greedy_rows(cold, b"other", other, STEPS))
         # The cached entry serves the whole blocks, and the shared tokens past them.
         if shared < BLOCK:
             assert index.hits == hits_before
@@ -93,7 +74,7 @@ def test_prompts_sharing_prefixes_of_every_length_decode_as_without_the_cache(
             assert index.hits - hits_before >= min(shared, len(other) - 1)
     turn = [*first, *text_tokens[7 * BLOCK : 8 * BLOCK]]
     hits_before = index.hits
-    assert_same(greedy_rows(warm, b"turn", turn), greedy_rows(cold, b"turn", turn))
+    assert_same(greedy_rows(warm, b"turn", turn, STEPS), greedy_rows(cold, b"turn", turn, STEPS))
     assert index.hits - hits_before >= len(first)
 
 
@@ -106,7 +87,7 @@ def test_concurrent_sessions_share_a_prefix_and_eviction_changes_nothing(
     assert index is not None
     system = text_tokens[: 3 * BLOCK]
     prompts = [[*system, *text_tokens[4 * BLOCK + 9 * n : 4 * BLOCK + 9 * n + 20]] for n in range(3)]
-    expected = [greedy_rows(cold, b"ref", prompt) for prompt in prompts]
+    expected = [greedy_rows(cold, b"ref", prompt, STEPS) for prompt in prompts]
     # Two sessions open on one cached prefix at once, decoded in the same passes.
     warm.open_session(b"seed", prompts[0])
     warm.close_session(b"seed")
@@ -124,7 +105,7 @@ def test_concurrent_sessions_share_a_prefix_and_eviction_changes_nothing(
     # Under pressure: long prompts push each other out; every output stays the cold one.
     for n in range(3):
         long_prompt = [*text_tokens[n * 60 : n * 60 + 200], 42]
-        assert_same(greedy_rows(warm, b"long", long_prompt), greedy_rows(cold, b"long", long_prompt))
+        assert_same(greedy_rows(warm, b"long", long_prompt, STEPS), greedy_rows(cold, b"long", long_prompt, STEPS))
         assert index.held_bytes <= index.capacity_bytes
     assert len(index) <= 2
 
@@ -139,8 +120,8 @@ def test_a_conversations_next_turn_starts_from_the_ended_turn(
     assert index is not None
     prompt = text_tokens[: 4 * BLOCK + 3]
     answer_steps = 2 * BLOCK + 5
-    first_turn = greedy_rows(warm, b"turn-1", prompt, steps=answer_steps)
-    assert_same(first_turn, greedy_rows(cold, b"ref", prompt, steps=answer_steps))
+    first_turn = greedy_rows(warm, b"turn-1", prompt, answer_steps)
+    assert_same(first_turn, greedy_rows(cold, b"ref", prompt, answer_steps))
     answered = [int(np.argmax(row)) for row in first_turn]
     # The ended session's committed tokens: the prompt, then its answer (the last one not yet fed).
     history = [*prompt, *answered]
@@ -148,7 +129,7 @@ def test_a_conversations_next_turn_starts_from_the_ended_turn(
     assert index.covered(history[:-1]) == len(history) - 1
     next_turn = [*history, *text_tokens[5 * BLOCK : 5 * BLOCK + 11]]
     hits_before = index.hits
-    assert_same(greedy_rows(warm, b"turn-2", next_turn), greedy_rows(cold, b"turn-2", next_turn))
+    assert_same(greedy_rows(warm, b"turn-2", next_turn, STEPS), greedy_rows(cold, b"turn-2", next_turn, STEPS))
     assert index.hits - hits_before == len(history) - 1
 
 
@@ -171,7 +152,7 @@ def test_a_prefix_cached_while_its_session_still_extends_it_serves_another_sessi
         warm.commit(b"first", 0, [int(np.argmax(row[0]))])
     second = [*prompt, *text_tokens[-9:]]
     hits_before = index.hits
-    assert_same(greedy_rows(warm, b"second", second), greedy_rows(cold, b"second", second))
+    assert_same(greedy_rows(warm, b"second", second, STEPS), greedy_rows(cold, b"second", second, STEPS))
     assert index.hits - hits_before == len(prompt) - 1
     warm.close_session(b"first")
-    assert_same(first_rows, greedy_rows(cold, b"first", prompt))
+    assert_same(first_rows, greedy_rows(cold, b"first", prompt, STEPS))

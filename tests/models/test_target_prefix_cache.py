@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tests.models.greedy_rows import assert_same, greedy_rows
 
 from sdcp.models.registry import LoadedModel
 from sdcp.models.target import PREFILL_CHUNK_TOKENS, TargetModel
@@ -20,19 +21,6 @@ def target_of(loaded: LoadedModel, cache_bytes: int) -> TargetModel:
 
 def text(length: int, seed: int = 0) -> list[int]:
     return [(31 * i + 7 * seed) % 240 + 3 for i in range(length)]
-
-
-def greedy_rows(target: TargetModel, session: bytes, prompt: list[int]) -> list[np.ndarray]:
-    target.open_session(session, prompt)
-    rows = []
-    try:
-        for _ in range(STEPS):
-            (row,) = target.score([(session, ())])
-            rows.append(row[0].copy())
-            target.commit(session, 0, [int(np.argmax(row[0]))])
-    finally:
-        target.close_session(session)
-    return rows
 
 
 def paired_rows(target: TargetModel, prompts: list[list[int]]) -> list[list[np.ndarray]]:
@@ -55,11 +43,6 @@ def assert_same_passes(warm: TargetModel, cold: TargetModel, prompts: list[list[
         assert_same(got, expected)
 
 
-def assert_same(warm: list[np.ndarray], cold: list[np.ndarray]) -> None:
-    for step, (a, b) in enumerate(zip(warm, cold, strict=True)):
-        assert np.array_equal(a, b), f"row {step} differs"
-
-
 @pytest.fixture
 def cold(tiny_loaded: LoadedModel) -> TargetModel:
     # A cache that holds nothing: every prefill computes its prompt, in the same chunks.
@@ -73,12 +56,12 @@ def test_prompts_sharing_prefixes_of_every_length_decode_as_without_the_cache(
     index = warm.prefixes
     assert index is not None
     first = text(3 * CHUNK + 20)
-    assert_same(greedy_rows(warm, b"first", first), greedy_rows(cold, b"first", first))
+    assert_same(greedy_rows(warm, b"first", first, STEPS), greedy_rows(cold, b"first", first, STEPS))
     assert index.hits == 0 and len(index) == 1
     for shared in (CHUNK - 1, CHUNK, CHUNK + 17, 3 * CHUNK, 3 * CHUNK + 20):
         other = [*first[:shared], *text(30, seed=shared)]
         hits_before = index.hits
-        assert_same(greedy_rows(warm, b"other", other), greedy_rows(cold, b"other", other))
+        assert_same(greedy_rows(warm, b"other", other, STEPS), greedy_rows(cold, b"other", other, STEPS))
         # Whole chunks only, of what the two share.
         assert index.hits - hits_before == min(shared, len(other) - 1) // CHUNK * CHUNK
 
@@ -101,6 +84,6 @@ def test_concurrent_sessions_share_a_prefix_and_eviction_changes_nothing(
     small = target_of(tiny_loaded, one + one // 2)
     for seed in range(3):
         prompt = text(2 * CHUNK + 5, seed=100 + seed)
-        assert_same(greedy_rows(small, b"long", prompt), greedy_rows(cold, b"long", prompt))
+        assert_same(greedy_rows(small, b"long", prompt, STEPS), greedy_rows(cold, b"long", prompt, STEPS))
         small_index = small.prefixes
         assert small_index is not None and small_index.held_bytes <= small_index.capacity_bytes
