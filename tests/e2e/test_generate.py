@@ -260,7 +260,15 @@ def test_ctrl_c_in_generate_cancels_the_session(home: Path) -> None:
     # Counting goes on past any stop: the generation is still running when the signal comes (a
     # prose prompt's greedy text may end with the end-of-text token within the first lines).
     command = [sys.executable, "-m", "sdcp", "generate", COUNTING_PROMPT, "--max-new", "1500", "--temperature", "0"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    # Ctrl-C as in a terminal: a suite started as a background job (`make test &`, nohup) has SIGINT
+    # ignored, which `sdcp generate` would inherit, run to its end and exit 0.
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509 - before exec only
+    )
     assert process.stdout is not None
     os.set_blocking(process.stdout.fileno(), True)
     process.stdout.read(20)  # some text has streamed
