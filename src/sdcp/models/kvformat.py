@@ -44,12 +44,18 @@ def encode_kv(
     tokens: Sequence[int],
     layers: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> bytes:
+    header = {**_header(KV_FORMAT, KV_VERSION, model_digest, tokens), "layers": len(layers), "dtype": "float32"}
+    return _blob(header, encode_kv_layers(layers))
+
+
+def encode_kv_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bytes:
+    """The payload of `sdcp-target-kv`: float32 (1, H, L, D) keys and values per layer as
+    safetensors; also the torch prefix cache's entries (sdcp.models.target)."""
     tensors: dict[str, torch.Tensor] = {}
     for index, (keys, values) in enumerate(layers):
         tensors[f"layer.{index}.keys"] = keys[0].contiguous()
         tensors[f"layer.{index}.values"] = values[0].contiguous()
-    header = {**_header(KV_FORMAT, KV_VERSION, model_digest, tokens), "layers": len(layers), "dtype": "float32"}
-    return _blob(header, save_tensors(tensors))
+    return save_tensors(tensors)
 
 
 def decode_kv(
@@ -59,13 +65,20 @@ def decode_kv(
     header, payload = _checked_split(data, KV_FORMAT, KV_VERSION, model_digest, tokens)
     if header.get("dtype") != "float32":
         raise KVFormatError(f"KV blob dtype {header.get('dtype')!r} is not float32")
+    layers = header.get("layers")
+    if layers != len(expected):
+        raise KVFormatError(f"KV blob has {layers} layers, the model needs {len(expected)}")
+    return decode_kv_layers(payload, expected)
+
+
+def decode_kv_layers(payload: bytes, expected: LayerShapes) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (1, H, L, D) pairs of an `encode_kv_layers` payload, checked against ``expected``."""
     try:
         tensors = load_tensors(payload)
     except SafetensorError as exc:
         raise KVFormatError(f"KV blob payload is not valid safetensors: {exc}") from exc
-    layers = header.get("layers")
-    if layers != len(expected) or len(tensors) != 2 * len(expected):
-        raise KVFormatError(f"KV blob has {layers} layers, the model needs {len(expected)}")
+    if len(tensors) != 2 * len(expected):
+        raise KVFormatError(f"KV blob has {len(tensors)} tensors, the model needs {2 * len(expected)}")
     result = []
     for index, (key_shape, value_shape) in enumerate(expected):
         keys = tensors.get(f"layer.{index}.keys")

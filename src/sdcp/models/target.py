@@ -16,9 +16,6 @@ from functools import cached_property
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 from transformers import DynamicCache, PreTrainedModel
 
 from sdcp.cache.prefix import BLOCK_TOKENS, PrefixIndex
@@ -38,7 +35,7 @@ from sdcp.models.backend import (
 )
 from sdcp.models.digests import tokenizer_definition, tokenizer_digest, weights_digest
 from sdcp.models.errors import BadTokens, KVFormatError, ModelError, SessionExists
-from sdcp.models.kvformat import decode_kv, encode_kv
+from sdcp.models.kvformat import decode_kv, decode_kv_layers, encode_kv, encode_kv_layers
 from sdcp.models.packed import pack_weights, with_packed_linears
 from sdcp.models.ragged import RaggedBatchCache, SlotPass, supports_ragged_attention, use_ragged_attention
 
@@ -231,7 +228,7 @@ class TargetModel:
         length = served - served % PREFILL_CHUNK_TOKENS
         index.hits -= served - length
         try:
-            layers = _unpacked_kv(entry.data, self._kv_shapes(len(entry.tokens)))
+            layers = decode_kv_layers(entry.data, self._kv_shapes(len(entry.tokens)))
         except KVFormatError as exc:
             log.warning("target %s: a cached prefix's KV is unusable: %s", self.name, exc)
             index.hits -= length
@@ -257,7 +254,7 @@ class TargetModel:
             (keys[:, :, :length].to("cpu", torch.float32), values[:, :, :length].to("cpu", torch.float32))
             for keys, values in kvcache.layer_tensors(state.cache)
         ]
-        index.insert(prefix[:length], _packed_kv(layers), scope)
+        index.insert(prefix[:length], encode_kv_layers(layers), scope)
 
     def close_session(self, session: SessionId) -> None:
         with self._lock:
@@ -476,33 +473,3 @@ class TargetModel:
 
     def _checked_tokens(self, tokens: Sequence[int]) -> list[int]:
         return checked_tokens(tokens, self.vocab_size)
-
-
-def _packed_kv(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bytes:
-    """Per-layer keys and values as float32 safetensors (a prefix cache entry's blob)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for index, (keys, values) in enumerate(layers):
-        tensors[f"{index}.keys"] = keys.contiguous()
-        tensors[f"{index}.values"] = values.contiguous()
-    return save_tensors(tensors)
-
-
-def _unpacked_kv(
-    data: bytes, shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The layers of `_packed_kv`, checked against this model's KV shapes over the entry's tokens."""
-    try:
-        tensors = load_tensors(data)
-    except SafetensorError as exc:
-        raise KVFormatError(f"not safetensors: {exc}") from exc
-    layers = []
-    for index, (key_shape, value_shape) in enumerate(shapes):
-        keys, values = tensors.get(f"{index}.keys"), tensors.get(f"{index}.values")
-        if keys is None or values is None or tuple(keys.shape) != key_shape or tuple(values.shape) != value_shape:
-            raise KVFormatError(f"layer {index} is missing or of another shape")
-        if keys.dtype != torch.float32 or values.dtype != torch.float32:
-            raise KVFormatError(f"layer {index} is not float32")
-        layers.append((keys, values))
-    if len(tensors) != 2 * len(shapes):
-        raise KVFormatError(f"{len(tensors)} tensors for {len(shapes)} layers")
-    return layers
