@@ -13,14 +13,14 @@ llama.cpp's CPU kernels that holds, bit for bit, only with flash attention, a KV
 per sequence, fewer than 64 tokens of a sequence per llama_decode call and one thread for a ubatch
 of one token (docs/models.md, where the deviations are measured); this module keeps to that.
 
-With ``prefix_cache_bytes``, a prefill starts from the KV of the longest whole-block prefix of the
-prompt that the target holds (``sdcp.cache.prefix``, blocks of BLOCK_TOKENS): the KV an
-earlier prefill computed, or the committed tokens of a session that ended (an agent's next turn
-repeats its conversation so far). The sequence's state is restored from the stored blob, cut at the
-block boundary, and the rest is decoded. A cell's KV is a function of the tokens up to its position
-alone under the settings above, whatever calls computed it (each of fewer than 64 tokens of the
-sequence), so the restored cells are those a cold prefill computes, bit for bit, and rule 1's
-output is the same with and without the cache.
+With ``prefix_cache_bytes``, a prefill starts from the KV of the longest prefix of the prompt that
+the target holds (``sdcp.cache.prefix``, found by blocks of BLOCK_TOKENS): the KV an earlier
+prefill computed, or the committed tokens of a session that ended (an agent's next turn repeats its
+conversation so far). The sequence's state is restored from the stored blob, cut where the prompt
+and the stored tokens part, and the rest is decoded. A cell's KV is a function of the tokens up to
+its position alone under the settings above, whatever calls computed it (each of fewer than 64
+tokens of the sequence), so the restored cells are those a cold prefill computes, bit for bit, and
+rule 1's output is the same with and without the cache.
 """
 
 from __future__ import annotations
@@ -269,12 +269,7 @@ class LlamaCppTarget:
         whole: a scored proposal's positions go with it, and `import_kv` drops them."""
         with self._lock:
             state = self._session(session)
-            size = llama_cpp.llama_state_seq_get_size(self._context, state.seq_id)
-            buffer = (ctypes.c_uint8 * size)()
-            written = llama_cpp.llama_state_seq_get_data(self._context, buffer, size, state.seq_id)
-            # string_at copies the C buffer at once; slicing it makes a list of ints first (1 s at 1800 tokens).
-            state_bytes = ctypes.string_at(buffer, written)
-            return encode_llamacpp_kv(self.weights_digest, state.tokens, self._kv_layout, state_bytes)
+            return encode_llamacpp_kv(self.weights_digest, state.tokens, self._kv_layout, self._state_of(state))
 
     def close_session(self, session: SessionId) -> None:
         """Forget ``session``; the prefix cache keeps the KV of its committed tokens but the last
@@ -382,10 +377,15 @@ class LlamaCppTarget:
             or len(prefix) <= max(restored, index.covered(prefix, scope))
         ):
             return
+        index.insert(prefix, self._state_of(state), scope)
+
+    def _state_of(self, state: _Sequence) -> bytes:
+        """llama.cpp's state of the sequence, all its positions (`llama_state_seq_get_data`)."""
         size = llama_cpp.llama_state_seq_get_size(self._context, state.seq_id)
         buffer = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(self._context, buffer, size, state.seq_id)
-        index.insert(prefix, ctypes.string_at(buffer, written), scope)
+        # string_at copies the C buffer at once; slicing it makes a list of ints first (1 s at 1800 tokens).
+        return ctypes.string_at(buffer, written)
 
     def _add_session(self, session: SessionId, tokens: list[int]) -> _Sequence:
         if session in self._sessions:
