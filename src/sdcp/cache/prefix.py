@@ -32,6 +32,7 @@ __all__ = [
     "PrefixEntry",
     "PrefixIndex",
     "block_hashes",
+    "share_points",
     "shared_hashes",
     "tenant_scope",
 ]
@@ -64,12 +65,17 @@ def tenant_scope(tenant: str | None) -> bytes:
     return b"" if tenant is None else tenant.encode()
 
 
+def share_points(hashes: Sequence[bytes], block: int) -> list[tuple[int, bytes]]:
+    """Of the chained hashes of a prefix's blocks of ``block`` tokens, the length and hash at each
+    multiple of SHARE_TOKENS: the names under which verifiers share and report the prefix."""
+    step = SHARE_TOKENS // block
+    return [(index * SHARE_TOKENS, hashes[index * step - 1]) for index in range(1, len(hashes) // step + 1)]
+
+
 def shared_hashes(tokens: Sequence[int], *, salt: bytes, scope: bytes = b"") -> list[bytes]:
-    """The chained hash of ``tokens`` at each multiple of SHARE_TOKENS within them (blocks of
-    BLOCK_TOKENS): the names of their prefixes that verifiers share and report."""
+    """The names of ``tokens``'s prefixes at each multiple of SHARE_TOKENS (`share_points`)."""
     hashes = block_hashes(tokens, block=BLOCK_TOKENS, salt=salt, scope=scope)
-    step = SHARE_TOKENS // BLOCK_TOKENS
-    return hashes[step - 1 :: step]
+    return [name for _, name in share_points(hashes, BLOCK_TOKENS)]
 
 
 @dataclass(frozen=True)
@@ -184,10 +190,9 @@ class PrefixIndex:
     def reported(self, limit: int) -> list[bytes]:
         """The hashes at multiples of SHARE_TOKENS of the entries held, newest entry first, at most
         ``limit`` (what a verifier tells the router it holds). Safe from any thread: it reads a copy."""
-        step = SHARE_TOKENS // self.block
         found: list[bytes] = []
         for entry in reversed(list(self._entries.values())):
-            for digest in reversed(entry.hashes[step - 1 :: step]):
+            for _, digest in reversed(share_points(entry.hashes, self.block)):
                 if len(found) == limit:
                     return found
                 if digest not in found:

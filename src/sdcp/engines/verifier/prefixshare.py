@@ -12,9 +12,8 @@ what the object must hold. Its content is a map in deterministic CBOR, signed as
     {"model": digest, "tokenizer": digest, "scope": bytes, "tokens": [...], "kv": runtime blob,
      "writer": verifier URI, "cert": DER, "sig": signature}
 
-Using. Before a prefill whose prompt reaches further than the local cache by SHARE_TOKENS or more,
-the verifier asks the MLC for the names of the prompt's multiples of SHARE_TOKENS, longest first, at
-most MAX_PROBES of them. It takes an object only if its writer is a verifier its ``[trust]
+Using. Before a prefill, the verifier asks the MLC for the names of the prompt's multiples of
+SHARE_TOKENS past what the local cache holds of it, longest first, at most MAX_PROBES of them. It takes an object only if its writer is a verifier its ``[trust]
 verifiers`` names, the CA issued the certificate to that writer, the signature holds, the digests
 are its own, and the tokens hash to the name and begin the prompt; the blob then enters the local
 prefix cache and the prefill starts from it. Anything else is counted as refused and costs the
@@ -33,7 +32,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from sdcp.cache import MLC, CacheError, ObjectNotFound, build_uri
-from sdcp.cache.prefix import SHARE_TOKENS, PrefixEntry
+from sdcp.cache.prefix import PrefixEntry, share_points
 from sdcp.cache.uri import PREFIX_KV_KIND
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.rounds import RecordSign
@@ -114,10 +113,10 @@ class PrefixSharing:
         index = self._target.prefixes
         if index is None or self._sign is None:
             return
-        shared = len(entry.tokens) - len(entry.tokens) % SHARE_TOKENS
-        if shared == 0:
+        points = share_points(entry.hashes, index.block)
+        if not points:
             return
-        name = entry.hashes[shared // index.block - 1]
+        _, name = points[-1]
         if name in self._published:
             self._published.move_to_end(name)
             return
@@ -159,9 +158,9 @@ class PrefixSharing:
             held = await self._thread.run_async(index.covered, prefix, scope)
         except ModelThreadClosed:
             return
-        lengths = range(len(hashes) * index.block // SHARE_TOKENS * SHARE_TOKENS, held, -SHARE_TOKENS)
-        for length in list(lengths)[:MAX_PROBES]:
-            uri = prefix_object_uri(self._mlc.authority, hashes[length // index.block - 1])
+        longer = [(length, name) for length, name in reversed(share_points(hashes, index.block)) if length > held]
+        for length, name in longer[:MAX_PROBES]:
+            uri = prefix_object_uri(self._mlc.authority, name)
             try:
                 data = await self._mlc.get(uri)
             except ObjectNotFound:
