@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["BackgroundTasks", "shielded_unless_gone"]
+__all__ = ["BackgroundTasks", "cancelled_if", "shielded_unless_gone"]
 
 _T = TypeVar("_T")
 
@@ -24,6 +24,22 @@ async def shielded_unless_gone(work: Callable[[asyncio.Event], Coroutine[Any, An
         gone.set()
         task.add_done_callback(_dropped)
         raise
+
+
+async def cancelled_if(work: Coroutine[Any, Any, _T], leaving: Coroutine[Any, Any, object]) -> tuple[_T] | None:
+    """``work``'s result (in a 1-tuple; its error raised), or None where ``leaving`` ends first:
+    ``work`` is then cancelled, and awaited, so that a request it made is reset before this returns."""
+    done = asyncio.ensure_future(work)
+    left = asyncio.ensure_future(leaving)
+    try:
+        await asyncio.wait({done, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if done.done():
+        return (done.result(),)
+    done.cancel()
+    await asyncio.gather(done, return_exceptions=True)
+    return None
 
 
 def _dropped(task: asyncio.Future[Any]) -> None:

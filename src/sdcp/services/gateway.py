@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sdcp import __version__
 from sdcp.client import DEFAULT_M_MAX, ClusterClient, SessionHandle, build_contract
 from sdcp.config import ConfigError, ServiceConfig
+from sdcp.engines.tasks import cancelled_if
 from sdcp.protocol.messages import Action, TokenLogprob
 from sdcp.protocol.problems import BadContract, ProtocolError
 from sdcp.services.admin import AdminServer, Readiness
@@ -419,10 +420,15 @@ class GatewayNode:
                 )
             tenant = api_tenant(request.headers.get("authorization"), generation.user)
             with REQUESTS_OPENING.labels(self.uri).track_inprogress():
-                handles = await self._opened_unless_gone(request, self._open_all(generation, record.request_id, tenant))
-            if handles is None:
+                # A client that goes away first cancels the opening, and with it each session-open
+                # in flight (a long prompt's prefill stops).
+                opened = await cancelled_if(
+                    self._open_all(generation, record.request_id, tenant), _disconnected(request)
+                )
+            if opened is None:
                 record.outcome, record.note = "aborted", "the client went away while its sessions opened"
                 return Response(status_code=_CLIENT_GONE)
+            (handles,) = opened
         except OpenAIError as exc:
             record.note = exc.message
             return JSONResponse(exc.body(), status_code=exc.status)
@@ -495,24 +501,6 @@ class GatewayNode:
         if len(received) > _PARSE_INLINE_BYTES:
             return await asyncio.to_thread(_parsed, received)
         return _parsed(received)
-
-    @staticmethod
-    async def _opened_unless_gone(
-        request: Request, opening: Coroutine[Any, Any, list[SessionHandle]]
-    ) -> list[SessionHandle] | None:
-        """The sessions ``opening`` opens; None where the client goes away first: the opening is
-        then cancelled, and with it each session-open in flight (a long prompt's prefill stops)."""
-        opened = asyncio.ensure_future(opening)
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({opened, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if opened.done():
-            return opened.result()
-        opened.cancel()
-        await asyncio.gather(opened, return_exceptions=True)
-        return None
 
     async def _open_all(self, generation: Generation, request_id: str, tenant: str | None) -> list[SessionHandle]:
         """One session per choice; if one cannot be opened, those that were are cancelled. When no

@@ -36,7 +36,7 @@ from sdcp.engines.errors import OverQuota, RequesterGone, SessionNotFound, Unans
 from sdcp.engines.ports import RouterLink
 from sdcp.engines.router.sessions import SELF_DECODING, TrackedSession
 from sdcp.engines.router.store import SessionStore, Superseded
-from sdcp.engines.tasks import BackgroundTasks, shielded_unless_gone
+from sdcp.engines.tasks import BackgroundTasks, cancelled_if, shielded_unless_gone
 from sdcp.protocol.drafter import CONSTRAINED, PLAIN
 from sdcp.protocol.messages import (
     Action,
@@ -457,21 +457,17 @@ class RouterEngine:
         queued += self._opening.get(verifier, 0)
         deadline = self._open_deadline(len(plan.prompt) + queued)
         self._opening[verifier] = self._opening.get(verifier, 0) + len(plan.prompt)
-        opening = asyncio.ensure_future(self.link.open_session(verifier, plan.open_message(), timeout=deadline))
-        leaving = asyncio.ensure_future(gone.wait())
         try:
-            await asyncio.wait({opening, leaving}, return_when=asyncio.FIRST_COMPLETED)
+            opened = await cancelled_if(
+                self.link.open_session(verifier, plan.open_message(), timeout=deadline), gone.wait()
+            )
         finally:
-            leaving.cancel()
             self._opening[verifier] -= len(plan.prompt)
             if not self._opening[verifier]:
                 del self._opening[verifier]
-        if not opening.done():
-            opening.cancel()
-            await asyncio.gather(opening, return_exceptions=True)
+        if opened is None:
             self._tasks.spawn(self._cancel_abandoned(plan))
             raise RequesterGone(f"session {plan.session.hex()}: its front end went away during the session-open")
-        opening.result()
 
     async def event(self, tracked: TrackedSession, event: Event) -> None:
         """An event from the session's verifier (SDCP 6.5.2): switch reassigns the drafter; finish

@@ -13,11 +13,12 @@ what the object must hold. Its content is a map in deterministic CBOR, signed as
      "writer": verifier URI, "cert": DER, "sig": signature}
 
 Using. Before a prefill, the verifier asks the MLC for the names of the prompt's multiples of
-SHARE_TOKENS past what the local cache holds of it, longest first, at most MAX_PROBES of them. It takes an object only if its writer is a verifier its ``[trust]
-verifiers`` names, the CA issued the certificate to that writer, the signature holds, the digests
-are its own, and the tokens hash to the name and begin the prompt; the blob then enters the local
-prefix cache and the prefill starts from it. Anything else is counted as refused and costs the
-prefill only: a forged object never reaches llama.cpp's state reader, and never changes a token.
+SHARE_TOKENS past what the local cache holds of it, longest first, at most MAX_PROBES of them. It
+takes an object only if its writer is a verifier its ``[trust] verifiers`` names, the CA issued the
+certificate to that writer, the signature holds, the digests are its own, and the tokens hash to
+the name and begin the prompt; the blob then enters the local prefix cache and the prefill starts
+from it. Anything else is counted as refused and costs the prefill only: a forged object never
+reaches llama.cpp's state reader, and never changes a token.
 """
 
 from __future__ import annotations
