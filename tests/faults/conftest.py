@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 
 import pytest
 import torch
-from tests.faults.deployment import Deployment
+from tests.faults.deployment import Deployment, deployed
 from tests.faults.drive import PROMPT
-from tests.faults.testnet import leftover_namespaces
 
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
@@ -18,17 +15,8 @@ from sdcp.models.tiny import tiny_model, tiny_tokenizer
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    # Network namespaces need root and iproute2, loss iptables; CI has all three (.ci/run).
-    missing = [tool for tool in ("ip", "iptables", "redis-server") if shutil.which(tool) is None]
-    assert os.geteuid() == 0 and not missing, f"the fault tests need root and {missing or 'nothing else'}"
-    stale = leftover_namespaces()
-    assert not stale, f"namespaces left by an earlier run: {stale} (scripts/testnet down)"
-    deployment = Deployment(tmp_path_factory.mktemp("faults"))
-    try:
-        deployment.up()
+    with deployed(tmp_path_factory.mktemp("faults")) as deployment:
         yield deployment
-    finally:
-        deployment.down()
 
 
 @pytest.fixture(scope="module")

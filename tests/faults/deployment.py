@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.faults.testnet import Testnet
+from tests.faults.testnet import Testnet, remove_orphaned_namespaces
 
 from sdcp.cache.redis_acl import ADMIN, ROLE_USERS, acl_file_text, ensure_passwords
 from sdcp.transport.certs import make_certs
@@ -43,6 +45,21 @@ STARTUP_S = 600.0
 POLL_S = 0.2
 REPO = Path(__file__).resolve().parents[2]
 REDIS_PREFIX = "sdcp:mlc:"
+
+
+@contextmanager
+def deployed(tmp: Path, routers: tuple[str, ...] = ("router",)) -> Iterator[Deployment]:
+    """A deployment up for the length of the block, on namespaces removed after it, whatever happens."""
+    # Network namespaces need root and iproute2, loss iptables; CI has all three (.ci/run).
+    missing = [tool for tool in ("ip", "iptables", "redis-server") if shutil.which(tool) is None]
+    assert os.geteuid() == 0 and not missing, f"the fault tests need root and {missing or 'nothing else'}"
+    remove_orphaned_namespaces()
+    deployment = Deployment(tmp, routers=routers)
+    try:
+        deployment.up()
+        yield deployment
+    finally:
+        deployment.down()
 
 
 @dataclass

@@ -6,31 +6,20 @@ their verifier falls back to it) and fails them over. Every session ends with th
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from collections.abc import Iterator
 
 import pytest
-from tests.faults.deployment import INSTANCES, Deployment
+from tests.faults.deployment import INSTANCES, Deployment, deployed
 from tests.faults.test_faults import HUNG_S, SESSIONS, _check_outputs, _check_running, _record, _start
-from tests.faults.testnet import leftover_namespaces
 
 pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    missing = [tool for tool in ("ip", "iptables", "redis-server") if shutil.which(tool) is None]
-    assert os.geteuid() == 0 and not missing, f"the fault tests need root and {missing or 'nothing else'}"
-    stale = leftover_namespaces()
-    assert not stale, f"namespaces left by an earlier run: {stale} (scripts/testnet down)"
-    deployment = Deployment(tmp_path_factory.mktemp("faults-routers"), routers=("router", "router-b"))
-    try:
-        deployment.up()
+    with deployed(tmp_path_factory.mktemp("faults-routers"), routers=("router", "router-b")) as deployment:
         yield deployment
-    finally:
-        deployment.down()
 
 
 @pytest.mark.parametrize("victim", ["router", "router-b"])

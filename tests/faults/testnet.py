@@ -20,7 +20,7 @@ from pathlib import Path
 from tests.faults.delay import LISTENING
 from tests.faults.delay import MARK as RELAY_MARK
 
-__all__ = ["SUBNET", "Testnet"]
+__all__ = ["SUBNET", "Testnet", "remove_orphaned_namespaces"]
 
 SUBNET = "10.213.0"
 _FIRST_HOST = 10
@@ -33,11 +33,22 @@ def _run(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, timeout=30)
 
 
+# Namespaces are named sdcp-OWNER-NONCE-HOST: OWNER is the process id of the test run that made
+# them, or HAND_OWNER for scripts/testnet's, which only `scripts/testnet down` removes.
+_PREFIX = "sdcp-"
+HAND_OWNER = "hand"
+
+
 @dataclass
 class Testnet:
     hosts: Sequence[str]
-    tag: str = field(default_factory=lambda: os.urandom(3).hex())
+    owner: str = field(default_factory=lambda: str(os.getpid()))
+    nonce: str = field(default_factory=lambda: os.urandom(3).hex())
     _up: bool = False
+
+    @property
+    def tag(self) -> str:
+        return f"{self.owner}-{self.nonce}"
 
     @property
     def switch(self) -> str:
@@ -130,7 +141,33 @@ class Testnet:
         self._up = False
 
 
-def leftover_namespaces() -> list[str]:
-    """Namespaces a test left behind (a run killed before its cleanup)."""
+def our_namespaces() -> list[str]:
+    """Every namespace a test or scripts/testnet made, whoever made it."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    return [line.split()[0] for line in listed.splitlines() if line.startswith("sdcp-")]
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(_PREFIX)]
+
+
+def _owner_alive(namespace: str) -> bool:
+    owner = namespace.removeprefix(_PREFIX).split("-", 1)[0]
+    if owner == HAND_OWNER:
+        return True
+    if not owner.isdigit():
+        return False
+    try:
+        os.kill(int(owner), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_orphaned_namespaces() -> list[str]:
+    """Deletes the namespaces of test runs that were killed before their cleanup, and says which.
+
+    A run still going keeps its own: two runs on one machine never meet, each has its own switch.
+    """
+    orphans = [namespace for namespace in our_namespaces() if not _owner_alive(namespace)]
+    for namespace in orphans:
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+    return orphans
