@@ -947,14 +947,16 @@ def bench(
     llama_server: Path = typer.Option(
         None,
         "--llama-server",
-        help="The llama-server binary of the agent workload (default: built once from the installed "
+        help="The llama-server binary of the agent and serving workloads (default: built once from the installed "
         "llama-cpp-python's llama.cpp source).",
     ),
 ) -> None:
     """Benchmark target-only, transformers speculative, SDCP in-process, SDCP end to end, and the
     default `sdcp up` cluster through its OpenAI gateway (what a user runs). `--workloads agent`
     runs the agent workload instead: the default cluster with and without its prefix cache against
-    llama-server, streamed chat requests with a long shared system prompt (agent.md)."""
+    llama-server, streamed chat requests with a long shared system prompt (agent.md);
+    `--workloads serving` runs short streamed chat questions at 1, 4 and 16 streams (`--concurrency`)
+    against llama-server with 16 slots (serving.md)."""
     from sdcp.bench import BenchConfig, BenchInputError, run_bench
     from sdcp.bench.report import write_report
     from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR
@@ -967,6 +969,9 @@ def bench(
             levels = tuple(int(level) for level in concurrency.split(",")) if concurrency else None
         except ValueError:
             fail(f"--concurrency must be comma-separated integers, got {concurrency!r}")
+        if _names(workloads) == ("serving",):
+            _serving_bench(out, max_new, per_workload, levels, llama_server, _names(systems))
+            return
         config = BenchConfig(
             out=out,
             model=model,
@@ -1005,6 +1010,27 @@ def _agent_bench(
         except BenchInputError as exc:
             fail(str(exc))
     typer.echo((out / "agent.md").read_text(encoding="utf-8"))
+
+
+def _serving_bench(
+    out: Path,
+    max_new: int | None,
+    questions: int | None,
+    streams: tuple[int, ...] | None,
+    llama_server: Path | None,
+    systems: tuple[str, ...] | None,
+) -> None:
+    from sdcp.bench.serving import STREAMS, ServingConfig, run_serving_bench
+    from sdcp.bench.workloads import BenchInputError
+
+    config = ServingConfig(out, max_new or 96, questions, streams or STREAMS, llama_server)
+    if systems is not None:
+        config = ServingConfig(out, config.max_tokens, questions, config.streams, llama_server, systems)
+    try:
+        run_serving_bench(config, lambda message: typer.echo(message, err=True))
+    except BenchInputError as exc:
+        fail(str(exc))
+    typer.echo((out / "serving.md").read_text(encoding="utf-8"))
 
 
 def _names(text: str | None) -> tuple[str, ...] | None:

@@ -14,7 +14,6 @@ from sdcp.bench.agent import (
     SDCP_NO_CACHE,
     AgentConfig,
     SystemRun,
-    Turn,
     agent_markdown,
     agent_requests,
     chat_messages,
@@ -22,6 +21,7 @@ from sdcp.bench.agent import (
     results_of,
 )
 from sdcp.bench.llama_server import llama_server_binary
+from sdcp.bench.streamed import Turn
 from sdcp.bench.workloads import BenchInputError
 from sdcp.home import sdcp_home
 from sdcp.models.fetch import fetch_smollm2

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from sdcp.bench.llama_server import LlamaServer, llama_server_binary
+from sdcp.bench.streamed import BENCH_MODEL, TURN_TIMEOUT_S, Turn, percentile, start_default_cluster, stream_chat
 from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError
 from sdcp.cluster import LocalCluster
-from sdcp.home import sdcp_home
 from sdcp.models.fetch import fetch_smollm2, smollm2_gguf
 from sdcp.threads import usable_cores
 
@@ -47,7 +47,6 @@ __all__ = [
     "AgentConfig",
     "AgentWorkload",
     "SystemRun",
-    "Turn",
     "agent_markdown",
     "agent_requests",
     "chat_messages",
@@ -60,8 +59,6 @@ AGENT_FILE = "agent.json"
 SDCP = "sdcp"
 SDCP_NO_CACHE = "sdcp_no_prefix_cache"
 LLAMA_SERVER = "llama_server"
-_MODEL = "smollm2"
-_TURN_TIMEOUT_S = 600.0
 CONCURRENT = 16
 
 
@@ -119,53 +116,6 @@ def chat_messages(system: str, user_turns: tuple[str, ...], answers: list[str]) 
     return messages
 
 
-@dataclass
-class Turn:
-    label: str
-    first_token_ms: float | None
-    seconds: float
-    text: str
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-
-def stream_chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> Turn:
-    """POST a streamed greedy chat completion and read it to its end, timed by the client."""
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    request = urllib.request.Request(
-        f"{url}/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    started = time.perf_counter()
-    first: float | None = None
-    pieces: list[str] = []
-    usage: dict[str, Any] = {}
-    with urllib.request.urlopen(request, timeout=_TURN_TIMEOUT_S) as response:  # noqa: S310 - loopback
-        for line in response:
-            data = line.removeprefix(b"data: ").strip()
-            if not data or data == b"[DONE]":
-                continue
-            chunk = json.loads(data)
-            for choice in chunk.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    if first is None:
-                        first = 1000 * (time.perf_counter() - started)
-                    pieces.append(text)
-            usage = chunk.get("usage") or usage
-    seconds = time.perf_counter() - started
-    return Turn("", first, seconds, "".join(pieces), usage.get("prompt_tokens"), usage.get("completion_tokens"))
-
-
 @dataclass(frozen=True)
 class AgentConfig:
     out: Path
@@ -204,7 +154,10 @@ def run_agent_bench(config: AgentConfig, log: Callable[[str], None]) -> dict[str
         for name in (SDCP, SDCP_NO_CACHE):
             if name in config.systems:
                 log(f"starting {name}")
-                runs.append(_start_cluster(config.out / name, name, clusters))
+                settings = {"verifier": {"prefix_cache_bytes": 0}} if name == SDCP_NO_CACHE else None
+                started = start_default_cluster(config.out / name, settings)
+                clusters.append(started.cluster)
+                runs.append(SystemRun(name, started.gateway, BENCH_MODEL, metrics_url=started.verifier_metrics))
         if binary is not None:
             log("starting llama_server")
             server = LlamaServer(
@@ -215,7 +168,7 @@ def run_agent_bench(config: AgentConfig, log: Callable[[str], None]) -> dict[str
                 context=4096,
                 log_file=config.out / "llama-server.log",
             ).__enter__()
-            runs.append(SystemRun(LLAMA_SERVER, server.url, _MODEL))
+            runs.append(SystemRun(LLAMA_SERVER, server.url, BENCH_MODEL))
         for index, request in enumerate(agent_requests(workload, turns=config.turns)):
             order = runs[index % len(runs) :] + runs[: index % len(runs)]
             for run in order:
@@ -246,23 +199,6 @@ def run_agent_bench(config: AgentConfig, log: Callable[[str], None]) -> dict[str
     return results
 
 
-def _start_cluster(home: Path, name: str, clusters: list[LocalCluster]) -> SystemRun:
-    home.mkdir(parents=True, exist_ok=True)
-    models = home / "models"
-    fetched = sdcp_home() / "models"
-    if not models.exists():
-        models.symlink_to(fetched.resolve(), target_is_directory=True)
-    cluster = LocalCluster(home)
-    clusters.append(cluster)
-    settings = {"verifier": {"prefix_cache_bytes": 0}} if name == SDCP_NO_CACHE else None
-    cluster.up(model=_MODEL, gateway_port=0, role_settings=settings)
-    gateway = cluster.gateway
-    verifier = next(instance for instance in cluster.instances() if instance.role == "verifier")
-    if gateway is None or verifier.admin is None:
-        raise BenchInputError(f"the cluster under {home} has no gateway or no verifier admin listener")
-    return SystemRun(name, gateway, _MODEL, metrics_url=f"{verifier.admin}/metrics")
-
-
 def _restarted_verifier_turn(
     cluster: LocalCluster, run: SystemRun, workload: AgentWorkload, config: AgentConfig, log: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -288,7 +224,7 @@ def _restarted_verifier_turn(
 
 def _first_served_turn(run: SystemRun, workload: AgentWorkload, config: AgentConfig) -> Turn:
     messages = chat_messages(workload.system, (workload.turns[-1],), [])
-    deadline = time.monotonic() + _TURN_TIMEOUT_S
+    deadline = time.monotonic() + TURN_TIMEOUT_S
     while True:
         try:
             return stream_chat(run.url, run.model, messages, config.max_tokens)
@@ -346,7 +282,7 @@ def _concurrent_conversations(
         "failures": [repr(error)[:300] for error in failed],
         "identical_to_quiet": same,
         "first_token_ms_p50": statistics.median(first) if first else None,
-        "first_token_ms_p99": _percentile(first, 0.99),
+        "first_token_ms_p99": percentile(first, 0.99),
     }
 
 
@@ -363,13 +299,6 @@ def _prefix_cache_figures(metrics_url: str) -> dict[str, float]:
     return figures
 
 
-def _percentile(values: list[float], share: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
-
-
 def results_of(config: AgentConfig, runs: list[SystemRun]) -> dict[str, Any]:
     systems: dict[str, Any] = {}
     for run in runs:
@@ -378,9 +307,9 @@ def results_of(config: AgentConfig, runs: list[SystemRun]) -> dict[str, Any]:
         whole = [1000 * turn.seconds for turn in later]
         figures: dict[str, Any] = {
             "first_token_ms_p50": statistics.median(first) if first else None,
-            "first_token_ms_p99": _percentile(first, 0.99),
+            "first_token_ms_p99": percentile(first, 0.99),
             "turn_ms_p50": statistics.median(whole) if whole else None,
-            "turn_ms_p99": _percentile(whole, 0.99),
+            "turn_ms_p99": percentile(whole, 0.99),
             "cold_first_token_ms": run.turns[0].first_token_ms if run.turns else None,
             "turns": [asdict(turn) for turn in run.turns],
         }

@@ -1,0 +1,295 @@
+"""The ``serving`` workload (issue #38): what a chat user sends an OpenAI endpoint, against llama-server on
+the same GGUF and threads.
+
+Short everyday questions (``prompts/serving.txt``, held out: nothing is tuned on them), each a streamed
+greedy chat completion of ``max_tokens`` tokens, at 1, 4 and 16 streams at once (``STREAMS``): at a
+level of N streams, N clients each send their share of the questions one after another. The systems
+take turns level by level, the order rotating, so that neither always runs on a warmer or cooler
+machine. llama-server runs with 16 slots (``--parallel 16``), as a user serving 16 streams starts it.
+
+Figures per system and level: time to first token p50 and p99 (from sending the request to the first
+chunk with text), aggregate tokens/s (completion tokens over the level's wall time) and tokens/s per
+stream after its first token. Rule 1 (issue #38, item 6): per question, whether the cluster's one-stream
+text equals llama-server's, and where not, the token where they part and llama-server's margin there
+(its top logprob over the runner-up's, from a non-streamed request with ``top_logprobs``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdcp.bench.llama_server import LlamaServer, llama_server_binary
+from sdcp.bench.streamed import BENCH_MODEL, TURN_TIMEOUT_S, Turn, percentile, start_default_cluster, stream_chat
+from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError, parse_prompts
+from sdcp.cluster import LocalCluster
+from sdcp.models.fetch import fetch_smollm2, smollm2_gguf
+from sdcp.threads import usable_cores
+
+__all__ = [
+    "LLAMA_SERVER",
+    "SDCP",
+    "STREAMS",
+    "ServingConfig",
+    "Parting",
+    "parting",
+    "run_serving_bench",
+    "serving_figures",
+    "serving_markdown",
+]
+
+SERVING_FILE = "serving.txt"
+SDCP = "sdcp"
+LLAMA_SERVER = "llama_server"
+STREAMS = (1, 4, 16)
+_SLOTS = 16
+_SLOT_CONTEXT = 1024
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    out: Path
+    max_tokens: int = 96
+    questions: int | None = None
+    streams: tuple[int, ...] = STREAMS
+    llama_server: Path | None = None
+    systems: tuple[str, ...] = (SDCP, LLAMA_SERVER)
+
+
+@dataclass
+class Level:
+    streams: int
+    seconds: float
+    turns: list[Turn] = field(default_factory=list)
+
+
+def load_questions(prompts_dir: Path = DEFAULT_PROMPTS_DIR, count: int | None = None) -> tuple[str, ...]:
+    path = prompts_dir / SERVING_FILE
+    try:
+        questions = parse_prompts(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise BenchInputError(f"{path}: {exc.strerror or exc}") from exc
+    if not questions:
+        raise BenchInputError(f"{path} holds no question")
+    return questions[:count] if count else questions
+
+
+def run_level(url: str, questions: tuple[str, ...], streams: int, max_tokens: int) -> Level:
+    """``streams`` clients at once, each asking every ``streams``-th question in turn."""
+
+    def client(offset: int) -> list[Turn]:
+        turns = []
+        for index in range(offset, len(questions), streams):
+            turn = stream_chat(url, BENCH_MODEL, [{"role": "user", "content": questions[index]}], max_tokens)
+            turn.label = f"question {index + 1}"
+            turns.append(turn)
+        return turns
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=streams) as pool:
+        shares = list(pool.map(client, range(streams)))
+    seconds = time.perf_counter() - started
+    turns = sorted((turn for share in shares for turn in share), key=lambda turn: int(turn.label.split()[1]))
+    return Level(streams, seconds, turns)
+
+
+def serving_figures(level: Level) -> dict[str, Any]:
+    first = [turn.first_token_ms for turn in level.turns if turn.first_token_ms is not None]
+    tokens = sum(turn.completion_tokens or 0 for turn in level.turns)
+    after_first = [
+        (turn.completion_tokens - 1) / (turn.seconds - turn.first_token_ms / 1000)
+        for turn in level.turns
+        if turn.completion_tokens and turn.completion_tokens > 1 and turn.first_token_ms is not None
+    ]
+    return {
+        "streams": level.streams,
+        "requests": len(level.turns),
+        "first_token_ms_p50": statistics.median(first) if first else None,
+        "first_token_ms_p99": percentile(first, 0.99),
+        "aggregate_tokens_per_s": tokens / level.seconds if level.seconds > 0 else None,
+        "stream_tokens_per_s_p50": statistics.median(after_first) if after_first else None,
+        "completion_tokens": tokens,
+        "seconds": level.seconds,
+    }
+
+
+@dataclass(frozen=True)
+class Parting:
+    """Where one text leaves llama-server's: llama-server's token index and text there, and its margin
+    (top logprob minus the runner-up's; a small one is a near tie that arithmetic order decides)."""
+
+    token: int
+    expected: str
+    margin: float | None
+
+
+def parting(text: str, reference: list[dict[str, Any]]) -> Parting | None:
+    """Where ``text`` stops following ``reference`` (llama-server's logprobs content, token by token);
+    None where it follows it to the end of either."""
+    offset = 0
+    for index, entry in enumerate(reference):
+        piece = str(entry.get("token", ""))
+        if text[offset : offset + len(piece)] != piece:
+            if offset >= len(text):
+                return None
+            top = sorted((float(alt["logprob"]) for alt in entry.get("top_logprobs") or []), reverse=True)
+            margin = top[0] - top[1] if len(top) > 1 else None
+            return Parting(index, piece, margin)
+        offset += len(piece)
+    return None
+
+
+def _reference(url: str, question: str, max_tokens: int) -> list[dict[str, Any]]:
+    body = {
+        "model": BENCH_MODEL,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    request = urllib.request.Request(
+        f"{url}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=TURN_TIMEOUT_S) as response:  # noqa: S310 - loopback
+        answer = json.loads(response.read())
+    content = ((answer.get("choices") or [{}])[0].get("logprobs") or {}).get("content") or []
+    return list(content)
+
+
+def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict[str, Any]:
+    """Run every system at every level; write serving.json and serving.md under ``config.out``."""
+    unknown = set(config.systems) - {SDCP, LLAMA_SERVER}
+    if unknown:
+        raise BenchInputError(f"serving workload: unknown systems {sorted(unknown)}")
+    if any(streams < 1 for streams in config.streams):
+        raise BenchInputError("serving workload: stream counts must be at least 1")
+    questions = load_questions(count=config.questions)
+    fetch_smollm2()
+    config.out.mkdir(parents=True, exist_ok=True)
+    binary = llama_server_binary(config.llama_server, log) if LLAMA_SERVER in config.systems else None
+    urls: dict[str, str] = {}
+    cluster: LocalCluster | None = None
+    server: LlamaServer | None = None
+    levels: dict[str, list[Level]] = {}
+    agreement: list[dict[str, Any]] = []
+    try:
+        if SDCP in config.systems:
+            log("starting sdcp")
+            started = start_default_cluster(config.out / SDCP)
+            cluster, urls[SDCP] = started.cluster, started.gateway
+        if binary is not None:
+            log("starting llama_server")
+            server = LlamaServer(
+                binary,
+                smollm2_gguf(),
+                threads=usable_cores(),
+                slots=_SLOTS,
+                context=_SLOT_CONTEXT,
+                log_file=config.out / "llama-server.log",
+            ).__enter__()
+            urls[LLAMA_SERVER] = server.url
+        names = list(urls)
+        for number, streams in enumerate(config.streams):
+            for name in names[number % len(names) :] + names[: number % len(names)]:
+                level = run_level(urls[name], questions, streams, config.max_tokens)
+                levels.setdefault(name, []).append(level)
+                figures = serving_figures(level)
+                log(f"{name:>14} {streams:>2} streams: first token p50 {figures['first_token_ms_p50'] or 0:7.0f} ms, "
+                    f"{figures['aggregate_tokens_per_s'] or 0:6.1f} tokens/s")  # fmt: skip
+        if SDCP in levels and LLAMA_SERVER in urls:
+            one = next(level for level in levels[SDCP] if level.streams == min(config.streams))
+            for question, turn in zip(questions, one.turns, strict=True):
+                where = parting(turn.text, _reference(urls[LLAMA_SERVER], question, config.max_tokens))
+                agreement.append({"question": question, "same": where is None, "parting": where and asdict(where)})
+    finally:
+        if server is not None:
+            server.__exit__(None, None, None)
+        if cluster is not None:
+            cluster.down()
+    results = serving_results(config, levels, agreement)
+    (config.out / "serving.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    (config.out / "serving.md").write_text(serving_markdown(results), encoding="utf-8")
+    return results
+
+
+def serving_results(
+    config: ServingConfig, levels: dict[str, list[Level]], agreement: list[dict[str, Any]]
+) -> dict[str, Any]:
+    systems: dict[str, dict[str, Any]] = {
+        name: {
+            "levels": [serving_figures(level) for level in runs],
+            "turns": {level.streams: [asdict(turn) for turn in level.turns] for level in runs},
+        }
+        for name, runs in levels.items()
+    }
+    ratios: dict[str, dict[str, float]] = {}
+    if SDCP in systems and LLAMA_SERVER in systems:
+        for ours, theirs in zip(systems[SDCP]["levels"], systems[LLAMA_SERVER]["levels"], strict=True):
+            pair: dict[str, float] = {}
+            if ours["first_token_ms_p50"] and theirs["first_token_ms_p50"]:
+                first = ours["first_token_ms_p50"] / theirs["first_token_ms_p50"]
+                pair["first_token_p50_sdcp_over_llama_server"] = first
+            if ours["aggregate_tokens_per_s"] and theirs["aggregate_tokens_per_s"]:
+                pair["tokens_per_s_sdcp_over_llama_server"] = (
+                    ours["aggregate_tokens_per_s"] / theirs["aggregate_tokens_per_s"]
+                )
+            ratios[str(ours["streams"])] = pair
+    return {
+        "workload": "serving",
+        "max_tokens": config.max_tokens,
+        "threads": usable_cores(),
+        "ratios_by_streams": ratios,
+        "same_as_llama_server": agreement,
+        "systems": systems,
+    }
+
+
+def serving_markdown(results: dict[str, Any]) -> str:
+    lines = [
+        "# serving workload",
+        "",
+        f"Streamed greedy chat, max_tokens {results['max_tokens']}, {results['threads']} threads; "
+        "llama-server with 16 slots.",
+        "",
+        "| system | streams | first token p50 (ms) | p99 | aggregate tokens/s | per stream tokens/s p50 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, system in results["systems"].items():
+        for figures in system["levels"]:
+            cells = [
+                figures["first_token_ms_p50"],
+                figures["first_token_ms_p99"],
+                figures["aggregate_tokens_per_s"],
+                figures["stream_tokens_per_s_p50"],
+            ]
+            shown = ["-" if value is None else f"{value:.1f}" if index > 1 else f"{value:.0f}"
+                     for index, value in enumerate(cells)]  # fmt: skip
+            lines.append(f"| {name} | {figures['streams']} | {' | '.join(shown)} |")
+    lines.append("")
+    for streams, pair in results["ratios_by_streams"].items():
+        ratios = ", ".join(f"{key.replace('_', ' ')} {value:.2f}" for key, value in pair.items())
+        lines.append(f"- {streams} streams: {ratios}")
+    agreement = results["same_as_llama_server"]
+    if agreement:
+        same = sum(1 for entry in agreement if entry["same"])
+        lines.append(f"- one-stream outputs equal to llama-server's greedy output: {same} of {len(agreement)}")
+        for entry in agreement:
+            where = entry["parting"]
+            if where:
+                margin = "-" if where["margin"] is None else f"{where['margin']:.3f}"
+                lines.append(
+                    f"  - {entry['question']!r}: parts at token {where['token']} "
+                    f"(llama-server: {where['expected']!r}, margin {margin})"
+                )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,101 @@
+"""What the OpenAI-facing workloads share: a streamed chat request timed by its client, the default
+`sdcp up` cluster started for a bench, percentiles."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sdcp.bench.workloads import BenchInputError
+from sdcp.cluster import LocalCluster
+from sdcp.home import sdcp_home
+
+__all__ = ["BENCH_MODEL", "ClusterRun", "Turn", "percentile", "start_default_cluster", "stream_chat"]
+
+BENCH_MODEL = "smollm2"
+TURN_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Turn:
+    label: str
+    first_token_ms: float | None
+    seconds: float
+    text: str
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def stream_chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> Turn:
+    """POST a streamed greedy chat completion and read it to its end, timed by the client."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    request = urllib.request.Request(
+        f"{url}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    started = time.perf_counter()
+    first: float | None = None
+    pieces: list[str] = []
+    usage: dict[str, Any] = {}
+    with urllib.request.urlopen(request, timeout=TURN_TIMEOUT_S) as response:  # noqa: S310 - loopback
+        for line in response:
+            data = line.removeprefix(b"data: ").strip()
+            if not data or data == b"[DONE]":
+                continue
+            chunk = json.loads(data)
+            for choice in chunk.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    if first is None:
+                        first = 1000 * (time.perf_counter() - started)
+                    pieces.append(text)
+            usage = chunk.get("usage") or usage
+    seconds = time.perf_counter() - started
+    return Turn("", first, seconds, "".join(pieces), usage.get("prompt_tokens"), usage.get("completion_tokens"))
+
+
+def percentile(values: list[float], share: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+
+
+@dataclass(frozen=True)
+class ClusterRun:
+    cluster: LocalCluster
+    gateway: str
+    verifier_metrics: str
+
+
+def start_default_cluster(home: Path, role_settings: dict[str, dict[str, Any]] | None = None) -> ClusterRun:
+    """`sdcp up` under ``home`` on the bundled model (the fetched one, linked), gateway on a free port.
+    The caller takes the cluster down."""
+    home.mkdir(parents=True, exist_ok=True)
+    models = home / "models"
+    if not models.exists():
+        models.symlink_to((sdcp_home() / "models").resolve(), target_is_directory=True)
+    cluster = LocalCluster(home)
+    try:
+        cluster.up(model=BENCH_MODEL, gateway_port=0, role_settings=role_settings)
+        gateway = cluster.gateway
+        verifier = next(instance for instance in cluster.instances() if instance.role == "verifier")
+        if gateway is None or verifier.admin is None:
+            raise BenchInputError(f"the cluster under {home} has no gateway or no verifier admin listener")
+    except BaseException:
+        cluster.down()
+        raise
+    return ClusterRun(cluster, gateway, f"{verifier.admin}/metrics")

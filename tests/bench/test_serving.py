@@ -1,0 +1,70 @@
+"""The serving workload's questions, figures, rule-1 comparison and report (sdcp.bench.serving); the
+runs themselves are `sdcp bench --workloads serving`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sdcp.bench.serving import (
+    Level,
+    ServingConfig,
+    load_questions,
+    parting,
+    serving_figures,
+    serving_markdown,
+    serving_results,
+)
+from sdcp.bench.streamed import Turn
+from sdcp.bench.workloads import BenchInputError
+
+
+def _entry(token: str, top: float, runner_up: float) -> dict[str, object]:
+    return {"token": token, "top_logprobs": [{"logprob": runner_up}, {"logprob": top}]}
+
+
+def test_the_shipped_questions_are_short_and_held_out() -> None:
+    questions = load_questions()
+    assert len(questions) >= 16 and all(len(question) < 100 for question in questions)
+    others = (Path(__file__).parents[2] / "src/sdcp/bench/prompts").glob("*.txt")
+    for other in others:
+        if other.name != "serving.txt":
+            assert not set(questions) & set(other.read_text(encoding="utf-8").split("\n")), other.name
+
+
+def test_a_missing_question_file_is_a_bench_input_error(tmp_path: Path) -> None:
+    with pytest.raises(BenchInputError, match="serving.txt"):
+        load_questions(tmp_path)
+
+
+def test_parting_names_the_reference_token_and_its_margin() -> None:
+    reference = [_entry("The", -0.1, -3.0), _entry(" lib", -0.70, -0.72), _entry("rary", -0.01, -6.0)]
+    assert parting("The library", reference) is None
+    # A text that ends early follows the reference as far as it goes.
+    assert parting("The lib", reference) is None
+    where = parting("The libr", reference)
+    assert where is not None and where.token == 2 and where.expected == "rary"
+    where = parting("The book", reference)
+    assert where is not None and where.token == 1 and where.expected == " lib"
+    assert where.margin == pytest.approx(0.02)
+
+
+def test_figures_and_report_put_the_systems_side_by_side(tmp_path: Path) -> None:
+    def level(streams: int, first_ms: float, seconds: float) -> Level:
+        turns = [Turn(f"question {n}", first_ms, 1.0, "text", 10, 96) for n in range(1, 5)]
+        return Level(streams, seconds, turns)
+
+    figures = serving_figures(level(4, 20.0, 2.0))
+    assert figures["first_token_ms_p50"] == 20.0 and figures["aggregate_tokens_per_s"] == 4 * 96 / 2.0
+    assert figures["stream_tokens_per_s_p50"] == pytest.approx(95 / 0.98)
+    levels = {"sdcp": [level(1, 30.0, 4.0)], "llama_server": [level(1, 15.0, 2.0)]}
+    agreement = [{"question": "q", "same": False, "parting": {"token": 3, "expected": " lib", "margin": 0.03}}]
+    results = serving_results(ServingConfig(tmp_path), levels, agreement)
+    assert results["ratios_by_streams"]["1"] == {
+        "first_token_p50_sdcp_over_llama_server": 2.0,
+        "tokens_per_s_sdcp_over_llama_server": 0.5,
+    }
+    text = serving_markdown(results)
+    assert "| sdcp | 1 | 30 | 30 | 96.0 |" in text and "equal to llama-server's greedy output: 0 of 1" in text
+    assert "parts at token 3 (llama-server: ' lib', margin 0.030)" in text
