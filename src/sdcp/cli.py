@@ -955,8 +955,8 @@ def bench(
     default `sdcp up` cluster through its OpenAI gateway (what a user runs). `--workloads agent`
     runs the agent workload instead: the default cluster with and without its prefix cache against
     llama-server, streamed chat requests with a long shared system prompt (agent.md);
-    `--workloads serving` runs short streamed chat questions at 1, 4 and 16 streams (`--concurrency`)
-    against llama-server with 16 slots (serving.md)."""
+    `--workloads serving` runs short streamed chat questions at 1, 4 and 16 streams (`--concurrency`;
+    `--per-workload`: questions per stream) against llama-server with 16 slots (serving.md)."""
     from sdcp.bench import BenchConfig, BenchInputError, run_bench
     from sdcp.bench.report import write_report
     from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR
@@ -1015,7 +1015,7 @@ def _agent_bench(
 def _serving_bench(
     out: Path,
     max_new: int | None,
-    questions: int | None,
+    per_stream: int | None,
     streams: tuple[int, ...] | None,
     llama_server: Path | None,
     systems: tuple[str, ...] | None,
@@ -1023,9 +1023,9 @@ def _serving_bench(
     from sdcp.bench.serving import STREAMS, ServingConfig, run_serving_bench
     from sdcp.bench.workloads import BenchInputError
 
-    config = ServingConfig(out, max_new or 96, questions, streams or STREAMS, llama_server)
+    config = ServingConfig(out, max_new or 96, per_stream, streams or STREAMS, llama_server)
     if systems is not None:
-        config = ServingConfig(out, config.max_tokens, questions, config.streams, llama_server, systems)
+        config = ServingConfig(out, config.max_tokens, per_stream, config.streams, llama_server, systems)
     try:
         run_serving_bench(config, lambda message: typer.echo(message, err=True))
     except BenchInputError as exc:

@@ -10,6 +10,7 @@ import pytest
 from sdcp.bench.serving import (
     Level,
     ServingConfig,
+    level_questions,
     load_questions,
     parting,
     serving_figures,
@@ -36,6 +37,16 @@ def test_the_shipped_questions_are_short_and_held_out() -> None:
 def test_a_missing_question_file_is_a_bench_input_error(tmp_path: Path) -> None:
     with pytest.raises(BenchInputError, match="serving.txt"):
         load_questions(tmp_path)
+
+
+def test_each_level_asks_questions_of_its_own() -> None:
+    questions = load_questions()
+    sets = level_questions(questions, (1, 4, 16))
+    assert [len(asked) for asked in sets] == [8, 16, 32]
+    assert len({question for asked in sets for question in asked}) == 56
+    assert [len(asked) for asked in level_questions(questions, (2, 3), per_stream=5)] == [10, 15]
+    with pytest.raises(BenchInputError, match="need 64"):
+        level_questions(questions, (16, 16), per_stream=2)
 
 
 def test_parting_names_the_reference_token_and_its_margin() -> None:

@@ -3,9 +3,12 @@ the same GGUF and threads.
 
 Short everyday questions (``prompts/serving.txt``, held out: nothing is tuned on them), each a streamed
 greedy chat completion of ``max_tokens`` tokens, at 1, 4 and 16 streams at once (``STREAMS``): at a
-level of N streams, N clients each send their share of the questions one after another. The systems
-take turns level by level, the order rotating, so that neither always runs on a warmer or cooler
-machine. llama-server runs with 16 slots (``--parallel 16``), as a user serving 16 streams starts it.
+level of N streams, N clients each send ``PER_STREAM[N]`` questions one after another. Each level has
+questions of its own, the same for both systems, so that no system answers from a prompt it cached at
+an earlier level (llama-server's slots keep whole prompts; asked again, it evaluates one token). The
+systems take turns level by level, the order rotating, so that neither always runs on a warmer or
+cooler machine. llama-server runs with 16 slots (``--parallel 16``), as a user serving up to 16
+streams starts it.
 
 Figures per system and level: time to first token p50 and p99 (from sending the request to the first
 chunk with text), aggregate tokens/s (completion tokens over the level's wall time) and tokens/s per
@@ -38,6 +41,7 @@ __all__ = [
     "SDCP",
     "STREAMS",
     "ServingConfig",
+    "level_questions",
     "Parting",
     "parting",
     "run_serving_bench",
@@ -49,6 +53,9 @@ SERVING_FILE = "serving.txt"
 SDCP = "sdcp"
 LLAMA_SERVER = "llama_server"
 STREAMS = (1, 4, 16)
+# Questions each stream asks one after another, by level: a level takes 8 to 32 questions.
+PER_STREAM = {1: 8, 4: 4, 16: 2}
+_DEFAULT_PER_STREAM = 2
 _SLOTS = 16
 _SLOT_CONTEXT = 1024
 
@@ -57,7 +64,7 @@ _SLOT_CONTEXT = 1024
 class ServingConfig:
     out: Path
     max_tokens: int = 96
-    questions: int | None = None
+    per_stream: int | None = None
     streams: tuple[int, ...] = STREAMS
     llama_server: Path | None = None
     systems: tuple[str, ...] = (SDCP, LLAMA_SERVER)
@@ -70,7 +77,7 @@ class Level:
     turns: list[Turn] = field(default_factory=list)
 
 
-def load_questions(prompts_dir: Path = DEFAULT_PROMPTS_DIR, count: int | None = None) -> tuple[str, ...]:
+def load_questions(prompts_dir: Path = DEFAULT_PROMPTS_DIR) -> tuple[str, ...]:
     path = prompts_dir / SERVING_FILE
     try:
         questions = parse_prompts(path.read_text(encoding="utf-8"))
@@ -78,7 +85,23 @@ def load_questions(prompts_dir: Path = DEFAULT_PROMPTS_DIR, count: int | None = 
         raise BenchInputError(f"{path}: {exc.strerror or exc}") from exc
     if not questions:
         raise BenchInputError(f"{path} holds no question")
-    return questions[:count] if count else questions
+    return questions
+
+
+def level_questions(
+    questions: tuple[str, ...], streams: tuple[int, ...], per_stream: int | None = None
+) -> list[tuple[str, ...]]:
+    """The questions of each level, none asked at two levels."""
+    taken, sets = 0, []
+    for count in streams:
+        wanted = count * (per_stream or PER_STREAM.get(count, _DEFAULT_PER_STREAM))
+        if taken + wanted > len(questions):
+            raise BenchInputError(
+                f"serving workload: {len(questions)} questions, the levels {list(streams)} need {taken + wanted}"
+            )
+        sets.append(questions[taken : taken + wanted])
+        taken += wanted
+    return sets
 
 
 def run_level(url: str, questions: tuple[str, ...], streams: int, max_tokens: int) -> Level:
@@ -174,13 +197,13 @@ def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict
         raise BenchInputError(f"serving workload: unknown systems {sorted(unknown)}")
     if any(streams < 1 for streams in config.streams):
         raise BenchInputError("serving workload: stream counts must be at least 1")
-    questions = load_questions(count=config.questions)
+    asked = level_questions(load_questions(), config.streams, config.per_stream)
     fetch_smollm2()
     config.out.mkdir(parents=True, exist_ok=True)
     binary = llama_server_binary(config.llama_server, log) if LLAMA_SERVER in config.systems else None
-    urls: dict[str, str] = {}
     cluster: LocalCluster | None = None
     server: LlamaServer | None = None
+    urls: dict[str, str] = {}
     levels: dict[str, list[Level]] = {}
     agreement: list[dict[str, Any]] = []
     try:
@@ -188,6 +211,7 @@ def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict
             log("starting sdcp")
             started = start_default_cluster(config.out / SDCP)
             cluster, urls[SDCP] = started.cluster, started.gateway
+
         if binary is not None:
             log("starting llama_server")
             server = LlamaServer(
@@ -200,7 +224,7 @@ def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict
             ).__enter__()
             urls[LLAMA_SERVER] = server.url
         names = list(urls)
-        for number, streams in enumerate(config.streams):
+        for number, (streams, questions) in enumerate(zip(config.streams, asked, strict=True)):
             for name in names[number % len(names) :] + names[: number % len(names)]:
                 level = run_level(urls[name], questions, streams, config.max_tokens)
                 levels.setdefault(name, []).append(level)
@@ -208,8 +232,8 @@ def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict
                 log(f"{name:>14} {streams:>2} streams: first token p50 {figures['first_token_ms_p50'] or 0:7.0f} ms, "
                     f"{figures['aggregate_tokens_per_s'] or 0:6.1f} tokens/s")  # fmt: skip
         if SDCP in levels and LLAMA_SERVER in urls:
-            one = next(level for level in levels[SDCP] if level.streams == min(config.streams))
-            for question, turn in zip(questions, one.turns, strict=True):
+            first = min(range(len(config.streams)), key=lambda index: config.streams[index])
+            for question, turn in zip(asked[first], levels[SDCP][first].turns, strict=True):
                 where = parting(turn.text, _reference(urls[LLAMA_SERVER], question, config.max_tokens))
                 agreement.append({"question": question, "same": where is None, "parting": where and asdict(where)})
     finally:
@@ -260,7 +284,7 @@ def serving_markdown(results: dict[str, Any]) -> str:
         "# serving workload",
         "",
         f"Streamed greedy chat, max_tokens {results['max_tokens']}, {results['threads']} threads; "
-        "llama-server with 16 slots.",
+        "llama-server with 16 slots; each level asks questions of its own.",
         "",
         "| system | streams | first token p50 (ms) | p99 | aggregate tokens/s | per stream tokens/s p50 |",
         "|---|---|---|---|---|---|",
