@@ -6,10 +6,12 @@ import asyncio
 import threading
 
 import pytest
+from prometheus_client import REGISTRY
 
 from sdcp.cache import MLC
 from sdcp.config import VerifierConfig
 from sdcp.engines.verifier import VerifierEngine
+from sdcp.engines.verifier.observe import FIRST_CURVE_MS, PASS_ROWS
 from sdcp.models.target import TargetModel
 
 # How long the scorer's thread waits for the event loop before the test gives up on it.
@@ -40,3 +42,26 @@ async def test_stop_joins_the_scorers_thread_off_the_event_loop(
     await stopping
     await mlc.close()
     assert busy.result() is True, "the event loop was blocked while the scorer's thread was joined"
+
+
+async def test_the_pass_cost_curve_is_measured_before_the_verifier_serves(target: TargetModel) -> None:
+    mlc = MLC.from_config(authority="verifier.test")
+    engine = VerifierEngine(uri="https://verifier.test", settings=VerifierConfig(), target=target, mlc=mlc, ttl_ms=1000)
+    await engine.start()
+    try:
+        measured = list(engine.pass_curve.points_ms)
+        # The tiny model's passes take well under the first curve's SmolLM2 milliseconds: every
+        # point was timed here, and the one-row pass is the time per self-decoded token.
+        assert all(0 < ms < first for ms, first in zip(measured, FIRST_CURVE_MS, strict=True))
+        assert engine.status().self_us == round(1000 * measured[0])
+        exposed = {
+            sample.labels["rows"]: sample.value
+            for family in REGISTRY.collect()
+            if family.name == "sdcp_verifier_pass_seconds"
+            for sample in family.samples
+            if sample.labels["instance"] == engine.uri
+        }
+        assert exposed == {str(rows): ms / 1000 for rows, ms in zip(PASS_ROWS, measured, strict=True)}
+    finally:
+        await engine.stop()
+        await mlc.close()

@@ -164,10 +164,12 @@ class _Outcomes:
 
 @dataclass(frozen=True)
 class PassInfo:
-    """The model pass that scored a session's latest request: its duration and batch size."""
+    """The model pass that scored a session's latest request: its duration, batch size (sessions)
+    and rows (every session's). The sessions of one pass share one PassInfo."""
 
     seconds: float
     batch_size: int
+    rows: int = 1
 
 
 class BatchingScorer(ModelThread):
@@ -367,7 +369,7 @@ class BatchingScorer(ModelThread):
             return []
         finally:
             self._last_pass_s = time.perf_counter() - started
-        info = PassInfo(self._last_pass_s, len(runnable))
+        info = PassInfo(self._last_pass_s, len(runnable), sum(len(result) for result in rows))
         self.batches_run += 1
         for request, result in zip(runnable, rows, strict=True):
             self.last_pass[request.session] = info

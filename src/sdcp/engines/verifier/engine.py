@@ -30,13 +30,14 @@ from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.engines.verifier.observe import (
-    PASS_MS,
+    FIRST_CURVE_MS,
+    PASS_ROWS,
     PREFIX_HITS,
     PREFIX_QUERIES,
     PROBLEMS,
     ROUND_SECONDS,
     TRACE_ROUNDS,
-    PassCosts,
+    PassCurve,
     init_metrics,
     session_stats,
     session_trace,
@@ -162,10 +163,10 @@ class VerifierEngine:
         # Prompt tokens of the opens waiting for or in their prefill (status prefill_tokens).
         self._prefill_backlog = 0
         # Seconds per self-decoded token, for the router's choice between drafters and this
-        # verifier alone (status self_us); timed with one pass before serving.
-        self.self_decode_time = TokenTimer(initial=PASS_MS / 1000)
-        self.pass_costs = PassCosts()
-        self._scoring = Scoring(self.scorer, self.pass_costs)
+        # verifier alone (status self_us); timed before serving (_time_passes).
+        self.self_decode_time = TokenTimer(initial=FIRST_CURVE_MS[0] / 1000)
+        self.pass_curve = PassCurve()
+        self._scoring = Scoring(self.scorer, self.pass_curve)
         self._rounds = Rounds(
             uri=uri,
             target=target,
@@ -186,7 +187,7 @@ class VerifierEngine:
             model_sync=self._model_sync,
             events=self._events,
             tasks=self._tasks,
-            pass_costs=self.pass_costs,
+            pass_curve=self.pass_curve,
             token_time=self.self_decode_time,
             active_sessions=self._active_sessions,
             lookahead=self.lookahead,
@@ -197,6 +198,7 @@ class VerifierEngine:
             waiting=lambda: self._scoring.waiting,
             kv_usage=target.kv_usage,
             prefix_bytes=self._prefix_bytes,
+            pass_curve=self.pass_curve,
         )
 
     # -- life and status -------------------------------------------------------------------------
@@ -205,7 +207,7 @@ class VerifierEngine:
         # Digests hash every weight and the weights are packed once: before the first status report,
         # contract check or pass, on the scorer thread.
         await self.scorer.run_async(self.target.prepare)
-        await self.scorer.run_async(self._time_one_pass)
+        await self.scorer.run_async(self._time_passes)
         self._prefix_sharing.start()
         self._sweeps.start()
 
@@ -266,16 +268,22 @@ class VerifierEngine:
             return None
         return tuple(prefixes.reported(MAX_REPORTED_PREFIXES))
 
-    def _time_one_pass(self) -> None:
-        """On the scorer thread: a one-token pass of a scratch session, the first estimate of the
-        time per self-decoded token."""
+    def _time_passes(self) -> None:
+        """On the scorer thread: passes of a scratch session scoring each of PASS_ROWS rows, the
+        quicker of two after one that pays one-off costs; the one-row pass is the first estimate of
+        the time per self-decoded token (issue 38: speculate only where the measured curve says)."""
         self.target.open_session(_PROBE_SESSION, list(range(min(_PROBE_PROMPT_TOKENS, self.target.vocab_size))))
         try:
-            self.target.score([(_PROBE_SESSION, ())])  # the first pass pays one-off costs
-            started = time.perf_counter()
             self.target.score([(_PROBE_SESSION, ())])
-            self.self_decode_time.value = time.perf_counter() - started
-            self.pass_costs.pass_ms = 1000 * self.self_decode_time.value
+            for rows in PASS_ROWS:
+                proposal = tuple(token % self.target.vocab_size for token in range(rows - 1))
+                times = []
+                for _ in range(2):
+                    started = time.perf_counter()
+                    self.target.score([(_PROBE_SESSION, proposal)])
+                    times.append(time.perf_counter() - started)
+                self.pass_curve.measured(rows, min(times))
+            self.self_decode_time.value = self.pass_curve.ms(1) / 1000
         finally:
             self.target.close_session(_PROBE_SESSION)
 

@@ -3,6 +3,8 @@ vLLM's), and each session's stats and trace of committed rounds (GET sessions/{i
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,10 +21,11 @@ if TYPE_CHECKING:
     from sdcp.engines.verifier.live import LiveSession
 
 __all__ = [
-    "PASS_MS",
+    "FIRST_CURVE_MS",
     "TRACE_FIELDS",
     "TRACE_ROUNDS",
-    "PassCosts",
+    "PASS_ROWS",
+    "PassCurve",
     "RoundTimings",
     "RoundTrace",
     "init_metrics",
@@ -31,30 +34,45 @@ __all__ = [
     "session_trace",
 ]
 
-# What a pass of SmolLM2 cost on the 2-core CPU where it was first measured (docs/models.md): about
-# 18 ms, and 1.5 ms per row scored beyond one per session; the start of PassCosts, which measures
-# them on this machine.
-PASS_MS, ROW_MS = 18.0, 1.5
+# What a pass of SmolLM2 cost on this 2-core CPU by its rows (llama.cpp, Q4_1, 2 threads; issue 38,
+# docs/performance.md): the start of PassCurve, which measures the curve on this machine before the
+# verifier serves and keeps it current from its passes. A second row costs about a third of a pass.
+PASS_ROWS = (1, 2, 4, 8, 16, 32)
+FIRST_CURVE_MS = (9.3, 14.2, 21.0, 36.0, 67.0, 130.0)
 _COST_WEIGHT = 0.2
 
 
 @dataclass
-class PassCosts:
-    """What a pass of one session costs here, and each row it scores beyond the first (ms),
-    measured from the passes that held one session."""
+class PassCurve:
+    """What a pass costs here (ms) by the rows it scores, whoever's they are: measured at PASS_ROWS,
+    linear between them and past the last. A pass's rows, not its sessions, set its cost on both
+    backends (a packed sequence costs its rows, sdcp.models.ragged; llama.cpp a row each)."""
 
-    pass_ms: float = PASS_MS
-    row_ms: float = ROW_MS
+    points_ms: list[float] = field(default_factory=lambda: list(FIRST_CURVE_MS))
 
-    def record(self, seconds: float, rows: int, sessions: int) -> None:
-        if sessions != 1 or rows < 1:
+    def ms(self, rows: int) -> float:
+        """The cost of a pass of ``rows`` rows."""
+        rows = max(1, rows)
+        for index in range(1, len(PASS_ROWS)):
+            if rows <= PASS_ROWS[index]:
+                low, high = PASS_ROWS[index - 1], PASS_ROWS[index]
+                share = (rows - low) / (high - low)
+                return self.points_ms[index - 1] + share * (self.points_ms[index] - self.points_ms[index - 1])
+        slope = (self.points_ms[-1] - self.points_ms[-2]) / (PASS_ROWS[-1] - PASS_ROWS[-2])
+        return self.points_ms[-1] + slope * (rows - PASS_ROWS[-1])
+
+    def measured(self, rows: int, seconds: float) -> None:
+        """A probe's pass of exactly ``rows`` (one of PASS_ROWS): that point is the measurement."""
+        self.points_ms[PASS_ROWS.index(rows)] = 1000 * seconds
+
+    def record(self, seconds: float, rows: int) -> None:
+        """A served pass of ``rows`` rows: the nearest measured point moves towards what it implies,
+        in proportion, so that the curve keeps its shape between the points."""
+        if rows < 1 or seconds <= 0:
             return
-        elapsed_ms = 1000 * seconds
-        if rows == 1:
-            self.pass_ms += _COST_WEIGHT * (elapsed_ms - self.pass_ms)
-        else:
-            per_row = max(0.0, (elapsed_ms - self.pass_ms) / (rows - 1))
-            self.row_ms += _COST_WEIGHT * (per_row - self.row_ms)
+        nearest = min(range(len(PASS_ROWS)), key=lambda index: abs(math.log(rows / PASS_ROWS[index])))
+        implied = 1000 * seconds * self.points_ms[nearest] / self.ms(rows)
+        self.points_ms[nearest] += _COST_WEIGHT * (implied - self.points_ms[nearest])
 
 
 # Metrics; every labelled series starts at zero.
@@ -90,6 +108,9 @@ RUNNING = Gauge("sdcp:num_requests_running", "Sessions this verifier decodes", [
 WAITING = Gauge("sdcp:num_requests_waiting", "Rounds waiting for a scoring pass", ["instance"])
 PREFIX_BYTES = Gauge("sdcp:prefix_cache_bytes", "Bytes of KV the prefix cache holds", ["instance"])
 KV_USAGE = Gauge("sdcp:kv_cache_usage_perc", "Share of the KV slot pool's positions in use (1 = full)", ["instance"])
+PASS_SECONDS = Gauge(
+    "sdcp_verifier_pass_seconds", "What a pass of this many rows costs, measured (PassCurve)", ["instance", "rows"]
+)
 # The longest proposal a contract allows (SDCP 4.1 m_max): positions of ACCEPTED_BY_POSITION.
 _MAX_POSITIONS = 64
 # Rounds each session's trace keeps (GET sessions/{id}/trace), the most recent; each a tuple of
@@ -116,6 +137,10 @@ TRACE_FIELDS = (
 )
 
 
+def _pass_seconds(curve: PassCurve, rows: int) -> float:
+    return curve.ms(rows) / 1000
+
+
 def init_metrics(
     uri: str,
     *,
@@ -123,6 +148,7 @@ def init_metrics(
     waiting: Callable[[], float],
     kv_usage: Callable[[], float],
     prefix_bytes: Callable[[], float],
+    pass_curve: PassCurve,
 ) -> None:
     """Start every series of the instance ``uri`` at zero; the gauges read the given functions."""
     for kind in ROUND_KINDS:
@@ -142,6 +168,8 @@ def init_metrics(
     WAITING.labels(uri).set_function(waiting)
     KV_USAGE.labels(uri).set_function(kv_usage)
     PREFIX_BYTES.labels(uri).set_function(prefix_bytes)
+    for rows in PASS_ROWS:
+        PASS_SECONDS.labels(uri, str(rows)).set_function(functools.partial(_pass_seconds, pass_curve, rows))
 
 
 @dataclass

@@ -25,12 +25,12 @@ from sdcp.engines.verifier.observe import (
     APPEND_CONFLICTS,
     APPEND_SECONDS,
     FENCED,
-    PassCosts,
+    PassCurve,
     RoundTrace,
     record_round,
 )
 from sdcp.models.backend import Target
-from sdcp.models.batching import BatchingScorer, GreedyPicker, ScoredRun
+from sdcp.models.batching import BatchingScorer, GreedyPicker, PassInfo, ScoredRun
 from sdcp.protocol.messages import Action, Event, Verdict
 from sdcp.protocol.problems import ProblemType, ProtocolError
 from sdcp.protocol.records import bind_record
@@ -46,9 +46,10 @@ class Scoring:
     """Scoring requests on their way through the batching scorer: how loaded the verifier is, and
     what each pass cost (the session's round timings, the verifier's pass costs)."""
 
-    def __init__(self, scorer: BatchingScorer, pass_costs: PassCosts) -> None:
+    def __init__(self, scorer: BatchingScorer, pass_curve: PassCurve) -> None:
         self._scorer = scorer
-        self._pass_costs = pass_costs
+        self._pass_curve = pass_curve
+        self._last_recorded: PassInfo | None = None
         self.waiting = 0
 
     @property
@@ -61,7 +62,7 @@ class Scoring:
         future, and the pass's time is counted when they do."""
         rows = self._scorer.score_async(live.machine.session, tokens)
         self.waiting += 1
-        rows.add_done_callback(lambda done: self._scored(live, len(tokens) + 1, done))
+        rows.add_done_callback(lambda done: self._scored(live, done))
         rows.add_done_callback(lambda _: self._settled())
         return rows
 
@@ -71,7 +72,7 @@ class Scoring:
         machine = live.machine
         run = self._scorer.score_ahead_async(machine.session, tokens, steps, frozenset(machine.contract.stop), picker)
         self.waiting += 1
-        run.rows.add_done_callback(lambda done: self._scored(live, len(tokens) + 1, done))
+        run.rows.add_done_callback(lambda done: self._scored(live, done))
         futures: tuple[asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None], ...] = (run.rows, *run.steps)
         unsettled = [len(futures)]
 
@@ -81,7 +82,7 @@ class Scoring:
                 self._settled()
 
         for step in run.steps:
-            step.add_done_callback(lambda done: self._scored(live, 1, done))
+            step.add_done_callback(lambda done: self._scored(live, done))
         for future in futures:
             future.add_done_callback(settled)
         return run
@@ -89,9 +90,7 @@ class Scoring:
     def _settled(self) -> None:
         self.waiting -= 1
 
-    def _scored(
-        self, live: LiveSession, rows: int, done: asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None]
-    ) -> None:
+    def _scored(self, live: LiveSession, done: asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None]) -> None:
         """Count the pass's time where it ran (a step a run did not reach has none)."""
         if done.cancelled() or done.exception() is not None or done.result() is None:
             return
@@ -99,7 +98,10 @@ class Scoring:
         if scored is not None:
             live.timings.model_s += scored.seconds
             live.timings.batch_size = scored.batch_size
-            self._pass_costs.record(scored.seconds, rows, scored.batch_size)
+            if scored is not self._last_recorded:
+                # Once per pass, whichever of its sessions hears of it first.
+                self._last_recorded = scored
+                self._pass_curve.record(scored.seconds, scored.rows)
 
 
 # Signs a commit record, adding the certificate when asked (sdcp.transport.signing.RecordSigner.sign).

@@ -17,7 +17,7 @@ from sdcp.engines.verifier.events import RouterEvents
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.lookahead import VerifierLookahead
-from sdcp.engines.verifier.observe import PassCosts
+from sdcp.engines.verifier.observe import PassCurve
 from sdcp.engines.verifier.rounds import Rounds, Scoring
 from sdcp.models.batching import ScoredRun, TargetMostProbable
 from sdcp.models.draft import TokenTimer
@@ -42,25 +42,29 @@ SELF_DECODE_LOOKAHEAD = 16
 SELF_DECODE_RUN_AHEAD = 32
 # Sessions active on the verifier, at most, for a greedy run to start (SelfDecoding._run_ahead).
 RUN_AHEAD_MAX_SESSIONS = 2
-# Each further session in a pass adds about a ninth of a lone pass (docs/models.md).
-_SESSION_SHARE = 2.0 / 18.0
 
 
-def lookahead_length(hit_rate: float, sessions: int, predicted: int, costs: PassCosts | None = None) -> int:
+def lookahead_length(hit_rate: float, sessions: int, predicted: int, curve: PassCurve | None = None) -> int:
     """How many of ``predicted`` tokens a self-decoding pass scores along with its own row.
 
     The j-th predicted token is used with a chance of about ``hit_rate ** j`` (``hit_rate``: the
     share of predictions whose first token was right), and then saves the session a pass, of which
-    its share is ``pass / sessions``; it costs one row. With the first measurements (18 ms a pass,
-    1.5 ms a row) a lone session scores guesses down to a 7.5 % chance, one among 16 only above 48 %.
+    its share is the pass's cost over its ``sessions`` (a row each); scoring k of them costs what
+    k more rows add to that pass on the measured ``curve``. The length is the one that saves the
+    most, zero included: where a second row costs a third of a pass (llama.cpp on 2 cores), a lone
+    session scores a guess only above a 53 % hit rate, one among 16 only above 94 %.
     """
-    costs = costs if costs is not None else PassCosts()
+    curve = curve if curve is not None else PassCurve()
     sessions = max(1, sessions)
-    share_ms = costs.pass_ms * (1 + _SESSION_SHARE * (sessions - 1)) / sessions
-    length = 0
-    while length < predicted and hit_rate ** (length + 1) * share_ms > costs.row_ms:
-        length += 1
-    return length
+    base_ms = curve.ms(sessions)
+    share_ms = base_ms / sessions
+    best, best_gain, saved = 0, 0.0, 0.0
+    for length in range(1, predicted + 1):
+        saved += hit_rate**length * share_ms
+        gain = saved - (curve.ms(sessions + length) - base_ms)
+        if gain > best_gain:
+            best, best_gain = length, gain
+    return best
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ class SelfDecoding:
         model_sync: ModelSync,
         events: RouterEvents,
         tasks: BackgroundTasks,
-        pass_costs: PassCosts,
+        pass_curve: PassCurve,
         token_time: TokenTimer,
         active_sessions: Callable[[], int],
         lookahead: VerifierLookahead,
@@ -117,7 +121,7 @@ class SelfDecoding:
         self._model_sync = model_sync
         self._events = events
         self._tasks = tasks
-        self._pass_costs = pass_costs
+        self._pass_curve = pass_curve
         self._token_time = token_time
         self._active_sessions = active_sessions
         self._lookahead = lookahead
@@ -206,7 +210,7 @@ class SelfDecoding:
         guessed = self._lookahead.predict(live, context + forced, SELF_DECODE_LOOKAHEAD - len(forced))
         # A prediction that was not scored still counts towards the hit rate.
         guess = guessed[
-            : lookahead_length(live.lookahead_hits, self._active_sessions(), len(guessed), self._pass_costs)
+            : lookahead_length(live.lookahead_hits, self._active_sessions(), len(guessed), self._pass_curve)
         ]
         return forced + guessed, forced + guess
 
