@@ -23,6 +23,7 @@ from tests.e2e.support import sdcp, stats_when_ended
 from tests.waiting import wait_until
 
 from sdcp.cluster import LocalCluster
+from sdcp.latency import GATEWAY_PARTS, ROUTER_PARTS, VERIFIER_PARTS
 from sdcp.protocol.messages import session_path_id
 from sdcp.protocol.problems import ProtocolError
 from sdcp.transport.client import SDCPClient
@@ -238,3 +239,28 @@ def test_the_dashboard_shows_a_running_session_grow(home: Path, browser: webdriv
     if target:
         shutil.copy(shot, target)
     reader.join(timeout=300)
+
+
+def test_the_first_tokens_latency_is_split_into_its_parts(home: Path) -> None:
+    roles = {"gateway": GATEWAY_PARTS, "router": ROUTER_PARTS, "verifier": VERIFIER_PARTS}
+    before = {role: scrape(home, role) for role in roles}
+    session, _ = generate(home, "Name three rivers.", 8)
+    stats = session_stats(home, session)
+    after = {role: scrape(home, role) for role in roles}
+
+    def part(role: str, name: str, suffix: str) -> float:
+        metric = f"sdcp_first_token_part_seconds_{suffix}"
+        return value(after[role], metric, part=name) - value(before[role], metric, part=name)
+
+    # Each role observed its parts of this one request, once each.
+    for role, parts in roles.items():
+        for name in parts:
+            assert part(role, name, "count") == 1, (role, name)
+    # The router's own work and the verifier's prefill happen within the gateway's open.
+    within_open = part("router", "route", "sum") + part("verifier", "prefill_wait", "sum")
+    assert within_open + part("verifier", "prefill", "sum") <= part("gateway", "open", "sum")
+    # The session's stats carry the verifier's parts, as its metrics observed them.
+    first_token_us = stats["first_token_us"]
+    assert isinstance(first_token_us, dict) and set(first_token_us) == set(VERIFIER_PARTS)
+    for name in VERIFIER_PARTS:
+        assert first_token_us[name] == pytest.approx(1e6 * part("verifier", name, "sum"), abs=1)

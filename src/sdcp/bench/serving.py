@@ -10,7 +10,8 @@ systems take turns level by level, the order rotating, so that neither always ru
 cooler machine. llama-server runs with 16 slots (``--parallel 16``), as a user serving up to 16
 streams starts it.
 
-Figures per system and level: time to first token p50 and p99 (from sending the request to the first
+Figures per system and level: the cluster's first-token latency by part (sdcp.latency: mean ms over
+the level, from its roles' metrics), time to first token p50 and p99 (from sending the request to the first
 chunk with text), aggregate tokens/s (completion tokens over the level's wall time) and tokens/s per
 stream after its first token. Rule 1 (issue #38, item 6): per question, whether the cluster's one-stream
 text equals llama-server's, and where not, the token where they part and llama-server's margin there
@@ -30,7 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from sdcp.bench.llama_server import LlamaServer, llama_server_binary
-from sdcp.bench.streamed import BENCH_MODEL, TURN_TIMEOUT_S, Turn, percentile, start_default_cluster, stream_chat
+from sdcp.bench.streamed import (
+    BENCH_MODEL,
+    TURN_TIMEOUT_S,
+    Turn,
+    first_token_parts,
+    part_means_ms,
+    percentile,
+    start_default_cluster,
+    stream_chat,
+)
 from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError, parse_prompts
 from sdcp.cluster import LocalCluster
 from sdcp.models.fetch import fetch_smollm2, smollm2_gguf
@@ -75,6 +85,8 @@ class Level:
     streams: int
     seconds: float
     turns: list[Turn] = field(default_factory=list)
+    # The cluster's first-token latency parts over the level, mean ms by part (sdcp.latency).
+    first_token_parts_ms: dict[str, float] = field(default_factory=dict)
 
 
 def load_questions(prompts_dir: Path = DEFAULT_PROMPTS_DIR) -> tuple[str, ...]:
@@ -140,6 +152,7 @@ def serving_figures(level: Level) -> dict[str, Any]:
         "stream_tokens_per_s_p50": statistics.median(after_first) if after_first else None,
         "completion_tokens": tokens,
         "seconds": level.seconds,
+        "first_token_parts_ms": level.first_token_parts_ms,
     }
 
 
@@ -226,7 +239,10 @@ def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict
         names = list(urls)
         for number, (streams, questions) in enumerate(zip(config.streams, asked, strict=True)):
             for name in names[number % len(names) :] + names[: number % len(names)]:
+                before = first_token_parts(cluster) if name == SDCP and cluster is not None else {}
                 level = run_level(urls[name], questions, streams, config.max_tokens)
+                if name == SDCP and cluster is not None:
+                    level.first_token_parts_ms = part_means_ms(before, first_token_parts(cluster))
                 levels.setdefault(name, []).append(level)
                 figures = serving_figures(level)
                 log(f"{name:>14} {streams:>2} streams: first token p50 {figures['first_token_ms_p50'] or 0:7.0f} ms, "
@@ -304,6 +320,12 @@ def serving_markdown(results: dict[str, Any]) -> str:
     for streams, pair in results["ratios_by_streams"].items():
         ratios = ", ".join(f"{key.replace('_', ' ')} {value:.2f}" for key, value in pair.items())
         lines.append(f"- {streams} streams: {ratios}")
+    for name, system in results["systems"].items():
+        for figures in system["levels"]:
+            parts = figures.get("first_token_parts_ms")
+            if parts:
+                by_part = ", ".join(f"{part} {ms:.1f}" for part, ms in parts.items())
+                lines.append(f"- {name}, {figures['streams']} streams, first token by part (mean ms): {by_part}")
     agreement = results["same_as_llama_server"]
     if agreement:
         same = sum(1 for entry in agreement if entry["same"])

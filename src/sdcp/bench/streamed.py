@@ -13,8 +13,18 @@ from typing import Any
 from sdcp.bench.workloads import BenchInputError
 from sdcp.cluster import LocalCluster
 from sdcp.home import sdcp_home
+from sdcp.latency import PARTS
 
-__all__ = ["BENCH_MODEL", "ClusterRun", "Turn", "percentile", "start_default_cluster", "stream_chat"]
+__all__ = [
+    "BENCH_MODEL",
+    "ClusterRun",
+    "Turn",
+    "first_token_parts",
+    "part_means_ms",
+    "percentile",
+    "start_default_cluster",
+    "stream_chat",
+]
 
 BENCH_MODEL = "smollm2"
 TURN_TIMEOUT_S = 600.0
@@ -99,3 +109,30 @@ def start_default_cluster(home: Path, role_settings: dict[str, dict[str, Any]] |
         cluster.down()
         raise
     return ClusterRun(cluster, gateway, f"{verifier.admin}/metrics")
+
+
+def first_token_parts(cluster: LocalCluster) -> dict[str, tuple[float, float]]:
+    """Every instance's first-token latency parts so far (sdcp.latency): part -> (seconds, count)."""
+    totals: dict[str, list[float]] = {}
+    for instance in cluster.instances():
+        if instance.admin is None:
+            continue
+        with urllib.request.urlopen(f"{instance.admin}/metrics", timeout=10) as response:  # noqa: S310 - loopback
+            text = response.read().decode()
+        for line in text.splitlines():
+            for suffix, index in (("_sum", 0), ("_count", 1)):
+                if line.startswith(f"sdcp_first_token_part_seconds{suffix}{{"):
+                    part = line.split('part="', 1)[1].split('"', 1)[0]
+                    totals.setdefault(part, [0.0, 0.0])[index] += float(line.rsplit(" ", 1)[1])
+    return {part: (seconds, count) for part, (seconds, count) in totals.items()}
+
+
+def part_means_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """The mean of each part (ms) over the requests between two readings, in the order of PARTS."""
+    means = {}
+    for part in PARTS:
+        seconds = after.get(part, (0.0, 0.0))[0] - before.get(part, (0.0, 0.0))[0]
+        count = after.get(part, (0.0, 0.0))[1] - before.get(part, (0.0, 0.0))[1]
+        if count > 0:
+            means[part] = 1000 * seconds / count
+    return means

@@ -38,6 +38,7 @@ from sdcp import __version__
 from sdcp.client import DEFAULT_M_MAX, ClusterClient, SessionHandle, build_contract
 from sdcp.config import ConfigError, ServiceConfig
 from sdcp.engines.tasks import cancelled_if
+from sdcp.latency import GATEWAY_PARTS, observe_part, start_parts
 from sdcp.protocol.messages import Action, TokenLogprob
 from sdcp.protocol.problems import BadContract, ProtocolError
 from sdcp.services.admin import AdminServer, Readiness
@@ -267,6 +268,7 @@ class GatewayNode:
             family.labels(self.uri)
         for reason in FINISH_REASONS:
             REQUEST_SUCCESS.labels(self.uri, reason)
+        start_parts(self.uri, GATEWAY_PARTS)
         for gauge in (REQUESTS_IN_PROGRESS, REQUESTS_OPENING, REQUESTS_IN_FLIGHT):
             gauge.labels(self.uri)
         # The target digest that contracts name, until no verifier of it opens a session.
@@ -419,6 +421,8 @@ class GatewayNode:
                     ", ".join(generation.ignored),
                 )
             tenant = api_tenant(request.headers.get("authorization"), generation.user)
+            parsed = time.perf_counter()
+            observe_part(self.uri, "parse", parsed - started)
             with REQUESTS_OPENING.labels(self.uri).track_inprogress():
                 # A client that goes away first cancels the opening, and with it each session-open
                 # in flight (a long prompt's prefill stops).
@@ -429,6 +433,8 @@ class GatewayNode:
                 record.outcome, record.note = "aborted", "the client went away while its sessions opened"
                 return Response(status_code=_CLIENT_GONE)
             (handles,) = opened
+            opened_at = time.perf_counter()
+            observe_part(self.uri, "open", opened_at - parsed)
         except OpenAIError as exc:
             record.note = exc.message
             return JSONResponse(exc.body(), status_code=exc.status)
@@ -448,7 +454,7 @@ class GatewayNode:
         if generation.ignored:
             headers["X-SDCP-Ignored-Members"] = ",".join(_header_safe(name) for name in generation.ignored)
         streams = [
-            self._texts(handle, generation, choice, started)
+            self._texts(handle, generation, choice, started, opened_at)
             for handle, choice in zip(handles, generation.choices, strict=True)
         ]
         if generation.stream:
@@ -603,10 +609,11 @@ class GatewayNode:
     # -- output ----------------------------------------------------------------------------------
 
     async def _texts(
-        self, handle: SessionHandle, generation: Generation, choice: Choice, started: float
+        self, handle: SessionHandle, generation: Generation, choice: Choice, started: float, opened_at: float
     ) -> AsyncIterator[_Piece]:
-        """The choice's pieces, timed. A session left before its last piece (the client went away,
-        another choice failed) is cancelled, as is one a stop string ends."""
+        """The choice's pieces, timed (``started``: the request's arrival; ``opened_at``: its
+        sessions' open). A session left before its last piece (the client went away, another choice
+        failed) is cancelled, as is one a stop string ends."""
         ended = False
         tokens, last = 0, started
         try:
@@ -617,6 +624,7 @@ class GatewayNode:
                     # A piece's tokens share the time since the previous piece (a round commits several).
                     if tokens == 0:
                         TIME_TO_FIRST_TOKEN.labels(self.uri).observe(now - started)
+                        observe_part(self.uri, "first_read", now - opened_at)
                     else:
                         for _ in range(new):
                             INTER_TOKEN_LATENCY.labels(self.uri).observe((now - last) / new)

@@ -37,6 +37,7 @@ from sdcp.engines.ports import RouterLink
 from sdcp.engines.router.sessions import SELF_DECODING, TrackedSession
 from sdcp.engines.router.store import SessionStore, Superseded
 from sdcp.engines.tasks import BackgroundTasks, cancelled_if, shielded_unless_gone
+from sdcp.latency import ROUTER_PARTS, observe_part, start_parts
 from sdcp.protocol.drafter import CONSTRAINED, PLAIN
 from sdcp.protocol.messages import (
     Action,
@@ -205,6 +206,7 @@ class RouterEngine:
             CHOICES.labels(self.uri, choice)
         for family in (FAILOVERS, REOPENED, SESSIONS_OPEN, TAKEN_OVER, LET_GO):
             family.labels(self.uri)
+        start_parts(self.uri, ROUTER_PARTS)
         self._started_at = self.clock()
         self._tasks.spawn(self._maintain_forever())
 
@@ -377,6 +379,8 @@ class RouterEngine:
         return await shielded_unless_gone(lambda gone: self._open_session(owner, wanted, gone))
 
     async def _open_session(self, owner: str, wanted: SessionRequest, gone: asyncio.Event) -> TrackedSession:
+        started = time.perf_counter()
+        at_verifiers = 0.0
         contract = wanted.contract
         tried: list[str] = []
         refused: list[str] = []
@@ -407,11 +411,14 @@ class RouterEngine:
                 self_decode_only=wanted.self_decode_only,
                 tenant=wanted.tenant,
             )
+            asked = time.perf_counter()
             try:
                 # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
                 await self._open_at_verifier(verifier, plan, gone)
+                at_verifiers += time.perf_counter() - asked
                 break
             except Unanswered as exc:
+                at_verifiers += time.perf_counter() - asked
                 log.warning("%s: verifier %s did not open a session: %s", self.uri, verifier, exc)
                 tried.append(verifier)
                 # It may have opened the session all the same: it must not decode it for nobody.
@@ -444,6 +451,7 @@ class RouterEngine:
                     log.warning("%s: session %s opened without a drafter: %s", self.uri, session.hex(), exc)
             finally:
                 await self._save_quietly(tracked)
+        observe_part(self.uri, "route", time.perf_counter() - started - at_verifiers)
         return tracked
 
     async def _open_at_verifier(self, verifier: str, plan: RouterSession, gone: asyncio.Event) -> None:

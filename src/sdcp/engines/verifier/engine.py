@@ -46,6 +46,7 @@ from sdcp.engines.verifier.prefixshare import PrefixSharing
 from sdcp.engines.verifier.rounds import RecordSign, Rounds, Scoring
 from sdcp.engines.verifier.selfdecode import SelfDecoding
 from sdcp.grammar import ConstraintError, GrammarConstraint, grammar_tokenizer
+from sdcp.latency import observe_part
 from sdcp.models.backend import Target
 from sdcp.models.batching import BatchingScorer
 from sdcp.models.draft import TokenTimer
@@ -360,7 +361,8 @@ class VerifierEngine:
         )
         # The scope's new history arrives while the prompt is prefilled, for the session's guesses.
         self._tasks.spawn(self.lookahead.refresh(contract, message.owner, message.tenant))
-        imported = await self._prefill(message, prompt, committed, tenant_scope(message.tenant), requester_gone)
+        parts: dict[str, float] = {}
+        imported = await self._prefill(message, prompt, committed, tenant_scope(message.tenant), requester_gone, parts)
         live = LiveSession(
             machine,
             commit_log,
@@ -370,6 +372,8 @@ class VerifierEngine:
             tenant=message.tenant,
             kv_uri=target_kv_uri(message.commit_log, message.session, message.epoch),
             kv_imported=imported,
+            first_token_from=time.perf_counter(),
+            first_token_parts=parts,
         )
         self.sessions[message.session] = live
         log.info(
@@ -543,11 +547,12 @@ class VerifierEngine:
         committed: tuple[int, ...],
         scope: bytes,
         requester_gone: asyncio.Event | None,
+        parts: dict[str, float],
     ) -> int:
         """Open the session in the target at its committed tokens: from the resume's target KV
         where it is usable (SDCP 6.9), else by a prefill from the longest prefix the prefix cache
         holds of the tenant's (``scope``), locally or in the MLC. Returns how many tokens the
-        resume's KV covered."""
+        resume's KV covered; ``parts`` gets the prefill's parts of the first token's latency."""
         tokens = prompt + committed
         resume = message.resume
         if resume is not None and resume.target_kv is not None:
@@ -560,12 +565,18 @@ class VerifierEngine:
                 # Any failure to use it costs the prefill, never the open.
                 log.warning("%s: target KV %s unusable, prefilling: %r", self.uri, resume.target_kv, exc)
         self._prefill_backlog += len(tokens)
+        queued = time.perf_counter()
         try:
             # One prefill at a time, in arrival order, its steps between other sessions' passes: a
             # queue of long prompts waits its turn, and running streams keep decoding meanwhile.
             async with self._prefill_turn:
+                turn = time.perf_counter()
+                parts["prefill_wait"] = turn - queued
                 await self._prefix_sharing.fetch(tokens[:-1], scope)
                 await self._prefill_in_steps(message.session, tokens, scope, requester_gone)
+                parts["prefill"] = time.perf_counter() - turn
+            for part, seconds in parts.items():
+                observe_part(self.uri, part, seconds)
         finally:
             self._prefill_backlog -= len(tokens)
         return 0

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from sdcp.latency import VERIFIER_PARTS, start_parts
 from sdcp.protocol.messages import Action
 from sdcp.protocol.problems import ProblemType
 from sdcp.protocol.verifier import PendingCommit
@@ -168,6 +169,7 @@ def init_metrics(
     WAITING.labels(uri).set_function(waiting)
     KV_USAGE.labels(uri).set_function(kv_usage)
     PREFIX_BYTES.labels(uri).set_function(prefix_bytes)
+    start_parts(uri, VERIFIER_PARTS)
     for rows in PASS_ROWS:
         PASS_SECONDS.labels(uri, str(rows)).set_function(functools.partial(_pass_seconds, pass_curve, rows))
 
@@ -276,6 +278,8 @@ def session_stats(live: LiveSession) -> dict[str, object]:
         "committed": machine.committed,
         "m_cap": machine.control.m_cap,
         "state": int(machine.serving_state),
+        # Where the verifier's share of the first token's latency went (sdcp.latency), in µs.
+        "first_token_us": {part: round(1e6 * seconds) for part, seconds in live.first_token_parts.items()},
         **({"drafter": machine.drafter} if machine.drafter is not None else {}),
     }
 

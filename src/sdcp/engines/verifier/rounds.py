@@ -29,6 +29,7 @@ from sdcp.engines.verifier.observe import (
     RoundTrace,
     record_round,
 )
+from sdcp.latency import observe_part
 from sdcp.models.backend import Target
 from sdcp.models.batching import BatchingScorer, GreedyPicker, PassInfo, ScoredRun
 from sdcp.protocol.messages import Action, Event, Verdict
@@ -280,6 +281,10 @@ class Rounds:
 
     def release(self, live: LiveSession, pending: PendingCommit) -> Verdict:
         """The record is durable: the round's tokens become output."""
+        if live.first_token_from is not None and pending.record.emitted:
+            live.first_token_parts["first_round"] = time.perf_counter() - live.first_token_from
+            observe_part(self._uri, "first_round", live.first_token_parts["first_round"])
+            live.first_token_from = None
         verdict = live.machine.apply(pending)
         live.driven()
         live.timings.committed()
