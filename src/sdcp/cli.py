@@ -236,6 +236,51 @@ for _role in Role:
     app.command(_role.value)(_role_command(_role))
 
 
+@app.command()
+def together(
+    instances: list[str] = typer.Argument(
+        ..., metavar="ROLE=CONFIG...", help="Each instance's role and TOML configuration, e.g. verifier=verifier.toml."
+    ),
+    log_level: LogLevel = typer.Option(LogLevel.info, "--log-level", help=_LEVEL_HELP),
+    log_json: bool = typer.Option(False, "--log-json", help=_JSON_HELP),
+) -> None:
+    """Run several instances in one process until SIGINT or SIGTERM: each is the service it is alone
+    (its own listener, identity and metrics), and a gateway reads the output of a verifier of this
+    process by a call instead of over HTTP (`sdcp up --one-process` runs its cluster so)."""
+    from sdcp.config import load_config, thread_budget
+    from sdcp.logs import configure_logging
+    from sdcp.threads import limit_native_threads
+
+    configure_logging(log_level.value, json_lines=log_json)
+    with user_errors():
+        configs = []
+        for given in instances:
+            role_name, _, path = given.partition("=")
+            if role_name not in Role.__members__ or not path:
+                fail(f"{given!r}: give each instance as ROLE=CONFIG, ROLE one of {', '.join(Role.__members__)}")
+            configs.append((Role(role_name), load_config(Path(path))))
+        # Before the roles' modules import torch: its thread pools read these once; the largest
+        # budget of the instances (the verifier's) applies to the process.
+        limit_native_threads(max(thread_budget(config, role.value) for role, config in configs))
+        nodes = [_build_node(role, config) for role, config in configs]
+
+        async def run() -> None:
+            from sdcp.services.together import run_together
+
+            shutdown = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, shutdown.set)
+            await run_together(nodes, shutdown)
+
+        from sdcp.services.node import ModelThreadDied
+
+        try:
+            asyncio.run(run())
+        except ModelThreadDied as exc:
+            fail(str(exc), code=70)
+
+
 # -- the local cluster ----------------------------------------------------------------------------
 
 
@@ -308,6 +353,12 @@ def up(
         None, "--dtype", help="Their precision: float32 (default), bfloat16 or float16 (torch backend)."
     ),
     home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp)."),
+    one_process: bool = typer.Option(
+        None,
+        "--one-process/--processes",
+        help="Run every instance in one process (`sdcp together`; the gateway reads output without HTTP) "
+        "or each in its own (the default).",
+    ),
 ) -> None:
     """Start a local cluster in the background: router, verifier, drafters, embedded MLC, and the
     OpenAI-compatible API (on 127.0.0.1 unless --host). A cluster that exists is left as it runs,
@@ -339,6 +390,7 @@ def up(
                 host=host,
                 served_model_name=served_model_name,
                 api_key=api_key,
+                one_process=one_process,
             )
     if setup is not None and setup.acl:
         kept = cluster.redis_users_kept_in

@@ -35,7 +35,10 @@ from sdcp.protocol.router import open_deadline_s
 from sdcp.transport.client import PeerClients
 from sdcp.transport.errors import TransportError
 
-__all__ = ["ClusterClient", "OutputChunk", "SessionHandle", "build_contract"]
+__all__ = ["ClusterClient", "OutputChunk", "OutputReader", "SessionHandle", "build_contract"]
+
+# GET sessions/{id}/output?from=n at a verifier of this process: (session, from) -> its Output.
+OutputReader = Callable[[bytes, int], Awaitable[Output]]
 
 # Self-decoding periods keep a session going where drafts keep failing; each entry of the ladder is
 # used once until R good rounds reset it, so the ladder holds enough of them for max_new tokens.
@@ -141,6 +144,9 @@ class ClusterClient:
         self.peers = PeerClients(cert, key, ca)
         self.follow_attempts = follow_attempts
         self.stall_s = stall_s
+        # Verifiers of this very process (`sdcp together`): their output is read by a call, not
+        # over HTTP, with the errors their service would answer (sdcp.services.together).
+        self.local_outputs: dict[str, OutputReader] = {}
 
     async def aclose(self) -> None:
         await self.peers.aclose()
@@ -300,9 +306,7 @@ class ClusterClient:
         """GET output at the session's verifier; while the answer is outstanding, the router is
         asked every ``LOCATE_EVERY_S`` where the session runs, and a higher epoch elsewhere wins
         (a paused or cut-off verifier answers nothing, not even its fencing, SDCP 6.9)."""
-        read = asyncio.ensure_future(
-            self.peers.get(handle.verifier).get_cbor(f"sessions/{handle.path_id}/output", {"from": str(position)})
-        )
+        read = asyncio.ensure_future(self._output(handle, position))
         try:
             while True:
                 left = deadline - time.monotonic()
@@ -310,13 +314,22 @@ class ClusterClient:
                     raise self._stalled(handle, position)
                 done, _ = await asyncio.wait({read}, timeout=min(LOCATE_EVERY_S, left))
                 if done:
-                    return Output.from_obj(read.result()[1])
+                    return read.result()
                 with contextlib.suppress(TransportError, ProtocolError):
                     moved = await self.locate(handle)
                     if moved.epoch > handle.epoch:
                         return moved
         finally:
             read.cancel()
+
+    async def _output(self, handle: SessionHandle, position: int) -> Output:
+        local = self.local_outputs.get(handle.verifier)
+        if local is not None:
+            return await local(handle.session, position)
+        answer = await self.peers.get(handle.verifier).get_cbor(
+            f"sessions/{handle.path_id}/output", {"from": str(position)}
+        )
+        return Output.from_obj(answer[1])
 
 
 def _handle(body: object, router: str) -> SessionHandle:

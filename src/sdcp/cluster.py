@@ -70,6 +70,8 @@ class UpOptions:
     served_model_name: str | None = None
     # Kept as whether one is set: the key itself is only in the api-key file.
     api_key: bool | None = None
+    # Every instance in one process (`sdcp together`) rather than one process each.
+    one_process: bool | None = None
 
     def given(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -240,9 +242,11 @@ class LocalCluster:
         served_model_name: str | None = None,
         api_key: str | None = None,
         role_settings: Mapping[str, Mapping[str, int]] | None = None,
+        one_process: bool | None = None,
     ) -> list[Instance]:
-        """Start router, verifier, drafters and the gateway as separate processes; wait until they
-        serve. A cluster of which some instances stopped gets those restarted, the others untouched,
+        """Start router, verifier, drafters and the gateway as separate processes (with
+        ``one_process``, in one: `sdcp together`); wait until they serve. A cluster of which some
+        instances stopped gets those restarted, the others untouched,
         with the options it was started with (its API key among them); options given that differ
         from those are a ClusterError. ``device``, ``dtype``: the verifier's and the ``hf:``
         drafters' torch device and precision; ``host``: where the gateway listens (loopback by
@@ -250,7 +254,7 @@ class LocalCluster:
         name the API reports and accepts; ``api_key``: required on every /v1 request;
         ``role_settings``: further settings of the `[verifier]` and `[router]` sections, by role
         (the benchmark turns the prefix cache off, tests shorten deadlines)."""
-        given = UpOptions(device, dtype, host, served_model_name, None if api_key is None else True)
+        given = UpOptions(device, dtype, host, served_model_name, None if api_key is None else True, one_process)
         if self.instances():
             self._check_same(given, api_key)
             if self.running():
@@ -286,7 +290,9 @@ class LocalCluster:
                 *([uris["gateway"]] if tls else []),
             ],
         )
-        options = UpOptions(device or "cpu", dtype or "float32", listen_host, served_model_name, api_key is not None)
+        options = UpOptions(
+            device or "cpu", dtype or "float32", listen_host, served_model_name, api_key is not None, bool(one_process)
+        )
         self._write_options(options, api_key)
         gateway = _GatewaySettings(
             listen_host, port, served_model_name, api_key is not None, uris["gateway"] if tls else None
@@ -303,7 +309,13 @@ class LocalCluster:
                     header = ["[router]\n"] if role == "router" else []
                     with config.open("a", encoding="utf-8") as file:
                         file.writelines([*header, *(f"{key} = {int(value)}\n" for key, value in extra.items())])
-                started.append(self._spawn(name, role, uris[name], admins[name], config))
+                if not one_process:
+                    started.append(self._spawn(name, role, uris[name], admins[name], config))
+                    self._save(started)
+            if one_process:
+                started = self._spawn_together(
+                    [Instance(name, role, uris[name], 0, admins[name]) for name, role, _ in plan]
+                )
                 self._save(started)
             self._wait_ready(started, timeout_s)
         except BaseException:
@@ -359,6 +371,15 @@ class LocalCluster:
     def restart_stopped(self, timeout_s: float = 180.0) -> list[Instance]:
         """Start again, with their own configuration and addresses, the instances that stopped."""
         instances = self.instances()
+        if self.options().one_process:
+            # One process ran them all: any stopped means all did.
+            if all(instance.alive() for instance in instances):
+                return instances
+            self._terminate(instances)
+            current = self._spawn_together(instances)
+            self._save(current)
+            self._wait_ready(current, timeout_s)
+            return current
         restarted = [
             self._spawn(i.name, i.role, i.uri, i.admin, self.root / f"{i.name}.toml")
             for i in instances
@@ -491,10 +512,14 @@ class LocalCluster:
         return lines
 
     def _spawn(self, name: str, role: str, uri: str, admin: str | None, config: Path) -> Instance:
-        log = open(self.root / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
-        with log:
+        pid = self._start_process([role, "--config", str(config)], self.root / "logs" / f"{name}.log")
+        return Instance(name=name, role=role, uri=uri, pid=pid, admin=admin)
+
+    def _start_process(self, arguments: list[str], log_path: Path) -> int:
+        """`sdcp ARGUMENTS` in the background, its output appended to ``log_path``; its pid."""
+        with log_path.open("ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "sdcp", role, "--config", str(config)],
+                [sys.executable, "-m", "sdcp", *arguments],
                 # Models load from this cluster's home, whatever the caller's $SDCP_HOME says; the
                 # gateway's key is the cluster's file, whatever the caller's $SDCP_API_KEY says.
                 env={**_without(os.environ, "SDCP_API_KEY"), "SDCP_HOME": str(self.home)},
@@ -504,7 +529,20 @@ class LocalCluster:
                 start_new_session=True,
                 cwd=self.root,
             )
-        return Instance(name=name, role=role, uri=uri, pid=process.pid, admin=admin)
+        return process.pid
+
+    def _spawn_together(self, instances: list[Instance]) -> list[Instance]:
+        """One `sdcp together` process for ``instances``; each role's log is the process's."""
+        logs = self.root / "logs"
+        combined = logs / "together.log"
+        for instance in instances:
+            link = logs / f"{instance.name}.log"
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(combined.name)
+        arguments = ["together", *(f"{i.role}={self.root / f'{i.name}.toml'}" for i in instances)]
+        pid = self._start_process(arguments, combined)
+        return [Instance(i.name, i.role, i.uri, pid, i.admin) for i in instances]
 
     def _save(self, instances: list[Instance]) -> None:
         state = {"instances": [asdict(instance) for instance in instances]}

@@ -72,9 +72,8 @@ def test_figures_and_report_put_the_systems_side_by_side(tmp_path: Path) -> None
     levels = {"sdcp": [level(1, 30.0, 4.0)], "llama_server": [level(1, 15.0, 2.0)]}
     agreement = [{"question": "q", "same": False, "parting": {"token": 3, "expected": " lib", "margin": 0.03}}]
     results = serving_results(ServingConfig(tmp_path), levels, agreement)
-    assert results["ratios_by_streams"]["1"] == {
-        "first_token_p50_sdcp_over_llama_server": 2.0,
-        "tokens_per_s_sdcp_over_llama_server": 0.5,
+    assert results["ratios"] == {
+        "sdcp": {"1": {"first_token_p50_over_llama_server": 2.0, "tokens_per_s_over_llama_server": 0.5}}
     }
     text = serving_markdown(results)
     assert "| sdcp | 1 | 30 | 30 | 96.0 |" in text and "equal to llama-server's greedy output: 0 of 1" in text

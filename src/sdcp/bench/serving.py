@@ -1,21 +1,23 @@
-"""The ``serving`` workload (issue #38): what a chat user sends an OpenAI endpoint, against llama-server on
-the same GGUF and threads.
+"""The ``serving`` workload (issue #38): what a chat user sends an OpenAI endpoint, against
+llama-server on the same GGUF and threads.
 
-Short everyday questions (``prompts/serving.txt``, held out: nothing is tuned on them), each a streamed
-greedy chat completion of ``max_tokens`` tokens, at 1, 4 and 16 streams at once (``STREAMS``): at a
-level of N streams, N clients each send ``PER_STREAM[N]`` questions one after another. Each level has
-questions of its own, the same for both systems, so that no system answers from a prompt it cached at
-an earlier level (llama-server's slots keep whole prompts; asked again, it evaluates one token). The
-systems take turns level by level, the order rotating, so that neither always runs on a warmer or
-cooler machine. llama-server runs with 16 slots (``--parallel 16``), as a user serving up to 16
-streams starts it.
+Systems: ``sdcp`` (the default `sdcp up` cluster), ``sdcp_one_process`` (`sdcp up --one-process`)
+and ``llama_server``. Short everyday questions (``prompts/serving.txt``, held out: nothing is tuned
+on them), each a streamed greedy chat completion of ``max_tokens`` tokens, at 1, 4 and 16 streams at
+once (``STREAMS``): at a level of N streams, N clients each send ``PER_STREAM[N]`` questions one after
+another. Each level has questions of its own, the same for every system, so that no system answers
+from a prompt it cached at an earlier level (llama-server's slots keep whole prompts; asked again, it
+evaluates one token). The systems take turns level by level, the order rotating, so that none always
+runs on a warmer or cooler machine. llama-server runs with 16 slots (``--parallel 16``), as a user
+serving up to 16 streams starts it.
 
-Figures per system and level: the cluster's first-token latency by part (sdcp.latency: mean ms over
-the level, from its roles' metrics), time to first token p50 and p99 (from sending the request to the first
-chunk with text), aggregate tokens/s (completion tokens over the level's wall time) and tokens/s per
-stream after its first token. Rule 1 (issue #38, item 6): per question, whether the cluster's one-stream
-text equals llama-server's, and where not, the token where they part and llama-server's margin there
-(its top logprob over the runner-up's, from a non-streamed request with ``top_logprobs``).
+Figures per system and level: a cluster's first-token latency by part (sdcp.latency: mean ms over the
+level, from its roles' metrics), time to first token p50 and p99 (from sending the request to the
+first chunk with text), aggregate tokens/s (completion tokens over the level's wall time) and tokens/s
+per stream after its first token. Rule 1 (issue #38, item 6): per question, whether the default
+cluster's one-stream text equals llama-server's, and where not, the token where they part and
+llama-server's margin there (its top logprob over the runner-up's, from a non-streamed request with
+``top_logprobs``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ __all__ = [
 
 SERVING_FILE = "serving.txt"
 SDCP = "sdcp"
+SDCP_ONE_PROCESS = "sdcp_one_process"
 LLAMA_SERVER = "llama_server"
 STREAMS = (1, 4, 16)
 # Questions each stream asks one after another, by level: a level takes 8 to 32 questions.
@@ -77,7 +80,7 @@ class ServingConfig:
     per_stream: int | None = None
     streams: tuple[int, ...] = STREAMS
     llama_server: Path | None = None
-    systems: tuple[str, ...] = (SDCP, LLAMA_SERVER)
+    systems: tuple[str, ...] = (SDCP, SDCP_ONE_PROCESS, LLAMA_SERVER)
 
 
 @dataclass
@@ -205,7 +208,7 @@ def _reference(url: str, question: str, max_tokens: int) -> list[dict[str, Any]]
 
 def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict[str, Any]:
     """Run every system at every level; write serving.json and serving.md under ``config.out``."""
-    unknown = set(config.systems) - {SDCP, LLAMA_SERVER}
+    unknown = set(config.systems) - {SDCP, SDCP_ONE_PROCESS, LLAMA_SERVER}
     if unknown:
         raise BenchInputError(f"serving workload: unknown systems {sorted(unknown)}")
     if any(streams < 1 for streams in config.streams):
@@ -214,16 +217,17 @@ def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict
     fetch_smollm2()
     config.out.mkdir(parents=True, exist_ok=True)
     binary = llama_server_binary(config.llama_server, log) if LLAMA_SERVER in config.systems else None
-    cluster: LocalCluster | None = None
+    clusters: dict[str, LocalCluster] = {}
     server: LlamaServer | None = None
     urls: dict[str, str] = {}
     levels: dict[str, list[Level]] = {}
     agreement: list[dict[str, Any]] = []
     try:
-        if SDCP in config.systems:
-            log("starting sdcp")
-            started = start_default_cluster(config.out / SDCP)
-            cluster, urls[SDCP] = started.cluster, started.gateway
+        for name in (SDCP, SDCP_ONE_PROCESS):
+            if name in config.systems:
+                log(f"starting {name}")
+                started = start_default_cluster(config.out / name, one_process=name == SDCP_ONE_PROCESS)
+                clusters[name], urls[name] = started.cluster, started.gateway
 
         if binary is not None:
             log("starting llama_server")
@@ -239,9 +243,10 @@ def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict
         names = list(urls)
         for number, (streams, questions) in enumerate(zip(config.streams, asked, strict=True)):
             for name in names[number % len(names) :] + names[: number % len(names)]:
-                before = first_token_parts(cluster) if name == SDCP and cluster is not None else {}
+                cluster = clusters.get(name)
+                before = first_token_parts(cluster) if cluster is not None else {}
                 level = run_level(urls[name], questions, streams, config.max_tokens)
-                if name == SDCP and cluster is not None:
+                if cluster is not None:
                     level.first_token_parts_ms = part_means_ms(before, first_token_parts(cluster))
                 levels.setdefault(name, []).append(level)
                 figures = serving_figures(level)
@@ -255,7 +260,7 @@ def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict
     finally:
         if server is not None:
             server.__exit__(None, None, None)
-        if cluster is not None:
+        for cluster in clusters.values():
             cluster.down()
     results = serving_results(config, levels, agreement)
     (config.out / "serving.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
@@ -273,23 +278,25 @@ def serving_results(
         }
         for name, runs in levels.items()
     }
-    ratios: dict[str, dict[str, float]] = {}
-    if SDCP in systems and LLAMA_SERVER in systems:
-        for ours, theirs in zip(systems[SDCP]["levels"], systems[LLAMA_SERVER]["levels"], strict=True):
+    # Each sdcp system over llama-server, by streams.
+    ratios: dict[str, dict[str, dict[str, float]]] = {}
+    for ours_name in (SDCP, SDCP_ONE_PROCESS):
+        if ours_name not in systems or LLAMA_SERVER not in systems:
+            continue
+        for ours, theirs in zip(systems[ours_name]["levels"], systems[LLAMA_SERVER]["levels"], strict=True):
             pair: dict[str, float] = {}
             if ours["first_token_ms_p50"] and theirs["first_token_ms_p50"]:
-                first = ours["first_token_ms_p50"] / theirs["first_token_ms_p50"]
-                pair["first_token_p50_sdcp_over_llama_server"] = first
+                pair["first_token_p50_over_llama_server"] = ours["first_token_ms_p50"] / theirs["first_token_ms_p50"]
             if ours["aggregate_tokens_per_s"] and theirs["aggregate_tokens_per_s"]:
-                pair["tokens_per_s_sdcp_over_llama_server"] = (
+                pair["tokens_per_s_over_llama_server"] = (
                     ours["aggregate_tokens_per_s"] / theirs["aggregate_tokens_per_s"]
                 )
-            ratios[str(ours["streams"])] = pair
+            ratios.setdefault(ours_name, {})[str(ours["streams"])] = pair
     return {
         "workload": "serving",
         "max_tokens": config.max_tokens,
         "threads": usable_cores(),
-        "ratios_by_streams": ratios,
+        "ratios": ratios,
         "same_as_llama_server": agreement,
         "systems": systems,
     }
@@ -317,9 +324,10 @@ def serving_markdown(results: dict[str, Any]) -> str:
                      for index, value in enumerate(cells)]  # fmt: skip
             lines.append(f"| {name} | {figures['streams']} | {' | '.join(shown)} |")
     lines.append("")
-    for streams, pair in results["ratios_by_streams"].items():
-        ratios = ", ".join(f"{key.replace('_', ' ')} {value:.2f}" for key, value in pair.items())
-        lines.append(f"- {streams} streams: {ratios}")
+    for system, by_streams in results["ratios"].items():
+        for streams, pair in by_streams.items():
+            ratios = ", ".join(f"{key.replace('_', ' ')} {value:.2f}" for key, value in pair.items())
+            lines.append(f"- {system}, {streams} streams: {ratios}")
     for name, system in results["systems"].items():
         for figures in system["levels"]:
             parts = figures.get("first_token_parts_ms")

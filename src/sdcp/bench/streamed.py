@@ -91,16 +91,18 @@ class ClusterRun:
     verifier_metrics: str
 
 
-def start_default_cluster(home: Path, role_settings: dict[str, dict[str, Any]] | None = None) -> ClusterRun:
-    """`sdcp up` under ``home`` on the bundled model (the fetched one, linked), gateway on a free port.
-    The caller takes the cluster down."""
+def start_default_cluster(
+    home: Path, role_settings: dict[str, dict[str, Any]] | None = None, *, one_process: bool = False
+) -> ClusterRun:
+    """`sdcp up` under ``home`` on the bundled model (the fetched one, linked), gateway on a free port
+    (with ``one_process``, `sdcp up --one-process`). The caller takes the cluster down."""
     home.mkdir(parents=True, exist_ok=True)
     models = home / "models"
     if not models.exists():
         models.symlink_to((sdcp_home() / "models").resolve(), target_is_directory=True)
     cluster = LocalCluster(home)
     try:
-        cluster.up(model=BENCH_MODEL, gateway_port=0, role_settings=role_settings)
+        cluster.up(model=BENCH_MODEL, gateway_port=0, role_settings=role_settings, one_process=one_process)
         gateway = cluster.gateway
         verifier = next(instance for instance in cluster.instances() if instance.role == "verifier")
         if gateway is None or verifier.admin is None:
