@@ -13,6 +13,8 @@ from sdcp.config import VerifierConfig
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.engines.verifier.observe import FIRST_CURVE_MS, PASS_ROWS
 from sdcp.models.target import TargetModel
+from sdcp.services.together import local_output_reader
+from sdcp.transport.errors import PeerClientError
 
 # How long the scorer's thread waits for the event loop before the test gives up on it.
 _GIVE_UP_S = 30.0
@@ -50,9 +52,9 @@ async def test_the_pass_cost_curve_is_measured_before_the_verifier_serves(target
     await engine.start()
     try:
         measured = list(engine.pass_curve.points_ms)
-        # The tiny model's passes take well under the first curve's SmolLM2 milliseconds: every
-        # point was timed here, and the one-row pass is the time per self-decoded token.
-        assert all(0 < ms < first for ms, first in zip(measured, FIRST_CURVE_MS, strict=True))
+        # Every point was timed here (none is the first curve's SmolLM2 figure any more), and the
+        # one-row pass is the time per self-decoded token.
+        assert all(ms > 0 and ms != first for ms, first in zip(measured, FIRST_CURVE_MS, strict=True))
         assert engine.status().self_us == round(1000 * measured[0])
         exposed = {
             sample.labels["rows"]: sample.value
@@ -62,6 +64,21 @@ async def test_the_pass_cost_curve_is_measured_before_the_verifier_serves(target
             if sample.labels["instance"] == engine.uri
         }
         assert exposed == {str(rows): ms / 1000 for rows, ms in zip(PASS_ROWS, measured, strict=True)}
+    finally:
+        await engine.stop()
+        await mlc.close()
+
+
+async def test_a_direct_output_read_fails_as_the_verifiers_http_answers(target: TargetModel) -> None:
+    mlc = MLC.from_config(authority="verifier.test")
+    engine = VerifierEngine(uri="https://verifier.test", settings=VerifierConfig(), target=target, mlc=mlc, ttl_ms=1000)
+    await engine.start()
+    try:
+        read = local_output_reader(engine)
+        # A session the verifier does not hold: the 404 its service answers, which the client follows.
+        with pytest.raises(PeerClientError) as missing:
+            await read(b"\x01" * 16, 0)
+        assert missing.value.status == 404
     finally:
         await engine.stop()
         await mlc.close()

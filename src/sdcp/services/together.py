@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from sdcp.client import OutputReader
 from sdcp.engines.errors import SessionNotFound, Unavailable
+from sdcp.engines.verifier import VerifierEngine
 from sdcp.protocol.messages import Output
 from sdcp.services.gateway import GatewayNode
 from sdcp.services.node import Node
@@ -24,13 +25,13 @@ from sdcp.transport.errors import PeerClientError, PeerServerError
 __all__ = ["local_output_reader", "run_together"]
 
 
-def local_output_reader(verifier: VerifierNode) -> OutputReader:
+def local_output_reader(engine: VerifierEngine) -> OutputReader:
     """The verifier engine's output read, raising what the HTTP client raises for the answers its
     service gives (404 for a session it does not hold, 503 when it cannot answer now)."""
 
     async def read(session: bytes, start: int) -> Output:
         try:
-            return await verifier.engine.output(session, start)
+            return await engine.output(session, start)
         except SessionNotFound as exc:
             raise PeerClientError(404, None, str(exc)) from exc
         except Unavailable as exc:
@@ -45,7 +46,7 @@ async def run_together(nodes: Sequence[Node], shutdown: asyncio.Event) -> None:
     verifiers = [node for node in nodes if isinstance(node, VerifierNode)]
     for gateway in (node for node in nodes if isinstance(node, GatewayNode)):
         for verifier in verifiers:
-            gateway.client.local_outputs[verifier.uri] = local_output_reader(verifier)
+            gateway.client.local_outputs[verifier.uri] = local_output_reader(verifier.engine)
     running = [asyncio.ensure_future(node.run_until(shutdown)) for node in nodes]
     try:
         await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
