@@ -36,12 +36,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sdcp.bench.llama_server import LlamaServer, llama_server_binary
+from sdcp.bench.llama_server import LlamaServer, llama_server_binary, start_bench_llama_server
 from sdcp.bench.streamed import BENCH_MODEL, TURN_TIMEOUT_S, Turn, percentile, start_default_cluster, stream_chat
 from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError
 from sdcp.cluster import LocalCluster
-from sdcp.models.fetch import fetch_smollm2, smollm2_gguf
-from sdcp.threads import usable_cores
+from sdcp.models.fetch import fetch_smollm2
 
 __all__ = [
     "AgentConfig",
@@ -160,14 +159,7 @@ def run_agent_bench(config: AgentConfig, log: Callable[[str], None]) -> dict[str
                 runs.append(SystemRun(name, started.gateway, BENCH_MODEL, metrics_url=started.verifier_metrics))
         if binary is not None:
             log("starting llama_server")
-            server = LlamaServer(
-                binary,
-                smollm2_gguf(),
-                threads=usable_cores(),
-                slots=1,
-                context=4096,
-                log_file=config.out / "llama-server.log",
-            ).__enter__()
+            server = start_bench_llama_server(binary, config.out, slots=1, context=4096)
             runs.append(SystemRun(LLAMA_SERVER, server.url, BENCH_MODEL))
         for index, request in enumerate(agent_requests(workload, turns=config.turns)):
             order = runs[index % len(runs) :] + runs[: index % len(runs)]

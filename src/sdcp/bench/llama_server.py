@@ -28,8 +28,10 @@ from types import TracebackType
 from sdcp.bench.workloads import BenchInputError
 from sdcp.home import sdcp_home
 from sdcp.localhost import free_port
+from sdcp.models.fetch import smollm2_gguf
+from sdcp.threads import usable_cores
 
-__all__ = ["LlamaServer", "llama_server_binary"]
+__all__ = ["LlamaServer", "llama_server_binary", "start_bench_llama_server"]
 
 # The Makefile's flags for llama-cpp-python: llama.cpp's native build turns on kernels (AMX) that
 # some sandboxes do not grant.
@@ -143,3 +145,12 @@ class LlamaServer:
                 return bool(response.status == 200)
         except (urllib.error.URLError, OSError):
             return False
+
+
+def start_bench_llama_server(binary: Path, out: Path, *, slots: int, context: int) -> LlamaServer:
+    """llama-server on the bundled GGUF with every usable core, serving (the caller exits it), its
+    log in ``out``."""
+    server = LlamaServer(
+        binary, smollm2_gguf(), threads=usable_cores(), slots=slots, context=context, log_file=out / "llama-server.log"
+    )
+    return server.__enter__()

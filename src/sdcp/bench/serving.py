@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sdcp.bench.llama_server import LlamaServer, llama_server_binary
+from sdcp.bench.llama_server import LlamaServer, llama_server_binary, start_bench_llama_server
 from sdcp.bench.streamed import (
     BENCH_MODEL,
     TURN_TIMEOUT_S,
@@ -45,7 +45,7 @@ from sdcp.bench.streamed import (
 )
 from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError, parse_prompts
 from sdcp.cluster import LocalCluster
-from sdcp.models.fetch import fetch_smollm2, smollm2_gguf
+from sdcp.models.fetch import fetch_smollm2
 from sdcp.threads import usable_cores
 
 __all__ = [
@@ -231,14 +231,7 @@ def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict
 
         if binary is not None:
             log("starting llama_server")
-            server = LlamaServer(
-                binary,
-                smollm2_gguf(),
-                threads=usable_cores(),
-                slots=_SLOTS,
-                context=_SLOT_CONTEXT,
-                log_file=config.out / "llama-server.log",
-            ).__enter__()
+            server = start_bench_llama_server(binary, config.out, slots=_SLOTS, context=_SLOT_CONTEXT)
             urls[LLAMA_SERVER] = server.url
         names = list(urls)
         for number, (streams, questions) in enumerate(zip(config.streams, asked, strict=True)):
