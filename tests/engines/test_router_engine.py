@@ -388,6 +388,36 @@ async def test_a_session_opens_deadline_grows_with_its_prefill(world: World, mon
     await router.cancel(tracked)
 
 
+async def test_a_failovers_open_waits_for_the_new_verifiers_queue_of_prefills(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verifier prefills one session at a time: a failover's session-open, as a new session's,
+    waits for the queue the verifier last reported, and counts among the router's opens there."""
+    router = world.router(ROUTER_A, open_timeout_per_token_ms=40)
+    await router.start()
+    world.events_to.append(router)
+    tracked = await open_on_v1(world, router)
+    deadlines: list[tuple[str, int, float, int]] = []
+    opening = router.link.open_session
+
+    async def timed(verifier: str, message: SessionOpen, *, timeout: float) -> SessionState:
+        committed = 0 if message.resume is None else message.resume.committed
+        deadlines.append((verifier, len(message.prompt) + committed, timeout, router._opening.get(verifier, 0)))
+        return await opening(verifier, message, timeout=timeout)
+
+    monkeypatch.setattr(router.link, "open_session", timed)
+    world.advance(2 * TTL_MS / 1000)
+    router.report(replace(world.verifiers[V2].status(), prefill_tokens=1000))
+    await router.maintain()
+    await eventually(lambda: tracked.plan.epoch == 2)
+    ((verifier, tokens, timeout, counted),) = deadlines
+    assert verifier == V2 and tokens > len(PROMPT)
+    assert timeout == pytest.approx(30.0 + (tokens + 1000) * 0.040)
+    # While it was in flight it counted among the router's opens at V2, and not after.
+    assert counted == tokens and V2 not in router._opening
+    await router.stop()
+
+
 async def test_a_session_goes_where_its_prompts_prefix_is_held_while_that_verifier_has_room(world: World) -> None:
     """Verifiers report the prefixes whose KV they hold (Status.prefixes): the router opens a session
     at the one holding the longest prefix of its prompt, for its tenant, though it is the busier,

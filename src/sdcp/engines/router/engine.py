@@ -22,7 +22,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
 
@@ -266,8 +266,24 @@ class RouterEngine:
                 "; ".join(f"{digest[:16]}: {', '.join(where)}" for digest, where in split.items()),
             )
 
-    def _open_deadline(self, prefill_tokens: int) -> float:
-        return open_deadline_s(self.settings.open_timeout_s, prefill_tokens, self.settings.open_timeout_per_token_ms)
+    @contextlib.contextmanager
+    def _prefill_at(self, verifier: str, tokens: int) -> Iterator[float]:
+        """The deadline of a session-open at ``verifier`` that prefills ``tokens``, counted among
+        this router's opens there while the block runs. The verifier prefills one session at a
+        time: this one's turn comes after its queue as it last reported it, and after this router's
+        opens there since (not in that report yet)."""
+        view = self.registry.get(verifier)
+        queued = (view.status.prefill_tokens or 0) if view is not None else 0
+        queued += self._opening.get(verifier, 0)
+        self._opening[verifier] = self._opening.get(verifier, 0) + tokens
+        try:
+            yield open_deadline_s(
+                self.settings.open_timeout_s, tokens + queued, self.settings.open_timeout_per_token_ms
+            )
+        finally:
+            self._opening[verifier] -= tokens
+            if not self._opening[verifier]:
+                del self._opening[verifier]
 
     def live_counts(self) -> tuple[int, int]:
         """How many verifiers and drafters are registered (their reports have not expired)."""
@@ -458,21 +474,10 @@ class RouterEngine:
         """The session-open at ``verifier``, withdrawn (its request reset) if the front end goes
         away first: RequesterGone then, and the session, if the verifier opened it all the same,
         is cancelled."""
-        # The verifier prefills one session at a time: this one's turn comes after its queue, as it
-        # last reported it, and after this router's opens there since (not in that report yet).
-        view = self.registry.get(verifier)
-        queued = (view.status.prefill_tokens or 0) if view is not None else 0
-        queued += self._opening.get(verifier, 0)
-        deadline = self._open_deadline(len(plan.prompt) + queued)
-        self._opening[verifier] = self._opening.get(verifier, 0) + len(plan.prompt)
-        try:
+        with self._prefill_at(verifier, len(plan.prompt)) as deadline:
             opened = await cancelled_if(
                 self.link.open_session(verifier, plan.open_message(), timeout=deadline), gone.wait()
             )
-        finally:
-            self._opening[verifier] -= len(plan.prompt)
-            if not self._opening[verifier]:
-                del self._opening[verifier]
         if opened is None:
             self._tasks.spawn(self._cancel_abandoned(plan))
             raise RequesterGone(f"session {plan.session.hex()}: its front end went away during the session-open")
@@ -906,9 +911,8 @@ class RouterEngine:
         replay, tokens = await self._committed_prefix(tracked)
         published = target_kv_uri(plan.commit_log, plan.session, served)
         moved = plan.fail_over(verifier, replay, tokens, target_kv=await self._available(published))
-        await self.link.open_session(
-            verifier, moved.open_message(), timeout=self._open_deadline(len(tracked.prompt) + len(replay.tokens))
-        )
+        with self._prefill_at(verifier, len(tracked.prompt) + len(replay.tokens)) as deadline:
+            await self.link.open_session(verifier, moved.open_message(), timeout=deadline)
         tracked.plan = moved
         tracked.failover_to = None
         if published is not None:
