@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -155,21 +155,26 @@ def _serve(role: Role, config_path: Path, log_level: LogLevel, log_json: bool, a
         # Before the role's modules import torch: its thread pools read these once.
         limit_native_threads(thread_budget(config, role.value))
         node = _build_node(role, config)
+        _serve_until_signal(node.run_until)
 
-        async def run() -> None:
-            shutdown = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, shutdown.set)
-            await node.run_until(shutdown)
 
-        from sdcp.services.node import ModelThreadDied
+def _serve_until_signal(serve: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> None:
+    """Run ``serve(shutdown)`` until SIGINT or SIGTERM sets ``shutdown``; a model thread that died
+    ends the process with EX_SOFTWARE, so that a supervisor (Kubernetes, `sdcp up` again) starts it
+    anew."""
+    from sdcp.services.node import ModelThreadDied
 
-        try:
-            asyncio.run(run())
-        except ModelThreadDied as exc:
-            # EX_SOFTWARE: a supervisor (Kubernetes, `sdcp up` again) starts the role anew.
-            fail(str(exc), code=70)
+    async def run() -> None:
+        shutdown = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, shutdown.set)
+        await serve(shutdown)
+
+    try:
+        asyncio.run(run())
+    except ModelThreadDied as exc:
+        fail(str(exc), code=70)
 
 
 def _build_node(role: Role, config: Any) -> Any:
@@ -263,22 +268,9 @@ def together(
         # budget of the instances (the verifier's) applies to the process.
         limit_native_threads(max(thread_budget(config, role.value) for role, config in configs))
         nodes = [_build_node(role, config) for role, config in configs]
+        from sdcp.services.together import run_together
 
-        async def run() -> None:
-            from sdcp.services.together import run_together
-
-            shutdown = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, shutdown.set)
-            await run_together(nodes, shutdown)
-
-        from sdcp.services.node import ModelThreadDied
-
-        try:
-            asyncio.run(run())
-        except ModelThreadDied as exc:
-            fail(str(exc), code=70)
+        _serve_until_signal(lambda shutdown: run_together(nodes, shutdown))
 
 
 # -- the local cluster ----------------------------------------------------------------------------
