@@ -169,7 +169,7 @@ class PassInfo:
 
     seconds: float
     batch_size: int
-    rows: int = 1
+    rows: int
 
 
 class BatchingScorer(ModelThread):

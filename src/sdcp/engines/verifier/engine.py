@@ -372,7 +372,6 @@ class VerifierEngine:
             tenant=message.tenant,
             kv_uri=target_kv_uri(message.commit_log, message.session, message.epoch),
             kv_imported=imported,
-            first_token_from=time.perf_counter(),
             first_token_parts=parts,
         )
         self.sessions[message.session] = live

@@ -71,9 +71,9 @@ class LiveSession:
     kv_imported: int = 0
     # The session's own tokens as the lookahead indexes them (VerifierLookahead), built at its first guess.
     suffix_index: SuffixIndex | None = None
-    # When the open answered (time.perf_counter), until its first token is committed: the
-    # first_round part of the first token's latency (sdcp.latency); None once observed.
-    first_token_from: float | None = None
+    # When the open answered (time.perf_counter): the first_round part of the first token's latency
+    # runs from here to the first committed token (sdcp.latency).
+    opened_at: float = field(default_factory=time.perf_counter)
     # The verifier's parts of the first token's latency (s), by part: stats' first_token_us.
     first_token_parts: dict[str, float] = field(default_factory=dict)
 

@@ -281,10 +281,9 @@ class Rounds:
 
     def release(self, live: LiveSession, pending: PendingCommit) -> Verdict:
         """The record is durable: the round's tokens become output."""
-        if live.first_token_from is not None and pending.record.emitted:
-            live.first_token_parts["first_round"] = time.perf_counter() - live.first_token_from
+        if pending.record.emitted and "first_round" not in live.first_token_parts:
+            live.first_token_parts["first_round"] = time.perf_counter() - live.opened_at
             observe_part(self._uri, "first_round", live.first_token_parts["first_round"])
-            live.first_token_from = None
         verdict = live.machine.apply(pending)
         live.driven()
         live.timings.committed()

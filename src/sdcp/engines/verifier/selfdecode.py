@@ -51,7 +51,7 @@ def lookahead_length(hit_rate: float, sessions: int, predicted: int, curve: Pass
     share of predictions whose first token was right), and then saves the session a pass, of which
     its share is the pass's cost over its ``sessions`` (a row each); scoring k of them costs what
     k more rows add to that pass on the measured ``curve``. The length is the one that saves the
-    most, zero included: where a second row costs a third of a pass (llama.cpp on 2 cores), a lone
+    most, zero included: where a second row costs half a one-row pass (llama.cpp on 2 cores), a lone
     session scores a guess only above a 53 % hit rate, one among 16 only above 94 %.
     """
     curve = curve if curve is not None else PassCurve()
