@@ -37,7 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from sdcp.bench.llama_server import LlamaServer, llama_server_binary, start_bench_llama_server
-from sdcp.bench.streamed import BENCH_MODEL, TURN_TIMEOUT_S, Turn, percentile, start_default_cluster, stream_chat
+from sdcp.bench.streamed import (
+    BENCH_MODEL,
+    TURN_TIMEOUT_S,
+    Turn,
+    metric_samples,
+    percentile,
+    start_default_cluster,
+    stream_chat,
+)
 from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError
 from sdcp.cluster import LocalCluster
 from sdcp.models.fetch import fetch_smollm2
@@ -279,15 +287,13 @@ def _concurrent_conversations(
 
 
 def _prefix_cache_figures(metrics_url: str) -> dict[str, float]:
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:  # noqa: S310 - loopback
-        text = response.read().decode()
     figures: dict[str, float] = {}
-    for line in text.splitlines():
-        for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_bytes"):
-            if line.startswith(f"sdcp:{name}{{"):
-                figures[name] = figures.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        if line.startswith("sdcp:prefix_cache_shared_objects_total{") and 'outcome="used"' in line:
-            figures["prefix_cache_shared_objects_used"] = float(line.rsplit(" ", 1)[1])
+    for sample in metric_samples(metrics_url):
+        name = sample.name.removeprefix("sdcp:")
+        if name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_bytes"):
+            figures[name] = figures.get(name, 0.0) + sample.value
+        if name == "prefix_cache_shared_objects_total" and sample.labels.get("outcome") == "used":
+            figures["prefix_cache_shared_objects_used"] = sample.value
     return figures
 
 

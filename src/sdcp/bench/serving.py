@@ -37,6 +37,7 @@ from sdcp.bench.streamed import (
     BENCH_MODEL,
     TURN_TIMEOUT_S,
     Turn,
+    chat_request,
     first_token_parts,
     part_means_ms,
     percentile,
@@ -122,20 +123,19 @@ def level_questions(
 def run_level(url: str, questions: tuple[str, ...], streams: int, max_tokens: int) -> Level:
     """``streams`` clients at once, each asking every ``streams``-th question in turn."""
 
-    def client(offset: int) -> list[Turn]:
-        turns = []
+    turns: list[Turn | None] = [None] * len(questions)
+
+    def client(offset: int) -> None:
         for index in range(offset, len(questions), streams):
             turn = stream_chat(url, BENCH_MODEL, [{"role": "user", "content": questions[index]}], max_tokens)
             turn.label = f"question {index + 1}"
-            turns.append(turn)
-        return turns
+            turns[index] = turn
 
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=streams) as pool:
-        shares = list(pool.map(client, range(streams)))
+        list(pool.map(client, range(streams)))
     seconds = time.perf_counter() - started
-    turns = sorted((turn for share in shares for turn in share), key=lambda turn: int(turn.label.split()[1]))
-    return Level(streams, seconds, turns)
+    return Level(streams, seconds, [turn for turn in turns if turn is not None])
 
 
 def serving_figures(level: Level) -> dict[str, Any]:
@@ -194,13 +194,7 @@ def _reference(url: str, question: str, max_tokens: int) -> list[dict[str, Any]]
         "logprobs": True,
         "top_logprobs": 2,
     }
-    request = urllib.request.Request(
-        f"{url}/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(request, timeout=TURN_TIMEOUT_S) as response:  # noqa: S310 - loopback
+    with urllib.request.urlopen(chat_request(url, body), timeout=TURN_TIMEOUT_S) as response:  # noqa: S310 - loopback
         answer = json.loads(response.read())
     content = ((answer.get("choices") or [{}])[0].get("logprobs") or {}).get("content") or []
     return list(content)

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
 from sdcp.bench.workloads import BenchInputError
 from sdcp.cluster import LocalCluster
 from sdcp.home import sdcp_home
@@ -19,7 +22,9 @@ __all__ = [
     "BENCH_MODEL",
     "ClusterRun",
     "Turn",
+    "chat_request",
     "first_token_parts",
+    "metric_samples",
     "part_means_ms",
     "percentile",
     "start_default_cluster",
@@ -40,6 +45,16 @@ class Turn:
     completion_tokens: int | None = None
 
 
+def chat_request(url: str, body: dict[str, Any]) -> urllib.request.Request:
+    """POST ``body`` to the OpenAI endpoint ``url``'s chat completions."""
+    return urllib.request.Request(
+        f"{url}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+
+
 def stream_chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> Turn:
     """POST a streamed greedy chat completion and read it to its end, timed by the client."""
     body = {
@@ -50,12 +65,7 @@ def stream_chat(url: str, model: str, messages: list[dict[str, str]], max_tokens
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    request = urllib.request.Request(
-        f"{url}/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
+    request = chat_request(url, body)
     started = time.perf_counter()
     first: float | None = None
     pieces: list[str] = []
@@ -113,19 +123,23 @@ def start_default_cluster(
     return ClusterRun(cluster, gateway, f"{verifier.admin}/metrics")
 
 
+def metric_samples(metrics_url: str) -> list[Sample]:
+    """Every sample of a Prometheus /metrics page."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:  # noqa: S310 - loopback
+        text = response.read().decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
 def first_token_parts(cluster: LocalCluster) -> dict[str, tuple[float, float]]:
     """Every instance's first-token latency parts so far (sdcp.latency): part -> (seconds, count)."""
     totals: dict[str, list[float]] = {}
     for instance in cluster.instances():
         if instance.admin is None:
             continue
-        with urllib.request.urlopen(f"{instance.admin}/metrics", timeout=10) as response:  # noqa: S310 - loopback
-            text = response.read().decode()
-        for line in text.splitlines():
+        for sample in metric_samples(f"{instance.admin}/metrics"):
             for suffix, index in (("_sum", 0), ("_count", 1)):
-                if line.startswith(f"sdcp_first_token_part_seconds{suffix}{{"):
-                    part = line.split('part="', 1)[1].split('"', 1)[0]
-                    totals.setdefault(part, [0.0, 0.0])[index] += float(line.rsplit(" ", 1)[1])
+                if sample.name == f"sdcp_first_token_part_seconds{suffix}":
+                    totals.setdefault(sample.labels["part"], [0.0, 0.0])[index] += sample.value
     return {part: (seconds, count) for part, (seconds, count) in totals.items()}
 
 
