@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -70,6 +71,31 @@ async def test_callers_of_one_pass_continue_together(tiny_target: TargetModel, s
         assert scorer.batches_run == 1
     # When the first caller of the pass learns its rows, every other caller has them as well.
     assert seen_done == [6]
+
+
+async def test_a_pass_on_the_host_cores_starts_once_the_loop_ran_what_was_ready(
+    tiny_target: TargetModel, session_ids, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (session,) = _open(tiny_target, session_ids, 1)
+    assert tiny_target.on_host_cores
+    loop_work: list[str] = []
+    loop_work_seen_by_pass: list[list[str]] = []
+    score = tiny_target.score
+
+    def observed_score(requests, **kwargs):
+        loop_work_seen_by_pass.append(list(loop_work))
+        return score(requests, **kwargs)
+
+    monkeypatch.setattr(tiny_target, "score", observed_score)
+    # A long window: the wait for the loop is bounded by it, never reached here.
+    with BatchingScorer(tiny_target, window_s=30.0, active_sessions=lambda: 1) as scorer:
+        rows = scorer.score_async(session, [7])
+        asyncio.get_running_loop().call_soon(loop_work.append, "released")
+        # The loop stays busy (a round being decided) while the scorer holds the request: a pass
+        # that did not wait would run now, before the release.
+        time.sleep(0.2)
+        await asyncio.wait_for(rows, timeout=30)
+    assert loop_work_seen_by_pass == [["released"]]
 
 
 async def test_a_cancelled_async_request_is_not_scored(tiny_target: TargetModel, session_ids) -> None:

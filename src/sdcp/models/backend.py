@@ -65,6 +65,12 @@ class Target(Protocol):
         ...
 
     @property
+    def on_host_cores(self) -> bool:
+        """Whether a pass runs on the host's cores (llama.cpp, torch on the CPU), where Python work
+        beside it slows it down (BatchingScorer lets the event loops settle before each pass)."""
+        ...
+
+    @property
     def context_length(self) -> int | None:
         """Positions a session may hold (prompt plus output), None where the model names none."""
         ...

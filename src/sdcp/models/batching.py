@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -357,6 +358,8 @@ class BatchingScorer(ModelThread):
             runnable.append(request)
         if not runnable:
             return []
+        if self.target.on_host_cores:
+            self._let_loops_settle(runnable)
         started = time.perf_counter()
         try:
             rows = self.target.score(
@@ -375,6 +378,22 @@ class BatchingScorer(ModelThread):
             self.last_pass[request.session] = info
             outcomes.result(request, result)
         return list(zip(runnable, rows, strict=True))
+
+    def _let_loops_settle(self, requests: list[_Request]) -> None:
+        """Wait until each event loop that awaits the pass has run what was ready on it (the rounds
+        of the last pass: deciding, appending, releasing, streaming). On the host's cores the
+        model's threads wait for each other at every step of a pass, so Python work beside a pass
+        lengthens it by more than the work costs before it (docs/performance.md, "Passes that wait
+        for the event loop"). The wait is bounded by the last pass's time: a loop kept busy longer
+        (a grammar compiled) delays a pass by no more than that."""
+        limit_s = max(self.window_s, self._last_pass_s)
+        for loop in {request.waiter[0] for request in requests if request.waiter is not None}:
+            settled = threading.Event()
+            try:
+                loop.call_soon_threadsafe(settled.set)
+            except RuntimeError:  # the loop is closed: nothing runs on it
+                continue
+            settled.wait(limit_s)
 
     @staticmethod
     def _next_step(request: _Request, rows: np.ndarray) -> _Request | None:

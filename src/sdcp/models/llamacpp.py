@@ -155,6 +155,7 @@ class LlamaCppTarget:
         self._prefix_cache_bytes = prefix_cache_bytes
 
     backend: TargetBackend = "llamacpp"
+    on_host_cores = True
 
     def set_threads(self, threads: int) -> None:
         """Threads of the ubatches of two tokens or more; a one-token ubatch keeps one (__init__)."""

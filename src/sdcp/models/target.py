@@ -100,6 +100,10 @@ class TargetModel:
         self._prefix_cache_bytes = prefix_cache_bytes
 
     @property
+    def on_host_cores(self) -> bool:
+        return self.device.type == "cpu"
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
