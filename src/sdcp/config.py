@@ -414,6 +414,10 @@ class GatewayConfig:
     # OpenAI's behaviour: a request member that no parameter reads is a 400. By default it is
     # ignored and named (a warning line, X-SDCP-Ignored-Members), as vLLM does.
     strict: Flag = False
+    # A JSON schema's object that names its properties allows no others unless it says so
+    # (response_format, guided_json, a forced tool call's arguments), as vLLM's default engine
+    # (xgrammar) reads schemas; false reads them as JSON Schema does (open), except strict ones.
+    close_json_objects: Flag = True
 
     def resolved_api_key(self) -> str | None:
         """``api_key``, else the first line of ``api_key_file``, else None (no key required)."""

@@ -10,7 +10,7 @@ sandbox with trim_blocks and lstrip_blocks, then encoded without added special t
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -128,13 +128,16 @@ class TextCodec:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        variables: Mapping[str, object] | None = None,
     ) -> str:
         """The messages through the chat template; ``tools`` (OpenAI's tool definitions) are given
-        to it as transformers' ``apply_chat_template(tools=...)`` gives them."""
+        to it as transformers' ``apply_chat_template(tools=...)`` gives them, ``variables`` as its
+        keyword arguments (vLLM's ``chat_template_kwargs``: ``enable_thinking``, say)."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
             return _compiled(self.chat_template).render(
+                **(variables or {}),
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,

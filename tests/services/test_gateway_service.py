@@ -162,6 +162,16 @@ async def test_unknown_members_are_ignored_and_named_unless_strict(
     }
 
 
+async def test_a_model_is_retrieved_by_its_id_and_another_is_a_404(cluster: Cluster) -> None:
+    client = client_of(await cluster.gateway())
+    model = await client.models.retrieve("tiny")
+    assert (model.id, model.object) == ("tiny", "model")
+    assert [listed.id async for listed in client.models.list()] == ["tiny"]
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.models.retrieve("org/other-model")
+    assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
 async def test_a_completion_without_max_tokens_is_16_tokens(cluster: Cluster) -> None:
     gateway = await cluster.gateway()
     # ignore_eos: the tiny random model may emit its end-of-text token early.

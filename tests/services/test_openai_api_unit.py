@@ -124,10 +124,55 @@ def test_a_parameter_at_any_other_value_is_a_400_naming_it(codec: TextCodec, mem
 @pytest.mark.parametrize(
     ("member", "value"),
     # Booleans and numbers are not interchangeable: false is not 0, nor 1 true.
-    [("priority", False), ("use_beam_search", 0), ("spaces_between_special_tokens", 1), ("store", 0)],
+    [("priority", False), ("use_beam_search", 0), ("spaces_between_special_tokens", 1), ("continue_final_message", 0)],
 )
 def test_a_neutral_value_must_match_in_type_too(codec: TextCodec, member: str, value: object) -> None:
     assert_bad_parameter(refusal(codec, {"prompt": "Hello", member: value}), member)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_members_agent_sdks_send_are_accepted_and_named_as_ignored(codec: TextCodec, strict: bool) -> None:
+    members = {"metadata": {"run": "1"}, "store": True, "reasoning_effort": "low", "user": "u-1"}
+    body = {"messages": CHAT, "parallel_tool_calls": False, **members}
+    generation = parse_generation(body, codec, served=SERVED, chat=True, strict=strict)
+    assert sorted(generation.ignored) == ["metadata", "reasoning_effort", "store"]
+    assert generation.user == "u-1"
+    assert replace(generation, ignored=(), user=None) == chat(codec)
+
+
+def test_a_developer_message_is_a_system_message_and_other_roles_are_a_400(codec: TextCodec) -> None:
+    def text(role: str) -> str:
+        messages = [{"role": role, "content": "Be brief."}, *CHAT]
+        return parse_generation({"messages": messages}, codec, served=SERVED, chat=True).choices[0].prompt.text
+
+    assert text("developer") == text("system")
+    error = refusal(codec, {"messages": [{"role": "wizard", "content": "x"}]}, chat=True)
+    assert_bad_parameter(error, "messages")
+    assert "wizard" in error.message
+
+
+def test_chat_template_kwargs_are_the_templates_variables(codec: TextCodec) -> None:
+    thinking = replace_template(codec, "{% if enable_thinking %}think {% endif %}{{ messages[0].content }}")
+    body: dict[str, Any] = {"messages": CHAT}
+    plain = parse_generation(body, thinking, served=SERVED, chat=True).choices[0].prompt.text
+    asked = (
+        parse_generation(
+            {**body, "chat_template_kwargs": {"enable_thinking": True}}, thinking, served=SERVED, chat=True
+        )
+        .choices[0]
+        .prompt.text
+    )
+    assert (plain, asked) == ("Say hi.", "think Say hi.")
+    for bad in ({"messages": "x"}, {"x": [1]}, {"x": "y" * 2000}, {f"v{i}": i for i in range(17)}, ["x"]):
+        error = refusal(codec, {"messages": CHAT, "chat_template_kwargs": bad}, chat=True)
+        assert_bad_parameter(error, "chat_template_kwargs")
+
+
+def replace_template(codec: TextCodec, template: str) -> TextCodec:
+    copy = TextCodec.__new__(TextCodec)
+    copy.__dict__.update(codec.__dict__)
+    copy.chat_template = template
+    return copy
 
 
 def test_the_model_is_the_served_one_or_absent(codec: TextCodec) -> None:

@@ -16,6 +16,7 @@ from sdcp.text import TextCodec, load_text_codec
 SERVED = ("smollm2",)
 CHAT = [{"role": "user", "content": "Give me a JSON object."}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+CLOSED = {**SCHEMA, "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +42,12 @@ def refused(codec: TextCodec, **body: Any) -> OpenAIError:
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}},
             "json_schema",
-            json.dumps(SCHEMA),
+            json.dumps(CLOSED),
         ),
-        ({"guided_json": SCHEMA}, "json_schema", json.dumps(SCHEMA)),
-        ({"guided_json": json.dumps(SCHEMA)}, "json_schema", json.dumps(SCHEMA)),
+        ({"guided_json": SCHEMA}, "json_schema", json.dumps(CLOSED)),
+        ({"guided_json": json.dumps(SCHEMA)}, "json_schema", json.dumps(CLOSED)),
         ({"guided_regex": "[0-9]{3}"}, "regex", "[0-9]{3}"),
+        ({"guided_regex": r"\d{4}-\w"}, "regex", "[0-9]{4}-[0-9A-Za-z_]"),
         ({"guided_choice": ["yes", "no"]}, "choice", '["yes", "no"]'),
         ({"guided_grammar": 'start: "a"+'}, "lark", 'start: "a"+'),
         ({"structured_outputs": {"choice": ["x"]}}, "choice", '["x"]'),
@@ -55,6 +57,36 @@ def refused(codec: TextCodec, **body: Any) -> OpenAIError:
 )
 def test_each_spelling_becomes_the_constraint(codec: TextCodec, body: dict[str, Any], kind: str, text: str) -> None:
     assert constraint_of(codec, **body) == Constraint(kind=kind, text=text)
+
+
+def test_objects_are_closed_unless_the_gateway_or_the_schema_opens_them(codec: TextCodec) -> None:
+    opened = parse_generation(
+        {"messages": CHAT, "guided_json": SCHEMA}, codec, served=SERVED, chat=True, close_json_objects=False
+    )
+    assert opened.constraint == Constraint(kind="json_schema", text=json.dumps(SCHEMA))
+    explicit = {**SCHEMA, "additionalProperties": True}
+    assert constraint_of(codec, guided_json=explicit) == Constraint(kind="json_schema", text=json.dumps(explicit))
+
+
+def test_a_strict_schema_is_closed_even_where_the_gateway_leaves_objects_open(codec: TextCodec) -> None:
+    described = {"name": "a", "schema": SCHEMA, "strict": True}
+    strict = parse_generation(
+        {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": described}},
+        codec,
+        served=SERVED,
+        chat=True,
+        close_json_objects=False,
+    )
+    assert strict.constraint == Constraint(kind="json_schema", text=json.dumps(CLOSED))
+    opened = {**described, "schema": {**SCHEMA, "additionalProperties": True}}
+    assert "additional properties" in str(
+        refused(codec, response_format={"type": "json_schema", "json_schema": opened})
+    )
+
+
+def test_a_json_schema_response_format_needs_a_name(codec: TextCodec) -> None:
+    error = refused(codec, response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}})
+    assert error.param == "response_format" and "name" in str(error)
 
 
 def test_gbnf_becomes_lark_and_text_is_no_constraint(codec: TextCodec) -> None:

@@ -144,10 +144,78 @@ def test_a_forcing_tool_choice_is_a_json_schema_constraint_of_one_call(
     grammar.commit(codec.encode(json.dumps(valid, separators=(",", ":")), add_special_tokens=False))
 
 
+# What openai.pydantic_function_tool and instructor's TOOLS mode send for a nested Pydantic model.
+NESTED_PARAMETERS = {
+    "$defs": {
+        "Address": {
+            "properties": {"street": {"type": "string"}, "city": {"type": "string"}},
+            "required": ["street", "city"],
+            "title": "Address",
+            "type": "object",
+        }
+    },
+    "properties": {"name": {"type": "string"}, "home": {"$ref": "#/$defs/Address"}},
+    "required": ["name", "home"],
+    "title": "Person",
+    "type": "object",
+}
+NESTED_TOOLS = [{"type": "function", "function": {"name": "Person", "parameters": NESTED_PARAMETERS}}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "Person"}}])
+def test_a_forced_call_of_parameters_with_defs_resolves_them_and_allows_no_other_arguments(
+    codec: TextCodec, choice: object
+) -> None:
+    generation = chat(codec, tools=[*NESTED_TOOLS, TOOLS[1]], tool_choice=choice)
+    assert generation.constraint is not None
+    schema = json.loads(generation.constraint.text)
+    call = {"name": "Person", "arguments": {"name": "Ada", "home": {"street": "1 Main St", "city": "London"}}}
+    jsonschema.validate(call, schema)
+    for extra in (
+        {**call["arguments"], "age": 36},
+        {**call["arguments"], "home": {**call["arguments"]["home"], "zip": "1"}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**call, "arguments": extra}, schema)
+    tokenizer = grammar_tokenizer(codec.tokenizer.to_str(), codec.vocab_size)
+    grammar = GrammarConstraint(tokenizer, generation.constraint, codec.end_of_text_tokens(), codec.vocab_size)
+    grammar.commit(codec.encode(json.dumps(call, separators=(",", ":")), add_special_tokens=False))
+
+
+def test_a_forced_calls_arguments_stay_open_where_the_gateway_leaves_objects_open(codec: TextCodec) -> None:
+    body = {"messages": ASK, "tools": NESTED_TOOLS, "tool_choice": "required"}
+    generation = parse_generation(body, codec, served=SERVED, chat=True, close_json_objects=False)
+    assert generation.constraint is not None
+    arguments = {"name": "Ada", "home": {"street": "1 Main St", "city": "London"}, "age": 36}
+    jsonschema.validate({"name": "Person", "arguments": arguments}, json.loads(generation.constraint.text))
+    strict = [{"type": "function", "function": {"name": "Person", "parameters": NESTED_PARAMETERS, "strict": True}}]
+    generation = parse_generation({**body, "tools": strict}, codec, served=SERVED, chat=True, close_json_objects=False)
+    assert generation.constraint is not None
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "Person", "arguments": arguments}, json.loads(generation.constraint.text))
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"tool_choice": "required"}, "tool_choice"),
+        # Unreadable parameters are refused whether or not a call is forced.
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "no such type"}}}]}, "tools"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "strict": True,
+                            "parameters": {"type": "object", "properties": {}, "additionalProperties": True},
+                        },
+                    }
+                ]
+            },
+            "tools",
+        ),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": {"get_weather": {}}}, "tools"),

@@ -288,6 +288,8 @@ class GatewayNode:
         routes = Starlette(
             routes=[
                 Route("/v1/models", self.models, methods=["GET"]),
+                # A served name may hold slashes (a directory's path, an organisation's model).
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
@@ -341,11 +343,28 @@ class GatewayNode:
             self._check_key(request)
         except OpenAIError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sdcp"}
+        return JSONResponse({"object": "list", "data": [await self._model()]})
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's GET /v1/models/{model}: the served model, or a 404 as OpenAI gives it."""
+        try:
+            self._check_key(request)
+            if request.path_params["model"] != self.model_name:
+                raise OpenAIError(
+                    f"The model '{request.path_params['model'][:256]}' does not exist",
+                    status=404,
+                    param="model",
+                )
+        except OpenAIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(await self._model())
+
+    async def _model(self) -> dict[str, Any]:
+        model: dict[str, Any] = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sdcp"}
         context = await self._context_length()
         if context is not None:
             model["max_model_len"] = context
-        return JSONResponse({"object": "list", "data": [model]})
+        return model
 
     async def health(self, _request: Request) -> Response:
         return Response(status_code=200)
@@ -411,6 +430,7 @@ class GatewayNode:
                 chat=chat,
                 context=context,
                 strict=self.settings.strict,
+                close_json_objects=self.settings.close_json_objects,
             )
             if generation.request_id:
                 record.request_id = _request_id(generation.request_id)

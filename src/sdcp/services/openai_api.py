@@ -25,6 +25,7 @@ from sdcp.protocol.messages import (
     Sampling,
     TokenLogprob,
 )
+from sdcp.services.schemas import SchemaError, ascii_classes, closed_schema
 from sdcp.services.tool_calls import (
     MAX_NESTING,
     ToolsError,
@@ -213,7 +214,11 @@ _CHAT_IMPLEMENTED = _COMMON_IMPLEMENTED | {
     "parallel_tool_calls",
     "tools",
     "tool_choice",
+    "chat_template_kwargs",
 }
+# Members OpenAI's API defines that mean nothing to this server (stored completions, a reasoning
+# model's effort, the caller's tags): accepted in strict mode too, and named as ignored.
+_ACCEPTED_IGNORED = frozenset({"metadata", "store", "reasoning_effort"})
 
 # Accepted at the value that changes nothing (None, which is "absent", always is).
 _NEUTRAL: dict[str, tuple[object, ...]] = {
@@ -226,7 +231,6 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "return_tokens_as_token_ids": (False,),
     "continue_final_message": (False,),
     "priority": (0,),
-    "store": (False,),
     "prompt_logprobs": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
@@ -236,13 +240,10 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "truncate_prompt_tokens": (),
     "documents": (),
     "chat_template": (),
-    "chat_template_kwargs": ({},),
     "mm_processor_kwargs": (),
-    "metadata": (),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
-    "reasoning_effort": (),
     "service_tier": ("auto", "default"),
     "web_search_options": (),
     "kv_transfer_params": (),
@@ -259,18 +260,23 @@ def parse_generation(
     chat: bool,
     context: int | None = None,
     strict: bool = False,
+    close_json_objects: bool = True,
 ) -> Generation:
     """Validate a completions or chat request and tokenize it; raises OpenAIError (400, or 404 for
     a model this gateway does not serve). ``context``: the positions a session may fill, where the
     target holds fewer than the codec's model. A member no parameter reads is ignored and listed in
     ``Generation.ignored``, as vLLM does; ``strict`` refuses it, as OpenAI does. Tokenization makes
-    this CPU work: run it off the loop."""
+    this CPU work: run it off the loop. ``close_json_objects``: a JSON schema's objects that name
+    their properties allow no others unless they say so (sdcp.services.schemas)."""
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     implemented = _CHAT_IMPLEMENTED if chat else _COMPLETIONS_IMPLEMENTED
     ignored = []
     for key, value in body.items():
         if key in implemented or value is None:
+            continue
+        if key in _ACCEPTED_IGNORED:
+            ignored.append(key)
             continue
         if key not in _NEUTRAL:
             if strict:
@@ -284,7 +290,7 @@ def parse_generation(
         raise OpenAIError(f"The model '{model}' does not exist", status=404, param="model")
     reader = _Reader(body)
     context = context if context is not None else codec.context_length
-    tool_use = _tool_use(body) if chat else None
+    tool_use = _tool_use(body, close_objects=close_json_objects) if chat else None
     prompts = _chat_prompt(reader, codec, context, tool_use) if chat else _completion_prompts(reader, codec, context)
     n = reader.integer("n", 1, low=1, high=MAX_CHOICES)
     best_of = reader.integer("best_of", n, low=1, high=MAX_CHOICES)
@@ -314,7 +320,7 @@ def parse_generation(
         reader.boolean("parallel_tool_calls", True)
     user = reader.text("user")
     request_id = reader.text("request_id")
-    constrained = _constraint(reader)
+    constrained = _constraint(reader, close_objects=close_json_objects)
     if tool_use is not None and tool_use.constraint is not None:
         if constrained is not None:
             raise OpenAIError("a tool_choice that forces a call is a constraint: give no other", param="tool_choice")
@@ -392,9 +398,9 @@ def _shaping(reader: _Reader, vocab_size: int) -> dict[str, Any]:
     return members
 
 
-def _tool_use(body: dict[str, Any]) -> ToolUse | None:
+def _tool_use(body: dict[str, Any], *, close_objects: bool) -> ToolUse | None:
     try:
-        return parse_tools(body)
+        return parse_tools(body, close_objects=close_objects)
     except ToolsError as exc:
         raise OpenAIError(str(exc), param=exc.param) from exc
 
@@ -404,18 +410,21 @@ _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice
 _STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
 
 
-def _constraint(reader: _Reader) -> tuple[str, Constraint] | None:
+def _constraint(reader: _Reader, *, close_objects: bool) -> tuple[str, Constraint] | None:
     """The output's language from ``response_format`` (OpenAI: json_object, json_schema), vLLM's
     ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (Lark or GBNF) or its
     ``structured_outputs``; at most one of them. ``guided_decoding_backend`` names an engine: ours
-    is llguidance whatever it says."""
+    is llguidance whatever it says. A JSON schema's objects are closed where ``close_objects`` or
+    the schema is ``strict`` (sdcp.services.schemas)."""
     reader.text("guided_decoding_backend")
     given: list[tuple[str, str, object]] = []
+    strict = False
     response_format = reader.body.get("response_format")
     if response_format is not None:
         formatted = _response_format(response_format)
         if formatted is not None:
-            given.append(("response_format", *formatted))
+            kind, value, strict = formatted
+            given.append(("response_format", kind, value))
     for member, kind in _GUIDED.items():
         if reader.body.get(member) is not None:
             given.append((member, kind, reader.body[member]))
@@ -437,7 +446,12 @@ def _constraint(reader: _Reader) -> tuple[str, Constraint] | None:
     if len(given) > 1:
         raise OpenAIError(f"give one of {', '.join(member for member, _, _ in given)}", param=given[1][0])
     member, kind, value = given[0]
-    constraint = Constraint(kind=kind, text=_constraint_text(member, kind, value))
+    if member == "structured_outputs.json_object" or (member == "response_format" and value == _ANY_OBJECT):
+        # json_object mode: any object, whatever the closing says.
+        text = json.dumps(value)
+    else:
+        text = _constraint_text(member, kind, value, close_objects=close_objects, strict=strict)
+    constraint = Constraint(kind=kind, text=text)
     try:
         check(constraint)
     except ConstraintError as exc:
@@ -456,33 +470,56 @@ def _check_start(codec: TextCodec, member: str, constraint: Constraint, stop_ids
         raise OpenAIError(f"'{member}' names a language this model cannot write: {exc}", param=member) from exc
 
 
-def _response_format(value: object) -> tuple[str, object] | None:
-    """OpenAI's ``response_format``: None for text, else the constraint kind and its value."""
+_ANY_OBJECT = {"type": "object"}
+# OpenAI's rule for a response format's name.
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _response_format(value: object) -> tuple[str, object, bool] | None:
+    """OpenAI's ``response_format``: None for text, else the constraint kind, its value and
+    whether the schema is ``strict``."""
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
         return None
     if kind == "json_object":
-        return "json_schema", {"type": "object"}
+        return "json_schema", _ANY_OBJECT, False
     if kind == "json_schema" and isinstance(value, dict):
         described = value.get("json_schema")
         if not isinstance(described, dict):
             raise OpenAIError("'response_format.json_schema' must be an object", param="response_format")
+        name = described.get("name")
+        if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+            raise OpenAIError(
+                "'response_format.json_schema.name' must be 1 to 64 letters, digits, '_' or '-'",
+                param="response_format",
+            )
+        strict = described.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise OpenAIError("'response_format.json_schema.strict' must be a boolean", param="response_format")
         # OpenAI's json_schema without a schema allows any JSON value.
-        return "json_schema", described.get("schema", {})
+        return "json_schema", described.get("schema", {}), bool(strict)
     raise OpenAIError(
         "'response_format.type' must be one of 'text', 'json_object', 'json_schema'", param="response_format"
     )
 
 
-def _constraint_text(member: str, kind: str, value: object) -> str:
+def _constraint_text(member: str, kind: str, value: object, *, close_objects: bool, strict: bool) -> str:
     if kind == "json_schema":
         # A schema comes as an object or as its JSON text (vLLM takes both).
         if isinstance(value, str):
-            text = value
-        elif isinstance(value, dict | bool):
-            text = json.dumps(value)
-        else:
+            if len(value) > MAX_CONSTRAINT_TEXT:
+                raise OpenAIError(f"'{member}' is longer than {MAX_CONSTRAINT_TEXT} characters", param=member)
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise OpenAIError(f"'{member}' is not JSON: {exc}", param=member) from exc
+            check_nesting(value)
+        if not isinstance(value, dict | bool):
             raise OpenAIError(f"'{member}' must be a JSON schema (an object or its JSON text)", param=member)
+        try:
+            text = json.dumps(closed_schema(value, close=close_objects, strict=strict))
+        except SchemaError as exc:
+            raise OpenAIError(f"'{member}': {exc}", param=member) from exc
     elif kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise OpenAIError(f"'{member}' must be a non-empty list of strings", param=member)
@@ -490,9 +527,10 @@ def _constraint_text(member: str, kind: str, value: object) -> str:
     else:
         if not isinstance(value, str) or not value:
             raise OpenAIError(f"'{member}' must be a non-empty string", param=member)
-        # vLLM's guided_grammar is Lark or GBNF (llama.cpp's); the constraint carries Lark.
+        # vLLM's guided_grammar is Lark or GBNF (llama.cpp's); the constraint carries Lark. A
+        # regex's \d, \w, \s are ASCII, as xgrammar reads them.
         try:
-            text = gbnf_to_lark(value) if kind == "lark" else value
+            text = gbnf_to_lark(value) if kind == "lark" else ascii_classes(value) if kind == "regex" else value
         except ConstraintError as exc:
             raise OpenAIError(f"'{member}': {exc}", param=member) from exc
     if len(text) > MAX_CONSTRAINT_TEXT:
@@ -508,7 +546,7 @@ def parse_tokenize(body: object, codec: TextCodec, *, served: Sequence[str], con
     members = ("prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools")
     reader = _small_request(body, served, members)
     if "messages" in reader.body:
-        return list(_chat_prompt(reader, codec, context, _tool_use(reader.body))[0].ids)
+        return list(_chat_prompt(reader, codec, context, _tool_use(reader.body, close_objects=True))[0].ids)
     prompt = reader.body.get("prompt")
     if not isinstance(prompt, str):
         raise OpenAIError("'prompt' must be a string (or give 'messages')", "prompt")
@@ -735,7 +773,10 @@ def _chat_prompt(
         rendered, tools = hermes_messages(rendered, tools), []
     try:
         text = codec.render_chat(
-            rendered, add_generation_prompt=reader.boolean("add_generation_prompt", True), tools=tools or None
+            rendered,
+            add_generation_prompt=reader.boolean("add_generation_prompt", True),
+            tools=tools or None,
+            variables=_template_variables(reader),
         )
     except ChatTemplateError as exc:
         raise OpenAIError(str(exc), param="messages") from exc
@@ -746,12 +787,58 @@ def _chat_prompt(
     return [Prompt(tuple(ids), text)]
 
 
+# The variables the gateway gives every chat template itself.
+_TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+_TEMPLATE_VARIABLES = 16
+_TEMPLATE_TEXT = 1024
+
+
+def _template_variables(reader: _Reader) -> dict[str, object]:
+    """vLLM's ``chat_template_kwargs``: at most 16 variables of the chat template, each a JSON
+    scalar (a string of at most 1024 characters), none of those the gateway gives it."""
+    given = reader.body.get("chat_template_kwargs")
+    if given is None:
+        return {}
+    if not isinstance(given, dict) or len(given) > _TEMPLATE_VARIABLES:
+        raise OpenAIError(
+            f"'chat_template_kwargs' must be an object of at most {_TEMPLATE_VARIABLES} members",
+            param="chat_template_kwargs",
+        )
+    for key, value in given.items():
+        if not key.isidentifier() or key in _TEMPLATE_OWN:
+            raise OpenAIError(
+                f"'chat_template_kwargs.{key[:64]}' is no variable a request may set", param="chat_template_kwargs"
+            )
+        scalar = (
+            value is None
+            or isinstance(value, bool | int | float)
+            or (isinstance(value, str) and len(value) <= _TEMPLATE_TEXT)
+        )
+        if not scalar:
+            raise OpenAIError(
+                f"'chat_template_kwargs.{key[:64]}' must be a number, a boolean, null or a string of at most "
+                f"{_TEMPLATE_TEXT} characters",
+                param="chat_template_kwargs",
+            )
+    return dict(given)
+
+
+# OpenAI's roles; "developer" (its newer name for "system") is rendered as "system", which every
+# chat template knows.
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
 def _message(message: object, index: int) -> dict[str, Any]:
     """A chat message of text: content a string or a list of text parts (or none, on an assistant
     message that calls tools); an assistant's ``tool_calls`` and a tool message's ``tool_call_id``."""
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise OpenAIError(f"'{where}' must be an object with a string 'role'", param="messages")
+    role = _ROLES.get(message["role"])
+    if role is None:
+        raise OpenAIError(
+            f"'{where}.role' must be one of {', '.join(sorted(_ROLES))}, not {message['role'][:64]!r}", param="messages"
+        )
     for key in message:
         if key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
             raise _refused(f"{where}.{key}", "only role, content, name, tool_calls and tool_call_id are read")
@@ -769,7 +856,7 @@ def _message(message: object, index: int) -> dict[str, Any]:
         content = ""
     if not isinstance(content, str):
         raise OpenAIError(f"'{where}.content' must be a string or a list of text parts", param="messages")
-    return {"role": message["role"], "content": content, **fields}
+    return {"role": role, "content": content, **fields}
 
 
 def _max_tokens(reader: _Reader, context: int | None, prompt_tokens: int, chat: bool) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 
 from sdcp.grammar import ConstraintError, check
 from sdcp.protocol.messages import MAX_CONSTRAINT_TEXT, Constraint
+from sdcp.services.schemas import SchemaError, closed_schema, hoisted_parameters
 
 __all__ = [
     "CallDelta",
@@ -85,9 +86,12 @@ class ToolUse:
     constraint: Constraint | None
 
 
-def parse_tools(body: dict[str, Any]) -> ToolUse | None:
+def parse_tools(body: dict[str, Any], *, close_objects: bool = True) -> ToolUse | None:
     """``tools`` and ``tool_choice`` of a chat request; None where it gives no tools (then only
-    ``tool_choice`` ``none`` is accepted, as OpenAI's)."""
+    ``tool_choice`` ``none`` is accepted, as OpenAI's). Every function's parameters must be a
+    schema this server can apply, whether or not a call is forced; a forced call's arguments
+    follow them with their objects closed where ``close_objects`` or the function is ``strict``
+    (sdcp.services.schemas), their ``$defs`` hoisted to the call's root."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None or tools == []:
@@ -96,19 +100,27 @@ def parse_tools(body: dict[str, Any]) -> ToolUse | None:
         return None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise ToolsError(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools")
-    functions = {}
+    functions: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     for index, tool in enumerate(tools):
-        name, parameters = _function(tool, f"tools[{index}]")
+        name, parameters, strict = _function(tool, f"tools[{index}]")
         if name in functions:
             raise ToolsError(f"'tools[{index}]': a second function named {name!r}", "tools")
-        functions[name] = parameters
-    if choice is None or choice == "auto":
-        return ToolUse(tuple(tools), "hermes", None)
-    if choice == "none":
-        return ToolUse(tuple(tools), None, None)
+        try:
+            closed = closed_schema(parameters, close=close_objects, strict=strict)
+        except SchemaError as exc:
+            raise ToolsError(f"'tools[{index}].function.parameters': {exc}", "tools") from exc
+        assert isinstance(closed, dict)  # a dict stays one
+        functions[name] = hoisted_parameters(name, closed)
+    if choice is None or choice == "auto" or choice == "none":
+        # No call is forced, but each function's parameters are checked as if one were.
+        for name, (reference, defs) in functions.items():
+            _constraint(_call_schema(name, reference, defs))
+        return ToolUse(tuple(tools), None if choice == "none" else "hermes", None)
     if choice == "required":
-        calls = [_call_schema(name, parameters) for name, parameters in functions.items()]
-        return ToolUse(tuple(tools), "json", _constraint(calls[0] if len(calls) == 1 else {"anyOf": calls}))
+        calls = [_call_schema(name, reference, {}) for name, (reference, _) in functions.items()]
+        defs = {key: schema for _, hoisted in functions.values() for key, schema in hoisted.items()}
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return ToolUse(tuple(tools), "json", _constraint({**schema, "$defs": defs}))
     named = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     chosen = named.get("name") if isinstance(named, dict) else None
     if not isinstance(chosen, str):
@@ -119,11 +131,12 @@ def parse_tools(body: dict[str, Any]) -> ToolUse | None:
         )
     if chosen not in functions:
         raise ToolsError(f"'tool_choice' names {chosen!r}, which is not one of the tools", "tool_choice")
-    return ToolUse(tuple(tools), "json", _constraint(_call_schema(chosen, functions[chosen])))
+    return ToolUse(tuple(tools), "json", _constraint(_call_schema(chosen, *functions[chosen])))
 
 
-def _function(tool: object, where: str) -> tuple[str, dict[str, Any]]:
-    """A tool's function name and parameters (a JSON schema; an object without properties if none)."""
+def _function(tool: object, where: str) -> tuple[str, dict[str, Any], bool]:
+    """A tool's function name, parameters (a JSON schema; an object without properties if none)
+    and whether it is ``strict``."""
     function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
     if not isinstance(function, dict):
         raise ToolsError(f'\'{where}\' must be {{"type": "function", "function": {{...}}}}', "tools")
@@ -138,17 +151,24 @@ def _function(tool: object, where: str) -> tuple[str, dict[str, Any]]:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
         raise ToolsError(f"'{where}.function.parameters' must be a JSON schema (an object)", "tools")
-    return name, parameters
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ToolsError(f"'{where}.function.strict' must be a boolean", "tools")
+    return name, parameters, bool(strict)
 
 
-def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-    """The JSON schema of one call of a function, in the order the Hermes format writes a call."""
-    return {
+def _call_schema(name: str, arguments: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of one call of a function, in the order the Hermes format writes a call;
+    ``defs``: the definitions its ``arguments`` refer to (sdcp.services.schemas.hoisted_parameters)."""
+    schema: dict[str, Any] = {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
+        "properties": {"name": {"const": name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+    if defs:
+        schema["$defs"] = defs
+    return schema
 
 
 def _constraint(schema: dict[str, Any]) -> Constraint:
