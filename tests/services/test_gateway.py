@@ -236,11 +236,14 @@ async def test_a_stop_string_across_chunks_ends_the_choice_and_its_session(
             choices = [event["choices"][0] for event in events]
             text = "".join(choice["text"] for choice in choices)
             logprobs = [t for choice in choices for t in choice["logprobs"]["tokens"]]
-            finish = choices[-1]["finish_reason"]
+            finish, reason = choices[-1]["finish_reason"], choices[-1]["stop_reason"]
+            assert all(choice["stop_reason"] is None for choice in choices[:-1])
         else:
             (choice,) = answer.json()["choices"]
             text, logprobs, finish = choice["text"], choice["logprobs"]["tokens"], choice["finish_reason"]
-        assert text == TEXT[: TEXT.index(" STOP")] and finish == "stop"
+            reason = choice["stop_reason"]
+        # vLLM's stop_reason: the stop string that ended the choice.
+        assert text == TEXT[: TEXT.index(" STOP")] and (finish, reason) == ("stop", " STOP")
         # Every token up to the stop string's last has its entry; the session is cancelled.
         assert len(logprobs) == len(node.codec.encode(TEXT[: TEXT.index(" STOP") + 5], add_special_tokens=False))
     await node.stop()
@@ -256,6 +259,12 @@ async def test_the_last_token_says_whether_a_stop_token_ended_the_choice(
     # The final chunk commits no token: the one before it is the last.
     cluster.chunks = [node.codec.encode("Done.", add_special_tokens=False), [end], []]
     (choice,) = (await complete(node)).json()["choices"]
-    assert choice == {"index": 0, "finish_reason": "stop", "logprobs": None, "text": "Done."}
+    # An end-of-text token has no stop_reason (vLLM's None).
+    assert choice == {"index": 0, "finish_reason": "stop", "stop_reason": None, "logprobs": None, "text": "Done."}
+    (period,) = node.codec.encode(".", add_special_tokens=False)
+    cluster.chunks = [node.codec.encode("Done.", add_special_tokens=False)]
+    for stop, reason in (({"stop_token_ids": [period]}), period), (({"stop": ["."]}), "."):
+        (choice,) = (await complete(node, **stop)).json()["choices"]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", reason)
     echoed = (await complete(node, echo=True)).json()["choices"][0]
     assert echoed["text"] == "HiDone."

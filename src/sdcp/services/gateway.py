@@ -55,6 +55,7 @@ from sdcp.services.openai_api import (
     parse_detokenize,
     parse_generation,
     parse_tokenize,
+    token_stop_reason,
 )
 from sdcp.services.tool_calls import ToolCallReader, message_tool_calls, read_tool_calls, stream_tool_calls
 from sdcp.text import load_text_codec
@@ -124,6 +125,8 @@ class _Piece:
     # On the last piece, where the request asked for it: the session's acceptance figures, as its
     # verifier counted them (sdcp.protocol.verifier.SessionStats), None where they could not be read.
     acceptance: dict[str, int] | None = None
+    # On the last piece: vLLM's stop_reason, the stop string or stop token id that ended the choice.
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -667,9 +670,14 @@ class GatewayNode:
         final_token: int | None = None
         logprobs: list[tuple[int, TokenLogprob | None]] = []
 
-        def piece(decided: str, finish: str | None, acceptance: dict[str, int] | None = None) -> _Piece:
+        def piece(
+            decided: str,
+            finish: str | None,
+            acceptance: dict[str, int] | None = None,
+            stop_reason: str | int | None = None,
+        ) -> _Piece:
             nonlocal echo, logprobs
-            out = _Piece(choice.index, echo + decided, finish, tokens, logprobs, acceptance)
+            out = _Piece(choice.index, echo + decided, finish, tokens, logprobs, acceptance, stop_reason)
             echo, logprobs = "", []
             return out
 
@@ -682,14 +690,18 @@ class GatewayNode:
             if stopped:
                 # A stop string of several tokens: the verifier would decode on to max_tokens.
                 self._cancel_soon(handle)
-                yield piece(decided, "stop", await self._acceptance(handle, chunk.epoch, generation))
+                acceptance = await self._acceptance(handle, chunk.epoch, generation)
+                yield piece(decided, "stop", acceptance, choice_text.stopped_by)
                 return
             if chunk.finish is not None:
                 stop_token = final_token is not None and final_token in generation.stop_ids
                 # A session its verifier ended with fail (a constraint that no output continues,
                 # docs/interpretations.md) is "abort", as vLLM names an output that did not finish.
                 finish = "abort" if chunk.finish == Action.FAIL else "stop" if stop_token else "length"
-                yield piece(decided, finish, await self._acceptance(handle, chunk.epoch, generation))
+                reason = None
+                if finish == "stop" and final_token is not None:
+                    reason = token_stop_reason(self.codec, generation, final_token)
+                yield piece(decided, finish, await self._acceptance(handle, chunk.epoch, generation), reason)
                 return
             if decided:
                 yield piece(decided, None)
@@ -744,6 +756,7 @@ class GatewayNode:
             answer: dict[str, Any] = {
                 "index": choice.index,
                 "finish_reason": finish,
+                "stop_reason": pieces[-1].stop_reason if pieces else None,
                 # Offsets start at 0: echo comes without logprobs (openai_api refuses the pair).
                 "logprobs": self._logprobs(generation, entries, 0),
             }
@@ -830,7 +843,7 @@ class GatewayNode:
                     choice: dict[str, Any] = {"index": piece.index, "delta": delta}
                 else:
                     choice = {"index": piece.index, "text": piece.text}
-                choice |= {"logprobs": logprobs, "finish_reason": finish}
+                choice |= {"logprobs": logprobs, "finish_reason": finish, "stop_reason": piece.stop_reason}
                 usage = _usage(prompt_tokens[piece.index], piece.tokens) if generation.continuous_usage else None
                 yield event([choice], usage)
         except _ClusterFailed as exc:

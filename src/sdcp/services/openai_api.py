@@ -52,6 +52,7 @@ __all__ = [
     "parse_detokenize",
     "parse_generation",
     "parse_tokenize",
+    "token_stop_reason",
 ]
 
 # The most choices one request may ask for (n times the number of prompts): each is a session.
@@ -988,6 +989,8 @@ class ChoiceText:
         # Decoded, not given out yet: the last characters, one fewer than the longest stop string
         # has, for they may start one; no stop string that can still end the choice starts earlier.
         self._held = ""
+        # The stop string that ended the choice, once one has.
+        self.stopped_by: str | None = None
 
     def add(self, tokens: Sequence[int], *, last: bool) -> tuple[str, bool]:
         """The text that these tokens decide, and whether a stop string ended the choice there
@@ -1004,6 +1007,7 @@ class ChoiceText:
             if stop is not None:
                 cut, matched = stop
                 text, self._held = self._held[: cut + (len(matched) if self._include_stop else 0)], ""
+                self.stopped_by = matched
                 return text, True
         ready = len(self._held) if last else max(0, len(self._held) - self._hold)
         text, self._held = self._held[:ready], self._held[ready:]
@@ -1017,6 +1021,18 @@ class ChoiceText:
             if at >= 0:
                 found.append((at, stop))
         return min(found, default=None)
+
+
+def token_stop_reason(codec: TextCodec, generation: Generation, token: int) -> str | int | None:
+    """vLLM's ``stop_reason`` of a choice that its verifier ended at the stop token ``token``:
+    None for an end-of-text token, the stop string that is this one token, else the token's id
+    (``stop_token_ids``)."""
+    if token in codec.end_of_text_tokens():
+        return None
+    for text in generation.stop_texts:
+        if codec.encode(text, add_special_tokens=False) == [token]:
+            return text
+    return token
 
 
 Logprobs = Sequence[tuple[int, TokenLogprob | None]]
