@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -56,6 +57,13 @@ from sdcp.services.openai_api import (
     parse_generation,
     parse_tokenize,
     token_stop_reason,
+)
+from sdcp.services.responses_api import (
+    Conversations,
+    ResponseEvents,
+    ResponsesRequest,
+    parse_responses_request,
+    response_object,
 )
 from sdcp.services.tool_calls import ToolCallReader, message_tool_calls, read_tool_calls, stream_tool_calls
 from sdcp.text import load_text_codec
@@ -102,7 +110,7 @@ REQUESTS_REFUSED = Counter(
     ["instance"],
 )
 # The routes whose requests count towards the cap: those that read a body and may tokenize it.
-_CAPPED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+_CAPPED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"})
 # A body this large is parsed off the event loop.
 _PARSE_INLINE_BYTES = 64 * 1024
 # The status an access line gives a request whose client went away before its answer began (nginx's).
@@ -278,6 +286,8 @@ class GatewayNode:
         self._target: bytes | None = None
         # The positions per session that each listed target's verifier holds, where it says.
         self._target_contexts: dict[bytes, int] = {}
+        # The Responses API's conversations, for previous_response_id (in this gateway's memory).
+        self._conversations = Conversations()
         REQUESTS_REFUSED.labels(self.uri)
         # Cancellations under way, kept referenced until they are done.
         self._cancelling: set[asyncio.Future[None]] = set()
@@ -295,6 +305,7 @@ class GatewayNode:
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/responses", self.responses, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 # As vLLM's API server: liveness and version on the API's own port too.
@@ -417,12 +428,20 @@ class GatewayNode:
         if not hmac.compare_digest(offered.encode(), f"Bearer {expected}".encode()):
             raise OpenAIError("Incorrect API key provided", status=401, kind="authentication_error")
 
-    async def _serve(self, request: Request, *, chat: bool) -> Response:
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, served as a chat request (sdcp.services.responses_api)."""
+        return await self._serve(request, chat=True, responses=True)
+
+    async def _serve(self, request: Request, *, chat: bool, responses: bool = False) -> Response:
         record = _record(request)
         started = time.perf_counter()
+        turn: ResponsesRequest | None = None
         try:
             self._check_key(request)
             body = await self._read_json(request)
+            if responses:
+                turn = parse_responses_request(body, self._conversations, strict=self.settings.strict)
+                body = turn.chat
             context = await self._context_length()
             # Tokenizing and rendering a chat template are CPU work: off the event loop.
             generation = await asyncio.to_thread(
@@ -437,6 +456,8 @@ class GatewayNode:
             )
             if generation.request_id:
                 record.request_id = _request_id(generation.request_id)
+            if turn is not None:
+                generation = dataclasses.replace(generation, ignored=(*turn.ignored, *generation.ignored))
             if generation.ignored:
                 log.warning(
                     "gateway: request %s: ignored members that no parameter reads: %s",
@@ -471,7 +492,7 @@ class GatewayNode:
         sessions = ",".join(h.session.hex() for h in handles)
         log.info("gateway: request %s (user %s) opened sessions %s", request_id, generation.user or "-", sessions)
         PROMPT_TOKENS.labels(self.uri).inc(generation.prompt_tokens)
-        completion_id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        completion_id = turn.id if turn is not None else ("chatcmpl-" if chat else "cmpl-") + request_id
         # The sessions of the choices, in choice order, so that an operator can follow them.
         headers = {"X-Request-Id": request_id, "X-SDCP-Sessions": sessions}
         if generation.ignored:
@@ -483,7 +504,7 @@ class GatewayNode:
         if generation.stream:
             record.note = f"sessions {sessions}, streamed"
             return StreamingResponse(
-                self._sse(_merged(streams), generation, completion_id, record, started),
+                self._sse(_merged(streams), generation, completion_id, record, started, turn),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", **headers},
             )
@@ -513,7 +534,11 @@ class GatewayNode:
             await asyncio.gather(gone, all_collected, *collecting, return_exceptions=True)
         E2E_LATENCY.labels(self.uri).observe(time.perf_counter() - started)
         record.note = f"sessions {sessions}"
-        return JSONResponse(self._answer(generation, answers, completion_id), headers=headers)
+        answer = self._answer(generation, answers, completion_id)
+        if turn is not None:
+            answer, output = response_object(turn, answer)
+            self._conversations.keep(turn, output)
+        return JSONResponse(answer, headers=headers)
 
     async def _read_json(self, request: Request) -> object:
         """The body, read with the configured limit enforced while reading; then JSON, refused
@@ -790,8 +815,11 @@ class GatewayNode:
         completion_id: str,
         record: _AccessRecord,
         started: float,
+        turn: ResponsesRequest | None = None,
     ) -> AsyncIterator[bytes]:
+        """Chat completion chunks (or completions'), or for a Responses request its events."""
         created = int(time.time())
+        events = ResponseEvents(turn, self.model_name) if turn is not None else None
         chat = generation.chat
         kind = "chat.completion.chunk" if chat else "text_completion"
         greeted: set[int] = set()
@@ -815,10 +843,14 @@ class GatewayNode:
             }
             if generation.include_usage:
                 data["usage"] = usage
+            if events is not None:
+                return events.chunk(data)
             return f"data: {json.dumps(data)}\n\n".encode()
 
         in_progress = REQUESTS_IN_PROGRESS.labels(self.uri)
         in_progress.inc()
+        if events is not None:
+            yield events.start()
         try:
             async for piece in pieces:
                 counts[piece.index] = piece.tokens
@@ -849,11 +881,18 @@ class GatewayNode:
         except _ClusterFailed as exc:
             log.warning("gateway: request %s failed while streaming: %s", record.request_id, exc)
             record.outcome, record.note = "failed", f"{record.note}: {exc}"
+            if events is not None:
+                yield events.failed(str(exc))
+                return
             yield f"data: {json.dumps(error_body(str(exc), 'server_error'))}\n\n".encode()
         else:
             if generation.include_usage:
                 yield event([], _usage(generation.prompt_tokens, sum(counts.values()), generation, list(last.values())))
             E2E_LATENCY.labels(self.uri).observe(time.perf_counter() - started)
+            if events is not None and turn is not None:
+                yield events.done()
+                self._conversations.keep(turn, events.output)
+                return
         finally:
             in_progress.dec()
             record.note += f", {sum(counts.values())} tokens"
