@@ -26,6 +26,7 @@ from rich.markup import escape
 
 from sdcp.conformance.cli import conformance_app
 from sdcp.models.cli import models_app
+from sdcp.terminal import help_markup_mode, is_terminal, plain_table
 
 if TYPE_CHECKING:  # imported where used: a role's host has only its own extra installed
     from sdcp.client import ClusterClient, SessionHandle
@@ -35,6 +36,7 @@ app = typer.Typer(
     help="Speculative Decoding Coordination Protocol: run roles, a local cluster, generate text.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=help_markup_mode(),
 )
 app.add_typer(models_app, name="models")
 app.add_typer(conformance_app, name="conformance")
@@ -72,7 +74,8 @@ def user_errors() -> Iterator[None]:
     except TransportError as exc:
         fail(f"cannot reach the cluster: {exc}")
     except ProtocolError as exc:
-        fail(f"{exc.type_uri}: {exc.detail}")
+        # The problem's title in words (SDCP Table 2), not its type URI.
+        fail(f"{exc.problem.title.lower()}: {exc.detail}" if exc.problem is not None else exc.detail)
     except KeyboardInterrupt:
         fail("interrupted", 130)
 
@@ -103,6 +106,21 @@ def version() -> None:
     from sdcp import __version__
 
     typer.echo(__version__)
+
+
+def _print_version(given: bool) -> None:
+    if given:
+        version()
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    _version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the sdcp version and exit."
+    ),
+) -> None:
+    """Speculative Decoding Coordination Protocol: run roles, a local cluster, generate text."""
 
 
 @app.command()
@@ -514,16 +532,38 @@ def down(home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or 
 
 
 @app.command()
-def status(home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp).")) -> None:
+def status(
+    home: Path = typer.Option(None, help="SDCP home (default $SDCP_HOME or ~/.cache/sdcp)."),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print one JSON object: the instances (name, role, uri, admin, pid, state) and each verifier's target.",
+    ),
+) -> None:
     """Show the local cluster's instances."""
     from sdcp.cluster import LocalCluster
 
     with user_errors():
         instances = LocalCluster(home).instances()
+        targets = LocalCluster(home).target() if instances else {}
     if not instances:
         fail("no local cluster is running; start one with `sdcp up`")
+    if as_json:
+        described = [
+            {
+                "name": instance.name,
+                "role": instance.role,
+                "uri": instance.uri,
+                "admin": instance.admin,
+                "pid": instance.pid,
+                "state": "running" if instance.alive() else "stopped",
+            }
+            for instance in instances
+        ]
+        typer.echo(json.dumps({"instances": described, "targets": targets}))
+        return
     _print_instances(instances)
-    for name, target in LocalCluster(home).target().items():
+    for name, target in targets.items():
         err_console.print(f"{name}: {target}", highlight=False, soft_wrap=True)
 
 
@@ -575,36 +615,45 @@ async def _session_trace(router: str, cert: Path, key: Path, ca: Path, session: 
 def _print_trace(session: str, rounds: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
-    table = Table(title=f"session {session}")
     columns = ("round", "kind", "drafter", "M", "accepted", "emitted", "action", "m_cap")
     times = ("gap", "queue", "fetch", "model", "append", "other")
-    for column in (*columns, *(f"{name} ms" for name in times)):
-        table.add_column(column, justify="left" if column in ("kind", "drafter", "action") else "right")
+    headers = (*columns, *(f"{name} ms" for name in times))
+    rows = []
     for entry in rounds:
         cells = [entry.get(name) for name in ("round", "kind", "drafter", "proposed", "accepted", "emitted", "action")]
         cells.append(entry.get("m_cap"))
         cells += [entry.get(f"{name}_us") for name in times]
-        text = ["-" if c is None else f"{c / 1000:.1f}" if i >= len(columns) else str(c) for i, c in enumerate(cells)]
-        table.add_row(*text)
+        rows.append(
+            ["-" if c is None else f"{c / 1000:.1f}" if i >= len(columns) else str(c) for i, c in enumerate(cells)]
+        )
+    if not is_terminal():
+        typer.echo(f"session {session}\n{plain_table(headers, rows)}")
+        return
+    table = Table(title=f"session {session}")
+    for column in headers:
+        table.add_column(column, justify="left" if column in ("kind", "drafter", "action") else "right")
+    for row in rows:
+        table.add_row(*row)
     Console().print(table)
 
 
 def _print_instances(instances: list[Any]) -> None:
     from rich.table import Table
 
+    columns = ("name", "role", "uri", "admin", "pid", "state")
+    rows = [
+        (instance.name, instance.role, instance.uri, instance.admin or "-", str(instance.pid), instance.alive())
+        for instance in instances
+    ]
+    if not is_terminal():
+        typer.echo(plain_table(columns, [(*row[:5], "running" if row[5] else "stopped") for row in rows]))
+        return
     table = Table()
-    for column in ("name", "role", "uri", "admin", "pid", "state"):
+    for column in columns:
         # Folded, never cut: a URI is copied from here.
         table.add_column(column, overflow="fold")
-    for instance in instances:
-        table.add_row(
-            instance.name,
-            instance.role,
-            instance.uri,
-            instance.admin or "-",
-            str(instance.pid),
-            "running" if instance.alive() else "[red]stopped[/red]",
-        )
+    for *cells, alive in rows:
+        table.add_row(*cells, "running" if alive else "[red]stopped[/red]")
     Console().print(table)
 
 

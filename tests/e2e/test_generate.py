@@ -140,12 +140,39 @@ def test_status_lists_the_running_instances(home: Path) -> None:
     assert result.returncode == 0
     for role in ("router", "verifier", "drafter", "gateway"):
         assert role in result.stdout
+    # Not a terminal: a header and one plain line per instance, each URI whole on its line.
+    described = json.loads(sdcp(home, "status", "--json").stdout)
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["name", "role", "uri", "admin", "pid", "state"]
+    assert len(lines) == 1 + len(described["instances"])
+    for line, instance in zip(lines[1:], described["instances"], strict=True):
+        assert line.split() == [
+            instance["name"],
+            instance["role"],
+            instance["uri"],
+            instance["admin"] or "-",
+            str(instance["pid"]),
+            instance["state"],
+        ]
+    assert {instance["role"] for instance in described["instances"]} >= {"router", "verifier", "drafter", "gateway"}
+    assert all(instance["state"] == "running" for instance in described["instances"])
+    assert described["targets"] and all(isinstance(target, str) for target in described["targets"].values())
+
+
+def test_version_and_help_read_as_plain_text_outside_a_terminal(home: Path) -> None:
+    version = sdcp(home, "--version")
+    assert version.returncode == 0 and version.stdout.strip() == sdcp(home, "version").stdout.strip()
+    helped = sdcp(home, "up", "--help").stdout
+    # click's plain help: no panels, and no option text cut short.
+    assert "│" not in helped and "…" not in helped and "--redis" in helped
 
 
 def test_a_prompt_longer_than_the_context_is_one_line(home: Path) -> None:
     result = sdcp(home, "generate", "--max-new", "9000", PROMPTS[0])
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert "sdcp-bad-contract" in result.stderr and "context" in result.stderr
+    # The problem in words (SDCP Table 2's title), not its type URI.
+    assert "contract invalid or not supported" in result.stderr and "context" in result.stderr
+    assert "urn:" not in result.stderr and "sdcp-bad-contract" not in result.stderr
 
 
 def test_a_busy_gateway_port_is_one_line(tmp_path: Path) -> None:

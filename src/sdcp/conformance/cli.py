@@ -11,8 +11,10 @@ import typer
 
 from sdcp.conformance.report import Report
 from sdcp.conformance.wire import Identity
+from sdcp.terminal import help_markup_mode
 
 conformance_app = typer.Typer(
+    rich_markup_mode=help_markup_mode(),
     help="Check a verifier, drafter or router over the wire against the draft; exit 0 only if all pass.",
     no_args_is_help=True,
 )

