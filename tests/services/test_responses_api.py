@@ -99,10 +99,14 @@ def test_a_previous_responses_conversation_comes_before_the_input_unless_it_is_u
     # Not stored: not found later; the oldest stored goes first past the bound.
     unstored = parse_responses_request({"input": "x", "store": False}, conversations)
     conversations.keep(unstored, [])
-    assert conversations.get(unstored.id) is None
+    assert conversations.get(unstored.id, None) is None
+    # Another API credential does not find it.
+    with pytest.raises(OpenAIError) as elsewhere:
+        parse_responses_request({"input": "x", "previous_response_id": first.id}, conversations, scope="other")
+    assert elsewhere.value.status == 404
     for _ in range(2):
         conversations.keep(parse_responses_request({"input": "x"}, conversations), [])
-    assert conversations.get(first.id) is None
+    assert conversations.get(first.id, None) is None
 
 
 @pytest.mark.parametrize(

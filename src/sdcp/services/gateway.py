@@ -440,7 +440,9 @@ class GatewayNode:
             self._check_key(request)
             body = await self._read_json(request)
             if responses:
-                turn = parse_responses_request(body, self._conversations, strict=self.settings.strict)
+                # A stored conversation is continued only with the credential that stored it.
+                scope = api_tenant(request.headers.get("authorization"), None)
+                turn = parse_responses_request(body, self._conversations, scope=scope, strict=self.settings.strict)
                 body = turn.chat
             context = await self._context_length()
             # Tokenizing and rendering a chat template are CPU work: off the event loop.

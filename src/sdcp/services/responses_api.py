@@ -53,33 +53,40 @@ class ResponsesRequest:
     echo: dict[str, Any]
     ignored: tuple[str, ...]
     store: bool
+    # Who may continue it (previous_response_id): the API credential it came with, as a digest.
+    scope: str | None = None
     id: str = field(default_factory=lambda: _new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
 
 class Conversations:
     """The items of each stored response's conversation (its input, earlier turns included, and its
-    output), by response id, for ``previous_response_id``: the newest ``MAX_CONVERSATIONS``."""
+    output), by response id, for ``previous_response_id``: the newest ``MAX_CONVERSATIONS``. A
+    conversation is found only with the API credential that stored it (its scope): to any other it
+    is unknown, as one that never was."""
 
     def __init__(self, most: int = MAX_CONVERSATIONS) -> None:
         self._most = most
-        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[str | None, list[dict[str, Any]]]] = OrderedDict()
 
-    def get(self, response_id: str) -> list[dict[str, Any]] | None:
-        return self._items.get(response_id)
+    def get(self, response_id: str, scope: str | None) -> list[dict[str, Any]] | None:
+        kept = self._items.get(response_id)
+        return kept[1] if kept is not None and kept[0] == scope else None
 
     def keep(self, request: ResponsesRequest, output: list[dict[str, Any]]) -> None:
         if not request.store:
             return
-        self._items[request.id] = [*request.input_items, *output][-MAX_CONVERSATION_ITEMS:]
+        self._items[request.id] = (request.scope, [*request.input_items, *output][-MAX_CONVERSATION_ITEMS:])
         while len(self._items) > self._most:
             self._items.popitem(last=False)
 
 
-def parse_responses_request(body: object, conversations: Conversations, *, strict: bool = False) -> ResponsesRequest:
-    """A Responses request as a chat completions request; OpenAIError (400, or 404 for an unknown
-    ``previous_response_id``) where it cannot be one. A member the Responses API does not define
-    is ignored and named, or with ``strict`` refused, as on the other endpoints."""
+def parse_responses_request(
+    body: object, conversations: Conversations, *, scope: str | None = None, strict: bool = False
+) -> ResponsesRequest:
+    """A Responses request as a chat completions request; OpenAIError (400, or 404 for a
+    ``previous_response_id`` unknown in ``scope``) where it cannot be one. A member the Responses
+    API does not define is ignored and named, or with ``strict`` refused, as on the other endpoints."""
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     unknown = [key for key, value in body.items() if key not in _READ and value is not None]
@@ -88,11 +95,12 @@ def parse_responses_request(body: object, conversations: Conversations, *, stric
     earlier: list[dict[str, Any]] = []
     previous = body.get("previous_response_id")
     if previous is not None:
-        if not isinstance(previous, str) or conversations.get(previous) is None:
+        found = conversations.get(previous, scope) if isinstance(previous, str) else None
+        if found is None:
             raise OpenAIError(
                 f"Previous response with id '{str(previous)[:64]}' not found.", status=404, param="previous_response_id"
             )
-        earlier = list(conversations.get(previous) or [])
+        earlier = list(found)
     if body.get("background") not in (None, False):
         raise OpenAIError("'background' is not supported by this server: only false is accepted", param="background")
     items = _input_items(body.get("input"))
@@ -150,7 +158,7 @@ def parse_responses_request(body: object, conversations: Conversations, *, stric
         "store": store,
     }
     ignored = (*(member for member in _IGNORED if body.get(member) is not None), *unknown)
-    return ResponsesRequest(chat, items, echo, ignored, store)
+    return ResponsesRequest(chat, items, echo, ignored, store, scope)
 
 
 def _input_items(given: object) -> list[dict[str, Any]]:
