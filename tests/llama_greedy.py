@@ -9,15 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 
 from sdcp.models.llamacpp import SEQUENCE_TOKENS_PER_CALL
 
 
-def llama_cpp_greedy(gguf: Path, prompts: Sequence[Sequence[int]], max_new: int, n_ctx: int) -> list[list[int]]:
-    """``max_new`` tokens after each prompt (end-of-text tokens do not stop it)."""
-    llama = llama_cpp.Llama(
+def exact_llama(gguf: Path, n_ctx: int, **options: Any) -> llama_cpp.Llama:
+    """Plain llama-cpp-python with the settings under which its rows are those of the llama.cpp
+    target (flash attention, ubatches of at most 63 tokens, one thread); ``options`` add to them
+    (``logits_all``, ``n_batch``)."""
+    return llama_cpp.Llama(
         model_path=str(gguf),
         n_ctx=n_ctx,
         n_ubatch=SEQUENCE_TOKENS_PER_CALL,
@@ -25,7 +28,13 @@ def llama_cpp_greedy(gguf: Path, prompts: Sequence[Sequence[int]], max_new: int,
         n_threads=1,
         n_threads_batch=1,
         verbose=False,
+        **options,
     )
+
+
+def llama_cpp_greedy(gguf: Path, prompts: Sequence[Sequence[int]], max_new: int, n_ctx: int) -> list[list[int]]:
+    """``max_new`` tokens after each prompt (end-of-text tokens do not stop it)."""
+    llama = exact_llama(gguf, n_ctx)
     return [_generate(llama, list(prompt), max_new) for prompt in prompts]
 
 

@@ -8,16 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import llama_cpp
 import torch
-from tests.llama_greedy import llama_cpp_greedy
+from tests.llama_greedy import exact_llama, llama_cpp_greedy
 from tests.waiting import HANG_GUARD_S
 
 from sdcp.cluster import LocalCluster
 from sdcp.models.choice import choose_backend
 from sdcp.models.digests import gguf_digest, tokenizer_file_digest, weights_digest
 from sdcp.models.fetch import smollm2_gguf
-from sdcp.models.llamacpp import SEQUENCE_TOKENS_PER_CALL
 from sdcp.models.registry import end_of_text_tokens, load_model, load_tokenizer
 from sdcp.protocol.messages import session_path_id
 from sdcp.threads import usable_cores
@@ -76,16 +74,7 @@ def reference_log_probs(prompt: str, continuation: list[int]) -> list[list[float
     tokenizer = load_tokenizer("smollm2")
     ids = tokenizer(prompt)["input_ids"]
     if cluster_backend() == "llamacpp":
-        llama = llama_cpp.Llama(
-            model_path=str(smollm2_gguf()),
-            n_ctx=512,
-            n_ubatch=SEQUENCE_TOKENS_PER_CALL,
-            flash_attn=True,
-            n_threads=1,
-            n_threads_batch=1,
-            logits_all=True,
-            verbose=False,
-        )
+        llama = exact_llama(smollm2_gguf(), 512, logits_all=True)
         llama.eval([*ids, *continuation])
         logits = torch.tensor(llama.scores[len(ids) - 1 : len(ids) + len(continuation) - 1], dtype=torch.float64)
     else:

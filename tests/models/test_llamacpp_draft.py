@@ -13,10 +13,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 import pytest
-from tests.llama_greedy import llama_cpp_greedy
+from tests.llama_greedy import exact_llama, llama_cpp_greedy
 from tests.services import test_drafter_service as drafter_service
 
 from sdcp.bench.workloads import load_workloads, tokenize_prompt
@@ -150,17 +149,7 @@ def test_rows_are_the_sampling_profile_over_the_drafters_logits(
     assert np.all((result.q_rows > 0).sum(axis=1) <= WARM.top_k)
     assert all(result.q_rows[i, token] > 0 for i, token in enumerate(result.tokens))
     # Row j is the profile applied to llama.cpp's logits after the prompt and the first j tokens.
-    plain = llama_cpp.Llama(
-        model_path=str(gguf),
-        n_ctx=CAPACITY,
-        n_batch=SEQUENCE_TOKENS_PER_CALL,
-        n_ubatch=SEQUENCE_TOKENS_PER_CALL,
-        flash_attn=True,
-        n_threads=1,
-        n_threads_batch=1,
-        logits_all=True,
-        verbose=False,
-    )
+    plain = exact_llama(gguf, CAPACITY, n_batch=SEQUENCE_TOKENS_PER_CALL, logits_all=True)
     plain.eval([*prompt, *result.tokens[:-1]])
     logits = np.asarray(plain.scores[len(prompt) - 1 : len(prompt) + 4], dtype=np.float64)
     expected = target_distribution(logits, WARM).astype(np.float32)

@@ -13,13 +13,14 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
+from tests.llama_greedy import exact_llama
 from tests.protocol.test_shaping import reference_logits
 from tests.services.test_verifier_llamacpp import CAPACITY, M_MAX, MAX_NEW, prompt, target
 from tests.services.test_verifier_service import DRAFTER, SESSION, advance, contract, proposal, running_cluster
 
 from sdcp.cache import build_uri
 from sdcp.models.fetch import smollm2_gguf
-from sdcp.models.llamacpp import SEQUENCE_TOKENS_PER_CALL, LlamaCppTarget
+from sdcp.models.llamacpp import LlamaCppTarget
 from sdcp.models.registry import load_drafter
 from sdcp.protocol.messages import Action, Assignment, Sampling, SessionOpen, SessionState, Verdict, session_path_id
 
@@ -33,15 +34,7 @@ PENALTIES = Sampling(frequency_penalty_milli=400, presence_penalty_milli=200, re
 def penalised_greedy(prompt: Sequence[int], sampling: Sampling) -> list[int]:
     """llama.cpp's rows for PROMPT and each token after it, one token per pass with the settings of
     tests/llama_greedy.py, each token the argmax of the reference's shaped row."""
-    llama = llama_cpp.Llama(
-        model_path=str(smollm2_gguf()),
-        n_ctx=CAPACITY,
-        n_ubatch=SEQUENCE_TOKENS_PER_CALL,
-        flash_attn=True,
-        n_threads=1,
-        n_threads_batch=1,
-        verbose=False,
-    )
+    llama = exact_llama(smollm2_gguf(), CAPACITY)
     llama.eval(list(prompt))
     tokens: list[int] = []
     while len(tokens) < MAX_NEW:
