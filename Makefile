@@ -12,12 +12,12 @@ test: lint redis model
 # The quick tier while working: protocol, cache, transport and services on tiny models, without the
 # tests marked slow, the end-to-end runs on SmolLM2 and the benchmark. CI runs `make test`.
 FAST_TESTS := tests/protocol tests/cache tests/transport tests/services tests/test_threads.py tests/test_layout.py
-test-fast: install redis
+test-fast: install redis model
 	$(PY) -m pytest -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
 
 # The fast tier slowed: pinned to one core that a busy loop keeps occupied (scripts/test-stress).
 # A test that waits on time instead of on events fails here first.
-test-stress: install redis
+test-stress: install redis model
 	scripts/test-stress $(PY) -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
 
 # ruff (lint and format check) and mypy, strict over the whole sdcp package (pyproject.toml: packages = ["sdcp"]).
