@@ -120,7 +120,7 @@ def _options(
         False, "--version", callback=_print_version, is_eager=True, help="Print the sdcp version and exit."
     ),
 ) -> None:
-    """Speculative Decoding Coordination Protocol: run roles, a local cluster, generate text."""
+    pass
 
 
 @app.command()

@@ -447,12 +447,10 @@ def _constraint(reader: _Reader, *, close_objects: bool) -> tuple[str, Constrain
     if len(given) > 1:
         raise OpenAIError(f"give one of {', '.join(member for member, _, _ in given)}", param=given[1][0])
     member, kind, value = given[0]
-    if member == "structured_outputs.json_object" or (member == "response_format" and value == _ANY_OBJECT):
-        # json_object mode: any object, whatever the closing says.
-        text = json.dumps(value)
-    else:
-        text = _constraint_text(member, kind, value, close_objects=close_objects, strict=strict)
-    constraint = Constraint(kind=kind, text=text)
+    # json_object mode's {"type": "object"} names no properties: closing leaves it any object.
+    constraint = Constraint(
+        kind=kind, text=_constraint_text(member, kind, value, close_objects=close_objects, strict=strict)
+    )
     try:
         check(constraint)
     except ConstraintError as exc:
@@ -471,7 +469,6 @@ def _check_start(codec: TextCodec, member: str, constraint: Constraint, stop_ids
         raise OpenAIError(f"'{member}' names a language this model cannot write: {exc}", param=member) from exc
 
 
-_ANY_OBJECT = {"type": "object"}
 # OpenAI's rule for a response format's name.
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -483,7 +480,7 @@ def _response_format(value: object) -> tuple[str, object, bool] | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return "json_schema", _ANY_OBJECT, False
+        return "json_schema", {"type": "object"}, False
     if kind == "json_schema" and isinstance(value, dict):
         described = value.get("json_schema")
         if not isinstance(described, dict):
@@ -965,11 +962,18 @@ def _stop_ids(codec: TextCodec, stop_texts: Sequence[str], extra: Sequence[int],
         ids.update(codec.end_of_text_tokens())
     # A stop string that is one token stops the session at the verifier itself (SDCP 6.3); a longer
     # one is matched in the text, which then cancels the session.
+    ids.update(_one_token_stops(codec, stop_texts))
+    return tuple(sorted(ids))
+
+
+def _one_token_stops(codec: TextCodec, stop_texts: Sequence[str]) -> dict[int, str]:
+    """The stop strings that are one token each, by that token."""
+    stops: dict[int, str] = {}
     for text in stop_texts:
         encoded = codec.encode(text, add_special_tokens=False)
         if len(encoded) == 1:
-            ids.add(encoded[0])
-    return tuple(sorted(ids))
+            stops.setdefault(encoded[0], text)
+    return stops
 
 
 # -- answers -------------------------------------------------------------------------------------------
@@ -1029,10 +1033,7 @@ def token_stop_reason(codec: TextCodec, generation: Generation, token: int) -> s
     (``stop_token_ids``)."""
     if token in codec.end_of_text_tokens():
         return None
-    for text in generation.stop_texts:
-        if codec.encode(text, add_special_tokens=False) == [token]:
-            return text
-    return token
+    return _one_token_stops(codec, generation.stop_texts).get(token, token)
 
 
 Logprobs = Sequence[tuple[int, TokenLogprob | None]]
