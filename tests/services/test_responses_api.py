@@ -93,6 +93,10 @@ def test_a_previous_responses_conversation_comes_before_the_input_unless_it_is_u
         {"role": "assistant", "content": "Hello"},
         {"role": "user", "content": "Again"},
     ]
+    # A third turn continues the whole conversation, not only the second turn.
+    conversations.keep(second, [{"type": "message", "role": "assistant", "content": "Hello again"}])
+    third = parse_responses_request({"input": "Bye", "previous_response_id": second.id}, conversations)
+    assert [message["content"] for message in third.chat["messages"]] == ["Hi", "Hello", "Again", "Hello again", "Bye"]
     with pytest.raises(OpenAIError) as unknown:
         parse_responses_request({"input": "x", "previous_response_id": "resp_nope"}, conversations)
     assert (unknown.value.status, unknown.value.param) == (404, "previous_response_id")
@@ -107,6 +111,19 @@ def test_a_previous_responses_conversation_comes_before_the_input_unless_it_is_u
     for _ in range(2):
         conversations.keep(parse_responses_request({"input": "x"}, conversations), [])
     assert conversations.get(first.id, None) is None
+
+
+def test_the_conversations_kept_are_bounded_in_bytes_too() -> None:
+    conversations = Conversations(most=100, most_bytes=10_000)
+    turns = [parse_responses_request({"input": "x" * 4_000}, conversations) for _ in range(3)]
+    for turn in turns:
+        conversations.keep(turn, [])
+    assert [conversations.get(turn.id, None) is not None for turn in turns] == [False, True, True]
+    # One larger than the bound alone is not kept, and the others stay.
+    huge = parse_responses_request({"input": "x" * 20_000}, conversations)
+    conversations.keep(huge, [])
+    assert conversations.get(huge.id, None) is None
+    assert [conversations.get(turn.id, None) is not None for turn in turns] == [False, True, True]
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,10 @@ from sdcp.services.openai_api import OpenAIError
 
 __all__ = ["Conversations", "ResponseEvents", "ResponsesRequest", "parse_responses_request", "response_object"]
 
-# Responses kept for previous_response_id, at most; the oldest goes first.
+# Responses kept for previous_response_id, at most, and their items' JSON size in all; the oldest
+# goes first. A conversation grows with each turn, and every turn keeps it whole.
 MAX_CONVERSATIONS = 1024
+MAX_CONVERSATION_BYTES = 64 * 1024 * 1024
 # Items of one conversation, at most: a longer one would not fit a context anyway.
 MAX_CONVERSATION_ITEMS = 1024
 
@@ -49,6 +51,7 @@ class ResponsesRequest:
     (its input), the members its response repeats, and those it ignores."""
 
     chat: dict[str, Any]
+    # The conversation's items before the output: the previous response's, then this input.
     input_items: list[dict[str, Any]]
     echo: dict[str, Any]
     ignored: tuple[str, ...]
@@ -61,13 +64,16 @@ class ResponsesRequest:
 
 class Conversations:
     """The items of each stored response's conversation (its input, earlier turns included, and its
-    output), by response id, for ``previous_response_id``: the newest ``MAX_CONVERSATIONS``. A
-    conversation is found only with the API credential that stored it (its scope): to any other it
-    is unknown, as one that never was."""
+    output), by response id, for ``previous_response_id``: the newest ``most``, and no more than
+    ``most_bytes`` of their items' JSON in all (one larger alone is not kept). A conversation is
+    found only with the API credential that stored it (its scope): to any other it is unknown, as
+    one that never was."""
 
-    def __init__(self, most: int = MAX_CONVERSATIONS) -> None:
+    def __init__(self, most: int = MAX_CONVERSATIONS, most_bytes: int = MAX_CONVERSATION_BYTES) -> None:
         self._most = most
-        self._items: OrderedDict[str, tuple[str | None, list[dict[str, Any]]]] = OrderedDict()
+        self._most_bytes = most_bytes
+        self._bytes = 0
+        self._items: OrderedDict[str, tuple[str | None, list[dict[str, Any]], int]] = OrderedDict()
 
     def get(self, response_id: str, scope: str | None) -> list[dict[str, Any]] | None:
         kept = self._items.get(response_id)
@@ -76,9 +82,14 @@ class Conversations:
     def keep(self, request: ResponsesRequest, output: list[dict[str, Any]]) -> None:
         if not request.store:
             return
-        self._items[request.id] = (request.scope, [*request.input_items, *output][-MAX_CONVERSATION_ITEMS:])
-        while len(self._items) > self._most:
-            self._items.popitem(last=False)
+        items = [*request.input_items, *output][-MAX_CONVERSATION_ITEMS:]
+        size = len(json.dumps(items))
+        if size > self._most_bytes:
+            return
+        self._items[request.id] = (request.scope, items, size)
+        self._bytes += size
+        while len(self._items) > self._most or self._bytes > self._most_bytes:
+            self._bytes -= self._items.popitem(last=False)[1][2]
 
 
 def parse_responses_request(
@@ -158,7 +169,7 @@ def parse_responses_request(
         "store": store,
     }
     ignored = (*(member for member in _IGNORED if body.get(member) is not None), *unknown)
-    return ResponsesRequest(chat, items, echo, ignored, store, scope)
+    return ResponsesRequest(chat, [*earlier, *items], echo, ignored, store, scope)
 
 
 def _input_items(given: object) -> list[dict[str, Any]]:
