@@ -64,6 +64,10 @@ def api(home: Path, method: str, path: str, *, key: str | None = KEY, json: obje
 def test_the_gateway_serves_the_served_name_behind_tls_and_the_key(home: Path) -> None:
     assert api(home, "GET", "models", key=None).status_code == 401
     assert api(home, "GET", "models", key="wrong").status_code == 401
+    # The endpoints added for the client libraries ask for the key as well.
+    assert api(home, "GET", f"models/{SERVED}", key=None).status_code == 401
+    assert api(home, "POST", "responses", key="wrong", json={"model": SERVED, "input": "Hi"}).status_code == 401
+    assert api(home, "GET", f"models/{SERVED}").json()["id"] == SERVED
     models = api(home, "GET", "models")
     assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == [SERVED]
     body = {"model": SERVED, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}

@@ -442,7 +442,10 @@ class GatewayNode:
             if responses:
                 # A stored conversation is continued only with the credential that stored it.
                 scope = api_tenant(request.headers.get("authorization"), None)
-                turn = parse_responses_request(body, self._conversations, scope=scope, strict=self.settings.strict)
+                # Its items are read off the loop too: a body of many small items is CPU work.
+                turn = await asyncio.to_thread(
+                    parse_responses_request, body, self._conversations, scope=scope, strict=self.settings.strict
+                )
                 body = turn.chat
             context = await self._context_length()
             # Tokenizing and rendering a chat template are CPU work: off the event loop.
