@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sdcp.config import DrafterConfig, InstanceConfig, ServiceConfig, thread_budget
-from sdcp.threads import CoreGovernor, CoreMeter, usable_cores
+from sdcp.threads import CoreGovernor, CoreMeter, LoadWindows, _Reader, usable_cores
 
 
 class FakeProc:
@@ -78,11 +78,44 @@ def _steps(governor: CoreGovernor, monkeypatch: pytest.MonkeyPatch, count: int) 
     return sizes
 
 
-def test_windows_in_which_the_model_mostly_waited_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
-    # While this process idled (0.05 cores), another kept both cores busy: that says nothing of
-    # what the model would meet, so the team stays whole.
-    meter = ScriptedMeter([(2.0, 0.05), (2.0, 0.05), (0.2, 1.9)])
-    assert _steps(CoreGovernor(2, cores=2, meter=meter), monkeypatch, 3) == [2, 2, 2]
+def test_a_neighbour_busy_while_the_model_waited_shrinks_the_team_for_its_next_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # While this process idled (0.05 cores) another kept a core busy: the long prefill that comes
+    # next starts on a team of one, not on two that would wait for each other behind the neighbour.
+    meter = ScriptedMeter([(1.0, 0.05), (1.0, 1.0)])
+    assert _steps(CoreGovernor(2, cores=2, meter=meter), monkeypatch, 2) == [1, 1]
+
+
+def test_windows_in_which_the_model_waited_never_grow_the_team(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A quiet second while the model waited says nothing of what it meets when it works (its
+    # verifier, for a drafter, works while it waits): only a window in which it worked grows it back.
+    meter = ScriptedMeter([(1.0, 1.0), (0.0, 0.05), (0.0, 0.05), (0.0, 1.9), (0.0, 1.9)])
+    assert _steps(CoreGovernor(2, cores=2, meter=meter), monkeypatch, 5) == [1, 1, 1, 2, 2]
+
+
+def test_the_shared_windows_are_measured_while_nobody_asks() -> None:
+    class Counting(CoreMeter):
+        def __init__(self) -> None:
+            self.calls = 0
+            # Set on the fourth call: the thread stored the third window before it.
+            self.stored = threading.Event()
+
+        def busy(self) -> tuple[float, float] | None:
+            # Three windows, then /proc cannot be read: the newest stays the third.
+            self.calls += 1
+            if self.calls == 4:
+                self.stored.set()
+            return (float(self.calls), 0.0) if self.calls <= 3 else None
+
+    meter = Counting()
+    windows = LoadWindows(meter, every_s=0.001)
+    first, second = _Reader(windows), _Reader(windows)
+    assert first.busy() is None  # the first call starts the measuring
+    assert meter.stored.wait(30)
+    assert first.busy() == (3.0, 0.0)
+    assert first.busy() is None  # each window once to each reader ...
+    assert second.busy() == (3.0, 0.0)  # ... whoever read it before
 
 
 def test_a_neighbour_that_keeps_a_core_busy_while_the_model_works_shrinks_the_team(

@@ -5,8 +5,8 @@ On CPU, torch runs each operator on an OpenMP team of threads that wait for each
 When the team has more threads than there are free cores, every operator waits for a thread that
 the scheduler has parked behind another process: a one-token pass of SmolLM2 on two cores took
 4.5 times as long with one core kept busy by an unrelated process, against 1.4 times with a team
-of one. So a budget alone is not enough: ``CoreGovernor`` measures, on the thread that runs the
-model, how many cores the rest of the machine keeps busy and sizes the team to the cores left.
+of one. So a budget alone is not enough: ``CoreGovernor`` measures how many cores the rest of the
+machine keeps busy and, on the thread that runs the model, sizes the team to the cores left.
 """
 
 from __future__ import annotations
@@ -14,11 +14,21 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
-__all__ = ["CoreGovernor", "CoreMeter", "limit_native_threads", "usable_cores"]
+__all__ = [
+    "CoreGovernor",
+    "CoreMeter",
+    "LoadWindows",
+    "Meter",
+    "limit_native_threads",
+    "process_windows",
+    "usable_cores",
+]
 
 log = logging.getLogger("sdcp.threads")
 
@@ -30,8 +40,9 @@ _WEIGHT = 0.5
 # team, so a core half used by them is still worth a thread; a process that never sleeps takes one.
 _SHARE_TOLERATED = 0.75
 # A window in which this process used less than this many cores was one in which the model mostly
-# waited: what the others did then did not compete with it, so the window is dropped. (A gap
-# between calls cannot tell: under a neighbour's load one pass can itself take seconds.)
+# waited: what the others did then may not compete with it (a drafter's verifier works while the
+# drafter waits for it), so such a window may shrink the team but never grows it. (A gap between
+# calls cannot tell: under a neighbour's load one pass can itself take seconds.)
 _ACTIVE_CORES = 0.25
 
 
@@ -87,18 +98,82 @@ class CoreMeter:
         return time.monotonic(), busy, own
 
 
+class LoadWindows:
+    """``CoreMeter`` windows of a second each, measured on a daemon thread whether or not the model
+    works, so that the first pass after an idle spell meets the load of the second before it, not
+    the average since the last pass (minutes, perhaps, in which a neighbour only just started)."""
+
+    def __init__(self, meter: CoreMeter, every_s: float = _MEASURE_EVERY_S) -> None:
+        self._meter = meter
+        self._every_s = every_s
+        self._lock = threading.Lock()
+        self._newest: tuple[float, float] | None = None
+        self._started = False
+
+    def newest(self) -> tuple[float, float] | None:
+        """The newest window (a new object each window), None before the first; the first call
+        starts the measuring."""
+        with self._lock:
+            if not self._started:
+                self._started = True
+                threading.Thread(target=self._measure, name="sdcp-load-windows", daemon=True).start()
+            return self._newest
+
+    def _measure(self) -> None:
+        while True:
+            time.sleep(self._every_s)
+            window = self._meter.busy()
+            if window is not None:
+                with self._lock:
+                    self._newest = window
+
+
+_process_windows: LoadWindows | None = None
+_process_windows_lock = threading.Lock()
+
+
+def process_windows() -> LoadWindows:
+    """The load windows of this process's host, one sampling thread however many governors read it."""
+    global _process_windows
+    with _process_windows_lock:
+        if _process_windows is None:
+            _process_windows = LoadWindows(CoreMeter())
+        return _process_windows
+
+
+class _Reader:
+    """One governor's view of the shared windows: each window once."""
+
+    def __init__(self, windows: LoadWindows) -> None:
+        self._windows = windows
+        self._seen: tuple[float, float] | None = None
+
+    def busy(self) -> tuple[float, float] | None:
+        newest = self._windows.newest()
+        if newest is None or newest is self._seen:
+            return None
+        self._seen = newest
+        return newest
+
+
+class Meter(Protocol):
+    def busy(self) -> tuple[float, float] | None:
+        """(cores the other processes kept busy, cores this one did) in a window not seen before."""
+
+
 class CoreGovernor:
     """The threads of the model work that follows each call of ``apply``: the budget, less the
-    cores other processes keep busy while the model works (a core counts as free unless they keep
-    more than ``_SHARE_TOLERATED`` of it busy). ``set_threads`` applies a team size (default:
-    torch's OpenMP team of the calling thread; a llama.cpp target's threads)."""
+    cores other processes keep busy (a core counts as free unless they keep more than
+    ``_SHARE_TOLERATED`` of it busy), as measured while the model works or, where more, while it
+    waited. ``set_threads`` applies a team size (default: torch's OpenMP team of the calling
+    thread; a llama.cpp target's threads)."""
 
     def __init__(
         self,
         budget: int,
         *,
         cores: int | None = None,
-        meter: CoreMeter | None = None,
+        meter: Meter | None = None,
         set_threads: Callable[[int], None] | None = None,
     ) -> None:
         if budget < 1:
@@ -106,9 +181,8 @@ class CoreGovernor:
         self.budget = budget
         self._set_threads = set_threads if set_threads is not None else _set_torch_threads
         self.cores = cores if cores is not None else usable_cores()
-        self._meter = meter if meter is not None else CoreMeter()
+        self._meter = meter if meter is not None else _Reader(process_windows())
         self._others: float | None = None
-        self._next_check = 0.0
         self.threads = budget
         self._applied: int | None = None
 
@@ -116,15 +190,18 @@ class CoreGovernor:
         return max(1, min(self.budget, math.floor(self.cores - others_busy + _SHARE_TOLERATED)))
 
     def apply(self) -> int:
-        """Re-measure at most once a second; set the calling thread's team size; return it."""
-        now = time.monotonic()
-        if now >= self._next_check:
-            self._next_check = now + _MEASURE_EVERY_S
-            measured = self._meter.busy()
-            if measured is not None and measured[1] >= _ACTIVE_CORES:
-                others = measured[0]
+        """Take in the window measured since the last call, if any; set the calling thread's team
+        size; return it."""
+        measured = self._meter.busy()
+        if measured is not None:
+            others, own = measured
+            if own >= _ACTIVE_CORES:
                 self._others = others if self._others is None else self._others + _WEIGHT * (others - self._others)
-                self.threads = self.team_size(self._others)
+            elif self._others is None or others > self._others:
+                # A neighbour that kept cores busy while the model waited keeps them busy when it
+                # works: a long prefill arriving then must not start on a team twice too large.
+                self._others = others
+            self.threads = self.team_size(self._others)
         if self.threads != self._applied:
             self._set_threads(self.threads)
             if self._applied is not None:

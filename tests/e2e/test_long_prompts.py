@@ -33,14 +33,14 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     made = LocalCluster(fresh_home(tmp_path_factory.mktemp("long-prompts")))
-    # A session-open may take 5 s plus 20 ms per token: enough for one 900-token prefill on a busy
-    # machine (about 5 ms a token quiet), not for the sixth of six sent at once unless the router
-    # counts the queue before it.
+    # A session-open may take 5 s plus 30 ms per token: three times what one 900-token prefill
+    # takes beside a busy core (about 10 ms a token; 5 quiet), not enough for the sixth of six sent
+    # at once unless the router counts the queue before it.
     made.up(
         gateway_port=0,
         role_settings={
             "verifier": {"kv_capacity": CAPACITY},
-            "router": {"open_timeout_s": 5, "open_timeout_per_token_ms": 20},
+            "router": {"open_timeout_s": 5, "open_timeout_per_token_ms": 30},
         },
     )
     try:
