@@ -7,7 +7,7 @@ gateway, each its own process, HTTP/2 + mTLS on loopback, the default drafters u
 (router, drafters, gateway and this script, every thread of each, ``/proc/PID/task``) to another.
 The script pins itself to the verifier's core before ``up``, so that the verifier sizes its
 threads to that one core (``threads = usable cores``, sdcp.cluster), and re-pins the others after.
-N sessions at once (``--sessions``) are run in two modes, each through ``sdcp.client``:
+N sessions at once (``--sessions``) are run in two modes, each through ``sdcp.frontend.client``:
 
 - offloaded: drafted by the drafter instances only; the contract permits no self-decoding (no
   ``self_load``; its fallback ladder reduces M, never self-decodes);
@@ -65,7 +65,7 @@ from sdcp.bench.cluster import ClusterSystem
 from sdcp.bench.inprocess import InMemoryRouterLink, InMemoryVerifierLink, InProcessSDCPSystem
 from sdcp.bench.systems import RunResult, TargetOnlySDCPSystem
 from sdcp.bench.workloads import Prompt, load_history_workloads, tokenize_prompt
-from sdcp.client import build_contract
+from sdcp.frontend.client import build_contract
 from sdcp.cluster import DEFAULT_DRAFTERS
 from sdcp.config import DrafterConfig
 from sdcp.models.backend import LLAMACPP_KV_SLOTS, Target

@@ -268,7 +268,7 @@ def test_the_grafana_dashboard_queries_metrics_that_exist() -> None:
     assert len(exprs) >= 20
     # Import every module that defines metrics, then read the registry: each name a query uses is one
     # of ours (a counter's samples end in _total, a histogram's in _bucket).
-    for module in ("sdcp.engines.verifier", "sdcp.engines.drafter", "sdcp.services.router", "sdcp.services.gateway"):
+    for module in ("sdcp.engines.verifier", "sdcp.engines.drafter", "sdcp.services.router", "sdcp.frontend.gateway"):
         importlib.import_module(module)
     names = {sample for family in REGISTRY.collect() for sample in _sample_names(family)}
     used = {name for expr in exprs for name in re.findall(r"\b(sdcp[_:][a-z0-9_:]+)", expr)}

@@ -44,24 +44,38 @@ def test_the_cache_does_not_import_the_transport_or_the_services() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     layers = {name.split(".")[1] for name in out.stdout.split()}
-    above = layers & {"transport", "services", "models", "bench", "cluster", "cli", "client"}
+    above = layers & {"transport", "services", "frontend", "models", "bench", "cluster", "cli", "together"}
     assert not above, f"sdcp.cache pulled in {sorted(above)}"
 
 
 def test_the_engines_do_not_import_the_transport_or_the_services() -> None:
     # Read, not imported: the engines pull in torch through sdcp.models.
-    above = {"transport", "services", "bench", "cluster", "cli", "client"}
+    above = {"transport", "services", "frontend", "bench", "cluster", "cli", "together"}
+    found = _imports_of(SRC / "engines", above)
+    assert not found, f"sdcp.engines reaches above itself: {sorted(found)}"
+
+
+def test_the_services_are_the_sdcp_roles_below_the_front_end() -> None:
+    # The OpenAI front end builds on the roles' services (admin, listeners), never the reverse.
+    found = _imports_of(SRC / "services", {"frontend", "bench", "cluster", "cli", "together"})
+    assert not found, f"sdcp.services reaches above itself: {sorted(found)}"
+    openai_named = sorted(p.name for p in (SRC / "services").glob("*.py") if "openai" in p.read_text(encoding="utf-8"))
+    assert not openai_named, f"OpenAI API code outside sdcp.frontend: {openai_named}"
+
+
+def _imports_of(package: Path, layers: set[str]) -> set[str]:
+    """The imports of ``package``'s modules (read, not imported) that name one of ``layers``."""
     found: set[str] = set()
-    for path in sorted((SRC / "engines").rglob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
             for name in names:
                 parts = name.split(".")
-                if parts[0] == "sdcp" and len(parts) > 1 and parts[1] in above:
+                if parts[0] == "sdcp" and len(parts) > 1 and parts[1] in layers:
                     found.add(f"{path.relative_to(ROOT)}: {name}")
-    assert not found, f"sdcp.engines reaches above itself: {sorted(found)}"
+    return found
 
 
 def test_docs_design_names_every_package() -> None:

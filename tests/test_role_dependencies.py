@@ -52,7 +52,7 @@ def without_models(*args: str, cwd: Path | None = None) -> subprocess.Popen[byte
 
 def test_the_router_and_gateway_modules_import_no_model_package() -> None:
     snippet = (
-        "import sdcp.services.router, sdcp.services.gateway, sdcp.services.mlc, sdcp.cli\n"
+        "import sdcp.services.router, sdcp.frontend.gateway, sdcp.services.mlc, sdcp.cli\n"
         f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {MODEL_PACKAGES!r})\n"
         "assert not loaded, loaded\n"
     )

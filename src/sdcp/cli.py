@@ -29,7 +29,7 @@ from sdcp.models.cli import models_app
 from sdcp.terminal import help_markup_mode, is_terminal, plain_table
 
 if TYPE_CHECKING:  # imported where used: a role's host has only its own extra installed
-    from sdcp.client import ClusterClient, SessionHandle
+    from sdcp.frontend.client import ClusterClient, SessionHandle
 
 app = typer.Typer(
     name="sdcp",
@@ -209,7 +209,7 @@ def _build_node(role: Role, config: Any) -> Any:
 
         return RouterNode(config)
     if role is Role.gateway:
-        from sdcp.services.gateway import GatewayNode
+        from sdcp.frontend.gateway import GatewayNode
 
         return GatewayNode(config)
     from sdcp.services.mlc import MLCNode
@@ -286,7 +286,7 @@ def together(
         # budget of the instances (the verifier's) applies to the process.
         limit_native_threads(max(thread_budget(config, role.value) for role, config in configs))
         nodes = [_build_node(role, config) for role, config in configs]
-        from sdcp.services.together import run_together
+        from sdcp.together import run_together
 
         _serve_until_signal(lambda shutdown: run_together(nodes, shutdown))
 
@@ -602,7 +602,7 @@ def trace(
 
 
 async def _session_trace(router: str, cert: Path, key: Path, ca: Path, session: bytes) -> list[dict[str, Any]]:
-    from sdcp.client import ClusterClient, SessionHandle
+    from sdcp.frontend.client import ClusterClient, SessionHandle
 
     async with ClusterClient(router, cert=cert, key=key, ca=ca) as client:
         handle = await client.locate(SessionHandle(session, 1, "", None))
@@ -818,7 +818,7 @@ class _Request:
 async def _generate(cluster: Any, tokenizer: Any, request: _Request, as_json: bool) -> dict[str, Any]:
     from rich.text import Text
 
-    from sdcp.client import DEFAULT_M_MAX, ClusterClient, build_contract
+    from sdcp.frontend.client import DEFAULT_M_MAX, ClusterClient, build_contract
     from sdcp.models.registry import end_of_text_tokens
 
     cert, key, ca = cluster.client_credentials()

@@ -19,13 +19,13 @@ from sdcp.bench.runner import STRUCTURED_SYSTEMS, BenchConfig, BenchData, Concur
 from sdcp.bench.systems import RunResult, TargetOnlySDCPSystem
 from sdcp.bench.workloads import STRUCTURED_WORKLOAD, BenchInputError, Prompt, Workload, load_structured_workload
 from sdcp.cli import app
+from sdcp.frontend.openai_api import parse_generation
+from sdcp.frontend.text import load_text_codec
 from sdcp.grammar import check
 from sdcp.models.paths import TINY_NAME
 from sdcp.models.registry import end_of_text_tokens, load_model
 from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import Constraint
-from sdcp.services.openai_api import parse_generation
-from sdcp.text import load_text_codec
 
 # Bounded: the tiny random model's answer ends within max_new.
 SCHEMA = {

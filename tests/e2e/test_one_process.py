@@ -1,4 +1,4 @@
-"""`sdcp up --one-process` (sdcp.services.together): the whole local cluster in one process, its
+"""`sdcp up --one-process` (sdcp.together): the whole local cluster in one process, its
 output rule 1's through the real `openai` client, streamed and not; a process killed -9 and started
 again by `sdcp up`; and the gateway's direct output read answering as the verifier's HTTP does."""
 
@@ -16,7 +16,7 @@ from tests.e2e.support import MAX_NEW, PROMPTS, sdcp
 from tests.waiting import wait_until
 
 from sdcp.cluster import LocalCluster
-from sdcp.text import load_text_codec
+from sdcp.frontend.text import load_text_codec
 
 pytestmark = pytest.mark.timeout(600)
 

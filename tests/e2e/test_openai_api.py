@@ -28,9 +28,9 @@ from tests.waiting import wait_until
 
 import sdcp
 from sdcp.cluster import LocalCluster
+from sdcp.frontend.text import load_text_codec
 from sdcp.localhost import accepts, free_port
 from sdcp.protocol.messages import Action
-from sdcp.text import load_text_codec
 
 pytestmark = pytest.mark.timeout(600)
 

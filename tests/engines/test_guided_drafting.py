@@ -14,13 +14,13 @@ import pytest
 
 from sdcp.bench.inprocess import InProcessSDCPSystem
 from sdcp.bench.systems import RunResult, TargetOnlySDCPSystem
-from sdcp.client import build_contract
 from sdcp.config import DrafterConfig
+from sdcp.frontend.client import build_contract
+from sdcp.frontend.text import load_text_codec
 from sdcp.models.paths import TINY_NAME
 from sdcp.models.registry import LoadedModel, end_of_text_tokens
 from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import Constraint, Sampling
-from sdcp.text import load_text_codec
 
 pytestmark = pytest.mark.timeout(180)
 

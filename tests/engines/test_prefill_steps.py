@@ -13,10 +13,10 @@ from tests.waiting import eventually
 
 from sdcp.cache import MLC, build_uri
 from sdcp.cache.uri import LOG_KIND
-from sdcp.client import build_contract
 from sdcp.config import VerifierConfig
 from sdcp.engines.errors import RequesterGone
 from sdcp.engines.verifier import VerifierEngine
+from sdcp.frontend.client import build_contract
 from sdcp.home import sdcp_home
 from sdcp.models.fetch import fetch_smollm2
 from sdcp.models.llamacpp import PREFILL_STEP_TOKENS, LlamaCppTarget

@@ -14,10 +14,10 @@ from tests.waiting import eventually_async
 from sdcp.cache import MLC, ObjectNotFound, build_uri
 from sdcp.cache.prefix import SHARE_TOKENS
 from sdcp.cache.uri import LOG_KIND
-from sdcp.client import build_contract
 from sdcp.config import VerifierConfig
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.engines.verifier.prefixshare import prefix_object_uri
+from sdcp.frontend.client import build_contract
 from sdcp.home import sdcp_home
 from sdcp.models.fetch import FetchResult, fetch_smollm2
 from sdcp.models.llamacpp import LlamaCppTarget

@@ -13,7 +13,7 @@ from sdcp.config import VerifierConfig
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.engines.verifier.observe import FIRST_CURVE_MS, PASS_ROWS
 from sdcp.models.target import TargetModel
-from sdcp.services.together import local_output_reader
+from sdcp.together import local_output_reader
 from sdcp.transport.errors import PeerClientError
 
 # How long the scorer's thread waits for the event loop before the test gives up on it.

@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from sdcp.client import ClusterClient, SessionHandle
+from sdcp.frontend.client import ClusterClient, SessionHandle
 from sdcp.protocol.messages import Action, Contract
 from sdcp.protocol.problems import ProtocolError
 from sdcp.transport.errors import TransportError

@@ -1,4 +1,4 @@
-"""sdcp.text, the gateway's tokenizer without torch, gives transformers' tokens: plain text, chat
+"""sdcp.frontend.text, the gateway's tokenizer without torch, gives transformers' tokens: plain text, chat
 templates, the stop list and the tokenizer digest; its incremental decoding gives the whole text."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import pytest
 
+from sdcp.frontend.text import ChatTemplateError, IncrementalDecoder, load_text_codec
 from sdcp.models.digests import tokenizer_digest
 from sdcp.models.registry import end_of_text_tokens, load_tokenizer
-from sdcp.text import ChatTemplateError, IncrementalDecoder, load_text_codec
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello there"}],

@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
-from sdcp.client import OutputChunk, SessionHandle
 from sdcp.config import GatewayConfig, InstanceConfig, ServiceConfig
+from sdcp.frontend.client import OutputChunk, SessionHandle
+from sdcp.frontend.gateway import GatewayNode
 from sdcp.protocol.messages import Action, Contract, TokenLogprob
 from sdcp.protocol.problems import BadContract
-from sdcp.services.gateway import GatewayNode
 from sdcp.transport.errors import PeerServerError
 
 ROUTER = "https://127.0.0.1:9100"

@@ -13,11 +13,11 @@ import httpx
 import pytest
 from tests.services.test_gateway_service import Cluster, base, cluster
 
+from sdcp.frontend.gateway import GatewayNode
+from sdcp.frontend.text import TextCodec
 from sdcp.grammar import ConstraintError, check, gbnf_to_lark
 from sdcp.protocol.messages import Constraint
 from sdcp.protocol.problems import BadContract
-from sdcp.services.gateway import GatewayNode
-from sdcp.text import TextCodec
 from sdcp.transport.client import SDCPClient
 
 __all__ = ["cluster"]  # the fixture, from the gateway's service tests

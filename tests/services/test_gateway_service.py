@@ -31,11 +31,11 @@ from sdcp.config import (
     TrustConfig,
     VerifierConfig,
 )
+from sdcp.frontend.gateway import GatewayNode
 from sdcp.localhost import free_port
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.services.drafter import DrafterNode
-from sdcp.services.gateway import GatewayNode
 from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs

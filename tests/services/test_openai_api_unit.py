@@ -1,4 +1,4 @@
-"""sdcp.services.openai_api on its own: how completions and chat requests are read and refused,
+"""sdcp.frontend.openai_api on its own: how completions and chat requests are read and refused,
 what their answers' logprobs look like, and how a choice's text is cut at stop strings; with the
 bundled model's tokenizer, without sockets or models (tests/e2e/test_openai_api.py is the gateway's)."""
 
@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from sdcp.protocol.messages import Alternative, Sampling, TokenLogprob
-from sdcp.services.openai_api import (
+from sdcp.frontend.openai_api import (
     _NEUTRAL,
     MAX_CHOICES,
     MAX_STOP_STRINGS,
@@ -26,7 +25,8 @@ from sdcp.services.openai_api import (
     parse_generation,
     parse_tokenize,
 )
-from sdcp.text import TextCodec, load_text_codec
+from sdcp.frontend.text import TextCodec, load_text_codec
+from sdcp.protocol.messages import Alternative, Sampling, TokenLogprob
 
 SERVED = ("smollm2",)
 CHAT = [{"role": "user", "content": "Say hi."}]

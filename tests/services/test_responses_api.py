@@ -1,4 +1,4 @@
-"""OpenAI's Responses API read into chat requests and written back (sdcp.services.responses_api,
+"""OpenAI's Responses API read into chat requests and written back (sdcp.frontend.responses_api,
 #39); tests/services/test_gateway_service.py serves it through the openai package, and
 tests/e2e/test_client_libraries.py runs the OpenAI Agents SDK's loop on it."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from sdcp.services.openai_api import OpenAIError
-from sdcp.services.responses_api import (
+from sdcp.frontend.openai_api import OpenAIError
+from sdcp.frontend.responses_api import (
     Conversations,
     ResponseEvents,
     parse_responses_request,

@@ -23,7 +23,6 @@ from tests.services.outputs import output_tokens, read_output
 from tests.waiting import HANG_GUARD_S, eventually, eventually_async
 
 from sdcp.cache import MLC, PreconditionFailed, build_uri
-from sdcp.client import ClusterClient, OutputChunk, SessionHandle, SessionStalled
 from sdcp.config import (
     DrafterConfig,
     InstanceConfig,
@@ -34,6 +33,7 @@ from sdcp.config import (
     VerifierConfig,
 )
 from sdcp.engines.router import TrackedSession
+from sdcp.frontend.client import ClusterClient, OutputChunk, SessionHandle, SessionStalled
 from sdcp.localhost import free_port
 from sdcp.models.draft import DraftResult, NgramDrafter
 from sdcp.models.target import TargetModel

@@ -1,4 +1,4 @@
-"""Penalties, logit_bias and min_p in OpenAI and vLLM requests (sdcp.services.openai_api): each maps
+"""Penalties, logit_bias and min_p in OpenAI and vLLM requests (sdcp.frontend.openai_api): each maps
 to its member of the sampling profile in thousandths, left out at its neutral value, and a value out
 of OpenAI's or vLLM's range is a 400 naming it (docs/services.md; docs/interpretations.md,
 "Penalties, logit_bias and min_p"). With the bundled model's tokenizer, no sockets."""
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from sdcp.client import build_contract
+from sdcp.frontend.client import build_contract
+from sdcp.frontend.openai_api import Generation, OpenAIError, parse_generation
+from sdcp.frontend.text import TextCodec, load_text_codec
 from sdcp.protocol.messages import Sampling
-from sdcp.services.openai_api import Generation, OpenAIError, parse_generation
-from sdcp.text import TextCodec, load_text_codec
 
 SERVED = ("smollm2",)
 CHAT = [{"role": "user", "content": "Say hi."}]

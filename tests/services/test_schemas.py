@@ -1,4 +1,4 @@
-"""The front end's reading of JSON schemas and regexes (sdcp.services.schemas, #39): objects closed
+"""The front end's reading of JSON schemas and regexes (sdcp.frontend.schemas, #39): objects closed
 as xgrammar closes them, ASCII classes, tool parameters' $defs hoisted into the call's schema."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 import jsonschema
 import pytest
 
+from sdcp.frontend.schemas import SchemaError, ascii_classes, closed_schema, hoisted_parameters
+from sdcp.frontend.text import TextCodec, load_text_codec
 from sdcp.grammar import GrammarConstraint, grammar_tokenizer
 from sdcp.protocol.messages import Constraint
-from sdcp.services.schemas import SchemaError, ascii_classes, closed_schema, hoisted_parameters
-from sdcp.text import TextCodec, load_text_codec
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import pytest
 from tests.services.test_gateway_service import Cluster, base, client_of, cluster
 from tests.waiting import eventually
 
+from sdcp.frontend.gateway import GatewayNode, api_tenant
 from sdcp.protocol.verifier import SessionStats
 from sdcp.services.drafter import DrafterNode
-from sdcp.services.gateway import GatewayNode, api_tenant
 from sdcp.services.router import RouterNode
 
 __all__ = ["cluster"]  # the fixture, from the gateway's service tests

@@ -1,4 +1,4 @@
-"""Per-request speculation in OpenAI-style requests (sdcp.services.openai_api): the ``speculative``
+"""Per-request speculation in OpenAI-style requests (sdcp.frontend.openai_api): the ``speculative``
 member (docs/services.md, "Per-request speculation"), a boolean or an object of ``enabled``,
 ``max_tokens``, ``drafters`` and ``report``, and the 400s naming what is wrong in it. With the
 bundled model's tokenizer, no sockets."""
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from sdcp.services.openai_api import OpenAIError, Speculation, parse_generation
-from sdcp.text import TextCodec, load_text_codec
+from sdcp.frontend.openai_api import OpenAIError, Speculation, parse_generation
+from sdcp.frontend.text import TextCodec, load_text_codec
 
 SERVED = ("smollm2",)
 DIGEST = "ab" * 32

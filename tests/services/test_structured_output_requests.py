@@ -1,4 +1,4 @@
-"""Structured output in OpenAI and vLLM requests (sdcp.services.openai_api): response_format and the
+"""Structured output in OpenAI and vLLM requests (sdcp.frontend.openai_api): response_format and the
 guided_* members become the session's constraint (docs/interpretations.md, "Structured output"), and
 what names no language is a 400 naming its member. With the bundled model's tokenizer, no sockets."""
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from sdcp.frontend.openai_api import OpenAIError, parse_generation
+from sdcp.frontend.text import TextCodec, load_text_codec
 from sdcp.protocol.messages import Constraint
-from sdcp.services.openai_api import OpenAIError, parse_generation
-from sdcp.text import TextCodec, load_text_codec
 
 SERVED = ("smollm2",)
 CHAT = [{"role": "user", "content": "Give me a JSON object."}]

@@ -1,4 +1,4 @@
-"""Tools in chat requests (sdcp.services.tool_calls, #30): tools, tool_choice and tool messages into
+"""Tools in chat requests (sdcp.frontend.tool_calls, #30): tools, tool_choice and tool messages into
 the bundled model's prompt (its template renders no tools: the Hermes format in the messages), the
 constraint that a forcing tool_choice becomes, the calls read from an output whole and piece by
 piece, and OpenAI's tool_calls in the gateway's answers and streams (over the scripted cluster of
@@ -17,11 +17,11 @@ import pytest
 from tests.services.test_gateway import MODEL_A, ROUTER, ScriptedCluster, chunked, streamed
 
 from sdcp.config import GatewayConfig, InstanceConfig, ServiceConfig
+from sdcp.frontend.gateway import GatewayNode
+from sdcp.frontend.openai_api import OpenAIError, parse_generation, parse_tokenize
+from sdcp.frontend.text import TextCodec, load_text_codec
+from sdcp.frontend.tool_calls import ToolCallReader, read_tool_calls
 from sdcp.grammar import GrammarConstraint, grammar_tokenizer
-from sdcp.services.gateway import GatewayNode
-from sdcp.services.openai_api import OpenAIError, parse_generation, parse_tokenize
-from sdcp.services.tool_calls import ToolCallReader, read_tool_calls
-from sdcp.text import TextCodec, load_text_codec
 
 SERVED = ("smollm2",)
 WEATHER_PARAMETERS = {

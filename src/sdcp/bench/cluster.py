@@ -23,8 +23,8 @@ from typing import Any
 
 from sdcp.bench.systems import RunResult, result_from_stats
 from sdcp.bench.workloads import Prompt, chat_messages, plain_text
-from sdcp.client import ClusterClient, SessionHandle, build_contract
 from sdcp.cluster import DEFAULT_DRAFTERS, LocalCluster, RedisSetup
+from sdcp.frontend.client import ClusterClient, SessionHandle, build_contract
 from sdcp.home import sdcp_home
 from sdcp.protocol.messages import Constraint, Contract
 

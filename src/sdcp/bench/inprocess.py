@@ -17,13 +17,13 @@ from dataclasses import replace
 
 from sdcp.bench.systems import RunResult, result_from_stats
 from sdcp.cache import MLC
-from sdcp.client import build_contract
 from sdcp.config import DrafterConfig, RouterConfig, VerifierConfig
 from sdcp.engines.drafter import DrafterEngine
 from sdcp.engines.ports import RouterLink, VerifierLink
 from sdcp.engines.router import RouterEngine
 from sdcp.engines.tasks import shielded_unless_gone
 from sdcp.engines.verifier import VerifierEngine
+from sdcp.frontend.client import build_contract
 from sdcp.models.backend import Target
 from sdcp.models.draft import Drafter, NgramDrafter
 from sdcp.protocol.messages import (

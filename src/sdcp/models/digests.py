@@ -67,5 +67,5 @@ def gguf_digest(path: Path) -> bytes:
 
 def tokenizer_file_digest(path: Path) -> bytes:
     """The digest of a Hugging Face `tokenizer.json`, equal to `tokenizer_digest` of the fast
-    tokenizer transformers loads from it and to the gateway's (sdcp.text)."""
+    tokenizer transformers loads from it and to the gateway's (sdcp.frontend.text)."""
     return tokenizer_definition_digest(Tokenizer.from_file(str(path)).to_str())

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sdcp.services.openai_api import OpenAIError
+from sdcp.frontend.openai_api import OpenAIError
 
 __all__ = ["Conversations", "ResponseEvents", "ResponsesRequest", "parse_responses_request", "response_object"]
 

@@ -15,6 +15,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
+from sdcp.frontend.schemas import SchemaError, ascii_classes, closed_schema
+from sdcp.frontend.text import ChatTemplateError, IncrementalDecoder, TextCodec
+from sdcp.frontend.tool_calls import (
+    MAX_NESTING,
+    ToolsError,
+    ToolUse,
+    hermes_messages,
+    nested_deeper,
+    parse_tools,
+    tool_message_fields,
+)
 from sdcp.grammar import ConstraintError, check, check_start, gbnf_to_lark, grammar_tokenizer
 from sdcp.protocol.logprobs import LOGPROB_SCALE
 from sdcp.protocol.messages import (
@@ -25,17 +36,6 @@ from sdcp.protocol.messages import (
     Sampling,
     TokenLogprob,
 )
-from sdcp.services.schemas import SchemaError, ascii_classes, closed_schema
-from sdcp.services.tool_calls import (
-    MAX_NESTING,
-    ToolsError,
-    ToolUse,
-    hermes_messages,
-    nested_deeper,
-    parse_tools,
-    tool_message_fields,
-)
-from sdcp.text import ChatTemplateError, IncrementalDecoder, TextCodec
 
 __all__ = [
     "Choice",
@@ -150,7 +150,7 @@ class Generation:
     constraint: Constraint | None = None
     # Members that no parameter reads, ignored (vLLM's behaviour; strict mode refuses them instead).
     ignored: tuple[str, ...] = ()
-    # How a chat answer's tool calls are read from its text (sdcp.services.tool_calls), or None.
+    # How a chat answer's tool calls are read from its text (sdcp.frontend.tool_calls), or None.
     tool_parser: str | None = None
     # What the request asks of speculation (its ``speculative`` member).
     speculation: Speculation = Speculation()
@@ -268,7 +268,7 @@ def parse_generation(
     target holds fewer than the codec's model. A member no parameter reads is ignored and listed in
     ``Generation.ignored``, as vLLM does; ``strict`` refuses it, as OpenAI does. Tokenization makes
     this CPU work: run it off the loop. ``close_json_objects``: a JSON schema's objects that name
-    their properties allow no others unless they say so (sdcp.services.schemas)."""
+    their properties allow no others unless they say so (sdcp.frontend.schemas)."""
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     implemented = _CHAT_IMPLEMENTED if chat else _COMPLETIONS_IMPLEMENTED
@@ -416,7 +416,7 @@ def _constraint(reader: _Reader, *, close_objects: bool) -> tuple[str, Constrain
     ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (Lark or GBNF) or its
     ``structured_outputs``; at most one of them. ``guided_decoding_backend`` names an engine: ours
     is llguidance whatever it says. A JSON schema's objects are closed where ``close_objects`` or
-    the schema is ``strict`` (sdcp.services.schemas)."""
+    the schema is ``strict`` (sdcp.frontend.schemas)."""
     reader.text("guided_decoding_backend")
     given: list[tuple[str, str, object]] = []
     strict = False

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from sdcp.client import OutputReader
 from sdcp.engines.errors import SessionNotFound, Unavailable
 from sdcp.engines.verifier import VerifierEngine
+from sdcp.frontend.client import OutputReader
+from sdcp.frontend.gateway import GatewayNode
 from sdcp.protocol.messages import Output
-from sdcp.services.gateway import GatewayNode
 from sdcp.services.node import Node
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.errors import PeerClientError, PeerServerError

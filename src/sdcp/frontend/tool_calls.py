@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sdcp.frontend.schemas import SchemaError, closed_schema, hoisted_parameters
 from sdcp.grammar import ConstraintError, check
 from sdcp.protocol.messages import MAX_CONSTRAINT_TEXT, Constraint
-from sdcp.services.schemas import SchemaError, closed_schema, hoisted_parameters
 
 __all__ = [
     "CallDelta",
@@ -91,7 +91,7 @@ def parse_tools(body: dict[str, Any], *, close_objects: bool = True) -> ToolUse 
     ``tool_choice`` ``none`` is accepted, as OpenAI's). Every function's parameters must be a
     schema this server can apply, whether or not a call is forced; a forced call's arguments
     follow them with their objects closed where ``close_objects`` or the function is ``strict``
-    (sdcp.services.schemas), their ``$defs`` hoisted to the call's root."""
+    (sdcp.frontend.schemas), their ``$defs`` hoisted to the call's root."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None or tools == []:
@@ -159,7 +159,7 @@ def _function(tool: object, where: str) -> tuple[str, dict[str, Any], bool]:
 
 def _call_schema(name: str, arguments: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """The JSON schema of one call of a function, in the order the Hermes format writes a call;
-    ``defs``: the definitions its ``arguments`` refer to (sdcp.services.schemas.hoisted_parameters)."""
+    ``defs``: the definitions its ``arguments`` refer to (sdcp.frontend.schemas.hoisted_parameters)."""
     schema: dict[str, Any] = {
         "type": "object",
         "properties": {"name": {"const": name}, "arguments": arguments},

@@ -1,12 +1,12 @@
 """An OpenAI-compatible front end for an SDCP deployment (not an SDCP role).
 
 `POST /v1/completions`, `POST /v1/chat/completions` (with and without `stream`), `GET /v1/models`.
-Requests are read and checked by ``sdcp.services.openai_api``; each choice of a request is one SDCP
+Requests are read and checked by ``sdcp.frontend.openai_api``; each choice of a request is one SDCP
 session, opened through the router with the gateway's own client certificate, whose committed
-output is read with the epoch rule of SDCP 6.7 (``sdcp.client.ClusterClient.stream``), so retries
+output is read with the epoch rule of SDCP 6.7 (``sdcp.frontend.client.ClusterClient.stream``), so retries
 and failovers never duplicate or lose tokens. Its listener takes no client certificates (browsers
 and the `openai` package carry none): plain HTTP on loopback, or TLS when configured. It needs no
-torch: text goes through ``sdcp.text`` (the `tokenizers` library).
+torch: text goes through ``sdcp.frontend.text`` (the `tokenizers` library).
 
 The outermost layer (``_Admission``) admits at most ``[gateway] max_requests_in_flight`` requests
 at once (429 with Retry-After past it) and writes one access-log line per request, when it has
@@ -36,14 +36,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sdcp import __version__
-from sdcp.client import DEFAULT_M_MAX, ClusterClient, SessionHandle, build_contract
 from sdcp.config import ConfigError, ServiceConfig
 from sdcp.engines.tasks import cancelled_if
-from sdcp.latency import GATEWAY_PARTS, observe_part, start_parts
-from sdcp.protocol.messages import Action, TokenLogprob
-from sdcp.protocol.problems import BadContract, ProtocolError
-from sdcp.services.admin import AdminServer, Readiness
-from sdcp.services.openai_api import (
+from sdcp.frontend.client import DEFAULT_M_MAX, ClusterClient, SessionHandle, build_contract
+from sdcp.frontend.openai_api import (
     Choice,
     ChoiceText,
     Generation,
@@ -58,15 +54,19 @@ from sdcp.services.openai_api import (
     parse_tokenize,
     token_stop_reason,
 )
-from sdcp.services.responses_api import (
+from sdcp.frontend.responses_api import (
     Conversations,
     ResponseEvents,
     ResponsesRequest,
     parse_responses_request,
     response_object,
 )
-from sdcp.services.tool_calls import ToolCallReader, message_tool_calls, read_tool_calls, stream_tool_calls
-from sdcp.text import load_text_codec
+from sdcp.frontend.text import load_text_codec
+from sdcp.frontend.tool_calls import ToolCallReader, message_tool_calls, read_tool_calls, stream_tool_calls
+from sdcp.latency import GATEWAY_PARTS, observe_part, start_parts
+from sdcp.protocol.messages import Action, TokenLogprob
+from sdcp.protocol.problems import BadContract, ProtocolError
+from sdcp.services.admin import AdminServer, Readiness
 from sdcp.transport.errors import StatusError, TransportError
 from sdcp.transport.server import FrontEndServer, Listener, Server
 
@@ -429,7 +429,7 @@ class GatewayNode:
             raise OpenAIError("Incorrect API key provided", status=401, kind="authentication_error")
 
     async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API, served as a chat request (sdcp.services.responses_api)."""
+        """OpenAI's Responses API, served as a chat request (sdcp.frontend.responses_api)."""
         return await self._serve(request, chat=True, responses=True)
 
     async def _serve(self, request: Request, *, chat: bool, responses: bool = False) -> Response:

@@ -145,7 +145,7 @@ class ClusterClient:
         self.follow_attempts = follow_attempts
         self.stall_s = stall_s
         # Verifiers of this very process (`sdcp together`): their output is read by a call, not
-        # over HTTP, with the errors their service would answer (sdcp.services.together).
+        # over HTTP, with the errors their service would answer (sdcp.together).
         self.local_outputs: dict[str, OutputReader] = {}
 
     async def aclose(self) -> None:
