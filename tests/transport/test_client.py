@@ -11,6 +11,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from tests.waiting import eventually
 
 from sdcp.transport import (
     ConnectionLost,
@@ -26,18 +27,28 @@ from sdcp.transport import (
     read_cbor_body,
 )
 
-from .conftest import PKI, client_for, mtls_listener, serving
+from .tls_harness import PKI, client_for, mtls_listener, serving
 
 pytestmark = pytest.mark.timeout(60)
 
 
 class CuttingProxy:
-    """A TCP relay in front of a server that can abort every relayed connection on demand."""
+    """A TCP relay in front of a server that can abort every relayed connection on demand, or hold
+    their bytes (a partition: nothing is relayed, nothing closed) until released."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.port = 0
+        self.accepted = 0
         self._transports: list[asyncio.StreamWriter] = []
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+
+    def hold(self) -> None:
+        self._flowing.clear()
+
+    def release(self) -> None:
+        self._flowing.set()
 
     def cut(self) -> None:
         for writer in self._transports:
@@ -56,12 +67,14 @@ class CuttingProxy:
             await server.wait_closed()
 
     async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
         server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         self._transports += [client_writer, server_writer]
 
         async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             with contextlib.suppress(OSError):
                 while data := await reader.read(65536):
+                    await self._flowing.wait()
                     writer.write(data)
                     await writer.drain()
             writer.transport.abort()
@@ -202,8 +215,33 @@ async def test_an_unanswered_request_times_out(pki: PKI) -> None:
     async with serving(app, mtls_listener(pki)) as server, client_for(server, pki, pki.drafter_a) as client:
         with pytest.raises(PeerTimeout, match="timed out"):
             await client.get_cbor("never", timeout=0.3)
-        # The abandoned stream was reset; the connection carries the next request.
+        # The abandoned stream was reset; the peer, only slow, answered the PING that followed the
+        # timeout, and the same connection carries the next request.
+        connection = client._connection
+        await eventually(lambda: not client._pings)
         assert await client.get_cbor("ok") == (200, {"ok": True})
+        assert client._connection is connection
+
+
+async def test_a_connection_that_answers_no_ping_after_a_timeout_is_dropped(
+    pki: PKI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A partition that heals leaves a TCP connection waiting for its retransmission backoff: the
+    # client drops a connection silent after a timeout, and the next request opens another.
+    monkeypatch.setattr("sdcp.transport.client.PING_TIMEOUT_S", 0.2)
+    calls: list[str] = []
+    async with serving(counting_app(calls, []), mtls_listener(pki)) as server:
+        async with CuttingProxy(server.port).running() as proxy, proxied_client(pki, proxy) as client:
+            assert await client.get_cbor("op", {"key": "before"}) == (200, {"key": "before", "calls": 1})
+            silent = client._connection
+            assert silent is not None
+            proxy.hold()
+            with pytest.raises(PeerTimeout):
+                await client.get_cbor("op", {"key": "held"}, timeout=0.2)
+            await eventually(lambda: not silent.usable)
+            proxy.release()
+            assert await client.get_cbor("op", {"key": "after"}) == (200, {"key": "after", "calls": 1})
+            assert proxy.accepted == 2
 
 
 async def test_idle_connections_are_closed_and_opened_again(pki: PKI) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import ssl
 from collections.abc import Mapping
@@ -37,6 +38,8 @@ from sdcp.transport.tls import client_context
 
 __all__ = ["CONNECT_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "BytesResponse", "PeerClients", "RetryPolicy", "SDCPClient"]
 
+log = logging.getLogger("sdcp.transport")
+
 CONNECT_TIMEOUT_S = 5.0
 # The whole exchange, answer included: longer than any server-chosen wait of an output request.
 DEFAULT_TIMEOUT_S = 30.0
@@ -45,6 +48,10 @@ DEFAULT_MAX_OBJECT_SIZE = 64 * 1024 * 1024
 _OCTETS = "application/octet-stream"
 # How long the certificate-refusal probe waits for the server's HTTP/2 preface.
 _PROBE_TIMEOUT_S = 5.0
+# After a request timed out, how long its connection has to acknowledge a PING before it is dropped:
+# a loaded peer's event loop answers within this, a connection whose packets wait behind TCP's
+# retransmission backoff does not.
+PING_TIMEOUT_S = 3.0
 
 PathLike = Path | str
 Params = Mapping[str, str | int]
@@ -115,6 +122,7 @@ class SDCPClient:
         self._connection: H2Connection | None = None
         self._connecting = asyncio.Lock()
         self._closed = False
+        self._pings: set[asyncio.Task[None]] = set()
 
     async def post_cbor(
         self,
@@ -184,6 +192,8 @@ class SDCPClient:
 
     async def aclose(self) -> None:
         self._closed = True
+        for ping in self._pings:
+            ping.cancel()
         connection, self._connection = self._connection, None
         if connection is not None:
             await connection.close()
@@ -300,11 +310,27 @@ class SDCPClient:
                         f"{method} {path} to {self.base_uri}: connection lost ({error}) after {attempt} attempt(s)"
                     ) from error
             except TimeoutError as error:
+                self._drop_if_silent(connection)
                 raise PeerTimeout(f"{method} {path} to {self.base_uri} timed out") from error
             else:
                 self._peer_answered = True
                 return response
             await asyncio.sleep(self._retry.delay(attempt - 1))
+
+    def _drop_if_silent(self, connection: H2Connection) -> None:
+        """After a request on ``connection`` timed out: a peer that is only slow still answers a
+        PING, and the connection stays; one that does not is dropped, so that the next request
+        opens a new connection instead of waiting behind a dead one (a partition that healed
+        leaves TCP retransmitting on its own backoff, seconds apart)."""
+
+        async def ping() -> None:
+            if not await connection.answers_ping(PING_TIMEOUT_S):
+                log.info("%s: the connection answered no PING after a timeout; dropped", self.base_uri)
+                connection.abort()
+
+        task = asyncio.get_running_loop().create_task(ping())
+        self._pings.add(task)
+        task.add_done_callback(self._pings.discard)
 
     async def _connect(self) -> H2Connection:
         """The open connection to the peer, or a new one; raises ``_ConnectFailed`` or ``ssl.SSLError``."""

@@ -11,6 +11,7 @@ stream resets reported as retryable where RFC 9113 says the request was not proc
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -129,6 +130,8 @@ class H2Connection(asyncio.Protocol):
         # Received bytes of a frame not yet complete (see _take_goaways).
         self._inbound = bytearray()
         self.peer_certificate: bytes | None = None
+        # PINGs sent (`answers_ping`), by their opaque data, until acknowledged.
+        self._pings: dict[bytes, asyncio.Future[None]] = {}
 
     @classmethod
     async def open(
@@ -214,6 +217,28 @@ class H2Connection(asyncio.Protocol):
                 self._capacity.set()
                 if self._goaway:
                     self._close_when_done()
+
+    async def answers_ping(self, timeout: float) -> bool:
+        """Whether the peer acknowledges a PING (RFC 9113 6.7) within ``timeout``: a connection
+        whose packets go nowhere, or wait behind TCP's retransmission backoff after a partition
+        healed, does not, however long its requests wait."""
+        if not self.usable:
+            return False
+        opaque = os.urandom(8)
+        acknowledged: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pings[opaque] = acknowledged
+        try:
+            self._h2.ping(opaque)
+            self._flush()
+            await asyncio.wait([acknowledged, self._closed], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            return acknowledged.done()
+        finally:
+            self._pings.pop(opaque, None)
+
+    def abort(self) -> None:
+        """Drop the connection at once (no GOAWAY): its streams fail with ``ConnectionClosed``."""
+        if self._transport is not None and not self._closed.done():
+            self._transport.abort()
 
     async def close(self) -> None:
         """Send GOAWAY and close; streams still open fail with ``ConnectionClosed``."""
@@ -328,6 +353,10 @@ class H2Connection(asyncio.Protocol):
             self._capacity.set()
         elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
             self._capacity.set()
+        elif isinstance(event, h2.events.PingAckReceived):
+            acknowledged = self._pings.get(event.ping_data)
+            if acknowledged is not None and not acknowledged.done():
+                acknowledged.set_result(None)
 
     async def _wait_for_stream_slot(self) -> None:
         while True:
