@@ -176,29 +176,42 @@ class Deployment:
                     raise RuntimeError(f"{host} did not start: {self.log(host)[-2000:]}")
                 time.sleep(POLL_S)
 
-    def registered(self, router: str = "router") -> set[str] | None:
-        """The hosts among INSTANCES whose status `router` holds unexpired (its dashboard's state,
-        read on the router's host), or None while the router does not answer."""
+    def registered(self, router: str = "router") -> dict[str, float] | None:
+        """The hosts among INSTANCES whose status `router` holds unexpired, with the seconds each has
+        left (its dashboard's state, read on the router's host), or None while the router does not
+        answer."""
         state = f"http://127.0.0.1:{ADMIN_PORT}/dashboard/state"
         script = f"import urllib.request; print(urllib.request.urlopen({state!r}, timeout=30).read().decode())"
         command = self.net.exec_prefix(router) + [sys.executable, "-c", script]
         answered = subprocess.run(command, capture_output=True, text=True, timeout=STARTUP_S, check=False)
         if answered.returncode != 0:
             return None
-        live = {instance["uri"] for instance in json.loads(answered.stdout)["instances"]}
-        return {host for host in INSTANCES if self.uri(host) in live}
+        live = {instance["uri"]: float(instance["ttl_s"]) for instance in json.loads(answered.stdout)["instances"]}
+        return {host: live[self.uri(host)] for host in INSTANCES if self.uri(host) in live}
 
     def wait_registered(self, hosts: tuple[str, ...]) -> None:
-        """Wait until every running router holds a live status of exactly `hosts` among INSTANCES:
-        all of them once a fault is over, or all but a killed one once its status has expired."""
+        """Wait until every running router holds a live status of exactly `hosts` among INSTANCES
+        (all of them once a fault is over, or all but a killed one once its status has expired), each
+        renewed since this call: an instance whose link to the router still waits behind a healed
+        partition would otherwise look live until its status expires, in the next test."""
         deadline = time.monotonic() + STARTUP_S
         for router in self.routers:
             if self.processes[router].poll() is not None:
                 continue  # killed and not restarted
-            while (registered := self.registered(router)) != set(hosts):
+            previous: dict[str, float] = {}
+            renewed: set[str] = set()
+            while True:
+                registered = self.registered(router)
+                if registered is not None and set(registered) == set(hosts):
+                    # A status has more time left than at the reading before only if a report
+                    # renewed it in between (they come every third of the TTL).
+                    renewed |= {host for host, left in registered.items() if left > previous.get(host, left)}
+                    if renewed == set(hosts):
+                        break
+                    previous = registered
                 if time.monotonic() > deadline:
                     log = self.log(router)[-2000:]
-                    raise RuntimeError(f"{router} holds {registered}, not {sorted(hosts)}: {log}")
+                    raise RuntimeError(f"{router} holds {registered}, renewed {renewed}, not {sorted(hosts)}: {log}")
                 time.sleep(POLL_S)
 
     def signal(self, host: str, signum: int) -> None:
