@@ -30,6 +30,7 @@ from sdcp.terminal import help_markup_mode, is_terminal, plain_table
 
 if TYPE_CHECKING:  # imported where used: a role's host has only its own extra installed
     from sdcp.frontend.client import ClusterClient, SessionHandle
+    from sdcp.frontend.text import TextCodec
 
 app = typer.Typer(
     name="sdcp",
@@ -722,8 +723,8 @@ def generate(
         stops = tuple(stop or ())
         if any(not text for text in stops):
             fail("--stop needs a non-empty text")
-        tokenizer = _load_tokenizer(model, home)
-        prompt_ids = _tokenize(tokenizer, prompt, chat or system is not None, system)
+        codec = _load_codec(model, home)
+        prompt_ids = _tokenize(codec, prompt, chat or system is not None, system)
         sampling = None
         if rule is RuleName.sampling:
             sampling = Sampling(
@@ -739,7 +740,7 @@ def generate(
         request = _Request(
             prompt_ids, max_new, 1 if rule is RuleName.greedy else 2, sampling, stops, n, max_draft, no_speculation
         )
-        result = asyncio.run(_generate(cluster, tokenizer, request, as_json))
+        result = asyncio.run(_generate(cluster, codec, request, as_json))
     if as_json:
         typer.echo(json.dumps(result))
 
@@ -783,20 +784,19 @@ def _ensure_running(cluster: Any, model: str) -> None:
         cluster.up(model=model)
 
 
-def _load_tokenizer(model: str, home: Path | None) -> Any:
-    from sdcp.models.registry import load_tokenizer
+def _load_codec(model: str, home: Path | None) -> TextCodec:
+    """The gateway's text codec of ``model``: the same chat rendering and tokens as an OpenAI request."""
+    from sdcp.frontend.text import load_text_codec
 
-    return load_tokenizer(model, home)
+    return load_text_codec(model, home)
 
 
-def _tokenize(tokenizer: Any, prompt: str, chat: bool, system: str | None = None) -> list[int]:
+def _tokenize(codec: TextCodec, prompt: str, chat: bool, system: str | None = None) -> list[int]:
     if chat:
         messages = [{"role": "system", "content": system}] if system is not None else []
         messages.append({"role": "user", "content": prompt})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        return list(ids)
-    return list(tokenizer(prompt)["input_ids"])
+        return codec.encode_chat(messages)
+    return codec.encode(prompt)
 
 
 @dataclass(frozen=True)
@@ -815,11 +815,11 @@ class _Request:
     self_decode_only: bool = False
 
 
-async def _generate(cluster: Any, tokenizer: Any, request: _Request, as_json: bool) -> dict[str, Any]:
+async def _generate(cluster: Any, codec: TextCodec, request: _Request, as_json: bool) -> dict[str, Any]:
     from rich.text import Text
 
     from sdcp.frontend.client import DEFAULT_M_MAX, ClusterClient, build_contract
-    from sdcp.models.registry import end_of_text_tokens
+    from sdcp.frontend.stops import stop_token_ids
 
     cert, key, ca = cluster.client_credentials()
     async with ClusterClient(cluster.router, cert=cert, key=key, ca=ca) as client:
@@ -829,18 +829,13 @@ async def _generate(cluster: Any, tokenizer: Any, request: _Request, as_json: bo
         target_digest, tokenizer_digest = targets[0]["model"], targets[0]["tokenizer"]
         if not isinstance(target_digest, bytes) or not isinstance(tokenizer_digest, bytes):
             fail("the router's target list does not give the target's digests")
-        eos = set(end_of_text_tokens(tokenizer))
-        # A stop text of one token stops the session at the verifier (the contract's stop list); a
-        # longer one is matched in the text, which then cancels the session (as the gateway does).
-        single = {
-            ids[0] for ids in (tokenizer.encode(s, add_special_tokens=False) for s in request.stops) if len(ids) == 1
-        }
+        eos = set(codec.end_of_text_tokens())
         contract = build_contract(
             target=target_digest,
             tokenizer=tokenizer_digest,
             rule=request.rule,
             max_new=request.max_new,
-            stop=sorted(eos | single),
+            stop=list(stop_token_ids(codec, request.stops)),
             sampling=request.sampling,
             m_max=request.max_draft or DEFAULT_M_MAX,
         )
@@ -860,7 +855,7 @@ async def _generate(cluster: Any, tokenizer: Any, request: _Request, as_json: bo
         live = request.n == 1 and not as_json
         try:
             choices = await asyncio.gather(
-                *(_choice(client, tokenizer, handle, request, eos, started, live=live) for handle in handles)
+                *(_choice(client, codec, handle, request, eos, started, live=live) for handle in handles)
             )
         except asyncio.CancelledError:
             # Ctrl-C: end the sessions rather than leave the verifier decoding to max_new.
@@ -886,7 +881,7 @@ async def _cancel_all(client: ClusterClient, handles: list[SessionHandle]) -> No
 
 async def _choice(
     client: ClusterClient,
-    tokenizer: Any,
+    codec: TextCodec,
     handle: SessionHandle,
     request: _Request,
     eos: set[int],
@@ -895,18 +890,19 @@ async def _choice(
     live: bool,
 ) -> dict[str, Any]:
     """One session's tokens, text and finish reason; its text streamed to stdout with ``live``
-    (held back by what may start a stop text)."""
+    (held back by what may start a stop text, as the gateway's answers are)."""
     from rich.live import Live
     from rich.text import Text
 
+    from sdcp.frontend.stops import ChoiceText
     from sdcp.protocol.messages import Action
 
     tokens: list[int] = []
-    printed = ""
+    text = ""
     finish = None
     stopped = False
     stats: dict[str, Any] = {}
-    hold = max((len(s) - 1 for s in request.stops), default=0)
+    decoded = ChoiceText(codec, request.stops)
     status = Live(Text(""), console=err_console, transient=True, refresh_per_second=8) if live else None
     last_stats = 0.0
     if status is not None:
@@ -918,15 +914,14 @@ async def _choice(
                 handle = dataclasses.replace(handle, verifier=chunk.verifier, epoch=chunk.epoch)
             tokens.extend(chunk.tokens)
             finish = chunk.finish
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            found = _stop_at(text, request.stops)
-            if found is not None:
+            ready, stopped = decoded.add(chunk.tokens, last=finish is not None)
+            text += ready
+            if stopped:
                 # The stop text decides the end (one of a single token also stopped the session at
                 # the verifier): the tokens up to its end, the text before it; a session that goes
                 # on is cancelled.
-                at, matched = found
-                tokens = _tokens_to(tokenizer, tokens, at + len(matched))
-                text, stopped = text[:at], True
+                assert decoded.stopped_by is not None
+                tokens = _tokens_to(codec, tokens, len(text) + len(decoded.stopped_by))
                 if finish is None:
                     await _cancel_all(client, [handle])
             now = time.monotonic()
@@ -934,10 +929,8 @@ async def _choice(
                 stats = await _safe_stats(client, handle)
                 last_stats = now
             if status is not None:
-                ready = text if finish is not None or stopped else text[: max(len(printed), len(text) - hold)]
-                sys.stdout.write(ready[len(printed) :])
+                sys.stdout.write(ready)
                 sys.stdout.flush()
-                printed = ready
                 status.update(_status_line(len(tokens), now - started, stats))
             if stopped:
                 break
@@ -955,7 +948,7 @@ async def _choice(
     return {
         "session": handle.session.hex(),
         "tokens": tokens,
-        "text": tokenizer.decode(tokens, skip_special_tokens=True) if not stopped else text,
+        "text": text,
         "finish": reason,
         "seconds": round(elapsed, 3),
         "tokens_per_second": round(len(tokens) / elapsed, 2) if elapsed > 0 else None,
@@ -963,17 +956,11 @@ async def _choice(
     }
 
 
-def _stop_at(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """Where the earliest stop text starts in ``text``, and which, if one is there."""
-    found = [(at, s) for s, at in ((s, text.find(s)) for s in stops) if at >= 0]
-    return min(found, default=None)
-
-
-def _tokens_to(tokenizer: Any, tokens: list[int], length: int) -> list[int]:
+def _tokens_to(codec: TextCodec, tokens: list[int], length: int) -> list[int]:
     """The fewest leading tokens whose text reaches ``length`` characters: the output up to the
     token that ended the stop text."""
     for count in range(1, len(tokens) + 1):
-        if len(tokenizer.decode(tokens[:count], skip_special_tokens=True)) >= length:
+        if len(codec.decode(tokens[:count])) >= length:
             return tokens[:count]
     return tokens
 

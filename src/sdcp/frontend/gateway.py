@@ -41,12 +41,12 @@ from sdcp.engines.tasks import cancelled_if
 from sdcp.frontend.client import DEFAULT_M_MAX, ClusterClient, SessionHandle, build_contract
 from sdcp.frontend.openai_api import (
     Choice,
-    ChoiceText,
     Generation,
     OpenAIError,
     chat_logprobs,
     check_nesting,
     check_unicode,
+    choice_text,
     completion_logprobs,
     error_body,
     parse_detokenize,
@@ -694,7 +694,7 @@ class GatewayNode:
                 self._cancel_soon(handle)
 
     async def _decoded(self, handle: SessionHandle, generation: Generation, choice: Choice) -> AsyncIterator[_Piece]:
-        choice_text = ChoiceText(self.codec, generation)
+        text = choice_text(self.codec, generation)
         echo = choice.prompt.text if generation.echo else ""
         tokens = 0
         final_token: int | None = None
@@ -716,12 +716,12 @@ class GatewayNode:
             final_token = chunk.tokens[-1] if chunk.tokens else final_token
             chosen: Sequence[TokenLogprob | None] = chunk.logprobs or [None] * len(chunk.tokens)
             logprobs.extend(zip(chunk.tokens, chosen, strict=True))
-            decided, stopped = choice_text.add(chunk.tokens, last=chunk.finish is not None)
+            decided, stopped = text.add(chunk.tokens, last=chunk.finish is not None)
             if stopped:
                 # A stop string of several tokens: the verifier would decode on to max_tokens.
                 self._cancel_soon(handle)
                 acceptance = await self._acceptance(handle, chunk.epoch, generation)
-                yield piece(decided, "stop", acceptance, choice_text.stopped_by)
+                yield piece(decided, "stop", acceptance, text.stopped_by)
                 return
             if chunk.finish is not None:
                 stop_token = final_token is not None and final_token in generation.stop_ids

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 from sdcp.frontend.schemas import SchemaError, ascii_classes, closed_schema
-from sdcp.frontend.text import ChatTemplateError, IncrementalDecoder, TextCodec
+from sdcp.frontend.stops import ChoiceText, one_token_stops, stop_token_ids
+from sdcp.frontend.text import ChatTemplateError, TextCodec
 from sdcp.frontend.tool_calls import (
     MAX_NESTING,
     ToolsError,
@@ -332,7 +333,7 @@ def parse_generation(
         raise _refused("ignore_eos", "structured output ends each choice at its end-of-text token")
     # Under a constraint a stop token is no text, so a one-token stop string is matched in the
     # text instead (a JSON output's "}" must stay a token of the output).
-    stop_ids = _stop_ids(codec, stop_texts if constraint is None else (), extra_stop_ids, ignore_eos)
+    stop_ids = stop_token_ids(codec, stop_texts if constraint is None else (), extra_stop_ids, ignore_eos=ignore_eos)
     if constrained is not None:
         _check_start(codec, *constrained, stop_ids)
     # OpenAI's default temperature is 1; temperature 0 is greedy decoding, i.e. rule 1 (SDCP 6.4).
@@ -956,75 +957,18 @@ def _logprobs(reader: _Reader, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _stop_ids(codec: TextCodec, stop_texts: Sequence[str], extra: Sequence[int], ignore_eos: bool) -> tuple[int, ...]:
-    ids = set(extra)
-    if not ignore_eos:
-        ids.update(codec.end_of_text_tokens())
-    # A stop string that is one token stops the session at the verifier itself (SDCP 6.3); a longer
-    # one is matched in the text, which then cancels the session.
-    ids.update(_one_token_stops(codec, stop_texts))
-    return tuple(sorted(ids))
-
-
-def _one_token_stops(codec: TextCodec, stop_texts: Sequence[str]) -> dict[int, str]:
-    """The stop strings that are one token each, by that token."""
-    stops: dict[int, str] = {}
-    for text in stop_texts:
-        encoded = codec.encode(text, add_special_tokens=False)
-        if len(encoded) == 1:
-            stops.setdefault(encoded[0], text)
-    return stops
-
-
 # -- answers -------------------------------------------------------------------------------------------
 
 
-class ChoiceText:
-    """The text of one choice as its tokens come: decoded incrementally, with a possible start of a
-    stop string held back until the text after it decides whether the choice ends there."""
-
-    def __init__(self, codec: TextCodec, generation: Generation) -> None:
-        self._decoder = IncrementalDecoder(codec, skip_special_tokens=generation.skip_special_tokens)
-        self._stops = generation.stop_texts
-        self._hold = max((len(stop) - 1 for stop in self._stops), default=0)
-        self._include_stop = generation.include_stop_str
-        self._min_tokens = generation.min_tokens
-        self._tokens = 0
-        # Decoded, not given out yet: the last characters, one fewer than the longest stop string
-        # has, for they may start one; no stop string that can still end the choice starts earlier.
-        self._held = ""
-        # The stop string that ended the choice, once one has.
-        self.stopped_by: str | None = None
-
-    def add(self, tokens: Sequence[int], *, last: bool) -> tuple[str, bool]:
-        """The text that these tokens decide, and whether a stop string ended the choice there
-        (``last``: the session ended after them, nothing is held back any more)."""
-        searched = len(self._held)
-        self._tokens += len(tokens)
-        self._held += self._decoder.add(tokens)
-        if last:
-            self._held += self._decoder.finish()
-        # Stop strings count from min_tokens on, as vLLM's: one that ends in the text of earlier
-        # tokens (searched then, or come before min_tokens) does not stop the choice.
-        if self._tokens >= self._min_tokens:
-            stop = self._earliest_stop(searched)
-            if stop is not None:
-                cut, matched = stop
-                text, self._held = self._held[: cut + (len(matched) if self._include_stop else 0)], ""
-                self.stopped_by = matched
-                return text, True
-        ready = len(self._held) if last else max(0, len(self._held) - self._hold)
-        text, self._held = self._held[:ready], self._held[ready:]
-        return text, False
-
-    def _earliest_stop(self, searched: int) -> tuple[int, str] | None:
-        """Where the first stop string that ends past ``searched`` in the held text starts, and which."""
-        found = []
-        for stop in self._stops:
-            at = self._held.find(stop, max(0, searched - len(stop) + 1))
-            if at >= 0:
-                found.append((at, stop))
-        return min(found, default=None)
+def choice_text(codec: TextCodec, generation: Generation) -> ChoiceText:
+    """The text of one of ``generation``'s choices, with its stop strings."""
+    return ChoiceText(
+        codec,
+        generation.stop_texts,
+        include_stop=generation.include_stop_str,
+        min_tokens=generation.min_tokens,
+        skip_special_tokens=generation.skip_special_tokens,
+    )
 
 
 def token_stop_reason(codec: TextCodec, generation: Generation, token: int) -> str | int | None:
@@ -1033,7 +977,7 @@ def token_stop_reason(codec: TextCodec, generation: Generation, token: int) -> s
     (``stop_token_ids``)."""
     if token in codec.end_of_text_tokens():
         return None
-    return _one_token_stops(codec, generation.stop_texts).get(token, token)
+    return one_token_stops(codec, generation.stop_texts).get(token, token)
 
 
 Logprobs = Sequence[tuple[int, TokenLogprob | None]]
