@@ -9,9 +9,9 @@ STAMP := $(VENV)/.sdcp-installed
 test: lint redis model
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The quick tier while working: protocol, cache, transport and services on tiny models, without the
-# tests marked slow, the end-to-end runs on SmolLM2 and the benchmark. CI runs `make test`.
-FAST_TESTS := tests/protocol tests/cache tests/transport tests/services tests/test_threads.py tests/test_layout.py
+# The quick tier while working: protocol, cache, transport, services and the front end on tiny models,
+# without the tests marked slow, the end-to-end runs on SmolLM2 and the benchmark. CI runs `make test`.
+FAST_TESTS := tests/protocol tests/cache tests/transport tests/services tests/frontend tests/test_threads.py tests/test_layout.py
 test-fast: install redis model
 	$(PY) -m pytest -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
 

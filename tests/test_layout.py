@@ -113,3 +113,27 @@ def test_no_tracked_file_cites_paths_outside_the_repository() -> None:
             if OUTSIDE.search(line):
                 offending.append(f"{name}:{number}: {line.strip()}")
     assert not offending, "cite draft-li-sdcp by section and docs/design.md instead:\n" + "\n".join(offending)
+
+
+def test_no_file_under_tests_imports_a_test_module_or_a_conftest() -> None:
+    """Harnesses shared between test modules live in helper modules (tests/services/router_harness.py,
+    tests/e2e/homes.py, ...) or as fixtures in a conftest.py, never in a test module or a conftest
+    that another file imports (#40): a test module is no interface, and pytest alone loads conftests."""
+    offending = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                # `from tests.x.test_y import z`, `from .conftest import z`, and `from tests.x import
+                # test_y` or `from . import conftest`, where the module is the imported name.
+                package = "." * node.level + (node.module or "")
+                modules = [package] if node.module else []
+                modules += [f"{package.rstrip('.')}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for module in modules:
+                last = module.rsplit(".", 1)[-1]
+                if last.startswith("test_") or last == "conftest":
+                    offending.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {module}")
+    assert not offending, "move what is shared into a helper module or a conftest fixture:\n" + "\n".join(offending)

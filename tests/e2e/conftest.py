@@ -6,15 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.e2e.homes import fresh_home
 from tests.e2e.support import greedy_reference, sdcp
-
-from sdcp.home import sdcp_home
-
-
-def fresh_home(root: Path) -> Path:
-    """An SDCP home whose model cache is the one `make test` fetched."""
-    (root / "models").symlink_to(sdcp_home() / "models", target_is_directory=True)
-    return root
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.e2e.conftest import fresh_home
+from tests.e2e.homes import fresh_home
 
 from sdcp.localhost import free_port
 

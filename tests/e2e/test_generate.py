@@ -18,7 +18,7 @@ from typing import Any
 
 import openai
 import pytest
-from tests.e2e.conftest import fresh_home
+from tests.e2e.homes import fresh_home
 from tests.e2e.support import MAX_NEW, PROMPTS, sdcp, stats_when_ended
 from tests.waiting import HANG_GUARD_S, wait_until
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from tests.e2e.conftest import fresh_home
+from tests.e2e.homes import fresh_home
 from tests.waiting import wait_until
 
 from sdcp.cluster import LocalCluster

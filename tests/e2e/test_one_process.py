@@ -11,7 +11,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from tests.e2e.conftest import fresh_home
+from tests.e2e.homes import fresh_home
 from tests.e2e.support import MAX_NEW, PROMPTS, sdcp
 from tests.waiting import wait_until
 

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from tests.e2e.conftest import fresh_home
+from tests.e2e.homes import fresh_home
 from tests.e2e.support import sdcp
 from tests.waiting import wait_until
 

@@ -2,7 +2,7 @@
 logit_bias and min_p"): the tiny random target self-decodes, under rule 1 with greedy runs that feed
 the penalised argmax, and a failover hands the session to a second verifier, which resumes the
 counts from the committed tokens. The output is, token for token, the decoding of the penalised
-target that the reference in tests/protocol/test_shaping.py writes from the definitions."""
+target that the reference in tests/protocol/shaping_reference.py writes from the definitions."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 from tests.engines.verifier_pair import PROMPT, SESSION, Pair, decode, fail_over
-from tests.protocol.test_shaping import reference_logits, reference_p
+from tests.protocol.shaping_reference import reference_logits, reference_p
 
 from sdcp.models.batching import BatchingScorer, TargetMostProbable
 from sdcp.models.registry import LoadedModel

@@ -4,7 +4,7 @@ failover, and in the state another router takes the session over from."""
 
 from __future__ import annotations
 
-from tests.protocol.test_router import contract
+from tests.protocol.router_contracts import contract
 
 from sdcp.engines.router.sessions import TrackedSession
 from sdcp.protocol import codec

@@ -19,55 +19,15 @@ from typing import Any
 
 import pytest
 from tests.faults.deployment import ADMIN_PORT, INSTANCES, REPO, Deployment, Run
+from tests.faults.fault_runs import HUNG_S, SESSIONS, _check_outputs, _check_running, _record, _start
 
 from sdcp.cache.redis_acl import ADMIN
 
 # Bounds for a hung run, not how long a run takes: on a slow or busy machine the deployment takes
 # minutes to start and a run minutes to end.
 pytestmark = pytest.mark.timeout(1800)
-HUNG_S = 600.0
 
-SESSIONS = 4
 VERIFIERS = ("verifier-a", "verifier-b")
-
-
-def _record(deployment: Deployment, name: str, **figures: Any) -> None:
-    path = deployment.tmp / "measurements.json"
-    measured = json.loads(path.read_text()) if path.exists() else {}
-    measured[name] = figures
-    path.write_text(json.dumps(measured, indent=1))
-    print(name, figures)
-
-
-def _check_outputs(run: Run, reference: list[int]) -> dict[str, int]:
-    """Every session complete, token for token the reference: none lost, none repeated."""
-    lost = repeated = 0
-    for session in range(SESSIONS):
-        done = run.done[session]
-        assert done["error"] is None, done["error"]
-        tokens = done["tokens"]
-        assert tokens == reference, f"session {session}: {len(tokens)} tokens, first difference at " + str(
-            next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b), None)
-        )
-        assert done["finish"] == 4
-        lost += max(0, len(reference) - len(tokens))
-        repeated += max(0, len(tokens) - len(reference))
-        epochs = done["epochs"]
-        assert epochs == sorted(epochs), "output of a lower epoch after a higher one"
-    return {"lost": lost, "repeated": repeated}
-
-
-def _start(deployment: Deployment, max_new: int) -> Run:
-    """Sessions under way: each has its first tokens and hundreds to go, so that a fault that
-    begins now finds every one of them running."""
-    run = deployment.run(SESSIONS, max_new)
-    run.wait(lambda r: len(r.progress) == SESSIONS and min(r.progress.values()) >= 10, HUNG_S)
-    return run
-
-
-def _check_running(run: Run) -> None:
-    """The fault began while every session was running."""
-    assert not run.done, f"sessions ended before the fault: {sorted(run.done)}"
 
 
 def test_a_drafter_host_cut_off_mid_session(deployment: Deployment, reference: dict[int, list[int]]) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 from tests.faults.deployment import INSTANCES, Deployment, deployed
-from tests.faults.test_faults import HUNG_S, SESSIONS, _check_outputs, _check_running, _record, _start
+from tests.faults.fault_runs import HUNG_S, SESSIONS, _check_outputs, _check_running, _record, _start
 
 pytestmark = pytest.mark.timeout(1800)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tests.llama_greedy import exact_llama, llama_cpp_greedy
-from tests.services import test_drafter_service as drafter_service
+from tests.services import drafter_harness
 
 from sdcp.bench.workloads import load_workloads, tokenize_prompt
 from sdcp.cache import build_uri
@@ -40,7 +40,7 @@ GREEDY = Sampling(temperature_milli=0)
 WARM = Sampling(temperature_milli=800, top_k=50, seed=3)
 
 # The drafter service test's mTLS environment: certificates, configurations, the MLC.
-env = drafter_service.env
+env = drafter_harness.env
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +235,7 @@ def test_bad_requests_are_refused(
 
 
 async def test_a_drafter_service_on_llama_cpp_drafts_what_a_llama_cpp_verifier_accepts(
-    env: drafter_service.Env,
+    env: drafter_harness.Env,
     gguf: Path,
     drafter: LlamaCppDrafter,
     prompts: list[list[int]],
@@ -244,7 +244,7 @@ async def test_a_drafter_service_on_llama_cpp_drafts_what_a_llama_cpp_verifier_a
     """The drafter engine on the target's own GGUF, under rule 1: every proposed token is accepted and
     the output is llama.cpp's greedy decoding."""
     target = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", threads=1, kv_slots=1, kv_capacity=CAPACITY)
-    verifier = await drafter_service.verifier_node(env, target)  # type: ignore[arg-type]
+    verifier = await drafter_harness.verifier_node(env, target)  # type: ignore[arg-type]
     node = DrafterNode(
         env.config(env.drafter_uri, drafter=DrafterConfig(model="llamacpp:smollm2", target="smollm2")),
         drafter=drafter,
@@ -252,22 +252,22 @@ async def test_a_drafter_service_on_llama_cpp_drafts_what_a_llama_cpp_verifier_a
     await node.start()
     try:
         greedy = {"temperature_milli": 0}
-        contract = drafter_service.make_contract(target, max_new=NEW_TOKENS, sampling=greedy)  # type: ignore[arg-type]
+        contract = drafter_harness.make_contract(target, max_new=NEW_TOKENS, sampling=greedy)  # type: ignore[arg-type]
         prompt = tuple(prompts[0])
         session = os.urandom(16)
-        router = env.client(env.verifier_uri, drafter_service.ROUTER)
+        router = env.client(env.verifier_uri, drafter_harness.ROUTER)
         log_uri = build_uri("local", None, "log", session.hex())
         opened = SessionOpen(session=session, epoch=1, contract=contract, prompt=prompt, commit_log=log_uri)
         status, body = await router.post_cbor("sessions", opened.to_obj())
         assert status == 201
-        assignment = drafter_service.make_assignment(
+        assignment = drafter_harness.make_assignment(
             env, contract, session, prompt=prompt, digest=SessionState.from_obj(body).digest
         )
         await router.put_cbor(f"sessions/{session_path_id(session)}/drafter", assignment.to_obj())
-        await env.client(env.drafter_uri, drafter_service.ROUTER).post_cbor("assignments", assignment.to_obj())
-        output = await asyncio.wait_for(drafter_service.read_all_output(env, session), 60)
+        await env.client(env.drafter_uri, drafter_harness.ROUTER).post_cbor("assignments", assignment.to_obj())
+        output = await asyncio.wait_for(drafter_harness.read_all_output(env, session), 60)
         assert output == reference[0]
-        _, stats = await env.client(env.verifier_uri, drafter_service.STRANGER).get_cbor(
+        _, stats = await env.client(env.verifier_uri, drafter_harness.STRANGER).get_cbor(
             f"sessions/{session_path_id(session)}/stats"
         )
         assert isinstance(stats, dict) and stats["accepted"] == stats["proposed"] > 0

@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
+from tests.protocol.router_contracts import contract
+
 from sdcp.protocol.digest import prefix_digest
-from sdcp.protocol.messages import Action, Contract, Role, Sampling, Status
+from sdcp.protocol.messages import Role, Sampling, Status
 from sdcp.protocol.records import FenceRecord, replay_commit_log
 from sdcp.protocol.router import InstanceRegistry, RouterSession, drafter_permitted, prefer_idle_and_accepting
 
 MODEL_A = b"\x0a" * 32
 MODEL_B = b"\x0b" * 32
-
-
-def contract(drafters: list[bytes] | None = None) -> Contract:
-    obj: dict[str, object] = {
-        "target": b"\x01" * 32,
-        "tokenizer": b"\x02" * 32,
-        "rule": 1,
-        "m_max": 8,
-        "max_new": 16,
-        "stop": [],
-        "low_rounds": 2,
-        "fallback": [Action.SWITCH],
-    }
-    if drafters is not None:
-        obj["drafters"] = drafters
-    return Contract.from_obj(obj)
 
 
 def status(

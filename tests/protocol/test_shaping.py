@@ -1,15 +1,16 @@
 """Penalties, logit_bias and min_p in the target distribution (docs/interpretations.md, "Penalties,
 logit_bias and min_p"): each position's row shaped with the counts of the committed output and of
 the proposal's tokens before it, and the verifier session deciding rounds under rule 1 and rule 2
-exactly as a reference written here from the definitions (vLLM's and OpenAI's) decides them."""
+exactly as a reference written from the definitions (vLLM's and OpenAI's) decides them
+(tests/protocol/shaping_reference.py)."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from tests.protocol.shaping_reference import reference_logits, reference_p
 
 from sdcp.protocol.messages import Action, Assignment, Contract, Proposal, Role, Sampling, Status, Verdict
 from sdcp.protocol.problems import BadContract
@@ -29,32 +30,6 @@ PENALTIES = Sampling(
     repetition_penalty_milli=1300,
     logit_bias_milli=((3, 2500), (9, -100_000), (V + 5, 1000)),
 )
-
-
-def reference_logits(row: np.ndarray, prompt: Sequence[int], before: Sequence[int], sampling: Sampling) -> np.ndarray:
-    """One position's shaped logits, written from vLLM's sampler: logit_bias, then the repetition
-    penalty over the prompt and the output so far, then OpenAI's frequency and presence penalties
-    over the output so far."""
-    out = np.array(row, dtype=np.float64)
-    for token, bias in sampling.logit_bias_milli or ():
-        if token < len(out):
-            out[token] += bias / 1000
-    repetition = (sampling.repetition_penalty_milli or 1000) / 1000
-    for token in set(prompt) | set(before):
-        out[token] = out[token] / repetition if out[token] > 0 else out[token] * repetition
-    for token, count in Counter(before).items():
-        out[token] -= (sampling.frequency_penalty_milli or 0) / 1000 * count
-        out[token] -= (sampling.presence_penalty_milli or 0) / 1000
-    return out
-
-
-def reference_p(logits: np.ndarray, temperature: float, min_p: float) -> np.ndarray:
-    """softmax(logits / temperature), then the tokens below min_p times the most probable dropped."""
-    weights = np.exp((logits - logits.max()) / temperature)
-    p = weights / weights.sum()
-    kept = np.where(p >= min_p * p.max(), p, 0.0)
-    normalised: np.ndarray = kept / kept.sum()
-    return normalised
 
 
 def contract(rule: int, sampling: Sampling, **overrides: object) -> Contract:

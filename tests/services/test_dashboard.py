@@ -18,7 +18,7 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import Response
 from tests.services.outputs import output_tokens, read_output
-from tests.services.test_router_service import (
+from tests.services.router_harness import (
     PROMPT,
     Deployment,
     JumpClock,

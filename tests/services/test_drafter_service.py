@@ -10,20 +10,28 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from prometheus_client import REGISTRY
-from tests.services.outputs import output_tokens, read_output
+from tests.services.drafter_harness import (
+    PROMPT,
+    ROUTER,
+    STRANGER,
+    Env,
+    env,
+    greedy,
+    make_assignment,
+    make_contract,
+    read_all_output,
+    target,
+    verifier_node,
+)
 
-from sdcp.cache import MLC, ObjectNotFound, build_uri
-from sdcp.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig, TrustConfig, VerifierConfig
+from sdcp.cache import ObjectNotFound, build_uri
+from sdcp.config import DrafterConfig
 from sdcp.engines.drafter import confirmed_predraft, q_rows_uri
-from sdcp.localhost import free_port
 from sdcp.models.draft import DraftResult, NgramDrafter
 from sdcp.models.registry import target_vocab_size
 from sdcp.models.target import TargetModel
@@ -31,7 +39,6 @@ from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.digest import extend_digest, prefix_digest
 from sdcp.protocol.messages import (
     Action,
-    Assignment,
     Contract,
     Proposal,
     Role,
@@ -44,122 +51,16 @@ from sdcp.protocol.messages import (
 from sdcp.protocol.problems import BadContract, ProblemType, ProtocolError
 from sdcp.services.drafter import DrafterNode
 from sdcp.services.verifier import VerifierNode
-from sdcp.transport.certs import make_certs
-from sdcp.transport.client import SDCPClient
+
+__all__ = ["env", "target"]  # fixtures, from the drafter service tests' harness
 
 pytestmark = pytest.mark.timeout(90)
 
-# Refuses connections: status reports to the router fail quietly in the background.
-ROUTER = "https://127.0.0.1:1"
-STRANGER = "https://127.0.0.1:3"
-# Repetitive text, so that prompt lookup finds continuations.
-PROMPT = tuple(tiny_tokenizer()("the cat sat on the mat and the cat sat on the hat")["input_ids"])
 VOCAB = 257
-
-
-@pytest.fixture(scope="module")
-def target() -> TargetModel:
-    return TargetModel(tiny_model(), tiny_tokenizer(), name="tiny")
-
-
-def greedy(target: TargetModel, prompt: tuple[int, ...], count: int) -> list[int]:
-    """Greedy decoding by full forward passes; argmax ties go to the smallest id, as in rule 1."""
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(count):
-            logits = target.model(input_ids=torch.tensor([tokens])).logits[0, -1]
-            tokens.append(int(torch.argmax(logits)))
-    return tokens[len(prompt) :]
-
-
-@dataclass
-class Env:
-    tmp: Path
-    ca: Path
-    certs: dict[str, tuple[Path, Path]]
-    verifier_uri: str
-    drafter_uri: str
-    mlc: MLC
-    clients: list[SDCPClient]
-
-    def config(self, uri: str, **sections: object) -> ServiceConfig:
-        cert, key = self.certs[uri]
-        return ServiceConfig(
-            instance=InstanceConfig(uri=uri, cert=cert, key=key, ca=self.ca, router=ROUTER, ttl_ms=60_000),
-            mlc=MLCConfig(disk_dir=self.tmp / "mlc"),
-            # The test reads output as an operator would.
-            trust=TrustConfig(operators=(STRANGER,)),
-            **sections,  # type: ignore[arg-type]
-        )
-
-    def client(self, peer: str, identity: str) -> SDCPClient:
-        cert, key = self.certs[identity]
-        client = SDCPClient(peer, cert, key, self.ca)
-        self.clients.append(client)
-        return client
-
-
-@pytest.fixture
-async def env(tmp_path: Path) -> AsyncIterator[Env]:
-    verifier_uri = f"https://127.0.0.1:{free_port()}"
-    drafter_uri = f"https://127.0.0.1:{free_port()}/drafter"
-    uris = [verifier_uri, drafter_uri, ROUTER, STRANGER]
-    issued = make_certs(tmp_path / "certs", uris)
-    certs = {uri: (issued[uri].cert_path, issued[uri].key_path) for uri in uris}
-    # The same authority as the nodes' MLCConfig, so that URIs built here name their objects.
-    mlc = MLC.from_config(authority=MLCConfig().authority, disk_dir=tmp_path / "mlc")
-    environment = Env(tmp_path, tmp_path / "certs" / "ca.pem", certs, verifier_uri, drafter_uri, mlc, [])
-    try:
-        yield environment
-    finally:
-        await asyncio.gather(*(client.aclose() for client in environment.clients))
-        await mlc.close()
-
-
-def make_contract(target: TargetModel, **overrides: object) -> Contract:
-    obj: dict[str, object] = {
-        "target": target.weights_digest,
-        "tokenizer": target.tokenizer_digest,
-        "rule": 1,
-        "m_max": 6,
-        "max_new": 24,
-        "stop": [],
-        # Escalation would end the session before max_new on a random-weight model.
-        "low_rounds": 1000,
-        "fallback": [Action.REDUCE],
-    }
-    obj.update(overrides)
-    return Contract.from_obj(obj)
-
-
-def make_assignment(env: Env, contract: Contract, session: bytes, **overrides: object) -> Assignment:
-    fields: dict[str, object] = {
-        "session": session,
-        "epoch": 1,
-        "contract": contract,
-        "verifier": env.verifier_uri,
-        "drafter": env.drafter_uri,
-        "prompt": PROMPT,
-        "round": 0,
-        "committed": 0,
-        "digest": prefix_digest(contract.digest, PROMPT),
-        "m_init": 4,
-    }
-    fields.update(overrides)
-    return Assignment(**fields)  # type: ignore[arg-type]
 
 
 async def drafter_node(env: Env, model: str = "ngram", lease_s: float = 30.0) -> DrafterNode:
     node = DrafterNode(env.config(env.drafter_uri, drafter=DrafterConfig(model=model, target="tiny", lease_s=lease_s)))
-    await node.start()
-    return node
-
-
-async def verifier_node(env: Env, target: TargetModel) -> VerifierNode:
-    for session in list(target._sessions):
-        target.close_session(session)
-    config = env.config(env.verifier_uri, verifier=VerifierConfig(model="tiny", output_wait_s=0.5))
-    node = VerifierNode(config, target=target)
     await node.start()
     return node
 
@@ -175,12 +76,6 @@ async def open_session(env: Env, contract: Contract, session: bytes) -> SessionS
         f"sessions/{session_path_id(session)}/drafter", make_assignment(env, contract, session).to_obj()
     )
     return SessionState.from_obj(body)
-
-
-async def read_all_output(env: Env, session: bytes) -> list[int]:
-    outputs = await read_output(env.client(env.verifier_uri, STRANGER), session)
-    assert outputs[-1].finish == Action.FINISH
-    return output_tokens(outputs)
 
 
 async def wait_for(predicate, timeout: float = 20.0) -> None:  # noqa: ANN001 - async predicate

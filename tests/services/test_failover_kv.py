@@ -4,9 +4,9 @@ over real HTTP/2 + mTLS, and the published objects go when nobody needs them."""
 from __future__ import annotations
 
 import pytest
-from tests.services import test_router_service as router_tests
+from tests.services import router_harness
 from tests.services.outputs import read_output
-from tests.services.test_router_service import (
+from tests.services.router_harness import (
     Deployment,
     greedy_reference,
     open_session,
@@ -26,8 +26,8 @@ from sdcp.services.verifier import VerifierNode
 pytestmark = pytest.mark.timeout(120)
 
 # The router's test deployment and the tiny target, as the router's tests have them.
-deployment = router_tests.deployment
-target = router_tests.target
+deployment = router_harness.deployment
+target = router_harness.target
 
 
 async def _start_verifier(env: Deployment, name: str) -> VerifierNode:

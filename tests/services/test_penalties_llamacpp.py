@@ -2,7 +2,7 @@
 and min_p"): prompt-lookup rounds, whose proposals repeat the prompt's list and so repeat tokens
 inside a proposal, give the penalised greedy decoding of the bundled GGUF token for token. The
 reference is plain llama-cpp-python, one token per pass, its rows shaped by the reference of
-tests/protocol/test_shaping.py; the test plays the router and the drafter, as
+tests/protocol/shaping_reference.py; the test plays the router and the drafter, as
 tests/services/test_verifier_llamacpp.py does."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import llama_cpp
 import numpy as np
 import pytest
 from tests.llama_greedy import exact_llama
-from tests.protocol.test_shaping import reference_logits
-from tests.services.test_verifier_llamacpp import CAPACITY, M_MAX, MAX_NEW, prompt, target
-from tests.services.test_verifier_service import DRAFTER, SESSION, advance, contract, proposal, running_cluster
+from tests.protocol.shaping_reference import reference_logits
+from tests.services.llamacpp_harness import CAPACITY, M_MAX, MAX_NEW, prompt, target
+from tests.services.verifier_harness import DRAFTER, SESSION, advance, contract, proposal, running_cluster
 
 from sdcp.cache import build_uri
 from sdcp.models.fetch import smollm2_gguf
@@ -24,7 +24,7 @@ from sdcp.models.llamacpp import LlamaCppTarget
 from sdcp.models.registry import load_drafter
 from sdcp.protocol.messages import Action, Assignment, Sampling, SessionOpen, SessionState, Verdict, session_path_id
 
-__all__ = ["prompt", "target"]  # fixtures, from the llama.cpp verifier's tests
+__all__ = ["prompt", "target"]  # fixtures, from the llama.cpp verifier tests' harness
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.protocol.test_shaping import reference_logits
+from tests.protocol.shaping_reference import reference_logits
 from tests.services.outputs import output_tokens, read_output
-from tests.services.test_router_service import (
+from tests.services.router_harness import (
     PROMPT,
     Deployment,
     deployment,
@@ -27,7 +27,7 @@ from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import Action, Sampling, session_path_id
 from sdcp.services.drafter import DrafterNode
 
-__all__ = ["deployment", "target"]  # fixtures, from the router's service tests
+__all__ = ["deployment", "target"]  # fixtures, from the router service tests' harness
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,40 +10,43 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from prometheus_client import REGISTRY
 from tests.services.outputs import output_tokens, read_output
+from tests.services.router_harness import (
+    INSTANCE_TTL_MS,
+    PAST_TTL_S,
+    PROMPT,
+    Deployment,
+    deployment,
+    greedy_reference,
+    jump_clock,
+    open_session,
+    start_drafter,
+    start_verifier,
+    target,
+    tiny_contract,
+)
 from tests.waiting import HANG_GUARD_S, eventually, eventually_async
 
 from sdcp.cache import MLC, PreconditionFailed, build_uri
-from sdcp.config import (
-    DrafterConfig,
-    InstanceConfig,
-    MLCConfig,
-    RouterConfig,
-    ServiceConfig,
-    TrustConfig,
-    VerifierConfig,
-)
+from sdcp.config import DrafterConfig, ServiceConfig
 from sdcp.engines.router import TrackedSession
 from sdcp.frontend.client import ClusterClient, OutputChunk, SessionHandle, SessionStalled
 from sdcp.localhost import free_port
 from sdcp.models.draft import DraftResult, NgramDrafter
 from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.tiny import tiny_model
 from sdcp.models.worker import ModelThreadClosed
 from sdcp.protocol.digest import extend_digest
 from sdcp.protocol.messages import (
     Action,
     CancelRequest,
-    Contract,
     Event,
     Output,
     Policy,
@@ -59,108 +62,17 @@ from sdcp.protocol.problems import ProblemType, ProtocolError
 from sdcp.services import node as node_module
 from sdcp.services import router as router_module
 from sdcp.services.drafter import DrafterNode
-from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode
-from sdcp.transport.certs import make_certs
-from sdcp.transport.client import RetryPolicy, SDCPClient
+from sdcp.transport.client import SDCPClient
 from sdcp.transport.errors import ServiceUnavailable
 from sdcp.transport.signing import RecordSigner
 
+__all__ = ["deployment", "target"]  # fixtures, from the router service tests' harness
+
 pytestmark = pytest.mark.timeout(120)
 
-PROMPT = (5, 17, 42, 9, 100, 3)
-ROUTER_TTL_MS = 300
-# The status TTL of the deployment's instances: they report every third of it.
-INSTANCE_TTL_MS = 600
-# A jump of the router's clock past every status report it holds (and short of REDECIDE_AFTER_S,
-# so that one jump alone does not make the router decide its sessions' drafters again).
-PAST_TTL_S = 2 * INSTANCE_TTL_MS / 1000
 # A digest no real model has: the model of drafters played by the test.
 PLAYED_MODEL = hashlib.sha256(b"played drafter").digest()
-
-
-class JumpClock:
-    """The router's clock (status TTLs, decision ages), which stands still until the test moves it.
-
-    A status expires only when the test jumps past its TTL, never because a loaded machine held
-    an instance's report back: a test that waited for real TTLs to pass would race them (a
-    verifier's status expiring mid-session fails the session over while that verifier runs).
-    """
-
-    def __init__(self) -> None:
-        self.now = time.monotonic()
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-@dataclass
-class Deployment:
-    """Certificates, configurations and clients for one router and its instances."""
-
-    tmp: Path
-    uris: dict[str, str]
-    certs: dict[str, tuple[Path, Path]]
-    ca: Path
-    router: RouterNode | None = None
-    nodes: list[VerifierNode | RouterNode | DrafterNode] = field(default_factory=list)
-    clients: list[SDCPClient] = field(default_factory=list)
-
-    def config(self, name: str, **sections: object) -> ServiceConfig:
-        cert, key = self.certs[name]
-        router = None if name == "router" else self.uris["router"]
-        ttl_ms = ROUTER_TTL_MS if name == "router" else INSTANCE_TTL_MS
-        instance = InstanceConfig(uri=self.uris[name], cert=cert, key=key, ca=self.ca, router=router, ttl_ms=ttl_ms)
-        trust = TrustConfig(
-            verifiers=(self.uris["verifier1"], self.uris["verifier2"]),
-            drafters=(self.uris["drafter1"], self.uris["drafter2"]),
-            front_ends=(self.uris["frontend"],),
-            operators=(self.uris["frontend"],),
-        )
-        mlc = MLCConfig(disk_dir=self.tmp / "mlc")
-        return ServiceConfig(instance=instance, mlc=mlc, trust=trust, **sections)  # type: ignore[arg-type]
-
-    def client(self, identity: str, peer: str = "router") -> SDCPClient:
-        cert, key = self.certs[identity]
-        retry = RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.05)
-        client = SDCPClient(self.uris[peer], cert, key, self.ca, retry=retry)
-        self.clients.append(client)
-        return client
-
-    async def start(self, node: VerifierNode | RouterNode | DrafterNode) -> None:
-        await node.start()
-        self.nodes.append(node)
-
-    async def stop(self, node: VerifierNode | RouterNode | DrafterNode) -> None:
-        """Stop ``node``, and let the router see its status expire: the router's clock jumps past
-        every TTL (the instances still running report again within a third of theirs)."""
-        self.nodes.remove(node)
-        await node.stop()
-        # A report of the node's still in flight was cancelled with its connection (h2server).
-        if self.router is not None and node is not self.router:
-            jump_clock(self.router).advance(PAST_TTL_S)
-
-
-@pytest.fixture
-async def deployment(tmp_path: Path) -> AsyncIterator[Deployment]:
-    names = ["router", "verifier1", "verifier2", "drafter1", "drafter2", "frontend"]
-    uris = {name: f"https://127.0.0.1:{free_port()}" for name in names}
-    issued = make_certs(tmp_path / "certs", list(uris.values()))
-    certs = {name: (issued[uri].cert_path, issued[uri].key_path) for name, uri in uris.items()}
-    env = Deployment(tmp_path, uris, certs, tmp_path / "certs" / "ca.pem")
-    router = RouterNode(env.config("router", router=RouterConfig(m_init=3)), clock=JumpClock())
-    env.router = router
-    await env.start(router)
-    try:
-        yield env
-    finally:
-        async with asyncio.timeout(30):
-            await asyncio.gather(*(c.aclose() for c in env.clients))
-            for node in reversed(env.nodes):
-                await node.stop()
 
 
 def drafter_status(uri: str, ttl_ms: int = 600, load: int = 0) -> Status:
@@ -172,28 +84,6 @@ async def report(client: SDCPClient, status: Status, path_uri: str | None = None
         f"instances/{instance_path_id(path_uri or status.instance)}/status", status.to_obj()
     )
     return code
-
-
-def tiny_contract(model: TargetModel, **overrides: object) -> Contract:
-    obj: dict[str, object] = {
-        "target": model.weights_digest,
-        "tokenizer": model.tokenizer_digest,
-        "rule": 1,
-        "m_max": 4,
-        "max_new": 12,
-        "stop": [],
-        # The n-gram drafter rarely agrees with a random model: only rounds this many in a row
-        # escalate, so sessions run to max_new unless a test asks otherwise.
-        "low_rounds": 1000,
-        "fallback": [Action.REDUCE, Action.FAIL],
-    }
-    obj.update(overrides)
-    return Contract.from_obj(obj)
-
-
-def jump_clock(router: RouterNode | None) -> JumpClock:
-    assert router is not None and isinstance(router.clock, JumpClock)
-    return router.clock
 
 
 # -- PUT instances/{id}/status ----------------------------------------------------------------------
@@ -342,32 +232,6 @@ async def test_a_session_request_without_a_prompt_is_a_bad_message(deployment: D
 # -- sessions and events with a real verifier --------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def target() -> TargetModel:
-    return TargetModel(tiny_model(), tiny_tokenizer(), name="tiny")
-
-
-async def start_verifier(env: Deployment, name: str, drafter_silence_s: float = 10.0) -> VerifierNode:
-    settings = VerifierConfig(model="tiny", output_wait_s=0.5, drafter_silence_s=drafter_silence_s)
-    node = VerifierNode(
-        env.config(name, verifier=settings),
-        target=TargetModel(tiny_model(), tiny_tokenizer(), name="tiny"),
-    )
-    await env.start(node)
-    router = env.router
-    assert router is not None
-    await eventually(lambda: router.registry.is_live(node.uri, router.clock()))
-    return node
-
-
-async def open_session(env: Deployment, contract: Contract, **extra: object) -> dict[str, object]:
-    code, body = await env.client("frontend").post_cbor(
-        "sessions", {"prompt": list(PROMPT), "contract": contract.to_obj(), **extra}
-    )
-    assert code == 201 and isinstance(body, dict)
-    return body
-
-
 async def moved_to(env: Deployment, session: bytes, verifier: str) -> None:
     """Wait until the router describes ``session`` as running at ``verifier`` (a failover's end)."""
     frontend = env.client("frontend")
@@ -419,26 +283,6 @@ async def test_an_unknown_session_is_not_found(deployment: Deployment) -> None:
 
 
 # -- whole sessions: router, verifiers and n-gram drafters --------------------------------------------
-
-
-def greedy_reference(target: TargetModel, count: int) -> list[int]:
-    generated = target.model.generate(
-        torch.tensor([PROMPT]),
-        max_new_tokens=count,
-        do_sample=False,
-        pad_token_id=0,
-        attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
-    )
-    return generated[0, len(PROMPT) :].tolist()
-
-
-async def start_drafter(env: Deployment, name: str) -> DrafterNode:
-    node = DrafterNode(env.config(name, drafter=DrafterConfig(model="ngram", target="tiny")))
-    await env.start(node)
-    router = env.router
-    assert router is not None
-    await eventually(lambda: router.registry.is_live(node.uri, router.clock()))
-    return node
 
 
 def counter(name: str, instance: str) -> float:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 from tests.services.outputs import output_tokens, read_output
-from tests.services.test_router_service import (
+from tests.services.router_harness import (
     PROMPT,
     Deployment,
     deployment,
@@ -40,7 +40,7 @@ from sdcp.protocol.router import InstanceView
 from sdcp.services.drafter import DrafterNode
 from sdcp.services.router import RouterNode
 
-__all__ = ["deployment", "target"]  # fixtures, from the router's service tests
+__all__ = ["deployment", "target"]  # fixtures, from the router service tests' harness
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
-from tests.services.test_drafter_service import (
+from tests.services.drafter_harness import (
     PROMPT,
     ROUTER,
     STRANGER,
@@ -25,7 +25,7 @@ from tests.services.test_drafter_service import (
     read_all_output,
     verifier_node,
 )
-from tests.services.test_drafter_service import target as target  # noqa: PLC0414 - the module's fixture
+from tests.services.drafter_harness import target as target  # noqa: PLC0414 - the harness's fixture
 from tests.waiting import eventually
 
 from sdcp.cache import MLC, build_uri

@@ -12,40 +12,21 @@ from pathlib import Path
 
 import pytest
 from tests.llama_greedy import llama_cpp_greedy
-from tests.services.test_verifier_service import DRAFTER, SESSION, advance, contract, proposal, running_cluster
+from tests.services.llamacpp_harness import CAPACITY, M_MAX, MAX_NEW, prompt, target
+from tests.services.verifier_harness import DRAFTER, SESSION, advance, contract, proposal, running_cluster
 
 from sdcp.cache import build_uri
 from sdcp.config import load_config
 from sdcp.models.fetch import smollm2_gguf
 from sdcp.models.llamacpp import LlamaCppTarget
-from sdcp.models.registry import load_drafter, load_target, load_tokenizer
+from sdcp.models.registry import load_drafter
 from sdcp.protocol.messages import Action, Assignment, Sampling, SessionOpen, SessionState, Verdict, session_path_id
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 
+__all__ = ["prompt", "target"]  # fixtures, from the llama.cpp verifier tests' harness
+
 pytestmark = pytest.mark.timeout(300)
-
-# Repeats itself, so that prompt lookup proposes the right continuation often but not always.
-PROMPT_TEXT = (
-    "Repeat this list exactly as it is written:\n\n1. Preheat the oven to 180 degrees.\n"
-    "2. Mix the flour, sugar and butter in a large bowl.\n3. Add two eggs and stir until smooth.\n\n"
-    "1. Preheat the oven to 180 degrees.\n2."
-)
-MAX_NEW = 40
-M_MAX = 8
-CAPACITY = 256
-
-
-@pytest.fixture(scope="module")
-def target() -> LlamaCppTarget:
-    loaded = load_target("smollm2", backend="llamacpp", kv_slots=2, kv_capacity=CAPACITY, threads=2)
-    assert isinstance(loaded, LlamaCppTarget)
-    return loaded
-
-
-@pytest.fixture(scope="module")
-def prompt() -> tuple[int, ...]:
-    return tuple(load_tokenizer("smollm2")(PROMPT_TEXT)["input_ids"])
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from tests.services.outputs import output_tokens, read_output
+from tests.services.verifier_harness import DRAFTER, SESSION, Cluster, advance, contract, proposal, running_cluster
 from tests.waiting import eventually, eventually_async
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -28,7 +28,6 @@ from sdcp.cache import MLC, LogSnapshot, build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.engines.verifier.engine import OUTPUT_LINGER_TOKENS
 from sdcp.localhost import free_port
-from sdcp.models.backend import Target
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.digest import extend_digest
@@ -38,12 +37,9 @@ from sdcp.protocol.messages import (
     Contract,
     Output,
     Policy,
-    Proposal,
-    Role,
     Sampling,
     SessionOpen,
     SessionState,
-    Status,
     Verdict,
     session_path_id,
 )
@@ -51,7 +47,6 @@ from sdcp.protocol.problems import ProblemType, ProtocolError
 from sdcp.protocol.records import session_terms
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
-from sdcp.transport.client import SDCPClient
 from sdcp.transport.errors import PeerServerError
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,86 +76,10 @@ def greedy_tokens(target: TargetModel, count: int) -> list[int]:
     return generated[0, len(PROMPT) :].tolist()
 
 
-class Cluster:
-    def __init__(self, tmp: Path, node: VerifierNode, mlc: MLC, certs: dict[str, tuple[Path, Path]], ca: Path):
-        self.tmp, self.node, self.mlc, self.certs, self.ca = tmp, node, mlc, certs, ca
-        self.router_uri = "https://127.0.0.1:1"
-        self._clients: list[SDCPClient] = []
-
-    def client(self, identity: str) -> SDCPClient:
-        cert, key = self.certs[identity]
-        client = SDCPClient(self.node.uri, cert, key, self.ca)
-        self._clients.append(client)
-        return client
-
-    async def close(self) -> None:
-        await asyncio.gather(*(c.aclose() for c in self._clients))
-
-
-@asynccontextmanager
-async def running_cluster(
-    tmp_path: Path, target: Target, mlc_unlisted: str | None = "own", **verifier: float
-) -> AsyncIterator[Cluster]:
-    """A verifier; its MLC serves unlisted authorities ("own") unless ``mlc_unlisted`` says
-    otherwise (None: the default of ``[mlc] unlisted``)."""
-    verifier_uri = f"https://127.0.0.1:{free_port()}"
-    router_uri = "https://127.0.0.1:1"
-    identities = {
-        "verifier": verifier_uri,
-        "router": router_uri,
-        "drafter": "https://127.0.0.1:2",
-        "intruder": "https://127.0.0.1:3",
-    }
-    issued = make_certs(tmp_path / "certs", list(identities.values()))
-    certs = {name: (issued[uri].cert_path, issued[uri].key_path) for name, uri in identities.items()}
-    ca = tmp_path / "certs" / "ca.pem"
-    config = ServiceConfig(
-        instance=InstanceConfig(
-            uri=verifier_uri, cert=certs["verifier"][0], key=certs["verifier"][1], ca=ca, router=router_uri
-        ),
-        mlc=MLCConfig(
-            disk_dir=tmp_path / "mlc",
-            **({} if mlc_unlisted is None else {"unlisted": mlc_unlisted}),  # type: ignore[arg-type]
-        ),
-        verifier=VerifierConfig(**{"model": "tiny", "output_wait_s": 0.5, **verifier}),  # type: ignore[arg-type]
-    )
-    for session in list(target._sessions):
-        target.close_session(session)
-    node = VerifierNode(config, target=target)
-    mlc = MLC.from_config(disk_dir=tmp_path / "mlc")
-    await node.start()
-    env = Cluster(tmp_path, node, mlc, certs, ca)
-    try:
-        yield env
-    finally:
-        await env.close()
-        await node.stop()
-        await mlc.close()
-
-
 @pytest.fixture
 async def cluster(tmp_path: Path, target: TargetModel) -> AsyncIterator[Cluster]:
     async with running_cluster(tmp_path, target) as env:
         yield env
-
-
-def contract(model: Target, **overrides: object) -> Contract:
-    obj: dict[str, object] = {
-        "target": model.weights_digest,
-        "tokenizer": model.tokenizer_digest,
-        "rule": 1,
-        "m_max": 4,
-        "max_new": 12,
-        "stop": [],
-        "low_rounds": 3,
-        "fallback": [Action.REDUCE, Action.FAIL],
-    }
-    obj.update(overrides)
-    return Contract.from_obj(obj)
-
-
-SESSION = bytes(range(16))
-DRAFTER = "https://127.0.0.1:2"
 
 
 async def open_and_assign(env: Cluster, c: Contract, epoch: int = 1, log_uri: str | None = None) -> SessionState:
@@ -185,27 +104,6 @@ async def open_and_assign(env: Cluster, c: Contract, epoch: int = 1, log_uri: st
     status, body = await router.put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
     assert status == 200
     return state
-
-
-def proposal(state: SessionState, tokens: tuple[int, ...], **overrides: object) -> Proposal:
-    fields: dict[str, object] = dict(
-        session=SESSION,
-        epoch=state.epoch,
-        round=state.round + 1,
-        drafter=DRAFTER,
-        base=state.committed,
-        base_digest=state.digest,
-        tokens=tokens,
-        status=Status(instance=DRAFTER, role=Role.DRAFTER, load=0, queue=0, ttl_ms=1000),
-    )
-    fields.update(overrides)
-    return Proposal(**fields)  # type: ignore[arg-type]
-
-
-def advance(state: SessionState, verdict: Verdict) -> SessionState:
-    return SessionState(
-        session=SESSION, epoch=state.epoch, round=verdict.round, committed=verdict.committed, digest=verdict.digest
-    )
 
 
 async def problem_of(call: object) -> ProtocolError:

@@ -30,7 +30,7 @@ from sdcp.transport import (
     read_cbor_body,
 )
 
-from .conftest import PKI, client_for
+from .tls_harness import PKI, client_for
 
 pytestmark = pytest.mark.timeout(120)
 

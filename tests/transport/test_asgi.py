@@ -26,7 +26,7 @@ from sdcp.transport import (
     require_peer,
 )
 
-from .conftest import PKI, client_for, mtls_listener, serving
+from .tls_harness import PKI, client_for, mtls_listener, serving
 
 pytestmark = pytest.mark.timeout(60)
 

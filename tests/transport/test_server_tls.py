@@ -37,7 +37,7 @@ from sdcp.transport import (
 from sdcp.transport.peer import peer_tls
 from sdcp.transport.tls import server_context
 
-from .conftest import PKI, client_for, mtls_listener, serving
+from .tls_harness import PKI, client_for, mtls_listener, serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -256,7 +256,7 @@ async def test_graceful_shutdown_lets_a_request_in_flight_finish(pki: PKI) -> No
 async def test_graceful_shutdown_is_two_goaways_and_answers_what_it_took(pki: PKI) -> None:
     # RFC 9113 6.8: GOAWAY with 2^31-1 and a PING, then GOAWAY with the last stream taken; the
     # stream in flight is answered after both.
-    from .test_h2_conformance import Wire
+    from .h2_wire import Wire
 
     entered, released = asyncio.Event(), asyncio.Event()
 

@@ -1,5 +1,5 @@
 """OpenAI's Responses API read into chat requests and written back (sdcp.frontend.responses_api,
-#39); tests/services/test_gateway_service.py serves it through the openai package, and
+#39); tests/frontend/test_gateway_service.py serves it through the openai package, and
 tests/e2e/test_client_libraries.py runs the OpenAI Agents SDK's loop on it."""
 
 from __future__ import annotations

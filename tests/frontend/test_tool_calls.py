@@ -2,7 +2,7 @@
 the bundled model's prompt (its template renders no tools: the Hermes format in the messages), the
 constraint that a forcing tool_choice becomes, the calls read from an output whole and piece by
 piece, and OpenAI's tool_calls in the gateway's answers and streams (over the scripted cluster of
-test_gateway.py). tests/e2e/test_structured_output.py runs a tool call round trip on SmolLM2."""
+tests/frontend/scripted_cluster.py). tests/e2e/test_structured_output.py runs a tool call round trip on SmolLM2."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from tests.services.test_gateway import MODEL_A, ROUTER, ScriptedCluster, chunked, streamed
+from tests.frontend.scripted_cluster import MODEL_A, ROUTER, ScriptedCluster, chunked, streamed
 
 from sdcp.config import GatewayConfig, InstanceConfig, ServiceConfig
 from sdcp.frontend.gateway import GatewayNode

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.services.test_gateway_service import Cluster, base, client_of, cluster
+from tests.frontend.gateway_harness import Cluster, base, client_of, cluster
 from tests.waiting import eventually
 
 from sdcp.frontend.gateway import GatewayNode, api_tenant
@@ -19,7 +19,7 @@ from sdcp.protocol.verifier import SessionStats
 from sdcp.services.drafter import DrafterNode
 from sdcp.services.router import RouterNode
 
-__all__ = ["cluster"]  # the fixture, from the gateway's service tests
+__all__ = ["cluster"]  # the fixture, from the gateway tests' harness
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,11 +14,11 @@ from sdcp.frontend.openai_api import (
     _NEUTRAL,
     MAX_CHOICES,
     MAX_STOP_STRINGS,
-    ChoiceText,
     Generation,
     OpenAIError,
     chat_logprobs,
     check_unicode,
+    choice_text,
     completion_logprobs,
     error_body,
     parse_detokenize,
@@ -674,7 +674,7 @@ def run_text(
     codec: TextCodec, generation: Generation, tokens: Sequence[int], sizes: Sequence[int]
 ) -> list[tuple[str, bool]]:
     """The (text, stopped) of each chunk, the chunk sizes as given; the last chunk ends the session."""
-    text, out, start = ChoiceText(codec, generation), [], 0
+    text, out, start = choice_text(codec, generation), [], 0
     for number, size in enumerate(sizes):
         out.append(text.add(tokens[start : start + size], last=number == len(sizes) - 1))
         start += size

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.services.test_gateway_service import Cluster, base, cluster
+from tests.frontend.gateway_harness import Cluster, base, cluster
 
 from sdcp.frontend.gateway import GatewayNode
 from sdcp.frontend.text import TextCodec
@@ -20,7 +20,7 @@ from sdcp.protocol.messages import Constraint
 from sdcp.protocol.problems import BadContract
 from sdcp.transport.client import SDCPClient
 
-__all__ = ["cluster"]  # the fixture, from the gateway's service tests
+__all__ = ["cluster"]  # the fixture, from the gateway tests' harness
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,6 +56,10 @@ def completion(**members: Any) -> dict[str, Any]:
 
 def chat(**members: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 20, **members}
+
+
+# Arguments with no finite value: "x" must hold an "x", which must hold an "x", ...
+ENDLESS_ARGUMENTS = {"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}, "required": ["x"]}
 
 
 def tool(name: str = "f", parameters: object = None) -> dict[str, Any]:
@@ -160,8 +164,14 @@ async def test_a_language_whose_output_dead_ends_ends_the_choice_as_abort(cluste
             ("/v1/completions", completion(guided_regex="ab", stop_token_ids=[b], temperature=1)),
             # No finite derivation: llguidance gives up after the first token (its item limit).
             ("/v1/completions", completion(guided_grammar='start: a\na: "x" a', temperature=0)),
-            # A call's arguments that no value validates against: the call starts, then dead-ends.
-            ("/v1/chat/completions", chat(tools=[tool(parameters={"$ref": "#"})], tool_choice="required")),
+            # A call's arguments that no finite value validates against (a property that is itself,
+            # required): the call starts, then dead-ends. (Contradictions llguidance sees when it
+            # compiles the schema, an empty enum or minimum above maximum, are a 400.) Sampled, the
+            # call's start may come a character a token: room for all of it before the dead end.
+            (
+                "/v1/chat/completions",
+                chat(tools=[tool(parameters=ENDLESS_ARGUMENTS)], tool_choice="required", max_tokens=64),
+            ),
         ]:
             answer = await post(http, path, body)
             assert answer.status_code == 200, answer.text

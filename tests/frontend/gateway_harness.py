@@ -1,0 +1,108 @@
+"""A real cluster on 127.0.0.1 for the gateway's tests (router, a verifier of the tiny target, an
+n-gram drafter, over HTTP/2 + mTLS), shared by tests/frontend/test_gateway_service.py and the
+gateway tests that build on it: the `cluster` fixture starts the cluster, `Cluster.gateway` starts a
+gateway on it once the router lists the verifier, and `base` and `client_of` reach a gateway over
+HTTP and through the openai package."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from tests.waiting import eventually
+
+from sdcp.config import (
+    DrafterConfig,
+    GatewayConfig,
+    InstanceConfig,
+    MLCConfig,
+    RouterConfig,
+    ServiceConfig,
+    TrustConfig,
+    VerifierConfig,
+)
+from sdcp.frontend.gateway import GatewayNode
+from sdcp.localhost import free_port
+from sdcp.models.target import TargetModel
+from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.services.drafter import DrafterNode
+from sdcp.services.router import RouterNode
+from sdcp.services.verifier import VerifierNode
+from sdcp.transport.certs import make_certs
+
+
+@dataclass
+class Cluster:
+    """A router, a tiny verifier and an n-gram drafter; gateways are started by the test."""
+
+    tmp: Path
+    uris: dict[str, str]
+    certs: dict[str, tuple[Path, Path]]
+    ca: Path
+    nodes: list[RouterNode | VerifierNode | DrafterNode | GatewayNode] = field(default_factory=list)
+
+    def config(self, name: str, **sections: object) -> ServiceConfig:
+        cert, key = self.certs[name]
+        router = None if name == "router" else self.uris["router"]
+        instance = InstanceConfig(uri=self.uris[name], cert=cert, key=key, ca=self.ca, router=router, ttl_ms=600)
+        trust = TrustConfig(
+            verifiers=(self.uris["verifier"],),
+            drafters=(self.uris["drafter"],),
+            front_ends=(self.uris["gateway"],),
+        )
+        mlc = MLCConfig(disk_dir=self.tmp / "mlc")
+        return ServiceConfig(instance=instance, mlc=mlc, trust=trust, **sections)  # type: ignore[arg-type]
+
+    @property
+    def verifier(self) -> VerifierNode:
+        return next(node for node in self.nodes if isinstance(node, VerifierNode))
+
+    async def gateway(self, **settings: Any) -> GatewayNode:
+        listen = f"127.0.0.1:{free_port()}"
+        node = GatewayNode(self.config("gateway", gateway=GatewayConfig(listen=listen, model="tiny", **settings)))
+        await node.start()
+        self.nodes.append(node)
+        # Ready once the router lists the verifier (and so its target) to the gateway.
+        for _ in range(600):
+            if (await node.readiness()).ready:
+                break
+            await asyncio.sleep(0.05)
+        return node
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    names = ["router", "verifier", "drafter", "gateway"]
+    uris = {name: f"https://127.0.0.1:{free_port()}" for name in names}
+    issued = make_certs(tmp_path / "certs", list(uris.values()))
+    certs = {name: (issued[uri].cert_path, issued[uri].key_path) for name, uri in uris.items()}
+    env = Cluster(tmp_path, uris, certs, tmp_path / "certs" / "ca.pem")
+    router = RouterNode(env.config("router", router=RouterConfig()))
+    verifier = VerifierNode(
+        env.config("verifier", verifier=VerifierConfig(model="tiny", output_wait_s=0.5)),
+        target=TargetModel(tiny_model(), tiny_tokenizer(), name="tiny"),
+    )
+    drafter = DrafterNode(env.config("drafter", drafter=DrafterConfig(model="ngram", target="tiny")))
+    try:
+        for node in (router, verifier, drafter):
+            await node.start()
+            env.nodes.append(node)
+        await eventually(lambda: all(router.registry.is_live(n.uri, router.clock()) for n in (verifier, drafter)))
+        yield env
+    finally:
+        async with asyncio.timeout(30):
+            for running in reversed(env.nodes):
+                await running.stop()
+
+
+def base(gateway: GatewayNode) -> str:
+    return gateway.base_url.rstrip("/")
+
+
+def client_of(gateway: GatewayNode, **options: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base(gateway)}/v1", api_key="unused", max_retries=0, timeout=60, **options)
