@@ -297,7 +297,7 @@ class VerifierConfig:
     output_wait_s: Seconds = 10.0
     # A reader waiting at the end of a session's output gets the tokens committed within this long
     # of the first new one in one answer (up to 16; 0 = each at once). The first answer never waits.
-    output_linger_ms: Seconds = 20.0
+    output_linger_ms: Seconds = 50.0
     # How long an ended or fenced session stays readable (output, stats) before it is forgotten.
     ended_retention_s: Seconds = 600.0
     # A session that nothing drives for this long (no proposal, commit or router message) is closed
