@@ -28,6 +28,7 @@ __all__ = [
     "check_commit",
     "check_contract_digests",
     "checked_tokens",
+    "common_prefix_length",
     "lookup_session",
     "proposal_rest",
     "extended_proposal",
@@ -157,6 +158,22 @@ def checked_tokens(tokens: Sequence[int], vocab_size: int) -> list[int]:
     if bad:
         raise BadTokens(f"token ids {bad[:5]} outside the vocabulary 0..{vocab_size - 1}")
     return checked
+
+
+def common_prefix_length(held: list[int], given: list[int]) -> int:
+    """The length of the longest common prefix, by slice comparisons (C speed) over halving ranges
+    rather than a Python step per token: a long session's sync costs little beyond its new tokens."""
+    low, high = 0, min(len(held), len(given))
+    if held[:high] == given[:high]:
+        return high
+    # held[:low] equals given[:low]; held[:high] does not equal given[:high].
+    while high - low > 1:
+        middle = (low + high) // 2
+        if held[low:middle] == given[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def check_contract_digests(name: str, loaded: tuple[bytes, bytes], contract: tuple[bytes, bytes]) -> None:

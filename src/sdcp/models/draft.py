@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from sdcp.models import kvcache
-from sdcp.models.backend import lookup_session
+from sdcp.models.backend import checked_tokens, common_prefix_length, lookup_session
 from sdcp.models.digests import weights_digest
 from sdcp.models.errors import BadTokens, SessionExists
 from sdcp.models.packed import pack_weights, with_packed_linears
@@ -217,7 +217,7 @@ class HFDrafter:
         return self._timer.value
 
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
-        tokens = _checked(prompt_tokens, self.vocab_size)
+        tokens = checked_tokens(prompt_tokens, self.vocab_size)
         if not tokens:
             raise BadTokens("a session needs at least one prompt token")
         with self._lock:
@@ -236,7 +236,7 @@ class HFDrafter:
             return tuple(lookup_session(self._sessions, session, self.name).tokens)
 
     def sync(self, session: SessionId, committed_tokens: Sequence[int]) -> None:
-        committed = _checked(committed_tokens, self.vocab_size)
+        committed = checked_tokens(committed_tokens, self.vocab_size)
         if not committed:
             raise BadTokens("a committed prefix holds at least the prompt")
         with self._lock:
@@ -327,7 +327,7 @@ class NgramDrafter:
         return self._timer.value
 
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
-        tokens = _checked(prompt_tokens, self._vocab_size)
+        tokens = checked_tokens(prompt_tokens, self._vocab_size)
         if not tokens:
             raise BadTokens("a session needs at least one prompt token")
         with self._lock:
@@ -341,7 +341,7 @@ class NgramDrafter:
             del self._sessions[session]
 
     def sync(self, session: SessionId, committed_tokens: Sequence[int]) -> None:
-        committed = _checked(committed_tokens, self._vocab_size)
+        committed = checked_tokens(committed_tokens, self._vocab_size)
         if not committed:
             raise BadTokens("a committed prefix holds at least the prompt")
         with self._lock:
@@ -396,20 +396,3 @@ def prompt_lookup(tokens: Sequence[int], m: int, *, n_max: int = 3, n_min: int =
             if end >= n - 1 and tokens[end - n + 1 : end + 1] == suffix:
                 return tokens[end + 1 : end + 1 + m]
     return []
-
-
-def _checked(tokens: Sequence[int], vocab_size: int) -> list[int]:
-    checked = [int(token) for token in tokens]
-    bad = [token for token in checked if not 0 <= token < vocab_size]
-    if bad:
-        raise BadTokens(f"token ids {bad[:5]} outside the vocabulary 0..{vocab_size - 1}")
-    return checked
-
-
-def common_prefix_length(left: Sequence[int], right: Sequence[int]) -> int:
-    length = 0
-    for a, b in zip(left, right, strict=False):
-        if a != b:
-            break
-        length += 1
-    return length

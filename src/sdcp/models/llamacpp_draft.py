@@ -21,13 +21,12 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from sdcp.models.backend import LLAMACPP_KV_SLOTS, SessionId, checked_tokens, lookup_session
+from sdcp.models.backend import LLAMACPP_KV_SLOTS, SessionId, checked_tokens, common_prefix_length, lookup_session
 from sdcp.models.digests import gguf_digest
 from sdcp.models.draft import (
     DraftResult,
     SeededDraws,
     TokenTimer,
-    common_prefix_length,
     draw_tokens,
     probe_seconds_per_token,
 )

@@ -33,7 +33,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from sdcp.models.backend import SessionId, checked_tokens, lookup_session
+from sdcp.models.backend import SessionId, checked_tokens, common_prefix_length, lookup_session
 from sdcp.models.draft import DraftResult, TokenTimer
 from sdcp.models.errors import BadTokens, SessionExists
 from sdcp.protocol.messages import Contract, Sampling
@@ -513,7 +513,7 @@ class SuffixDrafter:
             raise BadTokens("a committed prefix holds at least the prompt")
         with self._lock:
             state = self._session(session)
-            common = _common_prefix_length(state.tokens, given)
+            common = common_prefix_length(state.tokens, given)
             del state.tokens[common:]
             state.tokens.extend(checked_tokens(given[common:], self._vocab_size))
             if common < state.index.end:
@@ -557,19 +557,3 @@ class SuffixDrafter:
 
     def _session(self, session: SessionId) -> _SuffixSession:
         return lookup_session(self._sessions, session, self.name)
-
-
-def _common_prefix_length(held: list[int], given: list[int]) -> int:
-    """The length of the longest common prefix, by list comparisons (C speed) over halving ranges
-    rather than a Python step per token: a long session's sync costs little beyond its new tokens."""
-    low, high = 0, min(len(held), len(given))
-    if held[:high] == given[:high]:
-        return high
-    # held[:low] equals given[:low]; held[:high] does not equal given[:high].
-    while high - low > 1:
-        middle = (low + high) // 2
-        if held[low:middle] == given[low:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
