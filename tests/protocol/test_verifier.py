@@ -416,6 +416,21 @@ def test_an_interrupted_self_decoding_period_asks_for_a_drafter() -> None:
     assert session.state().state == ServingState.ACTIVE
 
 
+def test_a_cancel_begun_while_self_decoding_stops_still_commits() -> None:
+    # The cancel waited for the self-decoding task only so long; the task, still running, failed to
+    # begin its next round (the cancel's is in flight) and ended its period: the cancel commits.
+    contract = make_contract(fallback=[Action.SELF_DECODE], self_load=50, low_rounds=1)
+    session = open_session(contract)
+    run_round(session, (1,), [2, 2])
+    assert session.self_decoding
+    pending = session.cancel(session.epoch)
+    with pytest.raises(ValueError, match="in flight"):
+        session.begin_self_decode()
+    session.interrupt_self_decode()
+    session.apply(pending)
+    assert session.state().state == ServingState.FAILED and not session.verifying
+
+
 def test_logprobs_are_of_the_emitted_tokens_under_the_unprocessed_target_rows() -> None:
     session = open_session(logprobs=2)
     logits = np.log(np.array([[0.5, 0.25, 0.125, 0.125, 0, 0, 0, 0], [0.1, 0.2, 0.7, 0, 0, 0, 0, 0]]) + 1e-30)

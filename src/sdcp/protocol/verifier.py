@@ -90,12 +90,14 @@ class Wait(NamedTuple):
 
 @dataclass(frozen=True)
 class RoundTicket:
-    """A round admitted for verification. ``proposal`` is None for a self-decoded round."""
+    """A round admitted for verification. ``proposal`` is None for a self-decoded round and for the
+    round that ends a cancelled session (``cancels``)."""
 
     round: int
     proposal: Proposal | None
     sampling: Sampling | None
     rng: RandomSource
+    cancels: bool = False
 
 
 @dataclass(frozen=True)
@@ -394,7 +396,10 @@ class VerifierSession:
     def interrupt_self_decode(self) -> Event:
         """Self-decoding cannot go on (a failed pass): the period ends as at self_max, and the event
         asks the router for a drafter again (SDCP 6.5.2)."""
-        if self._in_flight is not None and self._in_flight.proposal is None:
+        in_flight = self._in_flight
+        if in_flight is not None and in_flight.proposal is None and not in_flight.cancels:
+            # Its own round only: a cancel's round, begun while the period's last pass was on its
+            # way, must still commit (its release checks that it is the round in flight).
             self._in_flight = None
         self.control.self_decoding = False
         return Event(
@@ -409,7 +414,7 @@ class VerifierSession:
         self._require_open()
         if self._in_flight is not None:
             raise ValueError(f"round {self._in_flight.round} is in flight")
-        ticket = self._ticket(self.round + 1, None)
+        ticket = self._ticket(self.round + 1, None, cancels=True)
         self._in_flight = ticket
         control = copy.copy(self.control)
         control.self_decoding = False
@@ -516,14 +521,14 @@ class VerifierSession:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _ticket(self, round_number: int, proposal: Proposal | None) -> RoundTicket:
+    def _ticket(self, round_number: int, proposal: Proposal | None, *, cancels: bool = False) -> RoundTicket:
         sampling = self.sampling_for(round_number)
         rng: RandomSource
         if sampling is not None and sampling.seed is not None:
             rng = SeededRandom(sampling.seed, self.session, round_number)
         else:
             rng = SecureRandom()
-        return RoundTicket(round_number, proposal, sampling, rng)
+        return RoundTicket(round_number, proposal, sampling, rng, cancels)
 
     def _target_rows(self, logits: np.ndarray, sampling: Sampling | None, proposed: tuple[int, ...]) -> np.ndarray:
         logits = self.target_logits.rows(logits, proposed, sampling)
