@@ -8,6 +8,7 @@ n-gram drafters and open sessions through the router."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -110,14 +111,16 @@ class Deployment:
             jump_clock(self.router).advance(PAST_TTL_S)
 
 
-@pytest.fixture
-async def deployment(tmp_path: Path) -> AsyncIterator[Deployment]:
+@contextlib.asynccontextmanager
+async def deployed(tmp_path: Path, **router_config: object) -> AsyncIterator[Deployment]:
+    """A router on its own (``router_config``: more members of its ServiceConfig, an admin
+    listener), and the identities of two verifiers, two drafters and a front end to start."""
     names = ["router", "verifier1", "verifier2", "drafter1", "drafter2", "frontend"]
     uris = {name: f"https://127.0.0.1:{free_port()}" for name in names}
     issued = make_certs(tmp_path / "certs", list(uris.values()))
     certs = {name: (issued[uri].cert_path, issued[uri].key_path) for name, uri in uris.items()}
     env = Deployment(tmp_path, uris, certs, tmp_path / "certs" / "ca.pem")
-    router = RouterNode(env.config("router", router=RouterConfig(m_init=3)), clock=JumpClock())
+    router = RouterNode(env.config("router", router=RouterConfig(m_init=3), **router_config), clock=JumpClock())
     env.router = router
     await env.start(router)
     try:
@@ -127,6 +130,12 @@ async def deployment(tmp_path: Path) -> AsyncIterator[Deployment]:
             await asyncio.gather(*(c.aclose() for c in env.clients))
             for node in reversed(env.nodes):
                 await node.stop()
+
+
+@pytest.fixture
+async def deployment(tmp_path: Path) -> AsyncIterator[Deployment]:
+    async with deployed(tmp_path) as env:
+        yield env
 
 
 def tiny_contract(model: TargetModel, **overrides: object) -> Contract:

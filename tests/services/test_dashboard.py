@@ -21,7 +21,7 @@ from tests.services.outputs import output_tokens, read_output
 from tests.services.router_harness import (
     PROMPT,
     Deployment,
-    JumpClock,
+    deployed,
     jump_clock,
     start_drafter,
     start_verifier,
@@ -29,14 +29,12 @@ from tests.services.router_harness import (
 )
 from tests.waiting import eventually
 
-from sdcp.config import AdminConfig, RouterConfig
+from sdcp.config import AdminConfig
 from sdcp.localhost import free_port
 from sdcp.models.target import TargetModel
 from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.services.dashboard import MAX_SESSIONS, REFRESH_S
-from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode
-from sdcp.transport.certs import make_certs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,22 +65,8 @@ def verifier_asked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.fixture
 async def deployment(tmp_path: Path) -> AsyncIterator[Deployment]:
-    names = ["router", "verifier1", "verifier2", "drafter1", "drafter2", "frontend"]
-    uris = {name: f"https://127.0.0.1:{free_port()}" for name in names}
-    issued = make_certs(tmp_path / "certs", list(uris.values()))
-    certs = {name: (issued[uri].cert_path, issued[uri].key_path) for name, uri in uris.items()}
-    env = Deployment(tmp_path, uris, certs, tmp_path / "certs" / "ca.pem")
-    admin = AdminConfig(listen=f"127.0.0.1:{free_port()}")
-    router = RouterNode(env.config("router", router=RouterConfig(m_init=3), admin=admin), clock=JumpClock())
-    env.router = router
-    await env.start(router)
-    try:
+    async with deployed(tmp_path, admin=AdminConfig(listen=f"127.0.0.1:{free_port()}")) as env:
         yield env
-    finally:
-        async with asyncio.timeout(30):
-            await asyncio.gather(*(c.aclose() for c in env.clients))
-            for node in reversed(env.nodes):
-                await node.stop()
 
 
 def state_url(env: Deployment) -> str:
