@@ -122,7 +122,8 @@ class SDCPClient:
         self._connection: H2Connection | None = None
         self._connecting = asyncio.Lock()
         self._closed = False
-        self._pings: set[asyncio.Task[None]] = set()
+        # The PING in flight on each connection a request timed out on (at most one each).
+        self._pings: dict[H2Connection, asyncio.Task[None]] = {}
 
     async def post_cbor(
         self,
@@ -192,7 +193,7 @@ class SDCPClient:
 
     async def aclose(self) -> None:
         self._closed = True
-        for ping in self._pings:
+        for ping in self._pings.values():
             ping.cancel()
         connection, self._connection = self._connection, None
         if connection is not None:
@@ -321,16 +322,19 @@ class SDCPClient:
         """After a request on ``connection`` timed out: a peer that is only slow still answers a
         PING, and the connection stays; one that does not is dropped, so that the next request
         opens a new connection instead of waiting behind a dead one (a partition that healed
-        leaves TCP retransmitting on its own backoff, seconds apart)."""
+        leaves TCP retransmitting on its own backoff, seconds apart). Requests that time out
+        together on one connection share its PING."""
 
         async def ping() -> None:
             if not await connection.answers_ping(PING_TIMEOUT_S):
                 log.info("%s: the connection answered no PING after a timeout; dropped", self.base_uri)
                 connection.abort()
 
+        if connection in self._pings:
+            return
         task = asyncio.get_running_loop().create_task(ping())
-        self._pings.add(task)
-        task.add_done_callback(self._pings.discard)
+        self._pings[connection] = task
+        task.add_done_callback(lambda _: self._pings.pop(connection, None))
 
     async def _connect(self) -> H2Connection:
         """The open connection to the peer, or a new one; raises ``_ConnectFailed`` or ``ssl.SSLError``."""
