@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 from tests.services.outputs import output_tokens, read_output
+from tests.services.router_harness import PROMPT
+from tests.services.router_harness import greedy_reference as transformers_greedy
 from tests.services.verifier_harness import DRAFTER, SESSION, Cluster, advance, contract, proposal, running_cluster
 from tests.waiting import eventually, eventually_async
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -51,8 +53,6 @@ from sdcp.transport.errors import PeerServerError
 
 pytestmark = pytest.mark.timeout(120)
 
-PROMPT = (5, 17, 42, 9, 100, 3)
-
 
 @pytest.fixture(scope="module")
 def target() -> TargetModel:
@@ -61,19 +61,7 @@ def target() -> TargetModel:
 
 @pytest.fixture(scope="module")
 def greedy_reference(target: TargetModel) -> list[int]:
-    return greedy_tokens(target, 12)
-
-
-def greedy_tokens(target: TargetModel, count: int) -> list[int]:
-    """transformers' greedy decoding of PROMPT, ``count`` tokens."""
-    generated = target.model.generate(
-        torch.tensor([PROMPT]),
-        max_new_tokens=count,
-        do_sample=False,
-        pad_token_id=0,
-        attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
-    )
-    return generated[0, len(PROMPT) :].tolist()
+    return transformers_greedy(target, 12)
 
 
 @pytest.fixture
@@ -586,7 +574,7 @@ async def test_a_cancel_stops_self_decoding_at_a_round_boundary(cluster: Cluster
     assert state.state == Action.FAIL and state.committed < 4000
     outputs = await asyncio.wait_for(read_output(router, SESSION), 60)
     # However many tokens self-decoding committed before the cancel landed.
-    assert output_tokens(outputs) == greedy_tokens(target, state.committed) and outputs[-1].finish == Action.FAIL
+    assert output_tokens(outputs) == transformers_greedy(target, state.committed) and outputs[-1].finish == Action.FAIL
     records = (await cluster.mlc.commit_log(build_uri("local", None, "log", SESSION.hex())).read()).records
     assert records[-1]["emitted"] == [] and records[-1]["committed"] == state.committed
     # The drafter's next proposal finds the session closed (SDCP Table 2).
