@@ -1,7 +1,7 @@
 """Plain llama-cpp-python greedy decoding: the reference of the llama.cpp target's tests.
 
 `Llama.generate` at temperature 0 (argmax, the first of equal logits, as rule 1 takes it), one token
-per pass after the prompt, on one thread, with the attention settings of `sdcp.models.llamacpp`
+per pass after the prompt, on one thread, with the attention settings of `sdcp.models.llamacpp.target`
 (flash attention, ubatches of at most 63 tokens: docs/models.md, "llama.cpp backend").
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import llama_cpp
 
-from sdcp.models.llamacpp import SEQUENCE_TOKENS_PER_CALL
+from sdcp.models.llamacpp.target import SEQUENCE_TOKENS_PER_CALL
 
 
 def exact_llama(gguf: Path, n_ctx: int, **options: Any) -> llama_cpp.Llama:

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 from sdcp.models.choice import choose_backend
-from sdcp.models.digests import gguf_digest
-from sdcp.models.fetch import smollm2_gguf
-from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.weights.digests import gguf_digest
+from sdcp.models.weights.fetch import smollm2_gguf
 from sdcp.threads import usable_cores
 
 

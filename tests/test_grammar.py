@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sdcp.grammar import ConstraintError, GrammarConstraint, check, grammar_tokenizer
-from sdcp.models import tiny
+from sdcp.models.hf import tiny
 from sdcp.protocol.messages import (
     Action,
     Assignment,

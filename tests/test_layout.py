@@ -63,6 +63,45 @@ def test_the_services_are_the_sdcp_roles_below_the_front_end() -> None:
     assert not openai_named, f"OpenAI API code outside sdcp.frontend: {openai_named}"
 
 
+RUNTIME_LIBRARIES = {"hf": {"torch", "transformers"}, "llamacpp": {"llama_cpp"}, "lookup": set()}
+
+
+def test_each_model_runtime_keeps_to_its_own_folder_and_library() -> None:
+    # docs/design.md, models: a runtime's folder imports its own library and the shared root, never
+    # another runtime's folder or library; the root's protocols and bookkeeping import none.
+    runtimes = set(RUNTIME_LIBRARIES)
+    for runtime, own in RUNTIME_LIBRARIES.items():
+        others = set().union(*(libraries for name, libraries in RUNTIME_LIBRARIES.items() if name != runtime)) - own
+        found = _top_level_imports(SRC / "models" / runtime) & others
+        assert not found, f"sdcp.models.{runtime} imports another runtime's library: {sorted(found)}"
+        crossing = _imports_of_modules(SRC / "models" / runtime, {f"sdcp.models.{r}" for r in runtimes - {runtime}})
+        assert not crossing, f"sdcp.models.{runtime} reaches into another runtime: {sorted(crossing)}"
+    for shared in ("backend.py", "drafter.py", "errors.py", "worker.py", "batching.py"):
+        libraries = _top_level_imports(SRC / "models" / shared) & {"torch", "transformers", "llama_cpp"}
+        assert not libraries, f"sdcp.models.{shared[:-3]} imports a runtime: {sorted(libraries)}"
+
+
+def _top_level_imports(location: Path) -> set[str]:
+    return {name.split(".")[0] for name in _module_imports(location)}
+
+
+def _imports_of_modules(location: Path, prefixes: set[str]) -> set[str]:
+    return {name for name in _module_imports(location) if any(name.startswith(f"{p}.") or name == p for p in prefixes)}
+
+
+def _module_imports(location: Path) -> set[str]:
+    """Every module named by an absolute import in ``location`` (a file, or a folder's modules)."""
+    paths = [location] if location.is_file() else sorted(location.rglob("*.py"))
+    names: set[str] = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module)
+    return names
+
+
 def _imports_of(package: Path, layers: set[str]) -> set[str]:
     """The imports of ``package``'s modules (read, not imported) that name one of ``layers``."""
     found: set[str] = set()

@@ -17,7 +17,7 @@ from tests.waiting import HANG_GUARD_S
 
 from sdcp.bench.workloads import WORKLOADS
 from sdcp.localhost import free_port
-from sdcp.models import tiny
+from sdcp.models.hf import tiny
 from sdcp.transport.certs import instance_name, make_certs
 
 # Installed with the verifier, drafter and bench extras only.

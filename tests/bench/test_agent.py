@@ -24,8 +24,8 @@ from sdcp.bench.llama_server import llama_server_binary
 from sdcp.bench.streamed import Turn
 from sdcp.bench.workloads import BenchInputError
 from sdcp.home import sdcp_home
-from sdcp.models.fetch import fetch_smollm2
 from sdcp.models.registry import load_tokenizer
+from sdcp.models.weights.fetch import fetch_smollm2
 
 
 def test_the_shipped_workload_is_an_agents_long_prefix_and_short_turns() -> None:

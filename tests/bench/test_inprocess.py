@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from sdcp.bench.inprocess import DRAFTER_URI, InProcessSDCPSystem
 from sdcp.bench.systems import TargetOnlySDCPSystem
+from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import TINY_NAME, end_of_text_tokens, load_model
-from sdcp.models.target import TargetModel
 
 
 async def test_the_engines_in_process_decode_greedily_and_speculate() -> None:

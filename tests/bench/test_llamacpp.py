@@ -13,8 +13,8 @@ import pytest
 from sdcp.bench.systems import LlamaCppPromptLookupSystem, LlamaCppTargetSystem
 from sdcp.bench.workloads import load_workloads, tokenize_prompt
 from sdcp.home import sdcp_home
-from sdcp.models.fetch import fetch_smollm2, smollm2_dir, smollm2_gguf
 from sdcp.models.registry import end_of_text_tokens
+from sdcp.models.weights.fetch import fetch_smollm2, smollm2_dir, smollm2_gguf
 
 MAX_NEW = 24
 # One thread: a team of every core spins on its barriers when the test machine's other work holds

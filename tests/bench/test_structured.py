@@ -22,9 +22,9 @@ from sdcp.cli import app
 from sdcp.frontend.openai_api import parse_generation
 from sdcp.frontend.text import load_text_codec
 from sdcp.grammar import check
-from sdcp.models.paths import TINY_NAME
+from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import end_of_text_tokens, load_model
-from sdcp.models.target import TargetModel
+from sdcp.models.weights.paths import TINY_NAME
 from sdcp.protocol.messages import Constraint
 
 # Bounded: the tiny random model's answer ends within max_new.

@@ -14,8 +14,8 @@ from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, TrustConfig, V
 from sdcp.conformance.report import Report
 from sdcp.conformance.verifier import VerifierUnderTest, check_verifier
 from sdcp.conformance.wire import Identity
-from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol import rules
 from sdcp.protocol import verifier as verifier_core
 from sdcp.services.verifier import VerifierNode

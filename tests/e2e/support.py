@@ -14,9 +14,9 @@ from tests.waiting import HANG_GUARD_S
 
 from sdcp.cluster import LocalCluster
 from sdcp.models.choice import choose_backend
-from sdcp.models.digests import gguf_digest, tokenizer_file_digest, weights_digest
-from sdcp.models.fetch import smollm2_gguf
 from sdcp.models.registry import end_of_text_tokens, load_model, load_tokenizer
+from sdcp.models.weights.digests import gguf_digest, tokenizer_file_digest, weights_digest
+from sdcp.models.weights.fetch import smollm2_gguf
 from sdcp.protocol.messages import session_path_id
 from sdcp.threads import usable_cores
 from sdcp.transport.client import SDCPClient

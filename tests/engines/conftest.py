@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 import pytest
 from tests.engines.verifier_pair import Pair, verifier_pair
 
+from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel, load_model
-from sdcp.models.target import TargetModel
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,8 @@ from tests.engines.verifier_pair import PROMPT, SESSION, Pair, decode, fail_over
 
 from sdcp.grammar import GrammarConstraint, grammar_tokenizer
 from sdcp.models.batching import TargetMostProbable
+from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
-from sdcp.models.target import TargetModel
 from sdcp.protocol.constraint import constrain_rows
 from sdcp.protocol.messages import Action, Constraint, Contract, Sampling, SessionOpen
 from sdcp.protocol.problems import BadContract

@@ -17,9 +17,9 @@ from sdcp.bench.systems import RunResult, TargetOnlySDCPSystem
 from sdcp.config import DrafterConfig
 from sdcp.frontend.client import build_contract
 from sdcp.frontend.text import load_text_codec
-from sdcp.models.paths import TINY_NAME
+from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel, end_of_text_tokens
-from sdcp.models.target import TargetModel
+from sdcp.models.weights.paths import TINY_NAME
 from sdcp.protocol.messages import Constraint, Sampling
 
 pytestmark = pytest.mark.timeout(180)

@@ -24,11 +24,11 @@ from sdcp.config import VerifierConfig
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.home import sdcp_home
 from sdcp.models.backend import Target
-from sdcp.models.fetch import fetch_smollm2, smollm2_gguf
+from sdcp.models.hf.target import TargetModel
 from sdcp.models.kvformat import blob_committed
-from sdcp.models.llamacpp import LlamaCppTarget
+from sdcp.models.llamacpp.target import LlamaCppTarget
 from sdcp.models.registry import LoadedModel, load_model, load_tokenizer
-from sdcp.models.target import TargetModel
+from sdcp.models.weights.fetch import fetch_smollm2, smollm2_gguf
 from sdcp.protocol.messages import Action, Contract, SelfDecodeRequest, SessionOpen
 from sdcp.protocol.records import encode_token_list, replay_commit_log
 from sdcp.protocol.router import RouterSession

@@ -12,7 +12,7 @@ import pytest
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.models.batching import BatchingScorer
 from sdcp.models.errors import InconsistentCommit
-from sdcp.models.target import TargetModel
+from sdcp.models.hf.target import TargetModel
 from sdcp.protocol.messages import Action, Assignment, Contract, Proposal, Role, Status
 from sdcp.protocol.rules import GREEDY
 from sdcp.protocol.verifier import PendingCommit, RoundTicket, VerifierSession

@@ -17,8 +17,8 @@ from sdcp.engines.history import HistoryReader, history_scope_key, index_uri, pu
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.lookahead import VerifierLookahead
+from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
-from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import Action, Contract, SelfDecodeRequest, SessionOpen
 from sdcp.protocol.verifier import VerifierSession
 

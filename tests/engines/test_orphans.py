@@ -18,7 +18,7 @@ from sdcp.cache.uri import LOG_KIND
 from sdcp.config import VerifierConfig
 from sdcp.engines.errors import Unanswered
 from sdcp.engines.verifier import VerifierEngine
-from sdcp.models.target import TargetModel
+from sdcp.models.hf.target import TargetModel
 from sdcp.protocol.messages import Action, Contract, Event, SessionOpen
 from sdcp.protocol.problems import ProtocolError
 

@@ -15,8 +15,8 @@ from tests.engines.verifier_pair import PROMPT, SESSION, Pair, decode, fail_over
 from tests.protocol.shaping_reference import reference_logits, reference_p
 
 from sdcp.models.batching import BatchingScorer, TargetMostProbable
+from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
-from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import Action, Contract, Sampling
 from sdcp.protocol.router import RouterSession
 from sdcp.protocol.rules import PURPOSE_EXTRA_TOKEN, verifier_random

@@ -18,9 +18,9 @@ from sdcp.engines.errors import RequesterGone
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.frontend.client import build_contract
 from sdcp.home import sdcp_home
-from sdcp.models.fetch import fetch_smollm2
-from sdcp.models.llamacpp import PREFILL_STEP_TOKENS, LlamaCppTarget
+from sdcp.models.llamacpp.target import PREFILL_STEP_TOKENS, LlamaCppTarget
 from sdcp.models.registry import load_target, load_tokenizer
+from sdcp.models.weights.fetch import fetch_smollm2
 from sdcp.protocol.messages import SelfDecodeRequest, SessionOpen
 
 pytestmark = pytest.mark.timeout(600)

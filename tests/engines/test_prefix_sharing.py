@@ -19,9 +19,9 @@ from sdcp.engines.verifier import VerifierEngine
 from sdcp.engines.verifier.prefixshare import prefix_object_uri
 from sdcp.frontend.client import build_contract
 from sdcp.home import sdcp_home
-from sdcp.models.fetch import FetchResult, fetch_smollm2
-from sdcp.models.llamacpp import LlamaCppTarget
+from sdcp.models.llamacpp.target import LlamaCppTarget
 from sdcp.models.registry import load_target, load_tokenizer
+from sdcp.models.weights.fetch import FetchResult, fetch_smollm2
 from sdcp.protocol import codec
 from sdcp.protocol.messages import SessionOpen
 from sdcp.transport.certs import CA_CERT_FILE, make_certs

@@ -25,9 +25,9 @@ from sdcp.engines.errors import SessionNotFound, Unanswered, Unavailable
 from sdcp.engines.router import RouterEngine, TrackedSession
 from sdcp.engines.router.store import MAX_STATE_BYTES
 from sdcp.engines.verifier import VerifierEngine
-from sdcp.models.draft import NgramDrafter
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.lookup.ngram import NgramDrafter
 from sdcp.models.registry import LoadedModel
-from sdcp.models.target import TargetModel
 from sdcp.protocol import codec
 from sdcp.protocol.messages import (
     Action,

@@ -12,7 +12,7 @@ from sdcp.cache import MLC
 from sdcp.config import VerifierConfig
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.engines.verifier.observe import FIRST_CURVE_MS, PASS_ROWS
-from sdcp.models.target import TargetModel
+from sdcp.models.hf.target import TargetModel
 from sdcp.together import local_output_reader
 from sdcp.transport.errors import PeerClientError
 

@@ -14,8 +14,8 @@ from sdcp.cache import MLC, build_uri
 from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
 from sdcp.config import VerifierConfig
 from sdcp.engines.verifier import VerifierEngine
+from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
-from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import SelfDecodeRequest
 from sdcp.protocol.records import encode_token_list, replay_commit_log
 from sdcp.protocol.router import RouterSession

@@ -9,8 +9,8 @@ import torch
 from tests.faults.deployment import Deployment, deployed
 from tests.faults.drive import PROMPT
 
-from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,8 @@ from sdcp.config import (
 )
 from sdcp.frontend.gateway import GatewayNode
 from sdcp.localhost import free_port
-from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.services.drafter import DrafterNode
 from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode

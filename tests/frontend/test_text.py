@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import pytest
 
 from sdcp.frontend.text import ChatTemplateError, IncrementalDecoder, load_text_codec
-from sdcp.models.digests import tokenizer_digest
 from sdcp.models.registry import end_of_text_tokens, load_tokenizer
+from sdcp.models.weights.digests import tokenizer_digest
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello there"}],

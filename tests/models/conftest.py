@@ -9,7 +9,7 @@ import pytest
 
 from sdcp.home import sdcp_home
 from sdcp.models import LoadedModel, TargetModel, fetch_smollm2, load_model
-from sdcp.models.fetch import FetchResult
+from sdcp.models.weights.fetch import FetchResult
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import pytest
 
 from sdcp.models.backend import Target, TargetBackend
 from sdcp.models.choice import CHOICES_FILE, BackendChoice, choose_backend, known_backend
-from sdcp.models.fetch import FetchResult, models_dir, smollm2_dir
+from sdcp.models.weights.fetch import FetchResult, models_dir, smollm2_dir
 
 
 @pytest.fixture(scope="module")

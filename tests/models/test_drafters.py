@@ -16,7 +16,8 @@ from sdcp.models import (
     UnknownSession,
     load_drafter,
 )
-from sdcp.models.draft import prompt_lookup, session_rng
+from sdcp.models.drafter import session_rng
+from sdcp.models.lookup.ngram import prompt_lookup
 from sdcp.protocol.messages import Sampling
 from sdcp.protocol.sampling import target_distribution
 

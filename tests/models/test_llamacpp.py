@@ -18,7 +18,6 @@ from tests.llama_greedy import llama_cpp_greedy
 
 from sdcp.bench.workloads import load_workloads, tokenize_prompt
 from sdcp.models import LoadedModel
-from sdcp.models.digests import tokenizer_digest, weights_digest
 from sdcp.models.errors import (
     BadTokens,
     DigestMismatch,
@@ -27,9 +26,10 @@ from sdcp.models.errors import (
     ModelError,
     SessionLimit,
 )
-from sdcp.models.fetch import FetchResult, smollm2_gguf
-from sdcp.models.llamacpp import LlamaCppTarget
+from sdcp.models.llamacpp.target import LlamaCppTarget
 from sdcp.models.registry import load_target, load_tokenizer
+from sdcp.models.weights.digests import tokenizer_digest, weights_digest
+from sdcp.models.weights.fetch import FetchResult, smollm2_gguf
 from sdcp.protocol.rules import RULES, SecureRandom
 
 pytestmark = pytest.mark.timeout(600)
@@ -253,7 +253,7 @@ def test_the_registry_loads_the_kept_gguf_or_a_gguf_path(gguf: Path, target: Lla
 
 def test_a_missing_llama_cpp_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
-    monkeypatch.delitem(sys.modules, "sdcp.models.llamacpp")
+    monkeypatch.delitem(sys.modules, "sdcp.models.llamacpp.target")
     with pytest.raises(ModelError, match=r"sdcp\[verifier\]") as refused:
         load_target("smollm2", backend="llamacpp")
     assert "\n" not in str(refused.value)

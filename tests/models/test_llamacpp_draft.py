@@ -21,12 +21,12 @@ from tests.services import drafter_harness
 from sdcp.bench.workloads import load_workloads, tokenize_prompt
 from sdcp.cache import build_uri
 from sdcp.config import DrafterConfig
-from sdcp.models.draft import Drafter
+from sdcp.models.drafter import Drafter
 from sdcp.models.errors import BadTokens, ModelError, SessionExists, SessionLimit, UnknownModel, UnknownSession
-from sdcp.models.fetch import FetchResult, smollm2_gguf
-from sdcp.models.llamacpp import SEQUENCE_TOKENS_PER_CALL, LlamaCppTarget
-from sdcp.models.llamacpp_draft import LlamaCppDrafter
+from sdcp.models.llamacpp.drafter import LlamaCppDrafter
+from sdcp.models.llamacpp.target import SEQUENCE_TOKENS_PER_CALL, LlamaCppTarget
 from sdcp.models.registry import load_drafter, load_tokenizer
+from sdcp.models.weights.fetch import FetchResult, smollm2_gguf
 from sdcp.protocol.messages import Sampling, SessionOpen, SessionState, session_path_id
 from sdcp.protocol.sampling import target_distribution
 from sdcp.services.drafter import DrafterNode

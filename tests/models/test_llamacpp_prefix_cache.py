@@ -11,9 +11,9 @@ import pytest
 from tests.models.greedy_rows import assert_same, greedy_rows
 
 from sdcp.cache.prefix import BLOCK_TOKENS, SHARE_TOKENS
-from sdcp.models.fetch import FetchResult, smollm2_gguf
-from sdcp.models.llamacpp import SEQUENCE_TOKENS_PER_CALL, LlamaCppTarget
+from sdcp.models.llamacpp.target import SEQUENCE_TOKENS_PER_CALL, LlamaCppTarget
 from sdcp.models.registry import load_tokenizer
+from sdcp.models.weights.fetch import FetchResult, smollm2_gguf
 
 pytestmark = pytest.mark.timeout(600)
 

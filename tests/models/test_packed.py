@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from sdcp.models import LoadedModel, weights_digest
-from sdcp.models.packed import PackedLinear, pack_weights, with_packed_linears
+from sdcp.models.hf.packed import PackedLinear, pack_weights, with_packed_linears
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sdcp.models import LoadedModel, ModelError, TargetModel
-from sdcp.models.ragged import ATTENTION, ragged_attention
+from sdcp.models.hf.ragged import ATTENTION, ragged_attention
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,8 +28,9 @@ def test_the_attention_is_registered_when_a_model_uses_it_not_at_import() -> Non
     probe = textwrap.dedent(
         """
         from transformers import AttentionInterface
-        from sdcp.models import TargetModel, tiny
-        from sdcp.models.ragged import ATTENTION
+        from sdcp.models import TargetModel
+        from sdcp.models.hf import tiny
+        from sdcp.models.hf.ragged import ATTENTION
         print(ATTENTION in AttentionInterface())
         TargetModel(tiny.tiny_model(), name="tiny")
         print(ATTENTION in AttentionInterface())

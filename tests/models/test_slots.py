@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from sdcp.models import LoadedModel, TargetModel
-from sdcp.models.kvcache import GrowableLayer, SlotPool
-from sdcp.models.ragged import SlotPass
+from sdcp.models.hf.kvcache import GrowableLayer, SlotPool
+from sdcp.models.hf.ragged import SlotPass
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -142,7 +142,7 @@ def test_without_address_space_for_the_pool_every_session_has_its_own_cache(
     def refused(*args: object, **kwargs: object) -> mmap.mmap:
         raise OSError(12, "Cannot allocate memory")
 
-    monkeypatch.setattr("sdcp.models.kvcache.mmap.mmap", refused)
+    monkeypatch.setattr("sdcp.models.hf.kvcache.mmap.mmap", refused)
     target = TargetModel(tiny_loaded.model, name="unpooled")
     assert target._slots is None
     monkeypatch.undo()

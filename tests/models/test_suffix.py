@@ -9,7 +9,7 @@ from tests.models.speculative import reference_greedy, speculative_greedy
 
 from sdcp.models import Drafter, LoadedModel, NgramDrafter, TargetModel, UnknownSession, load_drafter
 from sdcp.models.errors import BadTokens
-from sdcp.models.suffix import (
+from sdcp.models.lookup.suffix import (
     DraftStep,
     HistorySize,
     Match,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from tests.models.greedy_rows import assert_same, greedy_rows
 
+from sdcp.models.hf.target import PREFILL_CHUNK_TOKENS, TargetModel
 from sdcp.models.registry import LoadedModel
-from sdcp.models.target import PREFILL_CHUNK_TOKENS, TargetModel
 
 STEPS = 5
 CHUNK = PREFILL_CHUNK_TOKENS

@@ -19,8 +19,8 @@ from tests.services.outputs import output_tokens, read_output
 from sdcp.cache import MLC
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, TrustConfig, VerifierConfig
 from sdcp.localhost import free_port
-from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.digest import prefix_digest
 from sdcp.protocol.messages import Action, Assignment, Contract
 from sdcp.services.verifier import VerifierNode

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from sdcp.models.llamacpp import LlamaCppTarget
+from sdcp.models.llamacpp.target import LlamaCppTarget
 from sdcp.models.registry import load_target, load_tokenizer
 
 # Repeats itself, so that prompt lookup proposes the right continuation often but not always.

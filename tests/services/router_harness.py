@@ -28,8 +28,8 @@ from sdcp.config import (
     VerifierConfig,
 )
 from sdcp.localhost import free_port
-from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.messages import Action, Contract
 from sdcp.services.drafter import DrafterNode
 from sdcp.services.router import RouterNode

@@ -20,8 +20,8 @@ from tests.waiting import eventually
 from sdcp.cache import CommitLog, build_uri
 from sdcp.config import DrafterConfig, InstanceConfig, MLCConfig, ServiceConfig, TrustConfig, VerifierConfig
 from sdcp.localhost import free_port
-from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.codec import MEDIA_TYPE
 from sdcp.protocol.messages import (
     Action,

@@ -31,8 +31,8 @@ from tests.waiting import eventually
 
 from sdcp.config import AdminConfig
 from sdcp.localhost import free_port
-from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.services.dashboard import MAX_SESSIONS, REFRESH_S
 from sdcp.services.verifier import VerifierNode
 

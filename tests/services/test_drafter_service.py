@@ -32,10 +32,11 @@ from tests.services.drafter_harness import (
 from sdcp.cache import ObjectNotFound, build_uri
 from sdcp.config import DrafterConfig
 from sdcp.engines.drafter import confirmed_predraft, q_rows_uri
-from sdcp.models.draft import DraftResult, NgramDrafter
+from sdcp.models.drafter import DraftResult
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.lookup.ngram import NgramDrafter
 from sdcp.models.registry import target_vocab_size
-from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.digest import extend_digest, prefix_digest
 from sdcp.protocol.messages import (
     Action,

@@ -18,8 +18,8 @@ from tests.waiting import eventually, eventually_async
 from sdcp.cache import MLC, build_uri, target_kv_uri
 from sdcp.cache.uri import LOG_KIND
 from sdcp.config import VerifierConfig
-from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.messages import Action, session_path_id
 from sdcp.services.verifier import VerifierNode
 

@@ -19,9 +19,9 @@ from tests.services.llamacpp_harness import CAPACITY, M_MAX, MAX_NEW, prompt, ta
 from tests.services.verifier_harness import DRAFTER, SESSION, advance, contract, proposal, running_cluster
 
 from sdcp.cache import build_uri
-from sdcp.models.fetch import smollm2_gguf
-from sdcp.models.llamacpp import LlamaCppTarget
+from sdcp.models.llamacpp.target import LlamaCppTarget
 from sdcp.models.registry import load_drafter
+from sdcp.models.weights.fetch import smollm2_gguf
 from sdcp.protocol.messages import Action, Assignment, Sampling, SessionOpen, SessionState, Verdict, session_path_id
 
 __all__ = ["prompt", "target"]  # fixtures, from the llama.cpp verifier tests' harness

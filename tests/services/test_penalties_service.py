@@ -23,7 +23,7 @@ from tests.services.router_harness import (
 from tests.waiting import eventually, eventually_async
 
 from sdcp.config import DrafterConfig
-from sdcp.models.target import TargetModel
+from sdcp.models.hf.target import TargetModel
 from sdcp.protocol.messages import Action, Sampling, session_path_id
 from sdcp.services.drafter import DrafterNode
 

@@ -39,9 +39,10 @@ from sdcp.config import DrafterConfig, ServiceConfig
 from sdcp.engines.router import TrackedSession
 from sdcp.frontend.client import ClusterClient, OutputChunk, SessionHandle, SessionStalled
 from sdcp.localhost import free_port
-from sdcp.models.draft import DraftResult, NgramDrafter
-from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model
+from sdcp.models.drafter import DraftResult
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.hf.tiny import tiny_model
+from sdcp.models.lookup.ngram import NgramDrafter
 from sdcp.models.worker import ModelThreadClosed
 from sdcp.protocol.digest import extend_digest
 from sdcp.protocol.messages import (

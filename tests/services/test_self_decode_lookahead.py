@@ -19,8 +19,8 @@ from sdcp.cache import build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.engines.verifier import PassCurve, lookahead_length
 from sdcp.localhost import free_port
+from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import end_of_text_tokens, load_target
-from sdcp.models.target import TargetModel
 from sdcp.protocol.messages import (
     Action,
     Assignment,

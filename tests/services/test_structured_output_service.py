@@ -32,8 +32,8 @@ from tests.waiting import eventually, eventually_async
 from sdcp.config import DrafterConfig
 from sdcp.engines.router import SELF_DECODING
 from sdcp.grammar import GrammarConstraint, grammar_tokenizer
-from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.constraint import constrain_rows
 from sdcp.protocol.messages import Action, Constraint, Contract, Status, session_path_id
 from sdcp.protocol.router import InstanceView

@@ -32,8 +32,8 @@ from sdcp.cache import MLC, build_uri
 from sdcp.config import DrafterConfig, MLCConfig, VerifierConfig
 from sdcp.engines.history import history_scope_key
 from sdcp.localhost import free_port
-from sdcp.models.suffix import SuffixDrafter
-from sdcp.models.target import TargetModel
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.lookup.suffix import SuffixDrafter
 from sdcp.protocol.digest import prefix_digest
 from sdcp.protocol.messages import Contract, HistoryStatus, SessionOpen, session_path_id
 from sdcp.services.drafter import DrafterNode

@@ -17,9 +17,9 @@ from tests.services.verifier_harness import DRAFTER, SESSION, advance, contract,
 
 from sdcp.cache import build_uri
 from sdcp.config import load_config
-from sdcp.models.fetch import smollm2_gguf
-from sdcp.models.llamacpp import LlamaCppTarget
+from sdcp.models.llamacpp.target import LlamaCppTarget
 from sdcp.models.registry import load_drafter
+from sdcp.models.weights.fetch import smollm2_gguf
 from sdcp.protocol.messages import Action, Assignment, Sampling, SessionOpen, SessionState, Verdict, session_path_id
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs

@@ -30,8 +30,8 @@ from sdcp.cache import MLC, LogSnapshot, build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.engines.verifier.engine import OUTPUT_LINGER_TOKENS
 from sdcp.localhost import free_port
-from sdcp.models.target import TargetModel
-from sdcp.models.tiny import tiny_model, tiny_tokenizer
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.digest import extend_digest
 from sdcp.protocol.messages import (
     Action,

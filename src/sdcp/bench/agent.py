@@ -48,7 +48,7 @@ from sdcp.bench.streamed import (
 )
 from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError
 from sdcp.cluster import LocalCluster
-from sdcp.models.fetch import fetch_smollm2
+from sdcp.models.weights.fetch import fetch_smollm2
 
 __all__ = [
     "AgentConfig",

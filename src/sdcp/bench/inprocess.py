@@ -25,7 +25,8 @@ from sdcp.engines.tasks import shielded_unless_gone
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.frontend.client import build_contract
 from sdcp.models.backend import Target
-from sdcp.models.draft import Drafter, NgramDrafter
+from sdcp.models.drafter import Drafter
+from sdcp.models.lookup.ngram import NgramDrafter
 from sdcp.protocol.messages import (
     Assignment,
     CancelRequest,

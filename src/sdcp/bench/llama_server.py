@@ -28,7 +28,7 @@ from types import TracebackType
 from sdcp.bench.workloads import BenchInputError
 from sdcp.home import sdcp_home
 from sdcp.localhost import free_port
-from sdcp.models.fetch import smollm2_gguf
+from sdcp.models.weights.fetch import smollm2_gguf
 from sdcp.threads import usable_cores
 
 __all__ = ["LlamaServer", "llama_server_binary", "start_bench_llama_server"]

@@ -58,10 +58,10 @@ from sdcp.bench.workloads import (
 )
 from sdcp.models.backend import Target
 from sdcp.models.choice import choose_backend
-from sdcp.models.fetch import SMOLLM2_NAME, smollm2_gguf
-from sdcp.models.paths import TINY_DRAFT_NAME, TINY_NAME
+from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel, end_of_text_tokens, load_model, load_target
-from sdcp.models.target import TargetModel
+from sdcp.models.weights.fetch import SMOLLM2_NAME, smollm2_gguf
+from sdcp.models.weights.paths import TINY_DRAFT_NAME, TINY_NAME
 from sdcp.models.worker import ModelThread
 from sdcp.threads import usable_cores
 

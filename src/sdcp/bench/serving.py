@@ -46,7 +46,7 @@ from sdcp.bench.streamed import (
 )
 from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError, parse_prompts
 from sdcp.cluster import LocalCluster
-from sdcp.models.fetch import fetch_smollm2
+from sdcp.models.weights.fetch import fetch_smollm2
 from sdcp.threads import usable_cores
 
 __all__ = [

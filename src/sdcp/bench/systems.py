@@ -162,7 +162,7 @@ class HFAssistedSystem(_HFGenerateSystem):
 class TargetOnlySDCPSystem:
     """SDCP's target backend decoding one token per pass: no drafts, no protocol.
 
-    Its gap to ``hf_target`` is what the backend itself gains (sdcp.models.packed); the gap between
+    Its gap to ``hf_target`` is what the backend itself gains (sdcp.models.hf.packed); the gap between
     it and the speculative systems is what speculation gains on top. Under a constraint it decodes
     the masked target (the most probable token the grammar allows, as the verifier's rule 1 does):
     structured output's baseline, with the grammar on.

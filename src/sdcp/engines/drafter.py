@@ -1,7 +1,7 @@
 """The drafter engine (SDCP 6.2, 6.3 after the verdict, 6.9), free of any transport.
 
 ``sdcp.protocol.drafter.DrafterSession`` keeps each session's rounds, the drafter backend
-(``sdcp.models.draft``) proposes tokens in one worker thread, the MLC holds the draft rows under a
+(``sdcp.models.drafter``) proposes tokens in one worker thread, the MLC holds the draft rows under a
 lease until the verdict, a ``VerifierLink`` carries proposals and output reads. A session round:
 choose M -> draft in the worker -> write and lease q_rows (rule 2) -> propose (pre-drafting the next
 round meanwhile) -> apply the verdict -> sync the backend to the committed prefix -> release and
@@ -36,9 +36,9 @@ from sdcp.engines.history import HistoryReader, directory_uri, history_scope_key
 from sdcp.engines.ports import VerifierLink
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.grammar import ConstraintError, GrammarConstraint, grammar_tokenizer
-from sdcp.models.draft import Drafter, DraftResult
+from sdcp.models.drafter import Drafter, DraftResult
 from sdcp.models.errors import ModelError, UnknownSession
-from sdcp.models.suffix import SharesHistory
+from sdcp.models.lookup.suffix import SharesHistory
 from sdcp.models.worker import InlineModelThread, ModelThread
 from sdcp.protocol.contract import tokenizer_definition_digest
 from sdcp.protocol.digest import extend_digest, prefix_digest
@@ -786,8 +786,8 @@ def confirmed_predraft(
 def _target_tokenizer(name: str) -> tuple[str, bytes]:
     """A target's tokenizer definition (its ``tokenizer.json``, as the verifier's grammar reads it)
     and digest, from the tokenizer alone; kept, as a drafter serves one target."""
-    from sdcp.models.digests import tokenizer_definition
     from sdcp.models.registry import load_tokenizer
+    from sdcp.models.weights.digests import tokenizer_definition
 
     definition = tokenizer_definition(load_tokenizer(name))
     return definition, tokenizer_definition_digest(definition)

@@ -75,7 +75,7 @@ class TextCodec:
 
     @cached_property
     def tokenizer_digest(self) -> bytes:
-        """The digest a contract names for this tokenizer (SDCP 4.1), as ``sdcp.models.digests``
+        """The digest a contract names for this tokenizer (SDCP 4.1), as ``sdcp.models.weights.digests``
         computes it from transformers' tokenizer: SHA-256 of its definition as canonical JSON."""
         return tokenizer_definition_digest(self.tokenizer_definition)
 
@@ -228,11 +228,11 @@ def _token_text(value: object) -> str:
 
 def load_text_codec(name_or_path: str, home: Path | None = None) -> TextCodec:
     """The text codec of the bundled model, a local model directory or a tiny test model."""
-    from sdcp.models.paths import TINY_DRAFT_NAME, TINY_NAME, model_dir
+    from sdcp.models.weights.paths import TINY_DRAFT_NAME, TINY_NAME, model_dir
 
     if name_or_path in (TINY_NAME, TINY_DRAFT_NAME):
         # Built in code by transformers, for tests only.
-        from sdcp.models import tiny
+        from sdcp.models.hf import tiny
 
         tokenizer = tiny.tiny_tokenizer()
         return TextCodec(

@@ -1,5 +1,8 @@
-"""Model backends: the verifier's target model (torch + transformers, or llama.cpp on a GGUF file)
-and the drafters (torch + transformers); no HTTP.
+"""Model backends, by runtime: `hf/` (torch + transformers: a Hugging Face directory, the `torch`
+target backend and `hf:` drafters), `llamacpp/` (a GGUF file: the `llamacpp` backend and `llamacpp:`
+drafters), `lookup/` (the model-free `ngram` and `suffix` drafters) and `weights/` (fetching the
+bundled model, digests). At the root: what every target (`backend`) and drafter (`drafter`) is, and
+what the verifier runs them with (`worker`, `batching`, `registry`, `choice`); no HTTP.
 
 Names are loaded on first use (PEP 562) so that `sdcp` commands that never touch a model, and
 `sdcp models fetch` before its conversion step, do not pay for importing torch and transformers.
@@ -13,12 +16,12 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "BatchingScorer": "batching",
     "ScorerClosed": "batching",
-    "tokenizer_digest": "digests",
-    "weights_digest": "digests",
-    "DraftResult": "draft",
-    "Drafter": "draft",
-    "HFDrafter": "draft",
-    "NgramDrafter": "draft",
+    "tokenizer_digest": "weights.digests",
+    "weights_digest": "weights.digests",
+    "DraftResult": "drafter",
+    "Drafter": "drafter",
+    "HFDrafter": "hf.drafter",
+    "NgramDrafter": "lookup.ngram",
     "BadTokens": "errors",
     "DigestMismatch": "errors",
     "FetchError": "errors",
@@ -30,8 +33,8 @@ _EXPORTS = {
     "SessionLimit": "errors",
     "UnknownModel": "errors",
     "UnknownSession": "errors",
-    "fetch_smollm2": "fetch",
-    "LlamaCppTarget": "llamacpp",
+    "fetch_smollm2": "weights.fetch",
+    "LlamaCppTarget": "llamacpp.target",
     "LoadedModel": "registry",
     "end_of_text_tokens": "registry",
     "load_drafter": "registry",
@@ -40,7 +43,7 @@ _EXPORTS = {
     "load_target": "registry",
     "target_vocab_size": "registry",
     "Target": "backend",
-    "TargetModel": "target",
+    "TargetModel": "hf.target",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -48,8 +51,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from sdcp.models.backend import Target
     from sdcp.models.batching import BatchingScorer, ScorerClosed
-    from sdcp.models.digests import tokenizer_digest, weights_digest
-    from sdcp.models.draft import Drafter, DraftResult, HFDrafter, NgramDrafter
+    from sdcp.models.drafter import Drafter, DraftResult
     from sdcp.models.errors import (
         BadTokens,
         DigestMismatch,
@@ -63,8 +65,10 @@ if TYPE_CHECKING:
         UnknownModel,
         UnknownSession,
     )
-    from sdcp.models.fetch import fetch_smollm2
-    from sdcp.models.llamacpp import LlamaCppTarget
+    from sdcp.models.hf.drafter import HFDrafter
+    from sdcp.models.hf.target import TargetModel
+    from sdcp.models.llamacpp.target import LlamaCppTarget
+    from sdcp.models.lookup.ngram import NgramDrafter
     from sdcp.models.registry import (
         LoadedModel,
         end_of_text_tokens,
@@ -74,7 +78,8 @@ if TYPE_CHECKING:
         load_tokenizer,
         target_vocab_size,
     )
-    from sdcp.models.target import TargetModel
+    from sdcp.models.weights.digests import tokenizer_digest, weights_digest
+    from sdcp.models.weights.fetch import fetch_smollm2
 
 
 def __getattr__(name: str) -> object:

@@ -1,8 +1,8 @@
 """What the verifier needs of its target model, whatever runs it (SDCP 6.3 Scoring), and the rules
 every target applies alike.
 
-Two backends implement `Target`: `sdcp.models.target.TargetModel` (torch + transformers, a Hugging
-Face model directory) and `sdcp.models.llamacpp.LlamaCppTarget` (llama.cpp, a GGUF file). The
+Two backends implement `Target`: `sdcp.models.hf.target.TargetModel` (torch + transformers, a Hugging
+Face model directory) and `sdcp.models.llamacpp.target.LlamaCppTarget` (llama.cpp, a GGUF file). The
 verifier engine and `sdcp.models.batching.BatchingScorer` are typed against the protocol only.
 """
 

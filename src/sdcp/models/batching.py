@@ -6,7 +6,7 @@ passes. Callers from any thread `submit` a request and get a future; asyncio cal
 in one callback, so that all its callers resume together, in one loop iteration, rather than one by
 one between the loop's other work. The thread gathers requests for a short window after the first
 one arrives (or until `max_batch`) and runs them as one pass: a packed sequence costs its rows,
-whatever their widths (sdcp.models.ragged). Every other use of the model (prefill, commit,
+whatever their widths (sdcp.models.hf.ragged). Every other use of the model (prefill, commit,
 rollback, KV export) goes through the same thread with `run`/`run_async`.
 """
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sdcp.models.backend import BackendSetting, Target, TargetBackend
-from sdcp.models.fetch import SMOLLM2_NAME, models_dir
+from sdcp.models.weights.fetch import SMOLLM2_NAME, models_dir
 
 __all__ = ["CHOICES_FILE", "BackendChoice", "choose_backend", "known_backend"]
 

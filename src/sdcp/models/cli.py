@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from sdcp.home import sdcp_home
 from sdcp.models.errors import FetchError
-from sdcp.models.fetch import FETCH_STEPS, SMOLLM2_NAME, fetch_smollm2
+from sdcp.models.weights.fetch import FETCH_STEPS, SMOLLM2_NAME, fetch_smollm2
 from sdcp.terminal import help_markup_mode
 
 models_app = typer.Typer(

@@ -50,7 +50,7 @@ def encode_kv(
 
 def encode_kv_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bytes:
     """The payload of `sdcp-target-kv`: float32 (1, H, L, D) keys and values per layer as
-    safetensors; also the torch prefix cache's entries (sdcp.models.target)."""
+    safetensors; also the torch prefix cache's entries (sdcp.models.hf.target)."""
     tensors: dict[str, torch.Tensor] = {}
     for index, (keys, values) in enumerate(layers):
         tensors[f"layer.{index}.keys"] = keys[0].contiguous()

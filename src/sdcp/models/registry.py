@@ -17,14 +17,16 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from sdcp.models import tiny
 from sdcp.models.backend import DEFAULT_KV_SLOTS, LLAMACPP_KV_SLOTS, Target, TargetBackend
-from sdcp.models.draft import Drafter, HFDrafter, NgramDrafter
+from sdcp.models.drafter import Drafter
 from sdcp.models.errors import ModelError, UnknownModel
-from sdcp.models.fetch import SMOLLM2_GGUF_NAME, SMOLLM2_NAME
-from sdcp.models.paths import TINY_DRAFT_NAME, TINY_NAME, model_dir
-from sdcp.models.suffix import SuffixDrafter
-from sdcp.models.target import TargetModel
+from sdcp.models.hf import tiny
+from sdcp.models.hf.drafter import HFDrafter
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.lookup.ngram import NgramDrafter
+from sdcp.models.lookup.suffix import SuffixDrafter
+from sdcp.models.weights.fetch import SMOLLM2_GGUF_NAME, SMOLLM2_NAME
+from sdcp.models.weights.paths import TINY_DRAFT_NAME, TINY_NAME, model_dir
 
 NGRAM_SPEC = "ngram"
 SUFFIX_SPEC = "suffix"
@@ -156,7 +158,7 @@ def _load_llamacpp_target(
     if not tokenizer_json.is_file():
         raise UnknownModel(f"{gguf} has no tokenizer.json beside it")
     try:
-        from sdcp.models.llamacpp import LlamaCppTarget
+        from sdcp.models.llamacpp.target import LlamaCppTarget
     except ModuleNotFoundError as exc:
         if exc.name != "llama_cpp":
             raise
@@ -225,7 +227,7 @@ def _load_llamacpp_drafter(
     spec: str, gguf: Path, *, vocab_size: int, threads: int | None, kv_slots: int, kv_capacity: int | None
 ) -> Drafter:
     try:
-        from sdcp.models.llamacpp_draft import LlamaCppDrafter
+        from sdcp.models.llamacpp.drafter import LlamaCppDrafter
     except ModuleNotFoundError as exc:
         if exc.name != "llama_cpp":
             raise

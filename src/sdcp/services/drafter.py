@@ -16,7 +16,7 @@ from sdcp.cache import MLC
 from sdcp.config import ServiceConfig, thread_budget
 from sdcp.engines.drafter import DrafterEngine
 from sdcp.engines.errors import Unanswered
-from sdcp.models.draft import Drafter
+from sdcp.models.drafter import Drafter
 from sdcp.models.registry import load_drafter, target_vocab_size
 from sdcp.models.worker import InlineModelThread, ModelThread
 from sdcp.protocol.messages import Assignment, Output, Proposal, Status, Verdict, session_path_id

@@ -49,7 +49,7 @@ from sdcp.grammar import ConstraintError, GrammarConstraint, grammar_tokenizer
 from sdcp.latency import observe_part
 from sdcp.models.backend import Target
 from sdcp.models.batching import BatchingScorer
-from sdcp.models.draft import TokenTimer
+from sdcp.models.drafter import TokenTimer
 from sdcp.models.errors import DigestMismatch
 from sdcp.models.worker import ModelThreadClosed
 from sdcp.protocol.messages import (

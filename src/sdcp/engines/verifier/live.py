@@ -11,7 +11,7 @@ from typing import Any
 
 from sdcp.cache import CommitLog
 from sdcp.engines.verifier.observe import TRACE_ROUNDS, RoundTimings, RoundTrace
-from sdcp.models.suffix import SuffixIndex
+from sdcp.models.lookup.suffix import SuffixIndex
 from sdcp.protocol.messages import Verdict
 from sdcp.protocol.verifier import VerifierSession
 

@@ -1,6 +1,6 @@
 """What self-decoding guesses the next tokens from (docs/interpretations.md, "Self-decoding with
 lookahead"): the session's own tokens and the outputs of earlier finished sessions, in the suffix
-drafter's structures (sdcp.models.suffix), co-located with the target.
+drafter's structures (sdcp.models.lookup.suffix), co-located with the target.
 
 The earlier outputs are those of the sessions that finished here, learned at their end, and those
 of the session's history scope in the MLC (sdcp.engines.history), which the verifiers publish and
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from sdcp.config import HistoryScope
 from sdcp.engines.history import HistoryReader, entry_uri, history_scope_key, index_uri
 from sdcp.engines.verifier.live import LiveSession
-from sdcp.models.suffix import DEFAULT_HISTORY_TOKENS, SharedHistory, SuffixIndex, plan_draft
+from sdcp.models.lookup.suffix import DEFAULT_HISTORY_TOKENS, SharedHistory, SuffixIndex, plan_draft
 from sdcp.protocol.messages import Action, Contract
 
 __all__ = ["LOOKAHEAD_MIN_MATCH", "VerifierLookahead"]
@@ -61,7 +61,7 @@ class VerifierLookahead:
     def predict(self, live: LiveSession, context: tuple[int, ...], limit: int) -> tuple[int, ...]:
         """Up to ``limit`` tokens after ``context`` (the session's prompt and decided tokens): the
         continuation that most often followed the longest suffix of it, in the session or in the
-        history (sdcp.models.suffix.plan_draft)."""
+        history (sdcp.models.lookup.suffix.plan_draft)."""
         index = live.suffix_index
         if index is None or index.end > len(context):
             index = live.suffix_index = SuffixIndex()

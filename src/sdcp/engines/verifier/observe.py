@@ -47,7 +47,7 @@ _COST_WEIGHT = 0.2
 class PassCurve:
     """What a pass costs here (ms) by the rows it scores, whoever's they are: measured at PASS_ROWS,
     linear between them and past the last. A pass's rows, not its sessions, set its cost on both
-    backends (a packed sequence costs its rows, sdcp.models.ragged; llama.cpp a row each)."""
+    backends (a packed sequence costs its rows, sdcp.models.hf.ragged; llama.cpp a row each)."""
 
     points_ms: list[float] = field(default_factory=lambda: list(FIRST_CURVE_MS))
 

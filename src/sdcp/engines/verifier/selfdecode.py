@@ -20,7 +20,7 @@ from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.engines.verifier.observe import PassCurve
 from sdcp.engines.verifier.rounds import Rounds, Scoring
 from sdcp.models.batching import ScoredRun, TargetMostProbable
-from sdcp.models.draft import TokenTimer
+from sdcp.models.drafter import TokenTimer
 from sdcp.protocol.rules import GreedyRule
 from sdcp.protocol.verifier import PendingCommit, VerifierSession
 

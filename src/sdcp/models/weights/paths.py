@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from sdcp.models.errors import ModelNotFetched, UnknownModel
-from sdcp.models.fetch import SMOLLM2_NAME, is_fetched, smollm2_dir
+from sdcp.models.weights.fetch import SMOLLM2_NAME, is_fetched, smollm2_dir
 
 __all__ = ["TINY_DRAFT_NAME", "TINY_NAME", "model_dir"]
 
-# Randomly initialised models built in code (sdcp.models.tiny), for tests.
+# Randomly initialised models built in code (sdcp.models.hf.tiny), for tests.
 TINY_NAME = "tiny"
 TINY_DRAFT_NAME = "tiny-draft"
 

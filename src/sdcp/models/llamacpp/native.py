@@ -18,7 +18,7 @@ from sdcp.models.errors import ModelError, UnknownModel
 
 __all__ = ["PROPOSAL_ROOM", "SEQUENCE_TOKENS_PER_CALL", "NativeContext", "load_native"]
 
-log = logging.getLogger("sdcp.models.llamacpp")
+log = logging.getLogger("sdcp.models.llamacpp.target")
 
 # llama.cpp's CPU flash attention computes 64 or more queries of one sequence in a ubatch another
 # way than fewer, with logits that differ by up to 2: no llama_decode call holds more tokens of one

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import sys
-import threading
-import time
 from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -33,9 +31,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from sdcp.models.backend import SessionId, checked_tokens, common_prefix_length, lookup_session
-from sdcp.models.draft import DraftResult, TokenTimer
-from sdcp.models.errors import BadTokens, SessionExists
+from sdcp.models.backend import SessionId, checked_tokens
+from sdcp.models.drafter import DraftSession, SessionDrafter, one_hot_rows
 from sdcp.protocol.messages import Contract, Sampling
 
 __all__ = [
@@ -406,16 +403,13 @@ class SharesHistory(Protocol):
 
 
 @dataclass
-class _SuffixSession:
-    prompt_length: int
-    # The committed prefix (prompt and output) as last synced, then any tokens drafted since.
-    tokens: list[int]
+class _SuffixSession(DraftSession):
     # Over the synced tokens only: drafted ones are not evidence until a verdict commits them.
     index: SuffixIndex
     history: bytes = b""
 
 
-class SuffixDrafter:
+class SuffixDrafter(SessionDrafter[_SuffixSession]):
     """Drafts from the session's own tokens and the committed outputs of earlier sessions that share
     its history key; no model, so it runs on the caller's thread (``runs_inline``)."""
 
@@ -437,17 +431,13 @@ class SuffixDrafter:
             raise ValueError(f"min_probability must lie in [0, 1], got {min_probability}")
         if spec_factor <= 0.0:
             raise ValueError(f"spec_factor must be positive, got {spec_factor}")
-        self.name = "suffix"
-        self.runs_inline = True
+        super().__init__(name="suffix", runs_inline=True, seconds_per_token=1e-5)
         self._vocab_size = vocab_size
         self.max_pattern = max_pattern
         self.min_match = min_match
         self.min_probability = min_probability
         self.spec_factor = spec_factor
         self.history = SharedHistory(history_tokens)
-        self._sessions: dict[SessionId, _SuffixSession] = {}
-        self._timer = TokenTimer(initial=1e-5)
-        self._lock = threading.RLock()
 
     @property
     def vocab_size(self) -> int:
@@ -464,10 +454,6 @@ class SuffixDrafter:
         return hashlib.sha256(label.encode("ascii")).digest()
 
     @property
-    def seconds_per_token(self) -> float:
-        return self._timer.value
-
-    @property
     def history_size(self) -> HistorySize:
         with self._lock:
             return self.history.size
@@ -478,16 +464,10 @@ class SuffixDrafter:
     def set_threads(self, threads: int) -> None:
         return None  # no model: it drafts on the calling thread alone
 
-    def open_session(self, session: SessionId, prompt_tokens: Sequence[int]) -> None:
-        tokens = checked_tokens(prompt_tokens, self._vocab_size)
-        if not tokens:
-            raise BadTokens("a session needs at least one prompt token")
-        with self._lock:
-            if session in self._sessions:
-                raise SessionExists(f"session {session.hex()} is already open on {self.name}")
-            index = SuffixIndex()
-            index.append(tokens)
-            self._sessions[session] = _SuffixSession(len(tokens), tokens, index)
+    def _new_session(self, tokens: list[int]) -> _SuffixSession:
+        index = SuffixIndex()
+        index.append(tokens)
+        return _SuffixSession(tokens, index)
 
     def bind_history(self, session: SessionId, key: bytes) -> None:
         """Draft from the history of ``key`` (without a call: the empty key, shared by every such
@@ -502,58 +482,33 @@ class SuffixDrafter:
         with self._lock:
             self.history.learn(key, tokens)
 
-    def close_session(self, session: SessionId) -> None:
-        with self._lock:
-            self._session(session)
-            del self._sessions[session]
+    def _resync(self, state: _SuffixSession, committed: list[int], common: int) -> None:
+        state.tokens = committed
+        if common < state.index.end:
+            state.index.truncate(common)
+        state.index.append(state.tokens[state.index.end :])
 
-    def sync(self, session: SessionId, committed_tokens: Sequence[int]) -> None:
-        given = list(committed_tokens)
-        if not given:
-            raise BadTokens("a committed prefix holds at least the prompt")
-        with self._lock:
-            state = self._session(session)
-            common = common_prefix_length(state.tokens, given)
-            del state.tokens[common:]
-            state.tokens.extend(checked_tokens(given[common:], self._vocab_size))
-            if common < state.index.end:
-                state.index.truncate(common)
-            state.index.append(state.tokens[state.index.end :])
-
-    def draft(
+    def _draft(
         self,
         session: SessionId,
+        state: _SuffixSession,
         m: int,
         sampling: Sampling | None,
-        rng: np.random.Generator | None = None,
-    ) -> DraftResult:
-        """Up to m tokens after the session's tokens (committed, or tentative when pre-drafting); the
-        same whatever the sampling profile, so no randomness is drawn."""
-        if m < 1:
-            raise BadTokens(f"a draft has at least one token, got m={m}")
-        started = time.perf_counter()
-        with self._lock:
-            state = self._session(session)
-            steps = plan_draft(
-                state.tokens,
-                state.index,
-                self.history.index(state.history),
-                m,
-                max_pattern=self.max_pattern,
-                min_match=self.min_match,
-                min_probability=self.min_probability,
-                spec_factor=self.spec_factor,
-            )
-            # No match: repeat the last token, a deterministic proposal as prompt lookup's.
-            proposed = [step.token for step in steps] or [state.tokens[-1]]
-            # Drafted tokens stay tentative until `sync` confirms them.
-            state.tokens.extend(proposed)
-        count = len(proposed)
-        rows = np.zeros((count, self._vocab_size), dtype=np.float32)
-        rows[np.arange(count), proposed] = 1.0
-        seconds = time.perf_counter() - started
-        self._timer.record(seconds, count)
-        return DraftResult(tuple(proposed), rows, seconds)
-
-    def _session(self, session: SessionId) -> _SuffixSession:
-        return lookup_session(self._sessions, session, self.name)
+        rng: np.random.Generator | None,
+    ) -> tuple[list[int], np.ndarray]:
+        """The same proposal whatever the sampling profile, so no randomness is drawn."""
+        steps = plan_draft(
+            state.tokens,
+            state.index,
+            self.history.index(state.history),
+            m,
+            max_pattern=self.max_pattern,
+            min_match=self.min_match,
+            min_probability=self.min_probability,
+            spec_factor=self.spec_factor,
+        )
+        # No match: repeat the last token, a deterministic proposal as prompt lookup's.
+        proposed = [step.token for step in steps] or [state.tokens[-1]]
+        # Drafted tokens stay tentative until `sync` confirms them.
+        state.tokens.extend(proposed)
+        return proposed, one_hot_rows(proposed, self._vocab_size)

@@ -16,7 +16,7 @@ causal softmax attention with torch's scaled_dot_product_attention: per session 
 `RaggedBatchCache`, and directly for an ordinary cache of one sequence (prefill and single-session
 passes). The queries of a request are the last ``width`` positions of its keys.
 
-When the sessions' caches sit in the slots of one `SlotPool` (sdcp.models.kvcache), a `SlotPass`
+When the sessions' caches sit in the slots of one `SlotPool` (sdcp.models.hf.kvcache), a `SlotPass`
 does the same with a few operators per layer instead of a few per session and layer: one indexed
 write appends every session's columns, and one attention call covers the slots' range, each query
 masked to its own session's positions. Per session and layer, the Python and dispatch overhead was
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 
-from sdcp.models.kvcache import SlotPool
+from sdcp.models.hf.kvcache import SlotPool
 
 __all__ = [
     "ATTENTION",

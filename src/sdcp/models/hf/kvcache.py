@@ -1,12 +1,12 @@
 """Per-session KV caches: building, growing and cropping `DynamicCache` objects.
 
 Every cache here holds one sequence (batch size 1); a batched pass extends each session's own
-cache (sdcp.models.ragged).
+cache (sdcp.models.hf.ragged).
 
 Layers are `GrowableLayer`s: transformers' `DynamicLayer` copies a layer's whole cache on every
 append (``torch.cat``); these write new columns in place into spare capacity. A layer may start on
 buffers it is given: a `SlotPool` slot, where a batched pass can reach every session's keys and
-values as one tensor (sdcp.models.ragged).
+values as one tensor (sdcp.models.hf.ragged).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ low-level API (SDCP 6.3 Scoring; docs/models.md, "llama.cpp backend").
 Each open session holds one sequence id of one llama.cpp context. A scoring call feeds every
 session's [last committed token] + proposed tokens into one `llama_batch`, each token at its own
 position of its own sequence, and reads a row per token (`llama_get_logits_ith`). The invariant of
-`sdcp.models.target` holds: a session's sequence holds the KV of every committed token but the last,
+`sdcp.models.hf.target` holds: a session's sequence holds the KV of every committed token but the last,
 and `commit` and `rollback` remove the positions past it (`llama_memory_seq_rm`).
 
 A row is a function of the session's tokens alone, whatever else its pass holds, so that rule 1's
@@ -48,7 +48,6 @@ from sdcp.models.backend import (
     lookup_session,
     proposal_rest,
 )
-from sdcp.models.digests import gguf_digest, tokenizer_file_digest
 from sdcp.models.errors import (
     BadTokens,
     KVFormatError,
@@ -57,7 +56,8 @@ from sdcp.models.errors import (
     SessionLimit,
 )
 from sdcp.models.kvformat import decode_llamacpp_kv, encode_llamacpp_kv
-from sdcp.models.llamacpp_native import PROPOSAL_ROOM, SEQUENCE_TOKENS_PER_CALL, load_native
+from sdcp.models.llamacpp.native import PROPOSAL_ROOM, SEQUENCE_TOKENS_PER_CALL, load_native
+from sdcp.models.weights.digests import gguf_digest, tokenizer_file_digest
 from sdcp.threads import usable_cores
 
 __all__ = ["BATCH_TOKENS", "PREFILL_STEP_TOKENS", "SEQUENCE_TOKENS_PER_CALL", "SPLIT_FREE_POSITIONS", "LlamaCppTarget"]

@@ -19,7 +19,6 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from sdcp.cache.prefix import BLOCK_TOKENS, PrefixIndex
-from sdcp.models import kvcache
 from sdcp.models.backend import (
     DEFAULT_KV_SLOTS,
     MAX_SLOT_CAPACITY,
@@ -33,11 +32,12 @@ from sdcp.models.backend import (
     lookup_session,
     proposal_rest,
 )
-from sdcp.models.digests import tokenizer_definition, tokenizer_digest, weights_digest
 from sdcp.models.errors import BadTokens, KVFormatError, ModelError, SessionExists
+from sdcp.models.hf import kvcache
+from sdcp.models.hf.packed import pack_weights, with_packed_linears
+from sdcp.models.hf.ragged import RaggedBatchCache, SlotPass, supports_ragged_attention, use_ragged_attention
 from sdcp.models.kvformat import decode_kv, decode_kv_layers, encode_kv, encode_kv_layers
-from sdcp.models.packed import pack_weights, with_packed_linears
-from sdcp.models.ragged import RaggedBatchCache, SlotPass, supports_ragged_attention, use_ragged_attention
+from sdcp.models.weights.digests import tokenizer_definition, tokenizer_digest, weights_digest
 
 log = logging.getLogger("sdcp.models")
 
@@ -74,7 +74,7 @@ class TargetModel:
     ) -> None:
         # Verification runs in fp32 by default: bf16 changes greedy outputs of SmolLM2 on a CPU, and
         # its weights digest differs (the dtype is part of it). The caller's model is left as it is;
-        # ours shares its weights (sdcp.models.packed). transformers wraps `to` in
+        # ours shares its weights (sdcp.models.hf.packed). transformers wraps `to` in
         # functools.wraps(nn.Module.to), which mypy reads as the unbound method.
         placed = model.to(device=device or "cpu", dtype=dtype).eval()  # type: ignore[call-arg]
         self.model: PreTrainedModel = with_packed_linears(placed)
@@ -83,10 +83,10 @@ class TargetModel:
         use_ragged_attention(self.model)
         self.tokenizer = tokenizer
         self.name = name
-        # kv_slots sessions keep their KV in a shared pool (sdcp.models.kvcache.SlotPool), up to
+        # kv_slots sessions keep their KV in a shared pool (sdcp.models.hf.kvcache.SlotPool), up to
         # kv_capacity positions each; 0 slots: every session has a cache of its own. A session
         # beyond the slots, or longer than a slot, has a cache of its own, and a pass that includes
-        # one attends session by session (sdcp.models.ragged) until a slot is free for it.
+        # one attends session by session (sdcp.models.hf.ragged) until a slot is free for it.
         context = getattr(self.model.config, "max_position_embeddings", None) or MAX_SLOT_CAPACITY
         capacity = kv_capacity if kv_capacity is not None else min(context, MAX_SLOT_CAPACITY)
         self._slots: kvcache.SlotPool | None = None
@@ -150,7 +150,7 @@ class TargetModel:
 
     def prepare(self) -> None:
         """Work the first request would otherwise pay: hash the weights and the tokenizer, pack the
-        weights (sdcp.models.packed). On the thread that will run the model."""
+        weights (sdcp.models.hf.packed). On the thread that will run the model."""
         with self._lock:
             pack_weights(self.model)
         _ = self.weights_digest, self.tokenizer_digest
@@ -405,7 +405,7 @@ class TargetModel:
 
     def _score_batch(self, states: list[_Session], fed: list[tuple[int, ...]]) -> list[np.ndarray]:
         # One packed sequence, session after session; attention runs per session against its own
-        # cache, which the pass extends by that session's tokens (sdcp.models.ragged).
+        # cache, which the pass extends by that session's tokens (sdcp.models.hf.ragged).
         widths = [len(tokens) for tokens in fed]
         input_ids = torch.tensor([[token for tokens in fed for token in tokens]], device=self.device)
         starts = [kvcache.cache_length(state.cache) for state in states]
