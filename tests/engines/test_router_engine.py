@@ -45,6 +45,7 @@ from sdcp.protocol.messages import (
 from sdcp.protocol.problems import BadMessage
 from sdcp.protocol.records import replay_commit_log
 from sdcp.protocol.router import OPEN_MS_PER_PROMPT_TOKEN, RouterSession, open_deadline_s
+from sdcp.protocol.router_life import RouterPhase
 from sdcp.protocol.rules import GREEDY
 
 pytestmark = pytest.mark.timeout(120)
@@ -357,10 +358,17 @@ def test_the_durable_facts_round_trip() -> None:
         owner=FRONT_END,
         request="req-1",
     )
-    tracked = TrackedSession(plan, PROMPT, first_verifier=V1, failover_to=V2, self_decoding=True)
+    tracked = TrackedSession(plan, PROMPT, first_verifier=V1, phase=RouterPhase.MOVING, failover_to=V2)
     back = TrackedSession.from_durable(codec.decode(codec.encode(tracked.durable(ROUTER_A))))
     assert back.plan == plan and back.router == ROUTER_A
-    assert (back.first_verifier, back.failover_to, back.self_decoding) == (V1, V2, True)
+    assert (back.first_verifier, back.failover_to, back.phase) == (V1, V2, RouterPhase.MOVING)
+    # Every phase a router holds a session in reads back as that phase (version 1's form: a
+    # self_decoding flag, and failover_to while moving).
+    for phase in (RouterPhase.WAITING, RouterPhase.DRAFTING, RouterPhase.SELF_DECODING):
+        held = TrackedSession(
+            replace(plan, drafter=None if phase is RouterPhase.WAITING else DRAFTER), PROMPT, phase=phase
+        )
+        assert TrackedSession.from_durable(codec.decode(codec.encode(held.durable(ROUTER_A)))).phase is phase
     with pytest.raises(BadMessage):
         TrackedSession.from_durable({**tracked.durable(ROUTER_A), "v": 99})
 

@@ -34,7 +34,7 @@ from sdcp.cache.uri import LOG_KIND, TOKENS_KIND
 from sdcp.config import RouterConfig
 from sdcp.engines.errors import OverQuota, RequesterGone, SessionNotFound, Unanswered, Unavailable
 from sdcp.engines.ports import RouterLink
-from sdcp.engines.router.sessions import SELF_DECODING, TrackedSession
+from sdcp.engines.router.sessions import TrackedSession
 from sdcp.engines.router.store import SessionStore, Superseded
 from sdcp.engines.tasks import BackgroundTasks, cancelled_if, shielded_unless_gone
 from sdcp.latency import ROUTER_PARTS, observe_part, start_parts
@@ -67,6 +67,7 @@ from sdcp.protocol.router import (
     prefer_cached_prefix,
     prefer_idle_and_accepting,
 )
+from sdcp.protocol.router_life import RouterEvent, RouterPhase
 
 __all__ = ["SELF_DECODING_AT", "RouterEngine"]
 
@@ -591,7 +592,7 @@ class RouterEngine:
         for tracked in list(self.sessions.values()):
             if tracked.ended or tracked.session in self._changing:
                 continue
-            if self._failed(tracked.plan.verifier, now) or tracked.failover_to is not None:
+            if self._failed(tracked.plan.verifier, now) or tracked.moving:
                 # A failed verifier; or a move whose fence is in the log but whose open failed, which
                 # the old verifier, even live, can no longer serve past.
                 change = partial(self._fail_over, tracked)
@@ -703,7 +704,7 @@ class RouterEngine:
         while True:
             choice = self._choose(tracked, avoid=avoid, skip=unreachable, self_decode=self_decode)
             if choice is None:
-                tracked.plan.drafter = None
+                tracked.unserved()
                 log.info("%s: session %s waits for a drafter", self.uri, tracked.plan.session.hex())
                 return
             if choice.drafter is None:
@@ -719,7 +720,7 @@ class RouterEngine:
                 self_decode = False
                 continue
             try:
-                await self._send_assignment(tracked, choice.drafter)
+                await self._send_assignment(tracked, choice.drafter, exploring=choice.exploring)
             except VerifierUnanswered:
                 raise
             except Unanswered as exc:
@@ -735,9 +736,8 @@ class RouterEngine:
                 if exc.state is None or exc.state.state != Action.SELF_DECODE:
                     raise
                 # The verifier is in a self-decoding period of its ladder; its event ends it.
-                tracked.self_decoding = True
+                tracked.decoding_alone(now=None)
                 return
-            tracked.exploring = choice.drafter if choice.exploring else None
             CHOICES.labels(self.uri, "explore" if choice.exploring else "drafter").inc()
             return
 
@@ -812,19 +812,16 @@ class RouterEngine:
         """Ask the verifier to decode the session alone (extension, docs/interpretations.md)."""
         plan = tracked.plan
         await self.link.self_decode(plan.verifier, SelfDecodeRequest(session=plan.session, epoch=plan.epoch))
-        plan.drafter = None
-        tracked.self_decoding = True
-        tracked.exploring = None
-        tracked.decided_at = self.clock()
-        tracked.serve(SELF_DECODING)
+        tracked.decoding_alone(now=self.clock())
         CHOICES.labels(self.uri, "self").inc()
         log.info("%s: session %s decoded by verifier %s alone", self.uri, tracked.plan.session.hex(), plan.verifier)
 
     async def _after_switch(self, tracked: TrackedSession, *, avoid: Sequence[str]) -> None:
-        tracked.self_decoding = False
+        if tracked.advance(RouterEvent.SWITCHED) is RouterPhase.MOVING:
+            return  # the verifier's event came before its failover finished: the move assigns
         await self._assign_drafter(tracked, avoid=avoid)
 
-    async def _send_assignment(self, tracked: TrackedSession, drafter: str) -> None:
+    async def _send_assignment(self, tracked: TrackedSession, drafter: str, *, exploring: bool) -> None:
         """SDCP 6.1: inform the verifier first, then send the assignment to the drafter."""
         plan = tracked.plan
         replay, tokens = await self._committed_prefix(tracked)
@@ -842,9 +839,7 @@ class RouterEngine:
             replay, tokens = await self._committed_prefix(tracked)
             read_at = replay.round
         await self.link.assign(drafter, self._assignment(tracked, drafter, replay, tokens))
-        tracked.self_decoding = False
-        tracked.decided_at = self.clock()
-        tracked.serve(drafter)
+        tracked.assigned(drafter, exploring=exploring, now=self.clock())
         ASSIGNMENTS.labels(self.uri, drafter).inc()
         log.info("%s: session %s assigned to %s at round %d", self.uri, tracked.plan.session.hex(), drafter, read_at)
 
@@ -870,7 +865,7 @@ class RouterEngine:
         if stopped_at is not None:
             if tracked.ended or plan.epoch != stopped_at:
                 return  # a fence of this router's moved the session on already: the one it met
-        elif live and tracked.failover_to is None:
+        elif live and not tracked.moving:
             return
         # The epoch the failed verifier served, which names the target KV it published; the plan's
         # epoch may move up below, to fence above what the log holds.
@@ -903,7 +898,7 @@ class RouterEngine:
         # SDCP 6.9: the fence comes first, so the old verifier can no longer commit or release output.
         # Fencing the same epoch again appends nothing, so a failover retried next tick is safe. The
         # fence names the new verifier: only its signed records count in the new epoch.
-        tracked.failover_to = verifier
+        tracked.fenced(verifier)
         # Durable before the fence: a router that takes the session over retries at that verifier.
         await self.store.save(tracked)
         fence = plan.fence_for_failover(verifier)
@@ -913,13 +908,10 @@ class RouterEngine:
         moved = plan.fail_over(verifier, replay, tokens, target_kv=await self._available(published))
         with self._prefill_at(verifier, len(tracked.prompt) + len(replay.tokens)) as deadline:
             await self.link.open_session(verifier, moved.open_message(), timeout=deadline)
-        tracked.plan = moved
-        tracked.failover_to = None
+        tracked.reopened(moved)
         if published is not None:
             # The new verifier has imported it or prefilled: the failed epoch's KV serves no one now.
             self._tasks.spawn(self._discard(published))
-        # The new verifier knows nothing of a self-decoding period the old one was asked for.
-        tracked.self_decoding = False
         (FAILOVERS if verifier != plan.verifier else REOPENED).labels(self.uri).inc()
         log.info("%s: session %s moved to %s at epoch %d", self.uri, tracked.plan.session.hex(), verifier, moved.epoch)
         if moved.sampling is not None:
@@ -930,7 +922,7 @@ class RouterEngine:
         drafter = moved.drafter
         if drafter is not None and self.registry.is_live(drafter, self.clock()):
             try:
-                await self._send_assignment(tracked, drafter)
+                await self._send_assignment(tracked, drafter, exploring=tracked.exploring == drafter)
                 return
             except Unanswered as exc:
                 log.warning("%s: drafter %s took no assignment: %s", self.uri, drafter, exc)
@@ -1019,10 +1011,8 @@ class RouterEngine:
     def _end(self, tracked: TrackedSession, kind: Action, *, delete: bool = True) -> None:
         """The session ended: nothing is assigned again, and its facts leave the shared tier
         (``delete``; not where they are gone already)."""
-        if tracked.ended:
+        if not tracked.end():
             return
-        tracked.ended = True
-        tracked.plan.drafter = None
         SESSIONS_OPEN.labels(self.uri).dec()
         log.info("%s: session %s ended (%s)", self.uri, tracked.plan.session.hex(), kind.name.lower())
         if delete:

@@ -1,6 +1,8 @@
-"""A session as the router holds it: the plan (``sdcp.protocol.router.RouterSession``) and what the
-router keeps beside it to decide and to replay the commit log; its durable facts as one CBOR map
-(``durable``, ``from_durable``), which any router can load from the shared tier (``store``)."""
+"""A session as the router holds it: the plan (``sdcp.protocol.router.RouterSession``), its phase
+(``sdcp.protocol.router_life``: every change of phase goes through the table, with the facts that go
+with it) and what the router keeps beside it to decide and to replay the commit log; its durable
+facts as one CBOR map (``durable``, ``from_durable``), which any router can load from the shared tier
+(``store``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from sdcp.protocol.messages import Sampling, SessionOpen, session_path_id
 from sdcp.protocol.problems import BadMessage
 from sdcp.protocol.records import LogReplayer
 from sdcp.protocol.router import RouterSession
+from sdcp.protocol.router_life import RouterEvent, RouterPhase, next_phase
 
 __all__ = ["SELF_DECODING", "TrackedSession"]
 
@@ -30,9 +33,7 @@ class TrackedSession:
     plan: RouterSession
     prompt: tuple[int, ...]
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    ended: bool = False
-    # The verifier decodes the session alone at this router's request, until its event.
-    self_decoding: bool = False
+    phase: RouterPhase = RouterPhase.WAITING
     # A drafter whose acceptance was unmeasured when it was assigned to this session.
     exploring: str | None = None
     decided_at: float = 0.0
@@ -40,8 +41,8 @@ class TrackedSession:
     opened_at: float = field(default_factory=time.time)
     # The verifier of epoch 1 (opened without a fence): only its signed records count in epoch 1.
     first_verifier: str = ""
-    # The verifier a failover's fence named, until the session is open there: a retry goes there
-    # again, or spends that epoch (signed commit records, docs/reliability.md).
+    # While MOVING, the verifier the failover's fence named, until the session is open there: a retry
+    # goes there again, or spends that epoch (signed commit records, docs/reliability.md).
     failover_to: str | None = None
     # The commit log as far as it has been read, and the committed-token object of its prefix:
     # each read asks only for the records appended since (no whole-log read per assignment).
@@ -57,6 +58,65 @@ class TrackedSession:
     def __post_init__(self) -> None:
         if not self.first_verifier and self.plan.epoch == 1:
             self.first_verifier = self.plan.verifier
+
+    @property
+    def ended(self) -> bool:
+        return self.phase is RouterPhase.ENDED
+
+    @property
+    def self_decoding(self) -> bool:
+        return self.phase is RouterPhase.SELF_DECODING
+
+    @property
+    def moving(self) -> bool:
+        return self.phase is RouterPhase.MOVING
+
+    def advance(self, event: RouterEvent) -> RouterPhase:
+        """The session's phase after ``event`` (IllegalTransition where it cannot happen)."""
+        self.phase = next_phase(self.phase, event)
+        return self.phase
+
+    def assigned(self, drafter: str, *, exploring: bool, now: float) -> None:
+        """A drafter took the session's assignment (SDCP 6.1)."""
+        if self.advance(RouterEvent.ASSIGNED) is RouterPhase.DRAFTING:
+            self.plan.drafter = drafter
+            self.exploring = drafter if exploring else None
+            self.decided_at = now
+            self.serve(drafter)
+
+    def decoding_alone(self, *, now: float | None) -> None:
+        """The verifier decodes the session alone: at this router's request (``now``: when it was
+        decided), or in a period of its own ladder (None)."""
+        if self.advance(RouterEvent.SELF_DECODING) is RouterPhase.SELF_DECODING and now is not None:
+            self.plan.drafter = None
+            self.exploring = None
+            self.decided_at = now
+            self.serve(SELF_DECODING)
+
+    def unserved(self) -> None:
+        """No drafter is live or permitted: the session waits for one."""
+        if self.advance(RouterEvent.UNSERVED) is RouterPhase.WAITING:
+            self.plan.drafter = None
+
+    def fenced(self, verifier: str) -> None:
+        """A failover's fence naming ``verifier`` is in the log (SDCP 6.9)."""
+        if self.advance(RouterEvent.FENCED) is RouterPhase.MOVING:
+            self.failover_to = verifier
+
+    def reopened(self, moved: RouterSession) -> None:
+        """The session is open at the verifier the fence named, as ``moved`` plans it."""
+        if self.advance(RouterEvent.REOPENED) is RouterPhase.WAITING:
+            self.plan = moved
+            self.failover_to = None
+
+    def end(self) -> bool:
+        """The session ended; False where it had already."""
+        if self.ended:
+            return False
+        self.advance(RouterEvent.ENDED)
+        self.plan.drafter = None
+        self.failover_to = None
+        return True
 
     @property
     def session(self) -> bytes:
@@ -105,7 +165,8 @@ class TrackedSession:
         self.plan = stored.plan
         self.first_verifier = stored.first_verifier
         self.failover_to = stored.failover_to
-        self.self_decoding = stored.self_decoding
+        if not self.ended:
+            self.phase = stored.phase
         self.etag, self.saved, self.router = stored.etag, stored.saved, stored.router
         self.exploring = None
 
@@ -123,6 +184,7 @@ class TrackedSession:
             "verifier": plan.verifier,
             "first_verifier": self.first_verifier,
             "opened_ms": int(self.opened_at * 1000),
+            # The phase as version 1 holds it: self_decoding, and failover_to while MOVING.
             "self_decoding": self.self_decoding,
         }
         if plan.drafter is not None:
@@ -168,8 +230,17 @@ class TrackedSession:
             plan,
             opened.prompt,
             router=router if isinstance(router, str) else None,
-            self_decoding=self_decoding,
+            phase=_stored_phase(self_decoding=self_decoding, failover_to=failover_to, drafter=drafter),
             opened_at=opened_ms / 1000,
             first_verifier=first_verifier,
             failover_to=failover_to,
         )
+
+
+def _stored_phase(*, self_decoding: bool, failover_to: str | None, drafter: str | None) -> RouterPhase:
+    """The phase of a session whose facts another router wrote: a move under way comes first."""
+    if failover_to is not None:
+        return RouterPhase.MOVING
+    if self_decoding:
+        return RouterPhase.SELF_DECODING
+    return RouterPhase.DRAFTING if drafter is not None else RouterPhase.WAITING
