@@ -410,7 +410,9 @@ async def test_a_failovers_open_waits_for_the_new_verifiers_queue_of_prefills(
 
     async def timed(verifier: str, message: SessionOpen, *, timeout: float) -> SessionState:
         committed = 0 if message.resume is None else message.resume.committed
-        deadlines.append((verifier, len(message.prompt) + committed, timeout, router._opening.get(verifier, 0)))
+        deadlines.append(
+            (verifier, len(message.prompt) + committed, timeout, router.placement._opening.get(verifier, 0))
+        )
         return await opening(verifier, message, timeout=timeout)
 
     monkeypatch.setattr(router.link, "open_session", timed)
@@ -422,7 +424,7 @@ async def test_a_failovers_open_waits_for_the_new_verifiers_queue_of_prefills(
     assert verifier == V2 and tokens > len(PROMPT)
     assert timeout == pytest.approx(30.0 + (tokens + 1000) * 0.040)
     # While it was in flight it counted among the router's opens at V2, and not after.
-    assert counted == tokens and V2 not in router._opening
+    assert counted == tokens and V2 not in router.placement._opening
     await router.stop()
 
 

@@ -34,6 +34,7 @@ from tests.services.router_harness import (
 )
 from tests.waiting import HANG_GUARD_S, eventually, eventually_async
 
+import sdcp.protocol.router
 from sdcp.cache import MLC, PreconditionFailed, build_uri
 from sdcp.config import DrafterConfig, ServiceConfig
 from sdcp.engines.router import TrackedSession
@@ -1009,7 +1010,7 @@ async def test_escalation_reduce_switch_and_self_decode_end_to_end(
     # The escalations under test are the verifier's. Whether the router itself would rather have
     # the verifier decode alone depends on how fast this machine drafts and verifies: it is not
     # offered that option, so the session starts, and stays, with drafters.
-    monkeypatch.setattr(router.engine, "_self_decode_s", lambda contract, verifier: None)
+    monkeypatch.setattr(sdcp.protocol.router, "self_decode_seconds", lambda contract, verifier: None)
     await start_verifier(deployment, "verifier1")
     wrong = DrafterNode(deployment.config("drafter1", drafter=DrafterConfig(target="tiny")), drafter=WrongDrafter())
     await deployment.start(wrong)

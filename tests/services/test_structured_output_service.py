@@ -29,6 +29,7 @@ from tests.services.router_harness import (
 )
 from tests.waiting import eventually, eventually_async
 
+import sdcp.protocol.router
 from sdcp.config import DrafterConfig
 from sdcp.engines.router import SELF_DECODING
 from sdcp.grammar import GrammarConstraint, grammar_tokenizer
@@ -243,13 +244,13 @@ async def test_constrained_sessions_go_to_a_drafter_by_its_acceptance_on_them(
     await start_verifier(deployment, "verifier1")
     # The verifier alone is counted at two tokens per pass, so that a drafter beats it where its
     # measured acceptance does (above about 0.54 at M = 3), not where this machine's timing does.
-    self_decode_s = router.engine._self_decode_s
+    self_decode_s = sdcp.protocol.router.self_decode_seconds
 
     def twice_as_fast(contract: Contract, verifier: InstanceView | None) -> float | None:
         seconds = self_decode_s(contract, verifier)
         return None if seconds is None else seconds / 2
 
-    monkeypatch.setattr(router.engine, "_self_decode_s", twice_as_fast)
+    monkeypatch.setattr(sdcp.protocol.router, "self_decode_seconds", twice_as_fast)
     drafter = _AcceptanceOnlyDrafter(deployment.config("drafter1", drafter=DrafterConfig(model="ngram", target="tiny")))
     await deployment.start(drafter)
     await eventually(lambda: router.registry.is_live(drafter.uri, router.clock()))

@@ -23,7 +23,10 @@ from sdcp.protocol.messages import (
 from sdcp.protocol.records import FenceRecord, LogReplay
 
 __all__ = [
+    "DEFAULT_VERIFY_S",
     "OPEN_MS_PER_PROMPT_TOKEN",
+    "REDECIDE_AFTER_S",
+    "SWITCH_MARGIN",
     "DecodingChoice",
     "DrafterCosts",
     "InstanceRegistry",
@@ -31,6 +34,13 @@ __all__ = [
     "InstanceView",
     "RouterSession",
     "choose_decoding",
+    "choose_for_session",
+    "outpaced",
+    "proposal_limit",
+    "self_decode_seconds",
+    "serves",
+    "unreported",
+    "verify_seconds",
     "drafter_costs",
     "drafter_permitted",
     "measured_acceptance",
@@ -233,6 +243,87 @@ def drafter_permitted(contract: Contract, model: bytes | None) -> bool:
     if contract.drafters is None:
         return True
     return model is not None and model in contract.drafters
+
+
+# A session is moved off its drafter only for an option expected to be this much faster, and at
+# most once per this many seconds, so that estimates that differ by noise do not make it flap.
+SWITCH_MARGIN = 1.25
+REDECIDE_AFTER_S = 2.0
+# A verification round at a verifier that reports no timing of its own.
+DEFAULT_VERIFY_S = 0.05
+
+
+def serves(view: InstanceView, contract: Contract) -> bool:
+    """Whether a verifier runs the contract's target (SDCP 6.1); one that reports no tokenizer
+    digest is judged by its target digest alone."""
+    status = view.status
+    return status.model == contract.target and status.tokenizer in (None, contract.tokenizer)
+
+
+def unreported(views: Sequence[InstanceView]) -> list[InstanceView]:
+    """Instances whose status lacks our private `model` member (another implementation's): the
+    contract's digests cannot be matched here, so they are asked, and refuse with
+    sdcp-bad-contract what they do not serve (SDCP 6.1); tried only when no reporting one fits."""
+    return [view for view in views if view.status.model is None]
+
+
+def verify_seconds(verifier: InstanceView | None) -> float:
+    """What a verification round costs at this verifier, for drafters that have not timed one: its
+    time per self-decoded token, one pass."""
+    if verifier is None or not verifier.status.self_us:
+        return DEFAULT_VERIFY_S  # none reported, or a zero that no pass can take
+    return verifier.status.self_us / 1e6
+
+
+def self_decode_seconds(contract: Contract, verifier: InstanceView | None) -> float | None:
+    """Seconds per token of the verifier decoding alone, where the contract permits that now
+    (SDCP 6.5.2: self_load present and not exceeded) and the verifier reports its time."""
+    if verifier is None or verifier.status.self_us is None or contract.self_load is None:
+        return None
+    if contract.self_max == 0 or verifier.status.load > contract.self_load:
+        return None
+    return verifier.status.self_us / 1e6
+
+
+def proposal_limit(contract: Contract, m_init: int) -> int:
+    """The proposal length the cost model assumes for a session: the router's m_init, within the
+    contract's m_max."""
+    return max(1, min(contract.m_max, m_init))
+
+
+def choose_for_session(
+    contract: Contract,
+    session_class: str,
+    drafters: Sequence[InstanceView],
+    verifier: InstanceView | None,
+    *,
+    m_init: int,
+    avoid: Sequence[str] = (),
+    self_decode: bool = True,
+    may_explore: Callable[[str], bool] = lambda _uri: True,
+) -> DecodingChoice | None:
+    """The expected fastest option for a session among the live ``drafters`` the contract permits
+    (those in ``avoid`` only when no other is) and, where permitted (``self_decode``), its
+    verifier alone. A drafter is measured, and explored, per class of session: its acceptance on
+    constrained sessions is not its average (a guided drafter proposes what the grammar forces)."""
+    permitted = [view for view in drafters if drafter_permitted(contract, view.model)] or unreported(drafters)
+    pool = [view for view in permitted if view.uri not in avoid] or permitted
+    return choose_decoding(
+        [drafter_costs(view, session_class) for view in pool],
+        self_decode_s=self_decode_seconds(contract, verifier) if self_decode else None,
+        verify_s=verify_seconds(verifier),
+        m_limit=proposal_limit(contract, m_init),
+        may_explore=may_explore,
+    )
+
+
+def outpaced(
+    current: DrafterCosts, best: DecodingChoice, verifier: InstanceView | None, *, contract: Contract, m_init: int
+) -> bool:
+    """Whether ``best`` is expected to be SWITCH_MARGIN times faster than the measured drafter a
+    session has (``current``)."""
+    rate = drafter_rate(current, verify_s=verify_seconds(verifier), m_limit=proposal_limit(contract, m_init))
+    return best.rate > SWITCH_MARGIN * rate
 
 
 class InstanceRegistry:
