@@ -32,13 +32,9 @@ from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.engines.verifier.observe import (
     FIRST_CURVE_MS,
     PASS_ROWS,
-    PREFIX_HITS,
-    PREFIX_QUERIES,
-    PROBLEMS,
-    ROUND_SECONDS,
     TRACE_ROUNDS,
     PassCurve,
-    init_metrics,
+    VerifierMetrics,
     session_stats,
     session_trace,
 )
@@ -118,6 +114,15 @@ class VerifierEngine:
         )
         self.sessions: dict[bytes, LiveSession] = {}
         self._tasks = BackgroundTasks(uri, log)
+        self.pass_curve = PassCurve()
+        self.metrics = VerifierMetrics(
+            uri,
+            running=self._active_sessions,
+            waiting=lambda: self._scoring.waiting,
+            kv_usage=target.kv_usage,
+            prefix_bytes=self._prefix_bytes,
+            pass_curve=self.pass_curve,
+        )
         self._model_sync = ModelSync(uri, target, self.scorer, self.sessions)
         self._events = RouterEvents(
             uri,
@@ -130,6 +135,7 @@ class VerifierEngine:
         # verifier of [trust] verifiers.
         self._prefix_sharing = PrefixSharing(
             uri=uri,
+            metrics=self.metrics,
             target=target,
             thread=self.scorer,
             mlc=mlc,
@@ -156,7 +162,9 @@ class VerifierEngine:
             model_sync=self._model_sync,
             kv_publisher=self._kv_publisher,
             tasks=self._tasks,
-            history=HistoryPublisher(uri=uri, mlc=mlc, settings=lambda: self.settings, tasks=self._tasks),
+            history=HistoryPublisher(
+                uri=uri, mlc=mlc, settings=lambda: self.settings, tasks=self._tasks, metrics=self.metrics
+            ),
             lookahead=self.lookahead,
         )
         self._long_polls = 0
@@ -166,10 +174,10 @@ class VerifierEngine:
         # Seconds per self-decoded token, for the router's choice between drafters and this
         # verifier alone (status self_us); timed before serving (_time_passes).
         self.self_decode_time = TokenTimer(initial=FIRST_CURVE_MS[0] / 1000)
-        self.pass_curve = PassCurve()
         self._scoring = Scoring(self.scorer, self.pass_curve)
         self._rounds = Rounds(
             uri=uri,
+            metrics=self.metrics,
             target=target,
             mlc=mlc,
             scoring=self._scoring,
@@ -192,14 +200,6 @@ class VerifierEngine:
             token_time=self.self_decode_time,
             active_sessions=self._active_sessions,
             lookahead=self.lookahead,
-        )
-        init_metrics(
-            uri,
-            running=self._active_sessions,
-            waiting=lambda: self._scoring.waiting,
-            kv_usage=target.kv_usage,
-            prefix_bytes=self._prefix_bytes,
-            pass_curve=self.pass_curve,
         )
 
     # -- life and status -------------------------------------------------------------------------
@@ -450,11 +450,11 @@ class VerifierEngine:
             except BadMessage:
                 live.machine.abandon(admitted)
                 raise
-            with ROUND_SECONDS.labels(self.uri).time():
+            with self.metrics.round_seconds.time():
                 return await self._rounds.verify(live, admitted)
         except ProtocolError as exc:
             if exc.problem is not None:
-                PROBLEMS.labels(self.uri, exc.problem.suffix).inc()
+                self.metrics.problem(exc.problem)
             raise
 
     async def output(self, session: bytes, start: int) -> Output:
@@ -597,8 +597,7 @@ class VerifierEngine:
                 self.scorer.run(steps.close)
             raise
         if prefixes is not None:
-            PREFIX_QUERIES.labels(self.uri).inc(prefixes.queries - before[0])
-            PREFIX_HITS.labels(self.uri).inc(prefixes.hits - before[1])
+            self.metrics.prefix_lookups(prefixes.queries - before[0], prefixes.hits - before[1])
 
     async def _constraint(self, constraint: Constraint, stop: Sequence[int]) -> GrammarConstraint:
         """The session's constraint over the target's tokenizer; one this verifier cannot apply

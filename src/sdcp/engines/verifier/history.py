@@ -12,38 +12,37 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from prometheus_client import Counter
-
 from sdcp.cache import MLC
 from sdcp.config import VerifierConfig
 from sdcp.engines.history import directory_uri, history_scope_key, index_uri, list_scope, publish_output
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.live import LiveSession
+from sdcp.engines.verifier.observe import VerifierMetrics
 from sdcp.protocol.messages import Action
 
-__all__ = ["HISTORY_OUTCOMES", "HISTORY_PUBLISHED", "HistoryPublisher"]
+__all__ = ["HistoryPublisher"]
 
 log = logging.getLogger("sdcp.verifier")
-
-HISTORY_OUTCOMES = ("published", "failed")
-HISTORY_PUBLISHED = Counter(
-    "sdcp_verifier_history_published_total",
-    "Finished sessions' outputs published for the drafters' shared history, by outcome",
-    ["instance", "outcome"],
-)
 
 
 class HistoryPublisher:
     """Publishes finished sessions' output to ``mlc`` as ``settings()`` says (``history_scope``,
     ``history_entries``; 0 entries: nothing is published)."""
 
-    def __init__(self, *, uri: str, mlc: MLC, settings: Callable[[], VerifierConfig], tasks: BackgroundTasks) -> None:
+    def __init__(
+        self,
+        *,
+        uri: str,
+        mlc: MLC,
+        settings: Callable[[], VerifierConfig],
+        tasks: BackgroundTasks,
+        metrics: VerifierMetrics,
+    ) -> None:
         self._uri = uri
         self._mlc = mlc
         self._settings = settings
         self._tasks = tasks
-        for outcome in HISTORY_OUTCOMES:
-            HISTORY_PUBLISHED.labels(uri, outcome)
+        self._metrics = metrics
 
     def ended(self, live: LiveSession) -> None:
         """A session ended (or was fenced): its output is published if it finished here."""
@@ -71,7 +70,7 @@ class HistoryPublisher:
         except Exception as exc:  # noqa: BLE001 - the history is an optimisation: the session is done
             log.warning("%s: session %s: output not published: %r", self._uri, machine.session.hex(), exc)
             published = False
-        HISTORY_PUBLISHED.labels(self._uri, "published" if published else "failed").inc()
+        self._metrics.history_published(ok=published)
         if published:
             await self._list(live, settings, key)
 

@@ -29,8 +29,7 @@ __all__ = [
     "PassCurve",
     "RoundTimings",
     "RoundTrace",
-    "init_metrics",
-    "record_round",
+    "VerifierMetrics",
     "session_stats",
     "session_trace",
 ]
@@ -78,41 +77,51 @@ class PassCurve:
 
 # Metrics; every labelled series starts at zero.
 ROUND_KINDS = ("proposal", "self", "cancel")
-ROUNDS = Counter(
+_ROUNDS = Counter(
     "sdcp_verifier_rounds_total",
     "Rounds committed, by kind and by the action of the verdict",
     ["instance", "kind", "outcome"],
 )
-COMMITTED = Counter("sdcp_verifier_tokens_committed_total", "Tokens committed", ["instance"])
-ROUND_SECONDS = Histogram("sdcp_verifier_round_seconds", "Time from admission to verdict", ["instance"])
-PROBLEMS = Counter("sdcp_verifier_problems_total", "Proposals answered with a problem, by type", ["instance", "type"])
-ESCALATIONS = Counter("sdcp_verifier_escalations_total", "Verdicts that escalated, by action", ["instance", "action"])
-SELF_DECODED = Counter("sdcp_verifier_self_decoded_tokens_total", "Tokens the verifier decoded itself", ["instance"])
-M_CAP = Histogram("sdcp_verifier_m_cap", "m_cap of each verdict", ["instance"], buckets=(1, 2, 4, 8, 16, 32, 64))
-APPEND_SECONDS = Histogram("sdcp_verifier_commit_append_seconds", "Commit-log append latency", ["instance"])
-APPEND_CONFLICTS = Counter(
+_COMMITTED = Counter("sdcp_verifier_tokens_committed_total", "Tokens committed", ["instance"])
+_ROUND_SECONDS = Histogram("sdcp_verifier_round_seconds", "Time from admission to verdict", ["instance"])
+_PROBLEMS = Counter("sdcp_verifier_problems_total", "Proposals answered with a problem, by type", ["instance", "type"])
+_ESCALATIONS = Counter("sdcp_verifier_escalations_total", "Verdicts that escalated, by action", ["instance", "action"])
+_SELF_DECODED = Counter("sdcp_verifier_self_decoded_tokens_total", "Tokens the verifier decoded itself", ["instance"])
+_M_CAP = Histogram("sdcp_verifier_m_cap", "m_cap of each verdict", ["instance"], buckets=(1, 2, 4, 8, 16, 32, 64))
+_APPEND_SECONDS = Histogram("sdcp_verifier_commit_append_seconds", "Commit-log append latency", ["instance"])
+_APPEND_CONFLICTS = Counter(
     "sdcp_verifier_commit_conflicts_total", "Commit-log appends refused by their precondition", ["instance"]
 )
-FENCED = Counter("sdcp_verifier_fenced_sessions_total", "Sessions this verifier stopped serving, fenced", ["instance"])
-DRAFTS = Counter("sdcp:spec_decode_num_drafts", "Proposals verified", ["instance"])
+_FENCED = Counter("sdcp_verifier_fenced_sessions_total", "Sessions this verifier stopped serving, fenced", ["instance"])
+_DRAFTS = Counter("sdcp:spec_decode_num_drafts", "Proposals verified", ["instance"])
 # vLLM's names: prompt tokens looked up in the prefix cache, and those whose KV it held.
-PREFIX_QUERIES = Counter("sdcp:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", ["instance"])
-PREFIX_HITS = Counter("sdcp:prefix_cache_hits", "Prompt tokens whose KV the prefix cache held", ["instance"])
-DRAFT_TOKENS = Counter("sdcp:spec_decode_num_draft_tokens", "Tokens proposed in verified proposals", ["instance"])
-ACCEPTED_TOKENS = Counter("sdcp:spec_decode_num_accepted_tokens", "Proposed tokens accepted", ["instance"])
-ACCEPTED_BY_POSITION = Counter(
+_PREFIX_QUERIES = Counter("sdcp:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", ["instance"])
+_PREFIX_HITS = Counter("sdcp:prefix_cache_hits", "Prompt tokens whose KV the prefix cache held", ["instance"])
+_DRAFT_TOKENS = Counter("sdcp:spec_decode_num_draft_tokens", "Tokens proposed in verified proposals", ["instance"])
+_ACCEPTED_TOKENS = Counter("sdcp:spec_decode_num_accepted_tokens", "Proposed tokens accepted", ["instance"])
+_ACCEPTED_BY_POSITION = Counter(
     "sdcp:spec_decode_num_accepted_tokens_per_pos",
     "Proposed tokens accepted, by position (0: first)",
     ["instance", "position"],
 )
-RUNNING = Gauge("sdcp:num_requests_running", "Sessions this verifier decodes", ["instance"])
-WAITING = Gauge("sdcp:num_requests_waiting", "Rounds waiting for a scoring pass", ["instance"])
-PREFIX_BYTES = Gauge("sdcp:prefix_cache_bytes", "Bytes of KV the prefix cache holds", ["instance"])
-KV_USAGE = Gauge("sdcp:kv_cache_usage_perc", "Share of the KV slot pool's positions in use (1 = full)", ["instance"])
-PASS_SECONDS = Gauge(
+_RUNNING = Gauge("sdcp:num_requests_running", "Sessions this verifier decodes", ["instance"])
+_WAITING = Gauge("sdcp:num_requests_waiting", "Rounds waiting for a scoring pass", ["instance"])
+_PREFIX_BYTES = Gauge("sdcp:prefix_cache_bytes", "Bytes of KV the prefix cache holds", ["instance"])
+_KV_USAGE = Gauge("sdcp:kv_cache_usage_perc", "Share of the KV slot pool's positions in use (1 = full)", ["instance"])
+_PASS_SECONDS = Gauge(
     "sdcp_verifier_pass_seconds", "What a pass of this many rows costs, measured (PassCurve)", ["instance", "rows"]
 )
-# The longest proposal a contract allows (SDCP 4.1 m_max): positions of ACCEPTED_BY_POSITION.
+_HISTORY_PUBLISHED = Counter(
+    "sdcp_verifier_history_published_total",
+    "Finished sessions' outputs published for the drafters' shared history, by outcome",
+    ["instance", "outcome"],
+)
+_PREFIX_SHARED = Counter(
+    "sdcp:prefix_cache_shared_objects",
+    "Prefix KV objects of the MLC: published here, used here, or refused (untrusted or unusable)",
+    ["instance", "outcome"],
+)
+# The longest proposal a contract allows (SDCP 4.1 m_max): positions of _ACCEPTED_BY_POSITION.
 _MAX_POSITIONS = 64
 # Rounds each session's trace keeps (GET sessions/{id}/trace), the most recent; each a tuple of
 # TRACE_FIELDS (None: not measured), about 200 bytes, so 256 sessions hold at most about 50 MB.
@@ -142,36 +151,118 @@ def _pass_seconds(curve: PassCurve, rows: int) -> float:
     return curve.ms(rows) / 1000
 
 
-def init_metrics(
-    uri: str,
-    *,
-    running: Callable[[], float],
-    waiting: Callable[[], float],
-    kv_usage: Callable[[], float],
-    prefix_bytes: Callable[[], float],
-    pass_curve: PassCurve,
-) -> None:
-    """Start every series of the instance ``uri`` at zero; the gauges read the given functions."""
-    for kind in ROUND_KINDS:
-        for action in Action:
-            ROUNDS.labels(uri, kind, action.name.lower())
-    for problem in ProblemType:
-        PROBLEMS.labels(uri, problem.suffix)
-    for action in (Action.REDUCE, Action.SWITCH, Action.SELF_DECODE, Action.FAIL):
-        ESCALATIONS.labels(uri, action.name.lower())
-    for position in range(_MAX_POSITIONS):
-        ACCEPTED_BY_POSITION.labels(uri, str(position))
-    for family in (COMMITTED, SELF_DECODED, APPEND_CONFLICTS, FENCED, DRAFTS, DRAFT_TOKENS, ACCEPTED_TOKENS):
-        family.labels(uri)
-    for histogram in (ROUND_SECONDS, M_CAP, APPEND_SECONDS):
-        histogram.labels(uri)
-    RUNNING.labels(uri).set_function(running)
-    WAITING.labels(uri).set_function(waiting)
-    KV_USAGE.labels(uri).set_function(kv_usage)
-    PREFIX_BYTES.labels(uri).set_function(prefix_bytes)
-    start_parts(uri, VERIFIER_PARTS)
-    for rows in PASS_ROWS:
-        PASS_SECONDS.labels(uri, str(rows)).set_function(functools.partial(_pass_seconds, pass_curve, rows))
+class VerifierMetrics:
+    """The verifier instance ``uri``'s series (docs/observability.md maps them to vLLM's), each
+    started at zero; its gauges read the given functions and ``pass_curve``. Bound once, so that a
+    round's metrics cost no label lookups."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        running: Callable[[], float],
+        waiting: Callable[[], float],
+        kv_usage: Callable[[], float],
+        prefix_bytes: Callable[[], float],
+        pass_curve: PassCurve,
+    ) -> None:
+        self.uri = uri
+        self._rounds = {
+            (kind, action): _ROUNDS.labels(uri, kind, action.name.lower()) for kind in ROUND_KINDS for action in Action
+        }
+        self._problems = {problem: _PROBLEMS.labels(uri, problem.suffix) for problem in ProblemType}
+        self._escalations = {
+            action: _ESCALATIONS.labels(uri, action.name.lower())
+            for action in (Action.REDUCE, Action.SWITCH, Action.SELF_DECODE, Action.FAIL)
+        }
+        self._accepted_by_position = [_ACCEPTED_BY_POSITION.labels(uri, str(p)) for p in range(_MAX_POSITIONS)]
+        self._committed = _COMMITTED.labels(uri)
+        self._self_decoded = _SELF_DECODED.labels(uri)
+        self._append_conflicts = _APPEND_CONFLICTS.labels(uri)
+        self._fenced = _FENCED.labels(uri)
+        self._drafts = _DRAFTS.labels(uri)
+        self._draft_tokens = _DRAFT_TOKENS.labels(uri)
+        self._accepted_tokens = _ACCEPTED_TOKENS.labels(uri)
+        self._prefix_queries = _PREFIX_QUERIES.labels(uri)
+        self._prefix_hits = _PREFIX_HITS.labels(uri)
+        self.round_seconds = _ROUND_SECONDS.labels(uri)
+        self._m_cap = _M_CAP.labels(uri)
+        self._append_seconds = _APPEND_SECONDS.labels(uri)
+        self._history = {ok: _HISTORY_PUBLISHED.labels(uri, "published" if ok else "failed") for ok in (True, False)}
+        self._shared = {outcome: _PREFIX_SHARED.labels(uri, outcome) for outcome in ("published", "used", "refused")}
+        _RUNNING.labels(uri).set_function(running)
+        _WAITING.labels(uri).set_function(waiting)
+        _KV_USAGE.labels(uri).set_function(kv_usage)
+        _PREFIX_BYTES.labels(uri).set_function(prefix_bytes)
+        start_parts(uri, VERIFIER_PARTS)
+        for rows in PASS_ROWS:
+            _PASS_SECONDS.labels(uri, str(rows)).set_function(functools.partial(_pass_seconds, pass_curve, rows))
+
+    def committed_round(self, live: LiveSession, pending: PendingCommit) -> None:
+        """Metrics and the session's trace entry of a committed round."""
+        verdict, proposal, emitted = pending.verdict, pending.ticket.proposal, len(pending.record.emitted)
+        if proposal is not None:
+            kind = "proposal"
+        else:
+            kind = "cancel" if live.cancelling and not emitted and verdict.action == Action.FAIL else "self"
+        self._rounds[(kind, verdict.action)].inc()
+        self._committed.inc(emitted)
+        self._m_cap.observe(verdict.m_cap)
+        # An escalation is what a proposal round's outcome decides (SDCP 6.5.2), as in session stats.
+        escalation = self._escalations.get(verdict.action)
+        if kind == "proposal" and escalation is not None:
+            escalation.inc()
+        timings = live.timings
+        entry: dict[str, object] = {
+            "round": verdict.round,
+            "kind": kind,
+            "accepted": verdict.accepted,
+            "emitted": emitted,
+            "committed": verdict.committed,
+            "action": verdict.action.name.lower(),
+            "m_cap": verdict.m_cap,
+            "batch": timings.batch_sizes[-1],
+            "gap_us": timings.gap_us[-1],
+            "model_us": timings.model_us[-1],
+            "append_us": round(1e6 * live.append_s),
+        }
+        if proposal is None:
+            if kind == "self":
+                self._self_decoded.inc(emitted)
+        else:
+            proposed = len(proposal.tokens)
+            self._drafts.inc()
+            self._draft_tokens.inc(proposed)
+            self._accepted_tokens.inc(verdict.accepted)
+            for position in range(min(verdict.accepted, _MAX_POSITIONS)):
+                self._accepted_by_position[position].inc()
+            entry |= {"drafter": proposal.drafter, "proposed": proposed, **_time_split(live, timings.gap_us[-1])}
+        live.trace.append(tuple(entry.get(name) for name in TRACE_FIELDS))
+
+    def problem(self, problem: ProblemType) -> None:
+        """A proposal answered with a problem."""
+        self._problems[problem].inc()
+
+    def prefix_lookups(self, queries: int, hits: int) -> None:
+        """Prompt tokens looked up in the prefix cache, and those whose KV it held."""
+        self._prefix_queries.inc(queries)
+        self._prefix_hits.inc(hits)
+
+    def appended(self, seconds: float) -> None:
+        self._append_seconds.observe(seconds)
+
+    def append_conflict(self) -> None:
+        self._append_conflicts.inc()
+
+    def fenced(self) -> None:
+        self._fenced.inc()
+
+    def history_published(self, *, ok: bool) -> None:
+        self._history[ok].inc()
+
+    def prefix_shared(self, outcome: str) -> None:
+        """A prefix KV object ``published``, ``used`` or ``refused``."""
+        self._shared[outcome].inc()
 
 
 @dataclass
@@ -208,48 +299,6 @@ class RoundTimings:
 
     def to_obj(self) -> dict[str, object]:
         return {"round_gap_us": self.gap_us, "round_model_us": self.model_us, "round_batch": self.batch_sizes}
-
-
-def record_round(uri: str, live: LiveSession, pending: PendingCommit) -> None:
-    """Metrics and the session's trace entry of a committed round."""
-    verdict, proposal, emitted = pending.verdict, pending.ticket.proposal, len(pending.record.emitted)
-    if proposal is not None:
-        kind = "proposal"
-    else:
-        kind = "cancel" if live.cancelling and not emitted and verdict.action == Action.FAIL else "self"
-    action = verdict.action.name.lower()
-    ROUNDS.labels(uri, kind, action).inc()
-    COMMITTED.labels(uri).inc(emitted)
-    M_CAP.labels(uri).observe(verdict.m_cap)
-    # An escalation is what a proposal round's outcome decides (SDCP 6.5.2), as in session stats.
-    if kind == "proposal" and verdict.action in (Action.REDUCE, Action.SWITCH, Action.SELF_DECODE, Action.FAIL):
-        ESCALATIONS.labels(uri, action).inc()
-    timings = live.timings
-    entry: dict[str, object] = {
-        "round": verdict.round,
-        "kind": kind,
-        "accepted": verdict.accepted,
-        "emitted": emitted,
-        "committed": verdict.committed,
-        "action": action,
-        "m_cap": verdict.m_cap,
-        "batch": timings.batch_sizes[-1],
-        "gap_us": timings.gap_us[-1],
-        "model_us": timings.model_us[-1],
-        "append_us": round(1e6 * live.append_s),
-    }
-    if proposal is None:
-        if kind == "self":
-            SELF_DECODED.labels(uri).inc(emitted)
-    else:
-        proposed = len(proposal.tokens)
-        DRAFTS.labels(uri).inc()
-        DRAFT_TOKENS.labels(uri).inc(proposed)
-        ACCEPTED_TOKENS.labels(uri).inc(verdict.accepted)
-        for position in range(min(verdict.accepted, _MAX_POSITIONS)):
-            ACCEPTED_BY_POSITION.labels(uri, str(position)).inc()
-        entry |= {"drafter": proposal.drafter, "proposed": proposed, **_time_split(live, timings.gap_us[-1])}
-    live.trace.append(tuple(entry.get(name) for name in TRACE_FIELDS))
 
 
 def _time_split(live: LiveSession, gap_us: int) -> dict[str, int]:

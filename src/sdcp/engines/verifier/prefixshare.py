@@ -30,12 +30,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from prometheus_client import Counter
-
 from sdcp.cache import MLC, CacheError, ObjectNotFound, build_uri
 from sdcp.cache.prefix import PrefixEntry, share_points
 from sdcp.cache.uri import PREFIX_KV_KIND
 from sdcp.engines.tasks import BackgroundTasks
+from sdcp.engines.verifier.observe import VerifierMetrics
 from sdcp.engines.verifier.rounds import RecordSign
 from sdcp.models.backend import Target
 from sdcp.models.worker import ModelThread, ModelThreadClosed
@@ -52,12 +51,6 @@ MAX_PROBES = 16
 # Names of objects this verifier published, remembered so that a prefix is written once.
 _PUBLISHED_NAMES = 4096
 
-SHARED = Counter(
-    "sdcp:prefix_cache_shared_objects",
-    "Prefix KV objects of the MLC: published here, used here, or refused (untrusted or unusable)",
-    ["instance", "outcome"],
-)
-
 
 def prefix_object_uri(authority: str, block_hash: bytes) -> str:
     return build_uri(authority, None, PREFIX_KV_KIND, block_hash.hex())
@@ -72,6 +65,7 @@ class PrefixSharing:
         self,
         *,
         uri: str,
+        metrics: VerifierMetrics,
         target: Target,
         thread: ModelThread,
         mlc: MLC,
@@ -81,6 +75,7 @@ class PrefixSharing:
         trusted: Callable[[str], bool],
     ) -> None:
         self._uri = uri
+        self._metrics = metrics
         self._target = target
         self._thread = thread
         self._mlc = mlc
@@ -90,8 +85,6 @@ class PrefixSharing:
         self._trusted = trusted
         self._published: OrderedDict[bytes, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
-        for outcome in ("published", "used", "refused"):
-            SHARED.labels(uri, outcome)
 
     def start(self) -> None:
         """Hear of the prefix cache's new entries (told on the scorer's thread)."""
@@ -143,7 +136,7 @@ class PrefixSharing:
         except CacheError as exc:
             log.info("%s: prefix KV %s not shared: %s", self._uri, uri, exc)
             return
-        SHARED.labels(self._uri, "published").inc()
+        self._metrics.prefix_shared("published")
 
     # -- using -------------------------------------------------------------------------------------
 
@@ -172,14 +165,14 @@ class PrefixSharing:
             try:
                 tokens, kv = await asyncio.to_thread(self._checked, data, prefix, scope, length)
             except UntrustedRecord as exc:
-                SHARED.labels(self._uri, "refused").inc()
+                self._metrics.prefix_shared("refused")
                 log.warning("%s: prefix KV %s refused: %s", self._uri, uri, exc)
                 continue
             try:
                 await self._thread.run_async(functools.partial(index.insert, tokens, kv, scope, told=False))
             except ModelThreadClosed:
                 return
-            SHARED.labels(self._uri, "used").inc()
+            self._metrics.prefix_shared("used")
             return
 
     def _checked(self, data: bytes, prefix: Sequence[int], scope: bytes, length: int) -> tuple[list[int], bytes]:

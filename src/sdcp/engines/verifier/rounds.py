@@ -22,12 +22,9 @@ from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.observe import (
-    APPEND_CONFLICTS,
-    APPEND_SECONDS,
-    FENCED,
     PassCurve,
     RoundTrace,
-    record_round,
+    VerifierMetrics,
 )
 from sdcp.latency import observe_part
 from sdcp.models.backend import Target
@@ -126,9 +123,11 @@ class Rounds:
         sweeps: SessionSweeps,
         tasks: BackgroundTasks,
         start_self_decoding: Callable[[LiveSession], None],
+        metrics: VerifierMetrics,
         sign: RecordSign | None = None,
     ) -> None:
         self._uri = uri
+        self._metrics = metrics
         self._sign = sign
         self._target = target
         self._mlc = mlc
@@ -228,14 +227,14 @@ class Rounds:
             live.etag = await live.log.append(record, live.etag)
             live.cert_logged = True
             live.append_s = time.perf_counter() - started
-            APPEND_SECONDS.labels(self._uri).observe(live.append_s)
+            self._metrics.appended(live.append_s)
             return
         except Fenced as exc:
             self._fenced(live, exc)
         except PreconditionFailed as exc:
             # The log changed since this verifier's last record: another writer (a new epoch), or
             # an earlier try of this very record whose answer was lost (a Redis restart).
-            APPEND_CONFLICTS.labels(self._uri).inc()
+            self._metrics.append_conflict()
             failure: Exception = exc
         except Exception as exc:  # noqa: BLE001 - a lost MLC node or Redis: the log tells what happened
             failure = exc
@@ -258,7 +257,7 @@ class Rounds:
         # SDCP 6.3: a fenced append discards the round, releases nothing, stops serving.
         machine = live.machine
         machine.stop_serving()
-        FENCED.labels(self._uri).inc()
+        self._metrics.fenced()
         live.wake_readers()
         self._tasks.spawn(self._model_sync.close(machine.session))
         self._tasks.spawn(self._sweeps.forget_later(live))
@@ -287,7 +286,7 @@ class Rounds:
         verdict = live.machine.apply(pending)
         live.driven()
         live.timings.committed()
-        record_round(self._uri, live, pending)
+        self._metrics.committed_round(live, pending)
         live.wake_readers()
         return verdict
 
