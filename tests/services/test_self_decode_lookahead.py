@@ -7,6 +7,7 @@ whose proposals are always refused, so the ladder moves the session to self-deco
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tests.waiting import eventually
 from sdcp.cache import build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.engines.verifier import PassCurve, lookahead_length
+from sdcp.engines.verifier import engine as engine_module
 from sdcp.localhost import free_port
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import end_of_text_tokens, load_target
@@ -25,6 +27,7 @@ from sdcp.protocol.messages import (
     Action,
     Assignment,
     Contract,
+    Event,
     Proposal,
     Role,
     SessionOpen,
@@ -226,6 +229,59 @@ async def test_a_failed_append_while_self_decoding_leaves_the_model_at_the_commi
     _, body = await clients["drafter"].post_cbor("proposals", _proposal(state, tuple(reference[5:8])).to_obj())
     verdict = Verdict.from_obj(body)
     assert verdict.accepted == 3 and list(verdict.emitted) == reference[5:9]
+
+
+async def test_a_cancel_that_stops_waiting_for_self_decoding_ends_the_session_quietly(
+    node: tuple[VerifierNode, dict[str, SDCPClient]], target: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a busy machine a cancel stops waiting for the self-decoding task and begins its own round
+    while the task waits for its next pass; the task then finds that round in flight. The period
+    gives way to the cancel: no error, no switch event, and the cancel's record ends the session."""
+    verifier, clients = node
+    prompt, reference = _prompt_and_reference(target)
+    await _open_self_decoding_session(verifier, clients, target, prompt, [Action.SELF_DECODE, Action.FAIL])
+    live = verifier.engine.sessions[SESSION]
+    wrong = (reference[0] + 1) % target.vocab_size
+    _, body = await clients["drafter"].post_cbor("proposals", _proposal(live.machine.state(), (wrong,)).to_obj())
+    assert Verdict.from_obj(body).action == Action.SELF_DECODE
+    await eventually(lambda: live.machine.committed >= 3)
+    # The task's next pass waits behind the scorer; the cancel's record waits for the test.
+    scorer_free, append_free = threading.Event(), asyncio.Event()
+    blocker = asyncio.ensure_future(verifier.engine.scorer.run_async(scorer_free.wait))
+    appended = live.log.append
+    cancel_appending = asyncio.Event()
+
+    async def held_append(record: dict[str, object], if_match: str) -> str:
+        if record.get("emitted") == []:
+            cancel_appending.set()
+            await append_free.wait()
+        return await appended(record, if_match)
+
+    live.log.append = held_append  # type: ignore[method-assign]
+    await eventually(lambda: not live.machine.verifying)
+    monkeypatch.setattr(engine_module, "_ROUTER_WAIT_S", 0.0)
+    cancel = asyncio.ensure_future(
+        clients["router"].post_cbor(f"sessions/{session_path_id(SESSION)}/cancel", {"session": SESSION, "epoch": 1})
+    )
+    await cancel_appending.wait()
+    events = verifier.engine._events
+    sent: list[Action] = []
+    send = events.send
+
+    async def counted(event: Event) -> None:
+        sent.append(event.kind)
+        await send(event)
+
+    monkeypatch.setattr(events, "send", counted)
+    scorer_free.set()
+    await blocker
+    await eventually(lambda: live.self_decoder is not None and live.self_decoder.done())
+    append_free.set()
+    _, answer = await cancel
+    state = SessionState.from_obj(answer)
+    assert state.state == Action.FAIL and list(live.machine.tokens) == reference[: state.committed]
+    # The cancel's fail event, and no switch: the session wants no drafter.
+    assert Action.SWITCH not in sent
 
 
 def test_lookahead_length_weighs_a_guess_against_what_its_rows_add_to_the_pass() -> None:

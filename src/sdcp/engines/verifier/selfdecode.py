@@ -155,11 +155,17 @@ class SelfDecoding:
         except Exception as exc:  # noqa: BLE001 - the period ends, the router assigns a drafter again
             if machine.fenced or machine.ended:
                 return
+            event = machine.interrupt_self_decode()
+            if live.cancelling:
+                # A cancel that stopped waiting for this task took the session's next round (a busy
+                # machine): its record ends the session, and no drafter is wanted.
+                log.info("%s: self-decoding of session %s gave way to its cancel", self._uri, machine.session.hex())
+                return
             # The period ends as it would at self_max: the router assigns a drafter again. An MLC
             # that cannot take the record is an operational failure, anything else a fault.
             level = logging.WARNING if isinstance(exc, Unavailable) else logging.ERROR
             log.log(level, "%s: self-decoding of session %s stopped: %r", self._uri, machine.session.hex(), exc)
-            self._tasks.spawn(self._events.send(machine.interrupt_self_decode()))
+            self._tasks.spawn(self._events.send(event))
 
     def _start_pass(
         self,
