@@ -425,13 +425,14 @@ def _print_api(cluster: Any) -> None:
     if cluster.api_key_file.is_file():
         notes.append(f"API key in {cluster.api_key_file}")
     if notes:
-        err_console.print(f"API: {gateway} ({'; '.join(notes)})", highlight=False)
+        # Paths and URLs are copied from here: never wrapped mid-way.
+        err_console.print(f"API: {gateway} ({'; '.join(notes)})", highlight=False, soft_wrap=True)
 
 
 def _print_dashboard(cluster: Any) -> None:
     dashboard = cluster.dashboard
     if dashboard is not None:
-        err_console.print(f"dashboard: {dashboard}", highlight=False)
+        err_console.print(f"dashboard: {dashboard}", highlight=False, soft_wrap=True)
 
 
 def _check_redis(setup: Any) -> None:
