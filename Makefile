@@ -6,19 +6,25 @@ STAMP := $(VENV)/.sdcp-installed
 
 .PHONY: test test-fast test-stress lint format demo install redis model clean
 
+# Independent tests run in parallel processes (pytest-xdist); each test directory that shares one
+# machine-wide resource is one group, run by one worker (tests/conftest.py). TEST_WORKERS=0 runs
+# everything in this process.
+TEST_WORKERS ?= 3
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+
 test: lint redis model
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 # The quick tier while working: protocol, cache, transport, services and the front end on tiny models,
 # without the tests marked slow, the end-to-end runs on SmolLM2 and the benchmark. CI runs `make test`.
 FAST_TESTS := tests/protocol tests/cache tests/transport tests/services tests/frontend tests/test_threads.py tests/test_layout.py
 test-fast: install redis model
-	$(PY) -m pytest -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PARALLEL) -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
 
-# The fast tier slowed: pinned to one core that a busy loop keeps occupied (scripts/test-stress).
+# The whole suite beside a busy neighbour: a loop keeps one core occupied (scripts/test-stress).
 # A test that waits on time instead of on events fails here first.
 test-stress: install redis model
-	scripts/test-stress $(PY) -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
+	scripts/test-stress $(PY) $(PARALLEL) $(PYTEST_ARGS)
 
 # ruff (lint and format check) and mypy, strict over the whole sdcp package (pyproject.toml: packages = ["sdcp"]).
 lint: install
