@@ -30,6 +30,8 @@ TESTS = Path(__file__).resolve().parent
 SERIAL_DIRECTORIES = ("faults", "models")
 
 
+# Before xdist's own hook, which reads the marks into the tests' node ids.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         directory = item.path.relative_to(TESTS).parts[0]

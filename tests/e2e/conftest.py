@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from tests.e2e.homes import fresh_home
-from tests.e2e.support import greedy_reference, sdcp
+from tests.e2e.support import cluster_up, greedy_reference
 
 
 @pytest.fixture(scope="session")
@@ -19,14 +19,10 @@ def reference() -> dict[str, list[int]]:
 def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A local cluster of the default shape, running for the tests of one module."""
     root = fresh_home(tmp_path_factory.mktemp("sdcp-home"))
-    started = sdcp(root, "up", "--gateway-port", "0")
-    assert started.returncode == 0, started.stderr
-    assert "dashboard: http://127.0.0.1:" in started.stderr
-    try:
+    with cluster_up(root, "--gateway-port", "0") as started:
+        assert started.returncode == 0, started.stderr
+        assert "dashboard: http://127.0.0.1:" in started.stderr
         yield root
-    finally:
-        stopped = sdcp(root, "down")
-        assert stopped.returncode == 0, stopped.stderr
 
 
 @pytest.fixture

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,6 +36,18 @@ def sdcp(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedPr
     return subprocess.run(
         [sys.executable, "-m", "sdcp", *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
     )
+
+
+@contextlib.contextmanager
+def cluster_up(home: Path, *args: str) -> Iterator[subprocess.CompletedProcess[str]]:
+    """`sdcp up` in ``home`` with ``args``, its result for the caller to check, and `sdcp down`
+    afterwards whatever the checks found: a check that fails must not leave the cluster running."""
+    started = sdcp(home, "up", *args)
+    try:
+        yield started
+    finally:
+        stopped = sdcp(home, "down")
+        assert stopped.returncode == 0, stopped.stderr
 
 
 def cluster_backend() -> str:

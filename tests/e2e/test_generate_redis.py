@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 import redis
-from tests.e2e.support import MAX_NEW, PROMPTS, sdcp
+from tests.e2e.support import MAX_NEW, PROMPTS, cluster_up, sdcp
 
 from sdcp.cluster import LocalCluster
 from sdcp.localhost import free_port
@@ -156,10 +156,9 @@ def test_a_redis_restart_mid_generation_keeps_every_role_in_and_the_output_ident
     readiness stayed green (failed before: the stream below never ended). The users are now kept in
     the server's ACL file (ACL SAVE), and the restart costs a pause."""
     server, url = acl_redis
-    started = sdcp(empty_home, "up", "--redis", url, "--drafter", "ngram", "--gateway-port", "0")
-    assert started.returncode == 0, started.stderr
-    assert "kept in the server's ACL file" in started.stderr
-    try:
+    with cluster_up(empty_home, "--redis", url, "--drafter", "ngram", "--gateway-port", "0") as started:
+        assert started.returncode == 0, started.stderr
+        assert "kept in the server's ACL file" in started.stderr
         gateway = LocalCluster(empty_home).gateway
         assert gateway is not None
         client = openai.OpenAI(base_url=gateway, api_key="unused", timeout=120, max_retries=0)
@@ -172,5 +171,3 @@ def test_a_redis_restart_mid_generation_keeps_every_role_in_and_the_output_ident
         assert streamed(client, PROMPTS[0], after_first=restart) == quiet
         # Every role is still let in: a new request after the restart is served too.
         assert streamed(client, PROMPTS[0]) == quiet
-    finally:
-        assert sdcp(empty_home, "down").returncode == 0

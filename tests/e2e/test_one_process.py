@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 from tests.e2e.homes import fresh_home
-from tests.e2e.support import MAX_NEW, PROMPTS, sdcp
+from tests.e2e.support import MAX_NEW, PROMPTS, cluster_up, sdcp
 from tests.waiting import wait_until
 
 from sdcp.cluster import LocalCluster
@@ -24,13 +24,9 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def one_process_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = fresh_home(tmp_path_factory.mktemp("sdcp-one-process"))
-    started = sdcp(root, "up", "--gateway-port", "0", "--one-process")
-    assert started.returncode == 0, started.stderr
-    try:
+    with cluster_up(root, "--gateway-port", "0", "--one-process") as started:
+        assert started.returncode == 0, started.stderr
         yield root
-    finally:
-        stopped = sdcp(root, "down")
-        assert stopped.returncode == 0, stopped.stderr
 
 
 def client_of(home: Path) -> openai.OpenAI:

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from tests.e2e.homes import fresh_home
-from tests.e2e.support import sdcp
+from tests.e2e.support import cluster_up, sdcp
 from tests.waiting import wait_until
 
 from sdcp.cluster import LocalCluster
@@ -30,16 +30,12 @@ SERVED = "sdcp-chat"
 def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = fresh_home(tmp_path_factory.mktemp("sdcp-home"))
     options = ["--host", "0.0.0.0", "--served-model-name", SERVED, "--device", "cpu", "--dtype", "float32"]
-    started = sdcp(root, "up", "--gateway-port", "0", "--api-key", KEY, *options)
-    assert started.returncode == 0, started.stderr
-    # `sdcp up` says where the key is and which CA to trust, never the key.
-    assert KEY not in started.stdout + started.stderr
-    assert "API key in" in started.stderr and "TLS: trust" in started.stderr
-    try:
+    with cluster_up(root, "--gateway-port", "0", "--api-key", KEY, *options) as started:
+        assert started.returncode == 0, started.stderr
+        # `sdcp up` says where the key is and which CA to trust, never the key.
+        assert KEY not in started.stdout + started.stderr
+        assert "API key in" in started.stderr and "TLS: trust" in started.stderr
         yield root
-    finally:
-        stopped = sdcp(root, "down")
-        assert stopped.returncode == 0, stopped.stderr
 
 
 def api(home: Path, method: str, path: str, *, key: str | None = KEY, json: object = None) -> httpx.Response:

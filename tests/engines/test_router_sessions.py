@@ -6,31 +6,18 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from tests.protocol.router_contracts import contract
 
 from sdcp.engines.router.sessions import SELF_DECODING, TrackedSession
-from sdcp.protocol.messages import Contract
 from sdcp.protocol.router import RouterSession
 from sdcp.protocol.router_life import IllegalTransition, RouterPhase
-
-CONTRACT = Contract.from_obj(
-    {
-        "target": bytes(32),
-        "tokenizer": bytes(32),
-        "rule": 1,
-        "m_max": 4,
-        "max_new": 8,
-        "stop": [],
-        "low_rounds": 2,
-        "fallback": [1],
-    }
-)
 
 
 def _tracked() -> TrackedSession:
     plan = RouterSession(
         session=bytes(16),
         epoch=1,
-        contract=CONTRACT,
+        contract=contract(),
         prompt=(1, 2, 3),
         commit_log="mlc://life.test/-/log/00",
         verifier="https://v1.test",

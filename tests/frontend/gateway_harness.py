@@ -14,13 +14,12 @@ from typing import Any
 
 import openai
 import pytest
-from tests.waiting import eventually
+from tests.services.identities import Identities, loopback_identities
+from tests.waiting import eventually, eventually_async
 
 from sdcp.config import (
     DrafterConfig,
     GatewayConfig,
-    InstanceConfig,
-    MLCConfig,
     RouterConfig,
     ServiceConfig,
     TrustConfig,
@@ -33,30 +32,26 @@ from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.services.drafter import DrafterNode
 from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode
-from sdcp.transport.certs import make_certs
 
 
 @dataclass
 class Cluster:
     """A router, a tiny verifier and an n-gram drafter; gateways are started by the test."""
 
-    tmp: Path
-    uris: dict[str, str]
-    certs: dict[str, tuple[Path, Path]]
-    ca: Path
+    identities: Identities
     nodes: list[RouterNode | VerifierNode | DrafterNode | GatewayNode] = field(default_factory=list)
 
+    @property
+    def uris(self) -> dict[str, str]:
+        return self.identities.uris
+
     def config(self, name: str, **sections: object) -> ServiceConfig:
-        cert, key = self.certs[name]
-        router = None if name == "router" else self.uris["router"]
-        instance = InstanceConfig(uri=self.uris[name], cert=cert, key=key, ca=self.ca, router=router, ttl_ms=600)
         trust = TrustConfig(
             verifiers=(self.uris["verifier"],),
             drafters=(self.uris["drafter"],),
             front_ends=(self.uris["gateway"],),
         )
-        mlc = MLCConfig(disk_dir=self.tmp / "mlc")
-        return ServiceConfig(instance=instance, mlc=mlc, trust=trust, **sections)  # type: ignore[arg-type]
+        return self.identities.config(name, trust=trust, ttl_ms=600, **sections)
 
     @property
     def verifier(self) -> VerifierNode:
@@ -67,21 +62,18 @@ class Cluster:
         node = GatewayNode(self.config("gateway", gateway=GatewayConfig(listen=listen, model="tiny", **settings)))
         await node.start()
         self.nodes.append(node)
+
+        async def ready() -> bool:
+            return (await node.readiness()).ready
+
         # Ready once the router lists the verifier (and so its target) to the gateway.
-        for _ in range(600):
-            if (await node.readiness()).ready:
-                break
-            await asyncio.sleep(0.05)
+        await eventually_async(ready)
         return node
 
 
 @pytest.fixture
 async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    names = ["router", "verifier", "drafter", "gateway"]
-    uris = {name: f"https://127.0.0.1:{free_port()}" for name in names}
-    issued = make_certs(tmp_path / "certs", list(uris.values()))
-    certs = {name: (issued[uri].cert_path, issued[uri].key_path) for name, uri in uris.items()}
-    env = Cluster(tmp_path, uris, certs, tmp_path / "certs" / "ca.pem")
+    env = Cluster(loopback_identities(tmp_path, ["router", "verifier", "drafter", "gateway"]))
     router = RouterNode(env.config("router", router=RouterConfig()))
     verifier = VerifierNode(
         env.config("verifier", verifier=VerifierConfig(model="tiny", output_wait_s=0.5)),

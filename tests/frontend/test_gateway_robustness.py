@@ -205,8 +205,8 @@ async def test_the_grammars_that_stopped_the_cluster_are_refused_at_every_hop(cl
         "fallback": [3, 5],
         "self_load": 100,
     }
-    cert, key = cluster.certs["gateway"]
-    front_end = SDCPClient(cluster.uris["router"], cert, key, cluster.ca)
+    cert, key = cluster.identities.certs["gateway"]
+    front_end = SDCPClient(cluster.uris["router"], cert, key, cluster.identities.ca)
     try:
         async with httpx.AsyncClient(base_url=base(gateway), timeout=60) as http:
             for grammar in (WIDE_GRAMMAR, CHAIN_GRAMMAR):

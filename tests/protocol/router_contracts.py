@@ -1,6 +1,7 @@
 """A contract for the router policy's tests: fixed target and tokenizer digests, rule 1, switch on
 escalation, and optionally the drafter models it permits; shared by tests/protocol/test_router.py and
-tests/engines/test_self_decode_only_state.py."""
+tests/engines/test_self_decode_only_state.py and
+tests/engines/test_router_sessions.py."""
 
 from __future__ import annotations
 

@@ -16,25 +16,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.services.identities import Identities, loopback_identities
+from tests.services.verifier_harness import contract
 from tests.waiting import eventually
 
 from sdcp.config import (
     DrafterConfig,
-    InstanceConfig,
-    MLCConfig,
     RouterConfig,
     ServiceConfig,
     TrustConfig,
     VerifierConfig,
 )
-from sdcp.localhost import free_port
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
-from sdcp.protocol.messages import Action, Contract
+from sdcp.protocol.messages import Contract
 from sdcp.services.drafter import DrafterNode
 from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode
-from sdcp.transport.certs import make_certs
 from sdcp.transport.client import RetryPolicy, SDCPClient
 
 PROMPT = (5, 17, 42, 9, 100, 3)
@@ -68,27 +66,36 @@ class JumpClock:
 class Deployment:
     """Certificates, configurations and clients for one router and its instances."""
 
-    tmp: Path
-    uris: dict[str, str]
-    certs: dict[str, tuple[Path, Path]]
-    ca: Path
+    identities: Identities
     router: RouterNode | None = None
     nodes: list[VerifierNode | RouterNode | DrafterNode] = field(default_factory=list)
     clients: list[SDCPClient] = field(default_factory=list)
 
+    @property
+    def uris(self) -> dict[str, str]:
+        return self.identities.uris
+
+    @property
+    def certs(self) -> dict[str, tuple[Path, Path]]:
+        return self.identities.certs
+
+    @property
+    def ca(self) -> Path:
+        return self.identities.ca
+
+    @property
+    def tmp(self) -> Path:
+        return self.identities.tmp
+
     def config(self, name: str, **sections: object) -> ServiceConfig:
-        cert, key = self.certs[name]
-        router = None if name == "router" else self.uris["router"]
-        ttl_ms = ROUTER_TTL_MS if name == "router" else INSTANCE_TTL_MS
-        instance = InstanceConfig(uri=self.uris[name], cert=cert, key=key, ca=self.ca, router=router, ttl_ms=ttl_ms)
         trust = TrustConfig(
             verifiers=(self.uris["verifier1"], self.uris["verifier2"]),
             drafters=(self.uris["drafter1"], self.uris["drafter2"]),
             front_ends=(self.uris["frontend"],),
             operators=(self.uris["frontend"],),
         )
-        mlc = MLCConfig(disk_dir=self.tmp / "mlc")
-        return ServiceConfig(instance=instance, mlc=mlc, trust=trust, **sections)  # type: ignore[arg-type]
+        ttl_ms = ROUTER_TTL_MS if name == "router" else INSTANCE_TTL_MS
+        return self.identities.config(name, trust=trust, ttl_ms=ttl_ms, **sections)
 
     def client(self, identity: str, peer: str = "router") -> SDCPClient:
         cert, key = self.certs[identity]
@@ -116,10 +123,7 @@ async def deployed(tmp_path: Path, **router_config: object) -> AsyncIterator[Dep
     """A router on its own (``router_config``: more members of its ServiceConfig, an admin
     listener), and the identities of two verifiers, two drafters and a front end to start."""
     names = ["router", "verifier1", "verifier2", "drafter1", "drafter2", "frontend"]
-    uris = {name: f"https://127.0.0.1:{free_port()}" for name in names}
-    issued = make_certs(tmp_path / "certs", list(uris.values()))
-    certs = {name: (issued[uri].cert_path, issued[uri].key_path) for name, uri in uris.items()}
-    env = Deployment(tmp_path, uris, certs, tmp_path / "certs" / "ca.pem")
+    env = Deployment(loopback_identities(tmp_path, names))
     router = RouterNode(env.config("router", router=RouterConfig(m_init=3), **router_config), clock=JumpClock())
     env.router = router
     await env.start(router)
@@ -139,20 +143,9 @@ async def deployment(tmp_path: Path) -> AsyncIterator[Deployment]:
 
 
 def tiny_contract(model: TargetModel, **overrides: object) -> Contract:
-    obj: dict[str, object] = {
-        "target": model.weights_digest,
-        "tokenizer": model.tokenizer_digest,
-        "rule": 1,
-        "m_max": 4,
-        "max_new": 12,
-        "stop": [],
-        # The n-gram drafter rarely agrees with a random model: only rounds this many in a row
-        # escalate, so sessions run to max_new unless a test asks otherwise.
-        "low_rounds": 1000,
-        "fallback": [Action.REDUCE, Action.FAIL],
-    }
-    obj.update(overrides)
-    return Contract.from_obj(obj)
+    # The n-gram drafter rarely agrees with a random model: only rounds this many in a row escalate,
+    # so sessions run to max_new unless a test asks otherwise.
+    return contract(model, **{"low_rounds": 1000, **overrides})
 
 
 def jump_clock(router: RouterNode | None) -> JumpClock:
