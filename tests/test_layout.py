@@ -81,6 +81,21 @@ def test_each_model_runtime_keeps_to_its_own_folder_and_library() -> None:
         assert not libraries, f"sdcp.models.{shared[:-3]} imports a runtime: {sorted(libraries)}"
 
 
+def test_each_role_engine_is_a_package_whose_metrics_live_in_its_observe_module() -> None:
+    # docs/design.md, engines: a facade (engine), its parts by concern, and one metrics observer per
+    # engine (observe); no other engine module defines metric families.
+    for role in ("verifier", "drafter", "router"):
+        package = SRC / "engines" / role
+        assert (package / "__init__.py").is_file() and (package / "engine.py").is_file(), role
+        assert (package / "observe.py").is_file(), f"sdcp.engines.{role} has no observe module"
+    defining = sorted(
+        str(path.relative_to(SRC))
+        for path in (SRC / "engines").rglob("*.py")
+        if "prometheus_client" in _module_imports(path) and path.name != "observe.py"
+    )
+    assert not defining, f"metric families outside the engines' observe modules: {defining}"
+
+
 def _top_level_imports(location: Path) -> set[str]:
     return {name.split(".")[0] for name in _module_imports(location)}
 
