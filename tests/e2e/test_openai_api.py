@@ -330,11 +330,14 @@ def test_one_request_id_in_the_gateways_routers_and_verifiers_logs(home: Path) -
         model="smollm2", prompt="Hi", max_tokens=2, temperature=0, extra_headers={"X-Request-Id": request_id}
     )
     logs = home / "cluster" / "logs"
+
+    def named(name: str) -> list[str]:
+        return [line for line in (logs / f"{name}.log").read_text().splitlines() if request_id in line]
+
     for name in ("gateway", "router", "verifier"):
-        lines = [line for line in (logs / f"{name}.log").read_text().splitlines() if request_id in line]
-        assert lines, f"{name}.log does not name {request_id}"
-    access = [line for line in (logs / "gateway.log").read_text().splitlines() if request_id in line][-1]
-    assert "POST /v1/completions 200" in access
+        assert named(name), f"{name}.log does not name {request_id}"
+    # The access line is written once the response has gone, which the client may see first.
+    wait_until(lambda: "POST /v1/completions 200" in named("gateway")[-1], what="the gateway's access line")
 
 
 def test_an_api_key_tls_and_json_logs(home: Path, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ come."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from tests.faults.deployment import Deployment, Run
@@ -19,7 +20,7 @@ HUNG_S = 600.0
 SESSIONS = 4
 
 
-def _record(deployment: Deployment, name: str, **figures: Any) -> None:
+def record_figures(deployment: Deployment, name: str, **figures: Any) -> None:
     path = deployment.tmp / "measurements.json"
     measured = json.loads(path.read_text()) if path.exists() else {}
     measured[name] = figures
@@ -27,7 +28,7 @@ def _record(deployment: Deployment, name: str, **figures: Any) -> None:
     print(name, figures)
 
 
-def _check_outputs(run: Run, reference: list[int]) -> dict[str, int]:
+def check_outputs(run: Run, reference: list[int]) -> dict[str, int]:
     """Every session complete, token for token the reference: none lost, none repeated."""
     lost = repeated = 0
     for session in range(SESSIONS):
@@ -45,7 +46,7 @@ def _check_outputs(run: Run, reference: list[int]) -> dict[str, int]:
     return {"lost": lost, "repeated": repeated}
 
 
-def _start(deployment: Deployment, max_new: int) -> Run:
+def start_sessions(deployment: Deployment, max_new: int) -> Run:
     """Sessions under way: each has its first tokens and hundreds to go, so that a fault that
     begins now finds every one of them running."""
     run = deployment.run(SESSIONS, max_new)
@@ -53,6 +54,32 @@ def _start(deployment: Deployment, max_new: int) -> Run:
     return run
 
 
-def _check_running(run: Run) -> None:
+def check_running(run: Run) -> None:
     """The fault began while every session was running."""
     assert not run.done, f"sessions ended before the fault: {sorted(run.done)}"
+
+
+def wait_all_done(run: Run) -> None:
+    run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
+
+
+def fail_over_verifier(deployment: Deployment, run: Run, session: int = 0) -> tuple[list[int], float]:
+    """The failover of a verifier, as each test that needs one does it: the host of ``session``'s
+    verifier is cut off (while every session still runs) until each session it served runs at a
+    later epoch elsewhere, then its link is back. The sessions it served, and when the cut began."""
+    uri = run.opened[session]["verifier"]
+    host = next(name for name in ("verifier-a", "verifier-b") if deployment.uri(name) == uri)
+    affected = [s for s, opened in run.opened.items() if opened["verifier"] == uri]
+    cut_at = time.monotonic()
+    deployment.net.cut(host)
+    try:
+        check_running(run)
+        run.wait(lambda r: all(r.epoch.get(s, 1) >= 2 for s in affected), HUNG_S)
+    finally:
+        deployment.net.restore(host)
+    return affected, cut_at
+
+
+def check_moved(run: Run, affected: list[int], epoch: int = 2) -> None:
+    for session in affected:
+        assert run.done[session]["epochs"][-1] == epoch, "the session did not move to a new epoch"

@@ -19,7 +19,17 @@ from typing import Any
 
 import pytest
 from tests.faults.deployment import ADMIN_PORT, INSTANCES, REPO, Deployment, Run
-from tests.faults.fault_runs import HUNG_S, SESSIONS, _check_outputs, _check_running, _record, _start
+from tests.faults.fault_runs import (
+    HUNG_S,
+    SESSIONS,
+    check_moved,
+    check_outputs,
+    check_running,
+    fail_over_verifier,
+    record_figures,
+    start_sessions,
+    wait_all_done,
+)
 
 from sdcp.cache.redis_acl import ADMIN
 
@@ -31,7 +41,7 @@ VERIFIERS = ("verifier-a", "verifier-b")
 
 
 def test_a_drafter_host_cut_off_mid_session(deployment: Deployment, reference: dict[int, list[int]]) -> None:
-    run = _start(deployment, 300)
+    run = start_sessions(deployment, 300)
     drafters = Counter(opened["drafter"] for opened in run.opened.values())
     victim_uri = drafters.most_common(1)[0][0]
     victim = next(host for host in ("drafter-1", "drafter-2") if deployment.uri(host) == victim_uri)
@@ -39,43 +49,33 @@ def test_a_drafter_host_cut_off_mid_session(deployment: Deployment, reference: d
     cut_at = time.monotonic()
     deployment.net.cut(victim)
     try:
-        _check_running(run)
-        run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
+        check_running(run)
+        wait_all_done(run)
     finally:
         deployment.net.restore(victim)
     recovery = run.longest_stall(affected, cut_at)
-    figures = _check_outputs(run, reference[300])
-    _record(deployment, "drafter host cut", recovery_s=round(recovery, 2), sessions=len(affected), **figures)
+    figures = check_outputs(run, reference[300])
+    record_figures(deployment, "drafter host cut", recovery_s=round(recovery, 2), sessions=len(affected), **figures)
 
 
 def test_the_verifier_host_cut_off_fails_over_and_its_return_changes_nothing(
     deployment: Deployment, reference: dict[int, list[int]]
 ) -> None:
-    run = _start(deployment, 300)
-    verifier_uri = run.opened[0]["verifier"]
-    victim = next(host for host in ("verifier-a", "verifier-b") if deployment.uri(host) == verifier_uri)
-    affected = [s for s, opened in run.opened.items() if opened["verifier"] == verifier_uri]
-    cut_at = time.monotonic()
-    deployment.net.cut(victim)
-    try:
-        _check_running(run)
-        # The old verifier comes back while its sessions run elsewhere, its proposals in flight.
-        run.wait(lambda r: all(r.epoch.get(s) == 2 for s in affected), HUNG_S)
-        deployment.net.restore(victim)
-        run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
-    finally:
-        deployment.net.restore(victim)
+    run = start_sessions(deployment, 300)
+    # The old verifier comes back while its sessions run elsewhere, its proposals in flight.
+    affected, cut_at = fail_over_verifier(deployment, run)
+    wait_all_done(run)
     recovery = run.longest_stall(affected, cut_at)
-    figures = _check_outputs(run, reference[300])
+    figures = check_outputs(run, reference[300])
+    check_moved(run, affected)
     for session in affected:
-        assert run.done[session]["epochs"][-1] == 2, "the session did not move to a new epoch"
         # SDCP 6.8, 6.9: the fence, then the new epoch only; the old verifier committed nothing after it.
         records = deployment.commit_log(run.opened[session]["id"])
         fence = records.index({"epoch": 2})
         assert {r["epoch"] for r in records[:fence]} == {1} and {r["epoch"] for r in records[fence + 1 :]} == {2}
         assert records[-1]["committed"] == len(reference[300])
     recovery_s = round(recovery, 2)
-    _record(deployment, "verifier host cut, then back", recovery_s=recovery_s, sessions=len(affected), **figures)
+    record_figures(deployment, "verifier host cut, then back", recovery_s=recovery_s, sessions=len(affected), **figures)
 
 
 def test_loss_and_delay_on_the_drafters_links_slow_and_change_nothing(
@@ -89,36 +89,36 @@ def test_loss_and_delay_on_the_drafters_links_slow_and_change_nothing(
     try:
         started = time.monotonic()
         run = deployment.run(SESSIONS, 40)
-        run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
+        wait_all_done(run)
         elapsed = time.monotonic() - started
     finally:
         for host, relay in zip(drafters, relays, strict=True):
             deployment.net.clear_loss(host)
             deployment.net.clear_delay(host, relay)
-    figures = _check_outputs(run, reference[40])
-    _record(deployment, "30% loss and 50 ms delay on both drafters' links", seconds=round(elapsed, 1), **figures)
+    figures = check_outputs(run, reference[40])
+    record_figures(deployment, "30% loss and 50 ms delay on both drafters' links", seconds=round(elapsed, 1), **figures)
 
 
 def test_a_link_cut_right_after_commits_repeats_no_round(
     deployment: Deployment, reference: dict[int, list[int]]
 ) -> None:
-    run = _start(deployment, 300)
+    run = start_sessions(deployment, 300)
     # Verdicts in flight are lost both ways; the drafters ask again for the same rounds.
     for host in ("drafter-1", "drafter-2"):
         deployment.net.cut(host)
     try:
-        _check_running(run)
+        check_running(run)
         time.sleep(0.5)  # the outage
     finally:
         for host in ("drafter-1", "drafter-2"):
             deployment.net.restore(host)
-    run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
-    figures = _check_outputs(run, reference[300])
+    wait_all_done(run)
+    figures = check_outputs(run, reference[300])
     for session in range(SESSIONS):
         # Each round once: rounds strictly increase and the last record holds every token.
         rounds = [r["round"] for r in deployment.commit_log(run.opened[session]["id"]) if "round" in r]
         assert rounds == sorted(set(rounds))
-    _record(deployment, "drafter links cut for 0.5 s with verdicts in flight", **figures)
+    record_figures(deployment, "drafter links cut for 0.5 s with verdicts in flight", **figures)
 
 
 @pytest.mark.parametrize(
@@ -129,16 +129,16 @@ def test_a_killed_and_restarted_process_loses_nothing(
 ) -> None:
     """Redis restarts from its append-only file; the router restarts knowing no session, which the
     sessions in flight do not need until a failover (docs/reliability.md)."""
-    run = _start(deployment, 300)
+    run = start_sessions(deployment, 300)
     killed_at = time.monotonic()
     deployment.kill(host)
-    _check_running(run)
+    check_running(run)
     time.sleep(1.0)  # the outage
     deployment.restart(host)
-    run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
-    figures = _check_outputs(run, reference[300])
+    wait_all_done(run)
+    figures = check_outputs(run, reference[300])
     stall = run.longest_stall(list(range(SESSIONS)), killed_at)
-    _record(deployment, name, recovery_s=round(stall, 2), **figures)
+    record_figures(deployment, name, recovery_s=round(stall, 2), **figures)
 
 
 def test_a_restarted_router_fails_over_the_sessions_it_opened_before(
@@ -147,28 +147,18 @@ def test_a_restarted_router_fails_over_the_sessions_it_opened_before(
     """The router is killed -9 and restarted knowing no session in memory; then the verifier of the
     sessions is cut off. The restarted router loads each session from the shared tier when its
     front end asks where it went, fences it and resumes it at the other verifier (#29)."""
-    run = _start(deployment, 400)
+    run = start_sessions(deployment, 400)
     deployment.kill("router")
-    _check_running(run)
+    check_running(run)
     time.sleep(1.0)  # the outage
     deployment.restart("router")
     deployment.wait_registered(INSTANCES)
-    verifier_uri = run.opened[0]["verifier"]
-    victim = next(host for host in ("verifier-a", "verifier-b") if deployment.uri(host) == verifier_uri)
-    affected = [s for s, opened in run.opened.items() if opened["verifier"] == verifier_uri]
-    cut_at = time.monotonic()
-    deployment.net.cut(victim)
-    try:
-        _check_running(run)
-        run.wait(lambda r: all(r.epoch.get(s) == 2 for s in affected), HUNG_S)
-    finally:
-        deployment.net.restore(victim)
-    run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
-    figures = _check_outputs(run, reference[400])
-    for session in affected:
-        assert run.done[session]["epochs"][-1] == 2, "the session did not move to a new epoch"
+    affected, cut_at = fail_over_verifier(deployment, run)
+    wait_all_done(run)
+    figures = check_outputs(run, reference[400])
+    check_moved(run, affected)
     recovery = run.longest_stall(affected, cut_at)
-    _record(
+    record_figures(
         deployment,
         "router killed -9 and restarted, then the verifier cut",
         recovery_s=round(recovery, 2),
@@ -178,18 +168,18 @@ def test_a_restarted_router_fails_over_the_sessions_it_opened_before(
 
 
 def test_redis_unreachable_for_ten_seconds(deployment: Deployment, reference: dict[int, list[int]]) -> None:
-    run = _start(deployment, 300)
+    run = start_sessions(deployment, 300)
     cut_at = time.monotonic()
     deployment.net.cut("redis")
     try:
-        _check_running(run)
+        check_running(run)
         time.sleep(10.0)  # the outage
     finally:
         deployment.net.restore("redis")
-    run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
-    figures = _check_outputs(run, reference[300])
+    wait_all_done(run)
+    figures = check_outputs(run, reference[300])
     stall = run.longest_stall(list(range(SESSIONS)), cut_at)
-    _record(deployment, "Redis unreachable for 10 s", recovery_s=round(stall, 2), **figures)
+    record_figures(deployment, "Redis unreachable for 10 s", recovery_s=round(stall, 2), **figures)
 
 
 def _has_received(tokens: int) -> Callable[[Run], bool]:
@@ -237,7 +227,7 @@ def test_kill_9_of_every_role_at_seeded_random_points(deployment: Deployment, re
             failed += 1
     assert set(run.opened) <= set(run.done), "a session opened and never ended"
     name = "kill -9 of each role, seeded order"
-    _record(deployment, name, sessions=len(run.done), completed=completed, failed_clearly=failed, kills=killed)
+    record_figures(deployment, name, sessions=len(run.done), completed=completed, failed_clearly=failed, kills=killed)
 
 
 def _check_fenced_after(records: list[dict[str, Any]], at: int, length: int) -> None:
@@ -297,10 +287,8 @@ def test_a_record_forged_into_redis_is_refused_by_acl_and_without_acls_never_rep
     the attacker appends a record in the verifier's name to a live session's log, signed with the
     drafter's own key; the verifier is cut off; the failover replays only the verifier's signed
     records: 0 forged tokens reach the client."""
-    run = _start(deployment, 400)
+    run = start_sessions(deployment, 400)
     verifier_uri = run.opened[0]["verifier"]
-    victim, _ = _other_verifier(deployment, verifier_uri)
-    affected = [s for s, opened in run.opened.items() if opened["verifier"] == verifier_uri]
     target = run.opened[0]["id"]
     refusals = _forge(deployment, "drafter-1", "try", "drafter", target, writer=verifier_uri)
     assert all(refusals.values()), f"the drafter's user wrote to the commit log: {refusals}"
@@ -318,16 +306,10 @@ def test_a_record_forged_into_redis_is_refused_by_acl_and_without_acls_never_rep
         cert=cert,
         key=key,
     )
-    cut_at = time.monotonic()
-    deployment.net.cut(victim)
-    try:
-        _check_running(run)
-        run.wait(lambda r: all(r.epoch.get(s, 1) >= 2 for s in affected), HUNG_S)
-    finally:
-        deployment.net.restore(victim)
-    run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
+    affected, cut_at = fail_over_verifier(deployment, run)
+    wait_all_done(run)
     recovery = run.longest_stall(affected, cut_at)
-    figures = _check_outputs(run, reference[400])
+    figures = check_outputs(run, reference[400])
     n = forged["committed"] - len(forged["emitted"])
     assert run.done[0]["tokens"][n : forged["committed"]] != forged["emitted"]
     untrusted = _untrusted_records(deployment) - untrusted_before
@@ -337,7 +319,7 @@ def test_a_record_forged_into_redis_is_refused_by_acl_and_without_acls_never_rep
     records = deployment.commit_log(target, ("epoch", "round", "committed", "writer", "verifier"))
     at = records.index({**{k: forged[k] for k in ("epoch", "round", "committed")}, "writer": verifier_uri})
     _check_fenced_after(records, at, len(reference[400]))
-    _record(
+    record_figures(
         deployment,
         "record forged into Redis: drafter's user refused, admin's not replayed",
         refused_writes=len(refusals),
@@ -356,10 +338,8 @@ def test_a_second_verifier_appending_at_the_next_epoch_is_not_replayed(
     signed record at epoch + 1 to a session of the first, whose log no fence names it in. The first
     verifier is cut off; the failover fences above that epoch, naming the second verifier, and
     replays none of the intruding record: the output is the reference."""
-    run = _start(deployment, 400)
-    verifier_uri = run.opened[0]["verifier"]
-    victim, second = _other_verifier(deployment, verifier_uri)
-    affected = [s for s, opened in run.opened.items() if opened["verifier"] == verifier_uri]
+    run = start_sessions(deployment, 400)
+    _, second = _other_verifier(deployment, run.opened[0]["verifier"])
     target = run.opened[0]["id"]
     untrusted_before = _untrusted_records(deployment)
     cert, key = deployment.cert(second)
@@ -372,16 +352,10 @@ def test_a_second_verifier_appending_at_the_next_epoch_is_not_replayed(
     }
     forged = _forge(deployment, second, "append", "verifier", target, **options)
     assert forged["epoch"] == 2
-    cut_at = time.monotonic()
-    deployment.net.cut(victim)
-    try:
-        _check_running(run)
-        run.wait(lambda r: all(r.epoch.get(s, 1) >= 2 for s in affected), HUNG_S)
-    finally:
-        deployment.net.restore(victim)
-    run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
+    affected, cut_at = fail_over_verifier(deployment, run)
+    wait_all_done(run)
     recovery = run.longest_stall(affected, cut_at)
-    figures = _check_outputs(run, reference[400])
+    figures = check_outputs(run, reference[400])
     untrusted = _untrusted_records(deployment) - untrusted_before
     assert untrusted >= 1, "the router's replay did not count the intruding record"
     # The log: the first verifier's records at epoch 1, the intruder's at 2, then the router's fence
@@ -394,7 +368,7 @@ def test_a_second_verifier_appending_at_the_next_epoch_is_not_replayed(
     fences = [r for r in records[at + 1 :] if r.keys() == {"epoch", "verifier"}]
     assert fences[-1]["verifier"] == deployment.uri(second)
     assert run.done[0]["epochs"][-1] >= 3
-    _record(
+    record_figures(
         deployment,
         "a second verifier appends at epoch + 1, then the verifier cut",
         forged_tokens=0,
