@@ -6,11 +6,11 @@ STAMP := $(VENV)/.sdcp-installed
 
 .PHONY: test test-fast test-stress lint format demo install redis model clean
 
-# Independent tests run in parallel processes (pytest-xdist); each test directory that shares one
-# machine-wide resource is one group, run by one worker (tests/conftest.py). TEST_WORKERS=0 runs
+# Test files run in parallel processes (pytest-xdist), each file whole on one worker, so that its
+# module fixtures (a cluster, a model's reference decoding) are made once. TEST_WORKERS=0 runs
 # everything in this process.
 TEST_WORKERS ?= 3
-PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 test: lint redis model
 	$(PY) -m pytest $(PARALLEL) $(PYTEST_ARGS)

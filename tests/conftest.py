@@ -1,6 +1,5 @@
 """Fixtures shared by every test directory: a real redis-server on loopback, and a guard that fails
-a test in which any sdcp component logged an error; and the groups that parallel runs keep on one
-worker each (pytest-xdist's loadgroup, which `make test` uses)."""
+a test in which any sdcp component logged an error."""
 
 from __future__ import annotations
 
@@ -22,21 +21,6 @@ def _load_redis_plugin() -> object:
 
 
 redis_url = _load_redis_plugin().redis_url  # type: ignore[attr-defined]
-
-TESTS = Path(__file__).resolve().parent
-# Directories whose tests run one at a time even in a parallel run: the fault tests build networks
-# of processes in namespaces and kill them at chosen moments, and the model tests each keep every
-# core busy with llama.cpp or torch; two of either at once would only slow both.
-SERIAL_DIRECTORIES = ("faults", "models")
-
-
-# Before xdist's own hook, which reads the marks into the tests' node ids.
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        directory = item.path.relative_to(TESTS).parts[0]
-        if directory in SERIAL_DIRECTORIES:
-            item.add_marker(pytest.mark.xdist_group(directory))
 
 
 @pytest.fixture(autouse=True)
