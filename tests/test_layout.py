@@ -121,14 +121,10 @@ def _imports_of(package: Path, layers: set[str]) -> set[str]:
     """The imports of ``package``'s modules (read, not imported) that name one of ``layers``."""
     found: set[str] = set()
     for path in sorted(package.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            for name in names:
-                parts = name.split(".")
-                if parts[0] == "sdcp" and len(parts) > 1 and parts[1] in layers:
-                    found.add(f"{path.relative_to(ROOT)}: {name}")
+        for name in _module_imports(path):
+            parts = name.split(".")
+            if parts[0] == "sdcp" and len(parts) > 1 and parts[1] in layers:
+                found.add(f"{path.relative_to(ROOT)}: {name}")
     return found
 
 
