@@ -5,10 +5,20 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from sdcp.threads import limit_native_threads
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Each worker is one of several test processes sharing the cores (`make test`): a torch team of
+    # more than one thread would spin at the end of every operator for a thread parked behind another
+    # worker (sdcp.threads), which made the torch tests seven times slower than alone. Read before
+    # torch is imported; the roles a test starts as processes set their own budget.
+    limit_native_threads(1)
 
 
 def _load_redis_plugin() -> object:

@@ -53,10 +53,12 @@ def target(gguf: Path) -> LlamaCppTarget:
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_fetch: FetchResult) -> list[list[int]]:
-    """Every benchmark prompt through the chat template, and one long prompt: all of them in a row."""
+    """Every other benchmark prompt through the chat template (each workload's kinds), and one long
+    prompt made of all of them in a row: SESSIONS prompts, one batch."""
     tokenizer = load_tokenizer("smollm2")
     chats = [tokenize_prompt(tokenizer, text) for workload in load_workloads() for text in workload.prompts]
-    return [*chats, [token for chat in chats for token in chat][:LONG_PROMPT_TOKENS]]
+    long_prompt = [token for chat in chats for token in chat][:LONG_PROMPT_TOKENS]
+    return [*chats[::2][: SESSIONS - 1], long_prompt]
 
 
 @pytest.fixture(scope="module")
