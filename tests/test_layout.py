@@ -63,6 +63,18 @@ def test_the_services_are_the_sdcp_roles_below_the_front_end() -> None:
     assert not openai_named, f"OpenAI API code outside sdcp.frontend: {openai_named}"
 
 
+def test_a_role_imports_torch_only_to_run_a_torch_model() -> None:
+    # A verifier on llama.cpp and a prompt-lookup drafter start without torch and transformers
+    # (seconds of every role's start); sdcp.models.registry imports them where it loads one.
+    probe = (
+        "import sys, sdcp.services.verifier, sdcp.services.drafter, sdcp.services.router, sdcp.frontend.gateway\n"
+        "import sdcp.models.llamacpp.target, sdcp.models.llamacpp.drafter, sdcp.models.registry, sdcp.together\n"
+        "print('\\n'.join(sorted({n.split('.')[0] for n in sys.modules})))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert {"torch", "transformers"} & set(out.stdout.split()) == set()
+
+
 RUNTIME_LIBRARIES = {"hf": {"torch", "transformers"}, "llamacpp": {"llama_cpp"}, "lookup": set()}
 
 

@@ -134,7 +134,7 @@ def _q_rows() -> str:
 def _kv() -> str:
     import torch
 
-    from sdcp.models.kvformat import encode_kv
+    from sdcp.models.hf.kvblob import encode_kv
 
     layer = (torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
     blob = encode_kv(hashlib.sha256(b"target weights").digest(), [5, 6, 7], [layer])

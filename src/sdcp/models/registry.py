@@ -10,19 +10,14 @@ earlier sessions' outputs), `hf:<name or path>` (any of the torch names) or `lla
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from typing import TYPE_CHECKING, Any
 
 from sdcp.models.backend import DEFAULT_KV_SLOTS, LLAMACPP_KV_SLOTS, Target, TargetBackend
 from sdcp.models.drafter import Drafter
 from sdcp.models.errors import ModelError, UnknownModel
-from sdcp.models.hf import tiny
-from sdcp.models.hf.drafter import HFDrafter
-from sdcp.models.hf.target import TargetModel
 from sdcp.models.lookup.ngram import NgramDrafter
 from sdcp.models.lookup.suffix import SuffixDrafter
 from sdcp.models.weights.fetch import SMOLLM2_GGUF_NAME, SMOLLM2_NAME
@@ -32,6 +27,13 @@ NGRAM_SPEC = "ngram"
 SUFFIX_SPEC = "suffix"
 HF_PREFIX = "hf:"
 LLAMACPP_PREFIX = "llamacpp:"
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+# torch and transformers are imported by the functions that load a torch model: a verifier on
+# llama.cpp and a prompt-lookup drafter never import them (seconds of a role's start).
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,10 @@ class LoadedModel:
 
 def load_tokenizer(name_or_path: str, home: Path | None = None) -> object:
     """Only the tokenizer of a named or local model: what a front end needs, without weights."""
+    from transformers import AutoTokenizer
+
+    from sdcp.models.hf import tiny
+
     if name_or_path in (TINY_NAME, TINY_DRAFT_NAME):
         return tiny.tiny_tokenizer()
     return AutoTokenizer.from_pretrained(model_dir(name_or_path, home))
@@ -52,8 +58,20 @@ def target_vocab_size(name_or_path: str, home: Path | None = None) -> int:
     """The vocabulary size V of a named or local model, from its configuration only (no weights):
     a drafter's rows must have the target's (SDCP 5.2 q_rows)."""
     if name_or_path in (TINY_NAME, TINY_DRAFT_NAME):
+        from sdcp.models.hf import tiny
+
         return int(tiny.tiny_config().vocab_size)
-    return int(AutoConfig.from_pretrained(model_dir(name_or_path, home)).vocab_size)
+    # Read from config.json itself: transformers' AutoConfig imports torch, which a prompt-lookup
+    # drafter never needs otherwise.
+    path = model_dir(name_or_path, home) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UnknownModel(f"{path} is not a readable model configuration: {exc}") from exc
+    vocab_size = config.get("vocab_size") if isinstance(config, dict) else None
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        raise UnknownModel(f"{path} names no vocab_size")
+    return vocab_size
 
 
 def end_of_text_tokens(tokenizer: Any) -> list[int]:
@@ -68,6 +86,11 @@ def end_of_text_tokens(tokenizer: Any) -> list[int]:
 
 def load_model(name_or_path: str, home: Path | None = None) -> LoadedModel:
     """Load a named or local causal LM in fp32, eval mode, with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sdcp.models.hf import tiny
+
     if name_or_path == TINY_NAME:
         return LoadedModel(TINY_NAME, tiny.tiny_model(), tiny.tiny_tokenizer())
     if name_or_path == TINY_DRAFT_NAME:
@@ -81,6 +104,8 @@ def load_model(name_or_path: str, home: Path | None = None) -> LoadedModel:
 def torch_placement(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """A configured device ("cpu", "cuda", "cuda:N", "mps") and dtype ("float32", "bfloat16",
     "float16") as torch's; a device this host lacks is a ModelError with one line."""
+    import torch
+
     try:
         placed = torch.device(device)
     except RuntimeError as exc:
@@ -124,6 +149,8 @@ def load_target(
             threads=threads,
             prefix_cache_bytes=prefix_cache_bytes,
         )
+    from sdcp.models.hf.target import TargetModel
+
     placed, torch_dtype = torch_placement(device, dtype)
     loaded = load_model(name_or_path, home)
     return TargetModel(
@@ -193,6 +220,8 @@ def load_drafter(
     if spec == SUFFIX_SPEC:
         return SuffixDrafter(vocab_size)
     if spec.startswith(HF_PREFIX) and len(spec) > len(HF_PREFIX):
+        from sdcp.models.hf.drafter import HFDrafter
+
         placed, torch_dtype = torch_placement(device, dtype)
         loaded = load_model(spec.removeprefix(HF_PREFIX), home)
         drafter = HFDrafter(loaded.model, name=spec, device=placed, dtype=torch_dtype)

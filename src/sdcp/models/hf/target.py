@@ -34,9 +34,9 @@ from sdcp.models.backend import (
 )
 from sdcp.models.errors import BadTokens, KVFormatError, ModelError, SessionExists
 from sdcp.models.hf import kvcache
+from sdcp.models.hf.kvblob import decode_kv, decode_kv_layers, encode_kv, encode_kv_layers
 from sdcp.models.hf.packed import pack_weights, with_packed_linears
 from sdcp.models.hf.ragged import RaggedBatchCache, SlotPass, supports_ragged_attention, use_ragged_attention
-from sdcp.models.kvformat import decode_kv, decode_kv_layers, encode_kv, encode_kv_layers
 from sdcp.models.weights.digests import tokenizer_definition, tokenizer_digest, weights_digest
 
 log = logging.getLogger("sdcp.models")

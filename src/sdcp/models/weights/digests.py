@@ -19,12 +19,17 @@ import hashlib
 import struct
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from tokenizers import Tokenizer
 
 from sdcp.models.errors import ModelError
 from sdcp.protocol.contract import tokenizer_definition_digest
+
+if TYPE_CHECKING:
+    # Only a torch model has its weights digested here: a llama.cpp verifier, which digests its
+    # GGUF file, never imports torch.
+    import torch
 
 
 def weights_digest(model: torch.nn.Module) -> bytes:
@@ -44,6 +49,8 @@ def _little_endian_bytes(tensor: torch.Tensor) -> bytes:
     # torch keeps CPU tensors in host byte order; the digest is defined over little-endian bytes.
     if sys.byteorder != "little":
         raise ModelError("weights digests are only computed on little-endian hosts")
+    import torch
+
     return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
