@@ -41,36 +41,48 @@ def no_background_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     assert not errors, "errors logged during the test: " + "; ".join(r.getMessage() for r in errors)
 
 
-# The files that took a minute or more under `make test` (--durations, three workers), longest first.
-# xdist hands whole files to the workers in collection order: these start first, and the many short
-# files fill the workers' ends, instead of a long file starting last and running alone.
+# The files that took half a minute or more under `make test` (--durations, three workers), longest
+# first, then the other files of the directories whose tests start clusters or run models, then the
+# rest. xdist hands whole files to the workers in collection order: the long ones start first and
+# the many short files fill the workers' ends, instead of a long file starting last and running alone.
 LONGEST_FIRST = (
     "faults/test_faults.py",
     "models/test_llamacpp.py",
     "e2e/test_generate.py",
     "e2e/test_generate_redis.py",
-    "e2e/test_long_prompts.py",
     "models/test_llamacpp_prefix_cache.py",
     "faults/test_routers.py",
-    "e2e/test_one_process.py",
-    "engines/test_prefill_steps.py",
     "e2e/test_up_options.py",
+    "e2e/test_one_process.py",
     "test_cli_digest.py",
+    "engines/test_prefill_steps.py",
     "bench/test_bench.py",
     "e2e/test_structured_output.py",
-    "e2e/test_client_libraries.py",
+    "engines/test_prefix_sharing.py",
     "models/test_greedy_equivalence.py",
+    "e2e/test_client_libraries.py",
+    "e2e/test_conformance_docs.py",
+    "bench/test_structured.py",
+    "bench/test_llamacpp.py",
+    "services/test_structured_output_service.py",
+    "models/test_target.py",
+    "e2e/test_openai_api.py",
+    "conformance/test_own_roles.py",
 )
+HEAVY_DIRECTORIES = ("e2e", "faults", "models", "engines", "bench", "conformance", "services")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the longest files first (LONGEST_FIRST); the rest keep their order, each file's tests together."""
+    """Run the longest files first (LONGEST_FIRST, HEAVY_DIRECTORIES); each file's tests stay together."""
     tests = Path(__file__).resolve().parent
     if missing := [name for name in LONGEST_FIRST if not (tests / name).is_file()]:
         raise pytest.UsageError(f"LONGEST_FIRST names files that are gone: {', '.join(missing)}")
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
 
     def file_rank(item: pytest.Item) -> int:
-        return rank.get(item.path.relative_to(tests).as_posix(), len(rank))
+        name = item.path.relative_to(tests).as_posix()
+        if name in rank:
+            return rank[name]
+        return len(rank) + (0 if name.split("/")[0] in HEAVY_DIRECTORIES else 1)
 
     items.sort(key=file_rank)
