@@ -33,6 +33,7 @@ from sdcp.cache import ObjectNotFound, build_uri
 from sdcp.config import DrafterConfig
 from sdcp.engines.drafter import confirmed_predraft, q_rows_uri
 from sdcp.models.drafter import DraftResult
+from sdcp.models.errors import UnknownModel
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.models.lookup.ngram import NgramDrafter
@@ -196,6 +197,12 @@ def test_target_vocabulary_from_configuration_only(tmp_path: Path) -> None:
     assert target_vocab_size("tiny") == VOCAB
     tiny_model().config.save_pretrained(tmp_path)
     assert target_vocab_size(str(tmp_path)) == VOCAB
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(UnknownModel, match="names no vocab_size"):
+        target_vocab_size(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(UnknownModel, match="not a readable model configuration"):
+        target_vocab_size(str(tmp_path))
 
 
 # -- against the real verifier service --------------------------------------------------------------

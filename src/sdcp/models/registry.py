@@ -28,12 +28,11 @@ SUFFIX_SPEC = "suffix"
 HF_PREFIX = "hf:"
 LLAMACPP_PREFIX = "llamacpp:"
 
+# torch and transformers are imported by the functions that load a torch model: a verifier on
+# llama.cpp and a prompt-lookup drafter never import them (seconds of a role's start).
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
-
-# torch and transformers are imported by the functions that load a torch model: a verifier on
-# llama.cpp and a prompt-lookup drafter never import them (seconds of a role's start).
 
 
 @dataclass(frozen=True)
