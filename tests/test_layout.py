@@ -18,14 +18,11 @@ ALLOWED_THIRD_PARTY = {"cbor2", "numpy"}
 
 
 def test_protocol_imports_only_stdlib_cbor2_numpy() -> None:
-    probe = (
-        "import sys, sdcp.protocol, pkgutil, importlib\n"
+    loaded = _top_level_modules_after(
+        "import sdcp.protocol, pkgutil, importlib\n"
         "for m in pkgutil.walk_packages(sdcp.protocol.__path__, 'sdcp.protocol.'):\n"
         "    importlib.import_module(m.name)\n"
-        "print('\\n'.join(sorted({n.split('.')[0] for n in sys.modules})))\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    loaded = set(out.stdout.split())
     foreign = {
         name
         for name in loaded - ALLOWED_THIRD_PARTY - {"sdcp"}
@@ -49,7 +46,7 @@ def test_the_cache_does_not_import_the_transport_or_the_services() -> None:
 
 
 def test_the_engines_do_not_import_the_transport_or_the_services() -> None:
-    # Read, not imported: the engines pull in torch through sdcp.models.
+    # Read, not imported: an import inside a function counts too.
     above = {"transport", "services", "frontend", "bench", "cluster", "cli", "together"}
     found = _imports_of(SRC / "engines", above)
     assert not found, f"sdcp.engines reaches above itself: {sorted(found)}"
@@ -66,13 +63,11 @@ def test_the_services_are_the_sdcp_roles_below_the_front_end() -> None:
 def test_a_role_imports_torch_only_to_run_a_torch_model() -> None:
     # A verifier on llama.cpp and a prompt-lookup drafter start without torch and transformers
     # (seconds of every role's start); sdcp.models.registry imports them where it loads one.
-    probe = (
-        "import sys, sdcp.services.verifier, sdcp.services.drafter, sdcp.services.router, sdcp.frontend.gateway\n"
+    loaded = _top_level_modules_after(
+        "import sdcp.services.verifier, sdcp.services.drafter, sdcp.services.router, sdcp.frontend.gateway\n"
         "import sdcp.models.llamacpp.target, sdcp.models.llamacpp.drafter, sdcp.models.registry, sdcp.together\n"
-        "print('\\n'.join(sorted({n.split('.')[0] for n in sys.modules})))\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert {"torch", "transformers"} & set(out.stdout.split()) == set()
+    assert {"torch", "transformers"} & loaded == set()
 
 
 RUNTIME_LIBRARIES = {"hf": {"torch", "transformers"}, "llamacpp": {"llama_cpp"}, "lookup": set()}
@@ -106,6 +101,13 @@ def test_each_role_engine_is_a_package_whose_metrics_live_in_its_observe_module(
         if "prometheus_client" in _module_imports(path) and path.name != "observe.py"
     )
     assert not defining, f"metric families outside the engines' observe modules: {defining}"
+
+
+def _top_level_modules_after(code: str) -> set[str]:
+    """The top-level modules a fresh interpreter holds after running ``code``."""
+    probe = code + "import sys\nprint('\\n'.join(sorted({n.split('.')[0] for n in sys.modules})))\n"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
 
 
 def _top_level_imports(location: Path) -> set[str]:
