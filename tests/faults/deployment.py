@@ -77,6 +77,10 @@ class Deployment:
     def uri(self, host: str) -> str:
         return f"https://{self.net.address(host)}:{PORT}"
 
+    def host_of(self, uri: str) -> str:
+        """The instance host whose URI ``uri`` is."""
+        return next(host for host in INSTANCES if self.uri(host) == uri)
+
     @property
     def ca(self) -> Path:
         return self.tmp / "certs" / "ca.pem"

@@ -68,7 +68,7 @@ def fail_over_verifier(deployment: Deployment, run: Run, session: int = 0) -> tu
     verifier is cut off (while every session still runs) until each session it served runs at a
     later epoch elsewhere, then its link is back. The sessions it served, and when the cut began."""
     uri = run.opened[session]["verifier"]
-    host = next(name for name in ("verifier-a", "verifier-b") if deployment.uri(name) == uri)
+    host = deployment.host_of(uri)
     affected = [s for s, opened in run.opened.items() if opened["verifier"] == uri]
     cut_at = time.monotonic()
     deployment.net.cut(host)

@@ -44,7 +44,7 @@ def test_a_drafter_host_cut_off_mid_session(deployment: Deployment, reference: d
     run = start_sessions(deployment, 300)
     drafters = Counter(opened["drafter"] for opened in run.opened.values())
     victim_uri = drafters.most_common(1)[0][0]
-    victim = next(host for host in ("drafter-1", "drafter-2") if deployment.uri(host) == victim_uri)
+    victim = deployment.host_of(victim_uri)
     affected = [s for s, opened in run.opened.items() if opened["drafter"] == victim_uri]
     cut_at = time.monotonic()
     deployment.net.cut(victim)
@@ -275,7 +275,7 @@ def _untrusted_records(deployment: Deployment) -> float:
 
 def _other_verifier(deployment: Deployment, uri: str) -> tuple[str, str]:
     """The verifier host whose URI is `uri`, and the other one."""
-    first = next(host for host in VERIFIERS if deployment.uri(host) == uri)
+    first = deployment.host_of(uri)
     return first, next(host for host in VERIFIERS if host != first)
 
 
