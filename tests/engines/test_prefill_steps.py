@@ -1,21 +1,24 @@
 """A long prompt's prefill runs in steps between other sessions' passes (chunked prefill, issue #37):
 running sessions keep decoding meanwhile, opens wait their turn one prefill at a time, and a prefill
-whose opener went away stops at its next step, its sequence freed."""
+whose opener went away stops at its next step, its sequence freed. A short prompt goes first: running
+sessions wait for its prefill (issue #38)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 import pytest
-from tests.waiting import eventually
+from tests.waiting import HANG_GUARD_S, eventually
 
 from sdcp.cache import MLC, build_uri
 from sdcp.cache.uri import LOG_KIND
 from sdcp.config import VerifierConfig
 from sdcp.engines.errors import RequesterGone
 from sdcp.engines.verifier import VerifierEngine
+from sdcp.engines.verifier.admission import SHORT_PROMPT_TOKENS
 from sdcp.frontend.client import build_contract
 from sdcp.home import sdcp_home
 from sdcp.models.llamacpp.target import PREFILL_STEP_TOKENS, LlamaCppTarget
@@ -105,3 +108,51 @@ async def test_a_prefill_whose_opener_went_away_stops_and_frees_its_sequence(
     fresh.open_session(b"f" * 16, prompt)
     (expected,) = fresh.score([(b"f" * 16, ())])
     assert np.array_equal(rows, expected)
+
+
+async def test_running_sessions_wait_while_a_short_prompt_prefills(
+    engine: VerifierEngine, text: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Short prompts go first (sdcp.engines.verifier.admission): a self-decoding session that has
+    its tokens waits before its next pass until the short prompt's prefill is done, then goes on."""
+    running = b"r" * 16
+    await engine.open_session(open_message(engine, running, text[:20]))
+    await engine.self_decode(SelfDecodeRequest(session=running, epoch=1))
+    machine = engine.sessions[running].machine
+    await eventually(lambda: machine.committed >= 1)
+    admissions = engine.admissions
+    # Only the prefill's end may release the running session here, not the hold's bound.
+    monkeypatch.setattr(admissions, "hold_s", 3600.0)
+    waiting: list[asyncio.Future[None]] = []
+    hold = admissions.held
+
+    async def watched_hold() -> None:
+        waiting.append(asyncio.get_running_loop().create_future())
+        try:
+            await hold()
+        finally:
+            waiting[-1].set_result(None)
+
+    monkeypatch.setattr(admissions, "held", watched_hold)
+    # The short prompt's prefill stops before its first step until the test lets it go on.
+    gate = threading.Event()
+    steps = engine.target.open_session_steps
+
+    def gated_steps(*args: object, **kwargs: object) -> Iterator[int]:
+        for left in steps(*args, **kwargs):  # type: ignore[arg-type]
+            assert gate.wait(HANG_GUARD_S)
+            yield left
+
+    monkeypatch.setattr(engine.target, "open_session_steps", gated_steps)
+    short = text[: SHORT_PROMPT_TOKENS - 10]
+    opening = asyncio.ensure_future(engine.open_session(open_message(engine, b"s" * 16, short)))
+    await eventually(lambda: engine.status().prefill_tokens == len(short))
+    assert admissions.first
+    await eventually(lambda: bool(waiting))
+    assert not waiting[0].done(), "the running session went on while the short prompt waited"
+    held_at = machine.committed
+    gate.set()
+    await opening
+    await asyncio.wait_for(waiting[0], HANG_GUARD_S)
+    await eventually(lambda: machine.committed > held_at)
+    assert not admissions.first and engine.status().prefill_tokens == 0

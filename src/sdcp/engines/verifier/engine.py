@@ -23,6 +23,7 @@ from sdcp.engines.errors import RequesterGone, SessionNotFound, Unavailable
 from sdcp.engines.history import HistoryReader
 from sdcp.engines.ports import EventSink
 from sdcp.engines.tasks import BackgroundTasks
+from sdcp.engines.verifier.admission import Admissions
 from sdcp.engines.verifier.events import RouterEvents, SessionSweeps
 from sdcp.engines.verifier.history import HistoryPublisher
 from sdcp.engines.verifier.kvpublish import KVPublisher
@@ -169,8 +170,8 @@ class VerifierEngine:
         )
         self._long_polls = 0
         self._prefill_turn = asyncio.Lock()
-        # Prompt tokens of the opens waiting for or in their prefill (status prefill_tokens).
-        self._prefill_backlog = 0
+        # The opens waiting for or in their prefill (status prefill_tokens); short ones go first.
+        self.admissions = Admissions()
         # Seconds per self-decoded token, for the router's choice between drafters and this
         # verifier alone (status self_us); timed before serving (_time_passes).
         self.self_decode_time = TokenTimer(initial=FIRST_CURVE_MS[0] / 1000)
@@ -200,6 +201,7 @@ class VerifierEngine:
             token_time=self.self_decode_time,
             active_sessions=self._active_sessions,
             lookahead=self.lookahead,
+            admissions=self.admissions,
         )
 
     # -- life and status -------------------------------------------------------------------------
@@ -260,7 +262,7 @@ class VerifierEngine:
             model_name=self.settings.model,
             backend=self.target.backend,
             prefixes=self._reported_prefixes(),
-            prefill_tokens=self._prefill_backlog,
+            prefill_tokens=self.admissions.tokens,
         )
 
     def _reported_prefixes(self) -> tuple[bytes, ...] | None:
@@ -563,11 +565,11 @@ class VerifierEngine:
                 # the MLC holds: gone, corrupt, of another model, build or layout, over other tokens.
                 # Any failure to use it costs the prefill, never the open.
                 log.warning("%s: target KV %s unusable, prefilling: %r", self.uri, resume.target_kv, exc)
-        self._prefill_backlog += len(tokens)
         queued = time.perf_counter()
-        try:
+        with self.admissions.prefilling(len(tokens)):
             # One prefill at a time, in arrival order, its steps between other sessions' passes: a
-            # queue of long prompts waits its turn, and running streams keep decoding meanwhile.
+            # queue of long prompts waits its turn, and running streams keep decoding meanwhile
+            # (while the prompts are short, the running self-decoding sessions wait: Admissions).
             async with self._prefill_turn:
                 turn = time.perf_counter()
                 parts["prefill_wait"] = turn - queued
@@ -576,8 +578,6 @@ class VerifierEngine:
                 parts["prefill"] = time.perf_counter() - turn
             for part, seconds in parts.items():
                 observe_part(self.uri, part, seconds)
-        finally:
-            self._prefill_backlog -= len(tokens)
         return 0
 
     async def _prefill_in_steps(

@@ -13,6 +13,7 @@ import numpy as np
 
 from sdcp.engines.errors import Unavailable
 from sdcp.engines.tasks import BackgroundTasks
+from sdcp.engines.verifier.admission import Admissions
 from sdcp.engines.verifier.events import RouterEvents
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
@@ -68,6 +69,14 @@ def lookahead_length(hit_rate: float, sessions: int, predicted: int, curve: Pass
 
 
 @dataclass(frozen=True)
+class _Held:
+    """The period goes on after ``context`` (prompt and committed tokens) once the short prompts
+    waiting for their prefill are in (Admissions)."""
+
+    context: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class _Pass:
     """A queued self-decoding pass after ``context`` (prompt and decided tokens): the lookahead's
     prediction, the part of it scored, the rows (None: a run's step that the scorer did not reach),
@@ -114,6 +123,7 @@ class SelfDecoding:
         token_time: TokenTimer,
         active_sessions: Callable[[], int],
         lookahead: VerifierLookahead,
+        admissions: Admissions | None = None,
     ) -> None:
         self._uri = uri
         self._rounds = rounds
@@ -125,6 +135,7 @@ class SelfDecoding:
         self._token_time = token_time
         self._active_sessions = active_sessions
         self._lookahead = lookahead
+        self._admissions = admissions if admissions is not None else Admissions()
 
     def start(self, live: LiveSession) -> None:
         # The task of the previous period may still be releasing its last round.
@@ -145,9 +156,16 @@ class SelfDecoding:
         if after is not None:
             await asyncio.wait([after])
         try:
-            scoring: _Pass | None = self._start_pass(live, (*machine.prompt, *machine.tokens))
+            scoring: _Pass | _Held | None = self._start_pass(live, (*machine.prompt, *machine.tokens))
             mark, committed = time.perf_counter(), machine.committed
             while scoring is not None:
+                if isinstance(scoring, _Held):
+                    await self._admissions.held()
+                    # The wait is not decoding time: the router's figure leaves it out.
+                    mark = time.perf_counter()
+                    goes_on = machine.self_decoding and not (machine.ended or live.cancelling)
+                    scoring = self._start_pass(live, scoring.context) if goes_on else None
+                    continue
                 scoring = await self._self_decode_pass(live, scoring)
                 now = time.perf_counter()
                 self._token_time.record(now - mark, machine.committed - committed)
@@ -230,15 +248,16 @@ class SelfDecoding:
         decided = len(context) - len(machine.prompt)
         return max(0, min(SELF_DECODE_RUN_AHEAD, machine.contract.max_new - decided - len(guess) - 1))
 
-    async def _self_decode_pass(self, live: LiveSession, scoring: _Pass) -> _Pass | None:
-        """Commit the rounds of one pass; returns the next pass, already queued, if there is one."""
+    async def _self_decode_pass(self, live: LiveSession, scoring: _Pass) -> _Pass | _Held | None:
+        """Commit the rounds of one pass; returns the next pass, already queued, if there is one,
+        or where short prompts wait for their prefill, what it follows (Admissions)."""
         machine = live.machine
         logits = await scoring.logits
         if logits is None:
             return self._start_pass(live, scoring.context)
         released: list[PendingCommit] = []
         decided: list[int] = []
-        following: _Pass | None = None
+        following: _Pass | _Held | None = None
         try:
             for position, row in enumerate(logits):
                 ticket = machine.begin_self_decode()
@@ -251,7 +270,11 @@ class SelfDecoding:
                     if last:
                         # The pass's earlier rounds are released: decided = their tokens + this one's.
                         committed = self._model_sync.sync_soon(machine, pending, len(decided) - 1, decided)
-                        if continues:
+                        if continues and self._admissions.first:
+                            if scoring.run is not None:
+                                scoring.run.cancel()
+                            following = _Held(committed)
+                        elif continues:
                             # The scorer fed the decided token after the whole guess.
                             greedy = position == len(scoring.guess) and _fed(scoring) == decided[-1]
                             following = self._follow(live, scoring, committed, greedy)
@@ -269,7 +292,7 @@ class SelfDecoding:
                     break
         except BaseException:
             scoring.withdraw()
-            if following is not None:
+            if isinstance(following, _Pass):
                 following.withdraw()
                 await asyncio.gather(following.logits, return_exceptions=True)
             self._model_sync.realign_after_failure(machine)

@@ -1,0 +1,73 @@
+"""Short prompts before running streams (issue 38: the first token at 16 streams).
+
+A verifier prefills one prompt at a time. Where every pass of the sessions already decoding runs
+between two prefills, the sixteenth of sixteen questions that arrive together waits for fifteen
+prefills and fifteen passes of up to sixteen rows: most of its first token's time is other
+sessions' decoding. llama-server does the opposite: its prompt processing shares each iteration
+with its decoding slots, which wait for it. So while the prompts waiting for their prefill are all
+short, a self-decoding session that has its first token waits before its next pass, at most
+``hold_s`` each time, so that a flood of questions cannot stop it for longer; a long prompt (an
+agent's tools and history) is prefilled in steps between the running sessions' passes instead
+(issue 37), since holding them for its whole prefill would stall every stream for seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+__all__ = ["ADMISSION_HOLD_S", "SHORT_PROMPT_TOKENS", "Admissions"]
+
+# A prompt of at most this many tokens to prefill is short: about a second of prefill on 2 cores.
+SHORT_PROMPT_TOKENS = 256
+# How long a running session waits for the short prompts before its next pass, at most.
+ADMISSION_HOLD_S = 1.0
+
+
+class Admissions:
+    """The prefills queued or running on a verifier, and the wait of running sessions for them."""
+
+    def __init__(self, hold_s: float = ADMISSION_HOLD_S, short_tokens: int = SHORT_PROMPT_TOKENS) -> None:
+        if hold_s < 0 or short_tokens < 0:
+            raise ValueError(f"need hold_s >= 0 and short_tokens >= 0, got {hold_s}, {short_tokens}")
+        self.hold_s = hold_s
+        self.short_tokens = short_tokens
+        # Prompt tokens waiting for or in their prefill (the status's prefill_tokens).
+        self.tokens = 0
+        self._short = 0
+        self._long = 0
+        # Set while running sessions need not wait (not `first`).
+        self._go = asyncio.Event()
+        self._go.set()
+
+    @contextlib.contextmanager
+    def prefilling(self, tokens: int) -> Iterator[None]:
+        """Counts a prompt of ``tokens`` to prefill as waiting until the block ends."""
+        short = tokens <= self.short_tokens
+        self._count(tokens, 1 if short else 0, 0 if short else 1)
+        try:
+            yield
+        finally:
+            self._count(-tokens, -1 if short else 0, 0 if short else -1)
+
+    def _count(self, tokens: int, short: int, long: int) -> None:
+        self.tokens += tokens
+        self._short += short
+        self._long += long
+        if self.first:
+            self._go.clear()
+        else:
+            self._go.set()
+
+    @property
+    def first(self) -> bool:
+        """Whether running sessions wait now: prompts wait for their prefill, all of them short."""
+        return self._short > 0 and self._long == 0
+
+    async def held(self) -> None:
+        """Returns once running sessions need not wait (`first` is false), or after ``hold_s``."""
+        if not self.first:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._go.wait(), self.hold_s)
