@@ -298,6 +298,10 @@ class VerifierConfig:
     # A reader waiting at the end of a session's output gets the tokens committed within this long
     # of the first new one in one answer (up to 16; 0 = each at once). The first answer never waits.
     output_linger_ms: Seconds = 50.0
+    # While every prompt waiting for its prefill is short (at most 256 tokens), a self-decoding
+    # session that has its tokens waits for them before its next pass, at most this long at a time
+    # (docs/models.md, "Prefill in steps"); 0 = never: the passes go on between the prefills.
+    admission_hold_ms: Seconds = 1000.0
     # How long an ended or fenced session stays readable (output, stats) before it is forgotten.
     ended_retention_s: Seconds = 600.0
     # A session that nothing drives for this long (no proposal, commit or router message) is closed

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -122,7 +123,7 @@ async def test_running_sessions_wait_while_a_short_prompt_prefills(
     await eventually(lambda: machine.committed >= 1)
     admissions = engine.admissions
     # Only the prefill's end may release the running session here, not the hold's bound.
-    monkeypatch.setattr(admissions, "hold_s", 3600.0)
+    monkeypatch.setattr(engine, "settings", replace(engine.settings, admission_hold_ms=3.6e6))
     waiting: list[asyncio.Future[None]] = []
     hold = admissions.held
 

@@ -6,7 +6,8 @@ prefills and fifteen passes of up to sixteen rows: most of its first token's tim
 sessions' decoding. llama-server does the opposite: its prompt processing shares each iteration
 with its decoding slots, which wait for it. So while the prompts waiting for their prefill are all
 short, a self-decoding session that has its first token waits before its next pass, at most
-``hold_s`` each time, so that a flood of questions cannot stop it for longer; a long prompt (an
+``hold_s`` each time (the verifier's ``admission_hold_ms``; 0: never), so that a flood of
+questions cannot stop it for longer; a long prompt (an
 agent's tools and history) is prefilled in steps between the running sessions' passes instead
 (issue 37), since holding them for its whole prefill would stall every stream for seconds.
 """
@@ -15,22 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-__all__ = ["ADMISSION_HOLD_S", "SHORT_PROMPT_TOKENS", "Admissions"]
+__all__ = ["SHORT_PROMPT_TOKENS", "Admissions"]
 
 # A prompt of at most this many tokens to prefill is short: about a second of prefill on 2 cores.
 SHORT_PROMPT_TOKENS = 256
-# How long a running session waits for the short prompts before its next pass, at most.
-ADMISSION_HOLD_S = 1.0
 
 
 class Admissions:
     """The prefills queued or running on a verifier, and the wait of running sessions for them."""
 
-    def __init__(self, hold_s: float = ADMISSION_HOLD_S, short_tokens: int = SHORT_PROMPT_TOKENS) -> None:
-        if hold_s < 0 or short_tokens < 0:
-            raise ValueError(f"need hold_s >= 0 and short_tokens >= 0, got {hold_s}, {short_tokens}")
+    def __init__(self, hold_s: Callable[[], float], short_tokens: int = SHORT_PROMPT_TOKENS) -> None:
+        if short_tokens < 0:
+            raise ValueError(f"need short_tokens >= 0, got {short_tokens}")
+        # Read at each wait: the verifier's settings may change.
         self.hold_s = hold_s
         self.short_tokens = short_tokens
         # Prompt tokens waiting for or in their prefill (the status's prefill_tokens).
@@ -62,12 +62,13 @@ class Admissions:
 
     @property
     def first(self) -> bool:
-        """Whether running sessions wait now: prompts wait for their prefill, all of them short."""
-        return self._short > 0 and self._long == 0
+        """Whether running sessions wait now: prompts wait for their prefill, all of them short,
+        and the hold is not off."""
+        return self._short > 0 and self._long == 0 and self.hold_s() > 0
 
     async def held(self) -> None:
         """Returns once running sessions need not wait (`first` is false), or after ``hold_s``."""
         if not self.first:
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._go.wait(), self.hold_s)
+            await asyncio.wait_for(self._go.wait(), self.hold_s())

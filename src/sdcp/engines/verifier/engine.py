@@ -171,7 +171,7 @@ class VerifierEngine:
         self._long_polls = 0
         self._prefill_turn = asyncio.Lock()
         # The opens waiting for or in their prefill (status prefill_tokens); short ones go first.
-        self.admissions = Admissions()
+        self.admissions = Admissions(lambda: self.settings.admission_hold_ms / 1000)
         # Seconds per self-decoded token, for the router's choice between drafters and this
         # verifier alone (status self_us); timed before serving (_time_passes).
         self.self_decode_time = TokenTimer(initial=FIRST_CURVE_MS[0] / 1000)

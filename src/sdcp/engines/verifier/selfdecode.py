@@ -123,7 +123,7 @@ class SelfDecoding:
         token_time: TokenTimer,
         active_sessions: Callable[[], int],
         lookahead: VerifierLookahead,
-        admissions: Admissions | None = None,
+        admissions: Admissions,
     ) -> None:
         self._uri = uri
         self._rounds = rounds
@@ -135,7 +135,7 @@ class SelfDecoding:
         self._token_time = token_time
         self._active_sessions = active_sessions
         self._lookahead = lookahead
-        self._admissions = admissions if admissions is not None else Admissions()
+        self._admissions = admissions
 
     def start(self, live: LiveSession) -> None:
         # The task of the previous period may still be releasing its last round.
