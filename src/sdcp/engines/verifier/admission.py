@@ -6,10 +6,11 @@ prefills and fifteen passes of up to sixteen rows: most of its first token's tim
 sessions' decoding. llama-server does the opposite: its prompt processing shares each iteration
 with its decoding slots, which wait for it. So while the prompts waiting for their prefill are all
 short, a self-decoding session that has its first token waits before its next pass, at most
-``hold_s`` each time (the verifier's ``admission_hold_ms``; 0: never), so that a flood of
-questions cannot stop it for longer; a long prompt (an
-agent's tools and history) is prefilled in steps between the running sessions' passes instead
-(issue 37), since holding them for its whole prefill would stall every stream for seconds.
+``hold_s`` each time (the verifier's ``admission_hold_ms``; 0: never), so that a flood of questions
+cannot stop it for longer; a long prompt (an agent's tools and history) is prefilled in steps
+between the running sessions' passes instead (issue 37), since holding them for its whole prefill
+would stall every stream for seconds. Sessions that a drafter drives are not held: their rounds
+come when the drafter proposes.
 """
 
 from __future__ import annotations
