@@ -38,7 +38,7 @@ class Admissions:
         self.tokens = 0
         self._short = 0
         self._long = 0
-        # Set while running sessions need not wait (not `first`).
+        # Set unless prompts wait for their prefill and all of them are short (the settings aside).
         self._go = asyncio.Event()
         self._go.set()
 
@@ -46,17 +46,19 @@ class Admissions:
     def prefilling(self, tokens: int) -> Iterator[None]:
         """Counts a prompt of ``tokens`` to prefill as waiting until the block ends."""
         short = tokens <= self.short_tokens
-        self._count(tokens, 1 if short else 0, 0 if short else 1)
+        self._count(tokens, short, 1)
         try:
             yield
         finally:
-            self._count(-tokens, -1 if short else 0, 0 if short else -1)
+            self._count(tokens, short, -1)
 
-    def _count(self, tokens: int, short: int, long: int) -> None:
-        self.tokens += tokens
-        self._short += short
-        self._long += long
-        if self.first:
+    def _count(self, tokens: int, short: bool, sign: int) -> None:
+        self.tokens += sign * tokens
+        if short:
+            self._short += sign
+        else:
+            self._long += sign
+        if self._short > 0 and self._long == 0:
             self._go.clear()
         else:
             self._go.set()
@@ -65,7 +67,7 @@ class Admissions:
     def first(self) -> bool:
         """Whether running sessions wait now: prompts wait for their prefill, all of them short,
         and the hold is not off."""
-        return self._short > 0 and self._long == 0 and self.hold_s() > 0
+        return not self._go.is_set() and self.hold_s() > 0
 
     async def held(self) -> None:
         """Returns once running sessions need not wait (`first` is false), or after ``hold_s``."""
