@@ -137,10 +137,40 @@ def test_decode_accepts_bytearray_and_memoryview_but_not_str() -> None:
         codec.decode("01")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("value", [1.5, None, {1: 2}, {b"k": 1}, 2**64, -(2**64) - 1, {"a": [object()]}])
+class _Pair(tuple[object, ...]):
+    """A tuple subclass: still an array, checked item by item."""
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        1.5,
+        None,
+        {1: 2},
+        {b"k": 1},
+        2**64,
+        -(2**64) - 1,
+        {"a": [object()]},
+        [*range(100), 2**64],
+        [*range(100), -(2**64) - 1],
+        [1, 2, 2.5],
+        (1, (2, None)),
+        _Pair((1, 1.5)),
+        {"tokens": [1, 2], "inner": {"x": [3, {4: 5}]}},
+    ],
+)
 def test_encode_refuses_values_outside_data_model(value: object) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot encode"):
         codec.encode(value)
+
+
+def test_encode_takes_integer_arrays_up_to_the_bounds_and_nested_values() -> None:
+    value = {"tokens": [0, 2**64 - 1, -(2**64)], "flags": [True, False, 3], "pair": _Pair((1, b"x", "y"))}
+    assert codec.decode(codec.encode(value)) == {
+        "tokens": [0, 2**64 - 1, -(2**64)],
+        "flags": [True, False, 3],
+        "pair": [1, b"x", "y"],
+    }
 
 
 def test_encode_tuples_as_arrays() -> None:

@@ -12,7 +12,6 @@ import base64
 import binascii
 import io
 import re
-from collections.abc import Iterator
 
 import cbor2
 
@@ -66,31 +65,35 @@ def _keep_tag(_decoder: cbor2.CBORDecoder, tag: cbor2.CBORTag) -> cbor2.CBORTag:
     return tag
 
 
-def _walk(obj: object) -> Iterator[object]:
+def _outside_data_model(obj: object) -> str | None:
+    """Why `obj` lies outside SDCP's data model, or None when it lies inside."""
     stack = [obj]
     while stack:
         item = stack.pop()
-        yield item
-        if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-
-
-def _outside_data_model(obj: object) -> str | None:
-    """Why `obj` lies outside SDCP's data model, or None when it lies inside."""
-    for item in _walk(obj):
-        if isinstance(item, bool):
-            continue
-        if isinstance(item, int):
-            if not _INT_MIN <= item <= _INT_MAX:
+        kind = type(item)
+        if kind is int:
+            if not _INT_MIN <= item <= _INT_MAX:  # type: ignore[operator]
                 return f"integer {item} does not fit CBOR major types 0 and 1"
+        elif kind is list or kind is tuple:
+            assert isinstance(item, (list, tuple))
+            # Token lists are most of what the roles encode: checked in one go where they are
+            # all plain integers, item by item otherwise.
+            plain = all(type(value) is int for value in item)
+            if not plain or (item and not (min(item) >= _INT_MIN and max(item) <= _INT_MAX)):
+                stack.extend(item)
         elif isinstance(item, dict):
-            for key in item:
+            for key, value in item.items():
                 if not isinstance(key, str):
                     return f"map key {key!r} is not a text string"
-        elif not isinstance(item, (str, bytes, bytearray, list, tuple)):
+                stack.append(value)
+        elif isinstance(item, bool):
+            continue
+        elif isinstance(item, int):
+            if not _INT_MIN <= item <= _INT_MAX:
+                return f"integer {item} does not fit CBOR major types 0 and 1"
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif not isinstance(item, (str, bytes, bytearray)):
             return f"{type(item).__name__} value {item!r} is not part of SDCP"
     return None
 
