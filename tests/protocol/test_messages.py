@@ -268,6 +268,8 @@ BAD_MEMBERS: list[tuple[type, str, Any, str]] = [
     (Proposal, "tokens", [], "empty"),
     (Proposal, "tokens", [2**32], "outside"),
     (Proposal, "tokens", [1, -1], "outside"),
+    (Proposal, "tokens", [*range(50), 2**32, 1], r"tokens\[50\] = 4294967296 is outside"),
+    (Proposal, "tokens", [*range(50), "1"], r"tokens\[50\] must be an unsigned integer"),
     (Proposal, "tokens", {"0": 1}, "array"),
     (Proposal, "base_digest", b"", "32 bytes"),
     (Proposal, "status", [], "map"),

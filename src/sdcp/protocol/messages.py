@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Self
 
@@ -103,6 +103,21 @@ class Role(enum.IntEnum):
     VERIFIER = 2
 
 
+_MEMBERS: dict[type, tuple[tuple[str, str, _Kind, bool], ...]] = {}
+
+
+def _members_of(cls: type) -> tuple[tuple[str, str, _Kind, bool], ...]:
+    # A message is built for every round and every output read: its members are read once a class.
+    members = _MEMBERS.get(cls)
+    if members is None:
+        members = _MEMBERS[cls] = tuple(
+            (f.name, f.metadata["key"] or f.name, f.metadata["kind"], f.metadata["required"])
+            for f in fields(cls)
+            if "kind" in f.metadata
+        )
+    return members
+
+
 @dataclass(frozen=True)
 class _Context:
     """How a member is judged: which error it raises and whether unknown keys are refused."""
@@ -141,6 +156,13 @@ class _UInt(_Kind):
 
     def dump(self, value: Any) -> object:
         return int(value)
+
+    def holds_every(self, values: list[object] | tuple[object, ...]) -> bool:
+        """Whether every one of ``values`` is a plain integer in range (what parse accepts as it is)."""
+        if not all(type(value) is int for value in values):
+            return False
+        integers: Sequence[int] = values  # type: ignore[assignment]
+        return not integers or (min(integers) >= self.low and max(integers) <= self.high)
 
 
 @dataclass(frozen=True)
@@ -231,7 +253,12 @@ class _Array(_Kind):
             raise ctx.error(f"{where} must not be empty")
         if self.max_items is not None and len(value) > self.max_items:
             raise ctx.error(f"{where} holds {len(value)} items, at most {self.max_items}")
-        return tuple(self.item.parse(item, ctx, f"{where}[{i}]") for i, item in enumerate(value))
+        item = self.item
+        # Token lists are most of what the roles parse: checked in one go where every item is a
+        # plain integer in range, item by item (naming the first bad one) otherwise.
+        if isinstance(item, _UInt) and item.holds_every(value):
+            return tuple(value)
+        return tuple(item.parse(entry, ctx, f"{where}[{i}]") for i, entry in enumerate(value))
 
     def dump(self, value: Any) -> object:
         return [self.item.dump(item) for item in value]
@@ -383,13 +410,9 @@ class _Message:
     _OWN_RULES: ClassVar[bool] = False
 
     @classmethod
-    def _members(cls) -> list[tuple[str, str, _Kind, bool]]:
+    def _members(cls) -> tuple[tuple[str, str, _Kind, bool], ...]:
         """(attribute, CBOR key, kind, required) of each member, in CDDL order."""
-        return [
-            (f.name, f.metadata["key"] or f.name, f.metadata["kind"], f.metadata["required"])
-            for f in fields(cls)  # type: ignore[arg-type]
-            if "kind" in f.metadata
-        ]
+        return _members_of(cls)
 
     @classmethod
     def _own_context(cls) -> _Context:
