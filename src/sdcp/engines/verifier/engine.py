@@ -28,7 +28,7 @@ from sdcp.engines.verifier.events import RouterEvents, SessionSweeps
 from sdcp.engines.verifier.history import HistoryPublisher
 from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
-from sdcp.engines.verifier.live import LiveSession
+from sdcp.engines.verifier.live import LiveSession, RunningSessions
 from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.engines.verifier.observe import (
     FIRST_CURVE_MS,
@@ -114,6 +114,7 @@ class VerifierEngine:
             cores=cores,
         )
         self.sessions: dict[bytes, LiveSession] = {}
+        self._running = RunningSessions(self.sessions)
         self._tasks = BackgroundTasks(uri, log)
         self.pass_curve = PassCurve()
         self.metrics = VerifierMetrics(
@@ -159,6 +160,7 @@ class VerifierEngine:
             uri=uri,
             settings=lambda: self.settings,
             sessions=self.sessions,
+            running=self._running,
             events=self._events,
             model_sync=self._model_sync,
             kv_publisher=self._kv_publisher,
@@ -188,6 +190,7 @@ class VerifierEngine:
             sweeps=self._sweeps,
             tasks=self._tasks,
             start_self_decoding=self._start_self_decoding,
+            running=self._running,
             sign=sign,
         )
         self._self_decoding = SelfDecoding(
@@ -240,8 +243,7 @@ class VerifierEngine:
         return 0 if prefixes is None else prefixes.held_bytes
 
     def _active_sessions(self) -> int:
-        # Read from the scorer's thread: a snapshot of the values is enough for a batching hint.
-        return sum(1 for live in list(self.sessions.values()) if not live.machine.ended)
+        return self._running.count
 
     @property
     def load(self) -> int:
@@ -303,6 +305,7 @@ class VerifierEngine:
         except DigestMismatch as exc:
             raise BadContract(str(exc)) from exc
         existing = self.sessions.get(message.session)
+        self._running.recount()
         if existing is None and self._active_sessions() >= self.settings.max_sessions:
             raise Unavailable(
                 f"this verifier decodes {self.settings.max_sessions} sessions, its limit", retry_after_s=_RETRY_AFTER_S
@@ -377,6 +380,7 @@ class VerifierEngine:
             first_token_parts=parts,
         )
         self.sessions[message.session] = live
+        self._running.add(live)
         log.info(
             "%s: session %s open at epoch %d (request %s)",
             self.uri,

@@ -20,7 +20,7 @@ from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.history import HistoryPublisher
 from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
-from sdcp.engines.verifier.live import LiveSession
+from sdcp.engines.verifier.live import LiveSession, RunningSessions
 from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.protocol.messages import Action, Event
 from sdcp.protocol.problems import ProtocolError
@@ -118,6 +118,7 @@ class SessionSweeps:
         uri: str,
         settings: Callable[[], VerifierConfig],
         sessions: dict[bytes, LiveSession],
+        running: RunningSessions,
         events: RouterEvents,
         model_sync: ModelSync,
         kv_publisher: KVPublisher,
@@ -128,6 +129,7 @@ class SessionSweeps:
         self._uri = uri
         self._settings = settings
         self._sessions = sessions
+        self._running = running
         self._events = events
         self._model_sync = model_sync
         self._kv_publisher = kv_publisher
@@ -142,6 +144,7 @@ class SessionSweeps:
 
     async def forget(self, session: bytes) -> None:
         live = self._sessions.pop(session, None)
+        self._running.recount()
         if live is not None and live.self_decoder is not None:
             live.self_decoder.cancel()
         await self._model_sync.close(session)
@@ -157,6 +160,7 @@ class SessionSweeps:
         await asyncio.sleep(self._settings().ended_retention_s)
         if self._sessions.get(live.machine.session) is live:
             del self._sessions[live.machine.session]
+            self._running.recount()
 
     async def _forget_idle_sessions(self) -> None:
         """Close the sessions that nothing has driven for ``idle_timeout_s``. After a takeover

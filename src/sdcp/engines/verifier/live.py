@@ -15,7 +15,7 @@ from sdcp.models.lookup.suffix import SuffixIndex
 from sdcp.protocol.messages import Verdict
 from sdcp.protocol.verifier import VerifierSession
 
-__all__ = ["LiveSession"]
+__all__ = ["LiveSession", "RunningSessions"]
 
 # How fast a session's lookahead hit rate follows its latest predictions.
 _LOOKAHEAD_WEIGHT = 0.3
@@ -87,3 +87,28 @@ class LiveSession:
         # Readers wait on the current event; replacing it after setting wakes each exactly once.
         self.committed.set()
         self.committed = asyncio.Event()
+
+
+class RunningSessions:
+    """How many of a verifier's sessions run (open, not ended, not forgotten), counted on the event
+    loop where that can change: a pass and the scorer's thread read an int, rather than walk every
+    session kept for its readers after its end (``ended_retention_s``, hundreds on a busy verifier)."""
+
+    def __init__(self, sessions: dict[bytes, LiveSession]) -> None:
+        self._sessions = sessions
+        self._running: dict[bytes, LiveSession] = {}
+        self.count = 0
+
+    def add(self, live: LiveSession) -> None:
+        self._running[live.machine.session] = live
+        self.recount()
+
+    def recount(self) -> None:
+        """After a round that ended a session, and before the count decides an admission: a
+        session forgotten meanwhile (idle, replaced by a later epoch) is dropped here."""
+        self._running = {
+            session: live
+            for session, live in self._running.items()
+            if not live.machine.ended and self._sessions.get(session) is live
+        }
+        self.count = len(self._running)

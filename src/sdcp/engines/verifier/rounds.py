@@ -20,7 +20,7 @@ from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.events import RouterEvents, SessionSweeps
 from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
-from sdcp.engines.verifier.live import LiveSession
+from sdcp.engines.verifier.live import LiveSession, RunningSessions
 from sdcp.engines.verifier.observe import (
     PassCurve,
     RoundTrace,
@@ -123,6 +123,7 @@ class Rounds:
         sweeps: SessionSweeps,
         tasks: BackgroundTasks,
         start_self_decoding: Callable[[LiveSession], None],
+        running: RunningSessions,
         metrics: VerifierMetrics,
         sign: RecordSign | None = None,
     ) -> None:
@@ -138,6 +139,7 @@ class Rounds:
         self._sweeps = sweeps
         self._tasks = tasks
         self._start_self_decoding = start_self_decoding
+        self._running = running
 
     async def verify(self, live: LiveSession, ticket: RoundTicket) -> Verdict:
         """The admitted proposal round ``ticket``: scored, decided, committed."""
@@ -298,6 +300,7 @@ class Rounds:
             if pending.event is not None:
                 self._tasks.spawn(self._events.send(pending.event))
         if live.machine.ended:
+            self._running.recount()
             self._kv_publisher.retire(live)
             self._tasks.spawn(self._model_sync.close(live.machine.session))
             self._tasks.spawn(self._sweeps.forget_later(live))
