@@ -231,11 +231,15 @@ class SelfDecoding:
         forced: tuple[int, ...] = ()
         if machine.constraint is not None:
             forced = machine.constraint.forced(_undecided(machine, context), SELF_DECODE_LOOKAHEAD)
-        guessed = self._lookahead.predict(live, context + forced, SELF_DECODE_LOOKAHEAD - len(forced))
-        # A prediction that was not scored still counts towards the hit rate.
-        guess = guessed[
-            : lookahead_length(live.lookahead_hits, self._active_sessions(), len(guessed), self._pass_curve)
-        ]
+        budget = SELF_DECODE_LOOKAHEAD - len(forced)
+        sessions = self._active_sessions()
+        pays = lookahead_length(live.lookahead_hits, sessions, budget, self._pass_curve) > 0
+        # A prediction that is not scored still counts towards the hit rate: where no guess pays,
+        # its first token is all that is asked for (what follows it costs a step each to predict).
+        guessed = self._lookahead.predict(live, context + forced, budget if pays else min(1, budget))
+        guess = (
+            guessed[: lookahead_length(live.lookahead_hits, sessions, len(guessed), self._pass_curve)] if pays else ()
+        )
         return forced + guessed, forced + guess
 
     def _run_ahead(self, machine: VerifierSession, context: tuple[int, ...], guess: tuple[int, ...]) -> int:
