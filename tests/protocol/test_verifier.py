@@ -22,7 +22,7 @@ from sdcp.protocol.messages import (
 )
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.records import CommitRecord
-from sdcp.protocol.verifier import Replay, RoundTicket, ServingState, VerifierSession, Wait
+from sdcp.protocol.verifier import PendingCommit, Replay, RoundTicket, ServingState, VerifierSession, Wait
 
 V = 8
 SESSION = bytes(range(16))
@@ -488,3 +488,99 @@ def test_min_new_applies_to_self_decoded_tokens() -> None:
     assert session.apply(session.decide_self_decode(ticket, row, 0)).emitted == (3,)
     ticket = session.begin_self_decode()
     assert session.apply(session.decide_self_decode(ticket, row, 0)).emitted == (7,)
+
+
+def self_decoding_session(**overrides: object) -> VerifierSession:
+    contract = make_contract(**{"self_load": 100, "self_max": 30, "max_new": 20, **overrides})
+    session = VerifierSession(session=SESSION, epoch=1, contract=contract, prompt=PROMPT)
+    session.self_decode_instead(1, 0)
+    return session
+
+
+def one_at_a_time(session: VerifierSession, rows: np.ndarray, count: int) -> list[PendingCommit]:
+    decided = []
+    for row in rows[:count]:
+        ticket = session.begin_self_decode()
+        pending = session.decide_self_decode(ticket, row[None], 10)
+        session.apply(pending)
+        decided.append(pending)
+    return decided
+
+
+@pytest.mark.parametrize("rule", [1, 2])
+def test_rounds_decided_together_equal_rounds_decided_one_at_a_time(rule: int) -> None:
+    """SDCP 6.5.2: each self-decoded token is a round of its own, whether the rows of several came
+    in one pass (a guess) or a greedy run: the same records, verdicts and state as one at a time."""
+    overrides: dict[str, object] = {"rule": rule, "sampling": {"seed": 5} if rule == 2 else None}
+    rows = greedy_logits([3, 1, 4, 1, 5, 6])
+    together, alone = self_decoding_session(**overrides), self_decoding_session(**overrides)
+    tokens = [int(token) for token in np.argmax(rows, axis=-1)] if rule == 1 else None
+    expected = one_at_a_time(alone, rows, len(rows))
+    fed = tokens if tokens is not None else [pending.record.emitted[0] for pending in expected]
+    decided = together.decide_self_decoded(rows, fed[:-1], 10)
+    assert [p.record for p in decided] == [p.record for p in expected]
+    assert [p.verdict for p in decided] == [p.verdict for p in expected]
+    # Nothing is committed until each is applied, in order.
+    assert together.committed == 0 and together.verifying
+    with pytest.raises(ValueError, match="not the round in flight"):
+        together.apply(decided[1])
+    for pending in decided:
+        together.apply(pending)
+    assert together.tokens == alone.tokens and together.digest == alone.digest and together.round == alone.round
+    assert not together.verifying
+    assert together.control.self_decoded == alone.control.self_decoded
+
+
+def test_rounds_decided_together_stop_after_a_token_that_was_not_fed() -> None:
+    session = self_decoding_session()
+    rows = greedy_logits([3, 1, 4, 1])
+    # The run fed 3, then 2 where the target's token is 1: the rows after it follow another token.
+    decided = session.decide_self_decoded(rows, [3, 2, 4], 10)
+    assert [p.record.emitted for p in decided] == [(3,), (1,)]
+    assert session.verifying
+    for pending in decided:
+        session.apply(pending)
+    assert session.tokens == [3, 1] and session.digest == chain(PROMPT, session.contract, [3, 1])
+
+
+def test_rounds_decided_together_stop_at_the_end_of_the_period_and_of_the_output() -> None:
+    rows = greedy_logits([3, 1, 4, 1, 5])
+    capped = self_decoding_session(self_max=2)
+    decided = capped.decide_self_decoded(rows, [3, 1, 4, 1], 10)
+    assert [p.verdict.action for p in decided] == [Action.SELF_DECODE, Action.SWITCH]
+    assert decided[-1].event is not None and decided[-1].event.kind == Action.SWITCH
+    stopped = self_decoding_session()
+    decided = stopped.decide_self_decoded(greedy_logits([3, 7, 4]), [3, 7], 10)
+    assert [p.verdict.action for p in decided] == [Action.SELF_DECODE, Action.FINISH]
+    short = self_decoding_session(max_new=3)
+    decided = short.decide_self_decoded(rows, [3, 1, 4, 1], 10)
+    assert [p.record.emitted for p in decided] == [(3,), (1,), (4,)] and decided[-1].verdict.action == Action.FINISH
+    for pending in decided:
+        short.apply(pending)
+    assert short.ended and short.output(0).final
+
+
+def test_abandoning_rounds_decided_together_drops_them_all() -> None:
+    session = self_decoding_session()
+    decided = session.decide_self_decoded(greedy_logits([3, 1, 4]), [3, 1], 10)
+    session.abandon(decided[0].ticket)
+    assert not session.verifying and session.committed == 0
+    ticket = session.begin_self_decode()
+    assert ticket.round == 1
+    # The first may be applied and the rest abandoned (an append that failed after it).
+    session.abandon(ticket)
+    decided = session.decide_self_decoded(greedy_logits([3, 1, 4]), [3, 1], 10)
+    session.apply(decided[0])
+    session.abandon(decided[1].ticket)
+    assert session.tokens == [3] and not session.verifying and session.begin_self_decode().round == 2
+
+
+def test_rounds_decided_together_under_a_constraint_follow_the_tokens_before_them() -> None:
+    """The shaping of each row counts the tokens decided before it (min_new here): a stop token
+    is refused until min_new tokens are decided, also where they were decided together."""
+    contract = make_contract(self_load=100, self_max=8)
+    session = VerifierSession(session=SESSION, epoch=1, contract=contract, prompt=PROMPT, min_new=2)
+    session.self_decode_instead(1, 0)
+    row = np.array([0, 0, 0, 4, 0, 0, 0, 5], dtype=np.float32)
+    decided = session.decide_self_decoded(np.stack([row, row, row]), [3, 3], 0)
+    assert [p.record.emitted for p in decided] == [(3,), (3,), (7,)]

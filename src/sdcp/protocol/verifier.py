@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -216,6 +217,8 @@ class VerifierSession:
         self.control = SpeculationControl(contract, m_init if m_init is not None else contract.m_max)
         self._verdicts: dict[int, Verdict] = {}
         self._in_flight: RoundTicket | None = None
+        # Rounds decided after the one in flight, each committed by `apply` in turn.
+        self._queued: deque[RoundTicket] = deque()
         self._policies: list[Policy] = []
         self.fenced = False
         self.stats = SessionStats()
@@ -336,6 +339,7 @@ class VerifierSession:
         """SDCP 6.3: the commit-log append was fenced; discard the round, stop serving the session."""
         self.fenced = True
         self._in_flight = None
+        self._queued.clear()
 
     # -- rounds --------------------------------------------------------------------------------
 
@@ -401,6 +405,7 @@ class VerifierSession:
             # Its own round only: a cancel's round, begun while the period's last pass was on its
             # way, must still commit (its release checks that it is the round in flight).
             self._in_flight = None
+            self._queued.clear()
         self.control.self_decoding = False
         return Event(
             session=self.session, epoch=self.epoch, kind=Action.SWITCH, committed=self.committed, digest=self.digest
@@ -425,6 +430,7 @@ class VerifierSession:
         """The round could not be verified (e.g. sdcp-q-unavailable): nothing is committed."""
         if self._in_flight is ticket:
             self._in_flight = None
+            self._queued.clear()
 
     def decide(
         self,
@@ -460,32 +466,92 @@ class VerifierSession:
         if self._require_ticket(ticket) is not None:
             raise ValueError("a proposal round is decided by decide")
         raw = np.asarray(logits).reshape(-1, np.shape(logits)[-1])[:1]
+        return self._self_decoded_round(ticket, raw, self.target_logits, self.control, verifier_load)
+
+    def decide_self_decoded(self, rows: np.ndarray, fed: Sequence[int], verifier_load: int) -> list[PendingCommit]:
+        """Several self-decoded rounds at once, each token still a round of its own (SDCP 6.5.2):
+        ``rows[0]`` is the target's row after the committed tokens and ``rows[i + 1]`` the row after
+        ``fed[i]``, as a pass scores a guess and a greedy run feeds its tokens after it. The rounds
+        stop after the first whose token is not the one fed after it (the rows after it follow
+        another token), after a round that ends the period or the session, or at the last row.
+        Nothing is committed until `apply` takes each of them, in order; `abandon` of the first
+        drops them all."""
+        first = self.begin_self_decode()
         try:
-            row = self.target_logits.rows(raw, (), ticket.sampling)[0]
+            return self._decide_self_decoded(first, rows, fed, verifier_load)
+        except BaseException:
+            self.abandon(first)
+            raise
+
+    def _decide_self_decoded(
+        self, first: RoundTicket, rows: np.ndarray, fed: Sequence[int], verifier_load: int
+    ) -> list[PendingCommit]:
+        raw_rows = np.asarray(rows).reshape(-1, np.shape(rows)[-1])
+        # The rounds after the first are shaped after the tokens decided before them.
+        shaping = self.target_logits.fork() if len(raw_rows) > 1 else self.target_logits
+        control, committed, digest = self.control, self.committed, self.digest
+        decided: list[PendingCommit] = []
+        ticket = first
+        for index, raw in enumerate(raw_rows):
+            pending = self._self_decoded_round(ticket, raw[None], shaping, control, verifier_load, committed, digest)
+            decided.append(pending)
+            emitted = pending.record.emitted
+            goes_on = pending.verdict.action == Action.SELF_DECODE and index < len(fed) and emitted == (fed[index],)
+            if not goes_on or index == len(raw_rows) - 1:
+                break
+            shaping.commit(emitted)
+            control, committed, digest = pending.control, pending.record.committed, pending.record.digest
+            ticket = self._ticket(ticket.round + 1, None)
+        self._queued = deque(pending.ticket for pending in decided[1:])
+        return decided
+
+    def _self_decoded_round(
+        self,
+        ticket: RoundTicket,
+        raw: np.ndarray,
+        shaping: TargetLogits,
+        control_before: SpeculationControl,
+        verifier_load: int,
+        committed: int | None = None,
+        digest: bytes | None = None,
+    ) -> PendingCommit:
+        """The round ``ticket`` that self-decodes one token from ``raw`` (its one row), after the
+        state ``shaping``, ``control_before``, ``committed`` and ``digest`` (the session's own where
+        not given)."""
+        try:
+            row = shaping.rows(raw, (), ticket.sampling)[0]
         except DeadEnd:
-            return self._dead_end(ticket, verifier_load)
+            return self._dead_end(ticket, verifier_load, control_before, committed, digest)
         if isinstance(self.rule, GreedyRule):
             token = int(np.argmax(row))
         else:
             p = target_distribution(row, ticket.sampling)
             # The self-decoded token is the additional token at position 1 of its round.
             token = draw_token(p, ticket.rng.uniform(1, PURPOSE_EXTRA_TOKEN))
-        control = copy.copy(self.control)
-        emitted, finished = self._truncate((token,))
+        control = copy.copy(control_before)
+        emitted, finished = self._truncate((token,), committed)
         if finished:
             action, m_cap = control.finish()
         else:
             action, m_cap = control.after_self_decode_token(verifier_load), control.m_cap
-        return self._with_logprobs(self._pending(ticket, control, emitted, 0, action, m_cap, verifier_load), raw)
+        pending = self._pending(ticket, control, emitted, 0, action, m_cap, verifier_load, committed, digest)
+        return self._with_logprobs(pending, raw)
 
-    def _dead_end(self, ticket: RoundTicket, verifier_load: int) -> PendingCommit:
+    def _dead_end(
+        self,
+        ticket: RoundTicket,
+        verifier_load: int,
+        control_before: SpeculationControl | None = None,
+        committed: int | None = None,
+        digest: bytes | None = None,
+    ) -> PendingCommit:
         """The constraint allows no token where the round decides one (a language that no output
         continues from here: docs/interpretations.md): the round commits nothing and ends the
         session with fail, as a cancel does, rather than leave it to fail again at every round."""
-        control = copy.copy(self.control)
+        control = copy.copy(control_before if control_before is not None else self.control)
         control.self_decoding = False
         action, m_cap = control.fail()
-        return self._pending(ticket, control, (), 0, action, m_cap, verifier_load)
+        return self._pending(ticket, control, (), 0, action, m_cap, verifier_load, committed, digest)
 
     def apply(self, pending: PendingCommit) -> Verdict:
         """The commit record is durable: commit the tokens and record the verdict together."""
@@ -498,7 +564,8 @@ class VerifierSession:
         self.round = pending.record.round
         self.control = pending.control
         self._verdicts[pending.record.round] = pending.verdict
-        self._in_flight = None
+        # The next of the rounds decided together (decide_self_decoded), if any, is in flight now.
+        self._in_flight = self._queued.popleft() if self._queued else None
         self.stats.record(pending)
         return pending.verdict
 
@@ -544,14 +611,14 @@ class VerifierSession:
         emitted = pending.record.emitted
         return dataclasses.replace(pending, logprobs=token_logprobs(logits, emitted, self.top_logprobs))
 
-    def _truncate(self, emitted: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
+    def _truncate(self, emitted: tuple[int, ...], committed: int | None = None) -> tuple[tuple[int, ...], bool]:
         # SDCP 6.3 Acceptance: truncate after the first stop token and at max_new.
+        room = self.contract.max_new - (self.committed if committed is None else committed)
         stop = self.contract.stop
         for index, token in enumerate(emitted):
             if token in stop:
                 emitted = emitted[: index + 1]
-                return emitted[: self.contract.max_new - self.committed], True
-        room = self.contract.max_new - self.committed
+                return emitted[:room], True
         return emitted[:room], len(emitted) >= room
 
     def _reached_max_new(self) -> bool:
@@ -566,9 +633,13 @@ class VerifierSession:
         action: Action,
         m_cap: int,
         verifier_load: int,
+        committed_before: int | None = None,
+        digest_before: bytes | None = None,
     ) -> PendingCommit:
-        committed = self.committed + len(emitted)
-        digest = extend_digest(self.digest, emitted)
+        """The round after ``committed_before`` tokens of digest ``digest_before`` (the session's own
+        where not given)."""
+        committed = (self.committed if committed_before is None else committed_before) + len(emitted)
+        digest = extend_digest(self.digest if digest_before is None else digest_before, emitted)
         record = CommitRecord(self.epoch, ticket.round, emitted, committed, digest)
         verdict = Verdict(
             session=self.session,
