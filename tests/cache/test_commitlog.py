@@ -8,7 +8,7 @@ import pytest
 from tests.cache.racing import race_appenders
 
 from sdcp.cache import MLC, CommitLog, Fenced, InvalidRecord, PreconditionFailed, build_uri
-from sdcp.cache.commitlog import EMPTY_LOG_ETAG
+from sdcp.cache.commitlog import EMPTY_LOG_ETAG, MemoryCommitLog
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,3 +137,36 @@ async def test_a_log_read_from_a_record_on_is_the_whole_log_from_there(make_mlc)
     for start in range(len(whole.records) + 2):
         tail = await log.read_from(start)
         assert (tail.records, tail.etag) == (whole.records[start:], whole.etag)
+
+
+async def test_records_appended_together_follow_each_other(make_mlc) -> None:
+    """append_all: each record conditional on the one before, the etag after the last; a stale
+    If-Match or a fence below the records' epoch appends none of them."""
+    log = make_mlc().commit_log(LOG)
+    first = await log.append(commit(1, 1), if_match=EMPTY_LOG_ETAG)
+    together = [commit(1, 2), commit(1, 3), commit(1, 4)]
+    with pytest.raises(PreconditionFailed):
+        await log.append_all(together, if_match=EMPTY_LOG_ETAG)
+    assert (await log.read()).records == [commit(1, 1)]
+    etag = await log.append_all(together, if_match=first)
+    snapshot = await log.read()
+    assert snapshot.records == [commit(1, 1), *together] and snapshot.etag == etag
+    assert await log.append_all([], if_match=etag) == etag
+    with pytest.raises(PreconditionFailed):
+        await log.append(commit(1, 5), if_match=first)
+    fenced = await log.fence(2)
+    with pytest.raises(Fenced):
+        await log.append_all([commit(1, 5), commit(1, 6)], if_match=fenced)
+    assert (await log.read()).records == [commit(1, 1), *together, {"epoch": 2}]
+
+
+async def test_records_appended_together_in_memory_follow_each_other() -> None:
+    log = MemoryCommitLog(LOG)
+    etag = await log.append_all([commit(1, 1), commit(1, 2)], if_match=EMPTY_LOG_ETAG)
+    alone = MemoryCommitLog(LOG)
+    sequential = await alone.append(commit(1, 2), if_match=await alone.append(commit(1, 1), if_match=EMPTY_LOG_ETAG))
+    assert etag == sequential and (await log.read()).records == (await alone.read()).records
+    await log.fence(2)
+    with pytest.raises(Fenced):
+        await log.append_all([commit(2, 3), commit(1, 4)], if_match=(await log.read()).etag)
+    assert len((await log.read()).records) == 3

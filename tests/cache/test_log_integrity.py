@@ -110,9 +110,9 @@ async def test_appends_of_one_loop_iteration_share_one_worker_job_and_fail_alone
     threads: list[int] = []
     original = FileCommitLog._append_sync
 
-    def recording(self: FileCommitLog, payload: bytes, epoch: int, if_match: str) -> str:
+    def recording(self: FileCommitLog, encoded: tuple[tuple[bytes, int, bool], ...], if_match: str) -> str:
         threads.append(threading.get_ident())
-        return original(self, payload, epoch, if_match)
+        return original(self, encoded, if_match)
 
     monkeypatch.setattr(FileCommitLog, "_append_sync", recording)
     logs = [

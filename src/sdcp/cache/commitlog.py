@@ -30,7 +30,7 @@ import struct
 import threading
 import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -119,10 +119,19 @@ class LogState:
             self.fence_epoch = max(self.fence_epoch, epoch)
 
     def check_append(self, epoch: int, if_match: str) -> None:
-        if epoch < self.fence_epoch:  # SDCP 6.8: appends below the fence epoch MUST fail
-            raise Fenced(f"log is fenced at epoch {self.fence_epoch}; record has epoch {epoch}")
-        if if_match != self.etag:
-            raise PreconditionFailed(f"If-Match {if_match} is not the current ETag {self.etag}")
+        self.check_appends(((epoch, False),), if_match)
+
+    def check_appends(self, records: Sequence[tuple[int, bool]], if_match: str) -> None:
+        """`check_append` for records appended one after another from ``if_match``, each given by
+        its epoch and whether it is fence-shaped: all of them are admitted, or none."""
+        fence_epoch = self.fence_epoch
+        for index, (epoch, fence_shaped) in enumerate(records):
+            if epoch < fence_epoch:  # SDCP 6.8: appends below the fence epoch MUST fail
+                raise Fenced(f"log is fenced at epoch {fence_epoch}; record has epoch {epoch}")
+            if index == 0 and if_match != self.etag:
+                raise PreconditionFailed(f"If-Match {if_match} is not the current ETag {self.etag}")
+            if fence_shaped:
+                fence_epoch = max(fence_epoch, epoch)
 
     def fence_needed(self, epoch: int) -> bool:
         """False when an identical fence is already the highest one; raises when overruled."""
@@ -150,6 +159,16 @@ class CommitLog(abc.ABC):
     @abc.abstractmethod
     async def append(self, record: dict[str, Any], if_match: str) -> str:
         """Append if `if_match` is the current ETag; returns the new ETag."""
+
+    async def append_all(self, records: Sequence[dict[str, Any]], if_match: str) -> str:
+        """Append ``records`` in order, each conditional on the one before, the first on
+        ``if_match``; returns the ETag after the last. A backend that can appends them in one
+        step, all or none; otherwise, where this raises, the records before the failed one are
+        appended (the log says which)."""
+        etag = if_match
+        for record in records:
+            etag = await self.append(record, etag)
+        return etag
 
     @abc.abstractmethod
     async def fence(self, epoch: int, verifier: str | None = None) -> str:
@@ -184,10 +203,14 @@ class MemoryCommitLog(CommitLog):
             return LogSnapshot(self._state.records[start:], self._state.etag)
 
     async def append(self, record: dict[str, Any], if_match: str) -> str:
-        payload, epoch, _ = encode_record(record)
+        return await self.append_all((record,), if_match)
+
+    async def append_all(self, records: Sequence[dict[str, Any]], if_match: str) -> str:
+        encoded = [encode_record(record) for record in records]
         with self._lock:
-            self._state.check_append(epoch, if_match)
-            self._state.add(payload, cbor2.loads(payload))
+            self._state.check_appends([(epoch, fence_shaped) for _, epoch, fence_shaped in encoded], if_match)
+            for payload, _, _ in encoded:
+                self._state.add(payload, cbor2.loads(payload))
             return self._state.etag
 
     async def fence(self, epoch: int, verifier: str | None = None) -> str:
@@ -224,8 +247,11 @@ class FileCommitLog(CommitLog):
         return await asyncio.to_thread(self._read_sync, start)
 
     async def append(self, record: dict[str, Any], if_match: str) -> str:
-        payload, epoch, _ = encode_record(record)
-        return await _FileAppends.of_running_loop().add(self, payload, epoch, if_match)
+        return await self.append_all((record,), if_match)
+
+    async def append_all(self, records: Sequence[dict[str, Any]], if_match: str) -> str:
+        encoded = tuple(encode_record(record) for record in records)
+        return await _FileAppends.of_running_loop().add(self, encoded, if_match)
 
     async def fence(self, epoch: int, verifier: str | None = None) -> str:
         payload, _, _ = encode_record(fence_record(epoch, verifier))
@@ -236,18 +262,18 @@ class FileCommitLog(CommitLog):
             self._catch_up(handle, repair=False)
             return LogSnapshot(self._state.records[start:], self._state.etag)
 
-    def _append_sync(self, payload: bytes, epoch: int, if_match: str) -> str:
+    def _append_sync(self, encoded: Sequence[tuple[bytes, int, bool]], if_match: str) -> str:
         with self._mutex, self._locked(fcntl.LOCK_EX) as handle:
             self._catch_up(handle, repair=True)
-            self._state.check_append(epoch, if_match)
-            self._write_frame(handle, payload)
+            self._state.check_appends([(epoch, fence_shaped) for _, epoch, fence_shaped in encoded], if_match)
+            self._write_frames(handle, [payload for payload, _, _ in encoded])
             return self._state.etag
 
     def _fence_sync(self, payload: bytes, epoch: int) -> str:
         with self._mutex, self._locked(fcntl.LOCK_EX) as handle:
             self._catch_up(handle, repair=True)
             if self._state.fence_needed(epoch):
-                self._write_frame(handle, payload)
+                self._write_frames(handle, [payload])
             return self._state.etag
 
     @contextlib.contextmanager
@@ -287,16 +313,19 @@ class FileCommitLog(CommitLog):
             handle.truncate(self._offset)
             os.fsync(handle.fileno())
 
-    def _write_frame(self, handle: IO[bytes], payload: bytes) -> None:
+    def _write_frames(self, handle: IO[bytes], payloads: Sequence[bytes]) -> None:
+        # One write and one fsync for all of them: a crash leaves a prefix of complete frames and
+        # at most one torn one, which readers ignore (none of them was acknowledged).
         handle.seek(self._offset)
-        handle.write(_FRAME_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+        handle.write(b"".join(_FRAME_HEADER.pack(len(payload), zlib.crc32(payload)) + payload for payload in payloads))
         handle.flush()
         os.fsync(handle.fileno())
-        self._state.add(payload, cbor2.loads(payload))
+        for payload in payloads:
+            self._state.add(payload, cbor2.loads(payload))
         self._offset = handle.tell()
 
 
-_PendingAppend = tuple[FileCommitLog, bytes, int, str, "asyncio.Future[str]"]
+_PendingAppend = tuple[FileCommitLog, tuple[tuple[bytes, int, bool], ...], str, "asyncio.Future[str]"]
 
 
 class _FileAppends:
@@ -324,12 +353,14 @@ class _FileAppends:
             appends = cls._by_loop[loop] = cls()
         return appends
 
-    def add(self, log: FileCommitLog, payload: bytes, epoch: int, if_match: str) -> asyncio.Future[str]:
+    def add(
+        self, log: FileCommitLog, encoded: tuple[tuple[bytes, int, bool], ...], if_match: str
+    ) -> asyncio.Future[str]:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[str] = loop.create_future()
         if not self.pending:
             loop.call_soon(self._start, loop)
-        self.pending.append((log, payload, epoch, if_match, done))
+        self.pending.append((log, encoded, if_match, done))
         return done
 
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -342,9 +373,9 @@ class _FileAppends:
 
 def _append_all(loop: asyncio.AbstractEventLoop, batch: list[_PendingAppend]) -> None:
     outcomes: list[Outcome] = []
-    for log, payload, epoch, if_match, done in batch:
+    for log, encoded, if_match, done in batch:
         try:
-            outcomes.append((done, log._append_sync(payload, epoch, if_match)))
+            outcomes.append((done, log._append_sync(encoded, if_match)))
         except Exception as exc:  # noqa: BLE001 - the appender learns it from its future
             outcomes.append((done, exc))
     settle_soon(loop, outcomes)
