@@ -103,7 +103,7 @@ async def _committed_round(
 ) -> PendingCommit:
     """A round as the engine commits it: the model sync queued, then the record applied."""
     pending = await _decided(machine, scorer, tokens)
-    sync.sync_soon(machine, pending, pending.verdict.accepted, pending.record.emitted)
+    sync.sync_soon(machine, pending.verdict.accepted, pending.record.emitted)
     machine.apply(pending)
     return pending
 
@@ -122,7 +122,7 @@ async def test_a_verdict_keeps_the_accepted_tokens_and_the_correction(
     pending = await _decided(machine, scorer, (*reference[:2], wrong))
     assert (pending.verdict.accepted, pending.record.emitted) == (2, reference[:3])
 
-    committed = sync.sync_soon(machine, pending, pending.verdict.accepted, pending.record.emitted)
+    committed = sync.sync_soon(machine, pending.verdict.accepted, pending.record.emitted)
     machine.apply(pending)
 
     assert committed == (*PROMPT, *reference[:3])
@@ -142,7 +142,7 @@ async def test_a_commit_the_model_refuses_is_rebuilt_from_the_decided_tokens(
     # The model forgets the scored proposal before the commit reaches it: the commit fails.
     scorer.run(target.rollback, SESSION)
 
-    sync.sync_soon(machine, pending, pending.verdict.accepted, pending.record.emitted)
+    sync.sync_soon(machine, pending.verdict.accepted, pending.record.emitted)
     machine.apply(pending)
 
     assert await _model_tokens(target, scorer) == (*PROMPT, *reference[:3])
@@ -162,7 +162,7 @@ async def test_a_session_dropped_meanwhile_is_not_rebuilt(
     scorer.run(target.rollback, SESSION)
     held.discard(SESSION)
 
-    sync.sync_soon(machine, pending, pending.verdict.accepted, pending.record.emitted)
+    sync.sync_soon(machine, pending.verdict.accepted, pending.record.emitted)
 
     assert not await scorer.run_async(target.has_session, SESSION)
     caplog.clear()  # the failed commit's error is this test's own
@@ -176,7 +176,7 @@ async def test_a_round_whose_record_failed_leaves_the_model_at_the_committed_tok
     await _committed_round(machine, scorer, sync, reference[:2])
     # The next round's tokens reach the model, then its record is never appended.
     pending = await _decided(machine, scorer, reference[3:6])
-    sync.sync_soon(machine, pending, pending.verdict.accepted, pending.record.emitted)
+    sync.sync_soon(machine, pending.verdict.accepted, pending.record.emitted)
     sync.realign_after_failure(machine)
     machine.abandon(pending.ticket)
 
@@ -192,7 +192,7 @@ async def test_a_fenced_sessions_model_state_is_left_for_closing(
     machine = await _opened(target, scorer)
     sync = ModelSync(URI, target, scorer, {SESSION})
     pending = await _decided(machine, scorer, reference[:2])
-    sync.sync_soon(machine, pending, pending.verdict.accepted, pending.record.emitted)
+    sync.sync_soon(machine, pending.verdict.accepted, pending.record.emitted)
     machine.stop_serving()
 
     sync.realign_after_failure(machine)
@@ -228,7 +228,7 @@ async def test_a_round_that_emits_nothing_drops_the_scored_proposal(
     cancel = machine.cancel(machine.epoch)
     assert cancel.record.emitted == ()
 
-    sync.sync_soon(machine, cancel, cancel.verdict.accepted, cancel.record.emitted)
+    sync.sync_soon(machine, cancel.verdict.accepted, cancel.record.emitted)
     machine.apply(cancel)
 
     with pytest.raises(InconsistentCommit, match="no scored proposal"):

@@ -39,6 +39,11 @@ log = logging.getLogger("sdcp.models")
 # The scorer's name for a closed model thread.
 ScorerClosed = ModelThreadClosed
 
+# A greedy run hands its steps' rows to the caller's loop this many at a time (or where it stops):
+# the loop then decides, appends and releases them together, waking once for them (one stream's
+# output is read about as often: the verifier's output_linger_ms).
+RUN_DELIVERY_STEPS = 4
+
 
 class GreedyPicker(Protocol):
     """Which token a greedy run feeds next (on the scorer's thread)."""
@@ -110,13 +115,15 @@ class ScoredRun:
 @dataclass
 class _Run:
     """What is left of a greedy run: the futures of its steps (on ``loop``), the tokens that end it,
-    how it picks its tokens and those it fed."""
+    how it picks its tokens and those it fed, and the rows of steps computed but not yet handed to
+    the loop (RUN_DELIVERY_STEPS)."""
 
     loop: asyncio.AbstractEventLoop
     steps: deque[asyncio.Future[np.ndarray | None]]
     stop_tokens: frozenset[int]
     picker: GreedyPicker
     fed: list[int]
+    held: list[Outcome] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -147,14 +154,26 @@ class _Outcomes:
         self._add(request, error)
 
     def end_run(self, run: _Run) -> None:
-        """The steps left of ``run`` get None: the run stops."""
+        """The steps held of ``run`` go out, and those left get None: the run stops."""
+        self.hand_over(run)
         outcomes = self._by_loop.setdefault(run.loop, [])
         outcomes.extend((step, None) for step in run.steps)
         run.steps.clear()
 
+    def hand_over(self, run: _Run) -> None:
+        """The rows of the steps ``run`` held go out with this pass's outcomes."""
+        if run.held:
+            self._by_loop.setdefault(run.loop, []).extend(run.held)
+            run.held.clear()
+
     def _add(self, request: _Request, outcome: np.ndarray | BaseException) -> None:
-        if request.waiter is not None:
-            loop, waiter = request.waiter
+        if request.waiter is None:
+            return
+        loop, waiter = request.waiter
+        if request.extends and request.run is not None and not isinstance(outcome, BaseException):
+            # A step's rows wait for the run's next ones (BatchingScorer._score decides).
+            request.run.held.append((waiter, outcome))
+        else:
             self._by_loop.setdefault(loop, []).append((waiter, outcome))
 
     def deliver(self) -> None:
@@ -339,8 +358,13 @@ class BatchingScorer(ModelThread):
             # Every other run of the batch stops here: its pass failed, was withdrawn or ended it.
             going_on = {id(step.run) for step in steps}
             for request in batch:
-                if request.run is not None and id(request.run) not in going_on:
-                    outcomes.end_run(request.run)
+                run = request.run
+                if run is None:
+                    continue
+                if id(run) not in going_on:
+                    outcomes.end_run(run)
+                elif len(run.held) >= RUN_DELIVERY_STEPS or not request.extends:
+                    outcomes.hand_over(run)
             outcomes.deliver()
         return steps
 
@@ -358,7 +382,8 @@ class BatchingScorer(ModelThread):
             runnable.append(request)
         if not runnable:
             return []
-        if self.target.on_host_cores:
+        # Steps of runs that hold their last rows gave the loops nothing to run since.
+        if self.target.on_host_cores and not all(request.run is not None and request.run.held for request in runnable):
             self._let_loops_settle(runnable)
         started = time.perf_counter()
         try:
@@ -424,4 +449,6 @@ class BatchingScorer(ModelThread):
         outcomes = _Outcomes()
         if item.future.set_running_or_notify_cancel():
             outcomes.exception(item, ScorerClosed("the batching scorer was closed"))
+        if item.run is not None:
+            outcomes.end_run(item.run)
         outcomes.deliver()

@@ -15,7 +15,7 @@ from sdcp.models.backend import Target
 from sdcp.models.errors import KVFormatError
 from sdcp.models.kvformat import blob_committed
 from sdcp.models.worker import ModelThread, ModelThreadClosed
-from sdcp.protocol.verifier import PendingCommit, VerifierSession
+from sdcp.protocol.verifier import VerifierSession
 
 __all__ = ["ModelSync"]
 
@@ -36,15 +36,14 @@ class ModelSync:
         self._thread = thread
         self._held = held
 
-    def sync_soon(
-        self, machine: VerifierSession, pending: PendingCommit, accepted: int, emitted: Sequence[int]
-    ) -> tuple[int, ...]:
-        """Queue bringing the model's KV cache to the tokens committed once ``pending`` is, by
-        keeping ``accepted`` scored tokens and ``emitted``; returns those tokens, prompt included.
+    def sync_soon(self, machine: VerifierSession, accepted: int, emitted: Sequence[int]) -> tuple[int, ...]:
+        """Queue bringing the model's KV cache to the tokens committed once ``emitted`` are (the
+        tokens of the rounds decided after the committed ones), by keeping ``accepted`` scored
+        tokens and ``emitted``; returns those tokens, prompt included.
 
         Not awaited: the model thread runs queued work in order, so the session's next pass sees it.
         """
-        committed = (*machine.prompt, *machine.tokens, *pending.record.emitted)
+        committed = (*machine.prompt, *machine.tokens, *emitted)
         self._thread.run(self._sync, machine.session, accepted, tuple(emitted), committed)
         return committed
 

@@ -55,8 +55,8 @@ class LiveSession:
     # Whether a record of this epoch carrying the verifier's certificate is in the log (signed
     # records, docs/interpretations.md): until one is, every record carries it.
     cert_logged: bool = False
-    # The last record signed, unsigned and signed: a retry of its round sends it again.
-    signed: tuple[dict[str, Any], dict[str, Any]] | None = None
+    # The records of the last append, unsigned and signed: a retry of their rounds sends them again.
+    signed: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
     # The session's target KV in the MLC (kvpublish.py): where this epoch publishes it (None: no
     # name the router would find), the committed length of the latest publication tried and of the
     # latest that landed, the one in flight, and whether the store refused the KV as too large or

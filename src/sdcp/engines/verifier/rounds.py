@@ -35,9 +35,30 @@ from sdcp.protocol.records import bind_record
 from sdcp.protocol.rules import parse_q_rows
 from sdcp.protocol.verifier import PendingCommit, RoundTicket
 
-__all__ = ["Rounds", "Scoring"]
+__all__ = ["PartlyAppended", "Rounds", "Scoring"]
 
 log = logging.getLogger("sdcp.verifier")
+
+# The signed records a session keeps for retries of their rounds: those of its last append.
+_SIGNED_KEPT = 64
+
+
+class PartlyAppended(Unavailable):
+    """The commit records of the first ``appended`` rounds of an append are in the log, the others
+    are not: ``cause`` says why."""
+
+    def __init__(self, appended: int, cause: Exception) -> None:
+        super().__init__(f"{appended} commit records appended, then: {cause}")
+        self.appended = appended
+        self.cause = cause
+
+
+def _landed(log_records: list[dict[str, Any]], records: list[dict[str, Any]]) -> int:
+    """How many of ``records`` (appended in order) end the log."""
+    for count in range(len(records), 0, -1):
+        if log_records[-count:] == records[:count]:
+            return count
+    return 0
 
 
 class Scoring:
@@ -194,7 +215,7 @@ class Rounds:
         leave a durable record unreleased (the commit and the verdict are atomic).
         """
         machine = live.machine
-        self._model_sync.sync_soon(machine, pending, pending.verdict.accepted, pending.record.emitted)
+        self._model_sync.sync_soon(machine, pending.verdict.accepted, pending.record.emitted)
         try:
             await self.append(live, pending)
         except BaseException:
@@ -208,52 +229,73 @@ class Rounds:
 
     async def append(self, live: LiveSession, pending: PendingCommit) -> None:
         """Append the round's commit record; raises, and releases nothing, if it is not there."""
+        try:
+            await self.append_all(live, [pending])
+        except PartlyAppended as exc:
+            raise Unavailable(f"the commit record was not appended: {exc.cause}") from exc.cause
+
+    async def append_all(self, live: LiveSession, pending: list[PendingCommit]) -> None:
+        """Append the commit records of consecutive rounds of the session, in one step where the
+        log can (CommitLog.append_all). Raises PartlyAppended where some of them are not there
+        (those before ``appended`` are: the caller releases them), or the fencing's problem."""
         machine = live.machine
         # The writer's identity goes with the record: an MLC node admits commit records only from
         # the verifier they name (docs/security.md). The session and its terms go with it too, so
         # that, signed, it is valid in one place of one log (a router's replay checks both).
-        record = bind_record(pending.record, writer=self._uri, session=machine.session, terms=live.terms)
-        if self._sign is not None:
-            # SDCP 1.3: only the verifier commits; its signature lets a router tell its records
-            # from anything else written to the store (docs/security.md, signed commit records).
-            # A retried round sends the very record it signed before (ECDSA signatures differ each
-            # time), so that one whose answer was lost is found in the log as its own.
-            if live.signed is not None and live.signed[0] == record:
-                record = live.signed[1]
-            else:
-                unsigned = record
-                record = self._sign(record, not live.cert_logged)
-                live.signed = (unsigned, record)
+        records = [
+            self._signed(live, bind_record(one.record, writer=self._uri, session=machine.session, terms=live.terms))
+            for one in pending
+        ]
         started = time.perf_counter()
         try:
-            live.etag = await live.log.append(record, live.etag)
-            live.cert_logged = True
-            live.append_s = time.perf_counter() - started
-            self._metrics.appended(live.append_s)
+            live.etag = await live.log.append_all(records, live.etag)
+            self._appended(live, started)
             return
         except Fenced as exc:
             self._fenced(live, exc)
         except PreconditionFailed as exc:
             # The log changed since this verifier's last record: another writer (a new epoch), or
-            # an earlier try of this very record whose answer was lost (a Redis restart).
+            # an earlier try of these very records whose answer was lost (a Redis restart).
             self._metrics.append_conflict()
             failure: Exception = exc
         except Exception as exc:  # noqa: BLE001 - a lost MLC node or Redis: the log tells what happened
             failure = exc
-        # The append may have landed before the failure was reported: the log says which.
+        # The appends may have landed before the failure was reported: the log says which.
         try:
             snapshot = await live.log.read()
         except Exception as exc:
-            raise Unavailable(f"the commit log cannot be read after a failed append: {exc}") from exc
-        if snapshot.records and snapshot.records[-1] == record:
-            live.etag = snapshot.etag
-            live.cert_logged = True
-            live.append_s = time.perf_counter() - started
-            return
-        if isinstance(failure, PreconditionFailed) or any(r.get("epoch", 0) > machine.epoch for r in snapshot.records):
+            raise PartlyAppended(0, Unavailable(f"the commit log cannot be read after a failed append: {exc}")) from exc
+        landed = _landed(snapshot.records, records)
+        if landed < len(records) and (
+            isinstance(failure, PreconditionFailed) or any(r.get("epoch", 0) > machine.epoch for r in snapshot.records)
+        ):
             self._fenced(live, failure)
         live.etag = snapshot.etag
-        raise Unavailable(f"the commit record was not appended: {failure}") from failure
+        if landed:
+            self._appended(live, started)
+        if landed < len(records):
+            raise PartlyAppended(landed, failure) from failure
+
+    def _signed(self, live: LiveSession, record: dict[str, Any]) -> dict[str, Any]:
+        if self._sign is None:
+            return record
+        # SDCP 1.3: only the verifier commits; its signature lets a router tell its records from
+        # anything else written to the store (docs/security.md, signed commit records). A retried
+        # round sends the very record it signed before (ECDSA signatures differ each time), so that
+        # one whose answer was lost is found in the log as its own.
+        for unsigned, signed in live.signed:
+            if unsigned == record:
+                return signed
+        signed = self._sign(record, not live.cert_logged)
+        if len(live.signed) >= _SIGNED_KEPT:
+            live.signed.pop(0)
+        live.signed.append((record, signed))
+        return signed
+
+    def _appended(self, live: LiveSession, started: float) -> None:
+        live.cert_logged = True
+        live.append_s = time.perf_counter() - started
+        self._metrics.appended(live.append_s)
 
     def _fenced(self, live: LiveSession, cause: Exception) -> NoReturn:
         # SDCP 6.3: a fenced append discards the round, releases nothing, stops serving.

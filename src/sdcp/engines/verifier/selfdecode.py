@@ -4,6 +4,7 @@ round, scoring along with each pass the continuation that prompt lookup predicts
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.engines.verifier.observe import PassCurve
-from sdcp.engines.verifier.rounds import Rounds, Scoring
+from sdcp.engines.verifier.rounds import PartlyAppended, Rounds, Scoring
 from sdcp.models.batching import ScoredRun, TargetMostProbable
 from sdcp.models.drafter import TokenTimer
 from sdcp.protocol.rules import GreedyRule
@@ -253,47 +254,53 @@ class SelfDecoding:
         return max(0, min(SELF_DECODE_RUN_AHEAD, machine.contract.max_new - decided - len(guess) - 1))
 
     async def _self_decode_pass(self, live: LiveSession, scoring: _Pass) -> _Pass | _Held | None:
-        """Commit the rounds of one pass; returns the next pass, already queued, if there is one,
-        or where short prompts wait for their prefill, what it follows (Admissions)."""
+        """Commit the rounds of one pass, and of the steps of its greedy run that have come with it:
+        decided together, appended in one step, released together. Returns the next pass, already
+        queued, if there is one, or where short prompts wait for their prefill, what it follows
+        (Admissions)."""
         machine = live.machine
         logits = await scoring.logits
         if logits is None:
             return self._start_pass(live, scoring.context)
         released: list[PendingCommit] = []
-        decided: list[int] = []
         following: _Pass | _Held | None = None
         try:
-            for position, row in enumerate(logits):
-                ticket = machine.begin_self_decode()
-                try:
-                    pending = machine.decide_self_decode(ticket, row, self._scoring.load)
-                    decided.extend(pending.record.emitted)
-                    continues = pending.control.self_decoding and pending.control.ended is None and not live.cancelling
-                    predicted = position < len(scoring.guess) and pending.record.emitted == (scoring.guess[position],)
-                    last = not (predicted and continues)
-                    if last:
-                        # The pass's earlier rounds are released: decided = their tokens + this one's.
-                        committed = self._model_sync.sync_soon(machine, pending, len(decided) - 1, decided)
-                        if continues and self._admissions.first:
-                            if scoring.run is not None:
-                                scoring.run.cancel()
-                            following = _Held(committed)
-                        elif continues:
-                            # The scorer fed the decided token after the whole guess.
-                            greedy = position == len(scoring.guess) and _fed(scoring) == decided[-1]
-                            following = self._follow(live, scoring, committed, greedy)
-                        elif scoring.run is not None:
-                            scoring.run.cancel()
-                    await self._rounds.append(live, pending)
-                except BaseException:
-                    machine.abandon(ticket)
-                    raise
-                self._rounds.release(live, pending)
-                if not released and scoring.prediction:
-                    live.record_lookahead(pending.record.emitted == scoring.prediction[:1])
-                released.append(pending)
-                if last:
-                    break
+            rows, fed, after = _ready_rows(scoring, logits)
+            pending = machine.decide_self_decoded(rows, fed, self._scoring.load)
+            try:
+                decided = [token for one in pending for token in one.record.emitted]
+                last = pending[-1]
+                continues = last.control.self_decoding and last.control.ended is None and not live.cancelling
+                # The rounds before the last are released: decided = their tokens + the last one's.
+                committed = self._model_sync.sync_soon(machine, len(decided) - 1, decided)
+                if continues and self._admissions.first:
+                    if scoring.run is not None:
+                        scoring.run.cancel()
+                    following = _Held(committed)
+                elif continues:
+                    # The scorer fed the last decided token after every row decided here.
+                    run = scoring.run
+                    greedy = len(pending) == len(rows) and run is not None and after < len(run.fed)
+                    greedy = greedy and run is not None and run.fed[after] == decided[-1]
+                    following = self._follow(live, dataclasses.replace(scoring, step=after), committed, greedy)
+                elif scoring.run is not None:
+                    scoring.run.cancel()
+                await self._rounds.append_all(live, pending)
+            except PartlyAppended as exc:
+                # Those before the failed one are in the log: they are committed and released.
+                for one in pending[: exc.appended]:
+                    self._rounds.release(live, one)
+                    released.append(one)
+                machine.abandon(pending[exc.appended].ticket)
+                raise
+            except BaseException:
+                machine.abandon(pending[0].ticket)
+                raise
+            for one in pending:
+                self._rounds.release(live, one)
+                released.append(one)
+            if scoring.prediction:
+                live.record_lookahead(pending[0].record.emitted == scoring.prediction[:1])
         except BaseException:
             scoring.withdraw()
             if isinstance(following, _Pass):
@@ -304,3 +311,24 @@ class SelfDecoding:
         finally:
             self._rounds.after_commit(live, released)
         return following
+
+
+def _ready_rows(scoring: _Pass, logits: np.ndarray) -> tuple[np.ndarray, tuple[int, ...], int]:
+    """The rows of ``scoring``'s pass and of the steps of its run that the scorer has handed over
+    after it, the tokens each row after the first follows (the pass's guess, then the run's fed
+    tokens), and the index of the first step not among them."""
+    rows = [np.asarray(logits).reshape(-1, np.shape(logits)[-1])]
+    fed = list(scoring.guess)
+    run, step = scoring.run, scoring.step
+    if run is not None:
+        while step < len(run.steps) and step < len(run.fed):
+            future = run.steps[step]
+            if not future.done() or future.cancelled() or future.exception() is not None:
+                break
+            row = future.result()
+            if row is None:
+                break
+            fed.append(run.fed[step])
+            rows.append(np.asarray(row).reshape(-1, np.shape(row)[-1]))
+            step += 1
+    return np.concatenate(rows) if len(rows) > 1 else rows[0], tuple(fed), step
