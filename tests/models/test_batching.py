@@ -9,7 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from sdcp.models import BatchingScorer, ScorerClosed, TargetModel, UnknownSession
+from sdcp.futures import settle_soon
+from sdcp.models import BatchingScorer, ScorerClosed, TargetModel, UnknownSession, batching
+from sdcp.models.batching import RUN_DELIVERY_STEPS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,11 +106,12 @@ async def test_a_cancelled_async_request_is_not_scored(tiny_target: TargetModel,
         withdrawn = scorer.score_async(first, [7])
         withdrawn.cancel()
         await asyncio.sleep(0)  # the cancellation reaches the scorer's future in a done callback
-        rows = await asyncio.wait_for(scorer.score_async(second, [7]), timeout=30)
+        scored = scorer.score_async(second, [7])
+        rows = await asyncio.wait_for(scored, timeout=30)
         assert rows.shape == (2, tiny_target.vocab_size)
         await asyncio.sleep(0)
-    assert scorer.last_pass[second].batch_size == 1
-    assert first not in scorer.last_pass
+    assert scorer.passes[scored].batch_size == 1
+    assert withdrawn not in scorer.passes
 
 
 def test_closed_scorer_refuses_requests(tiny_target: TargetModel, session_ids) -> None:
@@ -129,7 +132,7 @@ def test_requests_of_any_widths_share_one_pass(tiny_target: TargetModel, session
         futures = {session: scorer.submit(session, tokens) for session, tokens in requests.items()}
         results = {session: future.result(timeout=30) for session, future in futures.items()}
         assert scorer.batches_run == 1
-        assert {scorer.last_pass[session].batch_size for session in sessions} == {8}
+        assert {scorer.passes[future].batch_size for future in futures.values()} == {8}
     for session, rows in results.items():
         np.testing.assert_allclose(rows, expected[session], rtol=1e-4, atol=1e-4)
 
@@ -185,3 +188,37 @@ async def test_a_greedy_run_stops_at_a_wrong_guess_a_stop_token_or_a_cancel(
         await asyncio.wait_for(cancelled.rows, timeout=30)
         assert (await asyncio.wait_for(cancelled.steps[0], timeout=30)).shape == (1, tiny_target.vocab_size)
         assert await asyncio.wait_for(cancelled.steps[2], timeout=30) is None
+
+
+async def test_a_greedy_run_hands_its_steps_over_a_few_at_a_time_and_all_where_it_stops(
+    tiny_target: TargetModel, session_ids, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's loop wakes once for RUN_DELIVERY_STEPS steps (it decides, appends and releases
+    them together), and gets the rest of the run's rows where the run stops."""
+    handed: list[list[object]] = []
+
+    def recording(loop: asyncio.AbstractEventLoop, outcomes: list[tuple[object, object]]) -> None:
+        handed.append([future for future, _ in outcomes])
+        settle_soon(loop, outcomes)
+
+    monkeypatch.setattr(batching, "settle_soon", recording)
+    (session,) = _open(tiny_target, session_ids, 1)
+    steps = RUN_DELIVERY_STEPS + 2
+    with BatchingScorer(tiny_target, window_s=0.0) as scorer:
+        run = scorer.score_ahead_async(session, (), steps, frozenset())
+        rows = await asyncio.wait_for(asyncio.gather(*run.steps), timeout=30)
+    assert all(row is not None and row.shape == (1, tiny_target.vocab_size) for row in rows)
+    assert len(run.fed) == steps
+    assert handed == [[run.rows], list(run.steps[:RUN_DELIVERY_STEPS]), list(run.steps[RUN_DELIVERY_STEPS:])]
+
+
+async def test_a_closing_scorer_leaves_no_step_of_a_run_waiting(tiny_target: TargetModel, session_ids) -> None:
+    (session,) = _open(tiny_target, session_ids, 1)
+    scorer = BatchingScorer(tiny_target, window_s=0.0)
+    try:
+        run = scorer.score_ahead_async(session, (), 30, frozenset())
+        await asyncio.wait_for(run.steps[0], timeout=30)
+    finally:
+        scorer.close()
+    outcomes = await asyncio.wait_for(asyncio.gather(*run.steps, return_exceptions=True), timeout=30)
+    assert all(outcome is None or isinstance(outcome, (np.ndarray, ScorerClosed)) for outcome in outcomes)

@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -220,8 +221,9 @@ class BatchingScorer(ModelThread):
         # wait for, so a lone session never pays the window.
         self.active_sessions = active_sessions
         self.batches_run = 0
-        # Written before a request's future completes, so its caller reads its own pass.
-        self.last_pass: dict[SessionId, PassInfo] = {}
+        # The pass that scored each request, by the future its caller holds: written before the
+        # future completes, so that its caller reads its own pass (a run's steps reach it later).
+        self.passes: weakref.WeakKeyDictionary[object, PassInfo] = weakref.WeakKeyDictionary()
         super().__init__("sdcp-scorer", cores=cores)
 
     def submit(self, session: SessionId, tokens: Sequence[int]) -> Future[np.ndarray]:
@@ -400,7 +402,7 @@ class BatchingScorer(ModelThread):
         info = PassInfo(self._last_pass_s, len(runnable), sum(len(result) for result in rows))
         self.batches_run += 1
         for request, result in zip(runnable, rows, strict=True):
-            self.last_pass[request.session] = info
+            self.passes[request.waiter[1] if request.waiter is not None else request.future] = info
             outcomes.result(request, result)
         return list(zip(runnable, rows, strict=True))
 

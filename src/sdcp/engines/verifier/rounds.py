@@ -111,9 +111,9 @@ class Scoring:
 
     def _scored(self, live: LiveSession, done: asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None]) -> None:
         """Count the pass's time where it ran (a step a run did not reach has none)."""
+        scored = self._scorer.passes.pop(done, None)
         if done.cancelled() or done.exception() is not None or done.result() is None:
             return
-        scored = self._scorer.last_pass.pop(live.machine.session, None)
         if scored is not None:
             live.timings.model_s += scored.seconds
             live.timings.batch_size = scored.batch_size

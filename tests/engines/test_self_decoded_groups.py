@@ -1,0 +1,117 @@
+"""Self-decoded rounds in groups (issue 38, "Nothing added per token"): the rows of a pass and of the
+greedy-run steps that reach the loop with it are decided together, their records appended in one
+step and released together. Each token is still a round of its own with its own record (SDCP
+6.5.2), the output is the target's greedy decoding, and an append that lands only partly loses no
+token and repeats none."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from tests.engines.verifier_pair import PROMPT, SESSION, Pair, decode
+
+from sdcp.cache.commitlog import MemoryCommitLog
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.registry import LoadedModel
+from sdcp.protocol.messages import Action, Contract
+from sdcp.protocol.records import replay_commit_log
+from sdcp.protocol.router import RouterSession
+
+pytestmark = pytest.mark.timeout(180)
+
+EOT = 0
+MAX_NEW = 40
+
+
+def contract_of(target: TargetModel) -> Contract:
+    return Contract.from_obj(
+        {
+            "target": target.weights_digest,
+            "tokenizer": target.tokenizer_digest,
+            "rule": 1,
+            "m_max": 4,
+            "max_new": MAX_NEW,
+            "stop": [EOT],
+            "low_rounds": 1000,
+            "fallback": [Action.FAIL],
+            "self_load": 100,
+        }
+    )
+
+
+def greedy(loaded: LoadedModel) -> tuple[int, ...]:
+    """The tiny target's greedy decoding of PROMPT, one token per pass."""
+    target = TargetModel(loaded.model, loaded.tokenizer, name="tiny")
+    target.open_session(SESSION, PROMPT)
+    tokens: list[int] = []
+    while len(tokens) < MAX_NEW and (not tokens or tokens[-1] != EOT):
+        (rows,) = target.score([(SESSION, ())])
+        tokens.append(int(rows[-1].argmax()))
+        target.commit(SESSION, 0, [tokens[-1]])
+    return tuple(tokens)
+
+
+async def open_plan(pair: Pair) -> RouterSession:
+    assert isinstance(pair.first.target, TargetModel)
+    plan = RouterSession(
+        session=SESSION,
+        epoch=1,
+        contract=contract_of(pair.first.target),
+        prompt=PROMPT,
+        commit_log=pair.commit_log,
+        verifier=pair.first.uri,
+    )
+    await pair.first.open_session(plan.open_message())
+    return plan
+
+
+async def test_rounds_decided_together_are_rounds_of_their_own(
+    pair: Pair, tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    appends: list[int] = []
+    append_all = MemoryCommitLog.append_all
+
+    async def counted(self: MemoryCommitLog, records: Any, if_match: str) -> str:
+        appends.append(len(records))
+        return await append_all(self, records, if_match)
+
+    monkeypatch.setattr(MemoryCommitLog, "append_all", counted)
+    plan = await open_plan(pair)
+    await decode(pair.first, 1, MAX_NEW)
+    output = await pair.first.output(SESSION, 0)
+    assert output.final and output.tokens == greedy(tiny_loaded)
+    records = (await pair.mlc.commit_log(pair.commit_log).read()).records
+    assert [record["round"] for record in records] == list(range(1, len(output.tokens) + 1))
+    assert all(len(record["emitted"]) == 1 for record in records)
+    replay = replay_commit_log(records, plan.contract.digest, plan.prompt)
+    assert replay.tokens == output.tokens
+    # The greedy run's steps came to the loop several at a time: fewer appends than rounds.
+    assert sum(appends) == len(records) and max(appends) > 1 and len(appends) < len(records)
+
+
+async def test_a_group_appended_in_part_releases_what_landed_and_goes_on_from_there(
+    pair: Pair, tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log that appends record by record (Redis, a remote MLC node) may fail in the middle of a
+    group: the records before the failure are committed and released, the period ends, and the
+    next one goes on after them, with nothing lost or repeated."""
+    append_all = MemoryCommitLog.append_all
+    failures: list[int] = []
+
+    async def failing_once(self: MemoryCommitLog, records: Any, if_match: str) -> str:
+        if len(records) > 2 and not failures:
+            failures.append(len(records))
+            etag = await append_all(self, records[:2], if_match)
+            raise ConnectionError(f"the store went away after 2 of {len(records)} records ({etag})")
+        return await append_all(self, records, if_match)
+
+    monkeypatch.setattr(MemoryCommitLog, "append_all", failing_once)
+    plan = await open_plan(pair)
+    await decode(pair.first, 1, MAX_NEW)
+    assert failures, "no group of more than two rounds was appended"
+    output = await pair.first.output(SESSION, 0)
+    assert output.final and output.tokens == greedy(tiny_loaded)
+    records = (await pair.mlc.commit_log(pair.commit_log).read()).records
+    assert [record["round"] for record in records] == list(range(1, len(output.tokens) + 1))
+    assert replay_commit_log(records, plan.contract.digest, plan.prompt).tokens == output.tokens
