@@ -201,18 +201,21 @@ async def test_a_failed_append_while_self_decoding_leaves_the_model_at_the_commi
     prompt, reference = _prompt_and_reference(target)
     contract = await _open_self_decoding_session(verifier, clients, target, prompt, [Action.SELF_DECODE, Action.FAIL])
     live = verifier.engine.sessions[SESSION]
-    # The sixth record cannot be written: the MLC answers with an error and the record is not there.
-    appended = live.log.append
-    calls = 0
+    # The sixth record cannot be written: the MLC answers with an error and the record is not there
+    # (those before it in its append are, as a store that appends record by record leaves them).
+    appended = live.log.append_all
+    written = 0
 
-    async def failing_append(record: dict[str, object], if_match: str) -> str:
-        nonlocal calls
-        calls += 1
-        if calls == 6:
+    async def failing_append(records: list[dict[str, object]], if_match: str) -> str:
+        nonlocal written
+        before, written = written, written + len(records)
+        if before <= 5 < written:
+            if before < 5:
+                await appended(records[: 5 - before], if_match)
             raise OSError("the MLC is unreachable")
-        return await appended(record, if_match)
+        return await appended(records, if_match)
 
-    live.log.append = failing_append  # type: ignore[method-assign]
+    live.log.append_all = failing_append  # type: ignore[method-assign]
     wrong = (reference[0] + 1) % target.vocab_size
     _, body = await clients["drafter"].post_cbor("proposals", _proposal(live.machine.state(), (wrong,)).to_obj())
     assert Verdict.from_obj(body).action == Action.SELF_DECODE
@@ -248,16 +251,16 @@ async def test_a_cancel_that_stops_waiting_for_self_decoding_ends_the_session_qu
     # The task's next pass waits behind the scorer; the cancel's record waits for the test.
     scorer_free, append_free = threading.Event(), asyncio.Event()
     blocker = asyncio.ensure_future(verifier.engine.scorer.run_async(scorer_free.wait))
-    appended = live.log.append
+    appended = live.log.append_all
     cancel_appending = asyncio.Event()
 
-    async def held_append(record: dict[str, object], if_match: str) -> str:
-        if record.get("emitted") == []:
+    async def held_append(records: list[dict[str, object]], if_match: str) -> str:
+        if any(record.get("emitted") == [] for record in records):
             cancel_appending.set()
             await append_free.wait()
-        return await appended(record, if_match)
+        return await appended(records, if_match)
 
-    live.log.append = held_append  # type: ignore[method-assign]
+    live.log.append_all = held_append  # type: ignore[method-assign]
     await eventually(lambda: not live.machine.verifying)
     monkeypatch.setattr(engine_module, "_ROUTER_WAIT_S", 0.0)
     cancel = asyncio.ensure_future(

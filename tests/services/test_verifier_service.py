@@ -400,11 +400,11 @@ async def test_an_append_whose_answer_was_lost_is_found_in_the_log_on_the_retry(
     taking the changed ETag for another writer (which would fence the session)."""
     state = await open_and_assign(cluster, contract(target))
     live = cluster.node.engine.sessions[SESSION]
-    log_append, log_read = live.log.append, live.log.read
+    log_append, log_read = live.log.append_all, live.log.read
     lost = {"append": 1, "read": 1}
 
-    async def append_then_lose_the_answer(record: dict[str, object], if_match: str) -> str:
-        etag = await log_append(record, if_match)
+    async def append_then_lose_the_answer(records: list[dict[str, object]], if_match: str) -> str:
+        etag = await log_append(records, if_match)
         if lost["append"]:
             lost["append"] -= 1
             raise ConnectionError("Connection closed by server.")
@@ -416,7 +416,7 @@ async def test_an_append_whose_answer_was_lost_is_found_in_the_log_on_the_retry(
             raise ConnectionError("Error 111 connecting")
         return await log_read()
 
-    live.log.append = append_then_lose_the_answer  # type: ignore[method-assign]
+    live.log.append_all = append_then_lose_the_answer  # type: ignore[method-assign]
     live.log.read = read_once_unreachable  # type: ignore[method-assign]
     drafter = cluster.client("drafter")
     message = proposal(state, (1, 2)).to_obj()
