@@ -9,35 +9,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from tests.engines.test_penalised_decoding import EOT, MAX_NEW, contract_of
 from tests.engines.verifier_pair import PROMPT, SESSION, Pair, decode
 
 from sdcp.cache.commitlog import MemoryCommitLog
+from sdcp.models.batching import RUN_DELIVERY_STEPS
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
-from sdcp.protocol.messages import Action, Contract
 from sdcp.protocol.records import replay_commit_log
 from sdcp.protocol.router import RouterSession
 
 pytestmark = pytest.mark.timeout(180)
-
-EOT = 0
-MAX_NEW = 40
-
-
-def contract_of(target: TargetModel) -> Contract:
-    return Contract.from_obj(
-        {
-            "target": target.weights_digest,
-            "tokenizer": target.tokenizer_digest,
-            "rule": 1,
-            "m_max": 4,
-            "max_new": MAX_NEW,
-            "stop": [EOT],
-            "low_rounds": 1000,
-            "fallback": [Action.FAIL],
-            "self_load": 100,
-        }
-    )
 
 
 def greedy(loaded: LoadedModel) -> tuple[int, ...]:
@@ -57,7 +39,7 @@ async def open_plan(pair: Pair) -> RouterSession:
     plan = RouterSession(
         session=SESSION,
         epoch=1,
-        contract=contract_of(pair.first.target),
+        contract=contract_of(pair.first.target, 1, None),
         prompt=PROMPT,
         commit_log=pair.commit_log,
         verifier=pair.first.uri,
@@ -80,7 +62,7 @@ async def test_rounds_decided_together_are_rounds_of_their_own(
     plan = await open_plan(pair)
     await decode(pair.first, 1, MAX_NEW)
     output = await pair.first.output(SESSION, 0)
-    assert output.final and output.tokens == greedy(tiny_loaded)
+    assert output.final and output.tokens == greedy(tiny_loaded) and len(output.tokens) > 2 * RUN_DELIVERY_STEPS
     records = (await pair.mlc.commit_log(pair.commit_log).read()).records
     assert [record["round"] for record in records] == list(range(1, len(output.tokens) + 1))
     assert all(len(record["emitted"]) == 1 for record in records)
