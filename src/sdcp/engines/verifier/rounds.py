@@ -39,9 +39,6 @@ __all__ = ["PartlyAppended", "Rounds", "Scoring"]
 
 log = logging.getLogger("sdcp.verifier")
 
-# The signed records a session keeps for retries of their rounds: those of its last append.
-_SIGNED_KEPT = 64
-
 
 class PartlyAppended(Unavailable):
     """The commit records of the first ``appended`` rounds of an append are in the log, the others
@@ -242,10 +239,10 @@ class Rounds:
         # The writer's identity goes with the record: an MLC node admits commit records only from
         # the verifier they name (docs/security.md). The session and its terms go with it too, so
         # that, signed, it is valid in one place of one log (a router's replay checks both).
-        records = [
-            self._signed(live, bind_record(one.record, writer=self._uri, session=machine.session, terms=live.terms))
-            for one in pending
-        ]
+        records = self._signed(
+            live,
+            [bind_record(one.record, writer=self._uri, session=machine.session, terms=live.terms) for one in pending],
+        )
         started = time.perf_counter()
         try:
             live.etag = await live.log.append_all(records, live.etag)
@@ -276,21 +273,22 @@ class Rounds:
         if landed < len(records):
             raise PartlyAppended(landed, failure) from failure
 
-    def _signed(self, live: LiveSession, record: dict[str, Any]) -> dict[str, Any]:
+    def _signed(self, live: LiveSession, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if self._sign is None:
-            return record
+            return records
         # SDCP 1.3: only the verifier commits; its signature lets a router tell its records from
         # anything else written to the store (docs/security.md, signed commit records). A retried
         # round sends the very record it signed before (ECDSA signatures differ each time), so that
-        # one whose answer was lost is found in the log as its own.
-        for unsigned, signed in live.signed:
-            if unsigned == record:
-                return signed
-        signed = self._sign(record, not live.cert_logged)
-        if len(live.signed) >= _SIGNED_KEPT:
-            live.signed.pop(0)
-        live.signed.append((record, signed))
-        return signed
+        # one whose answer was lost is found in the log as its own: the records of the last append
+        # are kept for that.
+        kept = live.signed
+        live.signed = []
+        for record in records:
+            signed = next((signed for unsigned, signed in kept if unsigned == record), None)
+            if signed is None:
+                signed = self._sign(record, not live.cert_logged)
+            live.signed.append((record, signed))
+        return [signed for _, signed in live.signed]
 
     def _appended(self, live: LiveSession, started: float) -> None:
         live.cert_logged = True
