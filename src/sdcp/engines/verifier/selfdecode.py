@@ -103,12 +103,6 @@ def _undecided(machine: VerifierSession, context: tuple[int, ...]) -> tuple[int,
     return context[len(machine.prompt) + machine.committed :]
 
 
-def _fed(scoring: _Pass) -> int | None:
-    """The token the run of ``scoring`` fed after its rows, None where it fed none."""
-    run = scoring.run
-    return run.fed[scoring.step] if run is not None and scoring.step < len(run.fed) else None
-
-
 class SelfDecoding:
     """Runs each session's self-decoding period as a task of its own; ``token_time`` learns the
     time per self-decoded token, ``active_sessions`` says how many sessions share the passes."""
@@ -282,8 +276,8 @@ class SelfDecoding:
                 elif continues:
                     # The scorer fed the last decided token after every row decided here.
                     run = scoring.run
-                    greedy = len(pending) == len(rows) and run is not None and after < len(run.fed)
-                    greedy = greedy and run is not None and run.fed[after] == decided[-1]
+                    fed_next = run.fed[after] if run is not None and after < len(run.fed) else None
+                    greedy = len(pending) == len(rows) and fed_next == decided[-1]
                     following = self._follow(live, dataclasses.replace(scoring, step=after), committed, greedy)
                 elif scoring.run is not None:
                     scoring.run.cancel()
