@@ -168,8 +168,7 @@ def test_rule_1_self_decoding_takes_the_argmax_of_the_penalised_row() -> None:
         logits[0, EOT] = -50.0
         # Raw, 40 ties with the most probable token every time.
         logits[0, 40] = logits[0].max()
-        ticket = machine.begin_self_decode()
-        pending = machine.decide_self_decode(ticket, logits, 0)
+        (pending,) = machine.decide_self_decoded(logits, (), 0)
         machine.apply(pending)
         expected = int(np.argmax(reference_logits(logits[0], PROMPT, decided, sampling)))
         assert pending.record.emitted == (expected,)

@@ -256,8 +256,7 @@ def test_self_decode_rounds_are_consecutive_and_end_with_switch_event() -> None:
     assert err.value.problem is ProblemType.STALE_BASE
     rounds, events = [], []
     while session.self_decoding:
-        ticket = session.begin_self_decode()
-        pending = session.decide_self_decode(ticket, greedy_logits([5]), 10)
+        (pending,) = session.decide_self_decoded(greedy_logits([5]), (), 10)
         session.apply(pending)
         rounds.append(pending.record.round)
         events.append(pending.event)
@@ -484,10 +483,10 @@ def test_min_new_applies_to_self_decoded_tokens() -> None:
     session = VerifierSession(session=SESSION, epoch=1, contract=contract, prompt=PROMPT, min_new=1)
     session.self_decode_instead(1, 0)
     row = np.array([[0, 0, 0, 4, 0, 0, 0, 5]], dtype=np.float32)
-    ticket = session.begin_self_decode()
-    assert session.apply(session.decide_self_decode(ticket, row, 0)).emitted == (3,)
-    ticket = session.begin_self_decode()
-    assert session.apply(session.decide_self_decode(ticket, row, 0)).emitted == (7,)
+    (first,) = session.decide_self_decoded(row, (), 0)
+    assert session.apply(first).emitted == (3,)
+    (second,) = session.decide_self_decoded(row, (), 0)
+    assert session.apply(second).emitted == (7,)
 
 
 def self_decoding_session(**overrides: object) -> VerifierSession:
@@ -500,8 +499,7 @@ def self_decoding_session(**overrides: object) -> VerifierSession:
 def one_at_a_time(session: VerifierSession, rows: np.ndarray, count: int) -> list[PendingCommit]:
     decided = []
     for row in rows[:count]:
-        ticket = session.begin_self_decode()
-        pending = session.decide_self_decode(ticket, row[None], 10)
+        (pending,) = session.decide_self_decoded(row[None], (), 10)
         session.apply(pending)
         decided.append(pending)
     return decided

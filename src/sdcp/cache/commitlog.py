@@ -118,12 +118,9 @@ class LogState:
         if is_fence(record):
             self.fence_epoch = max(self.fence_epoch, epoch)
 
-    def check_append(self, epoch: int, if_match: str) -> None:
-        self.check_appends(((epoch, False),), if_match)
-
     def check_appends(self, records: Sequence[tuple[int, bool]], if_match: str) -> None:
-        """`check_append` for records appended one after another from ``if_match``, each given by
-        its epoch and whether it is fence-shaped: all of them are admitted, or none."""
+        """Whether records appended one after another from ``if_match``, each given by its epoch
+        and whether it is fence-shaped, may be appended: all of them, or none (raises)."""
         fence_epoch = self.fence_epoch
         for index, (epoch, fence_shaped) in enumerate(records):
             if epoch < fence_epoch:  # SDCP 6.8: appends below the fence epoch MUST fail

@@ -442,7 +442,7 @@ class VerifierSession:
         """Apply the acceptance rule (SDCP 6.3 Acceptance, 6.4) and speculation control (6.5)."""
         proposal = self._require_ticket(ticket)
         if proposal is None:
-            raise ValueError("a self-decoded round is decided by decide_self_decode")
+            raise ValueError("a self-decoded round is decided by decide_self_decoded")
         tokens = proposal.tokens
         try:
             rows = self._target_rows(logits, ticket.sampling, tokens)
@@ -460,13 +460,6 @@ class VerifierSession:
             action, m_cap = control.after_round(acceptance.accepted, len(tokens), verifier_load)
         pending = self._pending(ticket, control, emitted, acceptance.accepted, action, m_cap, verifier_load)
         return self._with_logprobs(pending, logits)
-
-    def decide_self_decode(self, ticket: RoundTicket, logits: np.ndarray, verifier_load: int) -> PendingCommit:
-        """Commit one target token: argmax under rule 1, a draw from p under rule 2."""
-        if self._require_ticket(ticket) is not None:
-            raise ValueError("a proposal round is decided by decide")
-        raw = np.asarray(logits).reshape(-1, np.shape(logits)[-1])[:1]
-        return self._self_decoded_round(ticket, raw, self.target_logits, self.control, verifier_load)
 
     def decide_self_decoded(self, rows: np.ndarray, fed: Sequence[int], verifier_load: int) -> list[PendingCommit]:
         """Several self-decoded rounds at once, each token still a round of its own (SDCP 6.5.2):
@@ -512,12 +505,12 @@ class VerifierSession:
         shaping: TargetLogits,
         control_before: SpeculationControl,
         verifier_load: int,
-        committed: int | None = None,
-        digest: bytes | None = None,
+        committed: int,
+        digest: bytes,
     ) -> PendingCommit:
-        """The round ``ticket`` that self-decodes one token from ``raw`` (its one row), after the
-        state ``shaping``, ``control_before``, ``committed`` and ``digest`` (the session's own where
-        not given)."""
+        """The round ``ticket`` that self-decodes one token from ``raw`` (its one row): argmax under
+        rule 1, a draw from p under rule 2, after the state ``shaping``, ``control_before``,
+        ``committed`` and ``digest``."""
         try:
             row = shaping.rows(raw, (), ticket.sampling)[0]
         except DeadEnd:
