@@ -12,6 +12,7 @@ import base64
 import binascii
 import io
 import re
+from collections.abc import Sequence
 
 import cbor2
 
@@ -26,6 +27,7 @@ __all__ = [
     "decode",
     "decode_deterministic",
     "encode",
+    "integers_within",
 ]
 
 MEDIA_TYPE = "application/sdcp+cbor"
@@ -65,21 +67,23 @@ def _keep_tag(_decoder: cbor2.CBORDecoder, tag: cbor2.CBORTag) -> cbor2.CBORTag:
     return tag
 
 
+def integers_within(values: Sequence[object], low: int, high: int) -> bool:
+    """Whether every one of ``values`` is a plain integer (not a bool) in [low, high]: a token
+    array checked in one go, where a check item by item would be most of what encoding or parsing
+    a message costs."""
+    if not all(type(value) is int for value in values):
+        return False
+    integers: Sequence[int] = values  # type: ignore[assignment]
+    return not integers or (min(integers) >= low and max(integers) <= high)
+
+
 def _outside_data_model(obj: object) -> str | None:
     """Why `obj` lies outside SDCP's data model, or None when it lies inside."""
     stack = [obj]
     while stack:
         item = stack.pop()
-        kind = type(item)
-        if kind is int:
-            if not _INT_MIN <= item <= _INT_MAX:  # type: ignore[operator]
-                return f"integer {item} does not fit CBOR major types 0 and 1"
-        elif kind is list or kind is tuple:
-            assert isinstance(item, (list, tuple))
-            # Token lists are most of what the roles encode: checked in one go where they are
-            # all plain integers, item by item otherwise.
-            plain = all(type(value) is int for value in item)
-            if not plain or (item and not (min(item) >= _INT_MIN and max(item) <= _INT_MAX)):
+        if isinstance(item, (list, tuple)):
+            if not integers_within(item, _INT_MIN, _INT_MAX):
                 stack.extend(item)
         elif isinstance(item, dict):
             for key, value in item.items():
@@ -91,8 +95,6 @@ def _outside_data_model(obj: object) -> str | None:
         elif isinstance(item, int):
             if not _INT_MIN <= item <= _INT_MAX:
                 return f"integer {item} does not fit CBOR major types 0 and 1"
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
         elif not isinstance(item, (str, bytes, bytearray)):
             return f"{type(item).__name__} value {item!r} is not part of SDCP"
     return None

@@ -157,12 +157,9 @@ class _UInt(_Kind):
     def dump(self, value: Any) -> object:
         return int(value)
 
-    def holds_every(self, values: list[object] | tuple[object, ...]) -> bool:
+    def holds_every(self, values: Sequence[object]) -> bool:
         """Whether every one of ``values`` is a plain integer in range (what parse accepts as it is)."""
-        if not all(type(value) is int for value in values):
-            return False
-        integers: Sequence[int] = values  # type: ignore[assignment]
-        return not integers or (min(integers) >= self.low and max(integers) <= self.high)
+        return codec.integers_within(values, self.low, self.high)
 
 
 @dataclass(frozen=True)
