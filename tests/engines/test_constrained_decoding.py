@@ -12,14 +12,14 @@ import json
 import jsonschema
 import numpy as np
 import pytest
-from tests.engines.verifier_pair import PROMPT, SESSION, Pair, decode, fail_over
+from tests.engines.verifier_pair import EOT, PROMPT, SESSION, Pair, decode, fail_over, self_decoding_contract
 
 from sdcp.grammar import GrammarConstraint, grammar_tokenizer
 from sdcp.models.batching import TargetMostProbable
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
 from sdcp.protocol.constraint import constrain_rows
-from sdcp.protocol.messages import Action, Constraint, Contract, Sampling, SessionOpen
+from sdcp.protocol.messages import Action, Constraint, Sampling, SessionOpen
 from sdcp.protocol.problems import BadContract
 from sdcp.protocol.router import RouterSession
 from sdcp.protocol.rules import PURPOSE_EXTRA_TOKEN, verifier_random
@@ -28,7 +28,6 @@ from sdcp.protocol.shaping import TargetLogits
 
 pytestmark = pytest.mark.timeout(180)
 
-EOT = 0
 MAX_NEW = 96
 # Tokens self-decoded per period: the first verifier stops after one period.
 SELF_MAX = 10
@@ -47,24 +46,6 @@ SCHEMA = {
 CONSTRAINT = Constraint(kind="json_schema", text=json.dumps(SCHEMA))
 SEED = 20261130
 SAMPLING = Sampling(temperature_milli=800, seed=SEED)
-
-
-def contract_of(target: TargetModel, rule: int) -> Contract:
-    obj: dict[str, object] = {
-        "target": target.weights_digest,
-        "tokenizer": target.tokenizer_digest,
-        "rule": rule,
-        "m_max": 4,
-        "max_new": MAX_NEW,
-        "stop": [EOT],
-        "low_rounds": 1000,
-        "fallback": [Action.FAIL],
-        "self_load": 100,
-        "self_max": SELF_MAX,
-    }
-    if rule == 2:
-        obj["sampling"] = SAMPLING.to_obj()
-    return Contract.from_obj(obj)
 
 
 def reference(loaded: LoadedModel, rule: int) -> tuple[int, ...]:
@@ -96,7 +77,9 @@ async def test_a_constrained_session_fails_over_and_its_output_validates(
     pair: Pair, tiny_loaded: LoadedModel, rule: int
 ) -> None:
     assert isinstance(pair.first.target, TargetModel)
-    contract = contract_of(pair.first.target, rule)
+    contract = self_decoding_contract(
+        pair.first.target, rule, max_new=MAX_NEW, self_max=SELF_MAX, sampling=SAMPLING if rule == 2 else None
+    )
     plan = RouterSession(
         session=SESSION,
         epoch=1,
@@ -131,7 +114,7 @@ async def test_a_constraint_the_verifier_cannot_compile_is_refused(pair: Pair) -
     message = SessionOpen(
         session=SESSION,
         epoch=1,
-        contract=contract_of(pair.first.target, 1),
+        contract=self_decoding_contract(pair.first.target, 1, max_new=MAX_NEW, self_max=SELF_MAX),
         prompt=PROMPT,
         commit_log=pair.commit_log,
         constraint=Constraint(kind="regex", text="(["),

@@ -11,13 +11,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-from tests.engines.verifier_pair import PROMPT, SESSION, Pair, decode, fail_over
+from tests.engines.verifier_pair import EOT, PROMPT, SESSION, Pair, decode, fail_over, self_decoding_contract
 from tests.protocol.shaping_reference import reference_logits, reference_p
 
 from sdcp.models.batching import BatchingScorer, TargetMostProbable
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
-from sdcp.protocol.messages import Action, Contract, Sampling
+from sdcp.protocol.messages import Action, Sampling
 from sdcp.protocol.router import RouterSession
 from sdcp.protocol.rules import PURPOSE_EXTRA_TOKEN, verifier_random
 from sdcp.protocol.sampling import draw_token
@@ -25,7 +25,6 @@ from sdcp.protocol.shaping import TargetLogits
 
 pytestmark = pytest.mark.timeout(180)
 
-EOT = 0
 MAX_NEW = 48
 SELF_MAX = 12
 SEED = 20261202
@@ -36,24 +35,6 @@ PENALTIES = Sampling(
     logit_bias_milli=((EOT, -100_000), (PROMPT[3], 1500)),
 )
 PROFILES = {1: PENALTIES, 2: dataclasses.replace(PENALTIES, temperature_milli=900, seed=SEED, min_p_milli=40)}
-
-
-def contract_of(target: TargetModel, rule: int, sampling: Sampling | None) -> Contract:
-    obj: dict[str, object] = {
-        "target": target.weights_digest,
-        "tokenizer": target.tokenizer_digest,
-        "rule": rule,
-        "m_max": 4,
-        "max_new": MAX_NEW,
-        "stop": [EOT],
-        "low_rounds": 1000,
-        "fallback": [Action.FAIL],
-        "self_load": 100,
-        "self_max": SELF_MAX,
-    }
-    if sampling is not None:
-        obj["sampling"] = sampling.to_obj()
-    return Contract.from_obj(obj)
 
 
 def reference(loaded: LoadedModel, rule: int, sampling: Sampling) -> tuple[int, ...]:
@@ -86,7 +67,7 @@ async def test_a_penalised_session_fails_over_and_decodes_the_penalised_target(
     plan = RouterSession(
         session=SESSION,
         epoch=1,
-        contract=contract_of(pair.first.target, rule, sampling),
+        contract=self_decoding_contract(pair.first.target, rule, max_new=MAX_NEW, self_max=SELF_MAX, sampling=sampling),
         prompt=PROMPT,
         commit_log=pair.commit_log,
         verifier=pair.first.uri,

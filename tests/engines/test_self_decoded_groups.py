@@ -9,38 +9,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tests.engines.verifier_pair import PROMPT, SESSION, Pair, decode
+from tests.engines.verifier_pair import EOT, PROMPT, SESSION, Pair, decode, self_decoding_contract
 
 from sdcp.cache.commitlog import MemoryCommitLog
 from sdcp.models.batching import RUN_DELIVERY_STEPS
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
-from sdcp.protocol.messages import Action, Contract
 from sdcp.protocol.records import replay_commit_log
 from sdcp.protocol.router import RouterSession
 
 pytestmark = pytest.mark.timeout(180)
 
-EOT = 0
 MAX_NEW = 48
-
-
-def contract_of(target: TargetModel) -> Contract:
-    """Rule 1, self-decoding periods of at most 12 tokens."""
-    return Contract.from_obj(
-        {
-            "target": target.weights_digest,
-            "tokenizer": target.tokenizer_digest,
-            "rule": 1,
-            "m_max": 4,
-            "max_new": MAX_NEW,
-            "stop": [EOT],
-            "low_rounds": 1000,
-            "fallback": [Action.FAIL],
-            "self_load": 100,
-            "self_max": 12,
-        }
-    )
 
 
 def greedy(loaded: LoadedModel) -> tuple[int, ...]:
@@ -60,7 +40,7 @@ async def open_plan(pair: Pair) -> RouterSession:
     plan = RouterSession(
         session=SESSION,
         epoch=1,
-        contract=contract_of(pair.first.target),
+        contract=self_decoding_contract(pair.first.target, 1, max_new=MAX_NEW, self_max=12),
         prompt=PROMPT,
         commit_log=pair.commit_log,
         verifier=pair.first.uri,

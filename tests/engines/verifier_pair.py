@@ -16,13 +16,37 @@ from sdcp.config import VerifierConfig
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
-from sdcp.protocol.messages import SelfDecodeRequest
+from sdcp.protocol.messages import Action, Contract, Sampling, SelfDecodeRequest
 from sdcp.protocol.records import encode_token_list, replay_commit_log
 from sdcp.protocol.router import RouterSession
 
 SESSION = bytes(range(16))
 AUTHORITY = "mlc.test"
 PROMPT = tuple((11 * i + 5) % 250 + 1 for i in range(24))
+# The tiny target's end of text: the sessions' one stop token.
+EOT = 0
+
+
+def self_decoding_contract(
+    target: TargetModel, rule: int, *, max_new: int, self_max: int, sampling: Sampling | None = None
+) -> Contract:
+    """A contract whose sessions the verifier decodes alone, in periods of at most ``self_max``
+    tokens, under ``rule`` and ``sampling``, until EOT or ``max_new``."""
+    obj: dict[str, object] = {
+        "target": target.weights_digest,
+        "tokenizer": target.tokenizer_digest,
+        "rule": rule,
+        "m_max": 4,
+        "max_new": max_new,
+        "stop": [EOT],
+        "low_rounds": 1000,
+        "fallback": [Action.FAIL],
+        "self_load": 100,
+        "self_max": self_max,
+    }
+    if sampling is not None:
+        obj["sampling"] = sampling.to_obj()
+    return Contract.from_obj(obj)
 
 
 @dataclass
