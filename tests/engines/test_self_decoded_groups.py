@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 from tests.engines.verifier_pair import EOT, PROMPT, SESSION, Pair, decode, self_decoding_contract
+from tests.waiting import eventually
 
 from sdcp.cache.commitlog import MemoryCommitLog
 from sdcp.models.batching import RUN_DELIVERY_STEPS
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
+from sdcp.protocol.messages import SelfDecodeRequest
 from sdcp.protocol.records import replay_commit_log
 from sdcp.protocol.router import RouterSession
 
@@ -98,3 +100,29 @@ async def test_a_group_appended_in_part_releases_what_landed_and_goes_on_from_th
     records = (await pair.mlc.commit_log(pair.commit_log).read()).records
     assert [record["round"] for record in records] == list(range(1, len(output.tokens) + 1))
     assert replay_commit_log(records, plan.contract.digest, plan.prompt).tokens == output.tokens
+
+
+async def test_a_group_whose_append_is_fenced_releases_none_of_it(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SDCP 6.3: an append refused by a fence discards the rounds, releases no output and stops
+    serving the session, for every round of the group."""
+    append_all = MemoryCommitLog.append_all
+    fenced: list[int] = []
+
+    async def fenced_before_a_group(self: MemoryCommitLog, records: Any, if_match: str) -> str:
+        if len(records) > 1 and not fenced:
+            fenced.append(len(records))
+            await self.fence(2)
+        return await append_all(self, records, if_match)
+
+    monkeypatch.setattr(MemoryCommitLog, "append_all", fenced_before_a_group)
+    await open_plan(pair)
+    live = pair.first.sessions[SESSION]
+    released = live.machine.committed
+    await pair.first.self_decode(SelfDecodeRequest(session=SESSION, epoch=1))
+    await eventually(lambda: live.machine.fenced)
+    assert fenced, "no group of more than one round was appended"
+    records = (await pair.mlc.commit_log(pair.commit_log).read()).records
+    assert records[-1] == {"epoch": 2}
+    # What was released is exactly what the log holds before the fence; nothing of the group.
+    assert live.machine.committed - released == len(records) - 1
+    assert not live.machine.self_decoding and not live.machine.verifying
