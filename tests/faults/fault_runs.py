@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tests.faults.deployment import Deployment, Run
@@ -63,10 +64,13 @@ def wait_all_done(run: Run) -> None:
     run.wait(lambda r: len(r.done) == SESSIONS, HUNG_S)
 
 
-def fail_over_verifier(deployment: Deployment, run: Run, session: int = 0) -> tuple[list[int], float]:
+def fail_over_verifier(
+    deployment: Deployment, run: Run, session: int = 0, *, while_cut: Callable[[str], None] | None = None
+) -> tuple[list[int], float]:
     """The failover of a verifier, as each test that needs one does it: the host of ``session``'s
     verifier is cut off (while every session still runs) until each session it served runs at a
-    later epoch elsewhere, then its link is back. The sessions it served, and when the cut began."""
+    later epoch elsewhere, then its link is back; ``while_cut`` (given the cut host) runs once the
+    cut has begun. The sessions it served, and when the cut began."""
     uri = run.opened[session]["verifier"]
     host = deployment.host_of(uri)
     affected = [s for s, opened in run.opened.items() if opened["verifier"] == uri]
@@ -74,6 +78,8 @@ def fail_over_verifier(deployment: Deployment, run: Run, session: int = 0) -> tu
     deployment.net.cut(host)
     try:
         check_running(run)
+        if while_cut is not None:
+            while_cut(host)
         run.wait(lambda r: all(r.epoch.get(s, 1) >= 2 for s in affected), HUNG_S)
     finally:
         deployment.net.restore(host)
