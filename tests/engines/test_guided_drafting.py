@@ -71,7 +71,11 @@ async def test_a_drafter_that_knows_the_constraint_proposes_what_it_forces(tiny_
     # The n-gram drafter alone repeats the prompt's numbers, which no JSON text allows; guided, its
     # proposals of the keys and punctuation are accepted.
     assert unguided.proposed > 0 and unguided.accepted == 0
-    assert guided.proposed > 0 and 2 * guided.accepted > guided.proposed
+    assert guided.proposed > 0 and guided.accepted > 0
+    if rule == 1:
+        # Under rule 2 the tokens the grammar leaves open are sampled, and a drafted one is accepted
+        # with its probability only: how many of them a run proposes varies with what it sampled.
+        assert 2 * guided.accepted > guided.proposed
     codec = load_text_codec(TINY_NAME)
     for result in (guided, unguided):
         assert result.tokens[-1] in stop

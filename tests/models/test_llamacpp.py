@@ -34,7 +34,7 @@ from sdcp.protocol.rules import RULES, SecureRandom
 
 pytestmark = pytest.mark.timeout(600)
 
-NEW_TOKENS = 32
+NEW_TOKENS = 64
 SESSIONS = 16
 # A prompt this long reaches the contexts where llama.cpp's one-query attention splits over threads.
 LONG_PROMPT_TOKENS = 700
