@@ -41,33 +41,31 @@ def no_background_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     assert not errors, "errors logged during the test: " + "; ".join(r.getMessage() for r in errors)
 
 
-# The files that took half a minute or more under `make test` (--durations, three workers), longest
+# The files that took 25 s or more under `make test` (--junitxml's times, two workers), longest
 # first, then the other files of the directories whose tests start clusters or run models, then the
 # rest. xdist hands whole files to the workers in collection order: the long ones start first and
 # the many short files fill the workers' ends, instead of a long file starting last and running alone.
 LONGEST_FIRST = (
     "faults/test_faults.py",
+    "e2e/test_long_prompts.py",
     "models/test_llamacpp.py",
+    "engines/test_prefix_sharing.py",
     "e2e/test_generate.py",
     "e2e/test_generate_redis.py",
-    "models/test_llamacpp_prefix_cache.py",
     "faults/test_routers.py",
-    "e2e/test_up_options.py",
-    "e2e/test_one_process.py",
-    "test_cli_digest.py",
-    "engines/test_prefill_steps.py",
-    "bench/test_bench.py",
-    "e2e/test_structured_output.py",
-    "engines/test_prefix_sharing.py",
-    "models/test_greedy_equivalence.py",
     "e2e/test_client_libraries.py",
-    "e2e/test_conformance_docs.py",
-    "bench/test_structured.py",
-    "bench/test_llamacpp.py",
-    "services/test_structured_output_service.py",
-    "models/test_target.py",
+    "bench/test_bench.py",
+    "test_cli_digest.py",
+    "services/test_router_service.py",
+    "e2e/test_structured_output.py",
+    "e2e/test_up_options.py",
     "e2e/test_openai_api.py",
+    "models/test_llamacpp_prefix_cache.py",
+    "bench/test_structured.py",
     "conformance/test_own_roles.py",
+    "e2e/test_one_process.py",
+    "e2e/test_observability.py",
+    "services/test_structured_output_service.py",
 )
 HEAVY_DIRECTORIES = ("e2e", "faults", "models", "engines", "bench", "conformance", "services")
 
