@@ -1,0 +1,46 @@
+"""free_port picks below the kernel's ephemeral range, where no outgoing connection takes a port
+before its server binds it, and never a port that is held."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from sdcp import localhost
+from sdcp.localhost import LOWEST_PICKED_PORT, free_port
+
+
+def _ephemeral_start() -> int:
+    return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+
+
+def test_a_picked_port_is_below_the_ephemeral_range_and_free() -> None:
+    for _ in range(20):
+        port = free_port()
+        assert LOWEST_PICKED_PORT <= port < _ephemeral_start()
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", port))
+
+
+def test_a_held_port_is_never_picked(monkeypatch: pytest.MonkeyPatch) -> None:
+    held_port, other = free_port(), free_port()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", held_port))
+        held.listen()
+        if other == held_port:
+            other = free_port()
+        picks = iter([held_port - LOWEST_PICKED_PORT, other - LOWEST_PICKED_PORT])
+        monkeypatch.setattr(localhost.secrets, "randbelow", lambda _below: next(picks))
+        assert free_port() == other
+
+
+def test_without_room_below_the_range_the_kernel_picks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    low_range = tmp_path / "ip_local_port_range"
+    low_range.write_text(f"{LOWEST_PICKED_PORT}\t60999\n")
+    monkeypatch.setattr(localhost, "EPHEMERAL_RANGE", low_range)
+    port = free_port()
+    assert port >= _ephemeral_start()
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", port))
