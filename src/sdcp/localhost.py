@@ -24,21 +24,28 @@ def _ephemeral_start() -> int:
         return 32768  # Linux's default range starts there
 
 
+# Never the same port twice in one process: the ports picked in a row for a cluster's instances
+# (or a test's identities) are bound only later, and each must be its own.
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now, below the kernel's ephemeral range where it leaves room (a random one, so
-    that two picks at once rarely meet), else the kernel's pick for port 0."""
+    """A port free now and not handed out before by this process: below the kernel's ephemeral
+    range where it leaves room (a random one, so that two processes' picks rarely meet), else the
+    kernel's pick for port 0."""
     below = _ephemeral_start() - LOWEST_PICKED_PORT
-    for _ in range(PICK_ATTEMPTS if below > 0 else 0):
-        port = LOWEST_PICKED_PORT + secrets.randbelow(below)
+    for attempt in range(2 * PICK_ATTEMPTS):
         with socket.socket() as probe:
+            port = LOWEST_PICKED_PORT + secrets.randbelow(below) if below > 0 and attempt < PICK_ATTEMPTS else 0
             try:
                 probe.bind((host, port))
             except OSError:
                 continue  # held, or closing (TIME_WAIT)
+            port = int(probe.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
             return port
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+    raise OSError(f"no free port on {host} in {2 * PICK_ATTEMPTS} tries")
 
 
 def accepts(port: int, host: str = "127.0.0.1") -> bool:
