@@ -12,21 +12,17 @@ from sdcp import localhost
 from sdcp.localhost import LOWEST_PICKED_PORT, free_port
 
 
-def _ephemeral_start() -> int:
-    return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-
-
 def test_a_picked_port_is_below_the_ephemeral_range_and_free() -> None:
     for _ in range(20):
         port = free_port()
-        assert LOWEST_PICKED_PORT <= port < _ephemeral_start()
+        assert LOWEST_PICKED_PORT <= port < localhost._ephemeral_start()
         with socket.socket() as server:
             server.bind(("127.0.0.1", port))
 
 
 def _unpicked_free_port() -> int:
     """A port below the ephemeral range that is free and that free_port has not handed out."""
-    for port in range(LOWEST_PICKED_PORT, _ephemeral_start()):
+    for port in range(LOWEST_PICKED_PORT, localhost._ephemeral_start()):
         if port in localhost._handed_out:
             continue
         with socket.socket() as probe:
@@ -52,9 +48,10 @@ def test_a_held_port_is_never_picked(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_without_room_below_the_range_the_kernel_picks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     low_range = tmp_path / "ip_local_port_range"
     low_range.write_text(f"{LOWEST_PICKED_PORT}\t60999\n")
+    ephemeral_start = localhost._ephemeral_start()
     monkeypatch.setattr(localhost, "EPHEMERAL_RANGE", low_range)
     port = free_port()
-    assert port >= _ephemeral_start()
+    assert port >= ephemeral_start
     with socket.socket() as server:
         server.bind(("127.0.0.1", port))
 

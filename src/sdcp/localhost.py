@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["accepts", "free_port"]
@@ -29,23 +31,28 @@ def _ephemeral_start() -> int:
 _handed_out: set[int] = set()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now and not handed out before by this process: below the kernel's ephemeral
-    range where it leaves room (a random one, so that two processes' picks rarely meet), else the
-    kernel's pick for port 0."""
+def _candidates() -> Iterator[int]:
+    """Random ports below the kernel's ephemeral range where it leaves room (so that two processes'
+    picks rarely meet), then the kernel's pick for port 0."""
     below = _ephemeral_start() - LOWEST_PICKED_PORT
-    for attempt in range(2 * PICK_ATTEMPTS):
+    for _ in range(PICK_ATTEMPTS if below > 0 else 0):
+        yield LOWEST_PICKED_PORT + secrets.randbelow(below)
+    yield from itertools.repeat(0, PICK_ATTEMPTS)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now and not handed out before by this process (`_candidates`)."""
+    for candidate in _candidates():
         with socket.socket() as probe:
-            port = LOWEST_PICKED_PORT + secrets.randbelow(below) if below > 0 and attempt < PICK_ATTEMPTS else 0
             try:
-                probe.bind((host, port))
+                probe.bind((host, candidate))
             except OSError:
                 continue  # held, or closing (TIME_WAIT)
             port = int(probe.getsockname()[1])
         if port not in _handed_out:
             _handed_out.add(port)
             return port
-    raise OSError(f"no free port on {host} in {2 * PICK_ATTEMPTS} tries")
+    raise OSError(f"no free port on {host} that this process has not handed out already")
 
 
 def accepts(port: int, host: str = "127.0.0.1") -> bool:
