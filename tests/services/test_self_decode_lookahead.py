@@ -49,6 +49,8 @@ PROMPT_TEXT = (
 )
 SESSION = bytes(range(16))
 MAX_NEW = 40
+# A pass that barely grows with its rows, as torch's fp32 one (docs/models.md): guesses pay.
+FLAT_CURVE_MS = (50.0, 51.0, 52.0, 54.0, 58.0, 66.0)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +180,7 @@ async def test_lookahead_saves_passes_and_keeps_greedy_output(
     verifier, clients = node
     # Where guesses pay: rows that add little to a pass. The curve measured on a busy machine, and
     # kept current from its passes, may say otherwise (lookahead_length's own tests cover that).
-    verifier.engine.pass_curve.points_ms[:] = [50.0, 51.0, 52.0, 54.0, 58.0, 66.0]
+    verifier.engine.pass_curve.points_ms[:] = FLAT_CURVE_MS
     monkeypatch.setattr(verifier.engine.pass_curve, "record", lambda seconds, rows: None)
     prompt, reference = _prompt_and_reference(target)
     await _open_self_decoding_session(verifier, clients, target, prompt, [Action.SELF_DECODE])
@@ -307,8 +309,8 @@ def test_lookahead_length_weighs_a_guess_against_what_its_rows_add_to_the_pass()
 
 
 def test_where_rows_cost_little_against_the_pass_weak_guesses_pay() -> None:
-    # torch's fp32 pass barely grows with its rows (docs/models.md): guesses pay at a low hit rate.
-    flat = PassCurve([50.0, 51.0, 52.0, 54.0, 58.0, 66.0])
+    # Guesses pay at a low hit rate.
+    flat = PassCurve(list(FLAT_CURVE_MS))
     assert lookahead_length(0.4, 1, 8, flat) > 0
     assert lookahead_length(0.4, 1, 8, flat) > lookahead_length(0.4, 1, 8)
 
