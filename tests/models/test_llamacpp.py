@@ -26,7 +26,7 @@ from sdcp.models.errors import (
     ModelError,
     SessionLimit,
 )
-from sdcp.models.llamacpp.target import LlamaCppTarget
+from sdcp.models.llamacpp.target import SPLIT_FREE_POSITIONS, LlamaCppTarget
 from sdcp.models.registry import load_target, load_tokenizer
 from sdcp.models.weights.digests import tokenizer_digest, weights_digest
 from sdcp.models.weights.fetch import FetchResult, smollm2_gguf
@@ -150,6 +150,25 @@ def _proposal(expected: list[int], done: int, vocab_size: int, rng: np.random.Ge
         wrong = int(rng.integers(len(proposal)))
         proposal[wrong] = (proposal[wrong] + 1 + int(rng.integers(1000))) % vocab_size
     return tuple(proposal)
+
+
+def test_a_row_is_the_same_whatever_shares_its_pass(gguf: Path, prompts: list[list[int]]) -> None:
+    """llama.cpp splits a pass into ubatches of consecutive sequences feeding as many tokens each: a
+    long session's second token beside a short session's one runs alone, as a one-token ubatch past
+    256 positions, which must run on one thread even where the short session's last one-token pass
+    ran on two (docs/models.md, item 3)."""
+    pair = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", threads=2, kv_slots=2, kv_capacity=CAPACITY)
+    long_session, short_session = b"l" * 16, b"s" * 16
+    pair.open_session(long_session, prompts[-1])  # sequence 0
+    pair.open_session(short_session, prompts[0])  # sequence 1: the two make one ubatch
+    assert len(prompts[-1]) > 2 * SPLIT_FREE_POSITIONS > 2 * len(prompts[0])
+    long_alone = pair.score([(long_session, (42,))])[0].copy()
+    pair.rollback(long_session)
+    short_alone = pair.score([(short_session, ())])[0].copy()  # a one-token pass on both threads
+    pair.rollback(short_session)
+    long_shared, short_shared = pair.score([(long_session, (42,)), (short_session, ())])
+    assert np.array_equal(long_shared, long_alone)
+    assert np.array_equal(short_shared, short_alone)
 
 
 def test_exported_kv_continues_with_identical_logits_in_a_fresh_target(

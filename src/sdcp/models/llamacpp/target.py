@@ -431,7 +431,7 @@ class LlamaCppTarget:
                     batch.seq_id[slot][0] = feed.seq_id
                     batch.logits[slot] = rows
                 batch.n_tokens = len(call)
-                self._thread_one_token_call(call, feeds)
+                self._thread_one_token_ubatches(call, feeds)
                 status = llama_cpp.llama_decode(self._context, batch)
                 if status != 0:
                     raise ModelError(f"llama_decode returned {status}: {_DECODE_FAILURES.get(status, 'it failed')}")
@@ -444,13 +444,15 @@ class LlamaCppTarget:
             raise
         return out
 
-    def _thread_one_token_call(self, call: list[tuple[int, int]], feeds: Sequence[_Feed]) -> None:
-        """A call of one token runs on every thread where its attention is not split among them
-        (SPLIT_FREE_POSITIONS), else on one."""
-        if len(call) != 1:
-            return
-        ((index, offset),) = call
-        threads = self._threads if feeds[index].start + offset < SPLIT_FREE_POSITIONS else 1
+    def _thread_one_token_ubatches(self, call: list[tuple[int, int]], feeds: Sequence[_Feed]) -> None:
+        """A one-token ubatch runs on every thread where its attention is not split among them
+        (SPLIT_FREE_POSITIONS), else on one. Not only a call of one token makes one: llama.cpp
+        splits a call into ubatches of consecutive sequence ids feeding as many tokens each, so
+        the last token of a longer feed can run alone (session A feeding 2 tokens beside B feeding
+        1). The thread count is set per call, before llama.cpp splits it: one thread as soon as any
+        sequence of the call reaches the split region, whatever ubatch its token lands in."""
+        reach = max(feeds[index].start + offset + 1 for index, offset in call)
+        threads = self._threads if reach <= SPLIT_FREE_POSITIONS else 1
         if threads != self._one_token_threads:
             self._one_token_threads = threads
             llama_cpp.llama_set_n_threads(self._context, threads, self._threads)
