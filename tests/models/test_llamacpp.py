@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 import pytest
 from tests.llama_greedy import llama_cpp_greedy
@@ -169,6 +170,45 @@ def test_a_row_is_the_same_whatever_shares_its_pass(gguf: Path, prompts: list[li
     long_shared, short_shared = pair.score([(long_session, (42,)), (short_session, ())])
     assert np.array_equal(long_shared, long_alone)
     assert np.array_equal(short_shared, short_alone)
+
+
+def test_a_long_lone_token_beside_an_empty_neighbour_gives_the_one_thread_row(
+    gguf: Path,
+    prompts: list[list[int]],
+    target: LlamaCppTarget,
+    sessions: Iterator[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``companion_positions`` a one-token pass runs on both threads beside a token of the free
+    sequence next to it, with the row of the one-thread pass, and leaves that sequence empty."""
+    pair = LlamaCppTarget(
+        gguf,
+        gguf.parent / "tokenizer.json",
+        threads=2,
+        kv_slots=2,
+        kv_capacity=CAPACITY,
+        companion_positions=SPLIT_FREE_POSITIONS,
+    )
+    fed: list[int] = []
+    decode = llama_cpp.llama_decode
+
+    def counted(context: object, batch: llama_cpp.llama_batch) -> int:
+        fed.append(batch.n_tokens)
+        return int(decode(context, batch))
+
+    long_session, short_session = b"l" * 16, b"s" * 16
+    pair.open_session(long_session, prompts[-1])  # sequence 0; sequence 1 is free
+    monkeypatch.setattr(llama_cpp, "llama_decode", counted)
+    beside = pair.score([(long_session, ())])[0].copy()
+    pair.rollback(long_session)
+    pair.open_session(short_session, prompts[0])  # sequence 1, where the companion token went
+    prefilled = len(fed)
+    alone = pair.score([(long_session, ())])[0]
+    assert fed[0] == 2 and fed[prefilled:] == [1]
+    assert np.array_equal(beside, alone)
+    reference = next(sessions)
+    target.open_session(reference, prompts[0])
+    assert np.array_equal(pair.score([(short_session, ())])[0], target.score([(reference, ())])[0])
 
 
 def test_exported_kv_continues_with_identical_logits_in_a_fresh_target(

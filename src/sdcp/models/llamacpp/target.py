@@ -60,7 +60,14 @@ from sdcp.models.llamacpp.native import PROPOSAL_ROOM, SEQUENCE_TOKENS_PER_CALL,
 from sdcp.models.weights.digests import gguf_digest, tokenizer_file_digest
 from sdcp.threads import usable_cores
 
-__all__ = ["BATCH_TOKENS", "PREFILL_STEP_TOKENS", "SEQUENCE_TOKENS_PER_CALL", "SPLIT_FREE_POSITIONS", "LlamaCppTarget"]
+__all__ = [
+    "BATCH_TOKENS",
+    "COMPANION_POSITIONS",
+    "PREFILL_STEP_TOKENS",
+    "SEQUENCE_TOKENS_PER_CALL",
+    "SPLIT_FREE_POSITIONS",
+    "LlamaCppTarget",
+]
 
 # Tokens per llama_decode call, at most. It also bounds the logits buffer llama.cpp keeps (a row of
 # the vocabulary per token of a call).
@@ -69,6 +76,10 @@ BATCH_TOKENS = 512
 # from a wider ubatch's) only where the ubatch attends 512 cells or more: it pads the cells a
 # sequence uses to a multiple of at most 256, so a token at a position below this attends fewer.
 SPLIT_FREE_POSITIONS = 256
+# From this position on a one-token pass goes with a token of an empty neighbouring sequence
+# (_companion), on every thread: at 2,400 positions 30 ms against 37 on one thread; at 1,200 both
+# about 23 ms, below it the extra token costs more than the thread gains (docs/models.md, item 3).
+COMPANION_POSITIONS = 1536
 # Tokens of a prefill between two other passes (two llama_decode calls): a long prompt's prefill
 # delays other sessions' next pass by about this much work, not by all of it.
 PREFILL_STEP_TOKENS = 2 * SEQUENCE_TOKENS_PER_CALL
@@ -100,6 +111,8 @@ class _Feed:
 class LlamaCppTarget:
     """A GGUF model in llama.cpp on the CPU, serving up to ``kv_slots`` sessions, each of at most
     ``kv_capacity`` positions (default: the model's training context, at most 4096).
+    ``companion_positions``: where a one-token pass starts to run on every thread beside a token of
+    an empty neighbouring sequence (`_companion`; the crossover on the host, COMPANION_POSITIONS here).
 
     The KV cache, kv_slots x (kv_capacity + PROPOSAL_ROOM) positions, is allocated (and cleared)
     up front. ``threads`` (default: every usable core) run the ubatches of two tokens or more; a
@@ -119,6 +132,7 @@ class LlamaCppTarget:
         kv_capacity: int | None = None,
         native_log: bool = False,
         prefix_cache_bytes: int = 0,
+        companion_positions: int = COMPANION_POSITIONS,
     ) -> None:
         self.gguf = gguf
         self.tokenizer_json = tokenizer_json
@@ -153,6 +167,7 @@ class LlamaCppTarget:
         self._sessions: dict[SessionId, _Sequence] = {}
         self._lock = threading.RLock()
         self._prefix_cache_bytes = prefix_cache_bytes
+        self._companion_positions = companion_positions
 
     backend: TargetBackend = "llamacpp"
     on_host_cores = True
@@ -421,28 +436,58 @@ class LlamaCppTarget:
         every feed's sequence is cut back to where it started and ModelError raised."""
         out = [np.empty((len(feed.tokens) if rows else 0, self._vocab_size), np.float32) for feed in feeds]
         batch = self._batch
+        companion: int | None = None
         try:
             for call in _calls(feeds):
-                for slot, (index, offset) in enumerate(call):
-                    feed = feeds[index]
-                    batch.token[slot] = feed.tokens[offset]
-                    batch.pos[slot] = feed.start + offset
+                slots = [
+                    (feeds[index].seq_id, feeds[index].start + offset, feeds[index].tokens[offset], rows)
+                    for index, offset in call
+                ]
+                companion = self._companion(call, feeds)
+                if companion is not None:
+                    # Position 0 of an empty sequence, no row: it only makes the ubatch two streams wide.
+                    slots.append((companion, 0, slots[0][2], False))
+                    slots.sort(key=lambda slot: slot[0])
+                for slot, (seq_id, position, token, wanted) in enumerate(slots):
+                    batch.token[slot] = token
+                    batch.pos[slot] = position
                     batch.n_seq_id[slot] = 1
-                    batch.seq_id[slot][0] = feed.seq_id
-                    batch.logits[slot] = rows
-                batch.n_tokens = len(call)
+                    batch.seq_id[slot][0] = seq_id
+                    batch.logits[slot] = wanted
+                batch.n_tokens = len(slots)
                 self._thread_one_token_ubatches(call, feeds)
                 status = llama_cpp.llama_decode(self._context, batch)
+                if companion is not None:
+                    llama_cpp.llama_memory_seq_rm(self._memory, companion, -1, -1)
+                    companion = None
                 if status != 0:
                     raise ModelError(f"llama_decode returned {status}: {_DECODE_FAILURES.get(status, 'it failed')}")
                 if rows:
-                    for slot, (index, offset) in enumerate(call):
+                    row_slots = [slot for slot, (_, _, _, wanted) in enumerate(slots) if wanted]
+                    for slot, (index, offset) in zip(row_slots, call, strict=True):
                         out[index][offset] = self._row(slot)
         except BaseException:
             for feed in feeds:
                 llama_cpp.llama_memory_seq_rm(self._memory, feed.seq_id, feed.start, -1)
+            if companion is not None:
+                llama_cpp.llama_memory_seq_rm(self._memory, companion, -1, -1)
             raise
         return out
+
+    def _companion(self, call: list[tuple[int, int]], feeds: Sequence[_Feed]) -> int | None:
+        """A free sequence next to a lone token's, from ``companion_positions`` on (default
+        COMPANION_POSITIONS), else None. llama.cpp splits a one-token ubatch's attention among
+        threads (its row then differs) only where the ubatch is one stream wide; beside a token of a
+        neighbouring sequence (llama.cpp puts consecutive sequences in one ubatch) each head's
+        attention runs whole on one thread and the pass uses every thread, with the row the
+        one-thread pass gives."""
+        if len(call) != 1 or self._threads < 2:
+            return None
+        ((index, offset),) = call
+        feed = feeds[index]
+        if feed.start + offset < self._companion_positions:
+            return None
+        return next((seq_id for seq_id in (feed.seq_id + 1, feed.seq_id - 1) if seq_id in self._free_ids), None)
 
     def _thread_one_token_ubatches(self, call: list[tuple[int, int]], feeds: Sequence[_Feed]) -> None:
         """A one-token ubatch runs on every thread where its attention is not split among them
