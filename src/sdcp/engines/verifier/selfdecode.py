@@ -230,12 +230,13 @@ class SelfDecoding:
             forced = machine.constraint.forced(_undecided(machine, context), SELF_DECODE_LOOKAHEAD)
         budget = SELF_DECODE_LOOKAHEAD - len(forced)
         sessions = self._active_sessions()
-        pays = lookahead_length(live.lookahead_hits, sessions, budget, self._pass_curve) > 0
-        # A prediction that is not scored still counts towards the hit rate: where no guess pays,
-        # its first token is all that is asked for (what follows it costs a step each to predict).
-        guessed = self._lookahead.predict(live, context + forced, budget if pays else min(1, budget))
+        worth = lookahead_length(live.lookahead_hits, sessions, budget, self._pass_curve)
+        # Only what may be scored is predicted (a step each), and the first token where no guess
+        # pays: a prediction that is not scored still counts towards the hit rate. The prediction
+        # is step by step, so the shorter one is the longer one's beginning.
+        guessed = self._lookahead.predict(live, context + forced, max(worth, min(1, budget)))
         guess = (
-            guessed[: lookahead_length(live.lookahead_hits, sessions, len(guessed), self._pass_curve)] if pays else ()
+            guessed[: lookahead_length(live.lookahead_hits, sessions, len(guessed), self._pass_curve)] if worth else ()
         )
         return forced + guessed, forced + guess
 
