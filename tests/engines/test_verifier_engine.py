@@ -51,7 +51,7 @@ async def test_the_pass_cost_curve_is_measured_before_the_verifier_serves(target
     engine = VerifierEngine(uri="https://verifier.test", settings=VerifierConfig(), target=target, mlc=mlc, ttl_ms=1000)
     await engine.start()
     try:
-        measured = list(engine.pass_curve.points_ms)
+        measured = list(engine.pass_curves.base.points_ms)
         # Every point was timed here (none is the first curve's SmolLM2 figure any more), and the
         # one-row pass is the time per self-decoded token.
         assert all(ms > 0 and ms != first for ms, first in zip(measured, FIRST_CURVE_MS, strict=True))

@@ -155,13 +155,16 @@ async def test_a_greedy_run_scores_the_most_probable_tokens_ahead(tiny_target: T
     tiny_target.open_session(ahead, list(range(1, 3)))
     expected = _greedy_rows(tiny_target, alone, 5)
     with BatchingScorer(tiny_target, window_s=0.0) as scorer:
-        run = scorer.score_ahead_async(ahead, (), 5, frozenset())
+        run = scorer.score_ahead_async(ahead, (), 5, frozenset(), reach=2)
         rows = [(await asyncio.wait_for(run.rows, timeout=30))[-1]]
         for step in run.steps:
             rows.append((await asyncio.wait_for(step, timeout=30))[-1])
             token = int(rows[-2].argmax())
             await scorer.run_async(tiny_target.commit, ahead, 0, [token])
         tail = await asyncio.wait_for(scorer.score_async(ahead, ()), timeout=30)
+        await asyncio.sleep(0)
+        # Each step attends one position more than the one before (PassInfo.reach).
+        assert [scorer.passes[future].reach for future in (run.rows, *run.steps)] == [2, 3, 4, 5, 6, 7]
     for got, want in zip(rows, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(tail[-1], expected[-1], rtol=1e-4, atol=1e-4)

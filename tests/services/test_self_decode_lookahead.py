@@ -18,7 +18,7 @@ from tests.waiting import eventually
 
 from sdcp.cache import build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
-from sdcp.engines.verifier import PassCurve, lookahead_length
+from sdcp.engines.verifier import PassCurve, PassCurves, lookahead_length
 from sdcp.engines.verifier import engine as engine_module
 from sdcp.localhost import free_port
 from sdcp.models.hf.target import TargetModel
@@ -180,8 +180,8 @@ async def test_lookahead_saves_passes_and_keeps_greedy_output(
     verifier, clients = node
     # Where guesses pay: rows that add little to a pass. The curve measured on a busy machine, and
     # kept current from its passes, may say otherwise (lookahead_length's own tests cover that).
-    verifier.engine.pass_curve.points_ms[:] = FLAT_CURVE_MS
-    monkeypatch.setattr(verifier.engine.pass_curve, "record", lambda seconds, rows: None)
+    verifier.engine.pass_curves.base.points_ms[:] = FLAT_CURVE_MS
+    monkeypatch.setattr(verifier.engine.pass_curves, "record", lambda seconds, rows, context: None)
     prompt, reference = _prompt_and_reference(target)
     await _open_self_decoding_session(verifier, clients, target, prompt, [Action.SELF_DECODE])
     wrong = (reference[0] + 1) % target.vocab_size
@@ -313,6 +313,24 @@ def test_where_rows_cost_little_against_the_pass_weak_guesses_pay() -> None:
     flat = PassCurve(list(FLAT_CURVE_MS))
     assert lookahead_length(0.4, 1, 8, flat) > 0
     assert lookahead_length(0.4, 1, 8, flat) > lookahead_length(0.4, 1, 8)
+
+
+def test_each_band_of_context_has_a_pass_curve_of_its_own() -> None:
+    """Passes at long contexts neither teach the short-context curve their cost nor take it: a
+    band starts from the shape of the nearest shorter band's curve, scaled to its first pass, and
+    follows its own passes from then on."""
+    curves = PassCurves(PassCurve([10.0, 14.0, 22.0, 38.0, 70.0, 134.0]))
+    assert curves.curve(3000) is curves.base  # no pass served there yet
+    curves.record(0.030, 1, 2400)  # a lone row at 2,400 positions: three short ones
+    assert curves.base.ms(1) == 10.0 and curves.curve(100) is curves.base
+    long = curves.curve(2400)
+    assert long.ms(1) == pytest.approx(30.0) and long.ms(2) == pytest.approx(42.0)
+    assert curves.curve(4000) is long and curves.curve(1500) is curves.base
+    for _ in range(60):
+        curves.record(0.033, 2, 2400)  # a second row costs a tenth there (attention, not weights)
+    assert long.ms(2) == pytest.approx(33.0, rel=0.01)
+    assert lookahead_length(0.3, 1, 8, long) > 0 == lookahead_length(0.3, 1, 8, curves.base)
+    assert curves.base.points_ms == [10.0, 14.0, 22.0, 38.0, 70.0, 134.0]
 
 
 def test_the_pass_curve_interpolates_and_follows_the_passes_served() -> None:

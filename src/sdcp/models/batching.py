@@ -138,6 +138,8 @@ class _Request:
     # session's scored proposal.
     run: _Run | None = None
     extends: bool = False
+    # The positions its last row attends, as the caller counts them (PassInfo.reach).
+    reach: int = 0
 
 
 class _Outcomes:
@@ -191,6 +193,9 @@ class PassInfo:
     seconds: float
     batch_size: int
     rows: int
+    # The most positions a row of the pass attends (its requests' ``reach``): a pass's cost grows
+    # with its context too (sdcp.engines.verifier.observe.PassCurves).
+    reach: int = 0
 
 
 class BatchingScorer(ModelThread):
@@ -230,12 +235,13 @@ class BatchingScorer(ModelThread):
         """Queue one scoring request; the future gives float32 logits (M + 1, V)."""
         return self._queue(session, tokens, None)
 
-    def score_async(self, session: SessionId, tokens: Sequence[int]) -> asyncio.Future[np.ndarray]:
+    def score_async(self, session: SessionId, tokens: Sequence[int], *, reach: int = 0) -> asyncio.Future[np.ndarray]:
         """Queue one scoring request now, from the running event loop; await the rows there.
-        Cancelling the returned future withdraws a request that no pass has taken yet."""
+        Cancelling the returned future withdraws a request that no pass has taken yet. ``reach``:
+        the positions its last row attends (PassInfo.reach)."""
         loop = asyncio.get_running_loop()
         rows: asyncio.Future[np.ndarray] = loop.create_future()
-        future = self._queue(session, tokens, (loop, rows))
+        future = self._queue(session, tokens, (loop, rows), reach=reach)
         rows.add_done_callback(lambda done: future.cancel() if done.cancelled() else None)
         return rows
 
@@ -246,6 +252,8 @@ class BatchingScorer(ModelThread):
         steps: int,
         stop_tokens: frozenset[int],
         picker: GreedyPicker | None = None,
+        *,
+        reach: int = 0,
     ) -> ScoredRun:
         """`score_async`, and then up to ``steps`` greedy steps (ScoredRun) while the tokens
         ``picker`` takes (default: the target's most probable) repeat ``tokens`` and are not
@@ -257,7 +265,7 @@ class BatchingScorer(ModelThread):
         fed: list[int] = []
         run = _Run(loop, deque(loop.create_future() for _ in range(steps)), stop_tokens, picker or MostProbable(), fed)
         rows: asyncio.Future[np.ndarray] = loop.create_future()
-        future = self._queue(session, tokens, (loop, rows), run)
+        future = self._queue(session, tokens, (loop, rows), run, reach=reach)
         rows.add_done_callback(lambda done: future.cancel() if done.cancelled() else None)
         return ScoredRun(rows, tuple(run.steps), fed)
 
@@ -267,9 +275,11 @@ class BatchingScorer(ModelThread):
         tokens: Sequence[int],
         waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[np.ndarray]] | None,
         run: _Run | None = None,
+        *,
+        reach: int = 0,
     ) -> Future[np.ndarray]:
         future: Future[np.ndarray] = Future()
-        self._put(_Request(session, tuple(tokens), future, waiter, run))
+        self._put(_Request(session, tuple(tokens), future, waiter, run, reach=reach))
         return future
 
     def _serve(self) -> None:
@@ -399,7 +409,12 @@ class BatchingScorer(ModelThread):
             return []
         finally:
             self._last_pass_s = time.perf_counter() - started
-        info = PassInfo(self._last_pass_s, len(runnable), sum(len(result) for result in rows))
+        info = PassInfo(
+            self._last_pass_s,
+            len(runnable),
+            sum(len(result) for result in rows),
+            max(request.reach for request in runnable),
+        )
         self.batches_run += 1
         for request, result in zip(runnable, rows, strict=True):
             self.passes[request.waiter[1] if request.waiter is not None else request.future] = info
@@ -442,7 +457,15 @@ class BatchingScorer(ModelThread):
             return None
         run.fed.append(token)
         waiter = run.steps.popleft()
-        return _Request(request.session, (token,), Future(), (run.loop, waiter), run, extends=True)  # type: ignore[arg-type]
+        return _Request(
+            request.session,
+            (token,),
+            Future(),
+            (run.loop, waiter),  # type: ignore[arg-type]
+            run,
+            extends=True,
+            reach=request.reach + 1,
+        )
 
     def _refuse(self, item: object) -> None:
         if not isinstance(item, _Request):

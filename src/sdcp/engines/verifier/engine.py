@@ -34,7 +34,7 @@ from sdcp.engines.verifier.observe import (
     FIRST_CURVE_MS,
     PASS_ROWS,
     TRACE_ROUNDS,
-    PassCurve,
+    PassCurves,
     VerifierMetrics,
     session_stats,
     session_trace,
@@ -116,14 +116,14 @@ class VerifierEngine:
         self.sessions: dict[bytes, LiveSession] = {}
         self._running = RunningSessions(self.sessions)
         self._tasks = BackgroundTasks(uri, log)
-        self.pass_curve = PassCurve()
+        self.pass_curves = PassCurves()
         self.metrics = VerifierMetrics(
             uri,
             running=self._active_sessions,
             waiting=lambda: self._scoring.waiting,
             kv_usage=target.kv_usage,
             prefix_bytes=self._prefix_bytes,
-            pass_curve=self.pass_curve,
+            pass_curve=self.pass_curves.base,
         )
         self._model_sync = ModelSync(uri, target, self.scorer, self.sessions)
         self._events = RouterEvents(
@@ -177,7 +177,7 @@ class VerifierEngine:
         # Seconds per self-decoded token, for the router's choice between drafters and this
         # verifier alone (status self_us); timed before serving (_time_passes).
         self.self_decode_time = TokenTimer(initial=FIRST_CURVE_MS[0] / 1000)
-        self._scoring = Scoring(self.scorer, self.pass_curve)
+        self._scoring = Scoring(self.scorer, self.pass_curves)
         self._rounds = Rounds(
             uri=uri,
             metrics=self.metrics,
@@ -200,7 +200,7 @@ class VerifierEngine:
             model_sync=self._model_sync,
             events=self._events,
             tasks=self._tasks,
-            pass_curve=self.pass_curve,
+            pass_curves=self.pass_curves,
             token_time=self.self_decode_time,
             active_sessions=self._active_sessions,
             lookahead=self.lookahead,
@@ -287,8 +287,8 @@ class VerifierEngine:
                     started = time.perf_counter()
                     self.target.score([(_PROBE_SESSION, proposal)])
                     times.append(time.perf_counter() - started)
-                self.pass_curve.measured(rows, min(times))
-            self.self_decode_time.value = self.pass_curve.ms(1) / 1000
+                self.pass_curves.base.measured(rows, min(times))
+            self.self_decode_time.value = self.pass_curves.base.ms(1) / 1000
         finally:
             self.target.close_session(_PROBE_SESSION)
 

@@ -3,6 +3,7 @@ vLLM's), and each session's stats and trace of committed rounds (GET sessions/{i
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import time
@@ -22,11 +23,13 @@ if TYPE_CHECKING:
     from sdcp.engines.verifier.live import LiveSession
 
 __all__ = [
+    "CONTEXT_BANDS",
     "FIRST_CURVE_MS",
     "TRACE_FIELDS",
     "TRACE_ROUNDS",
     "PASS_ROWS",
     "PassCurve",
+    "PassCurves",
     "RoundTimings",
     "RoundTrace",
     "VerifierMetrics",
@@ -73,6 +76,46 @@ class PassCurve:
         nearest = min(range(len(PASS_ROWS)), key=lambda index: abs(math.log(rows / PASS_ROWS[index])))
         implied = 1000 * seconds * self.points_ms[nearest] / self.ms(rows)
         self.points_ms[nearest] += _COST_WEIGHT * (implied - self.points_ms[nearest])
+
+
+# Where a pass's cost by its rows changes with the positions its rows attend: a band of context
+# starts at each (the attention's share grows with them; on llama.cpp a one-token pass runs on one
+# thread from 256 positions on, docs/models.md, and at 2,400 positions a second row adds a sixth to
+# a one-row pass where at 100 it adds half).
+CONTEXT_BANDS = (256, 512, 1024, 2048)
+
+
+class PassCurves:
+    """What a pass costs by its rows, a PassCurve per band of context (CONTEXT_BANDS), so that
+    long-context passes neither teach the short-context curve their cost nor take it. ``base``, the
+    band of the shortest contexts, is the one the verifier measures at start. A band that has served
+    no pass yet answers with the nearest shorter band's curve; its first pass scales that curve's
+    shape to its own cost, and its passes keep it current from then on (PassCurve.record)."""
+
+    def __init__(self, base: PassCurve | None = None) -> None:
+        self.base = base if base is not None else PassCurve()
+        self._bands: list[PassCurve | None] = [self.base] + [None] * len(CONTEXT_BANDS)
+
+    def curve(self, context: int) -> PassCurve:
+        """The curve of passes whose rows attend ``context`` positions at most."""
+        for band in range(bisect.bisect_right(CONTEXT_BANDS, context), -1, -1):
+            learned = self._bands[band]
+            if learned is not None:
+                return learned
+        return self.base
+
+    def record(self, seconds: float, rows: int, context: int) -> None:
+        """A served pass of ``rows`` rows, the longest attending ``context`` positions."""
+        if rows < 1 or seconds <= 0:
+            return
+        band = bisect.bisect_right(CONTEXT_BANDS, context)
+        learned = self._bands[band]
+        if learned is None:
+            shape = self.curve(context)
+            scale = 1000 * seconds / shape.ms(rows)
+            self._bands[band] = PassCurve([point * scale for point in shape.points_ms])
+            return
+        learned.record(seconds, rows)
 
 
 # Metrics; every labelled series starts at zero.

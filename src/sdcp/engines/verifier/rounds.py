@@ -22,7 +22,7 @@ from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession, RunningSessions
 from sdcp.engines.verifier.observe import (
-    PassCurve,
+    PassCurves,
     RoundTrace,
     VerifierMetrics,
 )
@@ -62,9 +62,9 @@ class Scoring:
     """Scoring requests on their way through the batching scorer: how loaded the verifier is, and
     what each pass cost (the session's round timings, the verifier's pass costs)."""
 
-    def __init__(self, scorer: BatchingScorer, pass_curve: PassCurve) -> None:
+    def __init__(self, scorer: BatchingScorer, pass_curves: PassCurves) -> None:
         self._scorer = scorer
-        self._pass_curve = pass_curve
+        self._pass_curves = pass_curves
         self._last_recorded: PassInfo | None = None
         self.waiting = 0
 
@@ -76,7 +76,7 @@ class Scoring:
     def submit(self, live: LiveSession, tokens: tuple[int, ...]) -> asyncio.Future[np.ndarray]:
         """Queue a scoring request now (the scorer may be gathering a pass); its rows come with the
         future, and the pass's time is counted when they do."""
-        rows = self._scorer.score_async(live.machine.session, tokens)
+        rows = self._scorer.score_async(live.machine.session, tokens, reach=_reach(live, tokens))
         self.waiting += 1
         rows.add_done_callback(lambda done: self._scored(live, done))
         rows.add_done_callback(lambda _: self._settled())
@@ -86,7 +86,9 @@ class Scoring:
         """`submit`, and the greedy run of up to ``steps`` passes after it (BatchingScorer.score_ahead_async),
         which counts as waiting until its last step is settled; ``picker`` takes the run's tokens."""
         machine = live.machine
-        run = self._scorer.score_ahead_async(machine.session, tokens, steps, frozenset(machine.contract.stop), picker)
+        run = self._scorer.score_ahead_async(
+            machine.session, tokens, steps, frozenset(machine.contract.stop), picker, reach=_reach(live, tokens)
+        )
         self.waiting += 1
         run.rows.add_done_callback(lambda done: self._scored(live, done))
         futures: tuple[asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None], ...] = (run.rows, *run.steps)
@@ -117,7 +119,14 @@ class Scoring:
             if scored is not self._last_recorded:
                 # Once per pass, whichever of its sessions hears of it first.
                 self._last_recorded = scored
-                self._pass_curve.record(scored.seconds, scored.rows)
+                self._pass_curves.record(scored.seconds, scored.rows, scored.reach)
+
+
+def _reach(live: LiveSession, tokens: tuple[int, ...]) -> int:
+    """The positions the last row of a request of ``tokens`` attends: the session's committed
+    context and the tokens (tokens decided and not yet committed make it longer by a round or so)."""
+    machine = live.machine
+    return len(machine.prompt) + machine.committed + len(tokens)
 
 
 # Signs a commit record, adding the certificate when asked (sdcp.transport.signing.RecordSigner.sign).

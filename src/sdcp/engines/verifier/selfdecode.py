@@ -19,7 +19,7 @@ from sdcp.engines.verifier.events import RouterEvents
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.lookahead import VerifierLookahead
-from sdcp.engines.verifier.observe import PassCurve
+from sdcp.engines.verifier.observe import PassCurve, PassCurves
 from sdcp.engines.verifier.rounds import PartlyAppended, Rounds, Scoring
 from sdcp.models.batching import ScoredRun, TargetMostProbable
 from sdcp.models.drafter import TokenTimer
@@ -116,7 +116,7 @@ class SelfDecoding:
         model_sync: ModelSync,
         events: RouterEvents,
         tasks: BackgroundTasks,
-        pass_curve: PassCurve,
+        pass_curves: PassCurves,
         token_time: TokenTimer,
         active_sessions: Callable[[], int],
         lookahead: VerifierLookahead,
@@ -128,7 +128,7 @@ class SelfDecoding:
         self._model_sync = model_sync
         self._events = events
         self._tasks = tasks
-        self._pass_curve = pass_curve
+        self._pass_curves = pass_curves
         self._token_time = token_time
         self._active_sessions = active_sessions
         self._lookahead = lookahead
@@ -230,14 +230,13 @@ class SelfDecoding:
             forced = machine.constraint.forced(_undecided(machine, context), SELF_DECODE_LOOKAHEAD)
         budget = SELF_DECODE_LOOKAHEAD - len(forced)
         sessions = self._active_sessions()
-        worth = lookahead_length(live.lookahead_hits, sessions, budget, self._pass_curve)
+        curve = self._pass_curves.curve(len(context))
+        worth = lookahead_length(live.lookahead_hits, sessions, budget, curve)
         # Only what may be scored is predicted (a step each), and the first token where no guess
         # pays: a prediction that is not scored still counts towards the hit rate. The prediction
         # is step by step, so the shorter one is the longer one's beginning.
         guessed = self._lookahead.predict(live, context + forced, max(worth, min(1, budget)))
-        guess = (
-            guessed[: lookahead_length(live.lookahead_hits, sessions, len(guessed), self._pass_curve)] if worth else ()
-        )
+        guess = guessed[: lookahead_length(live.lookahead_hits, sessions, len(guessed), curve)] if worth else ()
         return forced + guessed, forced + guess
 
     def _run_ahead(self, machine: VerifierSession, context: tuple[int, ...], guess: tuple[int, ...]) -> int:
