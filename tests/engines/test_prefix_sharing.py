@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.waiting import eventually_async
+from tests.waiting import eventually, eventually_async
 
 from sdcp.cache import MLC, ObjectNotFound, build_uri
 from sdcp.cache.prefix import SHARE_TOKENS
@@ -23,7 +23,7 @@ from sdcp.models.llamacpp.target import LlamaCppTarget
 from sdcp.models.registry import load_target, load_tokenizer
 from sdcp.models.weights.fetch import FetchResult, fetch_smollm2
 from sdcp.protocol import codec
-from sdcp.protocol.messages import SessionOpen
+from sdcp.protocol.messages import SelfDecodeRequest, SessionOpen
 from sdcp.transport.certs import CA_CERT_FILE, make_certs
 from sdcp.transport.signing import RecordCheck, RecordSigner
 
@@ -193,3 +193,29 @@ async def test_a_forged_prefix_object_is_refused_and_changes_no_row(
     await second.open_session(open_message(second, b"v" * 16, prompt, None))
     assert hits(second) == 0
     assert np.array_equal(first_row(second.target, b"v" * 16), cold_row(cold, prompt))
+
+
+async def test_a_prompt_shared_as_a_prefix_is_not_published_again_as_the_sessions_kv(
+    engines: tuple[MLC, Signers, list[VerifierEngine]], text: list[int]
+) -> None:
+    """A session's target KV is published for a failover past the tokens that its prompt's prefix
+    objects cover (a failover's prefill fetches them): a verifier that shares prefixes publishes
+    none for 8 tokens after a prompt of 2 x SHARE_TOKENS + 40 under a threshold of 100, where one
+    that shares none publishes at its first commits."""
+    mlc, _, (sharing, _) = engines
+    settings = VerifierConfig(kv_publish_min_tokens=100, kv_publish_every=0)
+    sharing.settings = settings
+    alone = VerifierEngine(uri=V2, settings=settings, target=llama_target(256 << 20), mlc=mlc, ttl_ms=1000)
+    await alone.start()
+    prompt = text[: 2 * SHARE_TOKENS + 40]
+    try:
+        for engine, session in ((sharing, b"p" * 16), (alone, b"q" * 16)):
+            await engine.open_session(open_message(engine, session, prompt, None))
+            await engine.self_decode(SelfDecodeRequest(session=session, epoch=1))
+            machine = engine.sessions[session].machine
+            await eventually(lambda machine=machine: machine.ended)
+        assert sharing.sessions[b"p" * 16].machine.committed == 8
+        assert sharing.sessions[b"p" * 16].kv_tried_at == 0
+        assert len(prompt) < alone.sessions[b"q" * 16].kv_tried_at <= len(prompt) + 8
+    finally:
+        await alone.stop()

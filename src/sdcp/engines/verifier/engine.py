@@ -147,7 +147,13 @@ class VerifierEngine:
             trusted=trusted_verifier,
         )
         self._kv_publisher = KVPublisher(
-            uri=uri, target=target, thread=self.scorer, mlc=mlc, settings=lambda: self.settings, tasks=self._tasks
+            uri=uri,
+            target=target,
+            thread=self.scorer,
+            mlc=mlc,
+            settings=lambda: self.settings,
+            tasks=self._tasks,
+            shared=self._prefix_sharing.shares,
         )
         # Self-decoding's guesses, from the session and the outputs of earlier finished sessions:
         # those that finished here and those of the session's history scope in the MLC.

@@ -2,11 +2,13 @@
 instead of prefilling (draft-li-sdcp 6.3: the verifier MAY publish it; 6.9: resume.target_kv).
 
 Policy (docs/reliability.md): after the first commit that finds the session's committed prefix
-holding ``kv_publish_min_tokens`` tokens, and again every ``kv_publish_every`` tokens committed
-since; never at the open, so that the first token of a session, or of a failover, waits for no
-export. The export runs on the scorer's thread, the only one that touches the target, queued behind the commit
-that it follows and before the session's next pass; the write to the MLC runs as a task of its own,
-so no round waits for either. Only tokens whose commit record is durable are published, so a blob
+holding ``kv_publish_min_tokens`` tokens past those whose KV the verifier shares as a prefix object
+(the prompt's whole multiples of SHARE_TOKENS, sdcp.engines.verifier.prefixshare: a failover's
+prefill fetches them), and again every ``kv_publish_every`` tokens committed since; never at the
+open, so that the first token of a session, or of a failover, waits for no export. The export runs
+on the scorer's thread, the only one that touches the target, queued behind the commit that it
+follows and before the session's next pass; the write to the MLC runs as a task of its own, so no
+round waits for either. Only tokens whose commit record is durable are published, so a blob
 always covers a prefix of what any later epoch resumes from.
 
 Each epoch publishes under its own name, beside the commit log (``sdcp.cache.uri.target_kv_uri``),
@@ -49,8 +51,11 @@ class KVPublisher:
         mlc: MLC,
         settings: Callable[[], VerifierConfig],
         tasks: BackgroundTasks,
+        shared: Callable[[int], int] = lambda prompt_tokens: 0,
     ) -> None:
         self._uri = uri
+        # How many leading tokens of a prompt of so many tokens are in the MLC as a shared prefix.
+        self._shared = shared
         self._target = target
         self._thread = thread
         self._mlc = mlc
@@ -65,7 +70,9 @@ class KVPublisher:
         length = len(machine.prompt) + machine.committed
         if live.kv_uri is None or live.kv_too_large or live.kv_retired or machine.ended or machine.fenced:
             return
-        if settings.kv_publish_min_tokens == 0 or length < settings.kv_publish_min_tokens:
+        if settings.kv_publish_min_tokens == 0:
+            return
+        if length - self._shared(len(machine.prompt)) < settings.kv_publish_min_tokens:
             return
         every = settings.kv_publish_every
         if live.kv_tried_at and (every == 0 or length - live.kv_tried_at < every):

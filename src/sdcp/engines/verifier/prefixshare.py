@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sdcp.cache import MLC, CacheError, ObjectNotFound, build_uri
-from sdcp.cache.prefix import PrefixEntry, share_points
+from sdcp.cache.prefix import SHARE_TOKENS, PrefixEntry, share_points
 from sdcp.cache.uri import PREFIX_KV_KIND
 from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.observe import VerifierMetrics
@@ -95,6 +95,14 @@ class PrefixSharing:
         index.on_insert = self._inserted
 
     # -- publishing --------------------------------------------------------------------------------
+
+    def shares(self, prompt_tokens: int) -> int:
+        """The leading tokens of a prompt of ``prompt_tokens`` whose KV this verifier shares: its
+        whole multiples of SHARE_TOKENS where it publishes prefixes (the prefill that computes them
+        stores and publishes them, or found them stored), else none."""
+        if self._target.prefixes is None or self._sign is None:
+            return 0
+        return prompt_tokens // SHARE_TOKENS * SHARE_TOKENS
 
     def _inserted(self, entry: PrefixEntry) -> None:
         """On the scorer's thread: share the entry from the event loop."""
