@@ -77,7 +77,7 @@ BATCH_TOKENS = 512
 # sequence uses to a multiple of at most 256, so a token at a position below this attends fewer.
 SPLIT_FREE_POSITIONS = 256
 # From this position on a one-token pass goes with a token of an empty neighbouring sequence
-# (_companion), on every thread: at 2,400 positions 30 ms against 37 on one thread; at 1,200 both
+# (_companion), on every thread: at 2,400 positions 35 ms against 45 on one thread; at 1,200 both
 # about 23 ms, below it the extra token costs more than the thread gains (docs/models.md, item 3).
 COMPANION_POSITIONS = 1536
 # Tokens of a prefill between two other passes (two llama_decode calls): a long prompt's prefill
