@@ -98,11 +98,9 @@ class PassCurves:
 
     def curve(self, context: int) -> PassCurve:
         """The curve of passes whose rows attend ``context`` positions at most."""
-        for band in range(bisect.bisect_right(CONTEXT_BANDS, context), -1, -1):
-            learned = self._bands[band]
-            if learned is not None:
-                return learned
-        return self.base
+        band = bisect.bisect_right(CONTEXT_BANDS, context)
+        # The base band is never empty: the search always ends there at the latest.
+        return next(learned for learned in reversed(self._bands[: band + 1]) if learned is not None)
 
     def record(self, seconds: float, rows: int, context: int) -> None:
         """A served pass of ``rows`` rows, the longest attending ``context`` positions."""
