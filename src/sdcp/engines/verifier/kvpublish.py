@@ -51,10 +51,11 @@ class KVPublisher:
         mlc: MLC,
         settings: Callable[[], VerifierConfig],
         tasks: BackgroundTasks,
-        shared: Callable[[int], int] = lambda prompt_tokens: 0,
+        shared: Callable[[int], int],
     ) -> None:
         self._uri = uri
-        # How many leading tokens of a prompt of so many tokens are in the MLC as a shared prefix.
+        # How many leading tokens of a prompt of so many tokens are in the MLC as a shared prefix
+        # (PrefixSharing.shares).
         self._shared = shared
         self._target = target
         self._thread = thread
