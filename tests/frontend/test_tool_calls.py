@@ -320,12 +320,15 @@ async def ask(node: GatewayNode, **body: Any) -> httpx.Response:
         return await client.post("/v1/chat/completions", json=payload)
 
 
+@pytest.mark.parametrize("size", [2, 1000])
 async def test_an_answers_calls_are_openais_tool_calls_whole_and_streamed(
-    gateway: tuple[GatewayNode, ScriptedCluster],
+    gateway: tuple[GatewayNode, ScriptedCluster], size: int
 ) -> None:
+    """Whether the output comes two tokens at a time or in one read, each call streams as OpenAI's
+    does: its index, id, type and name alone in a chunk, then its arguments in parts."""
     node, cluster = gateway
     end = node.codec.end_of_text_tokens()[0]
-    cluster.chunks = [*chunked(node.codec.encode(OUTPUT, add_special_tokens=False), [2]), [end]]
+    cluster.chunks = [*chunked(node.codec.encode(OUTPUT, add_special_tokens=False), [size]), [end]]
     (choice,) = (await ask(node)).json()["choices"]
     assert choice["finish_reason"] == "tool_calls"
     message = choice["message"]
@@ -338,10 +341,15 @@ async def test_an_answers_calls_are_openais_tool_calls_whole_and_streamed(
     assert events[0]["delta"]["role"] == "assistant"
     assert "".join(event["delta"]["content"] or "" for event in events) == "Let me look."
     parts = [part for event in events for part in event["delta"].get("tool_calls", [])]
+    assert all(len(event["delta"].get("tool_calls", [])) <= 1 for event in events)
     firsts = [part for part in parts if "id" in part]
-    assert [(p["index"], p["type"], p["function"]["name"]) for p in firsts] == [
-        (0, "function", "get_weather"),
-        (1, "function", "get_time"),
+    assert [(p["index"], p["type"], p["function"]) for p in firsts] == [
+        (0, "function", {"name": "get_weather", "arguments": ""}),
+        (1, "function", {"name": "get_time", "arguments": ""}),
+    ]
+    # A call's header comes before its arguments.
+    assert [parts.index(first) for first in firsts] == [
+        min(at for at, part in enumerate(parts) if part["index"] == index) for index in (0, 1)
     ]
     assert all(
         set(part) == {"index", "function"} and set(part["function"]) == {"arguments"}

@@ -866,23 +866,33 @@ class GatewayNode:
                 finish = piece.finish
                 if chat:
                     delta: dict[str, Any] = {"content": piece.text}
+                    calls: list[dict[str, Any]] = []
                     reader = readers.get(piece.index)
                     if reader is not None:
                         read = reader.feed(piece.text, last=finish is not None)
                         delta["content"] = read.content or (None if read.calls else "")
-                        if read.calls:
-                            delta["tool_calls"] = stream_tool_calls(read.calls)
+                        calls = stream_tool_calls(read.calls)
                         if reader.calls and finish == "stop":
                             finish = "tool_calls"
                     if piece.index not in greeted:
                         greeted.add(piece.index)
                         delta["role"] = "assistant"
-                    choice: dict[str, Any] = {"index": piece.index, "delta": delta}
+                    # Each tool call item goes in a chunk of its own, the piece's other members on the first.
+                    deltas = [delta | {"tool_calls": calls[:1]}] if calls else [delta]
+                    deltas += [{"content": None, "tool_calls": [call]} for call in calls[1:]]
+                    choices: list[dict[str, Any]] = [
+                        {"index": piece.index, "delta": each, "logprobs": None} for each in deltas
+                    ]
+                    choices[0]["logprobs"] = logprobs
                 else:
-                    choice = {"index": piece.index, "text": piece.text}
-                choice |= {"logprobs": logprobs, "finish_reason": finish, "stop_reason": piece.stop_reason}
+                    choices = [{"index": piece.index, "text": piece.text, "logprobs": logprobs}]
                 usage = _usage(prompt_tokens[piece.index], piece.tokens) if generation.continuous_usage else None
-                yield event([choice], usage)
+                for choice in choices:
+                    ended = choice is choices[-1]
+                    choice |= {"finish_reason": None, "stop_reason": None}
+                    if ended:
+                        choice |= {"finish_reason": finish, "stop_reason": piece.stop_reason}
+                    yield event([choice], usage)
         except _ClusterFailed as exc:
             log.warning("gateway: request %s failed while streaming: %s", record.request_id, exc)
             record.outcome, record.note = "failed", f"{record.note}: {exc}"

@@ -495,15 +495,14 @@ def message_tool_calls(calls: Sequence[CallDelta]) -> list[dict[str, Any]]:
 
 
 def stream_tool_calls(deltas: Sequence[CallDelta]) -> list[dict[str, Any]]:
-    """OpenAI's ``tool_calls`` of a stream's delta: each with its index; id, type and name on a
-    call's first part, the arguments text that came on every part."""
-    described = []
+    """OpenAI's ``tool_calls`` items of a stream, each for a chunk of its own: a call's first part
+    alone (index, id, type, name, empty arguments), then every part's arguments text. OpenAI streams a
+    call so, and clients read its first part as the header, whatever one read of the output held."""
+    items: list[dict[str, Any]] = []
     for delta in deltas:
-        item: dict[str, Any] = {"index": delta.index}
-        function: dict[str, Any] = {"arguments": delta.arguments}
         if delta.id is not None:
-            item |= {"id": delta.id, "type": "function"}
-            function = {"name": delta.name, **function}
-        item["function"] = function
-        described.append(item)
-    return described
+            header = {"name": delta.name, "arguments": ""}
+            items.append({"index": delta.index, "id": delta.id, "type": "function", "function": header})
+        if delta.arguments:
+            items.append({"index": delta.index, "function": {"arguments": delta.arguments}})
+    return items
