@@ -297,7 +297,9 @@ class VerifierConfig:
     output_wait_s: Seconds = 10.0
     # A reader waiting at the end of a session's output gets the tokens committed within this long
     # of the first new one in one answer (up to 16; 0 = each at once). The first answer never waits.
-    output_linger_ms: Seconds = 50.0
+    # At 16 streams on 2 cores a round takes about 100 ms: at 50 ms each read got one round's token,
+    # and the reads' work beside the passes made them a fifth longer (docs/performance.md).
+    output_linger_ms: Seconds = 200.0
     # While every prompt waiting for its prefill is short (at most 256 tokens), a self-decoding
     # session that has its tokens waits for them before its next pass, at most this long at a time
     # (docs/models.md, "Prefill in steps"); 0 = never: the passes go on between the prefills.
