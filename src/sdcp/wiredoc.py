@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ from sdcp.protocol.messages import (
     Contract,
     HistoryStatus,
     Output,
+    OutputBatch,
+    OutputRead,
+    OutputReads,
+    ReadRefusal,
     Role,
     SelfDecodeRequest,
     SessionOpen,
@@ -278,12 +283,24 @@ def _output() -> str:
             TokenLogprob(logprob=-105360, top=(Alternative(token=2, logprob=-105360),)),
         ),
     )
+    other = bytes(range(16, 32))
+    reads = OutputReads(reads=(OutputRead(session=SESSION, from_=7), OutputRead(session=other, from_=0)))
+    refusal = ProtocolError(ProblemType.STALE_EPOCH, "session epoch is 3, not 2").to_problem()
+    batch = OutputBatch(
+        outputs=(replace(output, logprobs=None),),
+        refused=(ReadRefusal(session=other, type=refusal["type"], status=refusal["status"], detail=refusal["detail"]),),
+    )
     return (
         _members("Output (SDCP 5.2, 6.7)", "output", [output])
         + "\n`logprobs`, sent when the session-open asked for it, holds one map per token: its natural "
         "log-probability under the target's unprocessed distribution in millionths (`logprob`) and the "
         "session-open's `logprobs` most probable tokens (`top`), both absent for a token committed "
-        "before a failover.\n"
+        "before a failover.\n\n"
+        "`POST outputs` (not in Table 1, docs/interpretations.md) reads several sessions' output in one "
+        "request; our front ends send it to our verifiers, and read another's one GET a session:\n\n"
+        + _example(reads.to_obj())
+        + "\nanswered with the reads that have news, each output as its GET would answer it, each refusal "
+        "with its GET's problem:\n\n" + _example(batch.to_obj())
     )
 
 

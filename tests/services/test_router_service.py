@@ -13,10 +13,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import replace
 
+import cbor2
 import numpy as np
 import pytest
 import torch
 from prometheus_client import REGISTRY
+from starlette.requests import Request
+from starlette.responses import Response
 from tests.services.outputs import output_tokens, read_output
 from tests.services.router_harness import (
     INSTANCE_TTL_MS,
@@ -720,6 +723,7 @@ async def test_a_reader_stuck_at_a_silent_verifier_follows_the_failover(
         await unanswered()
 
     monkeypatch.setattr(first.engine, "output", unanswered_read)
+    monkeypatch.setattr(first.engine, "outputs", unanswered_read)
     monkeypatch.setattr(first.engine, "propose", unanswered)
     monkeypatch.setattr(first, "status", lambda: None)
 
@@ -1228,3 +1232,44 @@ async def test_a_front_end_whose_first_router_is_gone_uses_the_next(
         assert tokens == greedy_reference(target, 40)
         # Asked about the session, the router that answered it comes first (the gone one never does).
         assert (await client.describe(handle))["session"] == handle.session
+
+
+@pytest.mark.parametrize("served", [True, False])
+async def test_a_front_end_reads_its_sessions_output_together_or_one_get_each(
+    deployment: Deployment, target: TargetModel, monkeypatch: pytest.MonkeyPatch, served: bool
+) -> None:
+    """Streams of one client at one verifier are read with POST outputs, the reads asked within one
+    turn of the event loop in one request; a verifier without that extension (another
+    implementation: 404) is read one GET a session. Either way each stream is the greedy output."""
+    asked: list[int] = []
+    gets: list[str] = []
+    batched_reads, single_read = VerifierNode.outputs, VerifierNode.output
+
+    async def counted_outputs(node: VerifierNode, request: Request) -> Response:
+        asked.append(len(cbor2.loads(await request.body())["reads"]))
+        return await batched_reads(node, request)
+
+    async def counted_output(node: VerifierNode, request: Request) -> Response:
+        gets.append(request.path_params["id"])
+        return await single_read(node, request)
+
+    monkeypatch.setattr(VerifierNode, "outputs", counted_outputs)
+    monkeypatch.setattr(VerifierNode, "output", counted_output)
+    if not served:
+        routes = VerifierNode.routes
+        monkeypatch.setattr(VerifierNode, "routes", lambda node: [r for r in routes(node) if r.path != "/outputs"])
+    await start_verifier(deployment, "verifier1")
+    await start_drafter(deployment, "drafter1")
+    cert, key = deployment.certs["frontend"]
+    async with ClusterClient(deployment.uris["router"], cert=cert, key=key, ca=deployment.ca) as client:
+        handles = [await client.open(PROMPT, tiny_contract(target, max_new=24)) for _ in range(3)]
+
+        async def tokens(handle: SessionHandle) -> list[int]:
+            return [t async for chunk in client.stream(handle) for t in chunk.tokens]
+
+        streamed = await asyncio.gather(*(tokens(handle) for handle in handles))
+    assert streamed == [greedy_reference(target, 24)] * 3
+    if served:
+        assert asked[0] == 3 and not gets
+    else:
+        assert asked == [] and len(set(gets)) == 3

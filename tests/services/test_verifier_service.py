@@ -34,10 +34,14 @@ from sdcp.models.hf.target import TargetModel
 from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.digest import extend_digest
 from sdcp.protocol.messages import (
+    MAX_OUTPUT_READS,
     Action,
     Assignment,
     Contract,
     Output,
+    OutputBatch,
+    OutputRead,
+    OutputReads,
     Policy,
     Sampling,
     SessionOpen,
@@ -229,6 +233,43 @@ async def test_output_long_poll_wakes_on_commit(cluster: Cluster, target: Target
     assert output.tokens == verdict.emitted and output.epoch == 1 and not output.final
     _, empty = await reader.get_cbor(path, {"from": str(len(verdict.emitted))})
     assert Output.from_obj(empty).tokens == ()
+
+
+def output_reads(*reads: tuple[bytes, int]) -> dict[str, object]:
+    return OutputReads(reads=tuple(OutputRead(session=session, from_=start) for session, start in reads)).to_obj()
+
+
+async def test_post_outputs_answers_each_read_as_its_get_would(tmp_path: Path, target: TargetModel) -> None:
+    """POST outputs (extension): a read that its GET would refuse (a caller who is no party of the
+    session: 403; a session not held here: 404) is refused at once; the others wait until one has
+    news, and only reads with news are answered; a list that names a session twice, or too many, is
+    a bad message."""
+    async with running_cluster(tmp_path, target, output_wait_s=60.0) as env:
+        state = await open_and_assign(env, contract(target))
+        intruder, drafter = env.client("intruder"), env.client("drafter")
+        unknown = bytes(16)
+        _, body = await intruder.post_cbor("outputs", output_reads((SESSION, 0)))
+        batch = OutputBatch.from_obj(body)
+        assert batch.outputs == () and [(r.session, r.status) for r in batch.refused] == [(SESSION, 403)]
+        _, body = await drafter.post_cbor("outputs", output_reads((SESSION, 0), (unknown, 0)))
+        batch = OutputBatch.from_obj(body)
+        assert batch.outputs == () and [(r.session, r.status) for r in batch.refused] == [(unknown, 404)]
+        assert ProtocolError.from_problem({"type": batch.refused[0].type, "status": 404}).status == 404
+
+        waiting = asyncio.create_task(drafter.post_cbor("outputs", output_reads((SESSION, 0))))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
+        verdict = Verdict.from_obj(body)
+        _, answered = await asyncio.wait_for(waiting, 30)
+        (output,) = OutputBatch.from_obj(answered).outputs
+        assert (output.session, output.from_, output.tokens, output.epoch) == (SESSION, 0, verdict.emitted, 1)
+
+        twice = {"reads": [{"session": SESSION, "from": 0}] * 2}
+        too_many = {"reads": [{"session": i.to_bytes(16, "big"), "from": 0} for i in range(MAX_OUTPUT_READS + 1)]}
+        for malformed in (twice, too_many, {"reads": []}):
+            err = await problem_of(drafter.post_cbor("outputs", malformed))
+            assert err.problem is None and err.status == 400
 
 
 async def test_a_reader_past_the_first_tokens_gathers_the_next_ones_in_one_answer(

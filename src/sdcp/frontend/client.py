@@ -13,18 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sdcp.engines.tasks import BackgroundTasks
 from sdcp.protocol.messages import (
+    MAX_OUTPUT_READS,
     Action,
     CancelRequest,
     Constraint,
     Contract,
     Output,
+    OutputBatch,
+    OutputRead,
+    OutputReads,
     Sampling,
     SessionRequest,
     TokenLogprob,
@@ -32,10 +38,12 @@ from sdcp.protocol.messages import (
 )
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.router import open_deadline_s
-from sdcp.transport.client import PeerClients
-from sdcp.transport.errors import TransportError
+from sdcp.transport.client import PeerClients, SDCPClient
+from sdcp.transport.errors import StatusError, TransportError
 
-__all__ = ["ClusterClient", "OutputChunk", "OutputReader", "SessionHandle", "build_contract"]
+__all__ = ["BatchedReads", "ClusterClient", "OutputChunk", "OutputReader", "SessionHandle", "build_contract"]
+
+log = logging.getLogger(__name__)
 
 # GET sessions/{id}/output?from=n at a verifier of this process: (session, from) -> its Output.
 OutputReader = Callable[[bytes, int], Awaitable[Output]]
@@ -147,8 +155,12 @@ class ClusterClient:
         # Verifiers of this very process (`sdcp together`): their output is read by a call, not
         # over HTTP, with the errors their service would answer (sdcp.together).
         self.local_outputs: dict[str, OutputReader] = {}
+        # Each verifier's output reads, sent together (BatchedReads).
+        self._batched: dict[str, BatchedReads] = {}
 
     async def aclose(self) -> None:
+        for batched in self._batched.values():
+            await batched.aclose()
         await self.peers.aclose()
 
     async def __aenter__(self) -> ClusterClient:
@@ -326,10 +338,109 @@ class ClusterClient:
         local = self.local_outputs.get(handle.verifier)
         if local is not None:
             return await local(handle.session, position)
+        batched = self._batched.get(handle.verifier)
+        if batched is None:
+            batched = self._batched[handle.verifier] = BatchedReads(self.peers.get(handle.verifier))
+        if batched.supported:
+            with contextlib.suppress(ReadsUnsupported):
+                return await batched.read(handle.session, position)
         answer = await self.peers.get(handle.verifier).get_cbor(
             f"sessions/{handle.path_id}/output", {"from": str(position)}
         )
         return Output.from_obj(answer[1])
+
+
+class ReadsUnsupported(Exception):
+    """The verifier does not serve POST outputs: its sessions are read one GET each."""
+
+
+class BatchedReads:
+    """The output reads of one verifier's sessions, sent together as POST outputs (extension,
+    docs/interpretations.md, "Output reads of many sessions"): each request answers every session
+    that has news, where a GET a session would take a request a session a round. A read that comes
+    while a request waits goes in a request of its own at once (a first token never waits behind the
+    others' wait); the reads a request leaves unanswered go again together."""
+
+    def __init__(self, peer: SDCPClient) -> None:
+        self._peer = peer
+        # Session -> the output index its reader waits at, and its answer.
+        self._waiting: dict[bytes, tuple[int, asyncio.Future[Output]]] = {}
+        # The sessions whose read is in a request in flight.
+        self._asked: set[bytes] = set()
+        self._scheduled = False
+        self._requests = BackgroundTasks(peer.base_uri, log)
+        self.supported = True
+
+    async def read(self, session: bytes, position: int) -> Output:
+        """The session's output from ``position``, once the verifier has news of it (SDCP 6.7)."""
+        future: asyncio.Future[Output] = asyncio.get_running_loop().create_future()
+        self._waiting[session] = (position, future)
+        future.add_done_callback(lambda done: self._forget(session, done))
+        self._schedule()
+        return await future
+
+    def _forget(self, session: bytes, future: asyncio.Future[Output]) -> None:
+        waiting = self._waiting.get(session)
+        if waiting is not None and waiting[1] is future:
+            del self._waiting[session]
+
+    def _schedule(self) -> None:
+        # Reads asked within one turn of the event loop (every stream a pass answered) go together.
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._send)
+
+    def _send(self) -> None:
+        self._scheduled = False
+        unasked = [
+            (session, position) for session, (position, _) in self._waiting.items() if session not in self._asked
+        ]
+        for at in range(0, len(unasked), MAX_OUTPUT_READS):
+            reads = dict(unasked[at : at + MAX_OUTPUT_READS])
+            self._asked |= reads.keys()
+            self._requests.spawn(self._request(reads))
+
+    async def _request(self, reads: dict[bytes, int]) -> None:
+        try:
+            asked = OutputReads(reads=tuple(OutputRead(session=s, from_=n) for s, n in reads.items()))
+            _, body = await self._peer.post_cbor("outputs", asked.to_obj(), idempotent=True)
+            answer = OutputBatch.from_obj(body)
+        except (TransportError, ProtocolError) as exc:
+            failed: Exception = exc
+            if _not_served(exc):
+                self.supported = False
+                failed = ReadsUnsupported(str(exc))
+            for session, position in reads.items():
+                self._answer(session, position, failed)
+        else:
+            for output in answer.outputs:
+                self._answer(output.session, output.from_, output)
+            for refusal in answer.refused:
+                problem = {"type": refusal.type, "status": refusal.status, "detail": refusal.detail}
+                self._answer(refusal.session, reads.get(refusal.session), ProtocolError.from_problem(problem))
+        finally:
+            self._asked -= reads.keys()
+            if self._waiting:
+                self._schedule()
+
+    def _answer(self, session: bytes, position: int | None, answer: Output | Exception) -> None:
+        waiting = self._waiting.get(session)
+        if waiting is None or waiting[0] != position or waiting[1].done():
+            return  # its reader went, or reads from elsewhere now: it asks again
+        if isinstance(answer, Output):
+            waiting[1].set_result(answer)
+        else:
+            waiting[1].set_exception(answer)
+
+    async def aclose(self) -> None:
+        await self._requests.cancel_all()
+
+
+def _not_served(error: Exception) -> bool:
+    """A verifier without POST outputs answers 404 or 405 to it (another implementation)."""
+    status = error.status if isinstance(error, (ProtocolError, StatusError)) else None
+    problem = error.problem if isinstance(error, ProtocolError) else None
+    return status in (404, 405) and problem is None
 
 
 def _handle(body: object, router: str) -> SessionHandle:

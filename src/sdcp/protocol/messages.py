@@ -36,6 +36,11 @@ __all__ = [
     "Event",
     "HistoryStatus",
     "Output",
+    "MAX_OUTPUT_READS",
+    "OutputBatch",
+    "OutputRead",
+    "OutputReads",
+    "ReadRefusal",
     "Policy",
     "Proposal",
     "SelfDecodeRequest",
@@ -807,6 +812,50 @@ class CancelRequest(_Message):
 
     session: bytes = _required(_SESSION)
     epoch: int = _required(_UINT)
+
+
+# The most sessions one POST outputs reads (OutputReads).
+MAX_OUTPUT_READS = 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputRead(_Message):
+    """One session's read in POST outputs: what GET sessions/{id}/output?from=n asks (SDCP 6.7)."""
+
+    session: bytes = _required(_SESSION)
+    from_: int = _required(_UINT, key="from")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputReads(_Message):
+    """Extension message (not in Table 1): POST outputs, the output reads of several sessions in one
+    request, each session once (docs/interpretations.md, "Output reads of many sessions")."""
+
+    reads: tuple[OutputRead, ...] = _required(_Array(_Nested(OutputRead), non_empty=True, max_items=MAX_OUTPUT_READS))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len({read.session for read in self.reads}) != len(self.reads):
+            raise BadMessage("reads names a session more than once")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadRefusal(_Message):
+    """A read of POST outputs that failed: the problem its GET output would have answered."""
+
+    session: bytes = _required(_SESSION)
+    type: str = _required(_BoundedText(256))
+    status: int = _required(_UInt(low=400, high=599))
+    detail: str = _required(_BoundedText(1024))
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputBatch(_Message):
+    """The answer to POST outputs: the reads that have news (tokens, the final output, a refusal);
+    the others are left out, for the reader to ask again."""
+
+    outputs: tuple[Output, ...] = _required(_Array(_Nested(Output), max_items=MAX_OUTPUT_READS))
+    refused: tuple[ReadRefusal, ...] = _required(_Array(_Nested(ReadRefusal), max_items=MAX_OUTPUT_READS))
 
 
 def session_path_id(session: bytes) -> str:

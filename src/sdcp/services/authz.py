@@ -58,6 +58,8 @@ TABLE: dict[str, dict[str, frozenset[Party]]] = {
         # SDCP 6.3: otherwise 403 sdcp-not-assigned (the protocol core's check).
         "POST proposals": frozenset({_P.SESSION_DRAFTER}),
         "GET sessions/{id}/output": frozenset({_P.ROUTER, _P.SESSION_OWNER, _P.SESSION_DRAFTER, _P.OPERATOR}),
+        # Each read as its GET sessions/{id}/output (docs/interpretations.md, "Output reads of many sessions").
+        "POST outputs": frozenset({_P.ROUTER, _P.SESSION_OWNER, _P.SESSION_DRAFTER, _P.OPERATOR}),
         "POST sessions/{id}/policy": frozenset({_P.ROUTER}),
         "GET sessions/{id}/stats": frozenset({_P.ROUTER, _P.SESSION_OWNER, _P.OPERATOR}),
         "GET sessions/{id}/trace": frozenset({_P.ROUTER, _P.SESSION_OWNER, _P.OPERATOR}),

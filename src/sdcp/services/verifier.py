@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute, Route
 
 from sdcp.cache import MLC
 from sdcp.config import ServiceConfig, thread_budget
-from sdcp.engines.errors import Unanswered
+from sdcp.engines.errors import SessionNotFound, Unanswered
 from sdcp.engines.tasks import shielded_unless_gone
 from sdcp.engines.verifier import TRACE_ROUNDS, VerifierEngine
 from sdcp.models.backend import DEFAULT_KV_SLOTS, LLAMACPP_KV_SLOTS, Target, TargetBackend
@@ -32,8 +32,12 @@ from sdcp.protocol.messages import (
     Assignment,
     CancelRequest,
     Event,
+    Output,
+    OutputBatch,
+    OutputReads,
     Policy,
     Proposal,
+    ReadRefusal,
     SelfDecodeRequest,
     SessionOpen,
     Status,
@@ -44,7 +48,7 @@ from sdcp.services.authz import Party, SessionParties
 from sdcp.services.node import Node
 from sdcp.threads import CoreGovernor
 from sdcp.transport.asgi import cbor_response, read_cbor_body
-from sdcp.transport.errors import ConnectionLost, PeerClientError, PeerServerError, PeerTimeout
+from sdcp.transport.errors import ConnectionLost, HTTPProblem, NotFound, PeerClientError, PeerServerError, PeerTimeout
 from sdcp.transport.peer import peer_uri
 from sdcp.transport.signing import RecordCheck, RecordSigner
 
@@ -154,6 +158,7 @@ class VerifierNode(Node):
             Route("/sessions/{id}/drafter", self.assign_drafter, methods=["PUT"]),
             Route("/proposals", self.propose, methods=["POST"]),
             Route("/sessions/{id}/output", self.output, methods=["GET"]),
+            Route("/outputs", self.outputs, methods=["POST"]),
             Route("/sessions/{id}/policy", self.policy, methods=["POST"]),
             Route("/sessions/{id}/stats", self.stats, methods=["GET"]),
             Route("/sessions/{id}/trace", self.trace, methods=["GET"]),
@@ -246,6 +251,35 @@ class VerifierNode(Node):
             raise BadMessage("'from' must be an unsigned integer below 2^32")
         output = await self.engine.output(session, int(start_text))
         return cbor_response(output.to_obj())
+
+    async def outputs(self, request: Request) -> Response:
+        """POST outputs (extension, docs/interpretations.md): several sessions' output reads in one,
+        each admitted as its GET sessions/{id}/output would be."""
+        message = OutputReads.from_obj(await read_cbor_body(request))
+        refused: list[ReadRefusal] = []
+        reads: list[tuple[bytes, int]] = []
+        for read in message.reads:
+            try:
+                self.trust.admit(request, "POST outputs", self._parties(read.session))
+            except (ProtocolError, HTTPProblem) as exc:
+                refused.append(_refusal(read.session, exc))
+                continue
+            except SessionNotFound as exc:
+                refused.append(_refusal(read.session, NotFound(str(exc))))
+                continue
+            reads.append((read.session, read.from_))
+        # A refused read is answered at once; the reads admitted beside it are asked again.
+        answers = await self.engine.outputs(reads) if reads and not refused else []
+        outputs = [answer for _, answer in answers if isinstance(answer, Output)]
+        refused += [_refusal(session, answer) for session, answer in answers if isinstance(answer, ProtocolError)]
+        return cbor_response(OutputBatch(outputs=tuple(outputs), refused=tuple(refused)).to_obj())
+
+
+def _refusal(session: bytes, error: ProtocolError | HTTPProblem) -> ReadRefusal:
+    """The problem the read's GET sessions/{id}/output would have answered."""
+    problem = error.to_problem()
+    detail = str(problem.get("detail") or problem["title"])
+    return ReadRefusal(session=session, type=problem["type"], status=problem["status"], detail=detail[:1024])
 
 
 def _kv_slots(configured: int | None, backend: TargetBackend) -> int:

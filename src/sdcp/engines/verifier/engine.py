@@ -84,6 +84,17 @@ _RETRY_AFTER_S = 5
 OUTPUT_LINGER_TOKENS = 16
 
 
+def _read(live: LiveSession, start: int) -> Output | ProtocolError:
+    try:
+        return live.machine.output(start)
+    except ProtocolError as exc:
+        return exc
+
+
+def _has_news(read: Output | ProtocolError) -> bool:
+    return not isinstance(read, Output) or bool(read.tokens) or read.final
+
+
 class VerifierEngine:
     """The target model's verifier: the sole commit authority of its sessions."""
 
@@ -475,31 +486,59 @@ class VerifierEngine:
         A reader that had to wait keeps pace with the rounds: past its first tokens (``start`` > 0)
         its answer gathers the tokens committed within ``output_linger_ms`` of the first, up to
         OUTPUT_LINGER_TOKENS, rather than one read per round (docs/performance.md)."""
-        live = self._live(session)
-        output = live.machine.output(start)
-        if output.tokens or output.final:
-            return output
+        (read,) = await self._reads([(self._live(session), start)])
+        if isinstance(read, ProtocolError):
+            raise read
+        return read
+
+    async def outputs(self, reads: Sequence[tuple[bytes, int]]) -> list[tuple[bytes, Output | ProtocolError]]:
+        """POST outputs (extension, docs/interpretations.md): several sessions' output reads in one,
+        each as ``output`` reads it, answered when one has news (lingering as ``output`` does); the
+        reads with tokens, a final output or an error, in the order asked, by session. A session
+        not held here raises SessionNotFound, as ``output`` does."""
+        answers = await self._reads([(self._live(session), start) for session, start in reads])
+        return [(session, read) for (session, _), read in zip(reads, answers, strict=True) if _has_news(read)]
+
+    async def _reads(self, reads: Sequence[tuple[LiveSession, int]]) -> list[Output | ProtocolError]:
+        """Each session's output from its start, once any has news (at once if one has it now)."""
+        answers = [_read(live, start) for live, start in reads]
+        if any(_has_news(answer) for answer in answers):
+            return answers
         if self._long_polls >= self.settings.max_long_polls:
             raise Unavailable(f"{self._long_polls} output reads are waiting already", retry_after_s=1)
         self._long_polls += 1
+        woken = asyncio.Event()
+        watched = [live for live, _ in reads]
+        for live in watched:
+            live.watchers.add(woken)
         try:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.settings.output_wait_s
             lingering = False
             while True:
-                output = live.machine.output(start)
-                if output.tokens and not lingering and start > 0 and self.settings.output_linger_ms > 0:
+                woken.clear()
+                answers = [_read(live, start) for live, start in reads]
+                news = [(start, answer) for (_, start), answer in zip(reads, answers, strict=True) if _has_news(answer)]
+                # Only reads past their first tokens linger; a first token, an end or an error go at once.
+                lingers = all(isinstance(answer, Output) and not answer.final and start > 0 for start, answer in news)
+                if news and lingers and not lingering and self.settings.output_linger_ms > 0:
                     lingering = True
                     deadline = min(deadline, loop.time() + self.settings.output_linger_ms / 1000)
                 remaining = deadline - loop.time()
-                gathered = len(output.tokens) >= OUTPUT_LINGER_TOKENS or not lingering
-                if (output.tokens and gathered) or output.final or remaining <= 0:
-                    return output
-                try:
-                    await asyncio.wait_for(live.committed.wait(), remaining)
-                except TimeoutError:
-                    continue
+                gathered = (
+                    not lingering
+                    or not lingers
+                    or any(
+                        isinstance(answer, Output) and len(answer.tokens) >= OUTPUT_LINGER_TOKENS for _, answer in news
+                    )
+                )
+                if (news and gathered) or remaining <= 0:
+                    return answers
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), remaining)
         finally:
+            for live in watched:
+                live.watchers.discard(woken)
             self._long_polls -= 1
 
     def parties(self, session: bytes) -> tuple[str | None, str | None]:

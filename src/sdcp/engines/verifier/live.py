@@ -35,6 +35,8 @@ class LiveSession:
     tenant: str | None = None
     rounds: dict[int, asyncio.Future[Verdict]] = field(default_factory=dict)
     committed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The events of reads of several sessions (POST outputs) that wait on this one among others.
+    watchers: set[asyncio.Event] = field(default_factory=set)
     self_decoder: asyncio.Task[None] | None = None
     timings: RoundTimings = field(default_factory=RoundTimings)
     # A new session guesses as if 40 % of its predictions had started right.
@@ -87,6 +89,8 @@ class LiveSession:
         # Readers wait on the current event; replacing it after setting wakes each exactly once.
         self.committed.set()
         self.committed = asyncio.Event()
+        for watcher in self.watchers:
+            watcher.set()
 
 
 class RunningSessions:
