@@ -297,3 +297,13 @@ async def test_every_request_gets_one_access_line_aborted_ones_included(
         lines = access_lines(caplog, request_id)
         assert len(lines) == 1, (request_id, [line.string for line in lines])
         assert (lines[0].group(3), lines[0].group(4)) == (status, outcome), lines[0].string
+
+
+async def test_a_gateway_connects_to_the_router_and_its_verifiers_before_its_first_request(cluster: Cluster) -> None:
+    """At start the gateway warms what its first request would pay for: its codec, and connections
+    to the router and the verifiers the router lists (each TLS handshake out of a first token's time)."""
+    gateway = await cluster.gateway()
+    peers = gateway.client.peers
+    await eventually(lambda: peers.holds(cluster.verifier.uri) and peers.get(cluster.verifier.uri).connected)
+    assert peers.get(cluster.uris["router"]).connected
+    assert "tokenizer_digest" in gateway.codec.__dict__

@@ -128,3 +128,13 @@ def test_incremental_decoding_decodes_a_window_not_the_whole_text(monkeypatch: p
 @pytest.mark.parametrize("model", ["smollm2", "tiny"])
 def test_the_tokenizer_digest_is_the_verifiers(model: str) -> None:
     assert load_text_codec(model).tokenizer_digest == tokenizer_digest(load_tokenizer(model))
+
+
+def test_a_warmed_codec_has_done_what_a_first_request_would() -> None:
+    """A gateway warms its codec at start: the tokenizer's digest (its whole definition as JSON)
+    and the longest token are known before a request needs them."""
+    codec = load_text_codec("smollm2")
+    assert not {"tokenizer_digest", "max_token_bytes"} & codec.__dict__.keys()
+    codec.warm()
+    assert codec.__dict__["tokenizer_digest"] == tokenizer_digest(load_tokenizer("smollm2"))
+    assert codec.__dict__["max_token_bytes"] >= 1

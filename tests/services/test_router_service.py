@@ -1273,3 +1273,14 @@ async def test_a_front_end_reads_its_sessions_output_together_or_one_get_each(
         assert asked[0] == 3 and not gets
     else:
         assert asked == [] and len(set(gets)) == 3
+
+
+async def test_the_router_connects_to_an_instance_at_its_first_report(deployment: Deployment) -> None:
+    """A verifier or drafter that reports is connected to at once, before any session needs it:
+    the first session-open it gets skips the TLS handshake."""
+    router = deployment.router
+    assert router is not None
+    verifier = await start_verifier(deployment, "verifier1")
+    drafter = await start_drafter(deployment, "drafter1")
+    await eventually(lambda: all(router.peers.get(node.uri).connected for node in (verifier, drafter)))
+    assert not router.sessions

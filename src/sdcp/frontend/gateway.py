@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -273,6 +274,7 @@ class GatewayNode:
             raise ConfigError(f"gateway.listen: {exc}; give gateway.cert and gateway.key for TLS") from exc
         self._server: Server | None = None
         self._admin: AdminServer | None = None
+        self._connecting: asyncio.Task[None] | None = None
         # The metrics' instance label: the gateway's SDCP identity.
         self.uri = instance.uri
         for family in (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_LATENCY, PROMPT_TOKENS, GENERATION_TOKENS):
@@ -317,14 +319,38 @@ class GatewayNode:
         return _Admission(routes, limit=self.settings.max_requests_in_flight, uri=self.uri)
 
     async def start(self) -> None:
+        await asyncio.to_thread(self.codec.warm)
+        # Starlette's streamed answers run in an anyio task group, whose event-loop backend is
+        # imported at its first use: now, rather than in the first request's time to first token.
+        async with anyio.create_task_group():
+            pass
         self._server = FrontEndServer(self.app(), self.listener)
         await self._server.start()
+        self._connecting = asyncio.create_task(self._connect_ahead())
         if self.config.admin.listen is not None:
             self._admin = AdminServer("gateway", self.config.admin.listen, self.readiness)
             await self._admin.start()
         log.info("OpenAI-compatible API on %s", self._server.base_url)
 
+    async def _connect_ahead(self) -> None:
+        """The router and the verifiers it lists, connected before the first request needs them
+        (each TLS handshake out of its time to first token); where one does not answer yet, the
+        first request connects."""
+        with contextlib.suppress(_ClusterFailed):
+            await self._choose_target()
+        with contextlib.suppress(ProtocolError, TransportError):
+            targets = await self.client.targets()
+            await asyncio.gather(
+                *(
+                    self.client.peers.get(str(t["instance"])).connect()
+                    for t in targets
+                    if isinstance(t.get("instance"), str)
+                )
+            )
+
     async def stop(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
         if self._admin is not None:
             await self._admin.stop()
         if self._server is not None:

@@ -174,6 +174,9 @@ class RouterNode(Node):
         if not self.trust.is_member(peer, Party.VERIFIER if status.role == Role.VERIFIER else Party.DRAFTER):
             raise Forbidden(f"{peer} is not a trusted {status.role.name.lower()} ([trust] {status.role.name.lower()}s)")
         self.engine.report(status)
+        if not self.peers.holds(status.instance):
+            # Connected at its first report: the first session it gets skips the TLS handshake.
+            self._tasks.spawn(self.peers.get(status.instance).connect())
         return Response(status_code=204)
 
     async def post_event(self, request: Request) -> Response:

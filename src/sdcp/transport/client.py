@@ -191,6 +191,19 @@ class SDCPClient:
         """DELETE is idempotent in effect (RFC 9110 9.2.2), so it is retried like GET and PUT."""
         return await self._exchange_bytes("DELETE", path, params=params, idempotent=True, timeout=timeout)
 
+    @property
+    def connected(self) -> bool:
+        """Whether a connection to the peer is open and takes new requests."""
+        return self._connection is not None and self._connection.usable
+
+    async def connect(self) -> None:
+        """Open the connection now, so that the first request finds it open (its TLS handshake
+        out of that request's time); a failure is left to that request, which connects again."""
+        try:
+            await self._connect()
+        except (TransportError, ssl.SSLError, _ConnectFailed) as error:
+            log.debug("%s: no connection opened ahead: %s", self.base_uri, error)
+
     async def aclose(self) -> None:
         self._closed = True
         for ping in self._pings.values():
@@ -423,6 +436,10 @@ class PeerClients:
         self._credentials = (cert, key, ca)
         self._options = client_options
         self._clients: dict[str, SDCPClient] = {}
+
+    def holds(self, base_uri: str) -> bool:
+        """Whether a client of that peer exists (it has been asked, or connected ahead)."""
+        return base_uri in self._clients
 
     def get(self, base_uri: str) -> SDCPClient:
         client = self._clients.get(base_uri)
