@@ -41,7 +41,15 @@ from sdcp.protocol.router import open_deadline_s
 from sdcp.transport.client import PeerClients, SDCPClient
 from sdcp.transport.errors import StatusError, TransportError
 
-__all__ = ["BatchedReads", "ClusterClient", "OutputChunk", "OutputReader", "SessionHandle", "build_contract"]
+__all__ = [
+    "BatchedReads",
+    "ClusterClient",
+    "OutputChunk",
+    "OutputReader",
+    "ReadAlone",
+    "SessionHandle",
+    "build_contract",
+]
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +350,7 @@ class ClusterClient:
         if batched is None:
             batched = self._batched[handle.verifier] = BatchedReads(self.peers.get(handle.verifier))
         if batched.supported:
-            with contextlib.suppress(ReadsUnsupported):
+            with contextlib.suppress(ReadAlone):
                 return await batched.read(handle.session, position)
         answer = await self.peers.get(handle.verifier).get_cbor(
             f"sessions/{handle.path_id}/output", {"from": str(position)}
@@ -350,8 +358,9 @@ class ClusterClient:
         return Output.from_obj(answer[1])
 
 
-class ReadsUnsupported(Exception):
-    """The verifier does not serve POST outputs: its sessions are read one GET each."""
+class ReadAlone(Exception):
+    """This read goes as a GET of its own: the verifier does not serve POST outputs, or another
+    read of the same session waits there already."""
 
 
 class BatchedReads:
@@ -373,6 +382,8 @@ class BatchedReads:
 
     async def read(self, session: bytes, position: int) -> Output:
         """The session's output from ``position``, once the verifier has news of it (SDCP 6.7)."""
+        if session in self._waiting:
+            raise ReadAlone("another read of the session waits already")
         future: asyncio.Future[Output] = asyncio.get_running_loop().create_future()
         self._waiting[session] = (position, future)
         future.add_done_callback(lambda done: self._forget(session, done))
@@ -405,11 +416,11 @@ class BatchedReads:
             asked = OutputReads(reads=tuple(OutputRead(session=s, from_=n) for s, n in reads.items()))
             _, body = await self._peer.post_cbor("outputs", asked.to_obj(), idempotent=True)
             answer = OutputBatch.from_obj(body)
-        except (TransportError, ProtocolError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every reader of the request must learn why it failed
             failed: Exception = exc
             if _not_served(exc):
                 self.supported = False
-                failed = ReadsUnsupported(str(exc))
+                failed = ReadAlone(f"the verifier does not serve POST outputs: {exc}")
             for session, position in reads.items():
                 self._answer(session, position, failed)
         else:
