@@ -15,7 +15,7 @@ from sdcp.cache import MLC, ObjectNotFound, build_uri
 from sdcp.cache.prefix import SHARE_TOKENS
 from sdcp.cache.uri import LOG_KIND
 from sdcp.config import VerifierConfig
-from sdcp.engines.verifier import VerifierEngine
+from sdcp.engines.verifier import VerifierEngine, prefixshare
 from sdcp.engines.verifier.prefixshare import prefix_object_uri
 from sdcp.frontend.client import build_contract
 from sdcp.home import sdcp_home
@@ -23,7 +23,7 @@ from sdcp.models.llamacpp.target import LlamaCppTarget
 from sdcp.models.registry import load_target, load_tokenizer
 from sdcp.models.weights.fetch import FetchResult, fetch_smollm2
 from sdcp.protocol import codec
-from sdcp.protocol.messages import SelfDecodeRequest, SessionOpen
+from sdcp.protocol.messages import CancelRequest, SelfDecodeRequest, SessionOpen
 from sdcp.transport.certs import CA_CERT_FILE, make_certs
 from sdcp.transport.signing import RecordCheck, RecordSigner
 
@@ -136,17 +136,34 @@ def hits(engine: VerifierEngine) -> int:
     return prefixes.hits
 
 
+async def cancel(engine: VerifierEngine, session: bytes) -> None:
+    """End the session: a prefix object is made once no session runs."""
+    await engine.cancel(CancelRequest(session=session, epoch=1))
+
+
 async def test_a_prefix_one_verifier_computed_starts_anothers_prefill_for_the_same_tenant_only(
-    engines: tuple[MLC, Signers, list[VerifierEngine]], cold: LlamaCppTarget, text: list[int]
+    engines: tuple[MLC, Signers, list[VerifierEngine]],
+    cold: LlamaCppTarget,
+    text: list[int],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     mlc, _, (first, second) = engines
+    # The object is made once no session runs (PUBLISH_WAIT_S at the latest, longer than the test):
+    # not while the session that computed it runs, whose first passes keep the cores.
+    monkeypatch.setattr(prefixshare, "PUBLISH_WAIT_S", 3600.0)
     shared = text[: 2 * SHARE_TOKENS + 40]
     await first.open_session(open_message(first, b"s" * 16, [*shared, *text[-30:]], "tenant-a"))
     prefixes = first.target.prefixes
     assert prefixes is not None
     name = prefixes.hashes(shared, b"tenant-a")[2 * SHARE_TOKENS // prefixes.block - 1]
+    sharing = first._prefix_sharing
+    await eventually(lambda: sharing.waiting == 1)
+    with pytest.raises(ObjectNotFound):
+        await mlc.get(prefix_object_uri(AUTHORITY, name))
 
+    await cancel(first, b"s" * 16)
     await published(mlc, name)
+    assert sharing.waiting == 0
     # Another tenant's prompt with the same prefix computes it all.
     other_tenant = [*shared, *text[-60:-40]]
     await second.open_session(open_message(second, b"b" * 16, other_tenant, "tenant-b"))
@@ -172,6 +189,7 @@ async def test_a_forged_prefix_object_is_refused_and_changes_no_row(
     assert donor_prefixes is not None
     donor_name = donor_prefixes.hashes(donor[:-1])[SHARE_TOKENS // donor_prefixes.block - 1]
 
+    await cancel(first, b"d" * 16)
     await published(mlc, donor_name)
     genuine = codec.decode(await mlc.get(prefix_object_uri(AUTHORITY, donor_name)), max_size=1 << 30)
     assert isinstance(genuine, dict)

@@ -156,6 +156,7 @@ class VerifierEngine:
             sign=sign,
             authority=record_check,
             trusted=trusted_verifier,
+            idle=self._running.idle,
         )
         self._kv_publisher = KVPublisher(
             uri=uri,

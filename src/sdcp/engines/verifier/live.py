@@ -102,6 +102,9 @@ class RunningSessions:
         self._sessions = sessions
         self._running: dict[bytes, LiveSession] = {}
         self.count = 0
+        # Set while no session runs: work that can wait for it (PrefixSharing) waits on it.
+        self.idle = asyncio.Event()
+        self.idle.set()
 
     def add(self, live: LiveSession) -> None:
         self._running[live.machine.session] = live
@@ -116,3 +119,7 @@ class RunningSessions:
             if not live.machine.ended and self._sessions.get(session) is live
         }
         self.count = len(self._running)
+        if self.count:
+            self.idle.clear()
+        else:
+            self.idle.set()

@@ -4,7 +4,8 @@ vLLM's prefix blocks.
 
 Publishing. Each new entry of the target's prefix cache (``sdcp.cache.prefix``) whose whole blocks
 reach SHARE_TOKENS is written to the MLC as a target-KV object named by the chained block hash at its
-longest multiple of SHARE_TOKENS: ``mlc://<authority>/-/prefix-kv/<hash hex>``. The hash binds the
+longest multiple of SHARE_TOKENS: ``mlc://<authority>/-/prefix-kv/<hash hex>``, once no session runs
+on the verifier (PUBLISH_WAIT_S after the prefill at the latest). The hash binds the
 target's and tokenizer's digests and the tenant (the prefix cache's scope), so the name alone says
 what the object must hold. Its content is a map in deterministic CBOR, signed as commit records are
 (``sdcp.transport.signing``: the verifier's TLS key, its certificate inside):
@@ -24,6 +25,7 @@ reaches llama.cpp's state reader, and never changes a token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections import OrderedDict
@@ -42,7 +44,7 @@ from sdcp.protocol import codec
 from sdcp.protocol.problems import BadMessage
 from sdcp.protocol.records import CERT_MEMBER, RecordAuthority, UntrustedRecord
 
-__all__ = ["MAX_PROBES", "PrefixSharing", "prefix_object_uri"]
+__all__ = ["MAX_PROBES", "PUBLISH_WAIT_S", "PrefixSharing", "prefix_object_uri"]
 
 log = logging.getLogger("sdcp.verifier")
 
@@ -50,6 +52,10 @@ log = logging.getLogger("sdcp.verifier")
 MAX_PROBES = 16
 # Names of objects this verifier published, remembered so that a prefix is written once.
 _PUBLISHED_NAMES = 4096
+# An object is made once no session runs, at most this long after its prefill: encoding, signing
+# and writing tens of MB (2,200 tokens: 48 MB) took the cores from the first passes of the session
+# that computed it (a 5-row pass of 485 ms); another verifier finds it that much later at most.
+PUBLISH_WAIT_S = 10.0
 
 
 def prefix_object_uri(authority: str, block_hash: bytes) -> str:
@@ -59,7 +65,8 @@ def prefix_object_uri(authority: str, block_hash: bytes) -> str:
 class PrefixSharing:
     """Publishes the target's new prefix-cache entries and fetches others' before a prefill.
     ``trusted`` says whether a URI is a verifier of ``[trust] verifiers``; ``authority`` checks
-    certificates and signatures (None: no object is ever trusted, none is published)."""
+    certificates and signatures (None: no object is ever trusted, none is published); ``idle`` is
+    set while no session runs (objects are made then, PUBLISH_WAIT_S at the latest)."""
 
     def __init__(
         self,
@@ -73,8 +80,10 @@ class PrefixSharing:
         sign: RecordSign | None,
         authority: RecordAuthority | None,
         trusted: Callable[[str], bool],
+        idle: asyncio.Event,
     ) -> None:
         self._uri = uri
+        self._idle = idle
         self._metrics = metrics
         self._target = target
         self._thread = thread
@@ -84,6 +93,8 @@ class PrefixSharing:
         self._authority = authority
         self._trusted = trusted
         self._published: OrderedDict[bytes, None] = OrderedDict()
+        # Objects waiting for no session to run before they are made.
+        self.waiting = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -137,6 +148,12 @@ class PrefixSharing:
 
     async def _put(self, uri: str, body: dict[str, Any]) -> None:
         assert self._sign is not None  # checked before the task was spawned
+        self.waiting += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), PUBLISH_WAIT_S)
+        finally:
+            self.waiting -= 1
         try:
             sign = self._sign
             data = await asyncio.to_thread(lambda: codec.encode(sign(body, True)))
