@@ -131,3 +131,18 @@ async def test_a_verifier_without_post_outputs_is_read_one_get_a_session(verifie
         await read
     assert not reads.supported
     await reads.aclose()
+
+
+async def test_closed_reads_answer_their_waiting_readers_and_ask_nothing_more(verifier: PlayedVerifier) -> None:
+    reads = BatchedReads(cast(SDCPClient, verifier))
+    waiting = asyncio.create_task(reads.read(A, 0))
+    await verifier.request(1)
+    await reads.aclose()
+    with pytest.raises(ConnectionLost):
+        await waiting
+    # Turns of the loop in which a read left unanswered would have been asked again.
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert len(verifier.asked) == 1
+    with pytest.raises(ConnectionLost):
+        await reads.read(B, 0)

@@ -349,6 +349,26 @@ def test_output_slices_are_stable() -> None:
     assert session.output(0).epoch == 1
 
 
+def test_has_output_says_whether_output_answers_now() -> None:
+    """A reader of many sessions checks has_output at each commit; it must agree with output:
+    tokens past start, the final output, or the error of a fenced session."""
+
+    def agrees(session: VerifierSession, start: int) -> bool:
+        try:
+            output = session.output(start)
+        except ProtocolError:
+            return session.has_output(start)
+        return session.has_output(start) == (bool(output.tokens) or output.final)
+
+    session = open_session()
+    assert not session.has_output(0) and agrees(session, 0)
+    run_round(session, (4, 5), [4, 5, 6])
+    assert [session.has_output(start) for start in range(5)] == [True, True, True, False, False]
+    assert all(agrees(session, start) for start in range(5))
+    session.stop_serving()
+    assert session.has_output(3) and agrees(session, 3)
+
+
 def test_resume_checks_digest_and_continues() -> None:
     contract = make_contract()
     committed = [4, 5, 6]

@@ -39,7 +39,7 @@ from sdcp.protocol.messages import (
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.router import open_deadline_s
 from sdcp.transport.client import PeerClients, SDCPClient
-from sdcp.transport.errors import StatusError, TransportError
+from sdcp.transport.errors import ConnectionLost, StatusError, TransportError
 
 __all__ = [
     "BatchedReads",
@@ -167,7 +167,7 @@ class ClusterClient:
         self._batched: dict[str, BatchedReads] = {}
 
     async def aclose(self) -> None:
-        for batched in self._batched.values():
+        for batched in list(self._batched.values()):
             await batched.aclose()
         await self.peers.aclose()
 
@@ -378,10 +378,13 @@ class BatchedReads:
         self._asked: set[bytes] = set()
         self._scheduled = False
         self._requests = BackgroundTasks(peer.base_uri, log)
+        self._closed = False
         self.supported = True
 
     async def read(self, session: bytes, position: int) -> Output:
         """The session's output from ``position``, once the verifier has news of it (SDCP 6.7)."""
+        if self._closed:
+            raise ConnectionLost(f"the client of {self._peer.base_uri} is closed")
         if session in self._waiting:
             raise ReadAlone("another read of the session waits already")
         future: asyncio.Future[Output] = asyncio.get_running_loop().create_future()
@@ -403,6 +406,8 @@ class BatchedReads:
 
     def _send(self) -> None:
         self._scheduled = False
+        if self._closed:
+            return
         unasked = [
             (session, position) for session, (position, _) in self._waiting.items() if session not in self._asked
         ]
@@ -431,7 +436,7 @@ class BatchedReads:
                 self._answer(refusal.session, reads.get(refusal.session), ProtocolError.from_problem(problem))
         finally:
             self._asked -= reads.keys()
-            if self._waiting:
+            if self._waiting and not self._closed:
                 self._schedule()
 
     def _answer(self, session: bytes, position: int | None, answer: Output | Exception) -> None:
@@ -444,7 +449,13 @@ class BatchedReads:
             waiting[1].set_exception(answer)
 
     async def aclose(self) -> None:
+        """Stop asking; a reader still waiting learns that the client closed."""
+        self._closed = True
         await self._requests.cancel_all()
+        closed = ConnectionLost(f"the client of {self._peer.base_uri} is closed")
+        for _, future in list(self._waiting.values()):
+            if not future.done():
+                future.set_exception(closed)
 
 
 def _not_served(error: Exception) -> bool:

@@ -336,8 +336,6 @@ class GatewayNode:
         """The router and the verifiers it lists, connected before the first request needs them
         (each TLS handshake out of its time to first token); where one does not answer yet, the
         first request connects."""
-        with contextlib.suppress(_ClusterFailed):
-            await self._choose_target()
         with contextlib.suppress(ProtocolError, TransportError):
             targets = await self.client.targets()
             await asyncio.gather(

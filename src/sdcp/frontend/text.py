@@ -9,6 +9,7 @@ sandbox with trim_blocks and lstrip_blocks, then encoded without added special t
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -96,7 +97,11 @@ class TextCodec:
         definition as canonical JSON), the longest token, the chat template's compilation and a
         first encoding (a fresh gateway's first request took 300 ms more than the next ones)."""
         _ = self.tokenizer_digest, self.max_token_bytes
-        rendered = self.render_chat([{"role": "user", "content": "Hi"}]) if self.chat_template is not None else "Hi"
+        rendered = "Hi"
+        if self.chat_template is not None:
+            # A template that refuses this conversation is compiled at the first request instead.
+            with contextlib.suppress(ChatTemplateError):
+                rendered = self.render_chat([{"role": "user", "content": "Hi"}])
         self.encode(rendered, add_special_tokens=False)
 
     # -- ids ---------------------------------------------------------------------------------------

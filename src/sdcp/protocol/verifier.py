@@ -564,6 +564,11 @@ class VerifierSession:
 
     # -- output --------------------------------------------------------------------------------
 
+    def has_output(self, start: int) -> bool:
+        """Whether ``output(start)`` answers now with tokens, the final output or an error (cheaper
+        than asking it: a reader of many sessions checks each at every commit of one)."""
+        return self.fenced or self.ended or len(self.tokens) > start
+
     def output(self, start: int) -> Output:
         """SDCP 6.7: tokens committed at output indices ``start`` and later, with the epoch."""
         self._require_serving(self.epoch)

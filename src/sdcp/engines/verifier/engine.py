@@ -385,20 +385,23 @@ class VerifierEngine:
         # The scope's new history arrives while the prompt is prefilled, for the session's guesses.
         self._tasks.spawn(self.lookahead.refresh(contract, message.owner, message.tenant))
         parts: dict[str, float] = {}
-        imported = await self._prefill(message, prompt, committed, tenant_scope(message.tenant), requester_gone, parts)
-        live = LiveSession(
-            machine,
-            commit_log,
-            snapshot.etag,
-            session_terms(constraint=message.constraint, min_new=message.min_new),
-            owner=message.owner,
-            tenant=message.tenant,
-            kv_uri=target_kv_uri(message.commit_log, message.session, message.epoch),
-            kv_imported=imported,
-            first_token_parts=parts,
-        )
-        self.sessions[message.session] = live
-        self._running.add(live)
+        with self._running.open_under_way():
+            imported = await self._prefill(
+                message, prompt, committed, tenant_scope(message.tenant), requester_gone, parts
+            )
+            live = LiveSession(
+                machine,
+                commit_log,
+                snapshot.etag,
+                session_terms(constraint=message.constraint, min_new=message.min_new),
+                owner=message.owner,
+                tenant=message.tenant,
+                kv_uri=target_kv_uri(message.commit_log, message.session, message.epoch),
+                kv_imported=imported,
+                first_token_parts=parts,
+            )
+            self.sessions[message.session] = live
+            self._running.add(live)
         log.info(
             "%s: session %s open at epoch %d (request %s)",
             self.uri,
@@ -501,13 +504,15 @@ class VerifierEngine:
         return [(session, read) for (session, _), read in zip(reads, answers, strict=True) if _has_news(read)]
 
     async def _reads(self, reads: Sequence[tuple[LiveSession, int]]) -> list[Output | ProtocolError]:
-        """Each session's output from its start, once any has news (at once if one has it now)."""
-        answers = [_read(live, start) for live, start in reads]
-        if any(_has_news(answer) for answer in answers):
-            return answers
+        """Each session's output from its start, once any has news (at once if one has it now).
+
+        The reads count towards ``max_long_polls`` one each; a request is refused only where the
+        reads already waiting reach it, so that the waiting reads stay below it plus one request's."""
+        if any(live.machine.has_output(start) for live, start in reads):
+            return [_read(live, start) for live, start in reads]
         if self._long_polls >= self.settings.max_long_polls:
             raise Unavailable(f"{self._long_polls} output reads are waiting already", retry_after_s=1)
-        self._long_polls += 1
+        self._long_polls += len(reads)
         woken = asyncio.Event()
         watched = [live for live, _ in reads]
         for live in watched:
@@ -518,8 +523,7 @@ class VerifierEngine:
             lingering = False
             while True:
                 woken.clear()
-                answers = [_read(live, start) for live, start in reads]
-                news = [(start, answer) for (_, start), answer in zip(reads, answers, strict=True) if _has_news(answer)]
+                news = [(start, _read(live, start)) for live, start in reads if live.machine.has_output(start)]
                 # Only reads past their first tokens linger; a first token, an end or an error go at once.
                 lingers = all(isinstance(answer, Output) and not answer.final and start > 0 for start, answer in news)
                 if news and lingers and not lingering and self.settings.output_linger_ms > 0:
@@ -534,13 +538,13 @@ class VerifierEngine:
                     )
                 )
                 if (news and gathered) or remaining <= 0:
-                    return answers
+                    return [_read(live, start) for live, start in reads]
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(woken.wait(), remaining)
         finally:
             for live in watched:
                 live.watchers.discard(woken)
-            self._long_polls -= 1
+            self._long_polls -= len(reads)
 
     def parties(self, session: bytes) -> tuple[str | None, str | None]:
         """Who the session gives rights to here: the front end that opened it, its assigned drafter."""

@@ -4,8 +4,10 @@ about it between rounds (rounds in flight, readers to wake, the self-decoding ta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,9 +104,23 @@ class RunningSessions:
         self._sessions = sessions
         self._running: dict[bytes, LiveSession] = {}
         self.count = 0
-        # Set while no session runs: work that can wait for it (PrefixSharing) waits on it.
+        # Sessions whose open is under way (their prefill): they do not count as running yet,
+        # but the verifier is not idle.
+        self.opening = 0
+        # Set while no session runs or opens: work that can wait for it (PrefixSharing) waits on it.
         self.idle = asyncio.Event()
         self.idle.set()
+
+    @contextlib.contextmanager
+    def open_under_way(self) -> Iterator[None]:
+        """While a session opens (its prefill): the verifier is not idle."""
+        self.opening += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.opening -= 1
+            self._idle_if_so()
 
     def add(self, live: LiveSession) -> None:
         self._running[live.machine.session] = live
@@ -119,7 +135,10 @@ class RunningSessions:
             if not live.machine.ended and self._sessions.get(session) is live
         }
         self.count = len(self._running)
-        if self.count:
+        self._idle_if_so()
+
+    def _idle_if_so(self) -> None:
+        if self.count or self.opening:
             self.idle.clear()
         else:
             self.idle.set()
