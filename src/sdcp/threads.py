@@ -32,7 +32,10 @@ __all__ = [
 
 log = logging.getLogger("sdcp.threads")
 
-_MEASURE_EVERY_S = 1.0
+# A neighbour that stops is seen within a window or two: with windows of a second, a verifier that
+# had waited beside a busy neighbour decoded its next 2 to 3 seconds on one thread after the
+# neighbour stopped (a third slower a token; docs/performance.md, session 26).
+_MEASURE_EVERY_S = 0.25
 # The weight of the newest measurement of the other processes' load.
 _WEIGHT = 0.5
 # A thread beyond the first is kept while the other processes keep at most this many cores busy:
@@ -99,9 +102,10 @@ class CoreMeter:
 
 
 class LoadWindows:
-    """``CoreMeter`` windows of a second each, measured on a daemon thread whether or not the model
-    works, so that the first pass after an idle spell meets the load of the second before it, not
-    the average since the last pass (minutes, perhaps, in which a neighbour only just started)."""
+    """``CoreMeter`` windows of a quarter second each, measured on a daemon thread whether or not
+    the model works, so that the first pass after an idle spell meets the load of the quarter second
+    before it, not the average since the last pass (minutes, perhaps, in which a neighbour only just
+    started)."""
 
     def __init__(self, meter: CoreMeter, every_s: float = _MEASURE_EVERY_S) -> None:
         self._meter = meter
