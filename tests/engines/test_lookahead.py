@@ -242,3 +242,27 @@ async def _self_decode_to_the_end(
         tokens.extend(output.tokens)
         if output.final:
             return tokens
+
+
+def test_the_lookahead_is_judged_by_every_token_it_predicted_not_its_first() -> None:
+    # A prediction right at its first token only, pass after pass, is a weak one: scoring its
+    # tokens would waste rows (speculation_length reads the per-token acceptance).
+    first_only = _live()
+    for _ in range(12):
+        first_only.record_lookahead((1, 2, 3, 4, 5, 6, 7, 8), (1, 9))
+    assert first_only.lookahead.alpha == pytest.approx(0.5, abs=0.05)
+    whole = _live()
+    for _ in range(12):
+        whole.record_lookahead((1, 2, 3, 4), (1, 2, 3, 4, 5))
+    assert whole.lookahead.alpha > 0.99
+    # What the rounds did not decide yet is not judged: a one-token decision that matched says
+    # nothing about the prediction's second token.
+    unjudged = _live()
+    before = unjudged.lookahead.alpha
+    unjudged.record_lookahead((1, 2, 3), (1,))
+    after_hit = unjudged.lookahead.alpha
+    assert after_hit > before
+    unjudged.record_lookahead((), (1,))
+    assert unjudged.lookahead.alpha == after_hit
+    unjudged.record_lookahead((7,), (1,))
+    assert unjudged.lookahead.alpha < after_hit

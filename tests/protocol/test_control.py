@@ -294,3 +294,14 @@ def test_self_max_zero_skips_self_decode() -> None:
     )
     control = SpeculationControl(contract, 4)
     assert control.after_round(0, 4, 0).action == Action.REDUCE and not control.self_decoding
+
+
+def test_m_cap_stays_within_what_the_pass_costs_make_worth_scoring() -> None:
+    # SDCP 6.5.1: the verifier lowers m_cap when its load makes long proposals costly; at least 1
+    # is granted, and once long proposals pay again m_cap is restored one round at a time.
+    control = SpeculationControl(make_contract((Action.REDUCE,), m_max=16), m_init=16)
+    assert control.after_round(4, 4, IDLE, worth=0).m_cap == 1
+    assert control.after_round(1, 1, IDLE, worth=3).m_cap == 2
+    assert [control.after_round(1, 1, IDLE, worth=16).m_cap for _ in range(3)] == [3, 4, 5]
+    assert control.after_round(1, 1, HIGH_LOAD_PERCENT + 1, worth=16).m_cap == 6
+    assert control.after_round(1, 1, IDLE).m_cap == 7

@@ -18,7 +18,7 @@ from tests.waiting import eventually
 
 from sdcp.cache import build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
-from sdcp.engines.verifier import PassCurve, PassCurves, lookahead_length
+from sdcp.engines.verifier import PassCurve, PassCurves, speculation_length
 from sdcp.engines.verifier import engine as engine_module
 from sdcp.localhost import free_port
 from sdcp.models.hf.target import TargetModel
@@ -179,7 +179,7 @@ async def test_lookahead_saves_passes_and_keeps_greedy_output(
 ) -> None:
     verifier, clients = node
     # Where guesses pay: rows that add little to a pass. The curve measured on a busy machine, and
-    # kept current from its passes, may say otherwise (lookahead_length's own tests cover that).
+    # kept current from its passes, may say otherwise (speculation_length's own tests cover that).
     verifier.engine.pass_curves.base.points_ms[:] = FLAT_CURVE_MS
     monkeypatch.setattr(verifier.engine.pass_curves, "record", lambda seconds, rows, context: None)
     prompt, reference = _prompt_and_reference(target)
@@ -293,26 +293,35 @@ async def test_a_cancel_that_stops_waiting_for_self_decoding_ends_the_session_qu
     assert Action.SWITCH not in sent
 
 
-def test_lookahead_length_weighs_a_guess_against_what_its_rows_add_to_the_pass() -> None:
+def test_speculation_length_weighs_a_guess_against_what_its_rows_add_to_the_pass() -> None:
     # On the first curve (llama.cpp on 2 cores: a second row costs about half a pass more) a lone
     # session scores a guess only above a 53 % hit rate, one among 16 only above 94 %; a strong
     # hit rate pays for the whole prediction, never longer than it.
-    assert lookahead_length(0.5, 1, 8) == 0
-    assert lookahead_length(0.6, 1, 8) > 0
-    assert lookahead_length(0.9, 16, 8) == 0
-    assert lookahead_length(0.96, 16, 8) > 0
-    assert lookahead_length(0.9, 1, 8) == 8
-    assert lookahead_length(0.9, 1, 3) == 3
-    assert lookahead_length(1.0, 16, 0) == 0
-    lengths = [lookahead_length(0.97, sessions, 8) for sessions in (1, 2, 4, 8, 16)]
+    assert speculation_length(0.5, 1, 8) == 0
+    assert speculation_length(0.6, 1, 8) > 0
+    assert speculation_length(0.9, 16, 8) == 0
+    assert speculation_length(0.96, 16, 8) > 0
+    assert speculation_length(0.9, 1, 8) == 8
+    assert speculation_length(0.9, 1, 3) == 3
+    assert speculation_length(1.0, 16, 0) == 0
+    lengths = [speculation_length(0.97, sessions, 8) for sessions in (1, 2, 4, 8, 16)]
     assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+
+
+def test_sessions_share_the_rows_of_the_largest_measured_pass() -> None:
+    # Past PASS_ROWS[-1] rows the curve is only extrapolated: 16 sessions accepting every token
+    # score a token more each at most, a lone one the whole prediction, 40 none.
+    assert speculation_length(1.0, 16, 16) == 1
+    assert speculation_length(1.0, 8, 16) <= 3
+    assert speculation_length(1.0, 1, 16) == 16
+    assert speculation_length(1.0, 40, 16) == 0
 
 
 def test_where_rows_cost_little_against_the_pass_weak_guesses_pay() -> None:
     # Guesses pay at a low hit rate.
     flat = PassCurve(list(FLAT_CURVE_MS))
-    assert lookahead_length(0.4, 1, 8, flat) > 0
-    assert lookahead_length(0.4, 1, 8, flat) > lookahead_length(0.4, 1, 8)
+    assert speculation_length(0.4, 1, 8, flat) > 0
+    assert speculation_length(0.4, 1, 8, flat) > speculation_length(0.4, 1, 8)
 
 
 def test_each_band_of_context_has_a_pass_curve_of_its_own() -> None:
@@ -329,7 +338,7 @@ def test_each_band_of_context_has_a_pass_curve_of_its_own() -> None:
     for _ in range(60):
         curves.record(0.033, 2, 2400)  # a second row costs a tenth there (attention, not weights)
     assert long.ms(2) == pytest.approx(33.0, rel=0.01)
-    assert lookahead_length(0.3, 1, 8, long) > 0 == lookahead_length(0.3, 1, 8, curves.base)
+    assert speculation_length(0.3, 1, 8, long) > 0 == speculation_length(0.3, 1, 8, curves.base)
     assert curves.base.points_ms == [10.0, 14.0, 22.0, 38.0, 70.0, 134.0]
 
 

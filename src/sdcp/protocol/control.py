@@ -113,12 +113,19 @@ class SpeculationControl:
             self.self_decoding = True
             self.self_decoded = 0
 
-    def after_round(self, accepted: int, proposed: int, verifier_load: int) -> ControlDecision:
-        """Update the counters after a verified round and return its action and next m_cap."""
+    def after_round(
+        self, accepted: int, proposed: int, verifier_load: int, worth: int | None = None
+    ) -> ControlDecision:
+        """Update the counters after a verified round and return its action and next m_cap;
+        ``worth``: the longest proposal the verifier's pass costs make worth scoring now, if known
+        (at least 1 is granted)."""
         self._require_open()
         if self.self_decoding:
             raise ValueError("a proposal round during a self-decoding period")
+        # SDCP 6.5.1: the verifier lowers m_cap when its own load makes long proposals costly.
         ceiling = m_cap_ceiling(self._contract.m_max, verifier_load)
+        if worth is not None:
+            ceiling = min(ceiling, max(1, worth))
         if is_low_round(accepted, proposed, self._contract.low_ratio):
             self.consecutive_low += 1
             self.consecutive_good = 0

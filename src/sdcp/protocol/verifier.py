@@ -438,8 +438,11 @@ class VerifierSession:
         logits: np.ndarray,
         q_rows: np.ndarray | None,
         verifier_load: int,
+        *,
+        worth: int | None = None,
     ) -> PendingCommit:
-        """Apply the acceptance rule (SDCP 6.3 Acceptance, 6.4) and speculation control (6.5)."""
+        """Apply the acceptance rule (SDCP 6.3 Acceptance, 6.4) and speculation control (6.5);
+        ``worth``: the longest next proposal the verifier's pass costs make worth scoring."""
         proposal = self._require_ticket(ticket)
         if proposal is None:
             raise ValueError("a self-decoded round is decided by decide_self_decoded")
@@ -457,7 +460,7 @@ class VerifierSession:
         if finished:
             action, m_cap = control.finish()
         else:
-            action, m_cap = control.after_round(acceptance.accepted, len(tokens), verifier_load)
+            action, m_cap = control.after_round(acceptance.accepted, len(tokens), verifier_load, worth)
         pending = self._pending(ticket, control, emitted, acceptance.accepted, action, m_cap, verifier_load)
         return self._with_logprobs(pending, logits)
 

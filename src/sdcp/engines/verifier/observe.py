@@ -35,6 +35,7 @@ __all__ = [
     "VerifierMetrics",
     "session_stats",
     "session_trace",
+    "speculation_length",
 ]
 
 # What a pass of SmolLM2 cost on this 2-core CPU by its rows (llama.cpp, Q4_1, 2 threads; issue 38,
@@ -76,6 +77,37 @@ class PassCurve:
         nearest = min(range(len(PASS_ROWS)), key=lambda index: abs(math.log(rows / PASS_ROWS[index])))
         implied = 1000 * seconds * self.points_ms[nearest] / self.ms(rows)
         self.points_ms[nearest] += _COST_WEIGHT * (implied - self.points_ms[nearest])
+
+
+def speculation_length(acceptance: float, sessions: int, most: int, curve: PassCurve | None = None) -> int:
+    """How many tokens, up to ``most``, a session's pass is worth scoring after its own row: the
+    guess of a self-decoding pass (``acceptance``: the per-token share of the lookahead's predicted
+    tokens that were right), or a drafter's proposal (SDCP 6.5.1 m_cap; ``acceptance``: the
+    session's per-token acceptance).
+
+    The j-th token is used with a chance of about ``acceptance ** j``, and then saves the session a
+    pass, of which its share is the pass's cost over its ``sessions`` (a row each); scoring k of
+    them costs what k more rows add to that pass on the measured ``curve``. The length is the one
+    that saves the most, zero included: where a second row costs half a one-row pass (llama.cpp on
+    2 cores), a lone session scores a guess only above a 53 % hit rate, one among 16 only above 94 %.
+
+    Each session takes at most its share of the rows a pass may hold beyond one per session within
+    the largest pass the curve was measured at (PASS_ROWS): past it the curve is extrapolated, and
+    at 16 sessions, each scoring 16 tokens it accepted in full, passes of 272 rows took 2.3 s
+    where the extrapolation said 1.1 and 16 rows took 90 ms (docs/performance.md, session 26).
+    """
+    curve = curve if curve is not None else PassCurve()
+    sessions = max(1, sessions)
+    most = min(most, max(0, PASS_ROWS[-1] - sessions) // sessions)
+    base_ms = curve.ms(sessions)
+    share_ms = base_ms / sessions
+    best, best_gain, saved = 0, 0.0, 0.0
+    for length in range(1, most + 1):
+        saved += acceptance**length * share_ms
+        gain = saved - (curve.ms(sessions + length) - base_ms)
+        if gain > best_gain:
+            best, best_gain = length, gain
+    return best
 
 
 # Where a pass's cost by its rows changes with the positions its rows attend: a band of context

@@ -22,9 +22,11 @@ from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession, RunningSessions
 from sdcp.engines.verifier.observe import (
+    PassCurve,
     PassCurves,
     RoundTrace,
     VerifierMetrics,
+    speculation_length,
 )
 from sdcp.latency import observe_part
 from sdcp.models.backend import Target
@@ -81,6 +83,10 @@ class Scoring:
         rows.add_done_callback(lambda done: self._scored(live, done))
         rows.add_done_callback(lambda _: self._settled())
         return rows
+
+    def curve(self, live: LiveSession, tokens: tuple[int, ...]) -> PassCurve:
+        """The pass costs for a request of ``tokens`` of the session (by the context it attends)."""
+        return self._pass_curves.curve(_reach(live, tokens))
 
     def submit_ahead(self, live: LiveSession, tokens: tuple[int, ...], steps: int, picker: GreedyPicker) -> ScoredRun:
         """`submit`, and the greedy run of up to ``steps`` passes after it (BatchingScorer.score_ahead_async),
@@ -190,7 +196,16 @@ class Rounds:
                     # SDCP 6.3: without every row, the round is rejected and nothing is committed.
                     raise ProtocolError(ProblemType.Q_UNAVAILABLE, f"draft rows unavailable: {exc}") from exc
                 q_rows = parse_q_rows(data, len(proposal.tokens), self._target.vocab_size)
-            pending = live.machine.decide(ticket, logits, q_rows, self._scoring.load)
+            # SDCP 6.5.1: the next proposal is no longer than the pass costs make worth scoring,
+            # at the acceptance the session's proposals have had and the sessions sharing passes.
+            worth = speculation_length(
+                live.acceptance.alpha,
+                self._running.count,
+                live.machine.contract.m_max,
+                self._scoring.curve(live, proposal.tokens),
+            )
+            pending = live.machine.decide(ticket, logits, q_rows, self._scoring.load, worth=worth)
+            live.acceptance.update(min(pending.verdict.accepted, len(proposal.tokens)), len(proposal.tokens))
             verdict = await self.commit(live, pending)
             done.set_result(verdict)
             return verdict

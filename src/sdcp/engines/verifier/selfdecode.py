@@ -19,7 +19,7 @@ from sdcp.engines.verifier.events import RouterEvents
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.lookahead import VerifierLookahead
-from sdcp.engines.verifier.observe import PassCurve, PassCurves
+from sdcp.engines.verifier.observe import PassCurves, speculation_length
 from sdcp.engines.verifier.rounds import PartlyAppended, Rounds, Scoring
 from sdcp.models.batching import ScoredRun, TargetMostProbable
 from sdcp.models.drafter import TokenTimer
@@ -31,7 +31,6 @@ __all__ = [
     "SELF_DECODE_LOOKAHEAD",
     "SELF_DECODE_RUN_AHEAD",
     "SelfDecoding",
-    "lookahead_length",
 ]
 
 log = logging.getLogger("sdcp.verifier")
@@ -46,29 +45,6 @@ SELF_DECODE_RUN_AHEAD = 32
 # at 4 streams runs gave 17 % more tokens/s than at most 2 once their steps reached the loop in
 # groups; at 16 they made no difference measured (docs/performance.md, session 22).
 RUN_AHEAD_MAX_SESSIONS = 4
-
-
-def lookahead_length(hit_rate: float, sessions: int, predicted: int, curve: PassCurve | None = None) -> int:
-    """How many of ``predicted`` tokens a self-decoding pass scores along with its own row.
-
-    The j-th predicted token is used with a chance of about ``hit_rate ** j`` (``hit_rate``: the
-    share of predictions whose first token was right), and then saves the session a pass, of which
-    its share is the pass's cost over its ``sessions`` (a row each); scoring k of them costs what
-    k more rows add to that pass on the measured ``curve``. The length is the one that saves the
-    most, zero included: where a second row costs half a one-row pass (llama.cpp on 2 cores), a lone
-    session scores a guess only above a 53 % hit rate, one among 16 only above 94 %.
-    """
-    curve = curve if curve is not None else PassCurve()
-    sessions = max(1, sessions)
-    base_ms = curve.ms(sessions)
-    share_ms = base_ms / sessions
-    best, best_gain, saved = 0, 0.0, 0.0
-    for length in range(1, predicted + 1):
-        saved += hit_rate**length * share_ms
-        gain = saved - (curve.ms(sessions + length) - base_ms)
-        if gain > best_gain:
-            best, best_gain = length, gain
-    return best
 
 
 @dataclass(frozen=True)
@@ -231,12 +207,12 @@ class SelfDecoding:
         budget = SELF_DECODE_LOOKAHEAD - len(forced)
         sessions = self._active_sessions()
         curve = self._pass_curves.curve(len(context))
-        worth = lookahead_length(live.lookahead_hits, sessions, budget, curve)
+        worth = speculation_length(live.lookahead.alpha, sessions, budget, curve)
         # Only what may be scored is predicted (a step each), and the first token where no guess
         # pays: a prediction that is not scored still counts towards the hit rate. The prediction
         # is step by step, so the shorter one is the longer one's beginning.
         guessed = self._lookahead.predict(live, context + forced, max(worth, min(1, budget)))
-        guess = guessed[: lookahead_length(live.lookahead_hits, sessions, len(guessed), curve)] if worth else ()
+        guess = guessed[: speculation_length(live.lookahead.alpha, sessions, len(guessed), curve)] if worth else ()
         return forced + guessed, forced + guess
 
     def _run_ahead(self, machine: VerifierSession, context: tuple[int, ...], guess: tuple[int, ...]) -> int:
@@ -295,8 +271,7 @@ class SelfDecoding:
             for one in pending:
                 self._rounds.release(live, one)
                 released.append(one)
-            if scoring.prediction:
-                live.record_lookahead(pending[0].record.emitted == scoring.prediction[:1])
+            live.record_lookahead(scoring.prediction, decided)
         except BaseException:
             scoring.withdraw()
             if isinstance(following, _Pass):
