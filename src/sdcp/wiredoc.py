@@ -29,6 +29,7 @@ from sdcp.protocol.messages import (
     OutputBatch,
     OutputRead,
     OutputReads,
+    PassCost,
     ReadRefusal,
     Role,
     SelfDecodeRequest,
@@ -227,6 +228,11 @@ def _status() -> str:
         model=hashlib.sha256(b"target weights").digest(),
         tokenizer=hashlib.sha256(b"tokenizer").digest(),
         self_us=48000,
+        pass_us=tuple(
+            PassCost(rows=rows, us=us)
+            for rows, us in ((1, 6600), (2, 13500), (4, 18800), (8, 28100), (16, 47600), (32, 89500))
+        ),
+        pass_sessions=3,
     )
     drafter = Status(
         instance=DRAFTER,

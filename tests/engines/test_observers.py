@@ -8,8 +8,9 @@ from prometheus_client import REGISTRY
 
 from sdcp.engines.drafter.observe import Acceptance, DrafterMetrics
 from sdcp.engines.router.observe import RouterMetrics
-from sdcp.engines.verifier.observe import PassCurve, VerifierMetrics
+from sdcp.engines.verifier.observe import VerifierMetrics
 from sdcp.protocol.messages import Action
+from sdcp.protocol.passcost import PassCurve
 from sdcp.protocol.problems import ProblemType
 
 

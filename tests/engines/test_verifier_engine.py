@@ -11,8 +11,8 @@ from prometheus_client import REGISTRY
 from sdcp.cache import MLC
 from sdcp.config import VerifierConfig
 from sdcp.engines.verifier import VerifierEngine
-from sdcp.engines.verifier.observe import FIRST_CURVE_MS, PASS_ROWS
 from sdcp.models.hf.target import TargetModel
+from sdcp.protocol.passcost import FIRST_CURVE_MS, PASS_ROWS
 from sdcp.together import local_output_reader
 from sdcp.transport.errors import PeerClientError
 
@@ -64,6 +64,12 @@ async def test_the_pass_cost_curve_is_measured_before_the_verifier_serves(target
             if sample.labels["instance"] == engine.uri
         }
         assert exposed == {str(rows): ms / 1000 for rows, ms in zip(PASS_ROWS, measured, strict=True)}
+        # The router reads the same curve from the status report, and the sessions sharing passes.
+        status = engine.status()
+        assert status.pass_us is not None and status.pass_sessions == 0
+        assert [(point.rows, point.us) for point in status.pass_us] == [
+            (rows, round(1000 * ms)) for rows, ms in zip(PASS_ROWS, measured, strict=True)
+        ]
     finally:
         await engine.stop()
         await mlc.close()

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from sdcp.protocol.drafter import CONSTRAINED, PLAIN, expected_rate, expected_tokens, session_class
-from sdcp.protocol.messages import Constraint, Role, Status
+from sdcp.protocol.messages import Constraint, PassCost, Role, Status
+from sdcp.protocol.passcost import FIRST_CURVE_MS, PASS_ROWS
 from sdcp.protocol.router import (
     DecodingChoice,
     DrafterCosts,
@@ -18,6 +19,7 @@ from sdcp.protocol.router import (
     drafter_costs,
     drafter_rate,
     measured_acceptance,
+    verifier_passes,
 )
 
 SELF_S = 0.050  # the verifier decodes alone at 20 tokens/s
@@ -233,3 +235,43 @@ def test_equal_rates_go_to_the_shorter_queue_then_the_lower_load() -> None:
     for order in ([busy, idle, queued], [queued, idle, busy]):
         choice = choose(order)
         assert choice is not None and choice.drafter == "https://b"
+
+
+def _verifier(sessions: int, curve: list[float] | None = None) -> InstanceView:
+    points = curve if curve is not None else list(FIRST_CURVE_MS)
+    status = Status(
+        instance="https://verifier",
+        role=Role.VERIFIER,
+        load=0,
+        queue=0,
+        ttl_ms=3000,
+        self_us=50_000,
+        pass_us=tuple(PassCost(rows=rows, us=round(1000 * ms)) for rows, ms in zip(PASS_ROWS, points, strict=True)),
+        pass_sessions=sessions,
+    )
+    return InstanceView(status, expires_at=10.0)
+
+
+def test_with_the_verifiers_pass_costs_a_drafter_is_chosen_where_its_rows_pay() -> None:
+    # A drafter whose verdicts come back fast (measured while few sessions shared the passes) looks
+    # faster than decoding alone by its round trips; the verifier's pass costs say that at 16
+    # sessions its rows cost more than they save, and that for a lone session they pay.
+    ngram = DrafterCosts("https://ngram", alpha=0.8, draft_s=0.0001, verify_s=0.015)
+    assert choose([ngram]).drafter == ngram.uri  # type: ignore[union-attr]
+    crowded = verifier_passes(_verifier(16))
+    assert crowded is not None and crowded.sessions == 16
+    assert choose([ngram], passes=crowded).drafter is None  # type: ignore[union-attr]
+    copying = replace(ngram, alpha=0.97)
+    assert choose([copying], passes=verifier_passes(_verifier(1))).drafter == copying.uri  # type: ignore[union-attr]
+    # Where the verifier may not decode alone, a drafter serves whatever the costs.
+    assert choose([ngram], self_decode_s=None, passes=crowded).drafter == ngram.uri  # type: ignore[union-attr]
+
+
+def test_pass_costs_that_are_not_a_curve_are_not_used() -> None:
+    unordered = _verifier(4)
+    points = unordered.status.pass_us
+    assert points is not None
+    shuffled = replace(unordered.status, pass_us=(points[1], points[0], *points[2:]))
+    assert verifier_passes(InstanceView(shuffled, expires_at=10.0)) is None
+    assert verifier_passes(InstanceView(replace(unordered.status, pass_sessions=None), expires_at=10.0)) is None
+    assert verifier_passes(None) is None

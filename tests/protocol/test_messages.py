@@ -30,7 +30,7 @@ from sdcp.protocol import (
     parse_session_path_id,
     session_path_id,
 )
-from sdcp.protocol.messages import HistoryStatus
+from sdcp.protocol.messages import HistoryStatus, PassCost
 
 SESSION = bytes(range(16))
 DIGEST = b"\xd0" * 32
@@ -548,3 +548,13 @@ def test_instance_path_id_round_trip() -> None:
     assert parse_instance_path_id("_w") is None
     assert parse_instance_path_id("drafter-7") is None
     assert parse_instance_path_id(instance_path_id("drafter-7")) is None
+
+
+def test_a_verifiers_pass_costs_are_read_as_absent_in_another_form() -> None:
+    points = [{"rows": 1, "us": 6600}, {"rows": 2, "us": 13500}]
+    status = Status.from_obj({**STATUS, "pass_us": points, "pass_sessions": 4})
+    assert status.pass_us == (PassCost(rows=1, us=6600), PassCost(rows=2, us=13500)) and status.pass_sessions == 4
+    assert status.to_obj()["pass_us"] == points
+    for other in (5, [], [{"rows": 0, "us": 1}], [[1, 6600]], [{"rows": 1}], [{"rows": 1, "us": 1}] * 17):
+        assert Status.from_obj({**STATUS, "pass_us": other}).pass_us is None
+    assert Status.from_obj({**STATUS, "pass_sessions": -1}).pass_sessions is None

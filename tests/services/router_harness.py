@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from tests.services.identities import Identities, loopback_identities
-from tests.services.verifier_harness import contract
+from tests.services.verifier_harness import PROMPT, contract
 from tests.waiting import eventually
 
 from sdcp.config import (
@@ -35,7 +35,6 @@ from sdcp.services.router import RouterNode
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.client import RetryPolicy, SDCPClient
 
-PROMPT = (5, 17, 42, 9, 100, 3)
 ROUTER_TTL_MS = 300
 # The status TTL of the deployment's instances: they report every third of it.
 INSTANCE_TTL_MS = 600

@@ -18,7 +18,7 @@ from tests.waiting import eventually
 
 from sdcp.cache import build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
-from sdcp.engines.verifier import PassCurve, PassCurves, speculation_length
+from sdcp.engines.verifier import PassCurves
 from sdcp.engines.verifier import engine as engine_module
 from sdcp.localhost import free_port
 from sdcp.models.hf.target import TargetModel
@@ -36,6 +36,7 @@ from sdcp.protocol.messages import (
     Verdict,
     session_path_id,
 )
+from sdcp.protocol.passcost import PassCurve, speculation_length
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient

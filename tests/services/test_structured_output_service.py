@@ -36,8 +36,9 @@ from sdcp.grammar import GrammarConstraint, grammar_tokenizer
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.constraint import constrain_rows
-from sdcp.protocol.messages import Action, Constraint, Contract, Status, session_path_id
-from sdcp.protocol.router import InstanceView
+from sdcp.protocol.messages import Action, Constraint, Status, session_path_id
+from sdcp.protocol.passcost import PassCurve
+from sdcp.protocol.router import InstanceView, VerifierPasses
 from sdcp.services.drafter import DrafterNode
 from sdcp.services.router import RouterNode
 
@@ -242,15 +243,14 @@ async def test_constrained_sessions_go_to_a_drafter_by_its_acceptance_on_them(
     free_text = greedy_reference(target, 12)
     forced = masked_greedy(TargetModel(tiny_model(), tiny_tokenizer(), name="tiny"), FORCED)
     await start_verifier(deployment, "verifier1")
-    # The verifier alone is counted at two tokens per pass, so that a drafter beats it where its
-    # measured acceptance does (above about 0.54 at M = 3), not where this machine's timing does.
-    self_decode_s = sdcp.protocol.router.self_decode_seconds
 
-    def twice_as_fast(contract: Contract, verifier: InstanceView | None) -> float | None:
-        seconds = self_decode_s(contract, verifier)
-        return None if seconds is None else seconds / 2
+    # The verifier's passes are counted on a fixed curve where a row costs half a one-row pass (as
+    # llama.cpp's on 2 cores), so that a drafter beats the verifier alone where its measured
+    # acceptance does (above 0.5), not where this machine's timing does.
+    def half_a_pass_a_row(verifier: InstanceView | None) -> VerifierPasses:
+        return VerifierPasses(PassCurve([10.0, 15.0, 25.0, 45.0, 85.0, 165.0]), 1)
 
-    monkeypatch.setattr(sdcp.protocol.router, "self_decode_seconds", twice_as_fast)
+    monkeypatch.setattr(sdcp.protocol.router, "verifier_passes", half_a_pass_a_row)
     drafter = _AcceptanceOnlyDrafter(deployment.config("drafter1", drafter=DrafterConfig(model="ngram", target="tiny")))
     await deployment.start(drafter)
     await eventually(lambda: router.registry.is_live(drafter.uri, router.clock()))

@@ -19,9 +19,19 @@ import numpy as np
 import pytest
 import torch
 from tests.services.outputs import output_tokens, read_output
-from tests.services.router_harness import PROMPT
 from tests.services.router_harness import greedy_reference as transformers_greedy
-from tests.services.verifier_harness import DRAFTER, SESSION, Cluster, advance, contract, proposal, running_cluster
+from tests.services.verifier_harness import (
+    DRAFTER,
+    PROMPT,
+    SESSION,
+    Cluster,
+    advance,
+    contract,
+    open_and_assign,
+    pass_costs_leave_m_cap,
+    proposal,
+    running_cluster,
+)
 from tests.waiting import eventually, eventually_async
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -37,7 +47,6 @@ from sdcp.protocol.messages import (
     MAX_OUTPUT_READS,
     Action,
     Assignment,
-    Contract,
     Output,
     OutputBatch,
     OutputRead,
@@ -68,34 +77,15 @@ def greedy_reference(target: TargetModel) -> list[int]:
     return transformers_greedy(target, 12)
 
 
+@pytest.fixture(autouse=True)
+def proposals_of_any_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    pass_costs_leave_m_cap(monkeypatch)
+
+
 @pytest.fixture
 async def cluster(tmp_path: Path, target: TargetModel) -> AsyncIterator[Cluster]:
     async with running_cluster(tmp_path, target) as env:
         yield env
-
-
-async def open_and_assign(env: Cluster, c: Contract, epoch: int = 1, log_uri: str | None = None) -> SessionState:
-    router = env.client("router")
-    log_uri = log_uri or build_uri("local", None, "log", SESSION.hex())
-    opened = SessionOpen(session=SESSION, epoch=epoch, contract=c, prompt=PROMPT, commit_log=log_uri)
-    status, body = await router.post_cbor("sessions", opened.to_obj())
-    assert status == 201
-    state = SessionState.from_obj(body)
-    assignment = Assignment(
-        session=SESSION,
-        epoch=epoch,
-        contract=c,
-        verifier=env.node.uri,
-        drafter=DRAFTER,
-        prompt=PROMPT,
-        round=0,
-        committed=0,
-        digest=state.digest,
-        m_init=4,
-    )
-    status, body = await router.put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
-    assert status == 200
-    return state
 
 
 async def problem_of(call: object) -> ProtocolError:
@@ -143,31 +133,6 @@ async def test_greedy_session_equals_target_greedy_decoding(
     assert isinstance(stats, dict)
     assert stats["committed"] == 12 and stats["drafter"] == DRAFTER and stats["state"] == Action.FINISH
     assert stats["rounds"] == state.round and stats["accepted"] <= stats["proposed"]
-
-
-async def test_m_cap_follows_the_pass_costs_and_the_acceptance(
-    cluster: Cluster, target: TargetModel, greedy_reference: list[int]
-) -> None:
-    """SDCP 6.5.1: where each row costs as much as a pass, even proposals accepted in full are not
-    worth a second token, and m_cap falls to 1; where rows cost little, it is restored a round at a
-    time."""
-    curve = cluster.node.engine.pass_curves.base
-    state = await open_and_assign(cluster, contract(target, m_max=4, max_new=12))
-    drafter = cluster.client("drafter")
-    m_caps = []
-    committed = 0
-    for costly in (True, True, False, False, False):
-        # Set before each round: the curve also learns from the passes served here.
-        costs = [10.0, 20.0, 40.0, 80.0, 160.0, 320.0] if costly else [10.0, 10.1, 10.2, 10.4, 10.8, 11.6]
-        curve.points_ms = costs
-        tokens = tuple(greedy_reference[committed : committed + 1])
-        status, body = await drafter.post_cbor("proposals", proposal(state, tokens).to_obj(), idempotent=True)
-        assert status == 200
-        verdict = Verdict.from_obj(body)
-        committed += len(verdict.emitted)
-        state = advance(state, verdict)
-        m_caps.append(verdict.m_cap)
-    assert m_caps == [1, 1, 2, 3, 4]
 
 
 async def test_duplicate_proposal_gets_the_identical_verdict(cluster: Cluster, target: TargetModel) -> None:

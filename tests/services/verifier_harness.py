@@ -11,11 +11,25 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from sdcp.cache import MLC
+import pytest
+
+import sdcp.engines.verifier.rounds
+from sdcp.cache import MLC, build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.localhost import free_port
 from sdcp.models.backend import Target
-from sdcp.protocol.messages import Action, Contract, Proposal, Role, SessionState, Status, Verdict
+from sdcp.protocol.messages import (
+    Action,
+    Assignment,
+    Contract,
+    Proposal,
+    Role,
+    SessionOpen,
+    SessionState,
+    Status,
+    Verdict,
+    session_path_id,
+)
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
 from sdcp.transport.client import SDCPClient
@@ -94,6 +108,7 @@ def contract(model: Target, **overrides: object) -> Contract:
 
 
 SESSION = bytes(range(16))
+PROMPT = (5, 17, 42, 9, 100, 3)
 DRAFTER = "https://127.0.0.1:2"
 
 
@@ -115,4 +130,38 @@ def proposal(state: SessionState, tokens: tuple[int, ...], **overrides: object) 
 def advance(state: SessionState, verdict: Verdict) -> SessionState:
     return SessionState(
         session=SESSION, epoch=state.epoch, round=verdict.round, committed=verdict.committed, digest=verdict.digest
+    )
+
+
+async def open_and_assign(env: Cluster, c: Contract, epoch: int = 1, log_uri: str | None = None) -> SessionState:
+    router = env.client("router")
+    log_uri = log_uri or build_uri("local", None, "log", SESSION.hex())
+    opened = SessionOpen(session=SESSION, epoch=epoch, contract=c, prompt=PROMPT, commit_log=log_uri)
+    status, body = await router.post_cbor("sessions", opened.to_obj())
+    assert status == 201
+    state = SessionState.from_obj(body)
+    assignment = Assignment(
+        session=SESSION,
+        epoch=epoch,
+        contract=c,
+        verifier=env.node.uri,
+        drafter=DRAFTER,
+        prompt=PROMPT,
+        round=0,
+        committed=0,
+        digest=state.digest,
+        m_init=4,
+    )
+    status, body = await router.put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
+    assert status == 200
+    return state
+
+
+def pass_costs_leave_m_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For tests whose drafter proposes what the test needs, up to m_max, to exercise other rules:
+    m_cap is then not capped by the measured pass costs (SDCP 6.5.1, Rounds.verify), which on a busy
+    machine, or on llama.cpp's CPU curve, may find a second token not worth its row
+    (tests/services/test_m_cap_service.py tests that cap)."""
+    monkeypatch.setattr(
+        sdcp.engines.verifier.rounds, "speculation_length", lambda acceptance, sessions, most, curve=None: most
     )

@@ -35,6 +35,7 @@ __all__ = [
     "Contract",
     "Event",
     "HistoryStatus",
+    "PassCost",
     "Output",
     "MAX_OUTPUT_READS",
     "OutputBatch",
@@ -383,6 +384,9 @@ _TEXT = _Text()
 _HASH = _Bytes(HASH_SIZE)
 # Prefix names a verifier's status report carries at most (Status.prefixes).
 MAX_REPORTED_PREFIXES = 64
+# A verifier's pass costs (Status.pass_us): points at most, and the rows of a point at most.
+MAX_PASS_POINTS = 16
+MAX_PASS_ROWS = 4096
 _SESSION = _Bytes(SESSION_ID_SIZE)
 _ACTION = _ActionKind()
 _REQUEST_ID = _ShortText(128)
@@ -666,6 +670,15 @@ class HistoryStatus(_Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PassCost(_Message):
+    """Extension (docs/interpretations.md, "Pass costs in status reports"): what a verifier's pass
+    of ``rows`` rows costs it, as it measures now, in microseconds."""
+
+    rows: int = _required(_UInt(low=1, high=MAX_PASS_ROWS))
+    us: int = _required(_UINT)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Status(_Message):
     instance: str = _required(_TEXT)
     role: Role = _required(_IntEnumKind(Role))
@@ -714,6 +727,14 @@ class Status(_Message):
     # behind each other, one prefill at a time), so that a router waits for an open as long as the
     # queue ahead of it asks (docs/interpretations.md, "Prefill queue").
     prefill_tokens: int | None = _optional(_Ignorable(_UINT))
+    # Extension members (docs/interpretations.md, "Pass costs in status reports"): a verifier's
+    # measured cost of a pass by its rows, ascending, and the sessions that share its passes now,
+    # so that a router ranks a drafter against the verifier decoding alone as the verifier judges
+    # proposals (sdcp.protocol.passcost). Read as absent where malformed.
+    pass_us: tuple[PassCost, ...] | None = _optional(
+        _Ignorable(_Array(_Nested(PassCost), non_empty=True, max_items=MAX_PASS_POINTS))
+    )
+    pass_sessions: int | None = _optional(_Ignorable(_UINT))
 
 
 @dataclass(frozen=True, kw_only=True)

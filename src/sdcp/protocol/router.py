@@ -20,6 +20,7 @@ from sdcp.protocol.messages import (
     SessionOpen,
     Status,
 )
+from sdcp.protocol.passcost import PassCurve, drafted_rate, self_decoded_rate
 from sdcp.protocol.records import FenceRecord, LogReplay
 
 __all__ = [
@@ -41,6 +42,8 @@ __all__ = [
     "serves",
     "unreported",
     "verify_seconds",
+    "verifier_passes",
+    "VerifierPasses",
     "drafter_costs",
     "drafter_permitted",
     "measured_acceptance",
@@ -175,16 +178,53 @@ class DecodingChoice:
     exploring: bool = False
 
 
-def drafter_rate(costs: DrafterCosts, *, verify_s: float, m_limit: int, alpha: float | None = None) -> float:
+@dataclass(frozen=True)
+class VerifierPasses:
+    """What a verifier reports its passes cost (Status ``pass_us``) and how many sessions share
+    them (``pass_sessions``): with them a drafter and the verifier decoding alone are ranked by
+    tokens per second of the verifier's time (sdcp.protocol.passcost), as the verifier judges
+    proposals, instead of by one session's round trips."""
+
+    curve: PassCurve
+    sessions: int
+
+
+def verifier_passes(verifier: InstanceView | None) -> VerifierPasses | None:
+    """The pass costs a verifier reports, None where it reports none usable (another
+    implementation, or points that are not ascending in rows)."""
+    if verifier is None:
+        return None
+    status = verifier.status
+    if not status.pass_us or status.pass_sessions is None:
+        return None
+    try:
+        curve = PassCurve([point.us / 1000 for point in status.pass_us], tuple(point.rows for point in status.pass_us))
+    except ValueError:
+        return None
+    return VerifierPasses(curve, max(1, status.pass_sessions))
+
+
+def drafter_rate(
+    costs: DrafterCosts,
+    *,
+    verify_s: float,
+    m_limit: int,
+    alpha: float | None = None,
+    passes: VerifierPasses | None = None,
+) -> float:
     """Expected tokens per second of a session drafted by ``costs`` (SDCP 6.2 cost model).
 
-    A drafter's time per token grows with the calls queued before its own; the verification time
-    is the one the drafter measured, else the verifier's estimate ``verify_s``.
+    A drafter's time per token grows with the calls queued before its own. Where the verifier
+    reports its ``passes``, the rate is per second of the verifier's time: the session's share of
+    a pass and what its proposal's rows add to it (passcost.drafted_rate). Otherwise the
+    verification time is the one the drafter measured, else the verifier's estimate ``verify_s``.
     """
     draft_s = (costs.draft_s or 0.0) * (1 + costs.queue)
     used_alpha = costs.alpha if alpha is None else alpha
     if used_alpha is None:
         raise ValueError(f"the acceptance of {costs.uri} is not measured")
+    if passes is not None:
+        return drafted_rate(used_alpha, passes.sessions, m_limit, passes.curve, draft_ms=1000 * draft_s)
     return expected_rate(used_alpha, draft_s, costs.verify_s or verify_s, m_limit)[1]
 
 
@@ -195,10 +235,12 @@ def choose_decoding(
     verify_s: float,
     m_limit: int,
     may_explore: Callable[[str], bool] = lambda _uri: True,
+    passes: VerifierPasses | None = None,
 ) -> DecodingChoice | None:
     """The fastest way to decode a session: the drafter with the highest expected rate, or the
     verifier alone (``self_decode_s`` seconds per token; None where self-decoding is not
-    available) when no drafter is expected to beat it.
+    available) when no drafter is expected to beat it. Where the verifier reports its ``passes``,
+    every rate is per second of the verifier's time (`drafter_rate`), decoding alone included.
 
     A drafter whose acceptance is unmeasured is explored (``may_explore`` bounds how many sessions
     do so) only if it could beat every measured option at full acceptance; one that cannot, even
@@ -206,13 +248,17 @@ def choose_decoding(
     None means that no drafter is live and the verifier cannot decode alone.
     """
     self_rate = 1.0 / self_decode_s if self_decode_s is not None and self_decode_s > 0 else None
+    if self_rate is not None and passes is not None:
+        self_rate = self_decoded_rate(passes.sessions, passes.curve)
     measured = [
-        DecodingChoice(d.uri, drafter_rate(d, verify_s=verify_s, m_limit=m_limit))
+        DecodingChoice(d.uri, drafter_rate(d, verify_s=verify_s, m_limit=m_limit, passes=passes))
         for d in drafters
         if d.alpha is not None
     ]
     unmeasured = [
-        DecodingChoice(d.uri, drafter_rate(d, verify_s=verify_s, m_limit=m_limit, alpha=1.0), exploring=True)
+        DecodingChoice(
+            d.uri, drafter_rate(d, verify_s=verify_s, m_limit=m_limit, alpha=1.0, passes=passes), exploring=True
+        )
         for d in drafters
         if d.alpha is None
     ]
@@ -314,6 +360,7 @@ def choose_for_session(
         verify_s=verify_seconds(verifier),
         m_limit=proposal_limit(contract, m_init),
         may_explore=may_explore,
+        passes=verifier_passes(verifier),
     )
 
 
@@ -322,7 +369,12 @@ def outpaced(
 ) -> bool:
     """Whether ``best`` is expected to be SWITCH_MARGIN times faster than the measured drafter a
     session has (``current``)."""
-    rate = drafter_rate(current, verify_s=verify_seconds(verifier), m_limit=proposal_limit(contract, m_init))
+    rate = drafter_rate(
+        current,
+        verify_s=verify_seconds(verifier),
+        m_limit=proposal_limit(contract, m_init),
+        passes=verifier_passes(verifier),
+    )
     return best.rate > SWITCH_MARGIN * rate
 
 

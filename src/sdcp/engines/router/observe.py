@@ -11,7 +11,8 @@ from prometheus_client import Counter, Gauge
 from sdcp.latency import ROUTER_PARTS, observe_part, start_parts
 from sdcp.protocol.drafter import CONSTRAINED, PLAIN
 from sdcp.protocol.messages import Action
-from sdcp.protocol.router import InstanceView, drafter_costs, drafter_rate, verify_seconds
+from sdcp.protocol.passcost import self_decoded_rate
+from sdcp.protocol.router import InstanceView, drafter_costs, drafter_rate, verifier_passes, verify_seconds
 
 __all__ = [
     "CONSTRAINED_BY",
@@ -39,7 +40,8 @@ _SWITCHES = Counter(
 _EVENTS = Counter("sdcp_router_events_total", "Events from verifiers, by kind", ["instance", "kind"])
 _EXPECTED_RATE = Gauge(
     "sdcp_router_expected_tokens_per_second",
-    "The cost model's expected tokens per second of a session, by option (a drafter, or self-decoding at a verifier)",
+    "The cost model's expected tokens per second of a session, by option (a drafter, or self-decoding at a verifier);"
+    " per second of the verifier's time where it reports its pass costs",
     ["instance", "option"],
 )
 _FAILOVERS = Counter("sdcp_router_failovers_total", "Sessions moved to another verifier", ["instance"])
@@ -182,16 +184,21 @@ def expected_rates(
 ) -> dict[str, float]:
     """The cost model's expected tokens per second of a session (SDCP 6.2), by live option: a
     drafter's URI, the same for a constrained session (``CONSTRAINED_BY``), or self-decoding at a
-    verifier."""
+    verifier; per second of the verifier's time where it reports its pass costs (the router's
+    choice, sdcp.protocol.router.drafter_rate)."""
     verify_s = verify_seconds(verifiers[0] if verifiers else None)
+    passes = verifier_passes(verifiers[0] if verifiers else None)
     m_limit = max(1, m_init)
     rates = {}
     for view in drafters:
         for klass, prefix in ((PLAIN, ""), (CONSTRAINED, CONSTRAINED_BY)):
             costs = drafter_costs(view, klass)
             if costs.alpha is not None:
-                rates[f"{prefix}{view.uri}"] = drafter_rate(costs, verify_s=verify_s, m_limit=m_limit)
+                rates[f"{prefix}{view.uri}"] = drafter_rate(costs, verify_s=verify_s, m_limit=m_limit, passes=passes)
     for view in verifiers:
-        if view.status.self_us:
+        reported = verifier_passes(view)
+        if reported is not None:
+            rates[f"{SELF_DECODING_AT}{view.uri}"] = self_decoded_rate(reported.sessions, reported.curve)
+        elif view.status.self_us:
             rates[f"{SELF_DECODING_AT}{view.uri}"] = 1e6 / view.status.self_us
     return rates

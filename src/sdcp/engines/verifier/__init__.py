@@ -8,6 +8,6 @@ costs, metrics, stats, traces) and ``live`` (a session as the verifier holds it)
 """
 
 from sdcp.engines.verifier.engine import VerifierEngine
-from sdcp.engines.verifier.observe import TRACE_ROUNDS, PassCurve, PassCurves, speculation_length
+from sdcp.engines.verifier.observe import TRACE_ROUNDS, PassCurves
 
-__all__ = ["TRACE_ROUNDS", "PassCurve", "PassCurves", "VerifierEngine", "speculation_length"]
+__all__ = ["TRACE_ROUNDS", "PassCurves", "VerifierEngine"]

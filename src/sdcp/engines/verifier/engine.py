@@ -31,8 +31,6 @@ from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession, RunningSessions
 from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.engines.verifier.observe import (
-    FIRST_CURVE_MS,
-    PASS_ROWS,
     TRACE_ROUNDS,
     PassCurves,
     VerifierMetrics,
@@ -55,6 +53,7 @@ from sdcp.protocol.messages import (
     CancelRequest,
     Constraint,
     Output,
+    PassCost,
     Policy,
     Proposal,
     Role,
@@ -64,6 +63,7 @@ from sdcp.protocol.messages import (
     Status,
     Verdict,
 )
+from sdcp.protocol.passcost import FIRST_CURVE_MS, PASS_ROWS
 from sdcp.protocol.problems import BadContract, BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.records import RecordAuthority, decode_token_list, session_terms
 from sdcp.protocol.verifier import Replay, VerifierSession, Wait
@@ -283,6 +283,11 @@ class VerifierEngine:
             backend=self.target.backend,
             prefixes=self._reported_prefixes(),
             prefill_tokens=self.admissions.tokens,
+            pass_us=tuple(
+                PassCost(rows=rows, us=round(1000 * ms))
+                for rows, ms in zip(self.pass_curves.base.rows, self.pass_curves.base.points_ms, strict=True)
+            ),
+            pass_sessions=self._active_sessions(),
         )
 
     def _reported_prefixes(self) -> tuple[bytes, ...] | None:

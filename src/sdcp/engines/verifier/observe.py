@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from sdcp.latency import VERIFIER_PARTS, start_parts
 from sdcp.protocol.messages import Action
+from sdcp.protocol.passcost import PASS_ROWS, PassCurve
 from sdcp.protocol.problems import ProblemType
 from sdcp.protocol.verifier import PendingCommit
 
@@ -24,91 +24,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONTEXT_BANDS",
-    "FIRST_CURVE_MS",
     "TRACE_FIELDS",
     "TRACE_ROUNDS",
-    "PASS_ROWS",
-    "PassCurve",
     "PassCurves",
     "RoundTimings",
     "RoundTrace",
     "VerifierMetrics",
     "session_stats",
     "session_trace",
-    "speculation_length",
 ]
-
-# What a pass of SmolLM2 cost on this 2-core CPU by its rows (llama.cpp, Q4_1, 2 threads; issue 38,
-# docs/performance.md): the start of PassCurve, which measures the curve on this machine before the
-# verifier serves and keeps it current from its passes. A second row costs about half a one-row pass.
-PASS_ROWS = (1, 2, 4, 8, 16, 32)
-FIRST_CURVE_MS = (9.3, 14.2, 21.0, 36.0, 67.0, 130.0)
-_COST_WEIGHT = 0.2
-
-
-@dataclass
-class PassCurve:
-    """What a pass costs here (ms) by the rows it scores, whoever's they are: measured at PASS_ROWS,
-    linear between them and past the last. A pass's rows, not its sessions, set its cost on both
-    backends (a packed sequence costs its rows, sdcp.models.hf.ragged; llama.cpp a row each)."""
-
-    points_ms: list[float] = field(default_factory=lambda: list(FIRST_CURVE_MS))
-
-    def ms(self, rows: int) -> float:
-        """The cost of a pass of ``rows`` rows."""
-        rows = max(1, rows)
-        for index in range(1, len(PASS_ROWS)):
-            if rows <= PASS_ROWS[index]:
-                low, high = PASS_ROWS[index - 1], PASS_ROWS[index]
-                share = (rows - low) / (high - low)
-                return self.points_ms[index - 1] + share * (self.points_ms[index] - self.points_ms[index - 1])
-        slope = (self.points_ms[-1] - self.points_ms[-2]) / (PASS_ROWS[-1] - PASS_ROWS[-2])
-        return self.points_ms[-1] + slope * (rows - PASS_ROWS[-1])
-
-    def measured(self, rows: int, seconds: float) -> None:
-        """A probe's pass of exactly ``rows`` (one of PASS_ROWS): that point is the measurement."""
-        self.points_ms[PASS_ROWS.index(rows)] = 1000 * seconds
-
-    def record(self, seconds: float, rows: int) -> None:
-        """A served pass of ``rows`` rows: the nearest measured point moves towards what it implies,
-        in proportion, so that the curve keeps its shape between the points."""
-        if rows < 1 or seconds <= 0:
-            return
-        nearest = min(range(len(PASS_ROWS)), key=lambda index: abs(math.log(rows / PASS_ROWS[index])))
-        implied = 1000 * seconds * self.points_ms[nearest] / self.ms(rows)
-        self.points_ms[nearest] += _COST_WEIGHT * (implied - self.points_ms[nearest])
-
-
-def speculation_length(acceptance: float, sessions: int, most: int, curve: PassCurve | None = None) -> int:
-    """How many tokens, up to ``most``, a session's pass is worth scoring after its own row: the
-    guess of a self-decoding pass (``acceptance``: the per-token share of the lookahead's predicted
-    tokens that were right), or a drafter's proposal (SDCP 6.5.1 m_cap; ``acceptance``: the
-    session's per-token acceptance).
-
-    The j-th token is used with a chance of about ``acceptance ** j``, and then saves the session a
-    pass, of which its share is the pass's cost over its ``sessions`` (a row each); scoring k of
-    them costs what k more rows add to that pass on the measured ``curve``. The length is the one
-    that saves the most, zero included: where a second row costs half a one-row pass (llama.cpp on
-    2 cores), a lone session scores a guess only above a 53 % hit rate, one among 16 only above 94 %.
-
-    Each session takes at most its share of the rows a pass may hold beyond one per session within
-    the largest pass the curve was measured at (PASS_ROWS): past it the curve is extrapolated, and
-    at 16 sessions, each scoring 16 tokens it accepted in full, passes of 272 rows took 2.3 s
-    where the extrapolation said 1.1 and 16 rows took 90 ms (docs/performance.md, session 26).
-    """
-    curve = curve if curve is not None else PassCurve()
-    sessions = max(1, sessions)
-    most = min(most, max(0, PASS_ROWS[-1] - sessions) // sessions)
-    base_ms = curve.ms(sessions)
-    share_ms = base_ms / sessions
-    best, best_gain, saved = 0, 0.0, 0.0
-    for length in range(1, most + 1):
-        saved += acceptance**length * share_ms
-        gain = saved - (curve.ms(sessions + length) - base_ms)
-        if gain > best_gain:
-            best, best_gain = length, gain
-    return best
-
 
 # Where a pass's cost by its rows changes with the positions its rows attend: a band of context
 # starts at each (the attention's share grows with them; on llama.cpp a one-token pass runs on one
@@ -143,7 +67,7 @@ class PassCurves:
         if learned is None:
             shape = self.curve(context)
             scale = 1000 * seconds / shape.ms(rows)
-            self._bands[band] = PassCurve([point * scale for point in shape.points_ms])
+            self._bands[band] = PassCurve([point * scale for point in shape.points_ms], shape.rows)
             return
         learned.record(seconds, rows)
 

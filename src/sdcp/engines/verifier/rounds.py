@@ -22,16 +22,15 @@ from sdcp.engines.verifier.kvpublish import KVPublisher
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession, RunningSessions
 from sdcp.engines.verifier.observe import (
-    PassCurve,
     PassCurves,
     RoundTrace,
     VerifierMetrics,
-    speculation_length,
 )
 from sdcp.latency import observe_part
 from sdcp.models.backend import Target
 from sdcp.models.batching import BatchingScorer, GreedyPicker, PassInfo, ScoredRun
 from sdcp.protocol.messages import Action, Event, Verdict
+from sdcp.protocol.passcost import PassCurve, speculation_length
 from sdcp.protocol.problems import ProblemType, ProtocolError
 from sdcp.protocol.records import bind_record
 from sdcp.protocol.rules import parse_q_rows

@@ -19,10 +19,11 @@ from sdcp.engines.verifier.events import RouterEvents
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.lookahead import VerifierLookahead
-from sdcp.engines.verifier.observe import PassCurves, speculation_length
+from sdcp.engines.verifier.observe import PassCurves
 from sdcp.engines.verifier.rounds import PartlyAppended, Rounds, Scoring
 from sdcp.models.batching import ScoredRun, TargetMostProbable
 from sdcp.models.drafter import TokenTimer
+from sdcp.protocol.passcost import speculation_length
 from sdcp.protocol.rules import GreedyRule
 from sdcp.protocol.verifier import PendingCommit, VerifierSession
 

@@ -1,0 +1,54 @@
+"""Pass costs and what speculation is worth against them (sdcp.protocol.passcost)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdcp.protocol.passcost import (
+    FIRST_CURVE_MS,
+    PassCurve,
+    drafted_rate,
+    self_decoded_rate,
+    speculation_length,
+)
+
+# A GPU's: a row costs almost nothing against the pass's weights.
+FLAT = PassCurve([10.0, 10.1, 10.2, 10.4, 10.8, 11.6])
+
+
+def test_a_curve_needs_ascending_rows_one_cost_each() -> None:
+    with pytest.raises(ValueError, match="ascending"):
+        PassCurve([1.0, 2.0], (2, 1))
+    with pytest.raises(ValueError, match="ascending"):
+        PassCurve([1.0, 2.0, 3.0], (1, 2))
+    with pytest.raises(ValueError, match="at least one row"):
+        PassCurve([1.0, 2.0], (0, 2))
+    curve = PassCurve([4.0, 6.0, 14.0], (1, 3, 7))
+    assert curve.ms(2) == 5.0 and curve.ms(5) == 10.0 and curve.ms(9) == 18.0
+
+
+def test_each_session_adds_at_most_its_share_of_the_largest_measured_pass() -> None:
+    curve = PassCurve()
+    assert [curve.rows_share(sessions) for sessions in (1, 4, 16, 32, 40)] == [31, 7, 1, 0, 0]
+
+
+def test_on_a_cpu_a_drafter_pays_for_a_lone_session_only_and_on_a_gpu_at_a_low_acceptance() -> None:
+    cpu = PassCurve(list(FIRST_CURVE_MS))
+    assert drafted_rate(0.95, 1, 16, cpu) > self_decoded_rate(1, cpu)
+    assert drafted_rate(0.8, 16, 16, cpu) < self_decoded_rate(16, cpu)
+    assert drafted_rate(0.4, 1, 16, cpu) < self_decoded_rate(1, cpu)
+    assert drafted_rate(0.3, 1, 16, FLAT) > self_decoded_rate(1, FLAT)
+    # Drafting time counts against it.
+    assert drafted_rate(0.3, 1, 16, FLAT, draft_ms=10.0) < self_decoded_rate(1, FLAT)
+
+
+@pytest.mark.parametrize("curve", [PassCurve(list(FIRST_CURVE_MS)), FLAT], ids=["cpu", "flat"])
+@pytest.mark.parametrize("sessions", [1, 2, 4, 8, 16])
+def test_the_router_drafts_where_the_verifier_would_score_a_proposal(curve: PassCurve, sessions: int) -> None:
+    # One judgement on both sides: a drafter is faster than decoding alone exactly where the
+    # verifier finds a proposal of one token or more worth scoring.
+    for acceptance in (0.1, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99):
+        worth = speculation_length(acceptance, sessions, 16, curve)
+        if not curve.rows_share(sessions):
+            continue
+        assert (drafted_rate(acceptance, sessions, 16, curve) > self_decoded_rate(sessions, curve)) == (worth > 0)
