@@ -1,5 +1,6 @@
-"""Fixtures shared by every test directory: a real redis-server on loopback, and a guard that fails
-a test in which any sdcp component logged an error."""
+"""Fixtures shared by every test directory: a real redis-server on loopback, a guard that fails a
+test in which any sdcp component logged an error, and the measured pass costs kept out of the tests
+of other rules."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import sdcp.engines.verifier.rounds
+import sdcp.protocol.router
 from sdcp.threads import limit_native_threads
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -31,6 +34,21 @@ def _load_redis_plugin() -> object:
 
 
 redis_url = _load_redis_plugin().redis_url  # type: ignore[attr-defined]
+
+
+@pytest.fixture(autouse=True)
+def pass_costs_out_of_timing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a verifier measures its passes to cost decides a verdict's m_cap (SDCP 6.5.1) and the
+    router's choice between a drafter and the verifier alone (sdcp.protocol.passcost). On a busy
+    machine that measurement differs from run to run, so tests of other rules run without it: m_cap
+    by load and escalation, the router by round trips, and proposals as long as m_max allows. Tests
+    marked ``pass_costs`` test it, on curves they set."""
+    if request.node.get_closest_marker("pass_costs"):
+        return
+    monkeypatch.setattr(
+        sdcp.engines.verifier.rounds, "speculation_length", lambda acceptance, sessions, most, curve=None: most
+    )
+    monkeypatch.setattr(sdcp.protocol.router, "verifier_passes", lambda verifier: None)
 
 
 @pytest.fixture(autouse=True)

@@ -227,7 +227,7 @@ def _status() -> str:
         ttl_ms=3000,
         model=hashlib.sha256(b"target weights").digest(),
         tokenizer=hashlib.sha256(b"tokenizer").digest(),
-        self_us=48000,
+        self_us=16000,
         pass_us=tuple(
             PassCost(rows=rows, us=us)
             for rows, us in ((1, 6600), (2, 13500), (4, 18800), (8, 28100), (16, 47600), (32, 89500))

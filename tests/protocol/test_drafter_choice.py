@@ -15,6 +15,7 @@ from sdcp.protocol.router import (
     DrafterCosts,
     InstanceRegistry,
     InstanceView,
+    VerifierPasses,
     choose_decoding,
     drafter_costs,
     drafter_rate,
@@ -275,3 +276,24 @@ def test_pass_costs_that_are_not_a_curve_are_not_used() -> None:
     assert verifier_passes(InstanceView(shuffled, expires_at=10.0)) is None
     assert verifier_passes(InstanceView(replace(unordered.status, pass_sessions=None), expires_at=10.0)) is None
     assert verifier_passes(None) is None
+
+
+def test_pass_costs_of_no_cost_or_falling_with_rows_are_read_safely() -> None:
+    # Another implementation's points: none of no cost, the first at one row; a cost that falls
+    # as rows grow is read as the highest before it, so that no rate divides by zero or goes below.
+    base = _verifier(40)
+
+    def reported(points: list[tuple[int, int]], sessions: int = 40) -> VerifierPasses | None:
+        status = replace(
+            base.status, pass_us=tuple(PassCost(rows=r, us=us) for r, us in points), pass_sessions=sessions
+        )
+        return verifier_passes(InstanceView(status, expires_at=10.0))
+
+    assert reported([(1, 0), (2, 0)]) is None
+    assert reported([(1, 0), (2, 5000)]) is None
+    assert reported([(4, 10000), (8, 30000)]) is None
+    falling = reported([(1, 20000), (2, 25000), (32, 4000)])
+    assert falling is not None and falling.curve.points_ms == [20.0, 25.0, 25.0]
+    ngram = DrafterCosts("https://ngram", alpha=0.8, draft_s=0.0001, verify_s=0.015)
+    choice = choose([ngram], passes=falling)
+    assert choice is not None and choice.drafter is None and choice.rate > 0

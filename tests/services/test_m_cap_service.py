@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 from tests.services.router_harness import greedy_reference as transformers_greedy
-from tests.services.test_verifier_service import open_and_assign
-from tests.services.verifier_harness import Cluster, advance, contract, proposal, running_cluster
+from tests.services.verifier_harness import Cluster, advance, contract, open_and_assign, proposal, running_cluster
 
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
@@ -26,6 +25,7 @@ async def cluster(tmp_path: Path, target: TargetModel) -> AsyncIterator[Cluster]
         yield env
 
 
+@pytest.mark.pass_costs
 async def test_m_cap_follows_the_pass_costs_and_the_acceptance(cluster: Cluster, target: TargetModel) -> None:
     """SDCP 6.5.1: where each row costs as much as a pass, even proposals accepted in full are not
     worth a second token, and m_cap falls to 1; where rows cost little, it is restored a round at a

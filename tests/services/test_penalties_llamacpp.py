@@ -16,15 +16,7 @@ import pytest
 from tests.llama_greedy import exact_llama
 from tests.protocol.shaping_reference import reference_logits
 from tests.services.llamacpp_harness import CAPACITY, M_MAX, MAX_NEW, prompt, target
-from tests.services.verifier_harness import (
-    DRAFTER,
-    SESSION,
-    advance,
-    contract,
-    pass_costs_leave_m_cap,
-    proposal,
-    running_cluster,
-)
+from tests.services.verifier_harness import DRAFTER, SESSION, advance, contract, proposal, running_cluster
 
 from sdcp.cache import build_uri
 from sdcp.models.llamacpp.target import LlamaCppTarget
@@ -54,10 +46,8 @@ def penalised_greedy(prompt: Sequence[int], sampling: Sampling) -> list[int]:
 
 
 async def test_prompt_lookup_rounds_give_the_penalised_greedy_decoding(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: LlamaCppTarget, prompt: tuple[int, ...]
+    tmp_path: Path, target: LlamaCppTarget, prompt: tuple[int, ...]
 ) -> None:
-    # Multi-token proposals are what the test exercises, whatever the pass costs would allow.
-    pass_costs_leave_m_cap(monkeypatch)
     reference = penalised_greedy(prompt, PENALTIES)
     async with running_cluster(tmp_path, target) as cluster:
         terms = contract(target, max_new=MAX_NEW, m_max=M_MAX, low_rounds=MAX_NEW, sampling=PENALTIES.to_obj())

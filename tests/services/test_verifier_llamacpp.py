@@ -13,15 +13,7 @@ from pathlib import Path
 import pytest
 from tests.llama_greedy import llama_cpp_greedy
 from tests.services.llamacpp_harness import CAPACITY, M_MAX, MAX_NEW, prompt, target
-from tests.services.verifier_harness import (
-    DRAFTER,
-    SESSION,
-    advance,
-    contract,
-    pass_costs_leave_m_cap,
-    proposal,
-    running_cluster,
-)
+from tests.services.verifier_harness import DRAFTER, SESSION, advance, contract, proposal, running_cluster
 
 from sdcp.cache import build_uri
 from sdcp.config import load_config
@@ -43,14 +35,8 @@ def reference(prompt: tuple[int, ...]) -> list[int]:
 
 
 async def test_prompt_lookup_rounds_give_llama_cpp_greedy_decoding(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    target: LlamaCppTarget,
-    prompt: tuple[int, ...],
-    reference: list[int],
+    tmp_path: Path, target: LlamaCppTarget, prompt: tuple[int, ...], reference: list[int]
 ) -> None:
-    # Multi-token proposals are what the test exercises, whatever the pass costs would allow.
-    pass_costs_leave_m_cap(monkeypatch)
     async with running_cluster(tmp_path, target) as cluster:
         # No escalation: the rounds of low acceptance are part of what the test exercises.
         terms = contract(target, max_new=MAX_NEW, m_max=M_MAX, low_rounds=MAX_NEW)

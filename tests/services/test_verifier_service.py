@@ -28,7 +28,6 @@ from tests.services.verifier_harness import (
     advance,
     contract,
     open_and_assign,
-    pass_costs_leave_m_cap,
     proposal,
     running_cluster,
 )
@@ -75,11 +74,6 @@ def target() -> TargetModel:
 @pytest.fixture(scope="module")
 def greedy_reference(target: TargetModel) -> list[int]:
     return transformers_greedy(target, 12)
-
-
-@pytest.fixture(autouse=True)
-def proposals_of_any_length(monkeypatch: pytest.MonkeyPatch) -> None:
-    pass_costs_leave_m_cap(monkeypatch)
 
 
 @pytest.fixture

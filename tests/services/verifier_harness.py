@@ -11,9 +11,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import pytest
-
-import sdcp.engines.verifier.rounds
 from sdcp.cache import MLC, build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
 from sdcp.localhost import free_port
@@ -155,13 +152,3 @@ async def open_and_assign(env: Cluster, c: Contract, epoch: int = 1, log_uri: st
     status, body = await router.put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
     assert status == 200
     return state
-
-
-def pass_costs_leave_m_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    """For tests whose drafter proposes what the test needs, up to m_max, to exercise other rules:
-    m_cap is then not capped by the measured pass costs (SDCP 6.5.1, Rounds.verify), which on a busy
-    machine, or on llama.cpp's CPU curve, may find a second token not worth its row
-    (tests/services/test_m_cap_service.py tests that cap)."""
-    monkeypatch.setattr(
-        sdcp.engines.verifier.rounds, "speculation_length", lambda acceptance, sessions, most, curve=None: most
-    )

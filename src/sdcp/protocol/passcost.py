@@ -30,6 +30,8 @@ __all__ = [
 PASS_ROWS = (1, 2, 4, 8, 16, 32)
 FIRST_CURVE_MS = (9.3, 14.2, 21.0, 36.0, 67.0, 130.0)
 _COST_WEIGHT = 0.2
+# The least a pass is taken to cost (ms): a rate is never a division by zero.
+_LEAST_MS = 1e-3
 
 
 @dataclass
@@ -113,21 +115,27 @@ def self_decoded_rate(sessions: int, curve: PassCurve) -> float:
     """Tokens per second of the verifier's time that a session decoded alone commits, one a pass:
     the pass's cost shared among the ``sessions`` in it."""
     sessions = max(1, sessions)
-    return 1000 * sessions / curve.ms(sessions)
+    return 1000 * sessions / max(_LEAST_MS, curve.ms(sessions))
 
 
 def drafted_rate(acceptance: float, sessions: int, m_limit: int, curve: PassCurve, draft_ms: float = 0.0) -> float:
     """Tokens per second of the verifier's time that a drafted session commits at its best
     proposal length (1 to ``m_limit``, within its share of rows): expected_tokens(acceptance, M)
     (SDCP 6.2) a round, against its share of the pass plus what its M rows add to it, plus
-    ``draft_ms`` a drafted token. On the same scale as `self_decoded_rate`, so that a drafter is
-    chosen only where its proposals save the verifier more than their rows cost it, as
-    `speculation_length` judges them."""
+    ``draft_ms`` a drafted token (a drafter beside the verifier takes the same cores). On the scale
+    of `self_decoded_rate`, so that a drafter is chosen only where its proposals save the verifier
+    more than their rows cost it, as `speculation_length` judges them. 0 where the session has no
+    share of rows (PassCurve.rows_share): the verifier scores no proposal's row after the first
+    there, and a drafter is only for a session the verifier may not decode alone."""
     sessions = max(1, sessions)
+    longest = min(m_limit, curve.rows_share(sessions))
+    if longest < 1:
+        return 0.0
     base_ms = curve.ms(sessions)
     share_ms = base_ms / sessions
-    longest = max(1, min(m_limit, curve.rows_share(sessions)))
     return max(
-        1000 * expected_tokens(acceptance, m) / (share_ms + curve.ms(sessions + m) - base_ms + m * draft_ms)
+        1000
+        * expected_tokens(acceptance, m)
+        / max(_LEAST_MS, share_ms + curve.ms(sessions + m) - base_ms + m * draft_ms)
         for m in range(1, longest + 1)
     )

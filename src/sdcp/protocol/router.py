@@ -170,8 +170,9 @@ def measured_acceptance(view: InstanceView, session_class: str = PLAIN) -> float
 @dataclass(frozen=True)
 class DecodingChoice:
     """Who drafts for a session next: a drafter, or nobody (``drafter`` None), in which case the
-    verifier decodes the session itself. ``rate`` is the expected tokens per second; an exploring
-    choice is a drafter whose acceptance is not measured yet, and its rate the bound at alpha = 1."""
+    verifier decodes the session itself. ``rate`` is the expected tokens per second of the session,
+    or of the verifier's time where it reports its pass costs (`drafter_rate`); an exploring choice
+    is a drafter whose acceptance is not measured yet, and its rate the bound at alpha = 1."""
 
     drafter: str | None
     rate: float
@@ -191,14 +192,21 @@ class VerifierPasses:
 
 def verifier_passes(verifier: InstanceView | None) -> VerifierPasses | None:
     """The pass costs a verifier reports, None where it reports none usable (another
-    implementation, or points that are not ascending in rows)."""
+    implementation; points not ascending in rows, not starting at one row, or of no cost). A
+    cost below an earlier point's is read as that one's: a pass never costs less for more rows,
+    and measurements on a busy host are noisy."""
     if verifier is None:
         return None
     status = verifier.status
-    if not status.pass_us or status.pass_sessions is None:
+    points = status.pass_us
+    if not points or status.pass_sessions is None or points[0].rows != 1 or any(point.us <= 0 for point in points):
         return None
+    costs_ms, highest = [], 0.0
+    for point in points:
+        highest = max(highest, point.us / 1000)
+        costs_ms.append(highest)
     try:
-        curve = PassCurve([point.us / 1000 for point in status.pass_us], tuple(point.rows for point in status.pass_us))
+        curve = PassCurve(costs_ms, tuple(point.rows for point in points))
     except ValueError:
         return None
     return VerifierPasses(curve, max(1, status.pass_sessions))

@@ -47,6 +47,7 @@ from sdcp.models.batching import BatchingScorer
 from sdcp.models.drafter import TokenTimer
 from sdcp.models.errors import DigestMismatch
 from sdcp.models.worker import ModelThreadClosed
+from sdcp.protocol.drafter import AcceptanceEstimate
 from sdcp.protocol.messages import (
     MAX_REPORTED_PREFIXES,
     Assignment,
@@ -420,7 +421,11 @@ class VerifierEngine:
         """PUT sessions/{id}/drafter (SDCP 6.1): the latest assignment names the drafter."""
         live = self._driven(assignment.session)
         await self._between_rounds(live)
+        previous = live.machine.drafter
         live.machine.assign(assignment)
+        if assignment.drafter != previous:
+            # Another drafter's proposals are accepted as often as its own are, not as the last one's.
+            live.acceptance = AcceptanceEstimate()
         return live.machine.state()
 
     async def apply_policy(self, policy: Policy) -> SessionState:

@@ -20,8 +20,6 @@ from sdcp.protocol.verifier import VerifierSession
 
 __all__ = ["LiveSession", "RunningSessions"]
 
-# How fast a session's lookahead hit rate follows its latest predictions.
-
 
 @dataclass
 class LiveSession:

@@ -59,8 +59,9 @@ class _Held:
 @dataclass(frozen=True)
 class _Pass:
     """A queued self-decoding pass after ``context`` (prompt and decided tokens): the lookahead's
-    prediction, the part of it scored, the rows (None: a run's step that the scorer did not reach),
-    and the greedy run that goes on after it, ``step`` its next step."""
+    prediction (after the ``forced`` tokens the session's constraint forces), the part of those
+    scored, the rows (None: a run's step that the scorer did not reach), and the greedy run that
+    goes on after it, ``step`` its next step."""
 
     context: tuple[int, ...]
     prediction: tuple[int, ...]
@@ -68,11 +69,17 @@ class _Pass:
     logits: asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None]
     run: ScoredRun | None = None
     step: int = 0
+    forced: int = 0
 
     def withdraw(self) -> None:
         self.logits.cancel()
         if self.run is not None:
             self.run.cancel()
+
+
+# _predict's answer: the lookahead's prediction, the tokens to score, and how many of them the
+# session's constraint forced (they come first).
+_Predicted = tuple[tuple[int, ...], tuple[int, ...], int]
 
 
 def _undecided(machine: VerifierSession, context: tuple[int, ...]) -> tuple[int, ...]:
@@ -163,15 +170,15 @@ class SelfDecoding:
         self,
         live: LiveSession,
         context: tuple[int, ...],
-        predicted: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        predicted: _Predicted | None = None,
     ) -> _Pass:
         """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens), under
         rule 1 with the greedy run after it; ``predicted``: `_predict`'s answer, where known."""
-        prediction, guess = predicted if predicted is not None else self._predict(live, context)
+        prediction, guess, forced = predicted if predicted is not None else self._predict(live, context)
         machine = live.machine
         steps = self._run_ahead(machine, context, guess)
         if not steps:
-            return _Pass(context, prediction, guess, self._scoring.submit(live, guess))
+            return _Pass(context, prediction, guess, self._scoring.submit(live, guess), forced=forced)
         # The run feeds the tokens rule 1 decides, the most probable of the shaped target logits
         # (the constraint's, the penalties'), from a copy of the session's shaping state that it
         # advances itself on the scorer's thread. A policy that changes the profile meanwhile only
@@ -180,7 +187,7 @@ class SelfDecoding:
         logits.commit(_undecided(machine, context))
         picker = TargetMostProbable(logits, machine.sampling_for(machine.round + 1))
         run = self._scoring.submit_ahead(live, guess, steps, picker)
-        return _Pass(context, prediction, guess, run.rows, run)
+        return _Pass(context, prediction, guess, run.rows, run, forced=forced)
 
     def _follow(self, live: LiveSession, scoring: _Pass, context: tuple[int, ...], greedy: bool) -> _Pass:
         """The pass after ``scoring``'s last round: the next step of its run where the scorer fed
@@ -190,17 +197,18 @@ class SelfDecoding:
         run = scoring.run
         predicted = self._predict(live, context)
         if run is not None and greedy and scoring.step < len(run.steps) and not run.steps[scoring.step].cancelled():
-            prediction, guess = predicted
+            prediction, guess, forced = predicted
             if guess:
                 run.cancel(after=scoring.step)
-            return _Pass(context, prediction, (), run.steps[scoring.step], run, scoring.step + 1)
+            return _Pass(context, prediction, (), run.steps[scoring.step], run, scoring.step + 1, forced)
         if run is not None:
             run.cancel()
         return self._start_pass(live, context, predicted)
 
-    def _predict(self, live: LiveSession, context: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The lookahead's prediction after ``context``, and the part of it worth scoring: first the
-        tokens the session's constraint forces, all scored, then the lookahead's guess after them."""
+    def _predict(self, live: LiveSession, context: tuple[int, ...]) -> _Predicted:
+        """The lookahead's prediction after ``context`` and the tokens the session's constraint
+        forces there, the part worth scoring (the forced tokens, all scored, then the lookahead's
+        guess after them), and how many were forced."""
         machine = live.machine
         forced: tuple[int, ...] = ()
         if machine.constraint is not None:
@@ -214,7 +222,7 @@ class SelfDecoding:
         # is step by step, so the shorter one is the longer one's beginning.
         guessed = self._lookahead.predict(live, context + forced, max(worth, min(1, budget)))
         guess = guessed[: speculation_length(live.lookahead.alpha, sessions, len(guessed), curve)] if worth else ()
-        return forced + guessed, forced + guess
+        return guessed, forced + guess, len(forced)
 
     def _run_ahead(self, machine: VerifierSession, context: tuple[int, ...], guess: tuple[int, ...]) -> int:
         """Greedy steps the scorer takes after a pass: under rule 1 the drawn token is the most
@@ -272,7 +280,8 @@ class SelfDecoding:
             for one in pending:
                 self._rounds.release(live, one)
                 released.append(one)
-            live.record_lookahead(scoring.prediction, decided)
+            # The forced tokens are the grammar's, not the lookahead's: they are always right.
+            live.record_lookahead(scoring.prediction, decided[scoring.forced :])
         except BaseException:
             scoring.withdraw()
             if isinstance(following, _Pass):
