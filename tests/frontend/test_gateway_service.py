@@ -115,8 +115,16 @@ async def test_a_lone_surrogate_is_a_400_in_openais_shape(cluster: Cluster) -> N
 # -- bounds under load -----------------------------------------------------------------------------------------------
 
 
+async def connected_ahead(cluster: Cluster, gateway: GatewayNode) -> None:
+    """Wait for the connections the gateway makes at start: their TLS handshakes allocate in this
+    process, and a test that traces the allocations of one request must not count them."""
+    peers = gateway.client.peers
+    await eventually(lambda: peers.holds(cluster.verifier.uri) and peers.get(cluster.verifier.uri).connected)
+
+
 async def test_a_prompt_too_large_for_the_context_is_refused_before_it_is_tokenized(cluster: Cluster) -> None:
     gateway = await cluster.gateway()
+    await connected_ahead(cluster, gateway)
     # A legal body (under the 4 MiB limit) whose prompt is far more than 4096 tokens of the tiny
     # model can stand for: refused by its size. Tokenized, its ids alone would take 8 bytes each
     # (a list of 3.7 million), which tracemalloc would see; held, its body is about 3.7 MB twice.
@@ -139,6 +147,7 @@ async def test_a_prompt_too_large_for_the_context_is_refused_before_it_is_tokeni
 
 async def test_a_body_over_the_limit_is_refused_while_it_is_read(cluster: Cluster) -> None:
     gateway = await cluster.gateway(max_body_bytes=64 * 1024)
+    await connected_ahead(cluster, gateway)
     sent = 0
 
     async def chunks() -> AsyncIterator[bytes]:
