@@ -39,11 +39,12 @@ class ScriptedMeter(CoreMeter):
         return self.readings.pop(0) if self.readings else None
 
 
-def test_the_meter_subtracts_this_processs_own_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_meter_subtracts_this_processs_own_time(tmp_path: Path) -> None:
     proc = FakeProc(tmp_path)
     clock = iter([100.0, 102.0])
-    monkeypatch.setattr("sdcp.threads.time.monotonic", lambda: next(clock))
-    meter = CoreMeter(tmp_path)
+    # A clock of the meter's own: the process's threads (a load-windows thread among them) keep
+    # reading time.monotonic meanwhile.
+    meter = CoreMeter(tmp_path, clock=lambda: next(clock))
     ticks = meter._ticks_per_s
     proc.busy += 3 * ticks  # 1.5 cores over 2 s on the machine ...
     proc.own += 1 * ticks  # ... of which 0.5 core is this process
@@ -67,15 +68,10 @@ def test_the_team_never_exceeds_the_budget() -> None:
 
 
 def _steps(governor: CoreGovernor, monkeypatch: pytest.MonkeyPatch, count: int) -> list[int]:
-    """apply() once a second, as a busy model thread calls it, with a scripted clock."""
-    now = [0.0]
-    monkeypatch.setattr("sdcp.threads.time.monotonic", lambda: now[0])
+    """apply() ``count`` times, as a busy model thread calls it, each call meeting the next of the
+    meter's scripted windows."""
     monkeypatch.setattr("torch.set_num_threads", lambda n: None)
-    sizes = []
-    for step in range(count):
-        now[0] = float(step)
-        sizes.append(governor.apply())
-    return sizes
+    return [governor.apply() for _ in range(count)]
 
 
 def test_a_neighbour_busy_while_the_model_waited_shrinks_the_team_for_its_next_work(
@@ -138,27 +134,18 @@ def test_a_neighbour_that_keeps_a_core_busy_while_the_model_works_shrinks_the_te
 
 def test_slow_passes_still_measure(monkeypatch: pytest.MonkeyPatch) -> None:
     # Under a neighbour one pass can take seconds, so calls are seconds apart: each window counts.
-    now = [0.0]
-    monkeypatch.setattr("sdcp.threads.time.monotonic", lambda: now[0])
     monkeypatch.setattr("torch.set_num_threads", lambda n: None)
     governor = CoreGovernor(2, cores=2, meter=ScriptedMeter([(1.0, 1.2), (1.0, 1.0)]))
-    sizes = []
-    for when in (0.0, 3.0, 6.5):
-        now[0] = when
-        sizes.append(governor.apply())
-    assert sizes == [1, 1, 1]
+    assert [governor.apply() for _ in range(3)] == [1, 1, 1]
 
 
 def test_apply_sizes_the_calling_threads_team(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int] = []
-    now = [0.0]
-    monkeypatch.setattr("sdcp.threads.time.monotonic", lambda: now[0])
 
     def model_thread() -> None:
         governor = CoreGovernor(2, cores=2, meter=ScriptedMeter([None, (1.5, 1.0)]))
         governor.apply()
         seen.append(torch.get_num_threads())
-        now[0] = 1.0
         governor.apply()
         seen.append(torch.get_num_threads())
 

@@ -69,8 +69,9 @@ class CoreMeter:
     """How many cores processes other than this one keep busy, from ``/proc/stat`` and this
     process's own CPU time (Linux); None where those cannot be read."""
 
-    def __init__(self, proc: Path = Path("/proc")) -> None:
+    def __init__(self, proc: Path = Path("/proc"), clock: Callable[[], float] = time.monotonic) -> None:
         self._proc = proc
+        self._clock = clock
         self._ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._last = self._sample()
 
@@ -98,7 +99,7 @@ class CoreMeter:
             own = int(own_fields[11]) + int(own_fields[12])
         except (OSError, ValueError, IndexError):
             return None
-        return time.monotonic(), busy, own
+        return self._clock(), busy, own
 
 
 class LoadWindows:
