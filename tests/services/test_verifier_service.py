@@ -26,6 +26,7 @@ from tests.services.verifier_harness import (
     SESSION,
     Cluster,
     advance,
+    assign,
     contract,
     open_and_assign,
     proposal,
@@ -172,27 +173,9 @@ async def test_another_drafters_acceptance_starts_afresh(cluster: Cluster, targe
     lowered = live.acceptance.alpha
     assert lowered < AcceptanceEstimate().alpha
 
-    async def assign(drafter: str) -> None:
-        assignment = Assignment(
-            session=SESSION,
-            epoch=1,
-            contract=live.machine.contract,
-            verifier=cluster.node.uri,
-            drafter=drafter,
-            prompt=PROMPT,
-            round=state.round,
-            committed=state.committed,
-            digest=state.digest,
-            m_init=4,
-        )
-        status, _ = await cluster.client("router").put_cbor(
-            f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj()
-        )
-        assert status == 200
-
-    await assign(DRAFTER)
+    await assign(cluster, live.machine.contract, state)
     assert live.acceptance.alpha == lowered
-    await assign("https://127.0.0.1:3")
+    await assign(cluster, live.machine.contract, state, drafter="https://127.0.0.1:3")
     assert live.acceptance.alpha == AcceptanceEstimate().alpha
 
 

@@ -130,6 +130,24 @@ def advance(state: SessionState, verdict: Verdict) -> SessionState:
     )
 
 
+async def assign(env: Cluster, c: Contract, state: SessionState, *, drafter: str = DRAFTER, epoch: int = 1) -> None:
+    """PUT sessions/{id}/drafter from the router: ``drafter`` drafts from ``state`` on."""
+    assignment = Assignment(
+        session=SESSION,
+        epoch=epoch,
+        contract=c,
+        verifier=env.node.uri,
+        drafter=drafter,
+        prompt=PROMPT,
+        round=state.round,
+        committed=state.committed,
+        digest=state.digest,
+        m_init=4,
+    )
+    status, _ = await env.client("router").put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
+    assert status == 200
+
+
 async def open_and_assign(env: Cluster, c: Contract, epoch: int = 1, log_uri: str | None = None) -> SessionState:
     router = env.client("router")
     log_uri = log_uri or build_uri("local", None, "log", SESSION.hex())
@@ -137,18 +155,5 @@ async def open_and_assign(env: Cluster, c: Contract, epoch: int = 1, log_uri: st
     status, body = await router.post_cbor("sessions", opened.to_obj())
     assert status == 201
     state = SessionState.from_obj(body)
-    assignment = Assignment(
-        session=SESSION,
-        epoch=epoch,
-        contract=c,
-        verifier=env.node.uri,
-        drafter=DRAFTER,
-        prompt=PROMPT,
-        round=0,
-        committed=0,
-        digest=state.digest,
-        m_init=4,
-    )
-    status, body = await router.put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
-    assert status == 200
+    await assign(env, c, state, epoch=epoch)
     return state
