@@ -305,3 +305,8 @@ def test_m_cap_stays_within_what_the_pass_costs_make_worth_scoring() -> None:
     assert [control.after_round(1, 1, IDLE, worth=16).m_cap for _ in range(3)] == [3, 4, 5]
     assert control.after_round(1, 1, HIGH_LOAD_PERCENT + 1, worth=16).m_cap == 6
     assert control.after_round(1, 1, IDLE).m_cap == 7
+
+
+@pytest.mark.parametrize(("load", "worth", "ceiling"), [(0, None, 8), (0, 3, 3), (0, 0, 1), (90, 6, 4), (90, 2, 2)])
+def test_m_cap_ceiling_is_also_what_the_pass_costs_make_worth(load: int, worth: int | None, ceiling: int) -> None:
+    assert m_cap_ceiling(8, load, worth) == ceiling

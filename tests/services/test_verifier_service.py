@@ -47,7 +47,6 @@ from sdcp.protocol.drafter import AcceptanceEstimate
 from sdcp.protocol.messages import (
     MAX_OUTPUT_READS,
     Action,
-    Assignment,
     Output,
     OutputBatch,
     OutputRead,
@@ -538,26 +537,14 @@ async def test_a_session_nothing_drives_is_closed_after_the_idle_timeout(tmp_pat
         node = env.node
         c = contract(target)
         state = await open_and_assign(env, c)
-        drafter, router = env.client("drafter"), env.client("router")
+        drafter = env.client("drafter")
         _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
         state = advance(state, Verdict.from_obj(body))
-        assignment = Assignment(
-            session=SESSION,
-            epoch=1,
-            contract=c,
-            verifier=node.uri,
-            drafter=DRAFTER,
-            prompt=PROMPT,
-            round=state.round,
-            committed=state.committed,
-            digest=state.digest,
-            m_init=4,
-        )
         # A router message drives it: its idle time starts again (checked on the session's clock
         # reading, not by racing the sweep with real pauses).
         live = node.engine.sessions[SESSION]
         before = time.monotonic()
-        await router.put_cbor(f"sessions/{session_path_id(SESSION)}/drafter", assignment.to_obj())
+        await assign(env, c, state)
         assert live.driven_at >= before and node.engine.sessions.get(SESSION) is live
         # Then nothing drives it, as after a takeover by another verifier.
         await eventually(lambda: SESSION not in node.engine.sessions and not target.has_session(SESSION))

@@ -160,7 +160,7 @@ def checked_tokens(tokens: Sequence[int], vocab_size: int) -> list[int]:
     return checked
 
 
-def common_prefix_length(held: list[int], given: list[int]) -> int:
+def common_prefix_length(held: Sequence[int], given: Sequence[int]) -> int:
     """The length of the longest common prefix, by slice comparisons (C speed) over halving ranges
     rather than a Python step per token: a long session's sync costs little beyond its new tokens."""
     low, high = 0, min(len(held), len(given))

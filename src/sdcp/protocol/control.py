@@ -56,13 +56,14 @@ def is_low_round(accepted: int, proposed: int, low_ratio: int | None) -> bool:
     return _PERCENT * accepted < low_ratio * proposed
 
 
-def m_cap_ceiling(m_max: int, verifier_load: int) -> int:
-    """The largest m_cap the verifier grants at ``verifier_load`` percent (SDCP 6.5.1)."""
+def m_cap_ceiling(m_max: int, verifier_load: int, worth: int | None = None) -> int:
+    """The largest m_cap the verifier grants at ``verifier_load`` percent (SDCP 6.5.1), and never
+    above ``worth``, the longest proposal its pass costs make worth scoring now, where known (at
+    least 1 is granted)."""
     if not 0 <= verifier_load <= _PERCENT:
         raise ValueError(f"verifier load is a percentage, got {verifier_load}")
-    if verifier_load > HIGH_LOAD_PERCENT:
-        return max(1, m_max // 2)
-    return m_max
+    ceiling = max(1, m_max // 2) if verifier_load > HIGH_LOAD_PERCENT else m_max
+    return ceiling if worth is None else min(ceiling, max(1, worth))
 
 
 class SpeculationControl:
@@ -123,9 +124,7 @@ class SpeculationControl:
         if self.self_decoding:
             raise ValueError("a proposal round during a self-decoding period")
         # SDCP 6.5.1: the verifier lowers m_cap when its own load makes long proposals costly.
-        ceiling = m_cap_ceiling(self._contract.m_max, verifier_load)
-        if worth is not None:
-            ceiling = min(ceiling, max(1, worth))
+        ceiling = m_cap_ceiling(self._contract.m_max, verifier_load, worth)
         if is_low_round(accepted, proposed, self._contract.low_ratio):
             self.consecutive_low += 1
             self.consecutive_good = 0

@@ -13,6 +13,7 @@ from typing import Any
 
 from sdcp.cache import CommitLog
 from sdcp.engines.verifier.observe import TRACE_ROUNDS, RoundTimings, RoundTrace
+from sdcp.models.backend import common_prefix_length
 from sdcp.models.lookup.suffix import SuffixIndex
 from sdcp.protocol.drafter import AcceptanceEstimate
 from sdcp.protocol.messages import Verdict
@@ -94,10 +95,8 @@ class LiveSession:
         and passes of 272 rows took 2.3 s where 16 rows take 90 ms (docs/performance.md, session
         26)."""
         compared = min(len(prediction), len(decided))
-        if not compared:
-            return
-        right = next((index for index in range(compared) if prediction[index] != decided[index]), compared)
-        self.lookahead.update(right, right if right == compared else right + 1)
+        if compared:
+            self.lookahead.update(common_prefix_length(prediction, decided), compared)
 
     def wake_readers(self) -> None:
         # Readers wait on the current event; replacing it after setting wakes each exactly once.

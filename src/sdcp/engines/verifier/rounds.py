@@ -204,7 +204,7 @@ class Rounds:
                 self._scoring.curve(live, proposal.tokens),
             )
             pending = live.machine.decide(ticket, logits, q_rows, self._scoring.load, worth=worth)
-            live.acceptance.update(min(pending.verdict.accepted, len(proposal.tokens)), len(proposal.tokens))
+            live.acceptance.update(pending.verdict.accepted, len(proposal.tokens))
             verdict = await self.commit(live, pending)
             done.set_result(verdict)
             return verdict
