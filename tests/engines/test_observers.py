@@ -27,7 +27,7 @@ def test_two_routers_in_one_process_count_apart() -> None:
     first.event(Action.SWITCH)
     first.opened()
     first.opened(loaded=True)
-    first.let_go(live=True)
+    first.let_go()
     assert sample("sdcp_router_decoding_choices_total", first.uri, choice="explore") == 1
     assert sample("sdcp_router_decoding_choices_total", second.uri, choice="explore") == 0
     assert sample("sdcp_router_events_total", first.uri, kind="switch") == 1

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 import pytest
-from tests.waiting import eventually
+from tests.waiting import eventually, eventually_async
 
 from sdcp.bench.inprocess import InMemoryRouterLink, InMemoryVerifierLink
-from sdcp.cache import MLC, StoreUnavailable
+from sdcp.cache import MLC, ObjectInfo, StoreUnavailable
 from sdcp.cache.prefix import SHARE_TOKENS, shared_hashes, tenant_scope
 from sdcp.config import DrafterConfig, RouterConfig, VerifierConfig
 from sdcp.engines.drafter import DrafterEngine
@@ -285,6 +285,38 @@ async def test_the_session_of_a_router_that_is_gone_is_taken_over_by_another(
     assert await committed(world, taken) == greedy(tiny_loaded, MAX_NEW)
     await eventually(lambda: taken.ended)
     assert await b.store.load(session) is None
+
+
+async def test_a_session_that_ends_while_its_facts_are_written_stays_answerable(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session ends (its verifier's finish event deletes its facts from the shared tier) while
+    the router writes the drafter its open assigned: that write fails on the deleted version, and
+    the router keeps the ended session, which it ended itself, for the front end's next question."""
+    router = world.router(ROUTER_A)
+    await router.start()
+    world.events_to.append(router)
+    world.report(quiet=(V2,))
+    put = world.mlc.put
+
+    async def put_after_the_end(uri: str, data: bytes, *, if_match: str | None = None) -> ObjectInfo:
+        facts = codec.decode(data)
+        if isinstance(facts, dict) and "drafter" in facts:
+            session = SessionOpen.from_obj(facts["open"]).session
+            tracked = router.sessions[session]
+            await eventually(lambda: tracked.ended)
+            await eventually_async(lambda: _gone(router, session))
+        return await put(uri, data, if_match=if_match)
+
+    monkeypatch.setattr(world.mlc, "put", put_after_the_end)
+    tracked = await router.open_session(FRONT_END, SessionRequest(prompt=PROMPT, contract=world.contract))
+    assert tracked.ended
+    assert await router.contact(tracked.session) is tracked
+    assert await router.store.load(tracked.session) is None
+
+
+async def _gone(router: RouterEngine, session: bytes) -> bool:
+    return await router.store.load(session) is None
 
 
 async def test_a_router_holds_what_its_limits_allow(world: World) -> None:

@@ -575,10 +575,14 @@ class RouterEngine:
         self._tasks.spawn(self._forget_later(tracked))
 
     def _let_go(self, tracked: TrackedSession, why: Exception) -> None:
-        """Another router changed the session since this one read it: that router holds it now."""
+        """Another router changed the session since this one read it: that router holds it now.
+        Not a session this router ended: its facts left the shared tier because it ended here (a
+        write racing the deletion fails on it), and it stays answerable until forgotten."""
+        if tracked.ended:
+            return
         if self.sessions.get(tracked.session) is tracked:
             del self.sessions[tracked.session]
-            self.metrics.let_go(live=not tracked.ended)
+            self.metrics.let_go()
         log.info("%s: session %s is held by another router now: %s", self.uri, tracked.session.hex(), why)
 
     async def _save_quietly(self, tracked: TrackedSession) -> None:

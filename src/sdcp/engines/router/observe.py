@@ -119,10 +119,9 @@ class RouterMetrics:
     def ended(self) -> None:
         self._sessions_open.dec()
 
-    def let_go(self, *, live: bool) -> None:
-        """Another router holds a session now (one that had not ended: ``live``)."""
-        if live:
-            self._sessions_open.dec()
+    def let_go(self) -> None:
+        """Another router holds a session (one that had not ended here) now."""
+        self._sessions_open.dec()
         self._let_go.inc()
 
     def event(self, kind: Action) -> None:
