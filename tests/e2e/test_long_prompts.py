@@ -1,8 +1,9 @@
 """Long prompts never fail (issue #37): prompts near the context length, sent at once to a cluster
 whose verifier shares the machine with a busy core and whose router gives a session-open little time
 per token, all succeed (the verifier prefills them one at a time, and the router waits for its queue),
-with the same output as sent alone; and a client that goes away while its prompt prefills stops that
-prefill at its next step."""
+with the same output as sent alone; short ones sent at once are prefilled together, with the same
+output as alone (issue 38); and a client that goes away while its prompt prefills stops that prefill
+at its next step."""
 
 from __future__ import annotations
 
@@ -94,6 +95,33 @@ def test_prompts_near_the_context_length_sent_at_once_to_a_busy_verifier_all_suc
     at_once, alone = asyncio.run(run())
     assert at_once == alone
     assert all(at_once)
+
+
+def test_short_prompts_sent_at_once_are_prefilled_together_and_answer_as_alone(cluster: LocalCluster) -> None:
+    """Short questions that wait for the verifier's prefill together are prefilled in one call
+    (sdcp.engines.verifier.prefills): each answer is the one it gets alone (SDCP 6.4 rule 1)."""
+    questions = [f"Name {count} fruits that are {colour}." for count, colour in zip(range(2, 10), COLOURS, strict=True)]
+    log = cluster.root / "logs" / "verifier.log"
+
+    def grouped() -> int:
+        return sum("short prompts prefilled together" in line for line in log.read_text().splitlines())
+
+    before = grouped()
+
+    async def run() -> tuple[list[str], list[str]]:
+        client = openai.AsyncOpenAI(base_url=cluster.gateway, api_key="unused", max_retries=0, timeout=600)
+        at_once = await asyncio.gather(*(answer(client, question) for question in questions))
+        alone = [await answer(client, question) for question in questions]
+        await client.close()
+        return list(at_once), alone
+
+    at_once, alone = asyncio.run(run())
+    assert at_once == alone
+    assert all(at_once)
+    assert grouped() > before
+
+
+COLOURS = ("red", "yellow", "green", "blue", "orange", "purple", "brown", "white")
 
 
 def test_a_client_that_leaves_during_its_prefill_stops_it(cluster: LocalCluster) -> None:

@@ -11,6 +11,7 @@ import pytest
 from tests.models.greedy_rows import assert_same, greedy_rows
 
 from sdcp.cache.prefix import BLOCK_TOKENS, SHARE_TOKENS
+from sdcp.models.backend import Opening
 from sdcp.models.llamacpp.target import SEQUENCE_TOKENS_PER_CALL, LlamaCppTarget
 from sdcp.models.registry import load_tokenizer
 from sdcp.models.weights.fetch import FetchResult, smollm2_gguf
@@ -156,3 +157,39 @@ def test_a_prefix_cached_while_its_session_still_extends_it_serves_another_sessi
     assert index.hits - hits_before == len(prompt) - 1
     warm.close_session(b"first")
     assert_same(first_rows, greedy_rows(cold, b"first", prompt, STEPS))
+
+
+def test_prompts_opened_together_decode_as_each_opened_alone(
+    gguf: Path, cold: LlamaCppTarget, text_tokens: list[int]
+) -> None:
+    """Short prompts that wait together are prefilled in the same llama_decode calls
+    (Target.open_sessions): every session's rows are those of its prompt opened alone, whether its
+    prefix came from the cache, spanned several calls or was a token; an opening that fails (a
+    token outside the vocabulary, a session already open) fails alone."""
+    together = LlamaCppTarget(
+        gguf, gguf.parent / "tokenizer.json", threads=2, kv_slots=8, kv_capacity=CAPACITY, prefix_cache_bytes=256 << 20
+    )
+    system = text_tokens[: 2 * BLOCK + 3]
+    together.open_session(b"seed", [*system, 7])
+    together.close_session(b"seed")
+    prompts = {
+        b"cached": [*system, *text_tokens[3 * BLOCK : 3 * BLOCK + 9]],
+        b"long": text_tokens[100 : 100 + 2 * SEQUENCE_TOKENS_PER_CALL + 5],
+        b"one": text_tokens[7:8],
+        b"short": text_tokens[40:52],
+    }
+    bad = [*text_tokens[:5], 10**9]
+    openings = [Opening(session, tuple(prompt)) for session, prompt in prompts.items()]
+    failures = together.open_sessions([*openings[:2], Opening(b"bad", tuple(bad)), *openings[2:], openings[0]])
+    assert [type(failure).__name__ for failure in failures] == ["NoneType"] * 2 + ["BadTokens"] + ["NoneType"] * 2 + [
+        "SessionExists"
+    ]
+    assert not together.has_session(b"bad")
+    rows: dict[bytes, list[np.ndarray]] = {session: [] for session in prompts}
+    for _ in range(STEPS):
+        for session in prompts:
+            (row,) = together.score([(session, ())])
+            rows[session].append(row[0].copy())
+            together.commit(session, 0, [int(np.argmax(row[0]))])
+    for session, prompt in prompts.items():
+        assert_same(rows[session], greedy_rows(cold, session, prompt, STEPS))

@@ -16,6 +16,7 @@ from sdcp.models import (
     TargetModel,
     UnknownSession,
 )
+from sdcp.models.backend import Opening
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -230,3 +231,21 @@ def test_a_commit_of_the_first_proposed_tokens_keeps_the_rest_scored(tiny_target
     fresh = tiny_target.score([(session, [8, 9, 10])])[0]
     np.testing.assert_allclose(rows, fresh[-1:], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(fresh[:3], expected[1:], rtol=1e-4, atol=1e-4)
+
+
+def test_openings_together_fail_alone_and_open_as_one_by_one(tiny_target: TargetModel, session_ids) -> None:
+    """Target.open_sessions on torch: one prefill after another, each opening's failure its own."""
+    good, bad, again = next(session_ids), next(session_ids), next(session_ids)
+    failures = tiny_target.open_sessions(
+        [
+            Opening(good, tuple(PROMPTS[0])),
+            Opening(bad, (1, tiny_target.vocab_size)),
+            Opening(again, tuple(PROMPTS[2])),
+            Opening(good, tuple(PROMPTS[1])),
+        ]
+    )
+    assert failures[0] is None and failures[2] is None
+    assert isinstance(failures[1], BadTokens) and isinstance(failures[3], SessionExists)
+    assert tiny_target.has_session(good) and tiny_target.has_session(again) and not tiny_target.has_session(bad)
+    (reference,) = _open_all(tiny_target, session_ids, [PROMPTS[0]])
+    _assert_kv_close(tiny_target.session_kv(good), tiny_target.session_kv(reference))

@@ -9,17 +9,19 @@ verifier engine and `sdcp.models.batching.BatchingScorer` are typed against the 
 from __future__ import annotations
 
 from collections.abc import Collection, Generator, Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 
 from sdcp.cache.prefix import PrefixIndex
-from sdcp.models.errors import BadTokens, DigestMismatch, InconsistentCommit, UnknownSession
+from sdcp.models.errors import BadTokens, DigestMismatch, InconsistentCommit, ModelError, UnknownSession
 
 __all__ = [
     "DEFAULT_KV_SLOTS",
     "LLAMACPP_KV_SLOTS",
     "MAX_SLOT_CAPACITY",
+    "Opening",
     "ScoreRequest",
     "SessionId",
     "Target",
@@ -29,6 +31,7 @@ __all__ = [
     "check_contract_digests",
     "checked_tokens",
     "common_prefix_length",
+    "open_each",
     "lookup_session",
     "proposal_rest",
     "extended_proposal",
@@ -49,6 +52,16 @@ DEFAULT_KV_SLOTS = 32
 LLAMACPP_KV_SLOTS = 16
 # Positions per session of the pool, at most, where the configuration leaves it to the model.
 MAX_SLOT_CAPACITY = 4096
+
+
+@dataclass(frozen=True)
+class Opening:
+    """A session to open by a prefill (Target.open_sessions): its committed prefix and the scope
+    of the prefixes it may be served from (Target.open_session)."""
+
+    session: SessionId
+    tokens: tuple[int, ...]
+    prefix_scope: bytes = b""
 
 
 class Target(Protocol):
@@ -107,6 +120,12 @@ class Target(Protocol):
         prefill): each ``next`` runs one step and yields how many tokens are still to prefill; the
         session is open once the iterator ends. Closing the iterator before its end forgets the
         session. Every step runs on the scorer's thread."""
+        ...
+
+    def open_sessions(self, openings: Sequence[Opening]) -> list[ModelError | None]:
+        """`open_session` for each opening, their prefills run together where the backend can
+        (llama.cpp: their tokens share its calls, as a pass's sessions do); each one's failure,
+        None where the session is open. A session that failed is not open."""
         ...
 
     def import_kv(self, session: SessionId, data: bytes, committed_tokens: Sequence[int]) -> None:
@@ -235,3 +254,17 @@ def lookup_session(sessions: dict[SessionId, SessionState], session: SessionId, 
         return sessions[session]
     except KeyError:
         raise UnknownSession(f"session {session.hex()} is not open on {owner}") from None
+
+
+def open_each(target: Target, openings: Sequence[Opening]) -> list[ModelError | None]:
+    """`Target.open_sessions` one prefill after another, for a backend that gains nothing from
+    running them together."""
+    failures: list[ModelError | None] = []
+    for opening in openings:
+        try:
+            target.open_session(opening.session, opening.tokens, prefix_scope=opening.prefix_scope)
+        except ModelError as exc:
+            failures.append(exc)
+        else:
+            failures.append(None)
+    return failures

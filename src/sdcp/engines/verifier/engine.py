@@ -37,15 +37,16 @@ from sdcp.engines.verifier.observe import (
     session_stats,
     session_trace,
 )
+from sdcp.engines.verifier.prefills import ShortPrefills
 from sdcp.engines.verifier.prefixshare import PrefixSharing
 from sdcp.engines.verifier.rounds import RecordSign, Rounds, Scoring
 from sdcp.engines.verifier.selfdecode import SelfDecoding
 from sdcp.grammar import ConstraintError, GrammarConstraint, grammar_tokenizer
 from sdcp.latency import observe_part
-from sdcp.models.backend import Target
+from sdcp.models.backend import Opening, Target
 from sdcp.models.batching import BatchingScorer
 from sdcp.models.drafter import TokenTimer
-from sdcp.models.errors import DigestMismatch
+from sdcp.models.errors import DigestMismatch, ModelError
 from sdcp.models.worker import ModelThreadClosed
 from sdcp.protocol.drafter import AcceptanceEstimate
 from sdcp.protocol.messages import (
@@ -191,6 +192,7 @@ class VerifierEngine:
         )
         self._long_polls = 0
         self._prefill_turn = asyncio.Lock()
+        self._short_prefills = ShortPrefills(turn=self._prefill_turn, prefill=self._prefill_group, close=self._forget)
         # The opens waiting for or in their prefill (status prefill_tokens); short ones go first.
         self.admissions = Admissions(lambda: self.settings.admission_hold_ms / 1000)
         # Seconds per self-decoded token, for the router's choice between drafters and this
@@ -634,15 +636,39 @@ class VerifierEngine:
             # One prefill at a time, in arrival order, its steps between other sessions' passes: a
             # queue of long prompts waits its turn, and running streams keep decoding meanwhile
             # (while the prompts are short, the running self-decoding sessions wait: Admissions).
-            async with self._prefill_turn:
-                turn = time.perf_counter()
-                parts["prefill_wait"] = turn - queued
-                await self._prefix_sharing.fetch(tokens[:-1], scope)
-                await self._prefill_in_steps(message.session, tokens, scope, requester_gone)
-                parts["prefill"] = time.perf_counter() - turn
+            # Short prompts that wait for the same turn are prefilled together (ShortPrefills).
+            if len(tokens) <= self.admissions.short_tokens:
+                opening = Opening(message.session, tokens, scope)
+                turn = await self._short_prefills.prefill(opening, requester_gone)
+            else:
+                async with self._prefill_turn:
+                    turn = time.perf_counter()
+                    await self._prefix_sharing.fetch(tokens[:-1], scope)
+                    await self._prefill_in_steps(message.session, tokens, scope, requester_gone)
+            parts["prefill_wait"] = turn - queued
+            parts["prefill"] = time.perf_counter() - turn
             for part, seconds in parts.items():
                 observe_part(self.uri, part, seconds)
         return 0
+
+    async def _prefill_group(self, openings: Sequence[Opening]) -> list[ModelError | None]:
+        """Short prompts prefilled together (ShortPrefills), in one call on the model's thread."""
+        for opening in openings:
+            await self._prefix_sharing.fetch(opening.tokens[:-1], opening.prefix_scope)
+        prefixes = self.target.prefixes
+        before = (0, 0) if prefixes is None else (prefixes.queries, prefixes.hits)
+        failures = await self.scorer.run_async(self.target.open_sessions, openings)
+        if prefixes is not None:
+            self.metrics.prefix_lookups(prefixes.queries - before[0], prefixes.hits - before[1])
+        if len(openings) > 1:
+            tokens = sum(len(opening.tokens) for opening in openings)
+            log.info("%s: %d short prompts prefilled together (%d tokens)", self.uri, len(openings), tokens)
+        return failures
+
+    def _forget(self, session: bytes) -> None:
+        """Close a session opened in the target for an opener that went away."""
+        with contextlib.suppress(ModelThreadClosed):
+            self.scorer.run(self.target.close_session, session)
 
     async def _prefill_in_steps(
         self, session: bytes, tokens: tuple[int, ...], scope: bytes, requester_gone: asyncio.Event | None

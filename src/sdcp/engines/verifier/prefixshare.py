@@ -169,7 +169,8 @@ class PrefixSharing:
         """Bring the longest shared prefix of ``prefix`` (the tokens a prefill computes) that
         reaches past the local cache into it; does nothing where none is usable."""
         index = self._target.prefixes
-        if index is None or self._authority is None:
+        if index is None or self._authority is None or len(prefix) < SHARE_TOKENS:
+            # A prefix shorter than SHARE_TOKENS has no shared name: no question for the scorer.
             return
         hashes = index.hashes(prefix, scope)
         try:

@@ -22,6 +22,7 @@ from sdcp.cache.prefix import BLOCK_TOKENS, PrefixIndex
 from sdcp.models.backend import (
     DEFAULT_KV_SLOTS,
     MAX_SLOT_CAPACITY,
+    Opening,
     ScoreRequest,
     SessionId,
     TargetBackend,
@@ -30,6 +31,7 @@ from sdcp.models.backend import (
     checked_tokens,
     extended_proposal,
     lookup_session,
+    open_each,
     proposal_rest,
 )
 from sdcp.models.errors import BadTokens, KVFormatError, ModelError, SessionExists
@@ -164,6 +166,10 @@ class TargetModel:
         prefix cache where it is on (`open_session_steps`)."""
         for _ in self.open_session_steps(session, prompt_tokens, prefix_scope=prefix_scope):
             pass
+
+    def open_sessions(self, openings: Sequence[Opening]) -> list[ModelError | None]:
+        """One prefill after another: a packed pass of several prompts costs their rows here."""
+        return open_each(self, openings)
 
     def open_session_steps(
         self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b""

@@ -38,6 +38,7 @@ import numpy as np
 from sdcp.cache.prefix import BLOCK_TOKENS, SHARE_TOKENS, PrefixIndex
 from sdcp.models.backend import (
     LLAMACPP_KV_SLOTS,
+    Opening,
     ScoreRequest,
     SessionId,
     TargetBackend,
@@ -262,6 +263,44 @@ class LlamaCppTarget:
                 with self._lock:
                     if self._sessions.get(session) is state:
                         self._remove_session(session)
+
+    def open_sessions(self, openings: Sequence[Opening]) -> list[ModelError | None]:
+        """`open_session` for each opening, their prefills in the same llama_decode calls: a call
+        takes each sequence's next tokens as a pass does (fewer than 64 of one sequence, so that a
+        cell's KV is what a prefill of its own computes), and short prompts that wait together pay
+        one prefill's fixed costs, not one each. A failed call fails every opening it held."""
+        failures: list[ModelError | None] = [None] * len(openings)
+        # Each session this call added, with where its prefill starts (after the restored prefix).
+        added: list[tuple[int, _Sequence]] = []
+        starts: list[int] = []
+        with self._lock:
+            try:
+                for index, opening in enumerate(openings):
+                    try:
+                        state = self._add_session(opening.session, self._checked_prefix(opening.tokens))
+                    except ModelError as exc:
+                        failures[index] = exc
+                        continue
+                    state.prefix_scope = opening.prefix_scope
+                    added.append((index, state))
+                    starts.append(self._restore_prefix(state, state.tokens[:-1]))
+                feeds = [
+                    _Feed(state.seq_id, start, state.tokens[start:-1])
+                    for (_, state), start in zip(added, starts, strict=True)
+                ]
+                self._decode([feed for feed in feeds if feed.tokens], rows=False)
+            except BaseException as exc:
+                for index, _ in added:
+                    self._remove_session(openings[index].session)
+                    if isinstance(exc, ModelError):
+                        failures[index] = exc
+                if not isinstance(exc, ModelError):
+                    raise
+                return failures
+            for (_, state), start in zip(added, starts, strict=True):
+                if len(state.tokens) - 1 - start >= SHARE_TOKENS:
+                    self._keep_prefix(state, state.tokens[:-1], start)
+        return failures
 
     def import_kv(self, session: SessionId, data: bytes, committed_tokens: Sequence[int]) -> None:
         """Open ``session`` from a blob of `export_kv` by a target of this GGUF, llama.cpp build

@@ -1,0 +1,157 @@
+"""Short prompts that wait together are prefilled together (issue 38: sixteen streams).
+
+When sixteen streams ask their next questions at about the same time, a verifier that prefills one
+prompt at a time runs sixteen prefills of a dozen or so tokens each, with the first passes of the
+sessions already prefilled between them: on 2 cores about 1.6 s before the streams decode together
+again, where llama-server, which puts every waiting prompt in one batch, took 0.7 s. So the short
+prompts (Admissions.short_tokens) that wait for the verifier's prefill turn when it comes are
+prefilled in one model call (`Target.open_sessions`), up to GROUP_TOKENS prompt tokens, in arrival
+order; the turn is the one long prompts take for their steps (one prefill at a time, in arrival
+order). A prompt that arrives while a group runs waits for the next turn; one whose opener went away
+before its group started is not prefilled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sdcp.engines.errors import RequesterGone
+from sdcp.models.backend import Opening, SessionId
+from sdcp.models.errors import ModelError
+
+__all__ = ["GROUP_TOKENS", "ShortPrefills"]
+
+# The prompt tokens of one group at most: one llama.cpp call's batch (BATCH_TOKENS), about 1.5 s of
+# prefill on 2 cores, within which the running sessions wait (Admissions.hold_s bounds each wait).
+GROUP_TOKENS = 512
+
+Prefill = Callable[[Sequence[Opening]], Awaitable[list[ModelError | None]]]
+
+
+@dataclass(eq=False)
+class _Waiting:
+    opening: Opening
+    requester_gone: asyncio.Event | None
+    done: asyncio.Future[float] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    # In a group under way: its outcome comes with the group's.
+    taken: bool = False
+    # Its opener stopped waiting: a session opened for it is closed again.
+    abandoned: bool = False
+
+
+class ShortPrefills:
+    """Groups of short prompts prefilled by ``prefill`` (one model call each), one group per turn
+    of ``turn``; ``close`` forgets a session opened for an opener that went away."""
+
+    def __init__(
+        self,
+        *,
+        turn: asyncio.Lock,
+        prefill: Prefill,
+        close: Callable[[SessionId], None],
+        group_tokens: int = GROUP_TOKENS,
+    ) -> None:
+        if group_tokens < 1:
+            raise ValueError(f"a group holds at least one token, got {group_tokens}")
+        self._turn = turn
+        self._prefill = prefill
+        self._close = close
+        self._group_tokens = group_tokens
+        self._queue: deque[_Waiting] = deque()
+
+    async def prefill(self, opening: Opening, requester_gone: asyncio.Event | None = None) -> float:
+        """Open ``opening``'s session, prefilled with the short prompts waiting beside it; returns
+        when (time.perf_counter) its group's prefill began. Raises its failure (ModelError), or
+        RequesterGone where its opener went away before its group began."""
+        waiting = _Waiting(opening, requester_gone)
+        self._queue.append(waiting)
+        try:
+            while not waiting.done.done():
+                if waiting.taken:
+                    await asyncio.wait([waiting.done])
+                else:
+                    await self._take_turn(waiting)
+            return waiting.done.result()
+        except BaseException:
+            waiting.abandoned = True
+            with contextlib.suppress(ValueError):
+                self._queue.remove(waiting)
+            if waiting.done.done() and not waiting.done.cancelled() and waiting.done.exception() is None:
+                self._close(opening.session)
+            raise
+
+    async def _take_turn(self, waiting: _Waiting) -> None:
+        """Wait for the turn, or for another's group to have opened ``waiting``'s session; with the
+        turn, run the group at the head of the queue."""
+        acquire: asyncio.Future[bool] = asyncio.ensure_future(self._turn.acquire())
+        either: list[asyncio.Future[Any]] = [acquire, waiting.done]
+        try:
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            self._give_up(acquire)
+            raise
+        if not acquire.done():
+            self._give_up(acquire)
+            return
+        try:
+            if not waiting.done.done():
+                # Shielded: the group's openers learn their outcome even if this one goes away.
+                await asyncio.shield(self._run(self._take_group()))
+        finally:
+            self._turn.release()
+
+    def _give_up(self, acquire: asyncio.Future[bool]) -> None:
+        """Stop waiting for the turn; one granted meanwhile is handed on."""
+        if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
+            self._turn.release()
+        else:
+            acquire.cancel()
+
+    def _take_group(self) -> list[_Waiting]:
+        group: list[_Waiting] = []
+        tokens = 0
+        while self._queue and (not group or tokens + len(self._queue[0].opening.tokens) <= self._group_tokens):
+            waiting = self._queue.popleft()
+            waiting.taken = True
+            tokens += len(waiting.opening.tokens)
+            group.append(waiting)
+        return group
+
+    async def _run(self, group: list[_Waiting]) -> None:
+        members = []
+        for waiting in group:
+            gone = waiting.requester_gone is not None and waiting.requester_gone.is_set()
+            if gone and not waiting.done.done():
+                session = waiting.opening.session.hex()
+                waiting.done.set_exception(RequesterGone(f"session {session}: its opener went away before its prefill"))
+            elif not waiting.abandoned:
+                members.append(waiting)
+        if not members:
+            return
+        started = time.perf_counter()
+        try:
+            failures = await self._prefill([waiting.opening for waiting in members])
+        except Exception as exc:  # noqa: BLE001 - every opener of the group learns why it failed
+            for waiting in members:
+                if not waiting.done.done():
+                    waiting.done.set_exception(exc)
+            return
+        except BaseException:
+            for waiting in members:
+                waiting.done.cancel()
+            raise
+        for waiting, failure in zip(members, failures, strict=True):
+            if failure is None and waiting.abandoned:
+                self._close(waiting.opening.session)
+            elif waiting.done.done():
+                continue
+            elif failure is None:
+                waiting.done.set_result(started)
+            else:
+                waiting.done.set_exception(failure)

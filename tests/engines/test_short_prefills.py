@@ -1,0 +1,141 @@
+"""Short prompts that wait for the verifier's prefill turn together are prefilled together
+(sdcp.engines.verifier.prefills), without a model: the prefill is a function the test controls."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+from tests.waiting import eventually
+
+from sdcp.engines.errors import RequesterGone
+from sdcp.engines.verifier.prefills import ShortPrefills
+from sdcp.models.backend import Opening
+from sdcp.models.errors import BadTokens, ModelError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Model:
+    """Prefills that finish when the test says so; records each group and each close."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[bytes]] = []
+        self.closed: list[bytes] = []
+        self.release = asyncio.Event()
+        self.failing: set[bytes] = set()
+        self.broken: Exception | None = None
+
+    async def prefill(self, openings: Sequence[Opening]) -> list[ModelError | None]:
+        self.groups.append([opening.session for opening in openings])
+        await self.release.wait()
+        if self.broken is not None:
+            raise self.broken
+        return [BadTokens("bad") if opening.session in self.failing else None for opening in openings]
+
+    def close(self, session: bytes) -> None:
+        self.closed.append(session)
+
+
+def opening(name: str, tokens: int = 10) -> Opening:
+    return Opening(name.encode(), tuple(range(tokens)))
+
+
+async def test_prompts_that_wait_together_are_prefilled_in_one_group() -> None:
+    model = Model()
+    turn = asyncio.Lock()
+    prefills = ShortPrefills(turn=turn, prefill=model.prefill, close=model.close, group_tokens=30)
+    first = asyncio.create_task(prefills.prefill(opening("a")))
+    await eventually(lambda: model.groups == [[b"a"]])
+    # While a's prefill runs, four more arrive: the next turn takes as many as 30 tokens hold.
+    rest = [asyncio.create_task(prefills.prefill(opening(name))) for name in "bcde"]
+    await asyncio.sleep(0)
+    model.release.set()
+    await asyncio.gather(first, *rest)
+    assert model.groups == [[b"a"], [b"b", b"c", b"d"], [b"e"]]
+    assert not turn.locked() and model.closed == []
+
+
+async def test_an_opener_whose_group_ran_returns_while_a_long_prefill_holds_the_turn() -> None:
+    model = Model()
+    turn = asyncio.Lock()
+    prefills = ShortPrefills(turn=turn, prefill=model.prefill, close=model.close)
+    holder = asyncio.create_task(prefills.prefill(opening("a")))
+    await eventually(lambda: model.groups == [[b"a"]])
+    long_done = asyncio.Event()
+    long_started = asyncio.Event()
+
+    async def long_prefill() -> None:
+        async with turn:
+            long_started.set()
+            await long_done.wait()
+
+    # Waiting for the turn in this order: b, then a long prompt's steps, then c.
+    second = asyncio.create_task(prefills.prefill(opening("b")))
+    await asyncio.sleep(0)
+    long = asyncio.create_task(long_prefill())
+    await asyncio.sleep(0)
+    third = asyncio.create_task(prefills.prefill(opening("c")))
+    await asyncio.sleep(0)
+    model.release.set()
+    await asyncio.gather(holder, second)
+    # b's turn prefilled c with it: c needs no turn of its own, and does not wait for the long one.
+    await third
+    assert long_started.is_set() and not long.done()
+    assert model.groups == [[b"a"], [b"b", b"c"]]
+    long_done.set()
+    await long
+    assert not turn.locked()
+
+
+async def test_a_failure_stays_with_its_opening_and_a_broken_model_fails_the_group() -> None:
+    model = Model()
+    prefills = ShortPrefills(turn=asyncio.Lock(), prefill=model.prefill, close=model.close)
+    model.failing.add(b"bad")
+    model.release.set()
+    good, bad = await asyncio.gather(
+        prefills.prefill(opening("good")), prefills.prefill(opening("bad")), return_exceptions=True
+    )
+    assert isinstance(good, float) and isinstance(bad, BadTokens)
+    model.broken = RuntimeError("the model thread died")
+    outcomes = await asyncio.gather(
+        prefills.prefill(opening("x")), prefills.prefill(opening("y")), return_exceptions=True
+    )
+    assert all(outcome is model.broken for outcome in outcomes)
+
+
+async def test_an_opener_that_goes_away_is_not_prefilled_or_its_session_is_closed() -> None:
+    model = Model()
+    turn = asyncio.Lock()
+    prefills = ShortPrefills(turn=turn, prefill=model.prefill, close=model.close)
+    running = asyncio.create_task(prefills.prefill(opening("a")))
+    await eventually(lambda: model.groups == [[b"a"]])
+    gone = asyncio.Event()
+    left = asyncio.create_task(prefills.prefill(opening("left"), gone))
+    cancelled = asyncio.create_task(prefills.prefill(opening("cancelled")))
+    stays = asyncio.create_task(prefills.prefill(opening("stays")))
+    await asyncio.sleep(0)
+    gone.set()  # before its group begins: never prefilled
+    cancelled.cancel()  # before its group begins: taken out of the queue
+    model.release.set()
+    await running
+    assert await stays > 0
+    with pytest.raises(RequesterGone):
+        await left
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert model.groups == [[b"a"], [b"stays"]]
+    # An opener that goes away while its group runs: its session, opened, is closed again.
+    model.release.clear()
+    going = asyncio.create_task(prefills.prefill(opening("going")))
+    other = asyncio.create_task(prefills.prefill(opening("other")))
+    await eventually(lambda: model.groups[-1] == [b"going", b"other"])
+    going.cancel()
+    await asyncio.sleep(0)
+    model.release.set()
+    assert await other > 0
+    with pytest.raises(asyncio.CancelledError):
+        await going
+    await eventually(lambda: model.closed == [b"going"])
+    assert not turn.locked()
