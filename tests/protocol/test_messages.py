@@ -30,7 +30,7 @@ from sdcp.protocol import (
     parse_session_path_id,
     session_path_id,
 )
-from sdcp.protocol.messages import HistoryStatus, PassCost
+from sdcp.protocol.messages import HistoryStatus, OutputRead, OutputReads, PassCost
 
 SESSION = bytes(range(16))
 DIGEST = b"\xd0" * 32
@@ -558,3 +558,19 @@ def test_a_verifiers_pass_costs_are_read_as_absent_in_another_form() -> None:
     for other in (5, [], [{"rows": 0, "us": 1}], [[1, 6600]], [{"rows": 1}], [{"rows": 1, "us": 1}] * 17):
         assert Status.from_obj({**STATUS, "pass_us": other}).pass_us is None
     assert Status.from_obj({**STATUS, "pass_sessions": -1}).pass_sessions is None
+
+
+def test_a_parsed_message_is_checked_once_and_one_made_in_code_still_is() -> None:
+    """`from_obj` parses each member once (its dataclass does not parse them again), keeps the
+    checks across members, and leaves a message made in code checked as before, even after a
+    parse that failed half way."""
+    read = {"session": SESSION, "from": 3}
+    assert OutputReads.from_obj({"reads": [read]}).reads == (OutputRead(session=SESSION, from_=3),)
+    with pytest.raises(BadMessage, match="more than once"):
+        OutputReads.from_obj({"reads": [read, read]})
+    with pytest.raises(BadMessage):
+        OutputRead(session=SESSION[:3], from_=3)
+    output = {"session": SESSION, "epoch": 1, "from": 0, "tokens": [1, 2], "final": False}
+    assert Output.from_obj(output).tokens == (1, 2)
+    with pytest.raises(BadMessage, match="tokens"):
+        Output.from_obj({**output, "tokens": [1, -2]})

@@ -8,6 +8,7 @@ contract, `BadMessage` elsewhere.
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import functools
 from abc import ABC, abstractmethod
@@ -405,6 +406,10 @@ def _optional(kind: _Kind, *, key: str | None = None) -> Any:
     return field(default=None, metadata={"kind": kind, "required": False, "key": key})
 
 
+# Set while `_Message._parse` makes a message of members it has parsed (per thread and task).
+_MEMBERS_PARSED: contextvars.ContextVar[bool] = contextvars.ContextVar("members_parsed", default=False)
+
+
 class _Message:
     """Shared behaviour of the message dataclasses: validation, CBOR data model, codec."""
 
@@ -425,6 +430,8 @@ class _Message:
         return _Context(cls._ERROR, cls._STRICT)
 
     def __post_init__(self) -> None:
+        if _MEMBERS_PARSED.get():
+            return
         ctx = self._own_context()
         name = type(self).__name__
         for attribute, key, kind, required in self._members():
@@ -453,7 +460,13 @@ class _Message:
                 values[attribute] = kind.parse(obj[key], ctx, f"{where}.{key}")
             elif required:
                 raise ctx.error(f"{where} lacks the required member '{key}'")
-        return cls(**values)
+        # Each member was parsed just now, under the rules of what encloses it: __post_init__ need
+        # not parse it again under the message's own (half of what parsing a message cost).
+        parsed = _MEMBERS_PARSED.set(True)
+        try:
+            return cls(**values)
+        finally:
+            _MEMBERS_PARSED.reset(parsed)
 
     @classmethod
     def from_obj(cls, obj: object) -> Self:
