@@ -73,9 +73,13 @@ def long_prompt(number: int) -> str:
     return str(tokenizer.decode(ids))
 
 
-async def answer(client: openai.AsyncOpenAI, prompt: str) -> str:
+async def answer(client: openai.AsyncOpenAI, prompt: str, request_id: str | None = None) -> str:
     completion = await client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0
+        model="smollm2",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_headers={"x-request-id": request_id} if request_id else None,
     )
     return completion.choices[0].message.content or ""
 
@@ -97,20 +101,24 @@ def test_prompts_near_the_context_length_sent_at_once_to_a_busy_verifier_all_suc
     assert all(at_once)
 
 
-def test_short_prompts_sent_at_once_are_prefilled_together_and_answer_as_alone(cluster: LocalCluster) -> None:
-    """Short questions that wait for the verifier's prefill together are prefilled in one call
-    (sdcp.engines.verifier.prefills): each answer is the one it gets alone (SDCP 6.4 rule 1)."""
+def test_short_prompts_that_wait_together_are_prefilled_together_and_answer_as_alone(cluster: LocalCluster) -> None:
+    """Short questions that wait for the verifier's prefill turn (a long prompt holds it) are
+    prefilled together in one call (sdcp.engines.verifier.prefills): each answer is the one it
+    gets alone (SDCP 6.4 rule 1)."""
     questions = [f"Name {count} fruits that are {colour}." for count, colour in zip(range(2, 10), COLOURS, strict=True)]
-    log = cluster.root / "logs" / "verifier.log"
-
-    def grouped() -> int:
-        return sum("short prompts prefilled together" in line for line in log.read_text().splitlines())
-
-    before = grouped()
+    request_id = f"holds-{uuid.uuid4().hex}"
+    grouped = len(logged(cluster, "verifier", "short prompts prefilled together"))
 
     async def run() -> tuple[list[str], list[str]]:
         client = openai.AsyncOpenAI(base_url=cluster.gateway, api_key="unused", max_retries=0, timeout=600)
+        holder = asyncio.create_task(answer(client, long_prompt(42), request_id))
+        await asyncio.to_thread(
+            wait_until,
+            lambda: bool(logged(cluster, "verifier", f"request {request_id}", "opening")),
+            what="the long prompt's open reached the verifier",
+        )
         at_once = await asyncio.gather(*(answer(client, question) for question in questions))
+        await holder
         alone = [await answer(client, question) for question in questions]
         await client.close()
         return list(at_once), alone
@@ -118,10 +126,16 @@ def test_short_prompts_sent_at_once_are_prefilled_together_and_answer_as_alone(c
     at_once, alone = asyncio.run(run())
     assert at_once == alone
     assert all(at_once)
-    assert grouped() > before
+    assert len(logged(cluster, "verifier", "short prompts prefilled together")) > grouped
 
 
 COLOURS = ("red", "yellow", "green", "blue", "orange", "purple", "brown", "white")
+
+
+def logged(cluster: LocalCluster, name: str, *needles: str) -> list[str]:
+    """The lines of instance ``name``'s log that hold every one of ``needles``."""
+    log = (cluster.root / "logs" / f"{name}.log").read_text()
+    return [line for line in log.splitlines() if all(needle in line for needle in needles)]
 
 
 def test_a_client_that_leaves_during_its_prefill_stops_it(cluster: LocalCluster) -> None:
@@ -132,10 +146,6 @@ def test_a_client_that_leaves_during_its_prefill_stops_it(cluster: LocalCluster)
     body = json.dumps(
         {"model": "smollm2", "messages": [{"role": "user", "content": long_prompt(99)}], "max_tokens": 8}
     ).encode()
-    logs = cluster.root / "logs"
-
-    def lines(name: str, *needles: str) -> list[str]:
-        return [x for x in (logs / f"{name}.log").read_text().splitlines() if all(n in x for n in needles)]
 
     with socket.create_connection((host, int(port))) as connection:
         connection.sendall(
@@ -145,8 +155,13 @@ def test_a_client_that_leaves_during_its_prefill_stops_it(cluster: LocalCluster)
         )
         # The prompt is being prefilled (its open is at the verifier): the client leaves.
         wait_until(
-            lambda: bool(lines("verifier", f"request {request_id}", "opening")), what="the open reached the verifier"
+            lambda: bool(logged(cluster, "verifier", f"request {request_id}", "opening")),
+            what="the open reached the verifier",
         )
-    wait_until(lambda: bool(lines("verifier", "prefill stopped, its opener went away")), what="the prefill stopped")
-    wait_until(lambda: bool(lines("gateway", f"request {request_id} ", " 499 aborted ")), what="the gateway's 499")
-    assert not lines("verifier", f"request {request_id})", "open at epoch")
+    wait_until(
+        lambda: bool(logged(cluster, "verifier", "prefill stopped, its opener went away")), what="the prefill stopped"
+    )
+    wait_until(
+        lambda: bool(logged(cluster, "gateway", f"request {request_id} ", " 499 aborted ")), what="the gateway's 499"
+    )
+    assert not logged(cluster, "verifier", f"request {request_id})", "open at epoch")

@@ -82,7 +82,8 @@ async def test_an_opener_whose_group_ran_returns_while_a_long_prefill_holds_the_
     await asyncio.gather(holder, second)
     # b's turn prefilled c with it: c needs no turn of its own, and does not wait for the long one.
     await third
-    assert long_started.is_set() and not long.done()
+    await long_started.wait()
+    assert not long.done()
     assert model.groups == [[b"a"], [b"b", b"c"]]
     long_done.set()
     await long
@@ -103,6 +104,7 @@ async def test_a_failure_stays_with_its_opening_and_a_broken_model_fails_the_gro
         prefills.prefill(opening("x")), prefills.prefill(opening("y")), return_exceptions=True
     )
     assert all(outcome is model.broken for outcome in outcomes)
+    assert model.groups[-1] == [b"x", b"y"]
 
 
 async def test_an_opener_that_goes_away_is_not_prefilled_or_its_session_is_closed() -> None:
@@ -133,9 +135,21 @@ async def test_an_opener_that_goes_away_is_not_prefilled_or_its_session_is_close
     await eventually(lambda: model.groups[-1] == [b"going", b"other"])
     going.cancel()
     await asyncio.sleep(0)
+    # The opener that held the turn went away: the turn stays held until its group's prefill ends.
+    assert turn.locked()
     model.release.set()
     assert await other > 0
     with pytest.raises(asyncio.CancelledError):
         await going
     await eventually(lambda: model.closed == [b"going"])
     assert not turn.locked()
+    # A requester that goes away during its group's prefill: its session is closed, it learns why.
+    model.release.clear()
+    leaving = asyncio.Event()
+    leaves = asyncio.create_task(prefills.prefill(opening("leaves"), leaving))
+    await eventually(lambda: model.groups[-1] == [b"leaves"])
+    leaving.set()
+    model.release.set()
+    with pytest.raises(RequesterGone):
+        await leaves
+    assert model.closed == [b"going", b"leaves"] and not turn.locked()

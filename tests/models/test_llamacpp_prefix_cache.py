@@ -180,7 +180,11 @@ def test_prompts_opened_together_decode_as_each_opened_alone(
     }
     bad = [*text_tokens[:5], 10**9]
     openings = [Opening(session, tuple(prompt)) for session, prompt in prompts.items()]
+    index = together.prefixes
+    assert index is not None
+    hits = index.hits
     failures = together.open_sessions([*openings[:2], Opening(b"bad", tuple(bad)), *openings[2:], openings[0]])
+    assert index.hits - hits >= len(system)  # the cached prompt's prefill started from the seed's KV
     assert [type(failure).__name__ for failure in failures] == ["NoneType"] * 2 + ["BadTokens"] + ["NoneType"] * 2 + [
         "SessionExists"
     ]

@@ -260,11 +260,18 @@ def open_each(target: Target, openings: Sequence[Opening]) -> list[ModelError | 
     """`Target.open_sessions` one prefill after another, for a backend that gains nothing from
     running them together."""
     failures: list[ModelError | None] = []
-    for opening in openings:
-        try:
-            target.open_session(opening.session, opening.tokens, prefix_scope=opening.prefix_scope)
-        except ModelError as exc:
-            failures.append(exc)
-        else:
-            failures.append(None)
+    try:
+        for opening in openings:
+            try:
+                target.open_session(opening.session, opening.tokens, prefix_scope=opening.prefix_scope)
+            except ModelError as exc:
+                failures.append(exc)
+            else:
+                failures.append(None)
+    except BaseException:
+        # Not a failure of one opening: none of the group stays open.
+        for opening, failure in zip(openings, failures, strict=False):
+            if failure is None:
+                target.close_session(opening.session)
+        raise
     return failures

@@ -576,8 +576,9 @@ class RouterEngine:
 
     def _let_go(self, tracked: TrackedSession, why: Exception) -> None:
         """Another router changed the session since this one read it: that router holds it now.
-        Not a session this router ended: its facts left the shared tier because it ended here (a
-        write racing the deletion fails on it), and it stays answerable until forgotten."""
+        Not a session that has ended (here, or found gone from the shared tier): its facts left
+        the tier because it ended (a write racing their deletion fails on it), and it stays
+        answerable until forgotten."""
         if tracked.ended:
             return
         if self.sessions.get(tracked.session) is tracked:

@@ -636,7 +636,7 @@ class VerifierEngine:
             # One prefill at a time, in arrival order, its steps between other sessions' passes: a
             # queue of long prompts waits its turn, and running streams keep decoding meanwhile
             # (while the prompts are short, the running self-decoding sessions wait: Admissions).
-            # Short prompts that wait for the same turn are prefilled together (ShortPrefills).
+            # Short prompts waiting when one's turn comes are prefilled with it (ShortPrefills).
             if len(tokens) <= self.admissions.short_tokens:
                 opening = Opening(message.session, tokens, scope)
                 turn = await self._short_prefills.prefill(opening, requester_gone)
@@ -652,9 +652,8 @@ class VerifierEngine:
         return 0
 
     async def _prefill_group(self, openings: Sequence[Opening]) -> list[ModelError | None]:
-        """Short prompts prefilled together (ShortPrefills), in one call on the model's thread."""
-        for opening in openings:
-            await self._prefix_sharing.fetch(opening.tokens[:-1], opening.prefix_scope)
+        """Short prompts prefilled together (ShortPrefills), in one call on the model's thread. No
+        verifier shares a prefix this short through the MLC (SHARE_TOKENS): nothing to fetch."""
         prefixes = self.target.prefixes
         before = (0, 0) if prefixes is None else (prefixes.queries, prefixes.hits)
         failures = await self.scorer.run_async(self.target.open_sessions, openings)

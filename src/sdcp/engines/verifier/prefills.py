@@ -3,12 +3,12 @@
 When sixteen streams ask their next questions at about the same time, a verifier that prefills one
 prompt at a time runs sixteen prefills of a dozen or so tokens each, with the first passes of the
 sessions already prefilled between them: on 2 cores about 1.6 s before the streams decode together
-again, where llama-server, which puts every waiting prompt in one batch, took 0.7 s. So the short
-prompts (Admissions.short_tokens) that wait for the verifier's prefill turn when it comes are
-prefilled in one model call (`Target.open_sessions`), up to GROUP_TOKENS prompt tokens, in arrival
-order; the turn is the one long prompts take for their steps (one prefill at a time, in arrival
-order). A prompt that arrives while a group runs waits for the next turn; one whose opener went away
-before its group started is not prefilled.
+again, where llama-server, which puts every waiting prompt in one batch, took 0.7 s. So when the
+verifier's prefill turn (one prefill at a time) comes to a short prompt (Admissions.short_tokens),
+the short prompts waiting then are prefilled with it in one model call (`Target.open_sessions`), in
+arrival order up to GROUP_TOKENS prompt tokens: a short prompt that arrived after a long one may go
+before it, as short prompts go first for the running sessions too (Admissions). A prompt whose
+opener went away before or during its group's prefill is not opened (or is closed again).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class ShortPrefills:
     async def prefill(self, opening: Opening, requester_gone: asyncio.Event | None = None) -> float:
         """Open ``opening``'s session, prefilled with the short prompts waiting beside it; returns
         when (time.perf_counter) its group's prefill began. Raises its failure (ModelError), or
-        RequesterGone where its opener went away before its group began."""
+        RequesterGone where its opener went away before its session was open."""
         waiting = _Waiting(opening, requester_gone)
         self._queue.append(waiting)
         try:
@@ -88,7 +88,8 @@ class ShortPrefills:
 
     async def _take_turn(self, waiting: _Waiting) -> None:
         """Wait for the turn, or for another's group to have opened ``waiting``'s session; with the
-        turn, run the group at the head of the queue."""
+        turn, run the group at the head of the queue. The turn is held until the group's prefill
+        ends, even if this opener goes away meanwhile."""
         acquire: asyncio.Future[bool] = asyncio.ensure_future(self._turn.acquire())
         either: list[asyncio.Future[Any]] = [acquire, waiting.done]
         try:
@@ -96,15 +97,12 @@ class ShortPrefills:
         except BaseException:
             self._give_up(acquire)
             raise
-        if not acquire.done():
+        if not acquire.done() or waiting.done.done():
             self._give_up(acquire)
             return
-        try:
-            if not waiting.done.done():
-                # Shielded: the group's openers learn their outcome even if this one goes away.
-                await asyncio.shield(self._run(self._take_group()))
-        finally:
-            self._turn.release()
+        group = asyncio.ensure_future(self._run(self._take_group()))
+        group.add_done_callback(lambda _: self._turn.release())
+        await asyncio.shield(group)
 
     def _give_up(self, acquire: asyncio.Future[bool]) -> None:
         """Stop waiting for the turn; one granted meanwhile is handed on."""
@@ -124,34 +122,35 @@ class ShortPrefills:
         return group
 
     async def _run(self, group: list[_Waiting]) -> None:
-        members = []
-        for waiting in group:
-            gone = waiting.requester_gone is not None and waiting.requester_gone.is_set()
-            if gone and not waiting.done.done():
-                session = waiting.opening.session.hex()
-                waiting.done.set_exception(RequesterGone(f"session {session}: its opener went away before its prefill"))
-            elif not waiting.abandoned:
-                members.append(waiting)
-        if not members:
-            return
+        """Prefill the group's openings; every one of its openers still waiting learns its outcome."""
+        members = [waiting for waiting in group if not waiting.abandoned and not _gone(waiting)]
         started = time.perf_counter()
+        outcomes: list[Exception | None]
         try:
-            failures = await self._prefill([waiting.opening for waiting in members])
-        except Exception as exc:  # noqa: BLE001 - every opener of the group learns why it failed
-            for waiting in members:
-                if not waiting.done.done():
-                    waiting.done.set_exception(exc)
-            return
-        except BaseException:
-            for waiting in members:
-                waiting.done.cancel()
-            raise
-        for waiting, failure in zip(members, failures, strict=True):
-            if failure is None and waiting.abandoned:
-                self._close(waiting.opening.session)
-            elif waiting.done.done():
-                continue
-            elif failure is None:
-                waiting.done.set_result(started)
-            else:
-                waiting.done.set_exception(failure)
+            try:
+                outcomes = list(await self._prefill([waiting.opening for waiting in members])) if members else []
+            except Exception as exc:  # noqa: BLE001 - every opener of the group learns why it failed
+                outcomes = [exc] * len(members)
+            for waiting, failure in zip(members, outcomes, strict=True):
+                if failure is None and (waiting.abandoned or _gone(waiting)):
+                    self._close(waiting.opening.session)
+                elif failure is None:
+                    waiting.done.set_result(started)
+                elif not waiting.abandoned:
+                    waiting.done.set_exception(failure)
+        finally:
+            for waiting in group:
+                if not waiting.done.done() and not waiting.abandoned:
+                    waiting.done.set_exception(_unopened(waiting))
+
+
+def _gone(waiting: _Waiting) -> bool:
+    return waiting.requester_gone is not None and waiting.requester_gone.is_set()
+
+
+def _unopened(waiting: _Waiting) -> Exception:
+    """Why a waiting opener's session was not opened, where its group gave no failure of its own."""
+    session = waiting.opening.session.hex()
+    if _gone(waiting):
+        return RequesterGone(f"session {session}: its opener went away during its prefill")
+    return ModelError(f"session {session}: its group's prefill did not complete")

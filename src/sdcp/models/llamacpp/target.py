@@ -289,6 +289,9 @@ class LlamaCppTarget:
                     for (_, state), start in zip(added, starts, strict=True)
                 ]
                 self._decode([feed for feed in feeds if feed.tokens], rows=False)
+                for (_, state), start in zip(added, starts, strict=True):
+                    if len(state.tokens) - 1 - start >= SHARE_TOKENS:
+                        self._keep_prefix(state, state.tokens[:-1], start)
             except BaseException as exc:
                 for index, _ in added:
                     self._remove_session(openings[index].session)
@@ -296,10 +299,6 @@ class LlamaCppTarget:
                         failures[index] = exc
                 if not isinstance(exc, ModelError):
                     raise
-                return failures
-            for (_, state), start in zip(added, starts, strict=True):
-                if len(state.tokens) - 1 - start >= SHARE_TOKENS:
-                    self._keep_prefix(state, state.tokens[:-1], start)
         return failures
 
     def import_kv(self, session: SessionId, data: bytes, committed_tokens: Sequence[int]) -> None:
