@@ -87,16 +87,7 @@ async def answer(client: openai.AsyncOpenAI, prompt: str, request_id: str | None
 def test_prompts_near_the_context_length_sent_at_once_to_a_busy_verifier_all_succeed(
     cluster: LocalCluster, busy_core: None
 ) -> None:
-    prompts = [long_prompt(number) for number in range(REQUESTS)]
-
-    async def run() -> tuple[list[str], list[str]]:
-        client = openai.AsyncOpenAI(base_url=cluster.gateway, api_key="unused", max_retries=0, timeout=600)
-        at_once = await asyncio.gather(*(answer(client, prompt) for prompt in prompts))
-        alone = [await answer(client, prompt) for prompt in prompts]
-        await client.close()
-        return list(at_once), alone
-
-    at_once, alone = asyncio.run(run())
+    at_once, alone = at_once_and_alone(cluster, [long_prompt(number) for number in range(REQUESTS)])
     assert at_once == alone
     assert all(at_once)
 
@@ -106,30 +97,42 @@ def test_short_prompts_that_wait_together_are_prefilled_together_and_answer_as_a
     prefilled together in one call (sdcp.engines.verifier.prefills): each answer is the one it
     gets alone (SDCP 6.4 rule 1)."""
     questions = [f"Name {count} fruits that are {colour}." for count, colour in zip(range(2, 10), COLOURS, strict=True)]
-    request_id = f"holds-{uuid.uuid4().hex}"
     grouped = len(logged(cluster, "verifier", "short prompts prefilled together"))
-
-    async def run() -> tuple[list[str], list[str]]:
-        client = openai.AsyncOpenAI(base_url=cluster.gateway, api_key="unused", max_retries=0, timeout=600)
-        holder = asyncio.create_task(answer(client, long_prompt(42), request_id))
-        await asyncio.to_thread(
-            wait_until,
-            lambda: bool(logged(cluster, "verifier", f"request {request_id}", "opening")),
-            what="the long prompt's open reached the verifier",
-        )
-        at_once = await asyncio.gather(*(answer(client, question) for question in questions))
-        await holder
-        alone = [await answer(client, question) for question in questions]
-        await client.close()
-        return list(at_once), alone
-
-    at_once, alone = asyncio.run(run())
+    at_once, alone = at_once_and_alone(cluster, questions, behind=long_prompt(42))
     assert at_once == alone
     assert all(at_once)
     assert len(logged(cluster, "verifier", "short prompts prefilled together")) > grouped
 
 
 COLOURS = ("red", "yellow", "green", "blue", "orange", "purple", "brown", "white")
+
+
+def at_once_and_alone(
+    cluster: LocalCluster, prompts: list[str], behind: str | None = None
+) -> tuple[list[str], list[str]]:
+    """The answers to ``prompts`` sent at once, then one after another. With ``behind``, that
+    prompt is sent first and the others once its open reached the verifier: they wait behind its
+    prefill."""
+
+    async def run() -> tuple[list[str], list[str]]:
+        client = openai.AsyncOpenAI(base_url=cluster.gateway, api_key="unused", max_retries=0, timeout=600)
+        first = None
+        if behind is not None:
+            request_id = f"first-{uuid.uuid4().hex}"
+            first = asyncio.create_task(answer(client, behind, request_id))
+            await asyncio.to_thread(
+                wait_until,
+                lambda: bool(logged(cluster, "verifier", f"request {request_id}", "opening")),
+                what="the first prompt's open reached the verifier",
+            )
+        at_once = await asyncio.gather(*(answer(client, prompt) for prompt in prompts))
+        if first is not None:
+            await first
+        alone = [await answer(client, prompt) for prompt in prompts]
+        await client.close()
+        return list(at_once), alone
+
+    return asyncio.run(run())
 
 
 def logged(cluster: LocalCluster, name: str, *needles: str) -> list[str]:

@@ -42,12 +42,18 @@ def opening(name: str, tokens: int = 10) -> Opening:
     return Opening(name.encode(), tuple(range(tokens)))
 
 
+async def under_way(model: Model, turn: asyncio.Lock, **limits: int) -> tuple[ShortPrefills, asyncio.Task[float]]:
+    """Prefills whose first group, a's alone, runs until the test releases the model."""
+    prefills = ShortPrefills(turn=turn, prefill=model.prefill, close=model.close, **limits)
+    running = asyncio.create_task(prefills.prefill(opening("a")))
+    await eventually(lambda: model.groups == [[b"a"]])
+    return prefills, running
+
+
 async def test_prompts_that_wait_together_are_prefilled_in_one_group() -> None:
     model = Model()
     turn = asyncio.Lock()
-    prefills = ShortPrefills(turn=turn, prefill=model.prefill, close=model.close, group_tokens=30)
-    first = asyncio.create_task(prefills.prefill(opening("a")))
-    await eventually(lambda: model.groups == [[b"a"]])
+    prefills, first = await under_way(model, turn, group_tokens=30)
     # While a's prefill runs, four more arrive: the next turn takes as many as 30 tokens hold.
     rest = [asyncio.create_task(prefills.prefill(opening(name))) for name in "bcde"]
     await asyncio.sleep(0)
@@ -60,9 +66,7 @@ async def test_prompts_that_wait_together_are_prefilled_in_one_group() -> None:
 async def test_an_opener_whose_group_ran_returns_while_a_long_prefill_holds_the_turn() -> None:
     model = Model()
     turn = asyncio.Lock()
-    prefills = ShortPrefills(turn=turn, prefill=model.prefill, close=model.close)
-    holder = asyncio.create_task(prefills.prefill(opening("a")))
-    await eventually(lambda: model.groups == [[b"a"]])
+    prefills, holder = await under_way(model, turn)
     long_done = asyncio.Event()
     long_started = asyncio.Event()
 
@@ -110,9 +114,7 @@ async def test_a_failure_stays_with_its_opening_and_a_broken_model_fails_the_gro
 async def test_an_opener_that_goes_away_is_not_prefilled_or_its_session_is_closed() -> None:
     model = Model()
     turn = asyncio.Lock()
-    prefills = ShortPrefills(turn=turn, prefill=model.prefill, close=model.close)
-    running = asyncio.create_task(prefills.prefill(opening("a")))
-    await eventually(lambda: model.groups == [[b"a"]])
+    prefills, running = await under_way(model, turn)
     gone = asyncio.Event()
     left = asyncio.create_task(prefills.prefill(opening("left"), gone))
     cancelled = asyncio.create_task(prefills.prefill(opening("cancelled")))

@@ -146,3 +146,23 @@ async def test_closed_reads_answer_their_waiting_readers_and_ask_nothing_more(ve
     assert len(verifier.asked) == 1
     with pytest.raises(ConnectionLost):
         await reads.read(B, 0)
+
+
+async def test_reads_past_the_first_token_wait_for_the_others_and_a_first_read_takes_them(
+    verifier: PlayedVerifier,
+) -> None:
+    """Streams past their first token wait for the others the same pass answers (keep_pace_s, an
+    hour here); a stream's first read goes at once, and those waiting go with it."""
+    reads = BatchedReads(cast(SDCPClient, verifier), keep_pace_s=3600)
+    first = asyncio.create_task(reads.read(A, 5))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(reads.read(B, 7))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert verifier.asked == []
+    newcomer = asyncio.create_task(reads.read(C, 0))
+    await verifier.request(1)
+    assert verifier.asked == [{A: 5, B: 7, C: 0}]
+    verifier.answers[0].set_result(answer(output(A, 5, 1), output(B, 7, 2), output(C, 0, 3)))
+    assert [await read for read in (first, second, newcomer)] == [output(A, 5, 1), output(B, 7, 2), output(C, 0, 3)]
+    await reads.aclose()
