@@ -162,7 +162,12 @@ async def test_rule_2_rows_are_leased_until_the_verdict(env: Env, target: Target
         assignment = make_assignment(env, contract, os.urandom(16))
         await env.client(env.drafter_uri, ROUTER).post_cbor("assignments", assignment.to_obj())
         uri = q_rows_uri(env.mlc, assignment, 1)
-        await wait_for(lambda: env.mlc.exists(uri))
+
+        async def leased() -> bool:
+            # The rows are written, then leased: a busy machine runs the test between the two.
+            return env.drafter_uri in await env.mlc.lease_holders(uri)
+
+        await wait_for(leased)
         rows = np.frombuffer(await env.mlc.get(uri), dtype="<f4").reshape(-1, VOCAB)
         assert 1 <= rows.shape[0] <= 4  # m_init
         # n-gram rows are one-hot: the exact distribution of its deterministic draw.
