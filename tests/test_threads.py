@@ -83,6 +83,16 @@ def test_a_neighbour_busy_while_the_model_waited_shrinks_the_team_for_its_next_w
     assert _steps(CoreGovernor(2, cores=2, meter=meter), monkeypatch, 2) == [1, 1]
 
 
+def test_the_first_window_of_work_after_a_wait_beside_a_busy_neighbour_sizes_the_team_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Another process kept both cores busy while the model waited (a benchmark's other system),
+    # then stopped: the first window of work finds the cores free, and the team is whole again at
+    # once, not after the average of the two has decayed. Later windows are averaged as before.
+    meter = ScriptedMeter([(2.0, 0.05), (0.1, 1.0), (1.4, 1.0), (1.4, 1.0)])
+    assert _steps(CoreGovernor(2, cores=2, meter=meter), monkeypatch, 4) == [1, 2, 2, 1]
+
+
 def test_windows_in_which_the_model_waited_never_grow_the_team(monkeypatch: pytest.MonkeyPatch) -> None:
     # A quiet second while the model waited says nothing of what it meets when it works (its
     # verifier, for a drafter, works while it waits): only a window in which it worked grows it back.

@@ -188,6 +188,8 @@ class CoreGovernor:
         self.cores = cores if cores is not None else usable_cores()
         self._meter = meter if meter is not None else _Reader(process_windows())
         self._others: float | None = None
+        # Whether the newest window taken in was one in which the model worked.
+        self._worked = False
         self.threads = budget
         self._applied: int | None = None
 
@@ -200,12 +202,20 @@ class CoreGovernor:
         measured = self._meter.busy()
         if measured is not None:
             others, own = measured
-            if own >= _ACTIVE_CORES:
-                self._others = others if self._others is None else self._others + _WEIGHT * (others - self._others)
+            working = own >= _ACTIVE_CORES
+            if working and self._worked and self._others is not None:
+                self._others += _WEIGHT * (others - self._others)
+            elif working:
+                # The first window of work says what the model meets now; the estimate it replaces
+                # was made while the model waited. A neighbour that stopped just before a request
+                # (a benchmark's other system) had the average keep the team at one thread for
+                # 0.6-0.9 s of it (docs/performance.md, session 27).
+                self._others = others
             elif self._others is None or others > self._others:
                 # A neighbour that kept cores busy while the model waited keeps them busy when it
                 # works: a long prefill arriving then must not start on a team twice too large.
                 self._others = others
+            self._worked = working
             self.threads = self.team_size(self._others)
         if self.threads != self._applied:
             self._set_threads(self.threads)
