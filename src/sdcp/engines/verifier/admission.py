@@ -42,10 +42,14 @@ class Admissions:
         self._go = asyncio.Event()
         self._go.set()
 
+    def short(self, tokens: int) -> bool:
+        """Whether a prompt of ``tokens`` to prefill is short."""
+        return tokens <= self.short_tokens
+
     @contextlib.contextmanager
     def prefilling(self, tokens: int) -> Iterator[None]:
         """Counts a prompt of ``tokens`` to prefill as waiting until the block ends."""
-        short = tokens <= self.short_tokens
+        short = self.short(tokens)
         self._count(tokens, short, 1)
         try:
             yield

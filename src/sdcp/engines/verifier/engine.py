@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from sdcp.cache import MLC, CacheError, InvalidURI, ObjectNotFound, target_kv_uri
 from sdcp.cache.prefix import tenant_scope
@@ -637,7 +637,7 @@ class VerifierEngine:
             # queue of long prompts waits its turn, and running streams keep decoding meanwhile
             # (while the prompts are short, the running self-decoding sessions wait: Admissions).
             # Short prompts waiting when one's turn comes are prefilled with it (ShortPrefills).
-            if len(tokens) <= self.admissions.short_tokens:
+            if self.admissions.short(len(tokens)):
                 opening = Opening(message.session, tokens, scope)
                 turn = await self._short_prefills.prefill(opening, requester_gone)
             else:
@@ -654,11 +654,8 @@ class VerifierEngine:
     async def _prefill_group(self, openings: Sequence[Opening]) -> list[ModelError | None]:
         """Short prompts prefilled together (ShortPrefills), in one call on the model's thread. No
         verifier shares a prefix this short through the MLC (SHARE_TOKENS): nothing to fetch."""
-        prefixes = self.target.prefixes
-        before = (0, 0) if prefixes is None else (prefixes.queries, prefixes.hits)
-        failures = await self.scorer.run_async(self.target.open_sessions, openings)
-        if prefixes is not None:
-            self.metrics.prefix_lookups(prefixes.queries - before[0], prefixes.hits - before[1])
+        with self._prefix_lookups_counted():
+            failures = await self.scorer.run_async(self.target.open_sessions, openings)
         if len(openings) > 1:
             tokens = sum(len(opening.tokens) for opening in openings)
             log.info("%s: %d short prompts prefilled together (%d tokens)", self.uri, len(openings), tokens)
@@ -672,21 +669,29 @@ class VerifierEngine:
     async def _prefill_in_steps(
         self, session: bytes, tokens: tuple[int, ...], scope: bytes, requester_gone: asyncio.Event | None
     ) -> None:
-        prefixes = self.target.prefixes
-        before = (0, 0) if prefixes is None else (prefixes.queries, prefixes.hits)
         steps = self.target.open_session_steps(session, tokens, prefix_scope=scope)
-        try:
-            while await self.scorer.run_async(next, steps, None) is not None:
-                if requester_gone is not None and requester_gone.is_set():
-                    log.info("%s: session %s: prefill stopped, its opener went away", self.uri, session.hex())
-                    raise RequesterGone(f"session {session.hex()}: its opener went away during the prefill")
-        except BaseException:
-            # After the step in flight, if any: the session the steps added is forgotten.
-            with contextlib.suppress(ModelThreadClosed):
-                self.scorer.run(steps.close)
-            raise
-        if prefixes is not None:
-            self.metrics.prefix_lookups(prefixes.queries - before[0], prefixes.hits - before[1])
+        with self._prefix_lookups_counted():
+            try:
+                while await self.scorer.run_async(next, steps, None) is not None:
+                    if requester_gone is not None and requester_gone.is_set():
+                        log.info("%s: session %s: prefill stopped, its opener went away", self.uri, session.hex())
+                        raise RequesterGone(f"session {session.hex()}: its opener went away during the prefill")
+            except BaseException:
+                # After the step in flight, if any: the session the steps added is forgotten.
+                with contextlib.suppress(ModelThreadClosed):
+                    self.scorer.run(steps.close)
+                raise
+
+    @contextlib.contextmanager
+    def _prefix_lookups_counted(self) -> Iterator[None]:
+        """Counts the prefix cache's lookups and hits of the prefill in the block, once it completes."""
+        prefixes = self.target.prefixes
+        if prefixes is None:
+            yield
+            return
+        queries, hits = prefixes.queries, prefixes.hits
+        yield
+        self.metrics.prefix_lookups(prefixes.queries - queries, prefixes.hits - hits)
 
     async def _constraint(self, constraint: Constraint, stop: Sequence[int]) -> GrammarConstraint:
         """The session's constraint over the target's tokenizer; one this verifier cannot apply

@@ -252,11 +252,8 @@ class LlamaCppTarget:
                 with self._lock:
                     self._decode([_Feed(state.seq_id, position, prefix[position:end])], rows=False)
                 position = end
-            if len(prefix) - start >= SHARE_TOKENS:
-                # A prefill that computed little leaves its storing to the session's end (close_session):
-                # copying the sequence's state (tens of MB) would delay the session's first token.
-                with self._lock:
-                    self._keep_prefix(state, prefix, start)
+            with self._lock:
+                self._keep_prefilled(state, start)
             opened = True
         finally:
             if not opened:
@@ -290,8 +287,7 @@ class LlamaCppTarget:
                 ]
                 self._decode([feed for feed in feeds if feed.tokens], rows=False)
                 for (_, state), start in zip(added, starts, strict=True):
-                    if len(state.tokens) - 1 - start >= SHARE_TOKENS:
-                        self._keep_prefix(state, state.tokens[:-1], start)
+                    self._keep_prefilled(state, start)
             except BaseException as exc:
                 for index, _ in added:
                     self._remove_session(openings[index].session)
@@ -432,6 +428,13 @@ class LlamaCppTarget:
         ):
             return
         index.insert(prefix, self._state_of(state), scope)
+
+    def _keep_prefilled(self, state: _Sequence, start: int) -> None:
+        """Store the KV of a prefill that computed at least SHARE_TOKENS from ``start`` on. One that
+        computed little leaves its storing to the session's end (close_session): copying the
+        sequence's state (tens of MB) would delay the session's first token."""
+        if len(state.tokens) - 1 - start >= SHARE_TOKENS:
+            self._keep_prefix(state, state.tokens[:-1], start)
 
     def _state_of(self, state: _Sequence) -> bytes:
         """llama.cpp's state of the sequence, all its positions (`llama_state_seq_get_data`)."""
