@@ -67,6 +67,17 @@ def test_the_team_never_exceeds_the_budget() -> None:
     assert CoreGovernor(2, cores=8, meter=ScriptedMeter([])).team_size(0.0) == 2
 
 
+def _governor(
+    meter: ScriptedMeter, probe: ScriptedMeter | None = None, clock: list[float] | None = None
+) -> CoreGovernor:
+    """A governor of two threads on two cores, its windows scripted; its probe of the first work
+    after a wait too (by default one that never measures), and its clock (by default, frozen)."""
+    now = clock if clock is not None else [0.0]
+    return CoreGovernor(
+        2, cores=2, meter=meter, probe=probe if probe is not None else ScriptedMeter([]), clock=lambda: now[0]
+    )
+
+
 def _steps(governor: CoreGovernor, monkeypatch: pytest.MonkeyPatch, count: int) -> list[int]:
     """apply() ``count`` times, as a busy model thread calls it, each call meeting the next of the
     meter's scripted windows."""
@@ -80,7 +91,7 @@ def test_a_neighbour_busy_while_the_model_waited_shrinks_the_team_for_its_next_w
     # While this process idled (0.05 cores) another kept a core busy: the long prefill that comes
     # next starts on a team of one, not on two that would wait for each other behind the neighbour.
     meter = ScriptedMeter([(1.0, 0.05), (1.0, 1.0)])
-    assert _steps(CoreGovernor(2, cores=2, meter=meter), monkeypatch, 2) == [1, 1]
+    assert _steps(_governor(meter), monkeypatch, 2) == [1, 1]
 
 
 def test_the_first_window_of_work_after_a_wait_beside_a_busy_neighbour_sizes_the_team_alone(
@@ -90,14 +101,47 @@ def test_the_first_window_of_work_after_a_wait_beside_a_busy_neighbour_sizes_the
     # then stopped: the first window of work finds the cores free, and the team is whole again at
     # once, not after the average of the two has decayed. Later windows are averaged as before.
     meter = ScriptedMeter([(2.0, 0.05), (0.1, 1.0), (1.4, 1.0), (1.4, 1.0)])
-    assert _steps(CoreGovernor(2, cores=2, meter=meter), monkeypatch, 4) == [1, 2, 2, 1]
+    assert _steps(_governor(meter), monkeypatch, 4) == [1, 2, 2, 1]
+
+
+def test_the_first_tenth_of_a_second_of_work_after_a_wait_sizes_the_team(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another process kept both cores busy while the model waited and stopped just before the
+    # request: a tenth of a second into the work the probe finds the cores free and the team is
+    # whole again, without waiting for a shared window. The shared window that ends next began in
+    # the wait and is left out; the one after it is averaged as before.
+    clock = [0.0]
+    meter = ScriptedMeter([(2.0, 0.05), None, None, (1.5, 0.6), (0.1, 1.9)])
+    governor = _governor(meter, probe=ScriptedMeter([None, (0.1, 1.0)]), clock=clock)
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    sizes = []
+    for now in (0.0, 0.05, 0.1, 0.2, 0.3):
+        clock[0] = now
+        sizes.append(governor.apply())
+    assert sizes == [1, 1, 2, 2, 2]
+
+
+def test_a_neighbour_still_busy_in_the_first_work_after_a_wait_keeps_the_team_small(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The probe's first stretch found the model idle (it says nothing, and starts again); the
+    # second found the neighbour still on a core.
+    clock = [0.0]
+    probe = ScriptedMeter([None, (0.0, 0.05), (1.0, 1.0)])
+    governor = _governor(ScriptedMeter([(1.0, 0.05)]), probe=probe, clock=clock)
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    sizes = []
+    for now in (0.0, 0.1, 0.2, 0.3):
+        clock[0] = now
+        sizes.append(governor.apply())
+    assert sizes == [1, 1, 1, 1]
+    assert governor._worked
 
 
 def test_windows_in_which_the_model_waited_never_grow_the_team(monkeypatch: pytest.MonkeyPatch) -> None:
     # A quiet second while the model waited says nothing of what it meets when it works (its
     # verifier, for a drafter, works while it waits): only a window in which it worked grows it back.
     meter = ScriptedMeter([(1.0, 1.0), (0.0, 0.05), (0.0, 0.05), (0.0, 1.9), (0.0, 1.9)])
-    assert _steps(CoreGovernor(2, cores=2, meter=meter), monkeypatch, 5) == [1, 1, 1, 2, 2]
+    assert _steps(_governor(meter), monkeypatch, 5) == [1, 1, 1, 2, 2]
 
 
 def test_the_shared_windows_are_measured_while_nobody_asks() -> None:
@@ -138,14 +182,14 @@ def test_a_neighbour_that_keeps_a_core_busy_while_the_model_works_shrinks_the_te
         (0.1, 1.0),
         (0.1, 1.9),
     ]
-    sizes = _steps(CoreGovernor(2, cores=2, meter=ScriptedMeter(readings)), monkeypatch, 7)
+    sizes = _steps(_governor(ScriptedMeter(readings)), monkeypatch, 7)
     assert sizes[0] == 2 and 1 in sizes[2:5] and sizes[-1] == 2
 
 
 def test_slow_passes_still_measure(monkeypatch: pytest.MonkeyPatch) -> None:
     # Under a neighbour one pass can take seconds, so calls are seconds apart: each window counts.
     monkeypatch.setattr("torch.set_num_threads", lambda n: None)
-    governor = CoreGovernor(2, cores=2, meter=ScriptedMeter([(1.0, 1.2), (1.0, 1.0)]))
+    governor = _governor(ScriptedMeter([(1.0, 1.2), (1.0, 1.0)]))
     assert [governor.apply() for _ in range(3)] == [1, 1, 1]
 
 
@@ -153,7 +197,7 @@ def test_apply_sizes_the_calling_threads_team(monkeypatch: pytest.MonkeyPatch) -
     seen: list[int] = []
 
     def model_thread() -> None:
-        governor = CoreGovernor(2, cores=2, meter=ScriptedMeter([None, (1.5, 1.0)]))
+        governor = _governor(ScriptedMeter([None, (1.5, 1.0)]))
         governor.apply()
         seen.append(torch.get_num_threads())
         governor.apply()

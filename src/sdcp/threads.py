@@ -47,6 +47,12 @@ _SHARE_TOLERATED = 0.75
 # drafter waits for it), so such a window may shrink the team but never grows it. (A gap between
 # calls cannot tell: under a neighbour's load one pass can itself take seconds.)
 _ACTIVE_CORES = 0.25
+# When the model starts work after a wait, the load is measured again over this first stretch of it
+# rather than after a whole window: the estimate it starts from was made while it waited, and a
+# neighbour busy then (a benchmark's other system) may have stopped just before. /proc/stat counts
+# in hundredths of a second, so a tenth of a second on two cores tells a neighbour's busy core
+# (10 ticks) from a quiet one within a tick or two.
+_FIRST_WORK_S = 0.1
 
 
 def usable_cores() -> int:
@@ -179,7 +185,9 @@ class CoreGovernor:
         *,
         cores: int | None = None,
         meter: Meter | None = None,
+        probe: CoreMeter | None = None,
         set_threads: Callable[[int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if budget < 1:
             raise ValueError(f"a thread budget is at least 1, got {budget}")
@@ -187,36 +195,40 @@ class CoreGovernor:
         self._set_threads = set_threads if set_threads is not None else _set_torch_threads
         self.cores = cores if cores is not None else usable_cores()
         self._meter = meter if meter is not None else _Reader(process_windows())
+        # The governor's own meter of the first stretch of work after a wait, and when that began.
+        self._probe = probe if probe is not None else CoreMeter()
+        self._clock = clock
+        self._probe_since: float | None = None
+        self._window_overlaps_probe = False
         self._others: float | None = None
         # Whether the newest window taken in was one in which the model worked.
         self._worked = False
         self.threads = budget
         self._applied: int | None = None
 
+    @property
+    def provisional(self) -> bool:
+        """Whether the team is smaller than the budget on load measured while the model waited,
+        and the first work after the wait has not been measured yet: long work should come back
+        between short calls (``apply`` may grow the team then)."""
+        return not self._worked and self.threads < self.budget
+
     def team_size(self, others_busy: float) -> int:
         return max(1, min(self.budget, math.floor(self.cores - others_busy + _SHARE_TOLERATED)))
 
     def apply(self) -> int:
-        """Take in the window measured since the last call, if any; set the calling thread's team
-        size; return it."""
-        measured = self._meter.busy()
-        if measured is not None:
-            others, own = measured
-            working = own >= _ACTIVE_CORES
-            if working and self._worked and self._others is not None:
-                self._others += _WEIGHT * (others - self._others)
-            elif working:
-                # The first window of work says what the model meets now; the estimate it replaces
-                # was made while the model waited. A neighbour that stopped just before a request
-                # (a benchmark's other system) had the average keep the team at one thread for
-                # 0.6-0.9 s of it (docs/performance.md, session 27).
-                self._others = others
-            elif self._others is None or others > self._others:
-                # A neighbour that kept cores busy while the model waited keeps them busy when it
-                # works: a long prefill arriving then must not start on a team twice too large.
-                self._others = others
-            self._worked = working
-            self.threads = self.team_size(self._others)
+        """Take in the window measured since the last call, if any, and the first stretch of work
+        after a wait once it is measured; set the calling thread's team size; return it."""
+        window = self._meter.busy()
+        if window is not None and not self._window_overlaps_probe:
+            self._take_in(*window)
+        elif window is not None:
+            self._window_overlaps_probe = False
+        first = self._first_work()
+        if first is not None:
+            self._take_in(*first)
+            # The shared window that ends next began before the probe did, in the wait.
+            self._window_overlaps_probe = True
         if self.threads != self._applied:
             self._set_threads(self.threads)
             if self._applied is not None:
@@ -228,6 +240,43 @@ class CoreGovernor:
                 )
             self._applied = self.threads
         return self.threads
+
+    def _take_in(self, others: float, own: float) -> None:
+        working = own >= _ACTIVE_CORES
+        if working and self._worked and self._others is not None:
+            self._others += _WEIGHT * (others - self._others)
+        elif working:
+            # The first window of work says what the model meets now; the estimate it replaces
+            # was made while the model waited. A neighbour that stopped just before a request
+            # (a benchmark's other system) had the average keep the team at one thread for
+            # 0.6-0.9 s of it (docs/performance.md, session 27).
+            self._others = others
+        elif self._others is None or others > self._others:
+            # A neighbour that kept cores busy while the model waited keeps them busy when it
+            # works: a long prefill arriving then must not start on a team twice too large.
+            self._others = others
+        self._worked = working
+        self.threads = self.team_size(self._others)
+
+    def _first_work(self) -> tuple[float, float] | None:
+        """The load over the first ``_FIRST_WORK_S`` of work after a wait, once measured: a probe
+        starts whenever the estimate was last made while the model waited, and one over a stretch
+        in which the model did not work says nothing and starts again."""
+        if self._worked:
+            self._probe_since = None
+            return None
+        now = self._clock()
+        if self._probe_since is None:
+            self._probe.busy()
+            self._probe_since = now
+            return None
+        if now - self._probe_since < _FIRST_WORK_S:
+            return None
+        measured = self._probe.busy()
+        self._probe_since = now
+        if measured is None or measured[1] < _ACTIVE_CORES:
+            return None
+        return measured
 
 
 def _set_torch_threads(threads: int) -> None:

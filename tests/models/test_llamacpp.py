@@ -32,6 +32,7 @@ from sdcp.models.registry import load_target, load_tokenizer
 from sdcp.models.weights.digests import tokenizer_digest, weights_digest
 from sdcp.models.weights.fetch import FetchResult, smollm2_gguf
 from sdcp.protocol.rules import RULES, SecureRandom
+from sdcp.threads import CoreGovernor
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -170,6 +171,46 @@ def test_a_row_is_the_same_whatever_shares_its_pass(gguf: Path, prompts: list[li
     long_shared, short_shared = pair.score([(long_session, (42,)), (short_session, ())])
     assert np.array_equal(long_shared, long_alone)
     assert np.array_equal(short_shared, short_alone)
+
+
+class _Governor(CoreGovernor):
+    """A governor whose team alternates between one thread and two at each apply, provisional
+    until asked ``provisional_for`` times: it records the tokens of each call."""
+
+    def __init__(self, target: LlamaCppTarget, provisional_for: int) -> None:
+        super().__init__(2, cores=2, set_threads=target.set_threads)
+        self.teams: list[int] = []
+        self.provisional_for = provisional_for
+
+    @property
+    def provisional(self) -> bool:
+        self.provisional_for -= 1
+        return self.provisional_for >= 0
+
+    def apply(self) -> int:
+        self.teams.append(1 if len(self.teams) % 2 == 0 else 2)
+        self._set_threads(self.teams[-1])
+        return self.teams[-1]
+
+
+def test_a_long_prefill_follows_the_load_between_its_calls(gguf: Path, prompts: list[list[int]]) -> None:
+    """The core governor is applied before each llama_decode call of a prefill (a group's is
+    seconds long on one thread); on a provisional team the first call is short. A team that
+    changes within a prefill, and calls of other lengths, change no row."""
+    pair = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", threads=2, kv_slots=2, kv_capacity=CAPACITY)
+    prompt = prompts[-1][:150]
+    alone, followed = b"a" * 16, b"f" * 16
+    pair.open_session(alone, prompt)
+    expected = pair.score([(alone, (42,))])[0].copy()
+    pair.close_session(alone)
+    # Prefilled in steps of 126 tokens: 63 + 63, 23; provisional, 16 + 63 + 47, 23.
+    for provisional_for, calls in ((0, 3), (1, 4)):
+        governor = _Governor(pair, provisional_for)
+        pair.follow_load(governor)
+        pair.open_session(followed, prompt)
+        assert len(governor.teams) == calls
+        assert np.array_equal(pair.score([(followed, (42,))])[0], expected)
+        pair.close_session(followed)
 
 
 def test_a_long_lone_token_beside_an_empty_neighbour_gives_the_one_thread_row(

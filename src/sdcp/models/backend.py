@@ -16,6 +16,7 @@ import numpy as np
 
 from sdcp.cache.prefix import PrefixIndex
 from sdcp.models.errors import BadTokens, DigestMismatch, InconsistentCommit, ModelError, UnknownSession
+from sdcp.threads import CoreGovernor
 
 __all__ = [
     "DEFAULT_KV_SLOTS",
@@ -76,6 +77,12 @@ class Target(Protocol):
 
     def set_threads(self, threads: int) -> None:
         """Run the next passes on this many threads (sdcp.threads.CoreGovernor sizes them)."""
+        ...
+
+    def follow_load(self, governor: CoreGovernor) -> None:
+        """Apply ``governor`` between the model calls of one piece of work, so that a long
+        prefill's team follows the load within it (and, while its team is provisional, make the
+        first call short); a backend whose work is one call each may ignore it."""
         ...
 
     @property

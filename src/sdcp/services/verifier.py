@@ -88,13 +88,15 @@ class VerifierNode(Node):
             # Retry-After, as past max_sessions, rather than failing in the prefill.
             slots = _kv_slots(settings.kv_slots, target.backend)
             settings = replace(settings, max_sessions=min(settings.max_sessions, slots))
+        cores = CoreGovernor(threads, set_threads=target.set_threads)
+        target.follow_load(cores)
         self.engine = VerifierEngine(
             uri=self.uri,
             settings=settings,
             target=target,
             mlc=self.mlc,
             ttl_ms=config.instance.ttl_ms,
-            cores=CoreGovernor(threads, set_threads=target.set_threads),
+            cores=cores,
             events=self._post_event if config.instance.routers else None,
             # Signed commit records (docs/security.md): with the key of this instance's certificate.
             sign=RecordSigner.load(config.instance.cert, config.instance.key).sign,

@@ -40,6 +40,7 @@ from sdcp.models.hf.kvblob import decode_kv, decode_kv_layers, encode_kv, encode
 from sdcp.models.hf.packed import pack_weights, with_packed_linears
 from sdcp.models.hf.ragged import RaggedBatchCache, SlotPass, supports_ragged_attention, use_ragged_attention
 from sdcp.models.weights.digests import tokenizer_definition, tokenizer_digest, weights_digest
+from sdcp.threads import CoreGovernor
 
 log = logging.getLogger("sdcp.models")
 
@@ -123,6 +124,10 @@ class TargetModel:
     def set_threads(self, threads: int) -> None:
         # OpenMP's team size is a setting of the calling thread: the scorer's, the model's own.
         torch.set_num_threads(threads)
+
+    def follow_load(self, governor: CoreGovernor) -> None:
+        """Nothing to follow: a prefill chunk is one call of the worker, which applies the
+        governor before it."""
 
     @property
     def vocab_size(self) -> int:

@@ -59,7 +59,7 @@ from sdcp.models.errors import (
 from sdcp.models.kvformat import decode_llamacpp_kv, encode_llamacpp_kv
 from sdcp.models.llamacpp.native import PROPOSAL_ROOM, SEQUENCE_TOKENS_PER_CALL, load_native
 from sdcp.models.weights.digests import gguf_digest, tokenizer_file_digest
-from sdcp.threads import usable_cores
+from sdcp.threads import CoreGovernor, usable_cores
 
 __all__ = [
     "BATCH_TOKENS",
@@ -84,6 +84,10 @@ COMPANION_POSITIONS = 1536
 # Tokens of a prefill between two other passes (two llama_decode calls): a long prompt's prefill
 # delays other sessions' next pass by about this much work, not by all of it.
 PREFILL_STEP_TOKENS = 2 * SEQUENCE_TOKENS_PER_CALL
+# Tokens of each sequence in the first call of work that starts on a provisional team
+# (CoreGovernor.provisional): about a tenth of a second on one thread, when the governor measures the
+# work again. 63 tokens took 0.42 s there, where the cores were free (docs/performance.md, session 28).
+PROVISIONAL_CALL_TOKENS = 16
 _DECODE_FAILURES = {
     1: "no room in the KV cache for the pass",
     2: "the pass was aborted",
@@ -169,6 +173,9 @@ class LlamaCppTarget:
         self._lock = threading.RLock()
         self._prefix_cache_bytes = prefix_cache_bytes
         self._companion_positions = companion_positions
+        # Applied between the llama_decode calls of one piece of work: a group's prefill of 512
+        # tokens is one piece, seconds long on one thread (follow_load).
+        self._governor: CoreGovernor | None = None
 
     backend: TargetBackend = "llamacpp"
     on_host_cores = True
@@ -178,6 +185,9 @@ class LlamaCppTarget:
         with self._lock:
             self._threads = threads
             llama_cpp.llama_set_n_threads(self._context, self._one_token_threads, threads)
+
+    def follow_load(self, governor: CoreGovernor) -> None:
+        self._governor = governor
 
     @property
     def vocab_size(self) -> int:
@@ -479,7 +489,13 @@ class LlamaCppTarget:
         batch = self._batch
         companion: int | None = None
         try:
-            for call in _calls(feeds):
+            governor = self._governor
+            # A team sized by the load of the wait before this work is measured again a tenth of a
+            # second into it: the first call is short enough to come back by then.
+            first = PROVISIONAL_CALL_TOKENS if governor is not None and governor.provisional else None
+            for call in _calls(feeds, first):
+                if governor is not None:
+                    governor.apply()
                 slots = [
                     (feeds[index].seq_id, feeds[index].start + offset, feeds[index].tokens[offset], rows)
                     for index, offset in call
@@ -567,19 +583,21 @@ def _read_only(data: bytes) -> ctypes._Pointer[ctypes.c_uint8]:
     return ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
 
 
-def _calls(feeds: Sequence[_Feed]) -> Iterator[list[tuple[int, int]]]:
-    """The llama_decode calls of a pass, as (feed index, token offset) pairs: the k-th call round
-    takes the k-th SEQUENCE_TOKENS_PER_CALL tokens of every feed, in sequence-id order, in calls of
-    up to BATCH_TOKENS tokens."""
+def _calls(feeds: Sequence[_Feed], first_round: int | None = None) -> Iterator[list[tuple[int, int]]]:
+    """The llama_decode calls of a pass, as (feed index, token offset) pairs: each call round takes
+    the next SEQUENCE_TOKENS_PER_CALL tokens of every feed (the first round ``first_round``, where
+    given), in sequence-id order, in calls of up to BATCH_TOKENS tokens."""
     order = sorted(range(len(feeds)), key=lambda index: feeds[index].seq_id)
     longest = max((len(feed.tokens) for feed in feeds), default=0)
-    for first in range(0, longest, SEQUENCE_TOKENS_PER_CALL):
+    first, size = 0, first_round or SEQUENCE_TOKENS_PER_CALL
+    while first < longest:
         call: list[tuple[int, int]] = []
         for index in order:
-            piece = range(first, min(first + SEQUENCE_TOKENS_PER_CALL, len(feeds[index].tokens)))
+            piece = range(first, min(first + size, len(feeds[index].tokens)))
             if len(call) + len(piece) > BATCH_TOKENS:
                 yield call
                 call = []
             call.extend((index, offset) for offset in piece)
         if call:
             yield call
+        first, size = first + size, SEQUENCE_TOKENS_PER_CALL
