@@ -21,7 +21,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from sdcp.cache.commitlog import CommitLog, FileCommitLog
@@ -38,8 +38,33 @@ CREATE TABLE IF NOT EXISTS leases (
     uri TEXT NOT NULL, holder TEXT NOT NULL, expires REAL NOT NULL,
     PRIMARY KEY (uri, holder));
 """
+# How long a database opened by several processes at once waits for the others (busy_timeout).
+_BUSY_TIMEOUT_S = 30.0
+# Between two tries to switch the database to WAL (_use_wal).
+_WAL_RETRY_S = 0.02
 _ATIME_RESOLUTION_S = 1.0  # recency is refreshed at most this often, to keep reads off the write lock
 _READ_RETRIES = 5
+
+
+def _use_wal(db: sqlite3.Connection, pause: Callable[[float], None] = time.sleep) -> None:
+    """Switch ``db`` to write-ahead logging. The switch needs the database to itself, and SQLite
+    refuses it at once, without waiting on busy_timeout, while another process opens it: a local
+    cluster's roles start together on one MLC directory, and a router exited with "database is
+    locked". The mode is kept in the file, so the first process that gets to switch it switches it
+    for all; the others try again until it is done or the busy timeout has passed."""
+    deadline = time.monotonic() + _BUSY_TIMEOUT_S
+    while True:
+        try:
+            (mode,) = db.execute("PRAGMA journal_mode = WAL").fetchone()
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+        else:
+            if str(mode).lower() == "wal":
+                return
+            if time.monotonic() >= deadline:
+                raise sqlite3.OperationalError(f"the database stays in {mode} journal mode, not WAL")
+        pause(_WAL_RETRY_S)
 
 
 class DiskTier:
@@ -55,12 +80,12 @@ class DiskTier:
         self._blobs = self.directory / "blobs"
         self._blobs.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(
-            self.directory / "index.sqlite", timeout=30.0, isolation_level=None, check_same_thread=False
+            self.directory / "index.sqlite", timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
         )
         self._db_lock = threading.Lock()
         with self._db_lock:
-            self._db.execute("PRAGMA busy_timeout = 30000")
-            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute(f"PRAGMA busy_timeout = {int(_BUSY_TIMEOUT_S * 1000)}")
+            _use_wal(self._db)
             self._db.execute("PRAGMA synchronous = NORMAL")
             self._db.executescript(_SCHEMA)
 
