@@ -50,9 +50,9 @@ _ACTIVE_CORES = 0.25
 # When the model starts work after a wait, the load is measured again over this first stretch of it
 # rather than after a whole window: the estimate it starts from was made while it waited, and a
 # neighbour busy then (a benchmark's other system) may have stopped just before. /proc/stat counts
-# in hundredths of a second, so a tenth of a second on two cores tells a neighbour's busy core
-# (10 ticks) from a quiet one within a tick or two.
-_FIRST_WORK_S = 0.1
+# in hundredths of a second (a busy loop of 50 ms read 5 ticks, ten times out of ten), so a
+# twentieth of a second tells a neighbour's busy core (5 ticks) from a quiet one (0 or 1).
+_FIRST_WORK_S = 0.05
 
 
 def usable_cores() -> int:

@@ -203,7 +203,7 @@ def test_a_long_prefill_follows_the_load_between_its_calls(gguf: Path, prompts: 
     pair.open_session(alone, prompt)
     expected = pair.score([(alone, (42,))])[0].copy()
     pair.close_session(alone)
-    # Prefilled in steps of 126 tokens: 63 + 63, 23; provisional, 16 + 63 + 47, 23.
+    # Prefilled in steps of 126 tokens: 63 + 63, 23; provisional, 8 + 63 + 55, 23.
     for provisional_for, calls in ((0, 3), (1, 4)):
         governor = _Governor(pair, provisional_for)
         pair.follow_load(governor)

@@ -85,9 +85,9 @@ COMPANION_POSITIONS = 1536
 # delays other sessions' next pass by about this much work, not by all of it.
 PREFILL_STEP_TOKENS = 2 * SEQUENCE_TOKENS_PER_CALL
 # Tokens of each sequence in the first call of work that starts on a provisional team
-# (CoreGovernor.provisional): about a tenth of a second on one thread, when the governor measures the
-# work again. 63 tokens took 0.42 s there, where the cores were free (docs/performance.md, session 28).
-PROVISIONAL_CALL_TOKENS = 16
+# (CoreGovernor.provisional): about 50 ms on one thread, when the governor measures the work again.
+# 63 tokens took 0.42 s there, where the cores were free (docs/performance.md, session 28).
+PROVISIONAL_CALL_TOKENS = 8
 _DECODE_FAILURES = {
     1: "no room in the KV cache for the pass",
     2: "the pass was aborted",
@@ -490,8 +490,8 @@ class LlamaCppTarget:
         companion: int | None = None
         try:
             governor = self._governor
-            # A team sized by the load of the wait before this work is measured again a tenth of a
-            # second into it: the first call is short enough to come back by then.
+            # A team sized by the load of the wait before this work is measured again 50 ms into
+            # it: the first call is short enough to come back by then.
             first = PROVISIONAL_CALL_TOKENS if governor is not None and governor.provisional else None
             for call in _calls(feeds, first):
                 if governor is not None:
