@@ -27,7 +27,7 @@ from sdcp.models.errors import (
     ModelError,
     SessionLimit,
 )
-from sdcp.models.llamacpp.target import SPLIT_FREE_POSITIONS, LlamaCppTarget
+from sdcp.models.llamacpp.target import SPLIT_FREE_POSITIONS, LlamaCppTarget, _calls, _Feed
 from sdcp.models.registry import load_target, load_tokenizer
 from sdcp.models.weights.digests import tokenizer_digest, weights_digest
 from sdcp.models.weights.fetch import FetchResult, smollm2_gguf
@@ -203,7 +203,7 @@ def test_a_long_prefill_follows_the_load_between_its_calls(gguf: Path, prompts: 
     pair.open_session(alone, prompt)
     expected = pair.score([(alone, (42,))])[0].copy()
     pair.close_session(alone)
-    # Prefilled in steps of 126 tokens: 63 + 63, 23; provisional, 8 + 63 + 55, 23.
+    # Prefilled in steps of 126 tokens: 63 + 63, 23; provisional, 8 + 55 + 63, 23.
     for provisional_for, calls in ((0, 3), (1, 4)):
         governor = _Governor(pair, provisional_for)
         pair.follow_load(governor)
@@ -211,6 +211,18 @@ def test_a_long_prefill_follows_the_load_between_its_calls(gguf: Path, prompts: 
         assert len(governor.teams) == calls
         assert np.array_equal(pair.score([(followed, (42,))])[0], expected)
         pair.close_session(followed)
+
+
+def test_a_provisional_first_call_is_split_off_the_first_call_alone() -> None:
+    """Sessions in sequence-id order, fewer than 64 tokens of one a call, each call's tokens in
+    order; a provisional team's first call holds 8 tokens in all, whatever the group."""
+    feeds = [_Feed(seq_id=1, start=0, tokens=tuple(range(70))), _Feed(seq_id=0, start=0, tokens=(5,))]
+    plain, split = list(_calls(feeds)), list(_calls(feeds, 8))
+    assert [len(call) for call in plain] == [64, 7]
+    assert plain[0][:2] == [(1, 0), (0, 0)]
+    assert [len(call) for call in split] == [8, 56, 7]
+    assert [pair for call in split for pair in call] == [pair for call in plain for pair in call]
+    assert [len(call) for call in _calls(feeds[1:], 8)] == [1]
 
 
 def test_a_long_lone_token_beside_an_empty_neighbour_gives_the_one_thread_row(

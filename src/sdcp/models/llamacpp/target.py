@@ -84,9 +84,10 @@ COMPANION_POSITIONS = 1536
 # Tokens of a prefill between two other passes (two llama_decode calls): a long prompt's prefill
 # delays other sessions' next pass by about this much work, not by all of it.
 PREFILL_STEP_TOKENS = 2 * SEQUENCE_TOKENS_PER_CALL
-# Tokens of each sequence in the first call of work that starts on a provisional team
-# (CoreGovernor.provisional): about 50 ms on one thread, when the governor measures the work again.
-# 63 tokens took 0.42 s there, where the cores were free (docs/performance.md, session 28).
+# Tokens of the first call of work that starts on a provisional team (CoreGovernor.provisional), in
+# all: about 50 ms on one thread, when the governor measures the work again. 63 tokens took 0.42 s
+# there, where the cores were free, and a group's first call holds up to 512 (docs/performance.md,
+# session 28).
 PROVISIONAL_CALL_TOKENS = 8
 _DECODE_FAILURES = {
     1: "no room in the KV cache for the pass",
@@ -583,21 +584,31 @@ def _read_only(data: bytes) -> ctypes._Pointer[ctypes.c_uint8]:
     return ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
 
 
-def _calls(feeds: Sequence[_Feed], first_round: int | None = None) -> Iterator[list[tuple[int, int]]]:
-    """The llama_decode calls of a pass, as (feed index, token offset) pairs: each call round takes
-    the next SEQUENCE_TOKENS_PER_CALL tokens of every feed (the first round ``first_round``, where
-    given), in sequence-id order, in calls of up to BATCH_TOKENS tokens."""
+def _calls(feeds: Sequence[_Feed], first_call: int | None = None) -> Iterator[list[tuple[int, int]]]:
+    """The llama_decode calls of a pass, as (feed index, token offset) pairs: the k-th call round
+    takes the k-th SEQUENCE_TOKENS_PER_CALL tokens of every feed, in sequence-id order, in calls of
+    up to BATCH_TOKENS tokens; with ``first_call``, the first call's first that many tokens make a
+    call of their own (each call still holds a sequence's tokens in order, fewer than 64)."""
+    calls = _call_rounds(feeds)
+    if first_call is not None:
+        for call in calls:
+            yield call[:first_call]
+            if len(call) > first_call:
+                yield call[first_call:]
+            break
+    yield from calls
+
+
+def _call_rounds(feeds: Sequence[_Feed]) -> Iterator[list[tuple[int, int]]]:
     order = sorted(range(len(feeds)), key=lambda index: feeds[index].seq_id)
     longest = max((len(feed.tokens) for feed in feeds), default=0)
-    first, size = 0, first_round or SEQUENCE_TOKENS_PER_CALL
-    while first < longest:
+    for first in range(0, longest, SEQUENCE_TOKENS_PER_CALL):
         call: list[tuple[int, int]] = []
         for index in order:
-            piece = range(first, min(first + size, len(feeds[index].tokens)))
+            piece = range(first, min(first + SEQUENCE_TOKENS_PER_CALL, len(feeds[index].tokens)))
             if len(call) + len(piece) > BATCH_TOKENS:
                 yield call
                 call = []
             call.extend((index, offset) for offset in piece)
         if call:
             yield call
-        first, size = first + size, SEQUENCE_TOKENS_PER_CALL
