@@ -175,6 +175,35 @@ def test_an_evicted_history_answers_as_one_built_from_the_kept_outputs() -> None
         )
 
 
+def test_drafts_are_those_of_lookups_that_walk_every_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup walks no chain below the match it needs (the minimum, or the session's own match
+    for the shared index): drafts, from small vocabularies where every order's chain is long, are
+    those of lookups that walk every chain."""
+    rng = np.random.default_rng(11)
+    cases = []
+    for vocab in (3, 6, 20):
+        session = rng.integers(0, vocab, size=int(rng.integers(10, 200))).tolist()
+        shared = index_of(*(rng.integers(0, vocab, size=int(rng.integers(5, 80))).tolist() for _ in range(30)))
+        for _ in range(60):
+            end = int(rng.integers(1, len(session) + 1))
+            own = index_of(session=session[:end])
+            context = session[:end] + rng.integers(0, vocab, size=int(rng.integers(0, 4))).tolist()
+            own.append(context[end:])
+            cases.append((context, own, shared, int(rng.integers(1, 4))))
+    drafts = [
+        plan_draft(context, own, shared, 8, min_match=least, **EVERY_STEP) for context, own, shared, least in cases
+    ]
+    every_chain = SuffixIndex.longest_match
+    monkeypatch.setattr(
+        SuffixIndex, "longest_match", lambda self, context, longest, _least=1: every_chain(self, context, longest)
+    )
+    walked = [
+        plan_draft(context, own, shared, 8, min_match=least, **EVERY_STEP) for context, own, shared, least in cases
+    ]
+    assert drafts == walked
+    assert sum(1 for draft in drafts if draft) > len(cases) // 2
+
+
 # -- sync ------------------------------------------------------------------------------------------
 
 

@@ -188,13 +188,17 @@ class SuffixIndex:
         token = self._tokens[index]
         return None if token == _SEPARATOR else token
 
-    def longest_match(self, context: Sequence[int], max_length: int) -> Match | None:
+    def longest_match(self, context: Sequence[int], max_length: int, min_length: int = 1) -> Match | None:
         """The longest suffix of ``context`` (at most ``max_length`` tokens) that occurs here followed
-        by a token, with its most recent occurrences; None when not even its last token does."""
+        by a token, with its most recent occurrences; None when not even its last token does, or
+        may be None when none of ``min_length`` tokens does: the chains of orders below the longest
+        one within ``min_length`` are not walked (each match of that length or more is in that
+        chain, as recent there as in theirs)."""
         longest_order = min(max_length, len(context))
+        shortest_order = max(order for order in _CHAIN_ORDERS if order <= max(1, min_length))
         for order_index in reversed(range(len(_CHAIN_ORDERS))):
             order = _CHAIN_ORDERS[order_index]
-            if order > longest_order:
+            if order > longest_order or order < shortest_order:
                 continue
             found: list[tuple[int, int]] = []
             position = self._latest[order_index].get(hash(tuple(context[-order:])), -1)
@@ -331,8 +335,10 @@ def plan_draft(
     has one at least), after ``spec_factor`` tokens per matched token, or at ``m``. Empty without a
     match of ``min_match`` tokens.
     """
-    own_match = own.longest_match(context, max_pattern)
-    shared_match = shared.longest_match(context, max_pattern) if shared is not None else None
+    own_match = own.longest_match(context, max_pattern, min_match)
+    # A shared match shorter than the session's own is not used: its lookup need not look for one.
+    at_least = max(min_match, own_match.length if own_match is not None else 0)
+    shared_match = shared.longest_match(context, max_pattern, at_least) if shared is not None else None
     length = max((match.length for match in (own_match, shared_match) if match is not None), default=0)
     if length < min_match:
         return []
