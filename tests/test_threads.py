@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sdcp.config import DrafterConfig, InstanceConfig, ServiceConfig, thread_budget
-from sdcp.threads import CoreGovernor, CoreMeter, LoadWindows, _Reader, usable_cores
+from sdcp.threads import CoreGovernor, CoreMeter, Load, LoadWindows, _Reader, usable_cores
 
 
 class FakeProc:
@@ -30,13 +30,21 @@ class FakeProc:
 
 
 class ScriptedMeter(CoreMeter):
-    """Readings of (cores the others kept busy, cores this process kept busy), one per window."""
+    """Readings of (cores the others kept busy, cores this process kept busy), one per window, and
+    where given when the window began; a window without it began after the one before."""
 
-    def __init__(self, readings: list[tuple[float, float] | None]) -> None:
+    def __init__(self, readings: list[tuple[float, float] | tuple[float, float, float] | None]) -> None:
         self.readings = readings
+        self.windows = 0
 
-    def busy(self) -> tuple[float, float] | None:
-        return self.readings.pop(0) if self.readings else None
+    def busy(self) -> Load | None:
+        if not self.readings:
+            return None
+        reading = self.readings.pop(0)
+        if reading is None:
+            return None
+        self.windows += 1
+        return Load(*reading) if len(reading) == 3 else Load(reading[0], reading[1], float(self.windows))
 
 
 def test_the_meter_subtracts_this_processs_own_time(tmp_path: Path) -> None:
@@ -49,7 +57,7 @@ def test_the_meter_subtracts_this_processs_own_time(tmp_path: Path) -> None:
     proc.busy += 3 * ticks  # 1.5 cores over 2 s on the machine ...
     proc.own += 1 * ticks  # ... of which 0.5 core is this process
     proc.write()
-    assert meter.busy() == pytest.approx((1.0, 0.5))
+    assert meter.busy() == pytest.approx((1.0, 0.5, 100.0))
 
 
 def test_the_meter_says_nothing_without_proc(tmp_path: Path) -> None:
@@ -104,37 +112,52 @@ def test_the_first_window_of_work_after_a_wait_beside_a_busy_neighbour_sizes_the
     assert _steps(_governor(meter), monkeypatch, 4) == [1, 2, 2, 1]
 
 
+def _sizes_at(governor: CoreGovernor, clock: list[float], times: tuple[float, ...]) -> list[int]:
+    sizes = []
+    for now in times:
+        clock[0] = now
+        sizes.append(governor.apply())
+    return sizes
+
+
 def test_the_first_twentieth_of_a_second_of_work_after_a_wait_sizes_the_team(monkeypatch: pytest.MonkeyPatch) -> None:
     # Another process kept both cores busy while the model waited and stopped just before the
-    # request: a twentieth of a second into the work the probe finds the cores free and the team is
-    # whole again, without waiting for a shared window. The shared window that ends next began in
-    # the wait and is left out; the one after it is averaged as before.
-    clock = [0.0]
-    meter = ScriptedMeter([(2.0, 0.05), None, None, (1.5, 0.6), (0.1, 1.9)])
-    governor = _governor(meter, probe=ScriptedMeter([None, (0.1, 1.0)]), clock=clock)
+    # request: 50 ms into the work the probe finds the cores free and the team is whole again,
+    # without waiting for a shared window. The shared window that ends next began in the wait and
+    # is left out; the one after it is averaged as before. Seconds later the model waits again
+    # beside the busy neighbour: that window is news, and the next work starts on one thread.
     monkeypatch.setattr("torch.set_num_threads", lambda n: None)
-    sizes = []
-    for now in (0.0, 0.03, 0.05, 0.2, 0.3):
-        clock[0] = now
-        sizes.append(governor.apply())
-    assert sizes == [1, 1, 2, 2, 2]
+    clock = [0.0]
+    windows = ScriptedMeter([(2.0, 0.05, -0.25), None, None, (1.5, 0.6, -0.05), (0.1, 1.9, 0.2), (2.0, 0.05, 9.75)])
+    governor = _governor(windows, probe=ScriptedMeter([None, (0.1, 1.0)]), clock=clock)
+    assert _sizes_at(governor, clock, (0.0, 0.03, 0.05, 0.2, 0.3, 10.0)) == [1, 1, 2, 2, 2, 1]
 
 
-def test_a_neighbour_still_busy_in_the_first_work_after_a_wait_keeps_the_team_small(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The probe's first stretch found the model idle (it says nothing, and starts again); the
-    # second found the neighbour still on a core.
-    clock = [0.0]
-    probe = ScriptedMeter([None, (0.0, 0.05), (1.0, 1.0)])
-    governor = _governor(ScriptedMeter([(1.0, 0.05)]), probe=probe, clock=clock)
+def test_a_window_that_ends_while_the_probe_measures_is_left_to_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The shared window that ends 30 ms into the work is mostly wait: the probe's 50 ms decide,
+    # and the next window, all work, is averaged with them.
     monkeypatch.setattr("torch.set_num_threads", lambda n: None)
-    sizes = []
-    for now in (0.0, 0.05, 0.1, 0.15):
-        clock[0] = now
-        sizes.append(governor.apply())
-    assert sizes == [1, 1, 1, 1]
-    assert governor._worked
+    clock = [0.0]
+    windows = ScriptedMeter([(2.0, 0.05, -0.25), (1.2, 0.5, -0.22), None, (1.9, 1.0, 0.03)])
+    governor = _governor(windows, probe=ScriptedMeter([None, (0.1, 1.0)]), clock=clock)
+    assert _sizes_at(governor, clock, (0.0, 0.03, 0.05, 0.28)) == [1, 1, 2, 1]
+
+
+def test_a_probe_over_a_stretch_without_work_or_with_a_wait_says_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    # Four cores, a neighbour on one while the model waited: a team of three. The probe's first
+    # stretch found the model idle, and is not taken in (its neighbour on three cores would
+    # leave one thread); the second found the neighbour still on one core.
+    clock = [0.0]
+    probe = ScriptedMeter([None, (3.0, 0.05), (1.0, 1.0)])
+    governor = CoreGovernor(4, cores=4, meter=ScriptedMeter([(1.0, 0.05)]), probe=probe, clock=lambda: clock[0])
+    assert _sizes_at(governor, clock, (0.0, 0.05, 0.1, 0.15)) == [3, 3, 3, 3]
+    assert not governor.provisional
+    # A stretch of a second spans a wait between two calls: the probe starts again from there.
+    clock = [0.0]
+    probe = ScriptedMeter([None, (2.0, 1.0), (0.0, 1.0)])
+    governor = _governor(ScriptedMeter([(2.0, 0.05)]), probe=probe, clock=clock)
+    assert _sizes_at(governor, clock, (0.0, 1.0, 1.05)) == [1, 1, 2]
 
 
 def test_windows_in_which_the_model_waited_never_grow_the_team(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,11 +18,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 __all__ = [
     "CoreGovernor",
     "CoreMeter",
+    "Load",
     "LoadWindows",
     "Meter",
     "limit_native_threads",
@@ -53,6 +54,9 @@ _ACTIVE_CORES = 0.25
 # in hundredths of a second (a busy loop of 50 ms read 5 ticks, ten times out of ten), so a
 # twentieth of a second tells a neighbour's busy core (5 ticks) from a quiet one (0 or 1).
 _FIRST_WORK_S = 0.05
+# A probe's stretch longer than this spans a wait between two calls (or one call too long to size
+# in time): it says nothing of the first work, and the probe starts again.
+_PROBE_LONGEST_S = 4 * _FIRST_WORK_S
 
 
 def usable_cores() -> int:
@@ -71,6 +75,15 @@ def limit_native_threads(threads: int) -> None:
     os.environ["MKL_NUM_THREADS"] = str(threads)
 
 
+class Load(NamedTuple):
+    """Cores the other processes (``others``) and this one (``own``) kept busy on average over a
+    stretch of time that began at ``since`` (time.monotonic)."""
+
+    others: float
+    own: float
+    since: float
+
+
 class CoreMeter:
     """How many cores processes other than this one keep busy, from ``/proc/stat`` and this
     process's own CPU time (Linux); None where those cannot be read."""
@@ -81,8 +94,8 @@ class CoreMeter:
         self._ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._last = self._sample()
 
-    def busy(self) -> tuple[float, float] | None:
-        """Cores the other processes and this one kept busy since the previous call, on average."""
+    def busy(self) -> Load | None:
+        """The load since the previous call."""
         sample = self._sample()
         previous, self._last = self._last, sample
         if sample is None or previous is None:
@@ -92,7 +105,7 @@ class CoreMeter:
             return None
         own = (sample[2] - previous[2]) / self._ticks_per_s / wall
         others = (sample[1] - previous[1]) / self._ticks_per_s / wall - own
-        return max(0.0, others), own
+        return Load(max(0.0, others), own, previous[0])
 
     def _sample(self) -> tuple[float, int, int] | None:
         try:
@@ -118,10 +131,10 @@ class LoadWindows:
         self._meter = meter
         self._every_s = every_s
         self._lock = threading.Lock()
-        self._newest: tuple[float, float] | None = None
+        self._newest: Load | None = None
         self._started = False
 
-    def newest(self) -> tuple[float, float] | None:
+    def newest(self) -> Load | None:
         """The newest window (a new object each window), None before the first; the first call
         starts the measuring."""
         with self._lock:
@@ -157,9 +170,9 @@ class _Reader:
 
     def __init__(self, windows: LoadWindows) -> None:
         self._windows = windows
-        self._seen: tuple[float, float] | None = None
+        self._seen: Load | None = None
 
-    def busy(self) -> tuple[float, float] | None:
+    def busy(self) -> Load | None:
         newest = self._windows.newest()
         if newest is None or newest is self._seen:
             return None
@@ -168,8 +181,8 @@ class _Reader:
 
 
 class Meter(Protocol):
-    def busy(self) -> tuple[float, float] | None:
-        """(cores the other processes kept busy, cores this one did) in a window not seen before."""
+    def busy(self) -> Load | None:
+        """The load of a window not seen before, if there is one."""
 
 
 class CoreGovernor:
@@ -185,7 +198,7 @@ class CoreGovernor:
         *,
         cores: int | None = None,
         meter: Meter | None = None,
-        probe: CoreMeter | None = None,
+        probe: Meter | None = None,
         set_threads: Callable[[int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -199,7 +212,8 @@ class CoreGovernor:
         self._probe = probe if probe is not None else CoreMeter()
         self._clock = clock
         self._probe_since: float | None = None
-        self._window_overlaps_probe = False
+        # When the stretch of the newest measurement taken in began.
+        self._measured_since = -math.inf
         self._others: float | None = None
         # Whether the newest window taken in was one in which the model worked.
         self._worked = False
@@ -220,15 +234,14 @@ class CoreGovernor:
         """Take in the window measured since the last call, if any, and the first stretch of work
         after a wait once it is measured; set the calling thread's team size; return it."""
         window = self._meter.busy()
-        if window is not None and not self._window_overlaps_probe:
-            self._take_in(*window)
-        elif window is not None:
-            self._window_overlaps_probe = False
+        # A window that began before the newest measurement taken in, or before a probe under way,
+        # is older news: it holds the wait that the probe's stretch follows.
+        probing_since = self._probe_since if self._probe_since is not None else -math.inf
+        if window is not None and window.since >= max(self._measured_since, probing_since):
+            self._take_in(window)
         first = self._first_work()
         if first is not None:
-            self._take_in(*first)
-            # The shared window that ends next began before the probe did, in the wait.
-            self._window_overlaps_probe = True
+            self._take_in(first)
         if self.threads != self._applied:
             self._set_threads(self.threads)
             if self._applied is not None:
@@ -241,8 +254,9 @@ class CoreGovernor:
             self._applied = self.threads
         return self.threads
 
-    def _take_in(self, others: float, own: float) -> None:
-        working = own >= _ACTIVE_CORES
+    def _take_in(self, load: Load) -> None:
+        others = load.others
+        working = load.own >= _ACTIVE_CORES
         if working and self._worked and self._others is not None:
             self._others += _WEIGHT * (others - self._others)
         elif working:
@@ -256,27 +270,30 @@ class CoreGovernor:
             # works: a long prefill arriving then must not start on a team twice too large.
             self._others = others
         self._worked = working
+        self._measured_since = load.since
         self.threads = self.team_size(self._others)
 
-    def _first_work(self) -> tuple[float, float] | None:
+    def _first_work(self) -> Load | None:
         """The load over the first ``_FIRST_WORK_S`` of work after a wait, once measured: a probe
-        starts whenever the estimate was last made while the model waited, and one over a stretch
-        in which the model did not work says nothing and starts again."""
+        runs whenever the estimate was last made while the model waited. One over a stretch in
+        which the model did not work says nothing, and one over a stretch longer than
+        ``_PROBE_LONGEST_S`` spans a wait; either starts again."""
         if self._worked:
             self._probe_since = None
             return None
         now = self._clock()
-        if self._probe_since is None:
+        if self._probe_since is None or now - self._probe_since > _PROBE_LONGEST_S:
             self._probe.busy()
             self._probe_since = now
             return None
         if now - self._probe_since < _FIRST_WORK_S:
             return None
         measured = self._probe.busy()
-        self._probe_since = now
-        if measured is None or measured[1] < _ACTIVE_CORES:
+        if measured is None or measured.own < _ACTIVE_CORES:
+            self._probe_since = now
             return None
-        return measured
+        since, self._probe_since = self._probe_since, None
+        return Load(measured.others, measured.own, since)
 
 
 def _set_torch_threads(threads: int) -> None:

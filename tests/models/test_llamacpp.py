@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import llama_cpp
@@ -27,7 +27,14 @@ from sdcp.models.errors import (
     ModelError,
     SessionLimit,
 )
-from sdcp.models.llamacpp.target import SPLIT_FREE_POSITIONS, LlamaCppTarget, _calls, _Feed
+from sdcp.models.llamacpp.target import (
+    PROVISIONAL_CALLS,
+    SPLIT_FREE_POSITIONS,
+    LlamaCppTarget,
+    _calls,
+    _Feed,
+    _paced,
+)
 from sdcp.models.registry import load_target, load_tokenizer
 from sdcp.models.weights.digests import tokenizer_digest, weights_digest
 from sdcp.models.weights.fetch import FetchResult, smollm2_gguf
@@ -175,10 +182,10 @@ def test_a_row_is_the_same_whatever_shares_its_pass(gguf: Path, prompts: list[li
 
 class _Governor(CoreGovernor):
     """A governor whose team alternates between one thread and two at each apply, provisional
-    until asked ``provisional_for`` times: it records the tokens of each call."""
+    the first ``provisional_for`` times it is asked."""
 
-    def __init__(self, target: LlamaCppTarget, provisional_for: int) -> None:
-        super().__init__(2, cores=2, set_threads=target.set_threads)
+    def __init__(self, set_threads: Callable[[int], None], provisional_for: int) -> None:
+        super().__init__(2, cores=2, set_threads=set_threads)
         self.teams: list[int] = []
         self.provisional_for = provisional_for
 
@@ -195,7 +202,7 @@ class _Governor(CoreGovernor):
 
 def test_a_long_prefill_follows_the_load_between_its_calls(gguf: Path, prompts: list[list[int]]) -> None:
     """The core governor is applied before each llama_decode call of a prefill (a group's is
-    seconds long on one thread); on a provisional team the first call is short. A team that
+    seconds long on one thread), and on a provisional team the calls are short. A team that
     changes within a prefill, and calls of other lengths, change no row."""
     pair = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", threads=2, kv_slots=2, kv_capacity=CAPACITY)
     prompt = prompts[-1][:150]
@@ -203,9 +210,9 @@ def test_a_long_prefill_follows_the_load_between_its_calls(gguf: Path, prompts: 
     pair.open_session(alone, prompt)
     expected = pair.score([(alone, (42,))])[0].copy()
     pair.close_session(alone)
-    # Prefilled in steps of 126 tokens: 63 + 63, 23; provisional, 8 + 55 + 63, 23.
-    for provisional_for, calls in ((0, 3), (1, 4)):
-        governor = _Governor(pair, provisional_for)
+    # Prefilled in steps of 126 tokens: 63 + 63, 23; provisional twice, 8 + 8 + 47 + 63, 23.
+    for provisional_for, calls in ((0, 3), (2, 5)):
+        governor = _Governor(pair.set_threads, provisional_for)
         pair.follow_load(governor)
         pair.open_session(followed, prompt)
         assert len(governor.teams) == calls
@@ -213,16 +220,22 @@ def test_a_long_prefill_follows_the_load_between_its_calls(gguf: Path, prompts: 
         pair.close_session(followed)
 
 
-def test_a_provisional_first_call_is_split_off_the_first_call_alone() -> None:
+def test_calls_on_a_provisional_team_are_short_until_it_is_measured() -> None:
     """Sessions in sequence-id order, fewer than 64 tokens of one a call, each call's tokens in
-    order; a provisional team's first call holds 8 tokens in all, whatever the group."""
+    order; while the team is provisional a call holds 8 tokens in all, whatever the group, and at
+    most PROVISIONAL_CALLS calls are cut short."""
     feeds = [_Feed(seq_id=1, start=0, tokens=tuple(range(70))), _Feed(seq_id=0, start=0, tokens=(5,))]
-    plain, split = list(_calls(feeds)), list(_calls(feeds, 8))
+    plain = list(_calls(feeds))
     assert [len(call) for call in plain] == [64, 7]
     assert plain[0][:2] == [(1, 0), (0, 0)]
-    assert [len(call) for call in split] == [8, 56, 7]
-    assert [pair for call in split for pair in call] == [pair for call in plain for pair in call]
-    assert [len(call) for call in _calls(feeds[1:], 8)] == [1]
+    governor = _Governor(lambda threads: None, provisional_for=2)
+    paced = list(_paced(_calls(feeds), governor))
+    assert [len(call) for call in paced] == [8, 8, 48, 7]
+    assert len(governor.teams) == 4  # applied before each call
+    assert [pair for call in paced for pair in call] == [pair for call in plain for pair in call]
+    long = [_Feed(seq_id=0, start=0, tokens=tuple(range(300)))]  # calls of 63, 63, 63, 63, 48
+    stuck = _Governor(lambda threads: None, provisional_for=1000)
+    assert len(list(_paced(_calls(long), stuck))) == PROVISIONAL_CALLS + 3
 
 
 def test_a_long_lone_token_beside_an_empty_neighbour_gives_the_one_thread_row(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import sqlite3
 import threading
@@ -28,6 +29,8 @@ from sdcp.cache.commitlog import CommitLog, FileCommitLog
 from sdcp.cache.errors import CacheFull, LeaseNotHeld, ObjectNotFound, ObjectTooLarge, PreconditionFailed
 from sdcp.cache.etags import ABSENT_ETAG
 from sdcp.cache.tiers import CachedObject
+
+log = logging.getLogger("sdcp.cache")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS objects (
@@ -47,11 +50,13 @@ _READ_RETRIES = 5
 
 
 def _use_wal(db: sqlite3.Connection, pause: Callable[[float], None] = time.sleep) -> None:
-    """Switch ``db`` to write-ahead logging. The switch needs the database to itself, and SQLite
-    refuses it at once, without waiting on busy_timeout, while another process opens it: a local
-    cluster's roles start together on one MLC directory, and a router exited with "database is
-    locked". The mode is kept in the file, so the first process that gets to switch it switches it
-    for all; the others try again until it is done or the busy timeout has passed."""
+    """Switch ``db`` to write-ahead logging. The switch needs the database to itself: SQLite waits
+    for a reader of another process (busy_timeout), but refuses at once while another process
+    holds a lock it is waiting to raise, as when several switch together. A local cluster's roles
+    start together on one MLC directory, and a router exited with "database is locked". The mode
+    is kept in the file, so the first process to switch it switches it for all; the others try
+    again, until _BUSY_TIMEOUT_S has passed (a try under way may wait its own busy timeout). A file
+    system where WAL is unavailable keeps the mode SQLite names, as before."""
     deadline = time.monotonic() + _BUSY_TIMEOUT_S
     while True:
         try:
@@ -60,10 +65,9 @@ def _use_wal(db: sqlite3.Connection, pause: Callable[[float], None] = time.sleep
             if "locked" not in str(exc) or time.monotonic() >= deadline:
                 raise
         else:
-            if str(mode).lower() == "wal":
-                return
-            if time.monotonic() >= deadline:
-                raise sqlite3.OperationalError(f"the database stays in {mode} journal mode, not WAL")
+            if str(mode).lower() != "wal":
+                log.warning("the disk tier's database stays in %s journal mode: WAL is unavailable here", mode)
+            return
         pause(_WAL_RETRY_S)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Collection, Generator, Iterator, Sequence
+from collections.abc import Collection, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -84,11 +84,12 @@ COMPANION_POSITIONS = 1536
 # Tokens of a prefill between two other passes (two llama_decode calls): a long prompt's prefill
 # delays other sessions' next pass by about this much work, not by all of it.
 PREFILL_STEP_TOKENS = 2 * SEQUENCE_TOKENS_PER_CALL
-# Tokens of the first call of work that starts on a provisional team (CoreGovernor.provisional), in
-# all: about 50 ms on one thread, when the governor measures the work again. 63 tokens took 0.42 s
-# there, where the cores were free, and a group's first call holds up to 512 (docs/performance.md,
-# session 28).
+# Tokens of a call, in all, while the team is provisional (CoreGovernor.provisional, _paced): about
+# 50 ms on one thread, when the governor measures the work again. 63 tokens took 0.42 s there, where
+# the cores were free, and a group's first call holds up to 512 (docs/performance.md, session 28).
 PROVISIONAL_CALL_TOKENS = 8
+# Short calls of one piece of work, at most: the governor should have measured the work long before.
+PROVISIONAL_CALLS = 16
 _DECODE_FAILURES = {
     1: "no room in the KV cache for the pass",
     2: "the pass was aborted",
@@ -490,13 +491,7 @@ class LlamaCppTarget:
         batch = self._batch
         companion: int | None = None
         try:
-            governor = self._governor
-            # A team sized by the load of the wait before this work is measured again 50 ms into
-            # it: the first call is short enough to come back by then.
-            first = PROVISIONAL_CALL_TOKENS if governor is not None and governor.provisional else None
-            for call in _calls(feeds, first):
-                if governor is not None:
-                    governor.apply()
+            for call in _paced(_calls(feeds), self._governor):
                 slots = [
                     (feeds[index].seq_id, feeds[index].start + offset, feeds[index].tokens[offset], rows)
                     for index, offset in call
@@ -584,22 +579,10 @@ def _read_only(data: bytes) -> ctypes._Pointer[ctypes.c_uint8]:
     return ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
 
 
-def _calls(feeds: Sequence[_Feed], first_call: int | None = None) -> Iterator[list[tuple[int, int]]]:
+def _calls(feeds: Sequence[_Feed]) -> Iterator[list[tuple[int, int]]]:
     """The llama_decode calls of a pass, as (feed index, token offset) pairs: the k-th call round
     takes the k-th SEQUENCE_TOKENS_PER_CALL tokens of every feed, in sequence-id order, in calls of
-    up to BATCH_TOKENS tokens; with ``first_call``, the first call's first that many tokens make a
-    call of their own (each call still holds a sequence's tokens in order, fewer than 64)."""
-    calls = _call_rounds(feeds)
-    if first_call is not None:
-        for call in calls:
-            yield call[:first_call]
-            if len(call) > first_call:
-                yield call[first_call:]
-            break
-    yield from calls
-
-
-def _call_rounds(feeds: Sequence[_Feed]) -> Iterator[list[tuple[int, int]]]:
+    up to BATCH_TOKENS tokens."""
     order = sorted(range(len(feeds)), key=lambda index: feeds[index].seq_id)
     longest = max((len(feed.tokens) for feed in feeds), default=0)
     for first in range(0, longest, SEQUENCE_TOKENS_PER_CALL):
@@ -612,3 +595,22 @@ def _call_rounds(feeds: Sequence[_Feed]) -> Iterator[list[tuple[int, int]]]:
             call.extend((index, offset) for offset in piece)
         if call:
             yield call
+
+
+def _paced(calls: Iterable[list[tuple[int, int]]], governor: CoreGovernor | None) -> Iterator[list[tuple[int, int]]]:
+    """``calls``, the core governor applied before each. While its team is provisional (sized by
+    the wait before this work, not yet measured at it), a call holds PROVISIONAL_CALL_TOKENS tokens
+    at most, at most PROVISIONAL_CALLS times, so that the team is sized again soon: the governor
+    measures the work 50 ms into it. Exact: each piece still holds a sequence's tokens in order,
+    fewer than 64."""
+    short = 0
+    for call in calls:
+        rest = call
+        while rest:
+            if governor is not None:
+                governor.apply()
+            cut = len(rest)
+            if governor is not None and governor.provisional and short < PROVISIONAL_CALLS:
+                cut, short = min(cut, PROVISIONAL_CALL_TOKENS), short + 1
+            yield rest[:cut]
+            rest = rest[cut:]
