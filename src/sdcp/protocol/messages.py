@@ -540,7 +540,9 @@ class Contract(_Message):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "_encoded", codec.encode(self.to_obj()))
+        if not _MEMBERS_PARSED.get():
+            # A parsed contract keeps the encoding of what it was parsed from (_parse).
+            object.__setattr__(self, "_encoded", codec.encode(self.to_obj()))
 
     @classmethod
     def _parse(cls, obj: object, ctx: _Context, where: str) -> Self:
