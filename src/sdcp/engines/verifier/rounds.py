@@ -79,8 +79,15 @@ class Scoring:
         future, and the pass's time is counted when they do."""
         rows = self._scorer.score_async(live.machine.session, tokens, reach=_reach(live, tokens))
         self.waiting += 1
-        rows.add_done_callback(lambda done: self._scored(live, done))
-        rows.add_done_callback(lambda _: self._settled())
+
+        def scored(done: asyncio.Future[np.ndarray]) -> None:
+            # One callback for both: each callback is a turn of the event loop, a pass or step each.
+            try:
+                self._scored(live, done)
+            finally:
+                self._settled()
+
+        rows.add_done_callback(scored)
         return rows
 
     def curve(self, live: LiveSession, tokens: tuple[int, ...]) -> PassCurve:
@@ -95,19 +102,19 @@ class Scoring:
             machine.session, tokens, steps, frozenset(machine.contract.stop), picker, reach=_reach(live, tokens)
         )
         self.waiting += 1
-        run.rows.add_done_callback(lambda done: self._scored(live, done))
         futures: tuple[asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None], ...] = (run.rows, *run.steps)
         unsettled = [len(futures)]
 
-        def settled(_: object) -> None:
-            unsettled[0] -= 1
-            if not unsettled[0]:
-                self._settled()
+        def scored(done: asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None]) -> None:
+            try:
+                self._scored(live, done)
+            finally:
+                unsettled[0] -= 1
+                if not unsettled[0]:
+                    self._settled()
 
-        for step in run.steps:
-            step.add_done_callback(lambda done: self._scored(live, done))
         for future in futures:
-            future.add_done_callback(settled)
+            future.add_done_callback(scored)
         return run
 
     def _settled(self) -> None:
