@@ -334,6 +334,34 @@ async def test_a_reader_past_the_first_tokens_gathers_the_next_ones_in_one_answe
         assert output.from_ == start and output.tokens == tuple(committed) and not output.final
 
 
+async def test_a_reader_that_comes_after_its_next_tokens_gathers_them_too(tmp_path: Path, target: TargetModel) -> None:
+    """A read past the first tokens that finds new ones already released lingers as one that
+    waited for them: a reader that keeps pace with the rounds, finding a round or two each time it
+    asks, gathers up to 16 tokens an answer (one stream made a request per 2.7 tokens)."""
+    async with running_cluster(tmp_path, target, output_wait_s=60.0, output_linger_ms=60_000.0) as env:
+        state = await open_and_assign(env, contract(target, max_new=64, low_rounds=64))
+        reader, drafter = env.client("router"), env.client("drafter")
+        path = f"sessions/{session_path_id(SESSION)}/output"
+        _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
+        verdict = Verdict.from_obj(body)
+        state = advance(state, verdict)
+        start = len(verdict.emitted)
+        _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
+        verdict = Verdict.from_obj(body)
+        state = advance(state, verdict)
+        committed = list(verdict.emitted)
+        later = asyncio.create_task(reader.get_cbor(path, {"from": str(start)}))
+        while len(committed) < OUTPUT_LINGER_TOKENS:
+            assert not later.done()
+            _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
+            verdict = Verdict.from_obj(body)
+            state = advance(state, verdict)
+            committed.extend(verdict.emitted)
+        _, out = await asyncio.wait_for(later, 30)
+        output = Output.from_obj(out)
+        assert output.from_ == start and output.tokens == tuple(committed) and not output.final
+
+
 async def test_fenced_log_stops_the_session_without_releasing_output(cluster: Cluster, target: TargetModel) -> None:
     state = await open_and_assign(cluster, contract(target))
     drafter = cluster.client("drafter")

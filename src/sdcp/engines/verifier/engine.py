@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -499,9 +500,9 @@ class VerifierEngine:
     async def output(self, session: bytes, start: int) -> Output:
         """GET sessions/{id}/output?from=n (SDCP 6.7), waiting up to ``output_wait_s`` for tokens.
 
-        A reader that had to wait keeps pace with the rounds: past its first tokens (``start`` > 0)
-        its answer gathers the tokens committed within ``output_linger_ms`` of the first, up to
-        OUTPUT_LINGER_TOKENS, rather than one read per round (docs/performance.md)."""
+        Past its first tokens (``start`` > 0) a read's answer gathers the tokens released within
+        ``output_linger_ms`` of the first new one, up to OUTPUT_LINGER_TOKENS, rather than one
+        read per round (_due, docs/performance.md)."""
         (read,) = await self._reads([(self._live(session), start)])
         if isinstance(read, ProtocolError):
             raise read
@@ -516,47 +517,57 @@ class VerifierEngine:
         return [(session, read) for (session, _), read in zip(reads, answers, strict=True) if _has_news(read)]
 
     async def _reads(self, reads: Sequence[tuple[LiveSession, int]]) -> list[Output | ProtocolError]:
-        """Each session's output from its start, once any has news (at once if one has it now).
+        """Each session's output from its start, once any has news that is due (_due).
 
-        The reads count towards ``max_long_polls`` one each; a request is refused only where the
-        reads already waiting reach it, so that the waiting reads stay below it plus one request's."""
-        if any(live.machine.has_output(start) for live, start in reads):
-            return [_read(live, start) for live, start in reads]
-        if self._long_polls >= self.settings.max_long_polls:
-            raise Unavailable(f"{self._long_polls} output reads are waiting already", retry_after_s=1)
-        self._long_polls += len(reads)
-        woken = asyncio.Event()
-        watched = [live for live, _ in reads]
-        for live in watched:
-            live.watchers.add(woken)
+        The reads count towards ``max_long_polls`` one each while they wait; a request is refused
+        only where the reads already waiting reach it, so that the waiting reads stay below it plus
+        one request's."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.output_wait_s
+        woken: asyncio.Event | None = None
         try:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.settings.output_wait_s
-            lingering = False
             while True:
-                woken.clear()
-                news = [(start, _read(live, start)) for live, start in reads if live.machine.has_output(start)]
-                # Only reads past their first tokens linger; a first token, an end or an error go at once.
-                lingers = all(isinstance(answer, Output) and not answer.final and start > 0 for start, answer in news)
-                if news and lingers and not lingering and self.settings.output_linger_ms > 0:
-                    lingering = True
-                    deadline = min(deadline, loop.time() + self.settings.output_linger_ms / 1000)
-                remaining = deadline - loop.time()
-                gathered = (
-                    not lingering
-                    or not lingers
-                    or any(
-                        isinstance(answer, Output) and len(answer.tokens) >= OUTPUT_LINGER_TOKENS for _, answer in news
-                    )
-                )
-                if (news and gathered) or remaining <= 0:
+                news = [(live, start) for live, start in reads if live.machine.has_output(start)]
+                answer_at = min(deadline, self._due(news)) if news else deadline
+                remaining = answer_at - loop.time()
+                if remaining <= 0:
                     return [_read(live, start) for live, start in reads]
+                if woken is None:
+                    if self._long_polls >= self.settings.max_long_polls:
+                        raise Unavailable(f"{self._long_polls} output reads are waiting already", retry_after_s=1)
+                    self._long_polls += len(reads)
+                    woken = asyncio.Event()
+                    for live, _ in reads:
+                        live.watchers.add(woken)
+                woken.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(woken.wait(), remaining)
         finally:
-            for live in watched:
-                live.watchers.discard(woken)
-            self._long_polls -= len(reads)
+            if woken is not None:
+                for live, _ in reads:
+                    live.watchers.discard(woken)
+                self._long_polls -= len(reads)
+
+    def _due(self, news: Sequence[tuple[LiveSession, int]]) -> float:
+        """When reads with ``news`` are answered (the event loop's clock, time.monotonic): at once
+        for a first token, an end or an error; a read past its first tokens gathers the tokens
+        released within ``output_linger_ms`` of its first new one, up to OUTPUT_LINGER_TOKENS,
+        whether it waited for that token or came after it, so that a reader that keeps pace with
+        the rounds makes one request per few tokens, not one per round or two (docs/performance.md)."""
+        linger_s = self.settings.output_linger_ms / 1000
+        due = math.inf
+        for live, start in news:
+            machine = live.machine
+            if (
+                linger_s <= 0
+                or start == 0
+                or machine.fenced
+                or machine.ended
+                or machine.committed - start >= OUTPUT_LINGER_TOKENS
+            ):
+                return -math.inf
+            due = min(due, live.released_at(start) + linger_s)
+        return due
 
     def parties(self, session: bytes) -> tuple[str | None, str | None]:
         """Who the session gives rights to here: the front end that opened it, its assigned drafter."""

@@ -4,7 +4,9 @@ about it between rounds (rounds in flight, readers to wake, the self-decoding ta
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -83,6 +85,25 @@ class LiveSession:
     opened_at: float = field(default_factory=time.perf_counter)
     # The verifier's parts of the first token's latency (s), by part: stats' first_token_us.
     first_token_parts: dict[str, float] = field(default_factory=dict)
+    # (tokens committed, time.monotonic()) at each release of tokens, after the tokens committed
+    # before this verifier held the session (released at no known time): when a reader's first new
+    # token became output (released_at).
+    releases: list[tuple[int, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.releases.append((self.machine.committed, -math.inf))
+
+    def released(self) -> None:
+        """The session's committed tokens became output now."""
+        committed = self.machine.committed
+        if committed > self.releases[-1][0]:
+            self.releases.append((committed, time.monotonic()))
+
+    def released_at(self, index: int) -> float:
+        """When output token ``index`` (committed) was released (time.monotonic), -inf for a
+        token committed before this verifier held the session."""
+        entry = bisect.bisect_right(self.releases, index, key=lambda release: release[0])
+        return self.releases[min(entry, len(self.releases) - 1)][1]
 
     def driven(self) -> None:
         self.driven_at = time.monotonic()

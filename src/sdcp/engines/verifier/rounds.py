@@ -359,6 +359,7 @@ class Rounds:
         live.driven()
         live.timings.committed()
         self._metrics.committed_round(live, pending)
+        live.released()
         live.wake_readers()
         return verdict
 
