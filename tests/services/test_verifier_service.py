@@ -362,6 +362,54 @@ async def test_a_reader_that_comes_after_its_next_tokens_gathers_them_too(tmp_pa
         assert output.from_ == start and output.tokens == tuple(committed) and not output.final
 
 
+async def test_a_read_with_tokens_is_answered_when_the_waiting_reads_are_at_their_limit(
+    tmp_path: Path, target: TargetModel
+) -> None:
+    """max_long_polls refuses a read that would wait for tokens, not one that finds tokens
+    released and would only linger for more: that one is answered at once."""
+    async with running_cluster(
+        tmp_path, target, output_wait_s=60.0, output_linger_ms=60_000.0, max_long_polls=2
+    ) as env:
+        state = await open_and_assign(env, contract(target, max_new=64, low_rounds=64))
+        engine = env.node.engine
+        reader, drafter = env.client("router"), env.client("drafter")
+        path = f"sessions/{session_path_id(SESSION)}/output"
+        _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
+        state = advance(state, Verdict.from_obj(body))
+        start = state.committed
+        waiting = [asyncio.create_task(reader.get_cbor(path, {"from": str(start)})) for _ in range(2)]
+        await eventually(lambda: engine._long_polls == 2)
+        with pytest.raises(PeerServerError) as refused:
+            await reader.get_cbor(path, {"from": str(start)})
+        assert refused.value.status == 503
+        _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
+        verdict = Verdict.from_obj(body)
+        _, out = await asyncio.wait_for(reader.get_cbor(path, {"from": str(start)}), 30)
+        assert Output.from_obj(out).tokens == verdict.emitted
+        assert not any(task.done() for task in waiting)
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_a_waiting_read_of_a_forgotten_session_answers_and_the_next_is_not_found(
+    tmp_path: Path, target: TargetModel
+) -> None:
+    """A session forgotten (idle, or reopened at a later epoch) wakes its waiting readers: they
+    answer with what they have, and a read after that finds no session (404), not a timeout."""
+    async with running_cluster(tmp_path, target, output_wait_s=60.0) as env:
+        state = await open_and_assign(env, contract(target))
+        reader = env.client("router")
+        path = f"sessions/{session_path_id(SESSION)}/output"
+        waiting = asyncio.create_task(reader.get_cbor(path, {"from": str(state.committed)}))
+        await eventually(lambda: env.node.engine._long_polls == 1)
+        await env.node.engine._sweeps.forget(SESSION)
+        _, out = await asyncio.wait_for(waiting, 30)
+        assert Output.from_obj(out).tokens == ()
+        err = await problem_of(reader.get_cbor(path, {"from": str(state.committed)}))
+        assert err.status == 404
+
+
 async def test_fenced_log_stops_the_session_without_releasing_output(cluster: Cluster, target: TargetModel) -> None:
     state = await open_and_assign(cluster, contract(target))
     drafter = cluster.client("drafter")

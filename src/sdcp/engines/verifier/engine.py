@@ -530,10 +530,15 @@ class VerifierEngine:
                 news = [(live, start) for live, start in reads if live.machine.has_output(start)]
                 answer_at = min(deadline, self._due(news)) if news else deadline
                 remaining = answer_at - loop.time()
-                if remaining <= 0:
+                # A session forgotten meanwhile (idle, reopened at a later epoch) has no more
+                # output here: its reader learns so (404) at its next read, not at its timeout.
+                if remaining <= 0 or any(live.forgotten for live, _ in reads):
                     return [_read(live, start) for live, start in reads]
                 if woken is None:
                     if self._long_polls >= self.settings.max_long_polls:
+                        if news:
+                            # Only the linger would wait: the tokens are answered now, not refused.
+                            return [_read(live, start) for live, start in reads]
                         raise Unavailable(f"{self._long_polls} output reads are waiting already", retry_after_s=1)
                     self._long_polls += len(reads)
                     woken = asyncio.Event()

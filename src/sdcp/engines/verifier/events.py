@@ -145,8 +145,11 @@ class SessionSweeps:
     async def forget(self, session: bytes) -> None:
         live = self._sessions.pop(session, None)
         self._running.recount()
-        if live is not None and live.self_decoder is not None:
-            live.self_decoder.cancel()
+        if live is not None:
+            live.forgotten = True
+            live.wake_readers()
+            if live.self_decoder is not None:
+                live.self_decoder.cancel()
         await self._model_sync.close(session)
 
     async def forget_later(self, live: LiveSession) -> None:

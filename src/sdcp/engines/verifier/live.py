@@ -90,6 +90,9 @@ class LiveSession:
     # token became output (released_at).
     releases: list[tuple[int, float]] = field(default_factory=list)
 
+    # The engine no longer holds the session (SessionSweeps.forget): its waiting readers answer.
+    forgotten: bool = False
+
     def __post_init__(self) -> None:
         self.releases.append((self.machine.committed, -math.inf))
 
