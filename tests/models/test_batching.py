@@ -215,6 +215,43 @@ async def test_a_greedy_run_hands_its_steps_over_a_few_at_a_time_and_all_where_i
     assert handed == [[run.rows], list(run.steps[:RUN_DELIVERY_STEPS]), list(run.steps[RUN_DELIVERY_STEPS:])]
 
 
+async def test_a_greedy_run_hands_its_steps_over_after_each_pass_while_its_caller_wants_them(
+    tiny_target: TargetModel, session_ids, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While ``deliver_now`` says so (the verifier: a prompt waits for its prefill), the run hands
+    over the steps it holds after each pass, so that the loop hears of them before
+    RUN_DELIVERY_STEPS are held; then it goes back to groups."""
+    handed: list[list[object]] = []
+
+    def recording(loop: asyncio.AbstractEventLoop, outcomes: list[tuple[object, object]]) -> None:
+        handed.append([future for future, _ in outcomes])
+        settle_soon(loop, outcomes)
+
+    monkeypatch.setattr(batching, "settle_soon", recording)
+    (session,) = _open(tiny_target, session_ids, 1)
+    steps = RUN_DELIVERY_STEPS + 3
+    greedy = batching.MostProbable()
+    follows = [0]
+
+    class CountsItsTokens:
+        def follow(self, rows: np.ndarray, proposed: tuple[int, ...]) -> int | None:
+            follows[0] += 1
+            return greedy.follow(rows, proposed)
+
+    # The picker runs once a pass (the run's pass, then each step's): steps 0 and 1 go at once.
+    with BatchingScorer(tiny_target, window_s=0.0, deliver_now=lambda: 2 <= follows[0] <= 3) as scorer:
+        run = scorer.score_ahead_async(session, (), steps, frozenset(), CountsItsTokens())
+        rows = await asyncio.wait_for(asyncio.gather(*run.steps), timeout=30)
+    assert all(row is not None for row in rows)
+    assert handed == [
+        [run.rows],
+        [run.steps[0]],
+        [run.steps[1]],
+        list(run.steps[2 : 2 + RUN_DELIVERY_STEPS]),
+        list(run.steps[2 + RUN_DELIVERY_STEPS :]),
+    ]
+
+
 async def test_a_closing_scorer_leaves_no_step_of_a_run_waiting(tiny_target: TargetModel, session_ids) -> None:
     (session,) = _open(tiny_target, session_ids, 1)
     scorer = BatchingScorer(tiny_target, window_s=0.0)

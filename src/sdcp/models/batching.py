@@ -40,10 +40,17 @@ log = logging.getLogger("sdcp.models")
 # The scorer's name for a closed model thread.
 ScorerClosed = ModelThreadClosed
 
-# A greedy run hands its steps' rows to the caller's loop this many at a time (or where it stops):
-# the loop then decides, appends and releases them together, waking once for them (one stream's
-# output is read about as often: the verifier's output_linger_ms).
-RUN_DELIVERY_STEPS = 4
+# A greedy run hands its steps' rows to the caller's loop this many at a time (by default), where it
+# stops, or where the caller wants them at once (BatchingScorer's ``deliver_now``: a prompt waits for
+# its prefill, and the loop holds the running sessions for it): the loop then decides, appends and
+# releases them together, waking once for them. Sixteen is what a reader past its first tokens
+# gathers in one answer (the verifier's OUTPUT_LINGER_TOKENS); against four, one stream's event loop
+# took 0.47 ms of CPU a token instead of 0.82, and the appends' worker threads a fourth of theirs, on
+# the two cores llama.cpp's threads share with them (docs/performance.md, session 29). A caller that
+# may cut the run for tokens worth scoring together (a guess, a constraint's forced tokens) asks for
+# fewer at a time: it hears of each step that much sooner.
+RUN_DELIVERY_STEPS = 16
+RUN_DELIVERY_STEPS_FEW = 4
 
 
 class GreedyPicker(Protocol):
@@ -116,14 +123,15 @@ class ScoredRun:
 @dataclass
 class _Run:
     """What is left of a greedy run: the futures of its steps (on ``loop``), the tokens that end it,
-    how it picks its tokens and those it fed, and the rows of steps computed but not yet handed to
-    the loop (RUN_DELIVERY_STEPS)."""
+    how it picks its tokens and those it fed, how many steps' rows it hands to the loop at a time, and
+    the rows of steps computed but not yet handed to it (RUN_DELIVERY_STEPS)."""
 
     loop: asyncio.AbstractEventLoop
     steps: deque[asyncio.Future[np.ndarray | None]]
     stop_tokens: frozenset[int]
     picker: GreedyPicker
     fed: list[int]
+    deliver_every: int = RUN_DELIVERY_STEPS
     held: list[Outcome] = field(default_factory=list)
 
 
@@ -208,6 +216,7 @@ class BatchingScorer(ModelThread):
         active_sessions: Callable[[], int] | None = None,
         window_share: float = 0.3,
         cores: CoreGovernor | None = None,
+        deliver_now: Callable[[], bool] | None = None,
     ) -> None:
         if window_s < 0 or max_batch < 1 or not 0 <= window_share < 1:
             raise ValueError(
@@ -225,6 +234,9 @@ class BatchingScorer(ModelThread):
         # How many sessions may send requests now: a batch that holds them all has nothing left to
         # wait for, so a lone session never pays the window.
         self.active_sessions = active_sessions
+        # Whether greedy runs hand the steps they hold to their loops after each pass rather than
+        # RUN_DELIVERY_STEPS at a time (read on the scorer's thread).
+        self._deliver_now = deliver_now or (lambda: False)
         self.batches_run = 0
         # The pass that scored each request, by the future its caller holds: written before the
         # future completes, so that its caller reads its own pass (a run's steps reach it later).
@@ -254,16 +266,18 @@ class BatchingScorer(ModelThread):
         picker: GreedyPicker | None = None,
         *,
         reach: int = 0,
+        deliver_every: int = RUN_DELIVERY_STEPS,
     ) -> ScoredRun:
         """`score_async`, and then up to ``steps`` greedy steps (ScoredRun) while the tokens
         ``picker`` takes (default: the target's most probable) repeat ``tokens`` and are not
         ``stop_tokens``: the scorer feeds each next token itself, in the session's next pass,
         without waiting for the caller to decide it. Whoever decides otherwise cancels the run; a
         later `score` of the session drops the steps' tokens with the rest of its proposal
-        (Target.score)."""
+        (Target.score). The steps' rows reach the loop ``deliver_every`` at a time."""
         loop = asyncio.get_running_loop()
         fed: list[int] = []
-        run = _Run(loop, deque(loop.create_future() for _ in range(steps)), stop_tokens, picker or MostProbable(), fed)
+        futures = deque(loop.create_future() for _ in range(steps))
+        run = _Run(loop, futures, stop_tokens, picker or MostProbable(), fed, max(1, deliver_every))
         rows: asyncio.Future[np.ndarray] = loop.create_future()
         future = self._queue(session, tokens, (loop, rows), run, reach=reach)
         rows.add_done_callback(lambda done: future.cancel() if done.cancelled() else None)
@@ -375,7 +389,7 @@ class BatchingScorer(ModelThread):
                     continue
                 if id(run) not in going_on:
                     outcomes.end_run(run)
-                elif len(run.held) >= RUN_DELIVERY_STEPS or not request.extends:
+                elif len(run.held) >= run.deliver_every or not request.extends or self._deliver_now():
                     outcomes.hand_over(run)
             outcomes.deliver()
         return steps

@@ -126,6 +126,9 @@ class VerifierEngine:
             max_batch=settings.max_batch,
             active_sessions=self._active_sessions,
             cores=cores,
+            # The loop hears of a greedy run's rounds after each pass while it would hold the
+            # running sessions for a prompt's prefill (Admissions), not RUN_DELIVERY_STEPS later.
+            deliver_now=lambda: self.admissions.first,
         )
         self.sessions: dict[bytes, LiveSession] = {}
         self._running = RunningSessions(self.sessions)

@@ -94,12 +94,21 @@ class Scoring:
         """The pass costs for a request of ``tokens`` of the session (by the context it attends)."""
         return self._pass_curves.curve(_reach(live, tokens))
 
-    def submit_ahead(self, live: LiveSession, tokens: tuple[int, ...], steps: int, picker: GreedyPicker) -> ScoredRun:
+    def submit_ahead(
+        self, live: LiveSession, tokens: tuple[int, ...], steps: int, picker: GreedyPicker, deliver_every: int
+    ) -> ScoredRun:
         """`submit`, and the greedy run of up to ``steps`` passes after it (BatchingScorer.score_ahead_async),
-        which counts as waiting until its last step is settled; ``picker`` takes the run's tokens."""
+        which counts as waiting until its last step is settled; ``picker`` takes the run's tokens, and
+        its steps' rows come ``deliver_every`` at a time."""
         machine = live.machine
         run = self._scorer.score_ahead_async(
-            machine.session, tokens, steps, frozenset(machine.contract.stop), picker, reach=_reach(live, tokens)
+            machine.session,
+            tokens,
+            steps,
+            frozenset(machine.contract.stop),
+            picker,
+            reach=_reach(live, tokens),
+            deliver_every=deliver_every,
         )
         self.waiting += 1
         futures: tuple[asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None], ...] = (run.rows, *run.steps)

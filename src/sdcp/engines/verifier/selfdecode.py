@@ -21,7 +21,7 @@ from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.engines.verifier.observe import PassCurves
 from sdcp.engines.verifier.rounds import PartlyAppended, Rounds, Scoring
-from sdcp.models.batching import ScoredRun, TargetMostProbable
+from sdcp.models.batching import RUN_DELIVERY_STEPS, RUN_DELIVERY_STEPS_FEW, ScoredRun, TargetMostProbable
 from sdcp.models.drafter import TokenTimer
 from sdcp.protocol.passcost import speculation_length
 from sdcp.protocol.rules import GreedyRule
@@ -77,9 +77,16 @@ class _Pass:
             self.run.cancel()
 
 
-# _predict's answer: the lookahead's prediction, the tokens to score, and how many of them the
-# session's constraint forced (they come first).
-_Predicted = tuple[tuple[int, ...], tuple[int, ...], int]
+@dataclass(frozen=True)
+class _Predicted:
+    """_predict's answer: the lookahead's prediction, the tokens to score, how many of them the
+    session's constraint forced (they come first), and whether the session may have tokens worth
+    scoring together at its next positions (a constraint's, or a guess that pays at its hit rate)."""
+
+    prediction: tuple[int, ...]
+    guess: tuple[int, ...]
+    forced: int
+    may_guess: bool
 
 
 def _undecided(machine: VerifierSession, context: tuple[int, ...]) -> tuple[int, ...]:
@@ -174,7 +181,8 @@ class SelfDecoding:
     ) -> _Pass:
         """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens), under
         rule 1 with the greedy run after it; ``predicted``: `_predict`'s answer, where known."""
-        prediction, guess, forced = predicted if predicted is not None else self._predict(live, context)
+        predicted = predicted if predicted is not None else self._predict(live, context)
+        prediction, guess, forced = predicted.prediction, predicted.guess, predicted.forced
         machine = live.machine
         steps = self._run_ahead(machine, context, guess)
         if not steps:
@@ -186,7 +194,10 @@ class SelfDecoding:
         logits = machine.target_logits.fork()
         logits.commit(_undecided(machine, context))
         picker = TargetMostProbable(logits, machine.sampling_for(machine.round + 1))
-        run = self._scoring.submit_ahead(live, guess, steps, picker)
+        # The loop hears of the run's steps a few at a time where it may cut the run for tokens
+        # worth scoring together, else in larger groups (RUN_DELIVERY_STEPS).
+        deliver_every = RUN_DELIVERY_STEPS_FEW if predicted.may_guess else RUN_DELIVERY_STEPS
+        run = self._scoring.submit_ahead(live, guess, steps, picker, deliver_every)
         return _Pass(context, prediction, guess, run.rows, run, forced=forced)
 
     def _follow(self, live: LiveSession, scoring: _Pass, context: tuple[int, ...], greedy: bool) -> _Pass:
@@ -197,10 +208,10 @@ class SelfDecoding:
         run = scoring.run
         predicted = self._predict(live, context)
         if run is not None and greedy and scoring.step < len(run.steps) and not run.steps[scoring.step].cancelled():
-            prediction, guess, forced = predicted
-            if guess:
+            if predicted.guess:
                 run.cancel(after=scoring.step)
-            return _Pass(context, prediction, (), run.steps[scoring.step], run, scoring.step + 1, forced)
+            step = run.steps[scoring.step]
+            return _Pass(context, predicted.prediction, (), step, run, scoring.step + 1, predicted.forced)
         if run is not None:
             run.cancel()
         return self._start_pass(live, context, predicted)
@@ -222,7 +233,7 @@ class SelfDecoding:
         # is step by step, so the shorter one is the longer one's beginning.
         guessed = self._lookahead.predict(live, context + forced, max(worth, min(1, budget)))
         guess = guessed[: speculation_length(live.lookahead.alpha, sessions, len(guessed), curve)] if worth else ()
-        return guessed, forced + guess, len(forced)
+        return _Predicted(guessed, forced + guess, len(forced), machine.constraint is not None or worth > 0)
 
     def _run_ahead(self, machine: VerifierSession, context: tuple[int, ...], guess: tuple[int, ...]) -> int:
         """Greedy steps the scorer takes after a pass: under rule 1 the drawn token is the most
