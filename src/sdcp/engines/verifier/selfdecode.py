@@ -228,19 +228,26 @@ class SelfDecoding:
         sessions = self._active_sessions()
         curve = self._pass_curves.curve(len(context))
         worth = speculation_length(live.lookahead.alpha, sessions, budget, curve)
-        # Only what may be scored is predicted (a step each), and the first token where no guess
-        # pays: a prediction that is not scored still counts towards the hit rate. The prediction
-        # is step by step, so the shorter one is the longer one's beginning.
-        guessed = self._lookahead.predict(live, context + forced, max(worth, min(1, budget)))
+        # Only what may be scored is predicted (a step each), and where no guess pays, what the
+        # next group of rounds decides (a greedy run's delivery, else one round): a prediction
+        # that is not scored still counts towards the hit rate, which must learn as fast with runs
+        # handed over 16 steps at a time as with one round at a time. The prediction is step by
+        # step, so the shorter one is the longer one's beginning.
+        judged = RUN_DELIVERY_STEPS if self._runs(machine) else 1
+        guessed = self._lookahead.predict(live, context + forced, max(worth, min(judged, budget)))
         guess = guessed[: speculation_length(live.lookahead.alpha, sessions, len(guessed), curve)] if worth else ()
         return _Predicted(guessed, forced + guess, len(forced), machine.constraint is not None or worth > 0)
+
+    def _runs(self, machine: VerifierSession) -> bool:
+        """Whether the session's passes go on as greedy runs (_run_ahead)."""
+        return isinstance(machine.rule, GreedyRule) and self._active_sessions() <= RUN_AHEAD_MAX_SESSIONS
 
     def _run_ahead(self, machine: VerifierSession, context: tuple[int, ...], guess: tuple[int, ...]) -> int:
         """Greedy steps the scorer takes after a pass: under rule 1 the drawn token is the most
         probable one, which the scorer can feed itself; never past max_new. Only while few sessions
         share the verifier: with more, their passes keep the scorer busy between a session's rounds,
         and a run would only take cores from the event loop deciding them."""
-        if not isinstance(machine.rule, GreedyRule) or self._active_sessions() > RUN_AHEAD_MAX_SESSIONS:
+        if not self._runs(machine):
             return 0
         decided = len(context) - len(machine.prompt)
         return max(0, min(SELF_DECODE_RUN_AHEAD, machine.contract.max_new - decided - len(guess) - 1))
