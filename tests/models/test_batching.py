@@ -193,11 +193,8 @@ async def test_a_greedy_run_stops_at_a_wrong_guess_a_stop_token_or_a_cancel(
         assert await asyncio.wait_for(cancelled.steps[2], timeout=30) is None
 
 
-async def test_a_greedy_run_hands_its_steps_over_a_few_at_a_time_and_all_where_it_stops(
-    tiny_target: TargetModel, session_ids, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The caller's loop wakes once for RUN_DELIVERY_STEPS steps (it decides, appends and releases
-    them together), and gets the rest of the run's rows where the run stops."""
+def _record_hand_overs(monkeypatch: pytest.MonkeyPatch) -> list[list[object]]:
+    """The futures the scorer hands to the caller's loop, one list a hand-over."""
     handed: list[list[object]] = []
 
     def recording(loop: asyncio.AbstractEventLoop, outcomes: list[tuple[object, object]]) -> None:
@@ -205,6 +202,15 @@ async def test_a_greedy_run_hands_its_steps_over_a_few_at_a_time_and_all_where_i
         settle_soon(loop, outcomes)
 
     monkeypatch.setattr(batching, "settle_soon", recording)
+    return handed
+
+
+async def test_a_greedy_run_hands_its_steps_over_a_few_at_a_time_and_all_where_it_stops(
+    tiny_target: TargetModel, session_ids, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's loop wakes once for RUN_DELIVERY_STEPS steps (it decides, appends and releases
+    them together), and gets the rest of the run's rows where the run stops."""
+    handed = _record_hand_overs(monkeypatch)
     (session,) = _open(tiny_target, session_ids, 1)
     steps = RUN_DELIVERY_STEPS + 2
     with BatchingScorer(tiny_target, window_s=0.0) as scorer:
@@ -221,13 +227,7 @@ async def test_a_greedy_run_hands_its_steps_over_after_each_pass_while_its_calle
     """While ``deliver_now`` says so (the verifier: a prompt waits for its prefill), the run hands
     over the steps it holds after each pass, so that the loop hears of them before
     RUN_DELIVERY_STEPS are held; then it goes back to groups."""
-    handed: list[list[object]] = []
-
-    def recording(loop: asyncio.AbstractEventLoop, outcomes: list[tuple[object, object]]) -> None:
-        handed.append([future for future, _ in outcomes])
-        settle_soon(loop, outcomes)
-
-    monkeypatch.setattr(batching, "settle_soon", recording)
+    handed = _record_hand_overs(monkeypatch)
     (session,) = _open(tiny_target, session_ids, 1)
     steps = RUN_DELIVERY_STEPS + 3
     greedy = batching.MostProbable()

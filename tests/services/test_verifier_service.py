@@ -62,6 +62,7 @@ from sdcp.protocol.problems import ProblemType, ProtocolError
 from sdcp.protocol.records import session_terms
 from sdcp.services.verifier import VerifierNode
 from sdcp.transport.certs import make_certs
+from sdcp.transport.client import SDCPClient
 from sdcp.transport.errors import PeerServerError
 
 pytestmark = pytest.mark.timeout(120)
@@ -305,6 +306,26 @@ async def test_post_outputs_answers_each_read_as_its_get_would(tmp_path: Path, t
             assert err.problem is None and err.status == 400
 
 
+async def propose_one(drafter: SDCPClient, state: SessionState) -> tuple[Verdict, SessionState]:
+    """A proposal of one token: its verdict, and the session's state after it."""
+    _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
+    verdict = Verdict.from_obj(body)
+    return verdict, advance(state, verdict)
+
+
+async def commit_while_it_lingers(
+    drafter: SDCPClient, state: SessionState, later: asyncio.Task[tuple[int, object | None]], committed: list[int]
+) -> Output:
+    """Rounds until ``committed`` (the tokens after the read ``later`` began) holds
+    OUTPUT_LINGER_TOKENS, the read waiting all along; then its answer."""
+    while len(committed) < OUTPUT_LINGER_TOKENS:
+        assert not later.done()
+        verdict, state = await propose_one(drafter, state)
+        committed.extend(verdict.emitted)
+    _, out = await asyncio.wait_for(later, 30)
+    return Output.from_obj(out)
+
+
 async def test_a_reader_past_the_first_tokens_gathers_the_next_ones_in_one_answer(
     tmp_path: Path, target: TargetModel
 ) -> None:
@@ -315,22 +336,13 @@ async def test_a_reader_past_the_first_tokens_gathers_the_next_ones_in_one_answe
         reader, drafter = env.client("router"), env.client("drafter")
         path = f"sessions/{session_path_id(SESSION)}/output"
         first = asyncio.create_task(reader.get_cbor(path, {"from": "0"}))
-        _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
-        verdict = Verdict.from_obj(body)
-        state = advance(state, verdict)
+        verdict, state = await propose_one(drafter, state)
         _, out = await asyncio.wait_for(first, 30)
         assert Output.from_obj(out).tokens == verdict.emitted
         start = len(verdict.emitted)
         later = asyncio.create_task(reader.get_cbor(path, {"from": str(start)}))
         committed: list[int] = []
-        while len(committed) < OUTPUT_LINGER_TOKENS:
-            assert not later.done()
-            _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
-            verdict = Verdict.from_obj(body)
-            state = advance(state, verdict)
-            committed.extend(verdict.emitted)
-        _, out = await asyncio.wait_for(later, 30)
-        output = Output.from_obj(out)
+        output = await commit_while_it_lingers(drafter, state, later, committed)
         assert output.from_ == start and output.tokens == tuple(committed) and not output.final
 
 
@@ -342,23 +354,12 @@ async def test_a_reader_that_comes_after_its_next_tokens_gathers_them_too(tmp_pa
         state = await open_and_assign(env, contract(target, max_new=64, low_rounds=64))
         reader, drafter = env.client("router"), env.client("drafter")
         path = f"sessions/{session_path_id(SESSION)}/output"
-        _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
-        verdict = Verdict.from_obj(body)
-        state = advance(state, verdict)
+        verdict, state = await propose_one(drafter, state)
         start = len(verdict.emitted)
-        _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
-        verdict = Verdict.from_obj(body)
-        state = advance(state, verdict)
+        verdict, state = await propose_one(drafter, state)
         committed = list(verdict.emitted)
         later = asyncio.create_task(reader.get_cbor(path, {"from": str(start)}))
-        while len(committed) < OUTPUT_LINGER_TOKENS:
-            assert not later.done()
-            _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
-            verdict = Verdict.from_obj(body)
-            state = advance(state, verdict)
-            committed.extend(verdict.emitted)
-        _, out = await asyncio.wait_for(later, 30)
-        output = Output.from_obj(out)
+        output = await commit_while_it_lingers(drafter, state, later, committed)
         assert output.from_ == start and output.tokens == tuple(committed) and not output.final
 
 
@@ -374,16 +375,14 @@ async def test_a_read_with_tokens_is_answered_when_the_waiting_reads_are_at_thei
         engine = env.node.engine
         reader, drafter = env.client("router"), env.client("drafter")
         path = f"sessions/{session_path_id(SESSION)}/output"
-        _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
-        state = advance(state, Verdict.from_obj(body))
+        _, state = await propose_one(drafter, state)
         start = state.committed
         waiting = [asyncio.create_task(reader.get_cbor(path, {"from": str(start)})) for _ in range(2)]
         await eventually(lambda: engine._long_polls == 2)
         with pytest.raises(PeerServerError) as refused:
             await reader.get_cbor(path, {"from": str(start)})
         assert refused.value.status == 503
-        _, body = await drafter.post_cbor("proposals", proposal(state, (1,)).to_obj())
-        verdict = Verdict.from_obj(body)
+        verdict, state = await propose_one(drafter, state)
         _, out = await asyncio.wait_for(reader.get_cbor(path, {"from": str(start)}), 30)
         assert Output.from_obj(out).tokens == verdict.emitted
         assert not any(task.done() for task in waiting)
