@@ -120,6 +120,8 @@ class VerifierEngine:
         self.target = target
         self.mlc = mlc
         self.ttl_ms = ttl_ms
+        # The opens waiting for or in their prefill (status prefill_tokens); short ones go first.
+        self.admissions = admissions = Admissions(lambda: self.settings.admission_hold_ms / 1000)
         self.scorer = BatchingScorer(
             target,
             window_s=settings.batch_window_ms / 1000,
@@ -128,7 +130,7 @@ class VerifierEngine:
             cores=cores,
             # The loop hears of a greedy run's rounds after each pass while it would hold the
             # running sessions for a prompt's prefill (Admissions), not RUN_DELIVERY_STEPS later.
-            deliver_now=lambda: self.admissions.first,
+            deliver_now=lambda: admissions.first,
         )
         self.sessions: dict[bytes, LiveSession] = {}
         self._running = RunningSessions(self.sessions)
@@ -197,8 +199,6 @@ class VerifierEngine:
         self._long_polls = 0
         self._prefill_turn = asyncio.Lock()
         self._short_prefills = ShortPrefills(turn=self._prefill_turn, prefill=self._prefill_group, close=self._forget)
-        # The opens waiting for or in their prefill (status prefill_tokens); short ones go first.
-        self.admissions = Admissions(lambda: self.settings.admission_hold_ms / 1000)
         # Seconds per self-decoded token, for the router's choice between drafters and this
         # verifier alone (status self_us); timed before serving (_time_passes).
         self.self_decode_time = TokenTimer(initial=FIRST_CURVE_MS[0] / 1000)
