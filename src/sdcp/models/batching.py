@@ -375,11 +375,14 @@ class BatchingScorer(ModelThread):
         """Run the batch's pass; returns the next steps of its greedy runs."""
         outcomes = _Outcomes()
         steps: list[_Request] = []
+        # Where the pass fails, whatever the runs hold goes out with it.
+        deliver_now = True
         try:
             for request, rows in self._score_into(batch, outcomes):
                 step = None if request.run is None or stopping else self._next_step(request, rows)
                 if step is not None:
                     steps.append(step)
+            deliver_now = self._deliver_now()
         finally:
             # Every other run of the batch stops here: its pass failed, was withdrawn or ended it.
             going_on = {id(step.run) for step in steps}
@@ -389,7 +392,7 @@ class BatchingScorer(ModelThread):
                     continue
                 if id(run) not in going_on:
                     outcomes.end_run(run)
-                elif len(run.held) >= run.deliver_every or not request.extends or self._deliver_now():
+                elif len(run.held) >= run.deliver_every or not request.extends or deliver_now:
                     outcomes.hand_over(run)
             outcomes.deliver()
         return steps

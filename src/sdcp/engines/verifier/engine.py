@@ -457,6 +457,8 @@ class VerifierEngine:
         if live.machine.ended:
             return live.machine.state()
         live.cancelling = True
+        if live.cut_run is not None:
+            live.cut_run()
         if live.self_decoder is not None:
             await asyncio.wait([live.self_decoder], timeout=_ROUTER_WAIT_S)
         await self._between_rounds(live)

@@ -9,7 +9,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,9 @@ class LiveSession:
     nudge: asyncio.Task[None] | None = None
     # A cancel is waiting for the self-decoding period to stop at its next round boundary.
     cancelling: bool = False
+    # While self-decoding awaits a greedy run's step: ends the run there, so that a cancel is
+    # decided at the scorer's next pass, not a group of steps later.
+    cut_run: Callable[[], None] | None = None
     # The session's recent rounds (GET sessions/{id}/trace), and the proposal round being timed.
     trace: deque[tuple[object, ...]] = field(default_factory=lambda: deque(maxlen=TRACE_ROUNDS))
     timing: RoundTrace | None = None

@@ -76,6 +76,12 @@ class _Pass:
         if self.run is not None:
             self.run.cancel()
 
+    def cut(self) -> None:
+        """Withdraw the run's steps after the one this pass awaits: the scorer ends the run at its
+        next pass and hands over the steps it holds, rather than RUN_DELIVERY_STEPS later."""
+        if self.run is not None:
+            self.run.cancel(after=self.step - 1)
+
 
 @dataclass(frozen=True)
 class _Predicted:
@@ -258,7 +264,18 @@ class SelfDecoding:
         queued, if there is one, or where short prompts wait for their prefill, what it follows
         (Admissions)."""
         machine = live.machine
-        logits = await scoring.logits
+        live.cut_run = scoring.cut
+        if live.cancelling:
+            scoring.cut()
+        try:
+            logits = await scoring.logits
+        except BaseException:
+            # The task is cancelled (the session forgotten, the verifier stopping): the scorer
+            # stops the run too.
+            scoring.withdraw()
+            raise
+        finally:
+            live.cut_run = None
         if logits is None:
             return self._start_pass(live, scoring.context)
         released: list[PendingCommit] = []
