@@ -38,8 +38,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sdcp.bench.redis_process import local_redis_server
 from sdcp.cache import MLC, LogSnapshot, build_uri
 from sdcp.config import InstanceConfig, MLCConfig, ServiceConfig, VerifierConfig
+from sdcp.engines.verifier import selfdecode
 from sdcp.engines.verifier.engine import OUTPUT_LINGER_TOKENS
 from sdcp.localhost import free_port
+from sdcp.models.batching import RUN_DELIVERY_STEPS
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.hf.tiny import tiny_model, tiny_tokenizer
 from sdcp.protocol.digest import extend_digest
@@ -47,6 +49,7 @@ from sdcp.protocol.drafter import AcceptanceEstimate
 from sdcp.protocol.messages import (
     MAX_OUTPUT_READS,
     Action,
+    CancelRequest,
     Output,
     OutputBatch,
     OutputRead,
@@ -717,6 +720,31 @@ async def test_a_cancel_stops_self_decoding_at_a_round_boundary(cluster: Cluster
     # The drafter's next proposal finds the session closed (SDCP Table 2).
     err = await problem_of(cluster.client("drafter").post_cbor("proposals", proposal(state, (1,)).to_obj()))
     assert err.status == 410
+
+
+async def test_a_cancel_ends_a_greedy_run_at_the_scorers_next_pass(
+    cluster: Cluster, target: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel that comes while self-decoding awaits a step of a greedy run, which hands its steps
+    over RUN_DELIVERY_STEPS at a time where no guess pays, cuts the run there: the period ends
+    after that step's round, not after the group the scorer would have held with it."""
+    monkeypatch.setattr(selfdecode, "speculation_length", lambda *_: 0)
+    router = cluster.client("router")
+    engine = cluster.node.engine
+    base = f"sessions/{session_path_id(SESSION)}"
+    await open_and_assign(cluster, contract(target, self_load=100, max_new=4000))
+    await router.post_cbor(f"{base}/self-decode", {"session": SESSION, "epoch": 1})
+    live = engine.sessions[SESSION]
+
+    def awaiting_the_first_step_of_a_whole_group() -> bool:
+        awaited = getattr(live.cut_run, "__self__", None)
+        run = getattr(awaited, "run", None)
+        return run is not None and awaited.step > 0 and len(run.steps) - awaited.step >= RUN_DELIVERY_STEPS
+
+    await eventually(awaiting_the_first_step_of_a_whole_group)
+    before = live.machine.committed
+    state = await engine.cancel(CancelRequest(session=SESSION, epoch=1))
+    assert state.state == Action.FAIL and state.committed - before == 1
 
 
 async def test_token_ids_outside_the_vocabulary_are_bad_messages(cluster: Cluster, target: TargetModel) -> None:
