@@ -4,7 +4,9 @@ the optimistic commit worked, failed, or the round's record never became durable
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
@@ -244,3 +246,31 @@ async def test_a_repair_queued_while_the_node_stops_is_dropped(target: TargetMod
     sync.realign_after_failure(machine)  # no model state to keep: nothing raised
 
     assert target.committed_tokens(SESSION) == PROMPT
+
+
+async def test_closing_a_session_leaves_the_loop_free_while_a_pass_holds_the_target(
+    target: TargetModel, scorer: BatchingScorer
+) -> None:
+    await _opened(target, scorer)
+    sync = ModelSync(URI, target, scorer, {SESSION})
+    in_pass, pass_may_end = threading.Event(), threading.Event()
+
+    def pass_in_progress() -> None:
+        with target._lock:  # what a pass holds for its whole length
+            in_pass.set()
+            # A bound for the failure alone: a close that asks the target on the loop blocks the
+            # loop here, and the pass is over before the loop runs again.
+            pass_may_end.wait(30)
+
+    holder = threading.Thread(target=pass_in_progress)
+    holder.start()
+    await asyncio.to_thread(in_pass.wait)
+    closing = asyncio.create_task(sync.close(SESSION))
+    await asyncio.sleep(0)
+
+    loop_ran_during_the_pass = holder.is_alive()
+    pass_may_end.set()
+    await asyncio.to_thread(holder.join)
+    await closing
+    assert loop_ran_during_the_pass
+    assert not await scorer.run_async(target.has_session, SESSION)

@@ -9,7 +9,7 @@ which are decided whatever the model holds.
 from __future__ import annotations
 
 import logging
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from sdcp.models.backend import Target
 from sdcp.models.errors import KVFormatError
@@ -61,8 +61,8 @@ class ModelSync:
     async def drop_scored(self, machine: VerifierSession) -> None:
         """After a proposal round that failed before its commit, forget the proposal the model
         scored; a fenced session's model state is closed instead."""
-        if self._target.has_session(machine.session) and not machine.fenced:
-            await self._thread.run_async(self._target.rollback, machine.session)
+        if not machine.fenced:
+            await self._on_thread(self._rollback_if_held, machine.session)
 
     async def resume_from_kv(self, session: bytes, blob: bytes, committed: Sequence[int]) -> int:
         """Open ``session`` at the ``committed`` tokens (prompt included) from a published KV blob
@@ -78,8 +78,17 @@ class ModelSync:
 
     async def close(self, session: bytes) -> None:
         # The KV cache of an ended session is no longer needed; its output stays readable.
-        if self._target.has_session(session):
-            await self._thread.run_async(self._target.close_session, session)
+        await self._on_thread(self._close_if_held, session)
+
+    async def _on_thread(self, work: Callable[[bytes], None], session: bytes) -> None:
+        """Whether the model holds the session is asked on the model thread too: the target's
+        lock is held for a whole pass there, and the event loop must not wait for it (at 16
+        streams a session's close held the loop for up to a pass, and every other session's
+        rounds with it)."""
+        try:
+            await self._thread.run_async(work, session)
+        except ModelThreadClosed:
+            return  # the node is stopping: no model state to keep
 
     # -- on the model thread -----------------------------------------------------------------------
 
@@ -94,6 +103,14 @@ class ModelSync:
             log.error("%s: model state of session %s rebuilt after %r", self._uri, session.hex(), exc)
             self._rebuild(session, committed)
 
+    def _rollback_if_held(self, session: bytes) -> None:
+        if self._target.has_session(session):
+            self._target.rollback(session)
+
+    def _close_if_held(self, session: bytes) -> None:
+        if self._target.has_session(session):
+            self._target.close_session(session)
+
     def _import(self, session: bytes, blob: bytes, committed: tuple[int, ...], covered: int) -> None:
         self._target.import_kv(session, blob, committed[:covered])
         try:
@@ -107,7 +124,6 @@ class ModelSync:
 
     def _rebuild(self, session: bytes, committed: tuple[int, ...]) -> None:
         """A session the verifier has dropped meanwhile is not opened again."""
-        if self._target.has_session(session):
-            self._target.close_session(session)
+        self._close_if_held(session)
         if session in self._held:
             self._target.open_session(session, committed)
