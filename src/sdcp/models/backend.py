@@ -188,7 +188,10 @@ def checked_tokens(tokens: Sequence[int], vocab_size: int) -> list[int]:
 
 def common_prefix_length(held: Sequence[int], given: Sequence[int]) -> int:
     """The length of the longest common prefix, by slice comparisons (C speed) over halving ranges
-    rather than a Python step per token: a long session's sync costs little beyond its new tokens."""
+    rather than a Python step per token: a long session's sync costs little beyond its new tokens.
+    A list and a tuple are compared as tuples (a list's slice never equals a tuple's)."""
+    if type(held) is not type(given):
+        held, given = tuple(held), tuple(given)
     low, high = 0, min(len(held), len(given))
     if held[:high] == given[:high]:
         return high
