@@ -16,7 +16,7 @@ from sdcp.config import VerifierConfig
 from sdcp.engines.history import HistoryReader, history_scope_key, index_uri, publish_output
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.engines.verifier.live import LiveSession
-from sdcp.engines.verifier.lookahead import VerifierLookahead
+from sdcp.engines.verifier.lookahead import LOOKAHEAD_PRIOR_HIT_RATE, Prediction, VerifierLookahead
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
 from sdcp.protocol.messages import Action, Contract, SelfDecodeRequest, SessionOpen
@@ -64,9 +64,9 @@ def _context(live: LiveSession) -> tuple[int, ...]:
 def test_a_session_that_repeats_itself_is_predicted_from_its_own_tokens() -> None:
     lookahead = VerifierLookahead()
     live = _live((*ANSWER, 9, 40, 41))
-    assert lookahead.predict(live, _context(live), 4) == (42, 43, 44, 45)
+    assert lookahead.predict(live, _context(live), 4).tokens == (42, 43, 44, 45)
     live.machine.tokens.extend((42, 43))
-    assert lookahead.predict(live, _context(live), 16) == (44, 45, 46, 47, 9, 40, 41, 42, 43)
+    assert lookahead.predict(live, _context(live), 16).tokens == (44, 45, 46, 47, 9, 40, 41, 42, 43)
 
 
 def test_a_finished_sessions_output_predicts_a_later_session_of_the_same_owner_only() -> None:
@@ -77,11 +77,11 @@ def test_a_finished_sessions_output_predicts_a_later_session_of_the_same_owner_o
     assert lookahead.history.size.sessions == 1 and lookahead.history.size.tokens == len(ANSWER)
 
     later = _live((5, 40, 41))
-    assert lookahead.predict(later, _context(later), 3) == (42, 43, 44)
+    assert lookahead.predict(later, _context(later), 3).tokens == (42, 43, 44)
     other_owner = _live((5, 40, 41), owner="https://b.test")
-    assert lookahead.predict(other_owner, _context(other_owner), 3) == ()
+    assert lookahead.predict(other_owner, _context(other_owner), 3).tokens == ()
     other_target = _live((5, 40, 41), contract=_contract(b"\x03" * 32))
-    assert lookahead.predict(other_target, _context(other_target), 3) == ()
+    assert lookahead.predict(other_target, _context(other_target), 3).tokens == ()
 
 
 def test_a_failed_session_is_not_learned() -> None:
@@ -100,8 +100,8 @@ def test_the_history_is_bounded_oldest_first() -> None:
         lookahead.learn(finished)
     assert lookahead.history.size.sessions == 2 and lookahead.history.size.tokens == 2 * len(ANSWER)
     oldest, newest = _live((100, 101)), _live((300, 301))
-    assert lookahead.predict(oldest, _context(oldest), 2) == ()
-    assert lookahead.predict(newest, _context(newest), 2) == (302, 303)
+    assert lookahead.predict(oldest, _context(oldest), 2).tokens == ()
+    assert lookahead.predict(newest, _context(newest), 2).tokens == (302, 303)
 
 
 @pytest.fixture
@@ -149,12 +149,12 @@ async def test_a_second_verifier_guesses_from_the_outputs_another_published(mlcs
 
     lookahead = _reading(second)
     later = _live((5, 40, 41))
-    assert lookahead.predict(later, _context(later), 3) == ()
+    assert lookahead.predict(later, _context(later), 3).tokens == ()
     await lookahead.refresh(later.machine.contract, later.owner)
-    assert lookahead.predict(later, _context(later), 3) == (42, 43, 44)
+    assert lookahead.predict(later, _context(later), 3).tokens == (42, 43, 44)
     assert lookahead.history.size.sessions == 1
     other_owner = _live((5, 60, 61), owner="https://b.test")
-    assert lookahead.predict(other_owner, _context(other_owner), 2) == ()
+    assert lookahead.predict(other_owner, _context(other_owner), 2).tokens == ()
 
 
 async def test_a_session_that_finished_here_is_not_read_back(mlcs: tuple[MLC, MLC]) -> None:
@@ -218,7 +218,7 @@ async def test_a_restarted_verifier_engine_reads_its_scopes_history_when_a_sessi
         session = await _open(second, contract, quoting, owner)
         await eventually(lambda: second.lookahead.history.size.sessions == 1)
         live = second.sessions[session]
-        assert second.lookahead.predict(live, quoting, 8) == tuple(answer[6:14])
+        assert second.lookahead.predict(live, quoting, 8).tokens == tuple(answer[6:14])
     finally:
         await second.stop()
 
@@ -244,25 +244,105 @@ async def _self_decode_to_the_end(
             return tokens
 
 
+def _judged(lookahead: VerifierLookahead, prediction: Prediction, decided: tuple[int, ...]) -> float:
+    """The hit rate of the prediction's class after judging it against ``decided``."""
+    lookahead.judge(prediction, decided)
+    return lookahead.hit_rate(prediction)
+
+
 def test_the_lookahead_is_judged_by_every_token_it_predicted_not_its_first() -> None:
     # A prediction right at its first token only, pass after pass, is a weak one: scoring its
-    # tokens would waste rows (speculation_length reads the per-token acceptance).
-    first_only = _live()
+    # tokens would waste rows (speculation_length reads the per-token hit rate).
+    lookahead = VerifierLookahead()
+    first_only = Prediction((1, 2, 3, 4, 5, 6, 7, 8), (True, 3), b"first only")
     for _ in range(12):
-        first_only.record_lookahead((1, 2, 3, 4, 5, 6, 7, 8), (1, 9))
-    assert first_only.lookahead.alpha == pytest.approx(0.5, abs=0.05)
-    whole = _live()
+        lookahead.judge(first_only, (1, 9))
+    assert lookahead.hit_rate(first_only) == pytest.approx(0.5, abs=0.05)
+    whole = Prediction((1, 2, 3, 4), (True, 3), b"whole")
     for _ in range(12):
-        whole.record_lookahead((1, 2, 3, 4), (1, 2, 3, 4, 5))
-    assert whole.lookahead.alpha > 0.99
+        lookahead.judge(whole, (1, 2, 3, 4, 5))
+    assert lookahead.hit_rate(whole) > 0.99
     # What the rounds did not decide yet is not judged: a one-token decision that matched says
     # nothing about the prediction's second token.
-    unjudged = _live()
-    before = unjudged.lookahead.alpha
-    unjudged.record_lookahead((1, 2, 3), (1,))
-    after_hit = unjudged.lookahead.alpha
+    unjudged = Prediction((1, 2, 3), (True, 3), b"unjudged")
+    before = lookahead.hit_rate(unjudged)
+    after_hit = _judged(lookahead, unjudged, (1,))
     assert after_hit > before
-    unjudged.record_lookahead((), (1,))
-    assert unjudged.lookahead.alpha == after_hit
-    unjudged.record_lookahead((7,), (1,))
-    assert unjudged.lookahead.alpha < after_hit
+    assert _judged(lookahead, Prediction((), (True, 3), b"unjudged"), (1,)) == after_hit
+    assert _judged(lookahead, Prediction((7,), (True, 3), b"unjudged"), (1,)) < after_hit
+
+
+def test_hit_rates_are_kept_per_class_of_match_and_per_scope() -> None:
+    """An earlier answer that a long match leads back to says more than two tokens that occurred
+    elsewhere: each class of match learns its own hit rate, and one scope's never moves another's."""
+    lookahead = VerifierLookahead()
+    long_match = Prediction((1, 2, 3, 4), (True, 6), b"a")
+    for _ in range(4):
+        lookahead.judge(long_match, (1, 2, 3, 4))
+    assert lookahead.hit_rate(long_match) > 0.9
+    assert lookahead.hit_rate(Prediction((1,), (True, 2), b"a")) == LOOKAHEAD_PRIOR_HIT_RATE
+    assert lookahead.hit_rate(Prediction((1,), (False, 6), b"a")) == LOOKAHEAD_PRIOR_HIT_RATE
+    assert lookahead.hit_rate(Prediction((1,), (True, 6), b"b")) == LOOKAHEAD_PRIOR_HIT_RATE
+    assert lookahead.hit_rate(Prediction()) == 0.0
+
+
+def test_a_prediction_names_the_class_of_its_match() -> None:
+    lookahead = VerifierLookahead()
+    finished = _live(ANSWER)
+    finished.machine.control.finish()
+    lookahead.learn(finished)
+    # The last five tokens of the context occurred in the history only: a match of 5 (2 ** 2 < 5 < 2 ** 3).
+    later = _live((5, 40, 41, 42, 43, 44))
+    prediction = lookahead.predict(later, _context(later), 2)
+    assert prediction.tokens == (45, 46) and prediction.match == (True, 3)
+    assert prediction.hit_rate == LOOKAHEAD_PRIOR_HIT_RATE
+    # The session repeating itself: the match in its own tokens.
+    repeating = _live((*ANSWER, 9, 40, 41))
+    assert lookahead.predict(repeating, _context(repeating), 1).match == (False, 2)
+    # How far the walk goes is the limit's answer to the class's hit rate.
+    asked: list[float] = []
+    walked = lookahead.predict(later, _context(later), lambda hit_rate: asked.append(hit_rate) or 1)
+    assert asked == [LOOKAHEAD_PRIOR_HIT_RATE] and walked.tokens == (45,)
+    unmatched = _live((700, 701))
+    assert lookahead.predict(unmatched, _context(unmatched), 4) == Prediction(scope=prediction.scope)
+
+
+async def test_a_request_sent_again_is_answered_in_passes_of_several_tokens(
+    mlcs: tuple[MLC, MLC], tiny_loaded: LoadedModel
+) -> None:
+    """Under rule 1 the same prompt is answered with the same tokens: once the history's long
+    matches have been right, the lookahead's guesses of them are scored several to a pass (the
+    target's rows still decide every token)."""
+    mlc, _ = mlcs
+    target = TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny")
+    engine = VerifierEngine(uri="https://verifier.test", settings=VerifierConfig(), target=target, mlc=mlc, ttl_ms=1000)
+    await engine.start()
+    contract = Contract.from_obj(
+        {
+            "target": target.weights_digest,
+            "tokenizer": target.tokenizer_digest,
+            "rule": 1,
+            "m_max": 4,
+            "max_new": 96,
+            "stop": [],
+            "low_rounds": 1000,
+            "fallback": [Action.REDUCE],
+            "self_load": 100,
+        }
+    )
+    prompt = tuple(range(10, 30))
+    owner = "https://a.test"
+    try:
+        passes: list[int] = []
+        answers: list[list[int]] = []
+        for _ in range(3):
+            before = engine.scorer.batches_run
+            answers.append(await _self_decode_to_the_end(engine, mlc, contract, prompt, owner))
+            passes.append(engine.scorer.batches_run - before)
+            await eventually(lambda: engine.lookahead.history.size.sessions == len(answers))
+    finally:
+        await engine.stop()
+    assert answers[0] == answers[1] == answers[2] and len(answers[0]) == 96
+    # The first answer had no history to guess from: a pass a token.
+    assert passes[0] == 96
+    assert passes[2] < passes[1] < passes[0] / 2

@@ -9,13 +9,12 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from sdcp.cache import CommitLog
 from sdcp.engines.verifier.observe import TRACE_ROUNDS, RoundTimings, RoundTrace
-from sdcp.models.backend import common_prefix_length
 from sdcp.models.lookup.suffix import SuffixIndex
 from sdcp.protocol.drafter import AcceptanceEstimate
 from sdcp.protocol.messages import Verdict
@@ -42,9 +41,6 @@ class LiveSession:
     watchers: set[asyncio.Event] = field(default_factory=set)
     self_decoder: asyncio.Task[None] | None = None
     timings: RoundTimings = field(default_factory=RoundTimings)
-    # The per-token acceptance of the lookahead's predictions (record_lookahead): a new session
-    # guesses as if 40 % of their tokens had been right.
-    lookahead: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(prior_alpha=0.4))
     # The per-token acceptance of its drafters' proposals: with the pass costs, how long a proposal
     # the next verdict's m_cap allows (Rounds.verify).
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
@@ -113,17 +109,6 @@ class LiveSession:
 
     def driven(self) -> None:
         self.driven_at = time.monotonic()
-
-    def record_lookahead(self, prediction: Sequence[int], decided: Sequence[int]) -> None:
-        """The tokens a pass's rounds decided against the lookahead's prediction for them, judged
-        as a drafter's proposal is: the tokens right up to the first wrong one, if any (a prediction
-        longer than what was decided is judged on its first tokens). Not by its first token alone:
-        at 16 streams that hit rate stood at 0.99 to 1.00, every session scored 16-token guesses,
-        and passes of 272 rows took 2.3 s where 16 rows take 90 ms (docs/performance.md, session
-        26)."""
-        compared = min(len(prediction), len(decided))
-        if compared:
-            self.lookahead.update(common_prefix_length(prediction, decided), compared)
 
     def wake_readers(self) -> None:
         # Readers wait on the current event; replacing it after setting wakes each exactly once.

@@ -18,7 +18,7 @@ from sdcp.engines.verifier.admission import Admissions
 from sdcp.engines.verifier.events import RouterEvents
 from sdcp.engines.verifier.kvsync import ModelSync
 from sdcp.engines.verifier.live import LiveSession
-from sdcp.engines.verifier.lookahead import VerifierLookahead
+from sdcp.engines.verifier.lookahead import Prediction, VerifierLookahead
 from sdcp.engines.verifier.observe import PassCurves
 from sdcp.engines.verifier.rounds import PartlyAppended, Rounds, Scoring
 from sdcp.models.batching import RUN_DELIVERY_STEPS, RUN_DELIVERY_STEPS_FEW, ScoredRun, TargetMostProbable
@@ -64,7 +64,7 @@ class _Pass:
     goes on after it, ``step`` its next step."""
 
     context: tuple[int, ...]
-    prediction: tuple[int, ...]
+    prediction: Prediction
     guess: tuple[int, ...]
     logits: asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None]
     run: ScoredRun | None = None
@@ -89,7 +89,7 @@ class _Predicted:
     session's constraint forced (they come first), and whether the session may have tokens worth
     scoring together at its next positions (a constraint's, or a guess that pays at its hit rate)."""
 
-    prediction: tuple[int, ...]
+    prediction: Prediction
     guess: tuple[int, ...]
     forced: int
     may_guess: bool
@@ -233,16 +233,22 @@ class SelfDecoding:
         budget = SELF_DECODE_LOOKAHEAD - len(forced)
         sessions = self._active_sessions()
         curve = self._pass_curves.curve(len(context))
-        worth = speculation_length(live.lookahead.alpha, sessions, budget, curve)
         # Only what may be scored is predicted (a step each), and where no guess pays, what the
         # next group of rounds decides (a greedy run's delivery, else one round): a prediction
-        # that is not scored still counts towards the hit rate, which must learn as fast with runs
-        # handed over 16 steps at a time as with one round at a time. The prediction is step by
-        # step, so the shorter one is the longer one's beginning.
-        judged = RUN_DELIVERY_STEPS if self._runs(machine) else 1
-        guessed = self._lookahead.predict(live, context + forced, max(worth, min(judged, budget)))
-        guess = guessed[: speculation_length(live.lookahead.alpha, sessions, len(guessed), curve)] if worth else ()
-        return _Predicted(guessed, forced + guess, len(forced), machine.constraint is not None or worth > 0)
+        # that is not scored still counts towards its class's hit rate, which must learn as fast
+        # with runs handed over 16 steps at a time as with one round at a time. How many tokens
+        # a guess of the prediction's class is worth is known before the lookahead walks them.
+        judged = min(RUN_DELIVERY_STEPS if self._runs(machine) else 1, budget)
+        prediction = self._lookahead.predict(
+            live,
+            context + forced,
+            lambda hit_rate: max(judged, speculation_length(hit_rate, sessions, budget, curve)),
+        )
+        worth = speculation_length(prediction.hit_rate, sessions, budget, curve)
+        # The walk may end before the guess would (the match runs out): the guess is then the
+        # length worth most within it.
+        guess = prediction.tokens[: speculation_length(prediction.hit_rate, sessions, len(prediction.tokens), curve)]
+        return _Predicted(prediction, forced + guess, len(forced), machine.constraint is not None or worth > 0)
 
     def _runs(self, machine: VerifierSession) -> bool:
         """Whether the session's passes go on as greedy runs (_run_ahead)."""
@@ -316,7 +322,7 @@ class SelfDecoding:
                 self._rounds.release(live, one)
                 released.append(one)
             # The forced tokens are the grammar's, not the lookahead's: they are always right.
-            live.record_lookahead(scoring.prediction, decided[scoring.forced :])
+            self._lookahead.judge(scoring.prediction, decided[scoring.forced :])
         except BaseException:
             scoring.withdraw()
             if isinstance(following, _Pass):

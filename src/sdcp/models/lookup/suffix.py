@@ -13,7 +13,8 @@ the match, and a proposal only as long as it is likely to be accepted. The struc
   index drops its oldest text whole (``evict_oldest_text``), each in time proportional to the tokens
   removed.
 - ``SharedHistory`` keeps one index per history key within one token budget.
-- ``plan_draft`` finds the longest match and walks its most frequent continuation.
+- ``find_draft`` finds the longest match and walks its most frequent continuation; ``plan_draft``
+  takes as much of the walk as the match's length allows.
 
 Proposals are deterministic, so their q rows are one-hot: the distribution each token was drawn
 from (docs/interpretations.md, "Suffix drafter rows under rule 2").
@@ -22,10 +23,11 @@ from (docs/interpretations.md, "Suffix drafter rows under rule 2").
 from __future__ import annotations
 
 import hashlib
+import itertools
 import sys
 from array import array
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -38,6 +40,7 @@ from sdcp.protocol.messages import Contract, Sampling
 __all__ = [
     "DEFAULT_HISTORY_TOKENS",
     "DEFAULT_MIN_PROBABILITY",
+    "Draft",
     "DraftStep",
     "HistorySize",
     "Match",
@@ -45,6 +48,7 @@ __all__ = [
     "SharesHistory",
     "SuffixDrafter",
     "SuffixIndex",
+    "find_draft",
     "history_key",
     "plan_draft",
 ]
@@ -326,41 +330,80 @@ def plan_draft(
     spec_factor: float = DEFAULT_SPEC_FACTOR,
 ) -> list[DraftStep]:
     """Up to ``m`` tokens continuing ``context``, from the longest suffix of it (at most
-    ``max_pattern`` tokens) found in the session's own index or the shared one.
-
-    Each step proposes the continuation that most often followed the match in both indexes together
-    and narrows the match to the occurrences it continued. A token's estimated acceptance is its
-    share of the step's continuations times the previous tokens'; the draft stops before a token
-    whose estimate falls below ``min_probability`` (the first token is always proposed: a proposal
-    has one at least), after ``spec_factor`` tokens per matched token, or at ``m``. Empty without a
-    match of ``min_match`` tokens.
+    ``max_pattern`` tokens) found in the session's own index or the shared one (`find_draft`): at
+    most ``spec_factor`` tokens per matched token. Empty without a match of ``min_match`` tokens.
     """
+    draft = find_draft(
+        context, own, shared, max_pattern=max_pattern, min_match=min_match, min_probability=min_probability
+    )
+    return draft.take(min(m, max(1, int(spec_factor * draft.match))))
+
+
+@dataclass
+class Draft:
+    """The longest match of a context's suffix (``match`` tokens, 0 where none of the minimum was
+    found; ``shared``: in the shared index, longer than any in the session's own) and the walk of
+    its continuation, taken once (`take`)."""
+
+    match: int
+    shared: bool
+    _walk: Iterator[DraftStep]
+
+    def take(self, m: int) -> list[DraftStep]:
+        """The walk's next ``m`` steps at most."""
+        return list(itertools.islice(self._walk, max(0, m)))
+
+
+def find_draft(
+    context: Sequence[int],
+    own: SuffixIndex,
+    shared: SuffixIndex | None,
+    *,
+    max_pattern: int = DEFAULT_MAX_PATTERN,
+    min_match: int = 1,
+    min_probability: float = DEFAULT_MIN_PROBABILITY,
+) -> Draft:
+    """The longest suffix of ``context`` (at most ``max_pattern`` tokens) found in the session's own
+    index or the shared one, and the walk after it, computed as it is taken: each step proposes the
+    continuation that most often followed the match in both indexes together and narrows the match to
+    the occurrences it continued. A token's estimated acceptance is its share of the step's
+    continuations times the previous tokens'; the walk stops before a token whose estimate falls
+    below ``min_probability`` (the first token always comes: a proposal has one at least)."""
     own_match = own.longest_match(context, max_pattern, min_match)
     # A shared match shorter than the session's own is not used: its lookup need not look for one.
     at_least = max(min_match, own_match.length if own_match is not None else 0)
     shared_match = shared.longest_match(context, max_pattern, at_least) if shared is not None else None
     length = max((match.length for match in (own_match, shared_match) if match is not None), default=0)
     if length < min_match:
-        return []
+        return Draft(0, False, iter(()))
+    in_own = own_match is not None and own_match.length == length
     # Only occurrences of the longest match count: an index whose longest is shorter has none.
-    own_ends = _ends_of(own_match, length)
-    shared_ends = _ends_of(shared_match, length)
-    limit = min(m, max(1, int(spec_factor * length)))
-    steps: list[DraftStep] = []
+    walk = _walk(own, _ends_of(own_match, length), shared, _ends_of(shared_match, length), min_probability)
+    return Draft(length, not in_own, walk)
+
+
+def _walk(
+    own: SuffixIndex,
+    own_ends: list[int],
+    shared: SuffixIndex | None,
+    shared_ends: list[int],
+    min_probability: float,
+) -> Iterator[DraftStep]:
     probability = 1.0
-    while len(steps) < limit:
+    first = True
+    while True:
         continuations = _continuations(own, own_ends, shared, shared_ends)
         if not continuations:
-            break
+            return
         best = max(continuations, key=_Continuation.rank)
         probability *= best.count / sum(continuation.count for continuation in continuations)
-        if steps and probability < min_probability:
-            break
-        steps.append(DraftStep(best.token, probability))
+        if not first and probability < min_probability:
+            return
+        first = False
+        yield DraftStep(best.token, probability)
         own_ends = [end + 1 for end in own_ends if own.next_token(end) == best.token]
         if shared is not None:
             shared_ends = [end + 1 for end in shared_ends if shared.next_token(end) == best.token]
-    return steps
 
 
 def _ends_of(match: Match | None, length: int) -> list[int]:
