@@ -112,17 +112,18 @@ class VerifierLookahead:
         if draft.match == 0:
             return Prediction(scope=scope)
         match = _match_class(draft.shared, draft.match)
-        hit_rate = self.hit_rate(Prediction(match=match, scope=scope))
+        hit_rate = self._rate(scope, match)
         steps = draft.take(limit if isinstance(limit, int) else limit(hit_rate))
         return Prediction(tuple(step.token for step in steps), match, scope, hit_rate)
 
     def hit_rate(self, prediction: Prediction) -> float:
         """The share of the tokens of earlier predictions of its class and scope that were right
         (LOOKAHEAD_PRIOR_HIT_RATE before the first is judged; 0 for no prediction)."""
-        if prediction.match is None:
-            return 0.0
-        rates = self._hit_rates.get(prediction.scope)
-        estimate = None if rates is None else rates.get(prediction.match)
+        return 0.0 if prediction.match is None else self._rate(prediction.scope, prediction.match)
+
+    def _rate(self, scope: bytes, match: MatchClass) -> float:
+        rates = self._hit_rates.get(scope)
+        estimate = None if rates is None else rates.get(match)
         return LOOKAHEAD_PRIOR_HIT_RATE if estimate is None else estimate.alpha
 
     def judge(self, prediction: Prediction, decided: Sequence[int]) -> None:
