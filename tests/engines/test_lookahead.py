@@ -17,6 +17,7 @@ from sdcp.engines.history import HistoryReader, history_scope_key, index_uri, pu
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.engines.verifier.lookahead import LOOKAHEAD_PRIOR_HIT_RATE, Prediction, VerifierLookahead
+from sdcp.models.backend import Target
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
 from sdcp.protocol.messages import Action, Contract, SelfDecodeRequest, SessionOpen
@@ -28,6 +29,9 @@ VOCAB = 1000
 
 PROMPT = (1, 2, 3)
 ANSWER = (40, 41, 42, 43, 44, 45, 46, 47)
+OWNER = "https://a.test"
+# The prompt of the sessions the tests decode on a verifier engine.
+ENGINE_PROMPT = tuple(range(10, 30))
 
 
 def _contract(target: bytes = b"\x01" * 32) -> Contract:
@@ -48,7 +52,7 @@ def _contract(target: bytes = b"\x01" * 32) -> Contract:
 def _live(
     tokens: tuple[int, ...] = (),
     *,
-    owner: str | None = "https://a.test",
+    owner: str | None = OWNER,
     contract: Contract | None = None,
     session: bytes = bytes(16),
 ) -> LiveSession:
@@ -180,47 +184,49 @@ async def test_a_restarted_verifier_engine_reads_its_scopes_history_when_a_sessi
     """Sessions finish on one verifier engine, which publishes them; a new engine on another host
     reads the scope's history at a session's open and guesses its continuation from it."""
     first_mlc, second_mlc = mlcs
-    first_target = TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny")
-    first = VerifierEngine(
-        uri="https://verifier-1.test", settings=VerifierConfig(), target=first_target, mlc=first_mlc, ttl_ms=1000
-    )
-    await first.start()
-    contract = Contract.from_obj(
+    first = await _started_engine("https://verifier-1.test", tiny_loaded, first_mlc)
+    contract = _self_decoding_contract(first.target, 24)
+    try:
+        answer = await _self_decode_to_the_end(first, first_mlc, contract, ENGINE_PROMPT, OWNER)
+        published = index_uri("local", contract, history_scope_key(contract, OWNER, "owner"))
+        await eventually_async(lambda: first_mlc.exists(published))
+    finally:
+        await first.stop()
+
+    second = await _started_engine("https://verifier-2.test", tiny_loaded, second_mlc)
+    try:
+        # A later turn quoting the earlier answer's start.
+        quoting = (*ENGINE_PROMPT, *answer[:6])
+        session = await _open(second, contract, quoting, OWNER)
+        await eventually(lambda: second.lookahead.history.size.sessions == 1)
+        live = second.sessions[session]
+        assert second.lookahead.predict(live, quoting, 8).tokens == tuple(answer[6:14])
+    finally:
+        await second.stop()
+
+
+async def _started_engine(uri: str, loaded: LoadedModel, mlc: MLC) -> VerifierEngine:
+    target = TargetModel(loaded.model, loaded.tokenizer, name="tiny")
+    engine = VerifierEngine(uri=uri, settings=VerifierConfig(), target=target, mlc=mlc, ttl_ms=1000)
+    await engine.start()
+    return engine
+
+
+def _self_decoding_contract(target: Target, max_new: int) -> Contract:
+    """A contract under rule 1 that the verifier self-decodes from its open to its end."""
+    return Contract.from_obj(
         {
-            "target": first_target.weights_digest,
-            "tokenizer": first_target.tokenizer_digest,
+            "target": target.weights_digest,
+            "tokenizer": target.tokenizer_digest,
             "rule": 1,
             "m_max": 4,
-            "max_new": 24,
+            "max_new": max_new,
             "stop": [],
             "low_rounds": 1000,
             "fallback": [Action.REDUCE],
             "self_load": 100,
         }
     )
-    prompt = tuple(range(10, 30))
-    owner = "https://a.test"
-    try:
-        answer = await _self_decode_to_the_end(first, first_mlc, contract, prompt, owner)
-        published = index_uri("local", contract, history_scope_key(contract, owner, "owner"))
-        await eventually_async(lambda: first_mlc.exists(published))
-    finally:
-        await first.stop()
-
-    second_target = TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny")
-    second = VerifierEngine(
-        uri="https://verifier-2.test", settings=VerifierConfig(), target=second_target, mlc=second_mlc, ttl_ms=1000
-    )
-    await second.start()
-    try:
-        # A later turn quoting the earlier answer's start.
-        quoting = (*prompt, *answer[:6])
-        session = await _open(second, contract, quoting, owner)
-        await eventually(lambda: second.lookahead.history.size.sessions == 1)
-        live = second.sessions[session]
-        assert second.lookahead.predict(live, quoting, 8).tokens == tuple(answer[6:14])
-    finally:
-        await second.stop()
 
 
 async def _open(engine: VerifierEngine, contract: Contract, prompt: tuple[int, ...], owner: str) -> bytes:
@@ -314,30 +320,14 @@ async def test_a_request_sent_again_is_answered_in_passes_of_several_tokens(
     matches have been right, the lookahead's guesses of them are scored several to a pass (the
     target's rows still decide every token)."""
     mlc, _ = mlcs
-    target = TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny")
-    engine = VerifierEngine(uri="https://verifier.test", settings=VerifierConfig(), target=target, mlc=mlc, ttl_ms=1000)
-    await engine.start()
-    contract = Contract.from_obj(
-        {
-            "target": target.weights_digest,
-            "tokenizer": target.tokenizer_digest,
-            "rule": 1,
-            "m_max": 4,
-            "max_new": 96,
-            "stop": [],
-            "low_rounds": 1000,
-            "fallback": [Action.REDUCE],
-            "self_load": 100,
-        }
-    )
-    prompt = tuple(range(10, 30))
-    owner = "https://a.test"
+    engine = await _started_engine("https://verifier.test", tiny_loaded, mlc)
+    contract = _self_decoding_contract(engine.target, 96)
     try:
         passes: list[int] = []
         answers: list[list[int]] = []
         for _ in range(3):
             before = engine.scorer.batches_run
-            answers.append(await _self_decode_to_the_end(engine, mlc, contract, prompt, owner))
+            answers.append(await _self_decode_to_the_end(engine, mlc, contract, ENGINE_PROMPT, OWNER))
             passes.append(engine.scorer.batches_run - before)
             await eventually(lambda: engine.lookahead.history.size.sessions == len(answers))
     finally:
