@@ -44,7 +44,7 @@ LOOKAHEAD_MIN_MATCH = 2
 # what a lone session's guess needs to pay on a 2-core CPU (docs/performance.md), so that nothing is
 # scored on a guess before its class has been right.
 LOOKAHEAD_PRIOR_HIT_RATE = 0.4
-# History scopes whose hit rates are kept, the least recently used forgotten first.
+# History scopes whose hit rates are kept, the least recently judged forgotten first.
 _HELD_SCOPES = 1024
 # Entries of sessions that finished here, remembered so that the MLC's copy is not learned again:
 # more than a reader takes from one scope at a time (sdcp.engines.history.DEFAULT_HISTORY_ENTRIES).
