@@ -140,7 +140,8 @@ def test_the_report_gives_acceptance_and_roles_per_workload() -> None:
         Measurement("sdcp_default", "sql", 1, 0, sdcp(20, 12, 4, 4, [4, 3, 3, 2])),
         Measurement("hf_target", "sql", 0, 0, _run(10)),
         Measurement("hf_target", "sql", 1, 0, RunResult(list(range(20)), 2.0)),
-        Measurement("sdcp_default", "open", 0, 0, _run(8, self_decoded=8)),
+        # 8 self-decoded rounds in 2 passes: guesses scored with them were right.
+        Measurement("sdcp_default", "open", 0, 0, _run(8, self_decoded=8, self_passes=2)),
         Measurement("hf_target", "open", 0, 0, _run(8)),
     ]
     data = BenchData(
@@ -166,6 +167,14 @@ def test_the_report_gives_acceptance_and_roles_per_workload() -> None:
         "self_decoding": 1.0,
         "verifier_extra": 0.0,
     }
+    opened = summary["systems"]["sdcp_default"]["open"]
+    assert (opened["tokens_per_target_pass"], opened["rounds_per_100_tokens"], opened["self_decoded_share"]) == (
+        4.0,
+        100.0,
+        1.0,
+    )
+    # A proposal round is a pass: 6 proposal rounds and 7 self-decoded rounds (no pass counted) for 30 tokens.
+    assert (sql["tokens_per_target_pass"], sql["rounds_per_100_tokens"]) == (5.0, round(100 * 13 / 30, 2))
     assert "token_share_by_role" not in summary["systems"]["hf_target"]["sql"]
     # The history workloads stay out of "all" and of the goals' "every workload".
     assert summary["systems"]["sdcp_default"]["all"]["tokens"] == 8

@@ -198,6 +198,10 @@ async def test_lookahead_saves_passes_and_keeps_greedy_output(
     # One pass per round without lookahead; the list the model repeats is predicted by lookup.
     self_decode_passes = verifier.engine.scorer.batches_run - passes_before - 1  # less the proposal's pass
     assert self_decode_passes < self_decoded
+    # The session's stats count the passes whose rows its rounds took (a run's step computed after
+    # the session's end is a pass none took).
+    self_passes = verifier.engine.sessions[SESSION].machine.stats.self_passes
+    assert 1 <= self_passes <= self_decode_passes
 
 
 @pytest.mark.slow

@@ -355,7 +355,9 @@ def token_roles(result: RunResult) -> dict[str, int]:
 def _system_workload(runs: list[Measurement], rates: list[float | None]) -> dict[str, Any]:
     tokens = sum(len(m.result.tokens) for m in runs)
     rounds = sum(m.result.rounds for m in runs)
-    passes = rounds + sum(m.result.self_decoded for m in runs)
+    self_decoded = sum(m.result.self_decoded for m in runs)
+    # A proposal round takes one pass; self-decoded rounds take fewer where guesses were right.
+    passes = rounds + sum(m.result.self_passes for m in runs)
     accepted = sum(m.result.accepted for m in runs)
     by_position_accepted = _sum_lists([m.result.accepted_by_position for m in runs])
     by_position_proposed = _sum_lists([m.result.proposed_by_position for m in runs])
@@ -368,13 +370,13 @@ def _system_workload(runs: list[Measurement], rates: list[float | None]) -> dict
         "first_token_ms_p50": _percentile(first_token_ms, 50),
         "itl_ms_p50": _percentile([gap for m in runs for gap in m.result.inter_token_ms], 50),
     }
-    if passes:
+    if rounds + self_decoded:
         entry.update(
             {
                 "mean_accepted_length": round(accepted / rounds, 3) if rounds else 0.0,
-                "tokens_per_target_pass": round(tokens / passes, 3),
-                "rounds_per_100_tokens": round(100 * passes / tokens, 2) if tokens else None,
-                "self_decoded_share": round(sum(m.result.self_decoded for m in runs) / passes, 3),
+                "tokens_per_target_pass": round(tokens / passes, 3) if passes else None,
+                "rounds_per_100_tokens": round(100 * (rounds + self_decoded) / tokens, 2) if tokens else None,
+                "self_decoded_share": round(self_decoded / (rounds + self_decoded), 3),
                 "acceptance_by_position": [
                     round(a / p, 3) if p else None
                     for a, p in zip(by_position_accepted, by_position_proposed, strict=True)

@@ -56,6 +56,8 @@ class RunResult:
     seconds: float
     rounds: int = 0
     self_decoded: int = 0
+    # The target passes of the self-decoded rounds (the verifier's stats).
+    self_passes: int = 0
     accepted: int = 0
     proposed: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
@@ -89,6 +91,7 @@ def result_from_stats(stats: dict[str, Any], seconds: float) -> RunResult:
         seconds=seconds,
         rounds=int(stats.get("rounds", 0)),
         self_decoded=int(stats.get("self_decoded", 0)),
+        self_passes=int(stats.get("self_passes", 0)),
         accepted=int(stats.get("accepted", 0)),
         proposed=int(stats.get("proposed", 0)),
         accepted_by_position=list(stats.get("accepted_by_position", [])),

@@ -136,6 +136,9 @@ class SessionStats:
 
     rounds: int = 0
     self_decoded: int = 0
+    # The target passes whose rows the self-decoded rounds took: fewer than the rounds where a pass
+    # scored a guess that was right (the engine counts them, `self_decoding_passes`).
+    self_passes: int = 0
     proposed: int = 0
     accepted: int = 0
     escalations: int = 0
@@ -166,10 +169,14 @@ class SessionStats:
             if position < accepted:
                 self.accepted_by_position[position] += 1
 
+    def self_decoding_passes(self, passes: int) -> None:
+        self.self_passes += passes
+
     def to_obj(self) -> dict[str, object]:
         return {
             "rounds": self.rounds,
             "self_decoded": self.self_decoded,
+            "self_passes": self.self_passes,
             "proposed": self.proposed,
             "accepted": self.accepted,
             "escalations": self.escalations,

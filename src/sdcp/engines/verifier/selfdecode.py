@@ -331,6 +331,10 @@ class SelfDecoding:
             self._model_sync.realign_after_failure(machine)
             raise
         finally:
+            if released:
+                # The pass's rows (its own and its guess's) served the first rounds, and each step
+                # of its run after them was a pass of its own.
+                machine.stats.self_decoding_passes(1 + max(0, len(released) - 1 - len(scoring.guess)))
             self._rounds.after_commit(live, released)
         return following
 
