@@ -79,7 +79,8 @@ def test_a_finished_sessions_output_predicts_a_later_session_of_the_same_owner_o
     finished = _live(ANSWER)
     finished.machine.control.finish()
     lookahead.learn(finished)
-    assert lookahead.history.size.sessions == 1 and lookahead.history.size.tokens == len(ANSWER)
+    # Its prompt's tail goes before it: a request sent again matches from its first token.
+    assert lookahead.history.size.sessions == 1 and lookahead.history.size.tokens == len(PROMPT) + len(ANSWER)
 
     later = _live((5, 40, 41))
     assert lookahead.predict(later, _context(later), 3).tokens == (42, 43, 44)
@@ -98,12 +99,13 @@ def test_a_failed_session_is_not_learned() -> None:
 
 
 def test_the_history_is_bounded_oldest_first() -> None:
-    lookahead = VerifierLookahead(history_tokens=2 * len(ANSWER))
+    entry = len(PROMPT) + len(ANSWER)
+    lookahead = VerifierLookahead(history_tokens=2 * entry)
     for first in (100, 200, 300):
         finished = _live(tuple(range(first, first + len(ANSWER))))
         finished.machine.control.finish()
         lookahead.learn(finished)
-    assert lookahead.history.size.sessions == 2 and lookahead.history.size.tokens == 2 * len(ANSWER)
+    assert lookahead.history.size.sessions == 2 and lookahead.history.size.tokens == 2 * entry
     oldest, newest = _live((100, 101)), _live((300, 301))
     assert lookahead.predict(oldest, _context(oldest), 2).tokens == ()
     assert lookahead.predict(newest, _context(newest), 2).tokens == (302, 303)
@@ -341,5 +343,7 @@ async def test_a_request_sent_again_is_answered_in_passes_of_several_tokens(
     assert answers[0] == answers[1] == answers[2] and len(answers[0]) == 96
     # The first answer had no history to guess from: a pass a token.
     assert passes[0] == 96
-    # The second answer's classes of match learn from its first groups; the third's have learned.
-    assert passes[2] < passes[1] < passes[0] and passes[2] < passes[0] / 3
+    # The second answer's classes of match learn from its first groups; the third's have learned,
+    # and its prompt's tail leads to the earlier answer from the first token on (27 passes where the
+    # history held the outputs alone).
+    assert passes[2] < passes[1] < passes[0] and passes[2] < passes[0] / 6

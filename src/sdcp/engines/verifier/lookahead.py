@@ -30,16 +30,31 @@ from sdcp.config import HistoryScope
 from sdcp.engines.history import HistoryReader, entry_uri, history_scope_key, index_uri
 from sdcp.engines.verifier.live import LiveSession
 from sdcp.models.backend import common_prefix_length
-from sdcp.models.lookup.suffix import DEFAULT_HISTORY_TOKENS, SharedHistory, SuffixIndex, find_draft
+from sdcp.models.lookup.suffix import (
+    DEFAULT_HISTORY_TOKENS,
+    DEFAULT_MAX_PATTERN,
+    SharedHistory,
+    SuffixIndex,
+    find_draft,
+)
 from sdcp.protocol.drafter import AcceptanceEstimate
 from sdcp.protocol.messages import Action, Contract
 
-__all__ = ["LOOKAHEAD_MIN_MATCH", "LOOKAHEAD_PRIOR_HIT_RATE", "Prediction", "VerifierLookahead"]
+__all__ = [
+    "LOOKAHEAD_MIN_MATCH",
+    "LOOKAHEAD_PRIOR_HIT_RATE",
+    "LOOKAHEAD_PROMPT_TAIL",
+    "Prediction",
+    "VerifierLookahead",
+]
 
 log = logging.getLogger("sdcp.verifier")
 
 # A match of fewer tokens rarely predicts the next one.
 LOOKAHEAD_MIN_MATCH = 2
+# Prompt tokens kept before a finished session's output in the history (VerifierLookahead.learn):
+# the longest match a lookup looks for (sdcp.models.lookup.suffix.DEFAULT_MAX_PATTERN).
+LOOKAHEAD_PROMPT_TAIL = DEFAULT_MAX_PATTERN
 # A class of match never judged guesses as if 40 % of its predicted tokens had been right: below
 # what a lone session's guess needs to pay on a 2-core CPU (docs/performance.md), so that nothing is
 # scored on a guess before its class has been right.
@@ -73,7 +88,8 @@ def _match_class(shared: bool, length: int) -> MatchClass:
 
 class VerifierLookahead:
     """Predictions for self-decoding sessions, and the history of earlier finished sessions (at
-    most ``history_tokens`` tokens of output, the oldest outputs evicted first), kept per the scope
+    most ``history_tokens`` tokens of output, each after its prompt's last tokens, the oldest
+    evicted first), kept per the scope
     ``policy`` names (the verifier's ``history_scope``); ``reader``, where given, reads the scopes'
     entries from the MLC, of which outputs with a token outside the target's ``vocab_size`` are
     not kept (a guess is fed to the target as it is)."""
@@ -148,12 +164,15 @@ class VerifierLookahead:
         estimate.update(common_prefix_length(prediction.tokens, decided), compared)
 
     def learn(self, live: LiveSession) -> None:
-        """Keep the output of a session that finished here (not one that failed or was fenced)."""
+        """Keep the output of a session that finished here (not one that failed or was fenced),
+        after the last LOOKAHEAD_PROMPT_TAIL tokens of its prompt: a request sent again then
+        matches its earlier answer from its first token on (the output alone matches only once a
+        few tokens of it have been decided)."""
         machine = live.machine
         if machine.control.ended is not Action.FINISH or machine.fenced:
             return
         key = self._scope(machine.contract, live.owner, live.tenant)
-        self.history.learn(key, machine.tokens)
+        self.history.learn(key, (*machine.prompt[-LOOKAHEAD_PROMPT_TAIL:], *machine.tokens))
         if self._reader is not None:
             # Where this verifier publishes it (sdcp.engines.verifier.history): not read back.
             held = entry_uri(self._reader.mlc.authority, machine.contract, key, machine.session, machine.epoch)
