@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sdcp.bench.streamed import fresh_cluster
 from sdcp.bench.systems import RunResult, result_from_stats
 from sdcp.bench.workloads import Prompt, chat_messages, plain_text
 from sdcp.cluster import DEFAULT_DRAFTERS, LocalCluster, RedisSetup
@@ -57,6 +58,7 @@ class ClusterSystem:
 
     def start(self) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
+        self.cluster = fresh_cluster(self.home)
         models = self.home / "models"
         fetched = sdcp_home() / "models"
         if not models.exists() and fetched.is_dir() and fetched.resolve() != models.resolve():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ __all__ = [
     "metric_samples",
     "part_means_ms",
     "percentile",
+    "fresh_cluster",
     "start_default_cluster",
     "stream_chat",
 ]
@@ -101,16 +103,27 @@ class ClusterRun:
     verifier_metrics: str
 
 
+def fresh_cluster(home: Path) -> LocalCluster:
+    """The cluster under ``home`` (a directory of the bench's --out), stopped and removed if an
+    earlier run left one: a run into the same --out would otherwise start on that run's MLC, whose
+    prefix cache and history of answers hold the very prompts it asks again."""
+    cluster = LocalCluster(home)
+    cluster.down()
+    shutil.rmtree(cluster.root, ignore_errors=True)
+    return cluster
+
+
 def start_default_cluster(
     home: Path, role_settings: dict[str, dict[str, Any]] | None = None, *, one_process: bool = False
 ) -> ClusterRun:
     """`sdcp up` under ``home`` on the bundled model (the fetched one, linked), gateway on a free port
-    (with ``one_process``, `sdcp up --one-process`). The caller takes the cluster down."""
+    (with ``one_process``, `sdcp up --one-process`), nothing kept of an earlier run (fresh_cluster).
+    The caller takes the cluster down."""
     home.mkdir(parents=True, exist_ok=True)
     models = home / "models"
     if not models.exists():
         models.symlink_to((sdcp_home() / "models").resolve(), target_is_directory=True)
-    cluster = LocalCluster(home)
+    cluster = fresh_cluster(home)
     try:
         cluster.up(model=BENCH_MODEL, gateway_port=0, role_settings=role_settings, one_process=one_process)
         gateway = cluster.gateway
