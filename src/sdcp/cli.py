@@ -1009,7 +1009,14 @@ def _summary_line(summary: dict[str, Any]) -> str:
 @app.command()
 def bench(
     quick: bool = typer.Option(False, "--quick", help="A reduced set that runs in under 10 minutes."),
-    out: Path = typer.Option(Path("bench"), "--out", help="Directory for results.json, results.md and plots, and the clusters the run starts (each started afresh: nothing of an earlier run into it is kept)."),
+    out: Path = typer.Option(
+        Path("bench"),
+        "--out",
+        help=(
+            "Directory for results.json, results.md and plots, and the clusters the run starts"
+            " (each started afresh: nothing of an earlier run into it is kept)."
+        ),
+    ),
     model: str = typer.Option("smollm2", help="Target model of every system."),
     prompts: Path = typer.Option(None, help="Prompt directory (default: the set in the package, sdcp/bench/prompts)."),
     per_workload: int = typer.Option(None, "--per-workload", min=1, help="Prompts per workload."),
