@@ -70,6 +70,11 @@ class Scoring:
         self.waiting = 0
 
     @property
+    def max_batch(self) -> int:
+        """The most sessions a pass holds."""
+        return self._scorer.max_batch
+
+    @property
     def load(self) -> int:
         """Percent of one full batch that is being scored now."""
         return min(100, round(100 * self.waiting / self._scorer.max_batch))

@@ -28,7 +28,6 @@ from sdcp.protocol.rules import GreedyRule
 from sdcp.protocol.verifier import PendingCommit, VerifierSession
 
 __all__ = [
-    "RUN_AHEAD_MAX_SESSIONS",
     "SELF_DECODE_LOOKAHEAD",
     "SELF_DECODE_RUN_AHEAD",
     "SelfDecoding",
@@ -42,10 +41,6 @@ SELF_DECODE_LOOKAHEAD = 16
 # after a self-decoding pass, without waiting for the rounds to be decided: the model is never idle
 # while the event loop appends and releases them (docs/design.md, "A verifier round").
 SELF_DECODE_RUN_AHEAD = 32
-# Sessions active on the verifier, at most, for a greedy run to start (SelfDecoding._run_ahead):
-# at 4 streams runs gave 17 % more tokens/s than at most 2 once their steps reached the loop in
-# groups; at 16 they made no difference measured (docs/performance.md, session 22).
-RUN_AHEAD_MAX_SESSIONS = 4
 
 
 @dataclass(frozen=True)
@@ -251,14 +246,17 @@ class SelfDecoding:
         return _Predicted(prediction, forced + guess, len(forced), machine.constraint is not None or worth > 0)
 
     def _runs(self, machine: VerifierSession) -> bool:
-        """Whether the session's passes go on as greedy runs (_run_ahead)."""
-        return isinstance(machine.rule, GreedyRule) and self._active_sessions() <= RUN_AHEAD_MAX_SESSIONS
+        """Whether the session's passes go on as greedy runs (_run_ahead): under rule 1, while a
+        pass holds every active session. The scorer then starts each pass without waiting for the
+        loop to decide the last one, and the loop decides a session's rounds sixteen at a time
+        (RUN_DELIVERY_STEPS): at 16 streams a pass came every 70 ms instead of every 76, its 68 ms
+        of model work unchanged (docs/performance.md, session 31). With more sessions than a pass
+        holds, runs would take every pass from the sessions that wait for their first."""
+        return isinstance(machine.rule, GreedyRule) and self._active_sessions() <= self._scoring.max_batch
 
     def _run_ahead(self, machine: VerifierSession, context: tuple[int, ...], guess: tuple[int, ...]) -> int:
         """Greedy steps the scorer takes after a pass: under rule 1 the drawn token is the most
-        probable one, which the scorer can feed itself; never past max_new. Only while few sessions
-        share the verifier: with more, their passes keep the scorer busy between a session's rounds,
-        and a run would only take cores from the event loop deciding them."""
+        probable one, which the scorer can feed itself; never past max_new."""
         if not self._runs(machine):
             return 0
         decided = len(context) - len(machine.prompt)

@@ -1,0 +1,93 @@
+"""Greedy runs (issue 38, "Add nothing per token"): under rule 1 the scorer feeds each session's
+most probable token itself and goes on with its next pass, the loop deciding the rounds in groups,
+as long as one pass holds every active session; with more sessions than a pass holds, runs would
+keep the waiting sessions out of the passes, and none starts."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from tests.engines.verifier_pair import AUTHORITY, EOT, PROMPT, self_decoding_contract
+from tests.waiting import eventually
+
+from sdcp.cache import MLC, build_uri
+from sdcp.cache.uri import LOG_KIND
+from sdcp.config import VerifierConfig
+from sdcp.engines.verifier import VerifierEngine
+from sdcp.engines.verifier.rounds import Scoring
+from sdcp.models.hf.target import TargetModel
+from sdcp.models.registry import LoadedModel
+from sdcp.protocol.messages import SelfDecodeRequest
+from sdcp.protocol.router import RouterSession
+
+pytestmark = pytest.mark.timeout(180)
+
+SESSIONS = 6
+MAX_NEW = 24
+
+
+async def _decode_together(tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, max_batch: int) -> set[bytes]:
+    """Six sessions open, then decoded alone at once by a verifier whose passes hold ``max_batch``
+    sessions; the sessions whose passes went on as greedy runs. Each output is the target's greedy
+    decoding whatever the passes were."""
+    runs: set[bytes] = set()
+    submit_ahead = Scoring.submit_ahead
+
+    def counted(self: Scoring, live: Any, *args: Any) -> Any:
+        runs.add(live.machine.session)
+        return submit_ahead(self, live, *args)
+
+    monkeypatch.setattr(Scoring, "submit_ahead", counted)
+    mlc = MLC.from_config(authority=AUTHORITY)
+    target = TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny")
+    engine = VerifierEngine(
+        uri="https://verifier1.test", settings=VerifierConfig(max_batch=max_batch), target=target, mlc=mlc, ttl_ms=1000
+    )
+    await engine.start()
+    try:
+        sessions = [bytes([index]) * 16 for index in range(SESSIONS)]
+        for session in sessions:
+            plan = RouterSession(
+                session=session,
+                epoch=1,
+                contract=self_decoding_contract(target, 1, max_new=MAX_NEW, self_max=MAX_NEW),
+                prompt=PROMPT,
+                commit_log=build_uri(AUTHORITY, None, LOG_KIND, session.hex()),
+                verifier=engine.uri,
+            )
+            await engine.open_session(plan.open_message())
+
+        async def decode(session: bytes) -> tuple[int, ...]:
+            machine = engine.sessions[session].machine
+            while machine.committed < MAX_NEW and not machine.ended:
+                await engine.self_decode(SelfDecodeRequest(session=session, epoch=1))
+                await eventually(lambda: not machine.self_decoding)
+            return tuple(machine.tokens)
+
+        outputs = await asyncio.gather(*(decode(session) for session in sessions))
+    finally:
+        await engine.stop()
+        await mlc.close()
+    greedy: list[int] = []
+    reference = TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny")
+    reference.open_session(b"r" * 16, PROMPT)
+    while len(greedy) < MAX_NEW and (not greedy or greedy[-1] != EOT):
+        (rows,) = reference.score([(b"r" * 16, ())])
+        greedy.append(int(rows[-1].argmax()))
+        reference.commit(b"r" * 16, 0, [greedy[-1]])
+    assert all(output == tuple(greedy) for output in outputs)
+    return runs
+
+
+async def test_sessions_that_one_pass_holds_run_ahead(
+    tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert len(await _decode_together(tiny_loaded, monkeypatch, max_batch=16)) == SESSIONS
+
+
+async def test_more_sessions_than_a_pass_holds_do_not_run_ahead(
+    tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert not await _decode_together(tiny_loaded, monkeypatch, max_batch=SESSIONS - 1)
