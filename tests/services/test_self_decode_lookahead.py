@@ -347,6 +347,27 @@ def test_each_band_of_context_has_a_pass_curve_of_its_own() -> None:
     assert curves.base.points_ms == [10.0, 14.0, 22.0, 38.0, 70.0, 134.0]
 
 
+def test_the_short_context_curve_keeps_its_measured_shape_and_follows_the_load() -> None:
+    """Passes at the contexts the startup probe measured move every point of its curve, not only
+    the nearest: a busy spell of 8-row passes (4 streams) must not leave the 16-row point at its
+    idle figure, which made a row past 8 look nearly free and scored guesses right a third of the
+    time among 13 sessions (docs/performance.md, session 31)."""
+    probed = [8.5, 14.4, 20.3, 32.5, 58.2, 111.8]  # the probe's figures on this 2-core machine
+    curves = PassCurves(PassCurve(list(probed)))
+    for _ in range(60):
+        curves.record(0.052, 8, 120)  # 8-row passes under load: 1.6 times the probe's
+    base = curves.base
+    assert base.ms(8) == pytest.approx(52.0, rel=0.01)
+    assert [point / before for point, before in zip(base.points_ms, probed, strict=True)] == pytest.approx(
+        [52.0 / 32.5] * len(probed), rel=0.01
+    )
+    # A row past 8 costs what the probe said, at the new level: among 13 sessions a guess right
+    # half the time does not pay (with the 16-row point left at 58.2 it did).
+    assert speculation_length(0.5, 13, 16, base) == 0
+    assert speculation_length(0.5, 13, 16, PassCurve([8.5, 14.4, 20.3, 52.0, 58.2, 111.8])) == 1
+    assert speculation_length(0.99, 13, 16, base) == 1
+
+
 def test_the_pass_curve_interpolates_and_follows_the_passes_served() -> None:
     curve = PassCurve([10.0, 14.0, 22.0, 38.0, 70.0, 134.0])
     assert curve.ms(1) == 10.0 and curve.ms(3) == 18.0 and curve.ms(24) == 102.0

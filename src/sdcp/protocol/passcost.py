@@ -75,6 +75,19 @@ class PassCurve:
         implied = 1000 * seconds * self.points_ms[nearest] / self.ms(rows)
         self.points_ms[nearest] += _COST_WEIGHT * (implied - self.points_ms[nearest])
 
+    def follow_level(self, seconds: float, rows: int) -> None:
+        """A served pass of ``rows`` rows: every point moves towards what it implies, in
+        proportion, so that the curve keeps the shape it was measured with and follows the load.
+        Where passes are served at the context the shape was measured at, a pass that took longer
+        says the machine got busier, not that rows of its size got dearer: each point learning
+        only from passes of its own size left points learned at other loads beside each other, a
+        16-row point at its idle figure beside an 8-row point learned at 4 busy streams, and rows
+        past 8 looked nearly free (docs/performance.md, session 31)."""
+        if rows < 1 or seconds <= 0:
+            return
+        factor = 1 + _COST_WEIGHT * (1000 * seconds / self.ms(rows) - 1)
+        self.points_ms = [point * factor for point in self.points_ms]
+
     def rows_share(self, sessions: int) -> int:
         """The most rows each of ``sessions`` sessions may add to a pass after its own: its share of
         what the largest measured pass holds beyond one row a session. Past it the curve is only

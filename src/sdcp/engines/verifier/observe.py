@@ -44,9 +44,11 @@ CONTEXT_BANDS = (256, 512, 1024, 2048)
 class PassCurves:
     """What a pass costs by its rows, a PassCurve per band of context (CONTEXT_BANDS), so that
     long-context passes neither teach the short-context curve their cost nor take it. ``base``, the
-    band of the shortest contexts, is the one the verifier measures at start. A band that has served
-    no pass yet answers with the nearest shorter band's curve; its first pass scales that curve's
-    shape to its own cost, and its passes keep it current from then on (PassCurve.record)."""
+    band of the shortest contexts, is the one the verifier measures at start: its passes keep its
+    level current and its measured shape (PassCurve.follow_level). A band that has served no pass
+    yet answers with the nearest shorter band's curve; its first pass scales that curve's shape to
+    its own cost, and its passes keep it current from then on, shape included (PassCurve.record:
+    at long contexts a second row costs less against the first than at short ones)."""
 
     def __init__(self, base: PassCurve | None = None) -> None:
         self.base = base if base is not None else PassCurve()
@@ -63,6 +65,9 @@ class PassCurves:
         if rows < 1 or seconds <= 0:
             return
         band = bisect.bisect_right(CONTEXT_BANDS, context)
+        if band == 0:
+            self.base.follow_level(seconds, rows)
+            return
         learned = self._bands[band]
         if learned is None:
             shape = self.curve(context)
