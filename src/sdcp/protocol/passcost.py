@@ -26,7 +26,8 @@ __all__ = [
 
 # What a pass of SmolLM2 cost on this 2-core CPU by its rows (llama.cpp, Q4_1, 2 threads; issue 38,
 # docs/performance.md): the start of PassCurve, which measures the curve on this machine before the
-# verifier serves and keeps it current from its passes. A second row costs about half a one-row pass.
+# verifier serves and keeps current from its passes (PassCurves: the short-context curve's level, the
+# longer contexts' points). A second row costs about half a one-row pass.
 PASS_ROWS = (1, 2, 4, 8, 16, 32)
 FIRST_CURVE_MS = (9.3, 14.2, 21.0, 36.0, 67.0, 130.0)
 _COST_WEIGHT = 0.2
