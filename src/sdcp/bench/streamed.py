@@ -25,10 +25,10 @@ __all__ = [
     "Turn",
     "chat_request",
     "first_token_parts",
+    "fresh_cluster",
     "metric_samples",
     "part_means_ms",
     "percentile",
-    "fresh_cluster",
     "start_default_cluster",
     "stream_chat",
 ]
