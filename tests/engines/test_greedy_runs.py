@@ -9,8 +9,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from tests.engines.verifier_pair import AUTHORITY, EOT, PROMPT, self_decoding_contract
-from tests.waiting import eventually
+from tests.engines.verifier_pair import AUTHORITY, PROMPT, decode, greedy_decoding, self_decoding_contract
 
 from sdcp.cache import MLC, build_uri
 from sdcp.cache.uri import LOG_KIND
@@ -19,7 +18,6 @@ from sdcp.engines.verifier import VerifierEngine
 from sdcp.engines.verifier.rounds import Scoring
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
-from sdcp.protocol.messages import SelfDecodeRequest
 from sdcp.protocol.router import RouterSession
 
 pytestmark = pytest.mark.timeout(180)
@@ -59,25 +57,13 @@ async def _decode_together(tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyP
             )
             await engine.open_session(plan.open_message())
 
-        async def decode(session: bytes) -> tuple[int, ...]:
-            machine = engine.sessions[session].machine
-            while machine.committed < MAX_NEW and not machine.ended:
-                await engine.self_decode(SelfDecodeRequest(session=session, epoch=1))
-                await eventually(lambda: not machine.self_decoding)
-            return tuple(machine.tokens)
-
-        outputs = await asyncio.gather(*(decode(session) for session in sessions))
+        await asyncio.gather(*(decode(engine, 1, MAX_NEW, session) for session in sessions))
+        outputs = [tuple(engine.sessions[session].machine.tokens) for session in sessions]
     finally:
         await engine.stop()
         await mlc.close()
-    greedy: list[int] = []
-    reference = TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny")
-    reference.open_session(b"r" * 16, PROMPT)
-    while len(greedy) < MAX_NEW and (not greedy or greedy[-1] != EOT):
-        (rows,) = reference.score([(b"r" * 16, ())])
-        greedy.append(int(rows[-1].argmax()))
-        reference.commit(b"r" * 16, 0, [greedy[-1]])
-    assert all(output == tuple(greedy) for output in outputs)
+    greedy = greedy_decoding(tiny_loaded, MAX_NEW)
+    assert all(output == greedy for output in outputs)
     return runs
 
 

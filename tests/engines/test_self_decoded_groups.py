@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tests.engines.verifier_pair import EOT, PROMPT, SESSION, Pair, decode, self_decoding_contract
+from tests.engines.verifier_pair import PROMPT, SESSION, Pair, decode, greedy_decoding, self_decoding_contract
 from tests.waiting import eventually
 
 from sdcp.cache.commitlog import MemoryCommitLog
@@ -23,18 +23,6 @@ from sdcp.protocol.router import RouterSession
 pytestmark = pytest.mark.timeout(180)
 
 MAX_NEW = 48
-
-
-def greedy(loaded: LoadedModel) -> tuple[int, ...]:
-    """The tiny target's greedy decoding of PROMPT, one token per pass."""
-    target = TargetModel(loaded.model, loaded.tokenizer, name="tiny")
-    target.open_session(SESSION, PROMPT)
-    tokens: list[int] = []
-    while len(tokens) < MAX_NEW and (not tokens or tokens[-1] != EOT):
-        (rows,) = target.score([(SESSION, ())])
-        tokens.append(int(rows[-1].argmax()))
-        target.commit(SESSION, 0, [tokens[-1]])
-    return tuple(tokens)
 
 
 async def open_plan(pair: Pair) -> RouterSession:
@@ -65,7 +53,11 @@ async def test_rounds_decided_together_are_rounds_of_their_own(
     plan = await open_plan(pair)
     await decode(pair.first, 1, MAX_NEW)
     output = await pair.first.output(SESSION, 0)
-    assert output.final and output.tokens == greedy(tiny_loaded) and len(output.tokens) > 2 * RUN_DELIVERY_STEPS
+    assert (
+        output.final
+        and output.tokens == greedy_decoding(tiny_loaded, MAX_NEW)
+        and len(output.tokens) > 2 * RUN_DELIVERY_STEPS
+    )
     records = (await pair.mlc.commit_log(pair.commit_log).read()).records
     assert [record["round"] for record in records] == list(range(1, len(output.tokens) + 1))
     assert all(len(record["emitted"]) == 1 for record in records)
@@ -96,7 +88,7 @@ async def test_a_group_appended_in_part_releases_what_landed_and_goes_on_from_th
     await decode(pair.first, 1, MAX_NEW)
     assert failures, "no group of more than two rounds was appended"
     output = await pair.first.output(SESSION, 0)
-    assert output.final and output.tokens == greedy(tiny_loaded)
+    assert output.final and output.tokens == greedy_decoding(tiny_loaded, MAX_NEW)
     records = (await pair.mlc.commit_log(pair.commit_log).read()).records
     assert [record["round"] for record in records] == list(range(1, len(output.tokens) + 1))
     assert replay_commit_log(records, plan.contract.digest, plan.prompt).tokens == output.tokens

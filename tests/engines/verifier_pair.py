@@ -79,12 +79,24 @@ async def verifier_pair(tiny_loaded: LoadedModel) -> AsyncIterator[Pair]:
     await mlc.close()
 
 
-async def decode(engine: VerifierEngine, epoch: int, until: int) -> None:
+def greedy_decoding(tiny_loaded: LoadedModel, max_new: int) -> tuple[int, ...]:
+    """The tiny target's greedy decoding of PROMPT, one token per pass, until EOT or ``max_new``."""
+    target = TargetModel(tiny_loaded.model, tiny_loaded.tokenizer, name="tiny")
+    target.open_session(SESSION, PROMPT)
+    tokens: list[int] = []
+    while len(tokens) < max_new and (not tokens or tokens[-1] != EOT):
+        (rows,) = target.score([(SESSION, ())])
+        tokens.append(int(rows[-1].argmax()))
+        target.commit(SESSION, 0, [tokens[-1]])
+    return tuple(tokens)
+
+
+async def decode(engine: VerifierEngine, epoch: int, until: int, session: bytes = SESSION) -> None:
     """Self-decoding periods at ``engine`` until ``until`` tokens are committed or the session ends."""
-    live = engine.sessions[SESSION]
+    live = engine.sessions[session]
     machine = live.machine
     while machine.committed < until and not machine.ended:
-        await engine.self_decode(SelfDecodeRequest(session=SESSION, epoch=epoch))
+        await engine.self_decode(SelfDecodeRequest(session=session, epoch=epoch))
         await eventually(lambda: not machine.self_decoding)
         decoder = live.self_decoder
         if decoder is not None:
