@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from sdcp.config import DrafterConfig, InstanceConfig, ServiceConfig, thread_budget
-from sdcp.threads import CoreGovernor, CoreMeter, Load, LoadWindows, _Reader, usable_cores
+from sdcp.threads import CoreGovernor, CoreMeter, Load, LoadWindows, _Reader, runnable_others, usable_cores
 
 
 class FakeProc:
@@ -76,13 +77,22 @@ def test_the_team_never_exceeds_the_budget() -> None:
 
 
 def _governor(
-    meter: ScriptedMeter, probe: ScriptedMeter | None = None, clock: list[float] | None = None
+    meter: ScriptedMeter,
+    probe: ScriptedMeter | None = None,
+    clock: list[float] | None = None,
+    runnable: Callable[[], int | None] = lambda: None,
 ) -> CoreGovernor:
     """A governor of two threads on two cores, its windows scripted; its probe of the first work
-    after a wait too (by default one that never measures), and its clock (by default, frozen)."""
+    after a wait too (by default one that never measures), its clock (by default, frozen) and the
+    threads runnable besides its own (by default, unknown)."""
     now = clock if clock is not None else [0.0]
     return CoreGovernor(
-        2, cores=2, meter=meter, probe=probe if probe is not None else ScriptedMeter([]), clock=lambda: now[0]
+        2,
+        cores=2,
+        meter=meter,
+        probe=probe if probe is not None else ScriptedMeter([]),
+        clock=lambda: now[0],
+        runnable=runnable,
     )
 
 
@@ -150,7 +160,9 @@ def test_a_probe_over_a_stretch_without_work_or_with_a_wait_says_nothing(monkeyp
     # leave one thread); the second found the neighbour still on one core.
     clock = [0.0]
     probe = ScriptedMeter([None, (3.0, 0.05), (1.0, 1.0)])
-    governor = CoreGovernor(4, cores=4, meter=ScriptedMeter([(1.0, 0.05)]), probe=probe, clock=lambda: clock[0])
+    governor = CoreGovernor(
+        4, cores=4, meter=ScriptedMeter([(1.0, 0.05)]), probe=probe, clock=lambda: clock[0], runnable=lambda: None
+    )
     assert _sizes_at(governor, clock, (0.0, 0.05, 0.1, 0.15)) == [3, 3, 3, 3]
     assert not governor.provisional
     # A stretch of a second spans a wait between two calls: the probe starts again from there.
@@ -158,6 +170,67 @@ def test_a_probe_over_a_stretch_without_work_or_with_a_wait_says_nothing(monkeyp
     probe = ScriptedMeter([None, (2.0, 1.0), (0.0, 1.0)])
     governor = _governor(ScriptedMeter([(2.0, 0.05)]), probe=probe, clock=clock)
     assert _sizes_at(governor, clock, (0.0, 1.0, 1.05)) == [1, 1, 2]
+
+
+def test_a_neighbour_gone_when_the_work_starts_leaves_the_whole_team_in_short_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Another process kept both cores busy while the model waited (llama-server, asked in turn),
+    # and no thread but the model's is runnable as the work begins: the team is whole at once, its
+    # calls still short (provisional) until the probe has measured the first work. A thread of
+    # the model's own process, runnable at the first read, is not taken for the neighbour.
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    clock = [0.0]
+    reads = iter([1, 0])
+    governor = _governor(
+        ScriptedMeter([(2.0, 0.05, -0.25)]),
+        probe=ScriptedMeter([None, (0.1, 1.0)]),
+        clock=clock,
+        runnable=lambda: next(reads),
+    )
+    assert _sizes_at(governor, clock, (0.0,)) == [2]
+    assert governor.provisional
+    assert _sizes_at(governor, clock, (0.03, 0.05)) == [2, 2]
+    assert not governor.provisional
+
+
+def test_a_neighbour_between_bursts_when_the_work_starts_is_found_by_the_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The neighbour was not runnable at the start, but the probe finds it on a core: one thread.
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    clock = [0.0]
+    governor = _governor(
+        ScriptedMeter([(2.0, 0.05, -0.25)]),
+        probe=ScriptedMeter([None, (1.0, 1.0)]),
+        clock=clock,
+        runnable=lambda: 0,
+    )
+    assert _sizes_at(governor, clock, (0.0, 0.05, 0.1)) == [2, 1, 1]
+    assert not governor.provisional
+
+
+def test_a_neighbour_still_runnable_when_the_work_starts_keeps_the_team_small_read_once_a_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    reads: list[int] = []
+
+    def runnable() -> int:
+        reads.append(1)
+        return 1
+
+    clock = [0.0]
+    governor = _governor(ScriptedMeter([(1.0, 0.05, -0.25)]), clock=clock, runnable=runnable)
+    assert _sizes_at(governor, clock, (0.0, 0.01, 0.02)) == [1, 1, 1]
+    assert governor.provisional
+    assert len(reads) == 3  # a few reads at the work's start, none at its later calls
+
+
+def test_runnable_others_are_the_machines_runnable_threads_but_the_caller(tmp_path: Path) -> None:
+    (tmp_path / "loadavg").write_text("0.52 0.58 0.59 3/345 12345\n")
+    assert runnable_others(tmp_path) == 2
+    assert runnable_others(tmp_path / "missing") is None
 
 
 def test_windows_in_which_the_model_waited_never_grow_the_team(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "Meter",
     "limit_native_threads",
     "process_windows",
+    "runnable_others",
     "usable_cores",
 ]
 
@@ -57,6 +58,13 @@ _FIRST_WORK_S = 0.05
 # A probe's stretch longer than this spans a wait between two calls (or one call too long to size
 # in time): it says nothing of the first work, and the probe starts again.
 _PROBE_LONGEST_S = 4 * _FIRST_WORK_S
+# Before that first stretch is measured, the threads runnable at its start say at once whether the
+# neighbour seen during the wait is still at it: read this many times, this far apart, since one of
+# this process's own threads may be finishing its turn. Beside a neighbour that stopped just before
+# (a benchmark's other system asked in turn), a first token's prefill ran on one thread in short
+# calls: 70 ms for 12 tokens where two threads take 35 (docs/performance.md, session 32).
+_RUNNABLE_READS = 6
+_RUNNABLE_SPACING_S = 0.0004
 
 
 def usable_cores() -> int:
@@ -180,6 +188,16 @@ class _Reader:
         return newest
 
 
+def runnable_others(proc: Path = Path("/proc")) -> int | None:
+    """Threads runnable on the machine now besides the calling one (``/proc/loadavg``), None
+    where that cannot be read."""
+    try:
+        runnable = int((proc / "loadavg").read_text(encoding="ascii").split()[3].split("/", 1)[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, runnable - 1)
+
+
 class Meter(Protocol):
     def busy(self) -> Load | None:
         """The load of a window not seen before, if there is one."""
@@ -201,6 +219,7 @@ class CoreGovernor:
         probe: Meter | None = None,
         set_threads: Callable[[int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        runnable: Callable[[], int | None] = runnable_others,
     ) -> None:
         if budget < 1:
             raise ValueError(f"a thread budget is at least 1, got {budget}")
@@ -211,6 +230,7 @@ class CoreGovernor:
         # The governor's own meter of the first stretch of work after a wait, and when that began.
         self._probe = probe if probe is not None else CoreMeter()
         self._clock = clock
+        self._runnable = runnable
         self._probe_since: float | None = None
         # When the stretch of the newest measurement taken in began.
         self._measured_since = -math.inf
@@ -219,13 +239,18 @@ class CoreGovernor:
         self._worked = False
         self.threads = budget
         self._applied: int | None = None
+        # The wait (its newest window's start) after which the runnable threads were read, and
+        # whether they grew the team.
+        self._runnable_read_after: float | None = None
+        self._grown_on_runnable = False
 
     @property
     def provisional(self) -> bool:
-        """Whether the team is smaller than the budget on load measured while the model waited,
-        and the first work after the wait has not been measured yet: long work should come back
-        between short calls (``apply`` may grow the team then)."""
-        return not self._worked and self.threads < self.budget
+        """Whether the team is sized on load measured while the model waited (smaller than the
+        budget), or on the threads runnable as the work began, and the first work after the wait
+        has not been measured yet: long work should come back between short calls (``apply`` may
+        resize the team then)."""
+        return not self._worked and (self.threads < self.budget or self._grown_on_runnable)
 
     def team_size(self, others_busy: float) -> int:
         return max(1, min(self.budget, math.floor(self.cores - others_busy + _SHARE_TOLERATED)))
@@ -242,6 +267,9 @@ class CoreGovernor:
         first = self._first_work()
         if first is not None:
             self._take_in(first)
+        if self.provisional and self._runnable_read_after != self._measured_since:
+            self._runnable_read_after = self._measured_since
+            self._grow_on_runnable()
         if self.threads != self._applied:
             self._set_threads(self.threads)
             if self._applied is not None:
@@ -271,7 +299,28 @@ class CoreGovernor:
             self._others = others
         self._worked = working
         self._measured_since = load.since
+        self._grown_on_runnable = False
         self.threads = self.team_size(self._others)
+
+    def _grow_on_runnable(self) -> None:
+        """Grow a team that a wait's load shrank where fewer threads are runnable now: the
+        neighbour stopped. The probe of the first work still measures it (`_first_work`), in short
+        calls (`provisional`), and shrinks the team again if the neighbour was only between bursts."""
+        fewest: int | None = None
+        for read in range(_RUNNABLE_READS):
+            if read:
+                time.sleep(_RUNNABLE_SPACING_S)
+            others = self._runnable()
+            if others is None:
+                return
+            fewest = others if fewest is None else min(fewest, others)
+            if fewest == 0:
+                break
+        assert fewest is not None
+        size = self.team_size(fewest)
+        if size > self.threads:
+            self.threads = size
+            self._grown_on_runnable = True
 
     def _first_work(self) -> Load | None:
         """The load over the first ``_FIRST_WORK_S`` of work after a wait, once measured: a probe
