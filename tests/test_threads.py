@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from sdcp.config import DrafterConfig, InstanceConfig, ServiceConfig, thread_budget
-from sdcp.threads import CoreGovernor, CoreMeter, Load, LoadWindows, _Reader, runnable_others, usable_cores
+from sdcp.threads import (
+    _RUNNABLE_READS,
+    CoreGovernor,
+    CoreMeter,
+    Load,
+    LoadWindows,
+    _Reader,
+    runnable_others,
+    usable_cores,
+)
 
 
 class FakeProc:
@@ -224,7 +233,7 @@ def test_a_neighbour_still_runnable_when_the_work_starts_keeps_the_team_small_re
     governor = _governor(ScriptedMeter([(1.0, 0.05, -0.25)]), clock=clock, runnable=runnable)
     assert _sizes_at(governor, clock, (0.0, 0.01, 0.02)) == [1, 1, 1]
     assert governor.provisional
-    assert len(reads) == 3  # a few reads at the work's start, none at its later calls
+    assert len(reads) == _RUNNABLE_READS  # at the work's start, none at its later calls
 
 
 def test_runnable_others_are_the_machines_runnable_threads_but_the_caller(tmp_path: Path) -> None:
