@@ -536,6 +536,9 @@ def test_rounds_decided_together_equal_rounds_decided_one_at_a_time(rule: int) -
     expected = one_at_a_time(alone, rows, len(rows))
     fed = tokens if tokens is not None else [pending.record.emitted[0] for pending in expected]
     decided = together.decide_self_decoded(rows, fed[:-1], 10)
+    # Rows one by one (a greedy run's, handed over without a copy) decide the same rounds.
+    rows_apart = self_decoding_session(**overrides).decide_self_decoded(list(rows), fed[:-1], 10)
+    assert [p.record for p in rows_apart] == [p.record for p in expected]
     assert [p.record for p in decided] == [p.record for p in expected]
     assert [p.verdict for p in decided] == [p.verdict for p in expected]
     # Nothing is committed until each is applied, in order.

@@ -471,10 +471,13 @@ class VerifierSession:
         pending = self._pending(ticket, control, emitted, acceptance.accepted, action, m_cap, verifier_load)
         return self._with_logprobs(pending, logits)
 
-    def decide_self_decoded(self, rows: np.ndarray, fed: Sequence[int], verifier_load: int) -> list[PendingCommit]:
+    def decide_self_decoded(
+        self, rows: np.ndarray | Sequence[np.ndarray], fed: Sequence[int], verifier_load: int
+    ) -> list[PendingCommit]:
         """Several self-decoded rounds at once, each token still a round of its own (SDCP 6.5.2):
         ``rows[0]`` is the target's row after the committed tokens and ``rows[i + 1]`` the row after
-        ``fed[i]``, as a pass scores a guess and a greedy run feeds its tokens after it. The rounds
+        ``fed[i]``, as a pass scores a guess and a greedy run feeds its tokens after it (an array of
+        rows, or rows one by one: a run's are not copied into one array). The rounds
         stop after the first whose token is not the one fed after it (the rows after it follow
         another token), after a round that ends the period or the session, or at the last row.
         Nothing is committed until `apply` takes each of them, in order; `abandon` of the first
@@ -487,9 +490,9 @@ class VerifierSession:
             raise
 
     def _decide_self_decoded(
-        self, first: RoundTicket, rows: np.ndarray, fed: Sequence[int], verifier_load: int
+        self, first: RoundTicket, rows: np.ndarray | Sequence[np.ndarray], fed: Sequence[int], verifier_load: int
     ) -> list[PendingCommit]:
-        raw_rows = np.asarray(rows).reshape(-1, np.shape(rows)[-1])
+        raw_rows = rows.reshape(-1, rows.shape[-1]) if isinstance(rows, np.ndarray) else rows
         # The rounds after the first are shaped after the tokens decided before them.
         shaping = self.target_logits.fork() if len(raw_rows) > 1 else self.target_logits
         control, committed, digest = self.control, self.committed, self.digest
