@@ -51,6 +51,7 @@ from sdcp.models.worker import ModelThreadClosed
 from sdcp.protocol.digest import extend_digest
 from sdcp.protocol.messages import (
     Action,
+    Assignment,
     CancelRequest,
     Event,
     Output,
@@ -1149,6 +1150,46 @@ async def test_an_unmeasured_drafter_is_explored_until_its_status_reports_a_meas
     assert [t for output in outputs for t in output.tokens] == greedy_reference(target, 12)
     # MEASURED_AFTER_VERDICTS verdicts in, the drafter reports its acceptance at once.
     await eventually(lambda: router.registry.get(drafter.uri).status.alpha_milli is not None, timeout_s=2.0)  # type: ignore[union-attr]
+
+
+async def test_sessions_opened_together_explore_an_unmeasured_drafter_one_at_a_time(
+    deployment: Deployment, target: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session explores an unmeasured drafter once the drafter took its assignment: sessions
+    that opened meanwhile found it unexplored, and a wave of them all explored it. While one
+    exploration's assignment is on its way (held here until the other session is open, or has
+    asked the drafter too), the other session decodes without it."""
+    router = deployment.router
+    assert router is not None
+    await start_verifier(deployment, "verifier1")
+    drafter = await start_drafter(deployment, "drafter1")
+    contract = tiny_contract(
+        target, max_new=12, self_load=100, fallback=[Action.REDUCE, Action.SELF_DECODE, Action.FAIL]
+    )
+    asked: list[bytes] = []
+    asked_twice, release = asyncio.Event(), asyncio.Event()
+    assign = router_module.HTTPRouterLink.assign
+
+    async def held(link: router_module.HTTPRouterLink, to: str, assignment: Assignment) -> None:
+        asked.append(assignment.session)
+        if len(asked) > 1:
+            asked_twice.set()
+        await release.wait()
+        await assign(link, to, assignment)
+
+    monkeypatch.setattr(router_module.HTTPRouterLink, "assign", held)
+    opens = [asyncio.ensure_future(open_session(deployment, contract)) for _ in range(2)]
+    await asyncio.wait([*opens, asyncio.ensure_future(asked_twice.wait())], return_when=asyncio.FIRST_COMPLETED)
+    release.set()
+    opened = await asyncio.gather(*opens)
+    assert len(asked) == 1
+    explorer = next(one for one in opened if one["session"] == asked[0])
+    assert explorer["drafter"] == drafter.uri and router.sessions[asked[0]].exploring == drafter.uri
+    for one in opened:
+        session = one["session"]
+        assert isinstance(session, bytes)
+        outputs = await read_output(deployment.client("frontend", peer="verifier1"), session)
+        assert [t for output in outputs for t in output.tokens] == greedy_reference(target, 12)
 
 
 class _ReportingDrafter(DrafterNode):

@@ -60,6 +60,12 @@ class Assignments:
         self._link = link
         self._logs = logs
         self._metrics = metrics
+        # Explorations whose assignment is on its way, as (drafter, class): a session explores
+        # only once its drafter took the assignment (TrackedSession.exploring), and sessions that
+        # opened together each found the drafter unexplored meanwhile (ten of a wave of sixteen
+        # explored one, their proposals in every pass of the sixteen: docs/performance.md,
+        # session 32).
+        self._explorations_under_way: set[tuple[str, str]] = set()
 
     async def assign_drafter(
         self, tracked: TrackedSession, *, avoid: Sequence[str] = (), only_if_missing: bool = False
@@ -97,6 +103,9 @@ class Assignments:
                     log.info("%s: verifier %s does not decode alone: %s", self.uri, tracked.plan.verifier, exc)
                 self_decode = False
                 continue
+            exploration = (choice.drafter, tracked.session_class)
+            if choice.exploring:
+                self._explorations_under_way.add(exploration)
             try:
                 await self.send_assignment(tracked, choice.drafter, exploring=choice.exploring)
             except VerifierUnanswered:
@@ -116,6 +125,9 @@ class Assignments:
                 # The verifier is in a self-decoding period of its ladder; its event ends it.
                 tracked.decoding_alone(now=None)
                 return
+            finally:
+                if choice.exploring:
+                    self._explorations_under_way.discard(exploration)
             self._metrics.chose("explore" if choice.exploring else "drafter")
             return
 
@@ -132,7 +144,7 @@ class Assignments:
             # (measured_acceptance: our alpha_milli or alpha_constrained_milli, or SDCP 5.2
             # accept_milli from a drafter without our cost terms). Asked only about unmeasured
             # drafters, so that maintenance of measured ones scans no sessions.
-            return not any(
+            return (uri, klass) not in self._explorations_under_way and not any(
                 other.exploring == uri and other is not tracked and not other.ended and other.session_class == klass
                 for other in self._sessions.values()
             )
