@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
+from sdcp.frontend.client import DEFAULT_SELF_MAX, build_contract
 from sdcp.frontend.openai_api import OpenAIError, Speculation, parse_generation
 from sdcp.frontend.text import TextCodec, load_text_codec
+from sdcp.protocol.messages import Action
 
 SERVED = ("smollm2",)
 DIGEST = "ab" * 32
@@ -71,3 +73,13 @@ def test_what_is_wrong_is_a_400_naming_it(codec: TextCodec, value: Any, param: s
     with pytest.raises(OpenAIError) as refused:
         speculation(codec, value)
     assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_a_chat_answer_decoded_alone_is_one_self_decoding_period() -> None:
+    """A period ends with an event the router answers before the verifier decodes on: the
+    contracts the front ends build hold a usual answer (the bench's 96 tokens) in one period, and
+    their ladder still has periods enough for any max_new."""
+    digest = bytes.fromhex(DIGEST)
+    assert build_contract(target=digest, tokenizer=digest, max_new=96).self_max == DEFAULT_SELF_MAX >= 96
+    long = build_contract(target=digest, tokenizer=digest, max_new=4096)
+    assert long.self_max is not None and long.fallback.count(Action.SELF_DECODE) * long.self_max >= 4096

@@ -57,8 +57,12 @@ log = logging.getLogger(__name__)
 OutputReader = Callable[[bytes, int], Awaitable[Output]]
 
 # Self-decoding periods keep a session going where drafts keep failing; each entry of the ladder is
-# used once until R good rounds reset it, so the ladder holds enough of them for max_new tokens.
-DEFAULT_SELF_MAX = 48
+# used once until R good rounds reset it, so the ladder holds enough of them for max_new tokens. A
+# period ends with an event the router answers before the verifier decodes on: one stream on 2 cores
+# stood 9-11 ms at each end, a fiftieth of a 48-token period (docs/performance.md, session 32), so a
+# period holds a usual chat answer whole, and a drafter whose drafts kept failing is tried again
+# after that many tokens decoded alone.
+DEFAULT_SELF_MAX = 128
 # How long a session-open may wait for the router's answer, besides its prompt's prefill: a queue
 # of long prompts at the verifier makes the router wait longer than a prompt of its own asks.
 _OPEN_PATIENCE_S = 600.0
