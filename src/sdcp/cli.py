@@ -1044,7 +1044,8 @@ def bench(
     runs the agent workload instead: the default cluster with and without its prefix cache against
     llama-server, streamed chat requests with a long shared system prompt (agent.md);
     `--workloads serving` runs short streamed chat questions at 1, 4 and 16 streams (`--concurrency`;
-    `--per-workload`: questions per stream) against llama-server with 16 slots (serving.md)."""
+    `--per-workload`: questions per stream; `--repeats`: runs of it all, each on servers started
+    afresh, figures their medians) against llama-server with 16 slots (serving.md)."""
     from sdcp.bench import BenchConfig, BenchInputError, run_bench
     from sdcp.bench.report import write_report
     from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR
@@ -1058,7 +1059,7 @@ def bench(
         except ValueError:
             fail(f"--concurrency must be comma-separated integers, got {concurrency!r}")
         if _names(workloads) == ("serving",):
-            _serving_bench(out, max_new, per_workload, levels, llama_server, _names(systems))
+            _serving_bench(out, max_new, per_workload, levels, llama_server, _names(systems), repeats)
             return
         config = BenchConfig(
             out=out,
@@ -1107,13 +1108,14 @@ def _serving_bench(
     streams: tuple[int, ...] | None,
     llama_server: Path | None,
     systems: tuple[str, ...] | None,
+    repeats: int | None = None,
 ) -> None:
     from sdcp.bench.serving import STREAMS, ServingConfig, run_serving_bench
     from sdcp.bench.workloads import BenchInputError
 
-    config = ServingConfig(out, max_new or 96, per_stream, streams or STREAMS, llama_server)
+    config = ServingConfig(out, max_new or 96, per_stream, streams or STREAMS, llama_server, repeats=repeats or 1)
     if systems is not None:
-        config = ServingConfig(out, config.max_tokens, per_stream, config.streams, llama_server, systems)
+        config = dataclasses.replace(config, systems=systems)
     try:
         run_serving_bench(config, lambda message: typer.echo(message, err=True))
     except BenchInputError as exc:

@@ -71,10 +71,30 @@ def test_figures_and_report_put_the_systems_side_by_side(tmp_path: Path) -> None
     assert figures["stream_tokens_per_s_p50"] == pytest.approx(95 / 0.98)
     levels = {"sdcp": [level(1, 30.0, 4.0)], "llama_server": [level(1, 15.0, 2.0)]}
     agreement = [{"question": "q", "same": False, "parting": {"token": 3, "expected": " lib", "margin": 0.03}}]
-    results = serving_results(ServingConfig(tmp_path), levels, agreement)
+    results = serving_results(ServingConfig(tmp_path), [levels], agreement)
     assert results["ratios"] == {
         "sdcp": {"1": {"first_token_p50_over_llama_server": 2.0, "tokens_per_s_over_llama_server": 0.5}}
     }
     text = serving_markdown(results)
     assert "| sdcp | 1 | 30 | 30 | 96.0 |" in text and "equal to llama-server's greedy output: 0 of 1" in text
     assert "parts at token 3 (llama-server: ' lib', margin 0.030)" in text
+
+
+def test_runs_again_are_reported_as_medians_with_each_runs_ratio(tmp_path: Path) -> None:
+    """With repeats, each figure is the median over the runs and each ratio the median of the
+    runs' own ratios, which the report shows beside it."""
+
+    def level(streams: int, seconds: float) -> Level:
+        return Level(streams, seconds, [Turn(f"question {n}", 20.0, 1.0, "text", 10, 96) for n in range(1, 5)])
+
+    runs = [{"sdcp": [level(1, seconds)], "llama_server": [level(1, 2.0)]} for seconds in (4.0, 2.5, 2.0)]
+    results = serving_results(ServingConfig(tmp_path, repeats=3), runs, [])
+    assert results["repeats"] == 3
+    ours = results["systems"]["sdcp"]
+    assert ours["levels"][0]["aggregate_tokens_per_s"] == 4 * 96 / 2.5 and ours["levels"][0]["streams"] == 1
+    assert [run[0]["aggregate_tokens_per_s"] for run in ours["runs"]] == [96.0, 4 * 96 / 2.5, 192.0]
+    assert results["ratios"]["sdcp"]["1"]["tokens_per_s_over_llama_server"] == pytest.approx(0.8)
+    assert results["ratios_by_run"]["sdcp"]["1"]["tokens_per_s_over_llama_server"] == pytest.approx([0.5, 0.8, 1.0])
+    text = serving_markdown(results)
+    assert "the median of 3 runs" in text
+    assert "tokens per s over llama server 0.80 (runs 0.50, 0.80, 1.00)" in text

@@ -9,7 +9,11 @@ another. Each level has questions of its own, the same for every system, so that
 from a prompt it cached at an earlier level (llama-server's slots keep whole prompts; asked again, it
 evaluates one token). The systems take turns level by level, the order rotating, so that none always
 runs on a warmer or cooler machine. llama-server runs with 16 slots (``--parallel 16``), as a user
-serving up to 16 streams starts it.
+serving up to 16 streams starts it. With ``repeats``, the whole workload runs again on clusters and a
+llama-server started afresh (the same questions asked of servers that never saw them), the order
+rotated once more; each figure is the median over the runs, and each ratio the median of the runs'
+own ratios (a machine whose speed drifts by a quarter within an hour moved one run's ratios by as
+much as what was left to gain: docs/performance.md, session 32).
 
 Figures per system and level: a cluster's first-token latency by part (sdcp.latency: mean ms over the
 level, from its roles' metrics), time to first token p50 and p99 (from sending the request to the
@@ -82,6 +86,7 @@ class ServingConfig:
     streams: tuple[int, ...] = STREAMS
     llama_server: Path | None = None
     systems: tuple[str, ...] = (SDCP, SDCP_ONE_PROCESS, LLAMA_SERVER)
+    repeats: int = 1
 
 
 @dataclass
@@ -201,21 +206,46 @@ def _reference(url: str, question: str, max_tokens: int) -> list[dict[str, Any]]
 
 
 def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict[str, Any]:
-    """Run every system at every level; write serving.json and serving.md under ``config.out``."""
+    """Run every system at every level, ``config.repeats`` times; write serving.json and serving.md
+    under ``config.out``."""
     unknown = set(config.systems) - {SDCP, SDCP_ONE_PROCESS, LLAMA_SERVER}
     if unknown:
         raise BenchInputError(f"serving workload: unknown systems {sorted(unknown)}")
     if any(streams < 1 for streams in config.streams):
         raise BenchInputError("serving workload: stream counts must be at least 1")
+    if config.repeats < 1:
+        raise BenchInputError("serving workload: repeats must be at least 1")
     asked = level_questions(load_questions(), config.streams, config.per_stream)
     fetch_smollm2()
     config.out.mkdir(parents=True, exist_ok=True)
     binary = llama_server_binary(config.llama_server, log) if LLAMA_SERVER in config.systems else None
+    runs: list[dict[str, list[Level]]] = []
+    agreement: list[dict[str, Any]] = []
+    for repeat in range(config.repeats):
+        if config.repeats > 1:
+            log(f"run {repeat + 1} of {config.repeats}")
+        runs.append(_serving_run(config, asked, binary, repeat, log, agreement if repeat == 0 else None))
+    results = serving_results(config, runs, agreement)
+    (config.out / "serving.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    (config.out / "serving.md").write_text(serving_markdown(results), encoding="utf-8")
+    return results
+
+
+def _serving_run(
+    config: ServingConfig,
+    asked: list[tuple[str, ...]],
+    binary: Path | None,
+    repeat: int,
+    log: Callable[[str], None],
+    agreement: list[dict[str, Any]] | None,
+) -> dict[str, list[Level]]:
+    """One run of every system at every level, on clusters and a llama-server started for it; where
+    ``agreement`` is given, each one-stream answer of the default cluster is compared with
+    llama-server's greedy output into it."""
     clusters: dict[str, LocalCluster] = {}
     server: LlamaServer | None = None
     urls: dict[str, str] = {}
     levels: dict[str, list[Level]] = {}
-    agreement: list[dict[str, Any]] = []
     try:
         for name in (SDCP, SDCP_ONE_PROCESS):
             if name in config.systems:
@@ -229,7 +259,8 @@ def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict
             urls[LLAMA_SERVER] = server.url
         names = list(urls)
         for number, (streams, questions) in enumerate(zip(config.streams, asked, strict=True)):
-            for name in names[number % len(names) :] + names[: number % len(names)]:
+            turn = (number + repeat) % len(names)
+            for name in names[turn:] + names[:turn]:
                 cluster = clusters.get(name)
                 before = first_token_parts(cluster) if cluster is not None else {}
                 level = run_level(urls[name], questions, streams, config.max_tokens)
@@ -239,54 +270,88 @@ def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict
                 figures = serving_figures(level)
                 log(f"{name:>14} {streams:>2} streams: first token p50 {figures['first_token_ms_p50'] or 0:7.0f} ms, "
                     f"{figures['aggregate_tokens_per_s'] or 0:6.1f} tokens/s")  # fmt: skip
-        if SDCP in levels and LLAMA_SERVER in urls:
+        if agreement is not None and SDCP in levels and LLAMA_SERVER in urls:
             first = min(range(len(config.streams)), key=lambda index: config.streams[index])
-            for question, turn in zip(asked[first], levels[SDCP][first].turns, strict=True):
-                where = parting(turn.text, _reference(urls[LLAMA_SERVER], question, config.max_tokens))
+            for question, turn_of in zip(asked[first], levels[SDCP][first].turns, strict=True):
+                where = parting(turn_of.text, _reference(urls[LLAMA_SERVER], question, config.max_tokens))
                 agreement.append({"question": question, "same": where is None, "parting": where and asdict(where)})
     finally:
         if server is not None:
             server.__exit__(None, None, None)
         for cluster in clusters.values():
             cluster.down()
-    results = serving_results(config, levels, agreement)
-    (config.out / "serving.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    (config.out / "serving.md").write_text(serving_markdown(results), encoding="utf-8")
-    return results
+    return levels
 
 
 def serving_results(
-    config: ServingConfig, levels: dict[str, list[Level]], agreement: list[dict[str, Any]]
+    config: ServingConfig, runs: list[dict[str, list[Level]]], agreement: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    systems: dict[str, dict[str, Any]] = {
-        name: {
-            "levels": [serving_figures(level) for level in runs],
-            "turns": {level.streams: [asdict(turn) for turn in level.turns] for level in runs},
+    """Each system's figures by level, the median over ``runs`` (each run's own beside them where
+    there are several), and each sdcp system over llama-server, the median of the runs' ratios."""
+    names = list(runs[0])
+    systems: dict[str, dict[str, Any]] = {}
+    for name in names:
+        by_run = [[serving_figures(level) for level in run[name]] for run in runs]
+        system: dict[str, Any] = {
+            "levels": [_median_figures(list(same_level)) for same_level in zip(*by_run, strict=True)],
+            "turns": {level.streams: [asdict(turn) for turn in level.turns] for level in runs[0][name]},
         }
-        for name, runs in levels.items()
-    }
-    # Each sdcp system over llama-server, by streams.
+        if len(runs) > 1:
+            system["runs"] = by_run
+        systems[name] = system
     ratios: dict[str, dict[str, dict[str, float]]] = {}
+    by_run_ratios: dict[str, dict[str, dict[str, list[float]]]] = {}
     for ours_name in (SDCP, SDCP_ONE_PROCESS):
-        if ours_name not in systems or LLAMA_SERVER not in systems:
+        if ours_name not in names or LLAMA_SERVER not in names:
             continue
-        for ours, theirs in zip(systems[ours_name]["levels"], systems[LLAMA_SERVER]["levels"], strict=True):
-            pair: dict[str, float] = {}
-            if ours["first_token_ms_p50"] and theirs["first_token_ms_p50"]:
-                pair["first_token_p50_over_llama_server"] = ours["first_token_ms_p50"] / theirs["first_token_ms_p50"]
-            if ours["aggregate_tokens_per_s"] and theirs["aggregate_tokens_per_s"]:
-                pair["tokens_per_s_over_llama_server"] = (
-                    ours["aggregate_tokens_per_s"] / theirs["aggregate_tokens_per_s"]
-                )
-            ratios.setdefault(ours_name, {})[str(ours["streams"])] = pair
-    return {
+        for run in runs:
+            for ours_level, theirs_level in zip(run[ours_name], run[LLAMA_SERVER], strict=True):
+                ours, theirs = serving_figures(ours_level), serving_figures(theirs_level)
+                pairs = by_run_ratios.setdefault(ours_name, {}).setdefault(str(ours["streams"]), {})
+                if ours["first_token_ms_p50"] and theirs["first_token_ms_p50"]:
+                    pairs.setdefault("first_token_p50_over_llama_server", []).append(
+                        ours["first_token_ms_p50"] / theirs["first_token_ms_p50"]
+                    )
+                if ours["aggregate_tokens_per_s"] and theirs["aggregate_tokens_per_s"]:
+                    pairs.setdefault("tokens_per_s_over_llama_server", []).append(
+                        ours["aggregate_tokens_per_s"] / theirs["aggregate_tokens_per_s"]
+                    )
+        ratios[ours_name] = {
+            streams: {key: statistics.median(values) for key, values in pairs.items()}
+            for streams, pairs in by_run_ratios.get(ours_name, {}).items()
+        }
+    results: dict[str, Any] = {
         "workload": "serving",
         "max_tokens": config.max_tokens,
         "threads": usable_cores(),
+        "repeats": len(runs),
         "ratios": ratios,
         "same_as_llama_server": agreement,
         "systems": systems,
     }
+    if len(runs) > 1:
+        results["ratios_by_run"] = by_run_ratios
+    return results
+
+
+def _median_figures(figures: list[dict[str, Any]]) -> dict[str, Any]:
+    """One level's figures over several runs: each number the median of the runs' (the first-token
+    parts too, part by part); one run's as they are."""
+    if len(figures) == 1:
+        return figures[0]
+    merged: dict[str, Any] = {}
+    for key, value in figures[0].items():
+        values = [one[key] for one in figures]
+        if key in ("streams", "requests"):
+            merged[key] = value
+        elif key == "first_token_parts_ms":
+            parts = dict.fromkeys(part for one in values for part in one)
+            merged[key] = {part: statistics.median(one[part] for one in values if part in one) for part in parts}
+        elif isinstance(value, int | float) and all(isinstance(one, int | float) for one in values):
+            merged[key] = statistics.median(values)
+        else:
+            merged[key] = value
+    return merged
 
 
 def serving_markdown(results: dict[str, Any]) -> str:
@@ -294,7 +359,12 @@ def serving_markdown(results: dict[str, Any]) -> str:
         "# serving workload",
         "",
         f"Streamed greedy chat, max_tokens {results['max_tokens']}, {results['threads']} threads; "
-        "llama-server with 16 slots; each level asks questions of its own.",
+        "llama-server with 16 slots; each level asks questions of its own"
+        + (
+            f"; the median of {results['repeats']} runs, each on servers started afresh."
+            if results.get("repeats", 1) > 1
+            else "."
+        ),
         "",
         "| system | streams | first token p50 (ms) | p99 | aggregate tokens/s | per stream tokens/s p50 |",
         "|---|---|---|---|---|---|",
@@ -311,9 +381,13 @@ def serving_markdown(results: dict[str, Any]) -> str:
                      for index, value in enumerate(cells)]  # fmt: skip
             lines.append(f"| {name} | {figures['streams']} | {' | '.join(shown)} |")
     lines.append("")
+    by_run = results.get("ratios_by_run", {})
     for system, by_streams in results["ratios"].items():
         for streams, pair in by_streams.items():
-            ratios = ", ".join(f"{key.replace('_', ' ')} {value:.2f}" for key, value in pair.items())
+            ratios = ", ".join(
+                f"{key.replace('_', ' ')} {value:.2f}" + _runs_shown(by_run.get(system, {}).get(streams, {}).get(key))
+                for key, value in pair.items()
+            )
             lines.append(f"- {system}, {streams} streams: {ratios}")
     for name, system in results["systems"].items():
         for figures in system["levels"]:
@@ -334,3 +408,10 @@ def serving_markdown(results: dict[str, Any]) -> str:
                     f"(llama-server: {where['expected']!r}, margin {margin})"
                 )
     return "\n".join(lines) + "\n"
+
+
+def _runs_shown(values: list[float] | None) -> str:
+    """Each run's value after a median of several, as " (runs 0.86, 0.92, 0.88)"."""
+    if not values or len(values) < 2:
+        return ""
+    return " (runs " + ", ".join(f"{value:.2f}" for value in values) + ")"
