@@ -1045,12 +1045,27 @@ def bench(
     llama-server, streamed chat requests with a long shared system prompt (agent.md);
     `--workloads serving` runs short streamed chat questions at 1, 4 and 16 streams (`--concurrency`;
     `--per-workload`: questions per stream; `--repeats`: runs of it all, each on servers started
-    afresh, figures their medians) against llama-server with 16 slots (serving.md)."""
+    afresh, figures their medians) against llama-server with 16 slots (serving.md). Both run the
+    bundled model on questions of their own: --quick, --model and --prompts (for agent, --repeats
+    and --concurrency too) are refused there."""
     from sdcp.bench import BenchConfig, BenchInputError, run_bench
     from sdcp.bench.report import write_report
     from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR
 
-    if _names(workloads) == ("agent",):
+    chosen = _names(workloads)
+    if chosen in (("agent",), ("serving",)):
+        # These workloads run the bundled model against llama-server, on questions of their own.
+        unused = {
+            "--quick": quick,
+            "--model": model != "smollm2",
+            "--prompts": prompts is not None,
+            "--repeats": repeats is not None and chosen == ("agent",),
+            "--concurrency": concurrency is not None and chosen == ("agent",),
+        }
+        given = [option for option, used in unused.items() if used]
+        if given:
+            fail(f"{', '.join(given)} does not apply to --workloads {chosen[0]}")
+    if chosen == ("agent",):
         _agent_bench(out, max_new, per_workload, llama_server, _names(systems))
         return
     with user_errors():
@@ -1058,7 +1073,7 @@ def bench(
             levels = tuple(int(level) for level in concurrency.split(",")) if concurrency else None
         except ValueError:
             fail(f"--concurrency must be comma-separated integers, got {concurrency!r}")
-        if _names(workloads) == ("serving",):
+        if chosen == ("serving",):
             _serving_bench(out, max_new, per_workload, levels, llama_server, _names(systems), repeats)
             return
         config = BenchConfig(

@@ -206,3 +206,23 @@ def test_prompt_files_parse_and_bad_inputs_are_typed_errors(tmp_path: Path) -> N
 def test_the_shipped_prompt_set_has_eight_prompts_per_chat_workload() -> None:
     workloads = {w.name: w.prompts for w in load_workloads()}
     assert len(workloads["copyedit"]) >= 8 and len(workloads["open"]) >= 8
+
+
+@pytest.mark.parametrize(
+    ("workload", "options", "named"),
+    [
+        ("agent", ["--repeats", "2"], "--repeats"),
+        ("agent", ["--concurrency", "4"], "--concurrency"),
+        ("serving", ["--quick", "--model", "tiny"], "--quick, --model"),
+        ("serving", ["--prompts", "."], "--prompts"),
+    ],
+)
+def test_options_a_workload_does_not_read_are_refused_in_one_line(
+    tmp_path: Path, workload: str, options: list[str], named: str
+) -> None:
+    """The agent and serving workloads run the bundled model on questions of their own: an option
+    they would ignore is a one-line error before anything starts, not a run that ignored it."""
+    result = CliRunner().invoke(app, ["bench", "--workloads", workload, "--out", str(tmp_path / "out"), *options])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [f"sdcp: {named} does not apply to --workloads {workload}"]
+    assert not (tmp_path / "out").exists()
