@@ -259,8 +259,8 @@ def _serving_run(
             urls[LLAMA_SERVER] = server.url
         names = list(urls)
         for number, (streams, questions) in enumerate(zip(config.streams, asked, strict=True)):
-            turn = (number + repeat) % len(names)
-            for name in names[turn:] + names[:turn]:
+            first_system = (number + repeat) % len(names)
+            for name in names[first_system:] + names[:first_system]:
                 cluster = clusters.get(name)
                 before = first_token_parts(cluster) if cluster is not None else {}
                 level = run_level(urls[name], questions, streams, config.max_tokens)
@@ -272,8 +272,8 @@ def _serving_run(
                     f"{figures['aggregate_tokens_per_s'] or 0:6.1f} tokens/s")  # fmt: skip
         if agreement is not None and SDCP in levels and LLAMA_SERVER in urls:
             first = min(range(len(config.streams)), key=lambda index: config.streams[index])
-            for question, turn_of in zip(asked[first], levels[SDCP][first].turns, strict=True):
-                where = parting(turn_of.text, _reference(urls[LLAMA_SERVER], question, config.max_tokens))
+            for question, turn in zip(asked[first], levels[SDCP][first].turns, strict=True):
+                where = parting(turn.text, _reference(urls[LLAMA_SERVER], question, config.max_tokens))
                 agreement.append({"question": question, "same": where is None, "parting": where and asdict(where)})
     finally:
         if server is not None:
