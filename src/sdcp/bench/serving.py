@@ -289,9 +289,11 @@ def serving_results(
     """Each system's figures by level, the median over ``runs`` (each run's own beside them where
     there are several), and each sdcp system over llama-server, the median of the runs' ratios."""
     names = list(runs[0])
+    # Each system's figures, run by run and level by level.
+    figures = {name: [[serving_figures(level) for level in run[name]] for run in runs] for name in names}
     systems: dict[str, dict[str, Any]] = {}
     for name in names:
-        by_run = [[serving_figures(level) for level in run[name]] for run in runs]
+        by_run = figures[name]
         system: dict[str, Any] = {
             "levels": [_median_figures(list(same_level)) for same_level in zip(*by_run, strict=True)],
             "turns": {level.streams: [asdict(turn) for turn in level.turns] for level in runs[0][name]},
@@ -304,9 +306,8 @@ def serving_results(
     for ours_name in (SDCP, SDCP_ONE_PROCESS):
         if ours_name not in names or LLAMA_SERVER not in names:
             continue
-        for run in runs:
-            for ours_level, theirs_level in zip(run[ours_name], run[LLAMA_SERVER], strict=True):
-                ours, theirs = serving_figures(ours_level), serving_figures(theirs_level)
+        for ours_run, theirs_run in zip(figures[ours_name], figures[LLAMA_SERVER], strict=True):
+            for ours, theirs in zip(ours_run, theirs_run, strict=True):
                 pairs = by_run_ratios.setdefault(ours_name, {}).setdefault(str(ours["streams"]), {})
                 if ours["first_token_ms_p50"] and theirs["first_token_ms_p50"]:
                     pairs.setdefault("first_token_p50_over_llama_server", []).append(
