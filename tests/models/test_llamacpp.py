@@ -210,7 +210,7 @@ def test_a_long_prefill_follows_the_load_between_its_calls(gguf: Path, prompts: 
     pair.open_session(alone, prompt)
     expected = pair.score([(alone, (42,))])[0].copy()
     pair.close_session(alone)
-    # Prefilled in steps of 126 tokens: 63 + 63, 23; provisional twice, 8 + 8 + 47 + 63, 23.
+    # Prefilled in steps of 126 tokens: 63 + 63, 23; provisional twice, 8 + 16 + 39 + 63, 23.
     for provisional_for, calls in ((0, 3), (2, 5)):
         governor = _Governor(pair.set_threads, provisional_for)
         pair.follow_load(governor)
@@ -222,20 +222,51 @@ def test_a_long_prefill_follows_the_load_between_its_calls(gguf: Path, prompts: 
 
 def test_calls_on_a_provisional_team_are_short_until_it_is_measured() -> None:
     """Sessions in sequence-id order, fewer than 64 tokens of one a call, each call's tokens in
-    order; while the team is provisional a call holds 8 tokens in all, whatever the group, and at
-    most PROVISIONAL_CALLS calls are cut short."""
+    order; while the team is provisional a call holds 8 tokens a thread in all, whatever the group,
+    and at most PROVISIONAL_CALLS calls are cut short."""
     feeds = [_Feed(seq_id=1, start=0, tokens=tuple(range(70))), _Feed(seq_id=0, start=0, tokens=(5,))]
     plain = list(_calls(feeds))
     assert [len(call) for call in plain] == [64, 7]
     assert plain[0][:2] == [(1, 0), (0, 0)]
     governor = _Governor(lambda threads: None, provisional_for=2)
     paced = list(_paced(_calls(feeds), governor))
-    assert [len(call) for call in paced] == [8, 8, 48, 7]
+    # Teams of one thread and two in turn: 8 tokens on one, 16 on two, then measured.
+    assert [len(call) for call in paced] == [8, 16, 40, 7]
     assert len(governor.teams) == 4  # applied before each call
     assert [pair for call in paced for pair in call] == [pair for call in plain for pair in call]
     long = [_Feed(seq_id=0, start=0, tokens=tuple(range(300)))]  # calls of 63, 63, 63, 63, 48
     stuck = _Governor(lambda threads: None, provisional_for=1000)
-    assert len(list(_paced(_calls(long), stuck))) == PROVISIONAL_CALLS + 3
+    stuck_calls = [len(call) for call in _paced(_calls(long), stuck)]
+    assert sum(stuck_calls) == 300
+    cut_short = [length for length, team in zip(stuck_calls, stuck.teams, strict=True) if length == 8 * team]
+    assert len(cut_short) == PROVISIONAL_CALLS
+
+
+def test_a_provisional_team_takes_a_short_rest_in_one_call() -> None:
+    """A chat prompt's prefill shorter than two provisional calls is one call: each cut costs a
+    pass's fixed cost. Longer, the rest shorter than two calls goes with the last."""
+    prompt = [_Feed(seq_id=0, start=0, tokens=tuple(range(18)))]
+    on_two = _TeamOf(2)
+    assert [len(call) for call in _paced(_calls(prompt), on_two)] == [18]
+    on_one = _TeamOf(1)
+    assert [len(call) for call in _paced(_calls(prompt), on_one)] == [8, 10]
+    longer = [_Feed(seq_id=0, start=0, tokens=tuple(range(40)))]
+    assert [len(call) for call in _paced(_calls(longer), _TeamOf(2))] == [16, 24]
+
+
+class _TeamOf(CoreGovernor):
+    """A provisional team of ``threads``, never measured."""
+
+    def __init__(self, threads: int) -> None:
+        super().__init__(2, cores=2, set_threads=lambda threads: None)
+        self.threads = threads
+
+    @property
+    def provisional(self) -> bool:
+        return True
+
+    def apply(self) -> int:
+        return self.threads
 
 
 def test_a_long_lone_token_beside_an_empty_neighbour_gives_the_one_thread_row(

@@ -84,9 +84,12 @@ COMPANION_POSITIONS = 1536
 # Tokens of a prefill between two other passes (two llama_decode calls): a long prompt's prefill
 # delays other sessions' next pass by about this much work, not by all of it.
 PREFILL_STEP_TOKENS = 2 * SEQUENCE_TOKENS_PER_CALL
-# Tokens of a call, in all, while the team is provisional (CoreGovernor.provisional, _paced): about
-# 50 ms on one thread, when the governor measures the work again. 63 tokens took 0.42 s there, where
-# the cores were free, and a group's first call holds up to 512 (docs/performance.md, session 28).
+# Tokens of a call per thread of the team, in all, while the team is provisional
+# (CoreGovernor.provisional, _paced): about 50 ms of work, when the governor measures it again. 63
+# tokens took 0.42 s on one thread, where the cores were free, and a group's first call holds up to
+# 512 (docs/performance.md, session 28). A rest shorter than two such calls goes whole: each cut
+# costs a pass's fixed cost (about 7 ms on two threads), and an 18-token chat prompt cut 8 + 8 + 2
+# took 80 ms where one call takes about 60 (docs/performance.md, session 33).
 PROVISIONAL_CALL_TOKENS = 8
 # Short calls of one piece of work, at most: the governor should have measured the work long before.
 PROVISIONAL_CALLS = 16
@@ -600,17 +603,18 @@ def _calls(feeds: Sequence[_Feed]) -> Iterator[list[tuple[int, int]]]:
 def _paced(calls: Iterable[list[tuple[int, int]]], governor: CoreGovernor | None) -> Iterator[list[tuple[int, int]]]:
     """``calls``, the core governor applied before each. While its team is provisional (sized by
     the wait before this work, not yet measured at it), a call holds PROVISIONAL_CALL_TOKENS tokens
-    at most, at most PROVISIONAL_CALLS times, so that the team is sized again soon: the governor
-    measures the work 50 ms into it. Exact: each piece still holds a sequence's tokens in order,
-    fewer than 64."""
+    per thread (a shorter rest whole), at most PROVISIONAL_CALLS times, so that the team is sized
+    again soon: the governor measures the work 50 ms into it. Exact: each piece still holds a
+    sequence's tokens in order, fewer than 64."""
     short = 0
     for call in calls:
         rest = call
         while rest:
-            if governor is not None:
-                governor.apply()
+            threads = governor.apply() if governor is not None else 0
             cut = len(rest)
             if governor is not None and governor.provisional and short < PROVISIONAL_CALLS:
-                cut, short = min(cut, PROVISIONAL_CALL_TOKENS), short + 1
+                most = PROVISIONAL_CALL_TOKENS * threads
+                if cut >= 2 * most:
+                    cut, short = most, short + 1
             yield rest[:cut]
             rest = rest[cut:]
