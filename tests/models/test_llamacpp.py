@@ -295,6 +295,7 @@ def test_a_long_lone_token_beside_an_empty_neighbour_gives_the_one_thread_row(
 
     long_session, short_session = b"l" * 16, b"s" * 16
     pair.open_session(long_session, prompts[-1])  # sequence 0; sequence 1 is free
+    pair.rollback(long_session)  # the row the prefill kept is dropped: the next pass feeds one token
     monkeypatch.setattr(llama_cpp, "llama_decode", counted)
     beside = pair.score([(long_session, ())])[0].copy()
     pair.rollback(long_session)
@@ -306,6 +307,48 @@ def test_a_long_lone_token_beside_an_empty_neighbour_gives_the_one_thread_row(
     reference = next(sessions)
     target.open_session(reference, prompts[0])
     assert np.array_equal(pair.score([(short_session, ())])[0], target.score([(reference, ())])[0])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_row_a_prefill_keeps_is_the_row_a_pass_gives(
+    gguf: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """A prefill feeds the prompt's last token too and keeps its row: the session's first score
+    returns it and feeds only its proposal, with the rows a pass feeding the last token again
+    gives, bit for bit, short prompts and one past SPLIT_FREE_POSITIONS alike (whose one-token
+    passes run on one thread); its PassInfo counts only the rows it computed."""
+    target = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", threads=threads, kv_slots=2, kv_capacity=CAPACITY)
+    fed: list[int] = []
+    decode = llama_cpp.llama_decode
+
+    def counted(context: object, batch: llama_cpp.llama_batch) -> int:
+        fed.append(batch.n_tokens)
+        return int(decode(context, batch))
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", counted)
+    for prompt in (prompts[0], prompts[-1]):
+        kept, fresh = b"k" * 16, b"f" * 16
+        target.open_session(kept, prompt)
+        target.open_session(fresh, prompt)
+        target.rollback(fresh)
+        fed.clear()
+        (empty,) = target.score([(kept, ())])
+        assert fed == [] and target.scored_tokens == 0
+        (again,) = target.score([(fresh, ())])
+        assert fed == [1] and target.scored_tokens == 1
+        assert np.array_equal(empty, again)
+        target.rollback(kept)
+        target.rollback(fresh)
+        target.close_session(fresh)
+        target.open_session(fresh, prompt)
+        proposal = (int(again[0].argmax()), 42, 7)
+        (with_kept,) = target.score([(fresh, proposal)])
+        assert target.scored_tokens == len(proposal)
+        (fed_again,) = target.score([(kept, proposal)])
+        assert target.scored_tokens == len(proposal) + 1
+        assert np.array_equal(with_kept, fed_again)
+        target.close_session(kept)
+        target.close_session(fresh)
 
 
 def test_exported_kv_continues_with_identical_logits_in_a_fresh_target(

@@ -71,6 +71,9 @@ class Target(Protocol):
     Methods are called from one thread, the scorer's (docs/models.md)."""
 
     backend: TargetBackend
+    # The tokens the last `score` fed the model: the rows it computed (a prefill's kept row is not
+    # one; BatchingScorer's PassInfo counts these).
+    scored_tokens: int
 
     @property
     def vocab_size(self) -> int: ...
@@ -118,7 +121,9 @@ class Target(Protocol):
 
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b"") -> None:
         """Prefill the committed prefix (the prompt, or prompt + output when resuming), from the
-        KV the prefix cache holds of ``prefix_scope``'s prompts (a tenant's) where it is on."""
+        KV the prefix cache holds of ``prefix_scope``'s prompts (a tenant's) where it is on. A
+        backend may compute the row after the prefix with it and return it from the session's
+        first `score`, which then feeds only its proposal (llama.cpp)."""
 
     def open_session_steps(
         self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b""

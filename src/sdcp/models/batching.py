@@ -196,7 +196,8 @@ class _Outcomes:
 @dataclass(frozen=True)
 class PassInfo:
     """The model pass that scored a session's latest request: its duration, batch size (sessions)
-    and rows (every session's). The sessions of one pass share one PassInfo."""
+    and rows (every session's it computed: a row a prefill kept is none). The sessions of one pass
+    share one PassInfo."""
 
     seconds: float
     batch_size: int
@@ -429,7 +430,7 @@ class BatchingScorer(ModelThread):
         info = PassInfo(
             self._last_pass_s,
             len(runnable),
-            sum(len(result) for result in rows),
+            self.target.scored_tokens,
             max(request.reach for request in runnable),
         )
         self.batches_run += 1

@@ -100,6 +100,7 @@ class TargetModel:
                 log.warning("target %s: no KV slot pool (%s); every session gets a cache of its own", name, exc)
         self._sessions: dict[SessionId, _Session] = {}
         self._lock = threading.RLock()
+        self.scored_tokens = 0
         self._prefix_cache_bytes = prefix_cache_bytes
 
     @property
@@ -330,6 +331,7 @@ class TargetModel:
                     made.append(tokens)
                     fed.append((state.tokens[-1], *tokens))
             rows = [self._score_one(states[0], fed[0])] if len(states) == 1 else self._score_batch(states, fed)
+            self.scored_tokens = sum(len(tokens) for tokens in fed)
             for state, proposal in zip(states, made, strict=True):
                 state.pending = proposal
             return rows

@@ -5,7 +5,10 @@ Each open session holds one sequence id of one llama.cpp context. A scoring call
 session's [last committed token] + proposed tokens into one `llama_batch`, each token at its own
 position of its own sequence, and reads a row per token (`llama_get_logits_ith`). The invariant of
 `sdcp.models.hf.target` holds: a session's sequence holds the KV of every committed token but the last,
-and `commit` and `rollback` remove the positions past it (`llama_memory_seq_rm`).
+and `commit` and `rollback` remove the positions past it (`llama_memory_seq_rm`). One exception
+saves a new session a pass: its prefill feeds the prompt's last token too and keeps that token's row
+(the row after the committed prefix), as if a pass had scored an empty proposal; the session's first
+`score` then feeds only its proposal and returns the kept row first.
 
 A row is a function of the session's tokens alone, whatever else its pass holds, so that rule 1's
 output does not depend on what drafters propose or on which sessions share a pass (SDCP 6.4). On
@@ -107,15 +110,25 @@ class _Sequence:
     pending: tuple[int, ...] | None = None
     # Whose prefixes its KV may serve (Target.open_session).
     prefix_scope: bytes = b""
+    # The row after the committed tokens, which the prefill computed with the last of them (pending
+    # is then the empty proposal); the first `score` returns it instead of feeding that token again.
+    first_row: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
 class _Feed:
-    """Tokens to decode at consecutive positions of one sequence, from ``start`` on."""
+    """Tokens to decode at consecutive positions of one sequence, from ``start`` on; a row is read
+    after each token from offset ``rows_from`` on (0: every token's; ``len(tokens)``: none)."""
 
     seq_id: int
     start: int
     tokens: Sequence[int]
+    rows_from: int = 0
+
+    @staticmethod
+    def prefill(seq_id: int, start: int, tokens: Sequence[int], *, last_row: bool) -> _Feed:
+        """A prefill's tokens, with the row after the last of them where ``last_row``."""
+        return _Feed(seq_id, start, tokens, len(tokens) - 1 if last_row else len(tokens))
 
 
 class LlamaCppTarget:
@@ -176,6 +189,7 @@ class LlamaCppTarget:
         self._free_ids = list(range(kv_slots - 1, -1, -1))  # popped lowest first
         self._sessions: dict[SessionId, _Sequence] = {}
         self._lock = threading.RLock()
+        self.scored_tokens = 0
         self._prefix_cache_bytes = prefix_cache_bytes
         self._companion_positions = companion_positions
         # Applied between the llama_decode calls of one piece of work: a group's prefill of 512
@@ -241,8 +255,8 @@ class LlamaCppTarget:
         return PrefixIndex(capacity_bytes=self._prefix_cache_bytes, block=BLOCK_TOKENS, salt=salt)
 
     def open_session(self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b"") -> None:
-        """Prefill the committed prefix but its last token, from a cached prefix's KV of
-        ``prefix_scope`` where one is held."""
+        """Prefill the committed prefix, from a cached prefix's KV of ``prefix_scope`` where one is
+        held, keeping the row after it for the session's first `score` (module doc)."""
         for _ in self.open_session_steps(session, prompt_tokens, prefix_scope=prefix_scope):
             pass
 
@@ -250,24 +264,27 @@ class LlamaCppTarget:
         self, session: SessionId, prompt_tokens: Sequence[int], *, prefix_scope: bytes = b""
     ) -> Generator[int, None, None]:
         """`open_session` in steps (Target.open_session_steps): the session is added and restored
-        from the prefix cache, then each step prefills up to PREFILL_STEP_TOKENS more."""
+        from the prefix cache, then each step prefills up to PREFILL_STEP_TOKENS more, the last with
+        the row after the prompt."""
         tokens = self._checked_prefix(prompt_tokens)
-        prefix = tokens[:-1]
         with self._lock:
             state = self._add_session(session, tokens)
             state.prefix_scope = prefix_scope
         opened = False
         try:
             with self._lock:
-                start = self._restore_prefix(state, prefix)
+                start = self._restore_prefix(state, tokens[:-1])
             position = start
-            while position < len(prefix):
-                yield len(prefix) - position
-                end = min(position + PREFILL_STEP_TOKENS, len(prefix))
+            rows = np.empty((0, self._vocab_size), np.float32)
+            while position < len(tokens):
+                yield len(tokens) - position
+                end = min(position + PREFILL_STEP_TOKENS, len(tokens))
+                feed = _Feed.prefill(state.seq_id, position, tokens[position:end], last_row=end == len(tokens))
                 with self._lock:
-                    self._decode([_Feed(state.seq_id, position, prefix[position:end])], rows=False)
+                    (rows,) = self._decode([feed])
                 position = end
             with self._lock:
+                self._kept_first_row(state, rows)
                 self._keep_prefilled(state, start)
             opened = True
         finally:
@@ -297,11 +314,12 @@ class LlamaCppTarget:
                     added.append((index, state))
                     starts.append(self._restore_prefix(state, state.tokens[:-1]))
                 feeds = [
-                    _Feed(state.seq_id, start, state.tokens[start:-1])
+                    _Feed.prefill(state.seq_id, start, state.tokens[start:], last_row=True)
                     for (_, state), start in zip(added, starts, strict=True)
                 ]
-                self._decode([feed for feed in feeds if feed.tokens], rows=False)
-                for (_, state), start in zip(added, starts, strict=True):
+                rows = self._decode(feeds)
+                for (_, state), start, first in zip(added, starts, rows, strict=True):
+                    self._kept_first_row(state, first)
                     self._keep_prefilled(state, start)
             except BaseException as exc:
                 for index, _ in added:
@@ -375,8 +393,11 @@ class LlamaCppTarget:
             states = [self._session(session) for session in sessions_in_batch]
             feeds: list[_Feed] = []
             made: list[tuple[int, ...]] = []
+            # Per request, the row its prefill kept, returned before the rows its tokens get.
+            kept: list[np.ndarray | None] = []
             for session, state, tokens in zip(sessions_in_batch, states, proposals, strict=True):
-                if session in extending:
+                first_row = None if session in extending else state.first_row
+                if session in extending or first_row is not None:
                     start, proposal = extended_proposal(session, state.tokens, state.pending, tokens)
                     self._check_room(state, len(proposal))
                     feeds.append(_Feed(state.seq_id, start, tokens))
@@ -385,12 +406,19 @@ class LlamaCppTarget:
                     proposal = tokens
                     feeds.append(_Feed(state.seq_id, len(state.tokens) - 1, (state.tokens[-1], *tokens)))
                 made.append(proposal)
-            for session, state in zip(sessions_in_batch, states, strict=True):
-                if session not in extending:
+                kept.append(first_row)
+            for session, state, first_row in zip(sessions_in_batch, states, kept, strict=True):
+                if session not in extending and first_row is None:
                     self._drop_pending(state)
-            rows = self._decode(feeds, rows=True)
+            computed = self._decode([feed for feed in feeds if feed.tokens])
+            self.scored_tokens = sum(len(feed.tokens) for feed in feeds)
+            rows = []
+            for feed, first_row in zip(feeds, kept, strict=True):
+                fed_rows = computed.pop(0) if feed.tokens else np.empty((0, self._vocab_size), np.float32)
+                rows.append(fed_rows if first_row is None else np.concatenate((first_row[None], fed_rows)))
             for state, proposal in zip(states, made, strict=True):
                 state.pending = proposal
+                state.first_row = None
             return rows
 
     def commit(self, session: SessionId, accepted: int, emitted: Sequence[int]) -> None:
@@ -399,7 +427,8 @@ class LlamaCppTarget:
         emitted_tokens = checked_tokens(emitted, self._vocab_size)
         with self._lock:
             state = self._session(session)
-            check_commit(session, state.pending, accepted, emitted_tokens)
+            # A row a prefill kept was scored for no one yet: the session has no scored proposal.
+            check_commit(session, state.pending if state.first_row is None else None, accepted, emitted_tokens)
             rest = proposal_rest(state.pending, emitted_tokens)
             state.tokens.extend(emitted_tokens)
             if rest is None:
@@ -479,6 +508,13 @@ class LlamaCppTarget:
         if not llama_cpp.llama_memory_seq_rm(self._memory, state.seq_id, len(state.tokens) - 1, -1):
             raise ModelError(f"llama.cpp could not remove the tail of sequence {state.seq_id}")
         state.pending = None
+        state.first_row = None
+
+    @staticmethod
+    def _kept_first_row(state: _Sequence, rows: np.ndarray) -> None:
+        """The prefill fed the prompt's last token too: its row is the first `score`'s first."""
+        state.first_row = rows[-1]
+        state.pending = ()
 
     def _check_room(self, state: _Sequence, proposed: int) -> None:
         if len(state.tokens) + proposed > self._capacity + PROPOSAL_ROOM:
@@ -487,17 +523,17 @@ class LlamaCppTarget:
                 f"{self._capacity} + {PROPOSAL_ROOM} positions of a sequence"
             )
 
-    def _decode(self, feeds: Sequence[_Feed], *, rows: bool) -> list[np.ndarray]:
-        """Decode the feeds; with ``rows``, the logits after each token, per feed. On a failure
-        every feed's sequence is cut back to where it started and ModelError raised."""
-        out = [np.empty((len(feed.tokens) if rows else 0, self._vocab_size), np.float32) for feed in feeds]
+    def _decode(self, feeds: Sequence[_Feed]) -> list[np.ndarray]:
+        """Decode the feeds; per feed, the logits after each of its tokens from ``rows_from`` on. On
+        a failure every feed's sequence is cut back to where it started and ModelError raised."""
+        out = [np.empty((len(feed.tokens) - feed.rows_from, self._vocab_size), np.float32) for feed in feeds]
         batch = self._batch
         companion: int | None = None
         try:
             for call in _paced(_calls(feeds), self._governor):
                 slots = [
-                    (feeds[index].seq_id, feeds[index].start + offset, feeds[index].tokens[offset], rows)
-                    for index, offset in call
+                    (feed.seq_id, feed.start + offset, feed.tokens[offset], offset >= feed.rows_from)
+                    for feed, offset in ((feeds[index], offset) for index, offset in call)
                 ]
                 companion = self._companion(call, feeds)
                 if companion is not None:
@@ -518,10 +554,10 @@ class LlamaCppTarget:
                     companion = None
                 if status != 0:
                     raise ModelError(f"llama_decode returned {status}: {_DECODE_FAILURES.get(status, 'it failed')}")
-                if rows:
-                    row_slots = [slot for slot, (_, _, _, wanted) in enumerate(slots) if wanted]
-                    for slot, (index, offset) in zip(row_slots, call, strict=True):
-                        out[index][offset] = self._row(slot)
+                wanted_rows = [(index, offset) for index, offset in call if offset >= feeds[index].rows_from]
+                row_slots = [slot for slot, (_, _, _, wanted) in enumerate(slots) if wanted]
+                for slot, (index, offset) in zip(row_slots, wanted_rows, strict=True):
+                    self._copy_row(slot, out[index][offset - feeds[index].rows_from])
         except BaseException:
             for feed in feeds:
                 llama_cpp.llama_memory_seq_rm(self._memory, feed.seq_id, feed.start, -1)
@@ -558,11 +594,11 @@ class LlamaCppTarget:
             self._one_token_threads = threads
             llama_cpp.llama_set_n_threads(self._context, threads, self._threads)
 
-    def _row(self, slot: int) -> np.ndarray:
+    def _copy_row(self, slot: int, into: np.ndarray) -> None:
         pointer = llama_cpp.llama_get_logits_ith(self._context, slot)
         if not pointer:
             raise ModelError(f"llama.cpp has no logits for token {slot} of the pass")
-        return np.ctypeslib.as_array(pointer, shape=(self._vocab_size,))
+        ctypes.memmove(into.ctypes.data, pointer, into.nbytes)
 
     def _session(self, session: SessionId) -> _Sequence:
         return lookup_session(self._sessions, session, self.name)
