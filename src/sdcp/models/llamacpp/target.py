@@ -410,12 +410,14 @@ class LlamaCppTarget:
             for session, state, first_row in zip(sessions_in_batch, states, kept, strict=True):
                 if session not in extending and first_row is None:
                     self._drop_pending(state)
-            computed = self._decode([feed for feed in feeds if feed.tokens])
+            computed = iter(self._decode([feed for feed in feeds if feed.tokens]))
             self.scored_tokens = sum(len(feed.tokens) for feed in feeds)
             rows = []
             for feed, first_row in zip(feeds, kept, strict=True):
-                fed_rows = computed.pop(0) if feed.tokens else np.empty((0, self._vocab_size), np.float32)
-                rows.append(fed_rows if first_row is None else np.concatenate((first_row[None], fed_rows)))
+                if first_row is None:
+                    rows.append(next(computed))
+                else:
+                    rows.append(np.concatenate((first_row[None], next(computed))) if feed.tokens else first_row[None])
             for state, proposal in zip(states, made, strict=True):
                 state.pending = proposal
                 state.first_row = None
