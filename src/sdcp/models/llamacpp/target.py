@@ -3,7 +3,7 @@ low-level API (SDCP 6.3 Scoring; docs/models.md, "llama.cpp backend").
 
 Each open session holds one sequence id of one llama.cpp context. A scoring call feeds every
 session's [last committed token] + proposed tokens into one `llama_batch`, each token at its own
-position of its own sequence, and reads a row per token (`llama_get_logits_ith`). The invariant of
+position of its own sequence, and reads a row per token (`llama_get_logits`). The invariant of
 `sdcp.models.hf.target` holds: a session's sequence holds the KV of every committed token but the last,
 and `commit` and `rollback` remove the positions past it (`llama_memory_seq_rm`). One exception
 saves a new session a pass: its prefill feeds the prompt's last token too and keeps that token's row
