@@ -534,10 +534,16 @@ class LlamaCppTarget:
         companion: int | None = None
         try:
             for call in _paced(_calls(feeds), self._governor):
-                slots = [
-                    (feed.seq_id, feed.start + offset, feed.tokens[offset], offset >= feed.rows_from)
-                    for feed, offset in ((feeds[index], offset) for index, offset in call)
-                ]
+                # Each token's slot (sequence, position, token, whether its row is read), and the
+                # tokens whose rows are read, in the call's order.
+                slots: list[tuple[int, int, int, bool]] = []
+                with_rows: list[tuple[int, int]] = []
+                for index, offset in call:
+                    feed = feeds[index]
+                    wanted = offset >= feed.rows_from
+                    slots.append((feed.seq_id, feed.start + offset, feed.tokens[offset], wanted))
+                    if wanted:
+                        with_rows.append((index, offset))
                 companion = self._companion(call, feeds)
                 if companion is not None:
                     # Position 0 of an empty sequence, no row: it only makes the ubatch two streams wide.
@@ -557,7 +563,6 @@ class LlamaCppTarget:
                     companion = None
                 if status != 0:
                     raise ModelError(f"llama_decode returned {status}: {_DECODE_FAILURES.get(status, 'it failed')}")
-                with_rows = [(index, offset) for index, offset in call if offset >= feeds[index].rows_from]
                 self._copy_rows(with_rows, feeds, out)
         except BaseException:
             for feed in feeds:
