@@ -28,6 +28,7 @@ from sdcp.models.errors import (
     SessionLimit,
 )
 from sdcp.models.llamacpp.target import (
+    GAP_FILL_ROWS,
     PROVISIONAL_CALLS,
     SPLIT_FREE_POSITIONS,
     LlamaCppTarget,
@@ -307,6 +308,61 @@ def test_a_long_lone_token_beside_an_empty_neighbour_gives_the_one_thread_row(
     reference = next(sessions)
     target.open_session(reference, prompts[0])
     assert np.array_equal(pair.score([(short_session, ())])[0], target.score([(reference, ())])[0])
+
+
+def test_free_sequences_between_a_pass_s_sessions_are_filled_and_left_empty(
+    gguf: Path,
+    prompts: list[list[int]],
+    target: LlamaCppTarget,
+    sessions: Iterator[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """llama.cpp runs consecutive sequence ids as one ubatch: sessions with a free sequence between
+    them pass with a token of it (position 0, no row) and the rows they get alone, and the free
+    sequence is empty afterwards. A gap held by an open session that is not in the pass, or wider
+    than GAP_FILL_ROWS rows, is left as it is."""
+    four = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", threads=2, kv_slots=8, kv_capacity=CAPACITY)
+    names = [bytes([letter]) * 16 for letter in b"abcdefgh"]
+    for name, prompt in zip(names, prompts, strict=False):
+        four.open_session(name, prompt[:40])  # sequence ids 0, 1, 2, ... in turn
+    fed: list[int] = []
+    decode = llama_cpp.llama_decode
+
+    def counted(context: object, batch: llama_cpp.llama_batch) -> int:
+        fed.append(batch.n_tokens)
+        return int(decode(context, batch))
+
+    def expected(index: int) -> np.ndarray:
+        reference = next(sessions)
+        target.open_session(reference, prompts[index][:40])
+        return target.score([(reference, (7,))])[0]
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", counted)
+    four.close_session(names[1])  # sequence 1 is free: a, c pass with a token of it
+    rows = four.score([(names[0], (7,)), (names[2], (7,))])
+    assert fed == [2 + 1]  # 7 after a and after c (their prefills kept the rows before), and the filler
+    assert np.array_equal(rows[0], expected(0)) and np.array_equal(rows[1], expected(2))
+    memory = llama_cpp.llama_get_memory(four._context)
+    assert llama_cpp.llama_memory_seq_pos_max(memory, 1) == -1
+    for name in names:
+        if four.has_session(name):
+            four.score([(name, ())])  # the kept rows used: a pass now feeds each one token
+    fed.clear()
+
+    def one_token_each(*passing: bytes) -> None:
+        four.score([(name, ()) for name in passing])
+        for name in passing:
+            four.rollback(name)
+
+    one_token_each(names[2], names[4])  # d (sequence 3) is open: no filler
+    four.close_session(names[6])
+    one_token_each(names[5], names[7])  # sequence 6 is free: one filler
+    four.close_session(names[3])
+    four.close_session(names[4])
+    one_token_each(names[0], names[5])  # sequences 1-4 free: wider than GAP_FILL_ROWS
+    assert fed == [2, 3, 2]
+    assert [llama_cpp.llama_memory_seq_pos_max(memory, seq_id) for seq_id in (1, 3, 4, 6)] == [-1, -1, -1, -1]
+    assert GAP_FILL_ROWS < 4
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -29,8 +29,8 @@ rule 1's output is the same with and without the cache.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import threading
+from collections import Counter
 from collections.abc import Collection, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -68,6 +68,7 @@ from sdcp.threads import CoreGovernor, usable_cores
 __all__ = [
     "BATCH_TOKENS",
     "COMPANION_POSITIONS",
+    "GAP_FILL_ROWS",
     "PREFILL_STEP_TOKENS",
     "SEQUENCE_TOKENS_PER_CALL",
     "SPLIT_FREE_POSITIONS",
@@ -85,6 +86,9 @@ SPLIT_FREE_POSITIONS = 256
 # (_companion), on every thread: at 2,400 positions 35 ms against 45 on one thread; at 1,200 both
 # about 23 ms, below it the extra token costs more than the thread gains (docs/models.md, item 3).
 COMPANION_POSITIONS = 1536
+# A gap of free sequence ids between a pass's sessions of at most this many rows is fed a token
+# each (_fillers): one ubatch the wider costs less than one more (docs/performance.md, session 34).
+GAP_FILL_ROWS = 3
 # Tokens of a prefill between two other passes (two llama_decode calls): a long prompt's prefill
 # delays other sessions' next pass by about this much work, not by all of it.
 PREFILL_STEP_TOKENS = 2 * SEQUENCE_TOKENS_PER_CALL
@@ -531,23 +535,30 @@ class LlamaCppTarget:
         a failure every feed's sequence is cut back to where it started and ModelError raised."""
         out = [np.empty((len(feed.tokens) - feed.rows_from, self._vocab_size), np.float32) for feed in feeds]
         batch = self._batch
-        companion: int | None = None
+        fillers: list[int] = []
         try:
             for call in _paced(_calls(feeds), self._governor):
-                # Each token's slot (sequence, position, token, whether its row is read), and the
-                # tokens whose rows are read, in the call's order.
+                # Each token's slot (sequence, position, token, whether its row is read), and where
+                # the rows read go: [feed index, its first row in ``out``, how many], in the call's
+                # order (a feed's tokens are consecutive in a call).
                 slots: list[tuple[int, int, int, bool]] = []
-                with_rows: list[tuple[int, int]] = []
+                copies: list[list[int]] = []
                 for index, offset in call:
                     feed = feeds[index]
                     wanted = offset >= feed.rows_from
                     slots.append((feed.seq_id, feed.start + offset, feed.tokens[offset], wanted))
                     if wanted:
-                        with_rows.append((index, offset))
-                companion = self._companion(call, feeds)
-                if companion is not None:
-                    # Position 0 of an empty sequence, no row: it only makes the ubatch two streams wide.
-                    slots.append((companion, 0, slots[0][2], False))
+                        if copies and copies[-1][0] == index:
+                            copies[-1][2] += 1
+                        else:
+                            copies.append([index, offset - feed.rows_from, 1])
+                fillers, width = self._fillers(call, feeds)
+                if fillers:
+                    # Positions from 0 of empty sequences, no row: they only join the call's
+                    # sequences into fewer, wider ubatches.
+                    slots.extend(
+                        (seq_id, position, slots[0][2], False) for seq_id in fillers for position in range(width)
+                    )
                     slots.sort(key=lambda slot: slot[0])
                 for slot, (seq_id, position, token, wanted) in enumerate(slots):
                     batch.token[slot] = token
@@ -558,19 +569,48 @@ class LlamaCppTarget:
                 batch.n_tokens = len(slots)
                 self._thread_one_token_ubatches(call, feeds)
                 status = llama_cpp.llama_decode(self._context, batch)
-                if companion is not None:
-                    llama_cpp.llama_memory_seq_rm(self._memory, companion, -1, -1)
-                    companion = None
+                for seq_id in fillers:
+                    llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+                fillers = []
                 if status != 0:
                     raise ModelError(f"llama_decode returned {status}: {_DECODE_FAILURES.get(status, 'it failed')}")
-                self._copy_rows(with_rows, feeds, out)
+                self._copy_rows(copies, out)
         except BaseException:
             for feed in feeds:
                 llama_cpp.llama_memory_seq_rm(self._memory, feed.seq_id, feed.start, -1)
-            if companion is not None:
-                llama_cpp.llama_memory_seq_rm(self._memory, companion, -1, -1)
+            for seq_id in fillers:
+                llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
             raise
         return out
+
+    def _fillers(self, call: list[tuple[int, int]], feeds: Sequence[_Feed]) -> tuple[list[int], int]:
+        """Free sequences to feed beside the call, each ``width`` tokens from position 0 without a
+        row, and that width. llama.cpp runs a call as ubatches of consecutive sequence ids feeding
+        as many tokens each, so sessions with free ids between them take a ubatch each side of
+        every gap, and a ubatch costs about four rows of a pass (docs/performance.md, session 34):
+        a gap of up to GAP_FILL_ROWS rows is filled, where the call's sessions feed as many tokens
+        each. A lone token past ``companion_positions`` gets its free neighbour (_companion)."""
+        companion = self._companion(call, feeds)
+        if companion is not None:
+            return [companion], 1
+        widths = Counter(index for index, _ in call)
+        if len(widths) < 2 or len(set(widths.values())) != 1:
+            return [], 0
+        width = len(call) // len(widths)
+        ids = sorted(feeds[index].seq_id for index in widths)
+        gaps = [range(low + 1, high) for low, high in zip(ids, ids[1:], strict=False) if high - low > 1]
+        if not gaps:
+            return [], 0
+        free = set(self._free_ids)
+        fillers = [
+            seq_id
+            for gap in gaps
+            if len(gap) * width <= GAP_FILL_ROWS and all(seq_id in free for seq_id in gap)
+            for seq_id in gap
+        ]
+        if len(call) + len(fillers) * width > BATCH_TOKENS:
+            return [], 0
+        return fillers, width
 
     def _companion(self, call: list[tuple[int, int]], feeds: Sequence[_Feed]) -> int | None:
         """A free sequence next to a lone token's, from ``companion_positions`` on (default
@@ -600,23 +640,24 @@ class LlamaCppTarget:
             self._one_token_threads = threads
             llama_cpp.llama_set_n_threads(self._context, threads, self._threads)
 
-    def _copy_rows(self, wanted: list[tuple[int, int]], feeds: Sequence[_Feed], out: list[np.ndarray]) -> None:
-        """The rows of a call's ``wanted`` tokens (feed index, offset; in the call's order, each
-        feed's offsets consecutive) into ``out``. llama.cpp keeps them contiguous in the order of
-        the batch (`llama_get_logits`): one read of its buffer and a copy per feed, where a read
-        per row cost a ctypes call each, 16 at every pass of 16 streams."""
-        if not wanted:
+    def _copy_rows(self, copies: list[list[int]], out: list[np.ndarray]) -> None:
+        """A call's rows into ``out``: ``copies`` name, in the call's order, each feed's rows (feed
+        index, its first row in ``out``, how many). llama.cpp keeps them contiguous in the order of
+        the batch (`llama_get_logits`): one view of its buffer and a copy per feed. The view is made
+        from the address alone: the Python work between passes runs in caches that the pass's
+        weights have just swept, where each object it touches costs a miss (docs/performance.md,
+        session 34), and numpy's ctypes pointer conversion touched several."""
+        if not copies:
             return
         pointer = llama_cpp.llama_get_logits(self._context)
         if not pointer:
             raise ModelError("llama.cpp has no logits for the pass")
-        logits = np.ctypeslib.as_array(pointer, shape=(len(wanted), self._vocab_size))
+        rows = sum(count for _, _, count in copies)
+        logits = np.asarray(_RowsAt(ctypes.cast(pointer, ctypes.c_void_p).value or 0, rows, self._vocab_size))
         row = 0
-        for index, group in itertools.groupby(wanted, key=lambda pair: pair[0]):
-            offsets = [offset for _, offset in group]
-            first = offsets[0] - feeds[index].rows_from
-            out[index][first : first + len(offsets)] = logits[row : row + len(offsets)]
-            row += len(offsets)
+        for index, first, count in copies:
+            out[index][first : first + count] = logits[row : row + count]
+            row += count
 
     def _session(self, session: SessionId) -> _Sequence:
         return lookup_session(self._sessions, session, self.name)
@@ -628,6 +669,15 @@ class LlamaCppTarget:
         if len(checked) > self._capacity:
             raise BadTokens(f"{len(checked)} tokens exceed the {self._capacity} positions of a session")
         return checked
+
+
+class _RowsAt:
+    """``rows`` float32 rows of ``vocab`` at ``address``, for numpy to view (its array interface)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, rows: int, vocab: int) -> None:
+        self.__array_interface__ = {"data": (address, True), "shape": (rows, vocab), "typestr": "<f4", "version": 3}
 
 
 def _read_only(data: bytes) -> ctypes._Pointer[ctypes.c_uint8]:
