@@ -28,9 +28,9 @@ from sdcp.models.errors import (
     SessionLimit,
 )
 from sdcp.models.llamacpp.target import (
-    GAP_FILL_ROWS,
     PROVISIONAL_CALLS,
     SPLIT_FREE_POSITIONS,
+    UBATCH_ROWS,
     LlamaCppTarget,
     _calls,
     _Feed,
@@ -310,21 +310,20 @@ def test_a_long_lone_token_beside_an_empty_neighbour_gives_the_one_thread_row(
     assert np.array_equal(pair.score([(short_session, ())])[0], target.score([(reference, ())])[0])
 
 
-def test_free_sequences_between_a_pass_s_sessions_are_filled_and_left_empty(
+def test_sessions_apart_pass_as_one_ubatch_with_exact_rows(
     gguf: Path,
     prompts: list[list[int]],
     target: LlamaCppTarget,
     sessions: Iterator[bytes],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """llama.cpp runs consecutive sequence ids as one ubatch: sessions with a free sequence between
-    them pass with a token of it (position 0, no row) and the rows they get alone, and the free
-    sequence is empty afterwards. A gap held by an open session that is not in the pass, or wider
-    than GAP_FILL_ROWS rows, is left as it is."""
-    four = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", threads=2, kv_slots=8, kv_capacity=CAPACITY)
+    """llama.cpp runs consecutive sequence ids feeding as many tokens each as one ubatch: sessions
+    with another sequence between them pass with tokens of it (position 0 of a free one, after the
+    last cell of an open session not in the pass) where that costs less than a ubatch; every row
+    is the one a session gets alone, and what the pads wrote is gone after the call."""
+    eight = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", threads=2, kv_slots=8, kv_capacity=CAPACITY)
+    memory = llama_cpp.llama_get_memory(eight._context)
     names = [bytes([letter]) * 16 for letter in b"abcdefgh"]
-    for name, prompt in zip(names, prompts, strict=False):
-        four.open_session(name, prompt[:40])  # sequence ids 0, 1, 2, ... in turn
     fed: list[int] = []
     decode = llama_cpp.llama_decode
 
@@ -332,37 +331,41 @@ def test_free_sequences_between_a_pass_s_sessions_are_filled_and_left_empty(
         fed.append(batch.n_tokens)
         return int(decode(context, batch))
 
-    def expected(index: int) -> np.ndarray:
+    def alone(prompt: list[int]) -> np.ndarray:
         reference = next(sessions)
-        target.open_session(reference, prompts[index][:40])
-        return target.score([(reference, (7,))])[0]
+        target.open_session(reference, prompt)
+        rows = target.score([(reference, ())])[0]
+        target.close_session(reference)
+        return rows
 
     monkeypatch.setattr(llama_cpp, "llama_decode", counted)
-    four.close_session(names[1])  # sequence 1 is free: a, c pass with a token of it
-    rows = four.score([(names[0], (7,)), (names[2], (7,))])
-    assert fed == [2 + 1]  # 7 after a and after c (their prefills kept the rows before), and the filler
-    assert np.array_equal(rows[0], expected(0)) and np.array_equal(rows[1], expected(2))
-    memory = llama_cpp.llama_get_memory(four._context)
-    assert llama_cpp.llama_memory_seq_pos_max(memory, 1) == -1
+    lengths = [30, 33, 31, 32, 30, 30, 30, 30]
+    for name, prompt, length in zip(names, prompts, lengths, strict=False):
+        eight.open_session(name, prompt[:length])  # sequence ids 0, 1, 2, ... in turn
     for name in names:
-        if four.has_session(name):
-            four.score([(name, ())])  # the kept rows used: a pass now feeds each one token
+        eight.score([(name, ())])  # the kept rows used: a pass now feeds each one token
+        eight.rollback(name)
     fed.clear()
 
-    def one_token_each(*passing: bytes) -> None:
-        four.score([(name, ()) for name in passing])
+    def one_token_each(*passing: bytes) -> list[np.ndarray]:
+        rows = [row.copy() for row in eight.score([(name, ()) for name in passing])]
         for name in passing:
-            four.rollback(name)
+            eight.rollback(name)
+        return rows
 
-    one_token_each(names[2], names[4])  # d (sequence 3) is open: no filler
-    four.close_session(names[6])
-    one_token_each(names[5], names[7])  # sequence 6 is free: one filler
-    four.close_session(names[3])
-    four.close_session(names[4])
-    one_token_each(names[0], names[5])  # sequences 1-4 free: wider than GAP_FILL_ROWS
-    assert fed == [2, 3, 2]
-    assert [llama_cpp.llama_memory_seq_pos_max(memory, seq_id) for seq_id in (1, 3, 4, 6)] == [-1, -1, -1, -1]
-    assert GAP_FILL_ROWS < 4
+    held = one_token_each(names[0], names[2])  # b (sequence 1) is open: a token after its last cell
+    assert fed == [3] and llama_cpp.llama_memory_seq_pos_max(memory, 1) == lengths[1] - 2
+    assert np.array_equal(one_token_each(names[1])[0][0], alone(prompts[1][: lengths[1]])[0])
+    assert np.array_equal(held[1][0], alone(prompts[2][: lengths[2]])[0])
+    eight.close_session(names[6])
+    fed.clear()
+    free = one_token_each(names[5], names[7])  # sequence 6 is free: a token at its position 0
+    assert fed == [3] and llama_cpp.llama_memory_seq_pos_max(memory, 6) == -1
+    assert np.array_equal(free[1][0], alone(prompts[7][: lengths[7]])[0])
+    fed.clear()
+    one_token_each(names[0], names[5])  # four sequences between: a ubatch costs less
+    assert fed == [2]
+    assert UBATCH_ROWS <= 4
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -68,7 +68,7 @@ from sdcp.threads import CoreGovernor, usable_cores
 __all__ = [
     "BATCH_TOKENS",
     "COMPANION_POSITIONS",
-    "GAP_FILL_ROWS",
+    "UBATCH_ROWS",
     "PREFILL_STEP_TOKENS",
     "SEQUENCE_TOKENS_PER_CALL",
     "SPLIT_FREE_POSITIONS",
@@ -86,9 +86,9 @@ SPLIT_FREE_POSITIONS = 256
 # (_companion), on every thread: at 2,400 positions 35 ms against 45 on one thread; at 1,200 both
 # about 23 ms, below it the extra token costs more than the thread gains (docs/models.md, item 3).
 COMPANION_POSITIONS = 1536
-# A gap of free sequence ids between a pass's sessions of at most this many rows is fed a token
-# each (_fillers): one ubatch the wider costs less than one more (docs/performance.md, session 34).
-GAP_FILL_ROWS = 3
+# What one more ubatch of a call costs beyond its rows, in rows (_pads): a pass of 14 sessions on
+# 2 threads took 95 ms in three ubatches and 73 in one (docs/performance.md, session 34).
+UBATCH_ROWS = 4
 # Tokens of a prefill between two other passes (two llama_decode calls): a long prompt's prefill
 # delays other sessions' next pass by about this much work, not by all of it.
 PREFILL_STEP_TOKENS = 2 * SEQUENCE_TOKENS_PER_CALL
@@ -134,6 +134,16 @@ class _Feed:
     def prefill(seq_id: int, start: int, tokens: Sequence[int], *, last_row: bool) -> _Feed:
         """A prefill's tokens, with the row after the last of them where ``last_row``."""
         return _Feed(seq_id, start, tokens, len(tokens) - 1 if last_row else len(tokens))
+
+
+@dataclass(frozen=True)
+class _Pad:
+    """``count`` tokens fed from position ``start`` of sequence ``seq_id`` without a row, and
+    removed after the call (LlamaCppTarget._pads)."""
+
+    seq_id: int
+    start: int
+    count: int
 
 
 class LlamaCppTarget:
@@ -535,7 +545,7 @@ class LlamaCppTarget:
         a failure every feed's sequence is cut back to where it started and ModelError raised."""
         out = [np.empty((len(feed.tokens) - feed.rows_from, self._vocab_size), np.float32) for feed in feeds]
         batch = self._batch
-        fillers: list[int] = []
+        pads: list[_Pad] = []
         try:
             for call in _paced(_calls(feeds), self._governor):
                 # Each token's slot (sequence, position, token, whether its row is read), and where
@@ -552,12 +562,12 @@ class LlamaCppTarget:
                             copies[-1][2] += 1
                         else:
                             copies.append([index, offset - feed.rows_from, 1])
-                fillers, width = self._fillers(call, feeds)
-                if fillers:
-                    # Positions from 0 of empty sequences, no row: they only join the call's
-                    # sequences into fewer, wider ubatches.
+                pads = self._pads(call, feeds)
+                if pads:
+                    # Tokens without a row, removed after the call: they only join the call's
+                    # sequences into fewer, wider ubatches (_pads).
                     slots.extend(
-                        (seq_id, position, slots[0][2], False) for seq_id in fillers for position in range(width)
+                        (pad.seq_id, pad.start + step, slots[0][2], False) for pad in pads for step in range(pad.count)
                     )
                     slots.sort(key=lambda slot: slot[0])
                 for slot, (seq_id, position, token, wanted) in enumerate(slots):
@@ -569,48 +579,64 @@ class LlamaCppTarget:
                 batch.n_tokens = len(slots)
                 self._thread_one_token_ubatches(call, feeds)
                 status = llama_cpp.llama_decode(self._context, batch)
-                for seq_id in fillers:
-                    llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
-                fillers = []
+                self._remove(pads)
+                pads = []
                 if status != 0:
                     raise ModelError(f"llama_decode returned {status}: {_DECODE_FAILURES.get(status, 'it failed')}")
                 self._copy_rows(copies, out)
         except BaseException:
             for feed in feeds:
                 llama_cpp.llama_memory_seq_rm(self._memory, feed.seq_id, feed.start, -1)
-            for seq_id in fillers:
-                llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+            self._remove(pads)
             raise
         return out
 
-    def _fillers(self, call: list[tuple[int, int]], feeds: Sequence[_Feed]) -> tuple[list[int], int]:
-        """Free sequences to feed beside the call, each ``width`` tokens from position 0 without a
-        row, and that width. llama.cpp runs a call as ubatches of consecutive sequence ids feeding
-        as many tokens each, so sessions with free ids between them take a ubatch each side of
-        every gap, and a ubatch costs about four rows of a pass (docs/performance.md, session 34):
-        a gap of up to GAP_FILL_ROWS rows is filled, where the call's sessions feed as many tokens
-        each. A lone token past ``companion_positions`` gets its free neighbour (_companion)."""
+    def _pads(self, call: list[tuple[int, int]], feeds: Sequence[_Feed]) -> list[_Pad]:
+        """Tokens to feed beside the call without a row, so that llama.cpp runs it as fewer
+        ubatches. It runs a call as ubatches of consecutive sequence ids feeding as many tokens
+        each (split_equal over a cache per sequence): sessions with another sequence's id between
+        them take a ubatch each side of the gap, and in a pass a ubatch costs about UBATCH_ROWS rows more than its rows
+        (docs/performance.md, session 34). Where the call's sessions feed as many tokens each, a
+        gap that costs fewer rows than that is filled with as many tokens of each sequence in it:
+        from position 0 of a free one, after the last cell of a session not in the call. (Prompts
+        of different lengths padded to the longest cost more than the ubatches it saved, measured.)
+        A lone token past ``companion_positions`` gets its free neighbour (_companion). Every row
+        stays exact: a row depends on its own sequence's cells before it alone, in ubatches of
+        fewer than 64 tokens of a sequence (the module doc), and what a pad writes is removed
+        after the call."""
         companion = self._companion(call, feeds)
         if companion is not None:
-            return [companion], 1
-        widths = Counter(index for index, _ in call)
-        if len(widths) < 2 or len(set(widths.values())) != 1:
-            return [], 0
-        width = len(call) // len(widths)
-        ids = sorted(feeds[index].seq_id for index in widths)
-        gaps = [range(low + 1, high) for low, high in zip(ids, ids[1:], strict=False) if high - low > 1]
-        if not gaps:
-            return [], 0
-        free = set(self._free_ids)
-        fillers = [
-            seq_id
-            for gap in gaps
-            if len(gap) * width <= GAP_FILL_ROWS and all(seq_id in free for seq_id in gap)
-            for seq_id in gap
+            return [_Pad(companion, 0, 1)]
+        counts = Counter(index for index, _ in call)
+        if len(counts) < 2 or len(set(counts.values())) != 1:
+            return []
+        width = len(call) // len(counts)
+        ids = sorted(feeds[index].seq_id for index in counts)
+        pads = [
+            pad
+            for low, high in zip(ids, ids[1:], strict=False)
+            if high - low > 1 and (high - low - 1) * width < UBATCH_ROWS
+            for pad in self._gap_pads(range(low + 1, high), width)
         ]
-        if len(call) + len(fillers) * width > BATCH_TOKENS:
-            return [], 0
-        return fillers, width
+        if len(call) + sum(pad.count for pad in pads) > BATCH_TOKENS:
+            return []
+        return pads
+
+    def _gap_pads(self, gap: range, width: int) -> list[_Pad]:
+        """``width`` tokens for each sequence of ``gap``: from position 0 of a free one, after the
+        last cell of a session's; none where a session's would not fit in its sequence."""
+        free = set(self._free_ids)
+        pads = []
+        for seq_id in gap:
+            start = 0 if seq_id in free else int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
+            if start + width > self._capacity + PROPOSAL_ROOM:
+                return []
+            pads.append(_Pad(seq_id, start, width))
+        return pads
+
+    def _remove(self, pads: Iterable[_Pad]) -> None:
+        for pad in pads:
+            llama_cpp.llama_memory_seq_rm(self._memory, pad.seq_id, pad.start, -1)
 
     def _companion(self, call: list[tuple[int, int]], feeds: Sequence[_Feed]) -> int | None:
         """A free sequence next to a lone token's, from ``companion_positions`` on (default
