@@ -80,6 +80,9 @@ _PING_PAYLOAD = b"sdcp-ka!"
 _SHUTDOWN_PING = b"sdcp-end"
 # The longest wait for the shutdown PING's answer before the final GOAWAY.
 _GOAWAY_GRACE_S = 1.0
+# How long a connection ended for abuse stays open, its input dropped, so that the client reads
+# the GOAWAY that says why (_linger).
+_LINGER_S = 1.0
 _LAST_POSSIBLE_STREAM = 2**31 - 1
 _ALPN_H2 = "h2"
 _ABORT_WAIT_S = 1.0
@@ -158,6 +161,9 @@ class H2ServerProtocol(asyncio.Protocol):
         self._last_stream_id = 0
         self._final_goaway_timer: asyncio.TimerHandle | None = None
         self._keepalive: asyncio.TimerHandle | None = None
+        # Closing after a GOAWAY that ended an abusive connection (_linger).
+        self._lingering = False
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -193,6 +199,8 @@ class H2ServerProtocol(asyncio.Protocol):
         if self._h2 is None:
             self._refuse_http1()
             return
+        if self._lingering:
+            return
         self._heard_at = asyncio.get_running_loop().time()
         try:
             events = self._h2.receive_data(data)
@@ -202,7 +210,7 @@ class H2ServerProtocol(asyncio.Protocol):
             self.abort()
             return
         for event in events:
-            if self._transport is None or self._transport.is_closing():
+            if self._transport is None or self._transport.is_closing() or self._lingering:
                 break  # closed meanwhile (GOAWAY): what else the client sent is not answered
             self._handle(event)
         self._flush()
@@ -215,12 +223,18 @@ class H2ServerProtocol(asyncio.Protocol):
             self._keepalive.cancel()
         if self._final_goaway_timer is not None:
             self._final_goaway_timer.cancel()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        self._end_streams()
+        self._capacity.set()
+
+    def _end_streams(self) -> None:
+        """Every stream's client is gone: its handler is cancelled."""
         for stream in self._streams.values():
             stream.disconnected = True
             stream.changed.set()
             if stream.task is not None:
                 stream.task.cancel()
-        self._capacity.set()
 
     # -- control from the listener ---------------------------------------------------------------
 
@@ -521,7 +535,18 @@ class H2ServerProtocol(asyncio.Protocol):
             with contextlib.suppress(h2.exceptions.ProtocolError):
                 self._h2.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
             self._flush_now()
-            self._transport.close()
+            self._linger()
+
+    def _linger(self) -> None:
+        """Close after the GOAWAY just sent, once the client has had _LINGER_S to read it: a
+        socket closed with input still unread (a flood's frames) answers with a reset, which can
+        discard the GOAWAY before the client reads it. Meanwhile its handlers are cancelled and
+        what it sends is read and dropped."""
+        self._lingering = True
+        self._end_streams()
+        transport = self._transport
+        if transport is not None:
+            self._linger_timer = asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
 
     # -- connection housekeeping ------------------------------------------------------------------
 
