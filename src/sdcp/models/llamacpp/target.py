@@ -607,6 +607,8 @@ class LlamaCppTarget:
         companion = self._companion(call, feeds)
         if companion is not None:
             return [_Pad(companion, 0, 1)]
+        if len(feeds) < 2:
+            return []
         counts = Counter(index for index, _ in call)
         if len(counts) < 2 or len(set(counts.values())) != 1:
             return []
