@@ -46,7 +46,9 @@ def pass_costs_out_of_timing(request: pytest.FixtureRequest, monkeypatch: pytest
     if request.node.get_closest_marker("pass_costs"):
         return
     monkeypatch.setattr(
-        sdcp.engines.verifier.rounds, "speculation_length", lambda acceptance, sessions, most, curve=None: most
+        sdcp.engines.verifier.rounds,
+        "speculation_length",
+        lambda acceptance, sessions, most, curve=None, *, apart=False: most,
     )
     monkeypatch.setattr(sdcp.protocol.router, "verifier_passes", lambda verifier: None)
 

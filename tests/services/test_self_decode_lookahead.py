@@ -313,6 +313,19 @@ def test_speculation_length_weighs_a_guess_against_what_its_rows_add_to_the_pass
     assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
 
 
+def test_where_a_shared_pass_runs_a_guess_apart_it_costs_a_pass_of_its_own() -> None:
+    # llama.cpp with a cache per sequence runs the rows a session scores after its first in a
+    # ubatch of their own when other sessions share the pass: a guess costs a pass of its rows, so
+    # among 16 sessions none pays, among 2 a strong one still may, and a lone session's is as before.
+    assert speculation_length(0.96, 16, 8) > 0
+    assert speculation_length(0.999, 16, 8, apart=True) == 0
+    assert speculation_length(0.8, 2, 8) == 2 and speculation_length(0.8, 2, 8, apart=True) == 0
+    assert speculation_length(0.99, 2, 8, apart=True) == 8
+    assert [speculation_length(rate, 1, 8, apart=True) for rate in (0.5, 0.6, 0.9)] == [
+        speculation_length(rate, 1, 8) for rate in (0.5, 0.6, 0.9)
+    ]
+
+
 def test_sessions_share_the_rows_of_the_largest_measured_pass() -> None:
     # Past PASS_ROWS[-1] rows the curve is only extrapolated: 16 sessions accepting every token
     # score a token more each at most, a lone one the whole prediction, 40 none.

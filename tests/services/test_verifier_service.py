@@ -728,7 +728,7 @@ async def test_a_cancel_ends_a_greedy_run_at_the_scorers_next_pass(
     """A cancel that comes while self-decoding awaits a step of a greedy run, which hands its steps
     over RUN_DELIVERY_STEPS at a time where no guess pays, cuts the run there: the period ends
     after that step's round, not after the group the scorer would have held with it."""
-    monkeypatch.setattr(selfdecode, "speculation_length", lambda *_: 0)
+    monkeypatch.setattr(selfdecode, "speculation_length", lambda *_, **__: 0)
     router = cluster.client("router")
     engine = cluster.node.engine
     base = f"sessions/{session_path_id(SESSION)}"

@@ -89,6 +89,13 @@ class Target(Protocol):
         ...
 
     @property
+    def extra_rows_apart(self) -> bool:
+        """Whether a pass that several sessions share runs the rows a session scores after its
+        first as a pass of their own (llama.cpp: a cache per sequence splits a call by the tokens
+        each sequence feeds), so that they cost what such a pass costs (speculation_length)."""
+        ...
+
+    @property
     def on_host_cores(self) -> bool:
         """Whether a pass runs on the host's cores (llama.cpp, torch on the CPU), where Python work
         beside it slows it down (BatchingScorer lets the event loops settle before each pass)."""

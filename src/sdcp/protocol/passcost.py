@@ -99,7 +99,9 @@ class PassCurve:
         return max(0, self.rows[-1] - sessions) // sessions
 
 
-def speculation_length(acceptance: float, sessions: int, most: int, curve: PassCurve | None = None) -> int:
+def speculation_length(
+    acceptance: float, sessions: int, most: int, curve: PassCurve | None = None, *, apart: bool = False
+) -> int:
     """How many tokens, up to ``most`` and the session's share of rows (PassCurve.rows_share), a
     session's pass is worth scoring after its own row: the guess of a self-decoding pass
     (``acceptance``: the per-token share of the lookahead's predicted tokens that were right), or a
@@ -110,6 +112,10 @@ def speculation_length(acceptance: float, sessions: int, most: int, curve: PassC
     them costs what k more rows add to that pass on the measured ``curve``. The length is the one
     that saves the most, zero included: where a second row costs half a one-row pass (llama.cpp on
     2 cores), a lone session scores a guess only above a 53 % hit rate, one among 16 only above 94 %.
+    ``apart``: where other sessions share the pass, the target runs a session's rows after its first
+    as a pass of their own (llama.cpp with a cache per sequence runs a call in ubatches of
+    sequences feeding as many tokens each, docs/models.md), so k of them cost a pass of k rows: at
+    16 sessions a guess then never pays (a 17-row pass took 86-103 ms against 74 for 16).
     """
     curve = curve if curve is not None else PassCurve()
     sessions = max(1, sessions)
@@ -117,9 +123,10 @@ def speculation_length(acceptance: float, sessions: int, most: int, curve: PassC
     base_ms = curve.ms(sessions)
     share_ms = base_ms / sessions
     best, best_gain, saved = 0, 0.0, 0.0
+    alone = apart and sessions > 1
     for length in range(1, most + 1):
         saved += acceptance**length * share_ms
-        gain = saved - (curve.ms(sessions + length) - base_ms)
+        gain = saved - (curve.ms(length) if alone else curve.ms(sessions + length) - base_ms)
         if gain > best_gain:
             best, best_gain = length, gain
     return best

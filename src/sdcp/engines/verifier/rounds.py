@@ -75,6 +75,11 @@ class Scoring:
         return self._scorer.max_batch
 
     @property
+    def rows_apart(self) -> bool:
+        """Whether a shared pass runs a session's rows after its first apart (Target.extra_rows_apart)."""
+        return self._scorer.target.extra_rows_apart
+
+    @property
     def load(self) -> int:
         """Percent of one full batch that is being scored now."""
         return min(100, round(100 * self.waiting / self._scorer.max_batch))
@@ -223,6 +228,7 @@ class Rounds:
                 self._running.count,
                 live.machine.contract.m_max,
                 self._scoring.curve(live, proposal.tokens),
+                apart=self._scoring.rows_apart,
             )
             pending = live.machine.decide(ticket, logits, q_rows, self._scoring.load, worth=worth)
             live.acceptance.update(pending.verdict.accepted, len(proposal.tokens))

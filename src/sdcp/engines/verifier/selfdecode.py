@@ -234,15 +234,18 @@ class SelfDecoding:
         # with runs handed over 16 steps at a time as with one round at a time. How many tokens
         # a guess of the prediction's class is worth is known before the lookahead walks them.
         judged = min(RUN_DELIVERY_STEPS if self._runs(machine) else 1, budget)
+        apart = self._scoring.rows_apart
         prediction = self._lookahead.predict(
             live,
             context + forced,
-            lambda hit_rate: max(judged, speculation_length(hit_rate, sessions, budget, curve)),
+            lambda hit_rate: max(judged, speculation_length(hit_rate, sessions, budget, curve, apart=apart)),
         )
-        worth = speculation_length(prediction.hit_rate, sessions, budget, curve)
+        worth = speculation_length(prediction.hit_rate, sessions, budget, curve, apart=apart)
         # The walk may end before the guess would (the match runs out): the guess is then the
         # length worth most within it.
-        guess = prediction.tokens[: speculation_length(prediction.hit_rate, sessions, len(prediction.tokens), curve)]
+        guess = prediction.tokens[
+            : speculation_length(prediction.hit_rate, sessions, len(prediction.tokens), curve, apart=apart)
+        ]
         return _Predicted(prediction, forced + guess, len(forced), machine.constraint is not None or worth > 0)
 
     def _runs(self, machine: VerifierSession) -> bool:

@@ -108,6 +108,11 @@ class TargetModel:
         return self.device.type == "cpu"
 
     @property
+    def extra_rows_apart(self) -> bool:
+        # A pass packs every session's rows into one forward (sdcp.models.hf.ragged).
+        return False
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
