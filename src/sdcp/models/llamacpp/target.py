@@ -68,10 +68,10 @@ from sdcp.threads import CoreGovernor, usable_cores
 __all__ = [
     "BATCH_TOKENS",
     "COMPANION_POSITIONS",
-    "UBATCH_ROWS",
     "PREFILL_STEP_TOKENS",
     "SEQUENCE_TOKENS_PER_CALL",
     "SPLIT_FREE_POSITIONS",
+    "UBATCH_ROWS",
     "LlamaCppTarget",
 ]
 
@@ -596,15 +596,15 @@ class LlamaCppTarget:
         """Tokens to feed beside the call without a row, so that llama.cpp runs it as fewer
         ubatches. It runs a call as ubatches of consecutive sequence ids feeding as many tokens
         each (split_equal over a cache per sequence): sessions with another sequence's id between
-        them take a ubatch each side of the gap, and in a pass a ubatch costs about UBATCH_ROWS rows more than its rows
-        (docs/performance.md, session 34). Where the call's sessions feed as many tokens each, a
-        gap that costs fewer rows than that is filled with as many tokens of each sequence in it:
-        from position 0 of a free one, after the last cell of a session not in the call. (Prompts
-        of different lengths padded to the longest cost more than the ubatches it saved, measured.)
-        A lone token past ``companion_positions`` gets its free neighbour (_companion). Every row
-        stays exact: a row depends on its own sequence's cells before it alone, in ubatches of
-        fewer than 64 tokens of a sequence (the module doc), and what a pad writes is removed
-        after the call."""
+        them take a ubatch each side of the gap, and in a pass a ubatch costs about UBATCH_ROWS
+        rows more than its rows (docs/performance.md, session 34). Where the call's sessions feed
+        as many tokens each, a gap that costs fewer rows than that is filled with as many tokens of
+        each sequence in it: from position 0 of a free one, after the last cell of a session not in
+        the call. (Prompts of different lengths padded to the longest took longer than the
+        ubatches it saved, measured.) A lone token past ``companion_positions`` gets its free
+        neighbour (_companion). Every row stays exact: a row depends on its own sequence's cells
+        before it alone, in ubatches of fewer than 64 tokens of a sequence (the module doc), and
+        what a pad writes is removed after the call."""
         companion = self._companion(call, feeds)
         if companion is not None:
             return [_Pad(companion, 0, 1)]
@@ -673,9 +673,8 @@ class LlamaCppTarget:
         """A call's rows into ``out``: ``copies`` name, in the call's order, each feed's rows (feed
         index, its first row in ``out``, how many). llama.cpp keeps them contiguous in the order of
         the batch (`llama_get_logits`): one view of its buffer and a copy per feed. The view is made
-        from the address alone: the Python work between passes runs in caches that the pass's
-        weights have just swept, where each object it touches costs a miss (docs/performance.md,
-        session 34), and numpy's ctypes pointer conversion touched several."""
+        from the address alone (numpy's conversion of a ctypes pointer builds an array type at
+        every call, in caches the pass's weights have just swept: docs/performance.md, session 34)."""
         if not copies:
             return
         pointer = llama_cpp.llama_get_logits(self._context)
