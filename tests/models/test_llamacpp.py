@@ -270,6 +270,19 @@ class _TeamOf(CoreGovernor):
         return self.threads
 
 
+def decoded_tokens(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The tokens of every llama_decode call from now on, one count a call."""
+    fed: list[int] = []
+    decode = llama_cpp.llama_decode
+
+    def counted(context: object, batch: llama_cpp.llama_batch) -> int:
+        fed.append(batch.n_tokens)
+        return int(decode(context, batch))
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", counted)
+    return fed
+
+
 def test_a_long_lone_token_beside_an_empty_neighbour_gives_the_one_thread_row(
     gguf: Path,
     prompts: list[list[int]],
@@ -287,17 +300,10 @@ def test_a_long_lone_token_beside_an_empty_neighbour_gives_the_one_thread_row(
         kv_capacity=CAPACITY,
         companion_positions=SPLIT_FREE_POSITIONS,
     )
-    fed: list[int] = []
-    decode = llama_cpp.llama_decode
-
-    def counted(context: object, batch: llama_cpp.llama_batch) -> int:
-        fed.append(batch.n_tokens)
-        return int(decode(context, batch))
-
     long_session, short_session = b"l" * 16, b"s" * 16
     pair.open_session(long_session, prompts[-1])  # sequence 0; sequence 1 is free
     pair.rollback(long_session)  # the row the prefill kept is dropped: the next pass feeds one token
-    monkeypatch.setattr(llama_cpp, "llama_decode", counted)
+    fed = decoded_tokens(monkeypatch)
     beside = pair.score([(long_session, ())])[0].copy()
     pair.rollback(long_session)
     pair.open_session(short_session, prompts[0])  # sequence 1, where the companion token went
@@ -324,12 +330,6 @@ def test_sessions_apart_pass_as_one_ubatch_with_exact_rows(
     eight = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", threads=2, kv_slots=8, kv_capacity=CAPACITY)
     memory = llama_cpp.llama_get_memory(eight._context)
     names = [bytes([letter]) * 16 for letter in b"abcdefgh"]
-    fed: list[int] = []
-    decode = llama_cpp.llama_decode
-
-    def counted(context: object, batch: llama_cpp.llama_batch) -> int:
-        fed.append(batch.n_tokens)
-        return int(decode(context, batch))
 
     def alone(prompt: list[int]) -> np.ndarray:
         reference = next(sessions)
@@ -338,7 +338,7 @@ def test_sessions_apart_pass_as_one_ubatch_with_exact_rows(
         target.close_session(reference)
         return rows
 
-    monkeypatch.setattr(llama_cpp, "llama_decode", counted)
+    fed = decoded_tokens(monkeypatch)
     lengths = [30, 33, 31, 32, 30, 30, 30, 30]
     for name, prompt, length in zip(names, prompts, lengths, strict=False):
         eight.open_session(name, prompt[:length])  # sequence ids 0, 1, 2, ... in turn
@@ -377,14 +377,7 @@ def test_the_row_a_prefill_keeps_is_the_row_a_pass_gives(
     gives, bit for bit, short prompts and one past SPLIT_FREE_POSITIONS alike (whose one-token
     passes run on one thread); its PassInfo counts only the rows it computed."""
     target = LlamaCppTarget(gguf, gguf.parent / "tokenizer.json", threads=threads, kv_slots=2, kv_capacity=CAPACITY)
-    fed: list[int] = []
-    decode = llama_cpp.llama_decode
-
-    def counted(context: object, batch: llama_cpp.llama_batch) -> int:
-        fed.append(batch.n_tokens)
-        return int(decode(context, batch))
-
-    monkeypatch.setattr(llama_cpp, "llama_decode", counted)
+    fed = decoded_tokens(monkeypatch)
     for prompt in (prompts[0], prompts[-1]):
         kept, fresh = b"k" * 16, b"f" * 16
         target.open_session(kept, prompt)

@@ -615,20 +615,20 @@ class LlamaCppTarget:
             return []
         width = len(call) // len(counts)
         ids = sorted(feeds[index].seq_id for index in counts)
+        free = set(self._free_ids)
         pads = [
             pad
             for low, high in zip(ids, ids[1:], strict=False)
             if high - low > 1 and (high - low - 1) * width < UBATCH_ROWS
-            for pad in self._gap_pads(range(low + 1, high), width)
+            for pad in self._gap_pads(range(low + 1, high), width, free)
         ]
         if len(call) + sum(pad.count for pad in pads) > BATCH_TOKENS:
             return []
         return pads
 
-    def _gap_pads(self, gap: range, width: int) -> list[_Pad]:
-        """``width`` tokens for each sequence of ``gap``: from position 0 of a free one, after the
-        last cell of a session's; none where a session's would not fit in its sequence."""
-        free = set(self._free_ids)
+    def _gap_pads(self, gap: range, width: int, free: set[int]) -> list[_Pad]:
+        """``width`` tokens for each sequence of ``gap``: from position 0 of a ``free`` one, after
+        the last cell of a session's; none where a session's would not fit in its sequence."""
         pads = []
         for seq_id in gap:
             start = 0 if seq_id in free else int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
