@@ -37,6 +37,7 @@ from sdcp.protocol.messages import (
     Policy,
     Proposal,
     Sampling,
+    SelfDecodeRequest,
     SessionOpen,
     SessionRequest,
     SessionState,
@@ -211,7 +212,7 @@ def greedy(loaded: LoadedModel, count: int) -> tuple[int, ...]:
 async def committed(world: World, tracked: TrackedSession) -> tuple[int, ...]:
     """The session's committed output, as its commit log holds it."""
     records = (await world.mlc.commit_log(tracked.plan.commit_log).read()).records
-    return replay_commit_log(records, world.contract.digest, PROMPT).tokens
+    return replay_commit_log(records, tracked.plan.contract.digest, PROMPT).tokens
 
 
 async def open_on_v1(world: World, router: RouterEngine) -> TrackedSession:
@@ -484,3 +485,86 @@ async def test_a_session_goes_where_its_prompts_prefix_is_held_while_that_verifi
     assert await opened_at(60, (), "tenant-a") == V1
     assert await opened_at(100, names, "tenant-a") == V1
     assert await opened_at(60, names, "tenant-b") == V1
+
+
+def alone_contract(world: World, **members: int) -> Contract:
+    """The world's contract with self-decoding permitted at any load (self_load), no self_max."""
+    return Contract.from_obj({**world.contract.to_obj(), "self_load": 100, **members})
+
+
+async def test_a_session_decoded_alone_starts_decoding_with_its_open(
+    world: World, tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the router's choice is the verifier alone, the session-open asks for it (extension
+    ``self_decode``, docs/interpretations.md "Self-decoding from the open"): the verifier starts
+    the period right after the prefill, and no self-decode request follows the open."""
+    router = world.router(ROUTER_A)
+    world.events_to.append(router)
+    world.report(quiet=(V2,))
+    opens: list[SessionOpen] = []
+    asked: list[bytes] = []
+    opening, self_decode = router.link.open_session, router.link.self_decode
+
+    async def open_session(verifier: str, message: SessionOpen, *, timeout: float) -> SessionState:
+        opens.append(message)
+        return await opening(verifier, message, timeout=timeout)
+
+    async def asked_alone(verifier: str, request: SelfDecodeRequest) -> SessionState:
+        asked.append(request.session)
+        return await self_decode(verifier, request)
+
+    monkeypatch.setattr(router.link, "open_session", open_session)
+    monkeypatch.setattr(router.link, "self_decode", asked_alone)
+    request = SessionRequest(prompt=PROMPT, contract=alone_contract(world), self_decode_only=True)
+    tracked = await router.open_session(FRONT_END, request)
+    assert [message.self_decode for message in opens] == [True]
+    assert tracked.plan.drafter is None
+    machine = world.verifiers[V1].sessions[tracked.session].machine
+    await eventually(lambda: machine.ended)
+    assert await committed(world, tracked) == greedy(tiny_loaded, MAX_NEW)
+    assert asked == []
+    await eventually(lambda: tracked.ended)
+
+
+async def test_a_session_that_ends_before_its_open_is_answered_ends_at_the_router(
+    world: World, tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session decoded alone from its open may end (its one token decoded) before the router
+    holds it: the verifier's finish event waits for the open to be over instead of finding no such
+    session, and the router ends the session it now holds."""
+    router = world.router(ROUTER_A)
+    world.events_to.append(router)
+    world.report(quiet=(V2,))
+    contacts: list[bytes] = []
+    contact, save = router.contact, router.store.save
+
+    async def contacted(session: bytes) -> TrackedSession:
+        contacts.append(session)
+        return await contact(session)
+
+    async def saved_late(tracked: TrackedSession, *, force: bool = False) -> None:
+        # The session's facts are written only once the verifier's event has reached the router.
+        await eventually(lambda: tracked.session in contacts)
+        await save(tracked, force=force)
+
+    monkeypatch.setattr(router, "contact", contacted)
+    monkeypatch.setattr(router.store, "save", saved_late)
+    request = SessionRequest(prompt=PROMPT, contract=alone_contract(world, max_new=1), self_decode_only=True)
+    tracked = await router.open_session(FRONT_END, request)
+    await eventually(lambda: tracked.ended)
+    assert await committed(world, tracked) == greedy(tiny_loaded, 1)
+
+
+async def test_a_verifier_that_may_not_decode_alone_opens_the_session_all_the_same(world: World) -> None:
+    """The self-decode request made with the open is refused as the later one would be (here the
+    contract has no self_load): the session opens, active, and the router goes on as after any
+    open (the later request, refused too, leaves the session waiting for the router's next try)."""
+    router = world.router(ROUTER_A)
+    world.events_to.append(router)
+    world.report(quiet=(V2,))
+    request = SessionRequest(prompt=PROMPT, contract=world.contract, self_decode_only=True)
+    tracked = await router.open_session(FRONT_END, request)
+    machine = world.verifiers[V1].sessions[tracked.session].machine
+    assert not machine.self_decoding and not machine.ended and machine.committed == 0
+    assert not tracked.self_decoding and not tracked.ended
+    await router.cancel(tracked)

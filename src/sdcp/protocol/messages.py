@@ -622,6 +622,10 @@ class SessionOpen(_Message):
     # Extension: the front end's user of the session, within the owner: history never crosses
     # tenants (docs/interpretations.md, "Tenants").
     tenant: str | None = _optional(_TENANT)
+    # Extension: the router's self-decode request, made with the open: a self-decoding period
+    # starts as soon as the prompt is prefilled (docs/interpretations.md, "Self-decoding from the
+    # open").
+    self_decode: bool | None = _optional(_Bool())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -446,8 +446,9 @@ class RouterSession:
     # The front end's user (tenant): with the owner, whose history the session's drafts draw on.
     tenant: str | None = None
 
-    def open_message(self) -> SessionOpen:
-        """session-open for the current verifier; carries ``resume`` after a failover."""
+    def open_message(self, *, self_decode: bool = False) -> SessionOpen:
+        """session-open for the current verifier; carries ``resume`` after a failover, and
+        ``self_decode`` where the router asks the verifier to decode alone from the start."""
         return SessionOpen(
             session=self.session,
             epoch=self.epoch,
@@ -463,6 +464,7 @@ class RouterSession:
             constraint=self.constraint,
             self_decode_only=self.self_decode_only,
             tenant=self.tenant,
+            self_decode=self_decode or None,
         )
 
     def assignment(

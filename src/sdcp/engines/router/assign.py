@@ -183,9 +183,23 @@ class Assignments:
         """Ask the verifier to decode the session alone (extension, docs/interpretations.md)."""
         plan = tracked.plan
         await self._link.self_decode(plan.verifier, SelfDecodeRequest(session=plan.session, epoch=plan.epoch))
+        self.decoding_alone(tracked)
+
+    def alone_from_open(self, tracked: TrackedSession) -> bool:
+        """Whether the session, about to open, is to be decoded by its verifier alone, as
+        ``assign_drafter`` would decide once it is open: the open then asks for it
+        (docs/interpretations.md, "Self-decoding from the open")."""
+        if tracked.plan.self_decode_only:
+            return True
+        choice = self.choose(tracked)
+        return choice is not None and choice.drafter is None
+
+    def decoding_alone(self, tracked: TrackedSession) -> None:
+        """The verifier took the session's self-decode request (with its open, or after)."""
+        plan = tracked.plan
         tracked.decoding_alone(now=self._clock())
         self._metrics.chose("self")
-        log.info("%s: session %s decoded by verifier %s alone", self.uri, tracked.plan.session.hex(), plan.verifier)
+        log.info("%s: session %s decoded by verifier %s alone", self.uri, plan.session.hex(), plan.verifier)
 
     async def after_switch(self, tracked: TrackedSession, *, avoid: Sequence[str]) -> None:
         if tracked.advance(RouterEvent.SWITCHED) is RouterPhase.MOVING:

@@ -100,6 +100,9 @@ class RouterEngine:
         # How many target digests the live verifiers of each model advertised at the last report.
         self._digest_counts: dict[str, int] = {}
         self.sessions: dict[bytes, TrackedSession] = {}
+        # Sessions whose verifier decodes them from their open on (Assignments.alone_from_open)
+        # while this router has yet to hold them: their events wait for the open to finish.
+        self._opening: dict[bytes, asyncio.Future[None]] = {}
         self.store = SessionStore(mlc, uri)
         self._started_at = clock()
         # Sessions a pass of the periodic task is changing now.
@@ -215,6 +218,12 @@ class RouterEngine:
         hold is loaded (after a restart, or another router's whose peer could not reach that
         router), once ``admit`` has passed the caller, and held from then on: this router fails it
         over and assigns it like its own. ``SessionNotFound`` where neither has it."""
+        opening = self._opening.get(session)
+        if opening is not None:
+            # The verifier decodes the session from its open on: an event (its very end, for a
+            # short one) can come before the open's answer, and concerns the session this router
+            # is about to hold; one whose open failed is then unknown here.
+            await asyncio.wait([opening])
         held = self.sessions.get(session)
         try:
             stored = await self.store.load(session)
@@ -304,10 +313,14 @@ class RouterEngine:
                 self_decode_only=wanted.self_decode_only,
                 tenant=wanted.tenant,
             )
+            tracked = TrackedSession(plan, wanted.prompt)
+            # Asked with the open where it is the router's choice: no round trip between the
+            # prefill and the first pass. A policy must reach the verifier before the first round.
+            alone = wanted.sampling is None and self.assignments.alone_from_open(tracked)
             asked = time.perf_counter()
             try:
                 # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
-                await self._open_at_verifier(verifier, plan, gone)
+                opened = await self._open_at_verifier(verifier, plan, gone, self_decode=alone)
                 at_verifiers += time.perf_counter() - asked
                 break
             except Unanswered as exc:
@@ -322,15 +335,16 @@ class RouterEngine:
                     raise
                 log.info("%s: verifier %s, which reports no model, refused the contract: %s", self.uri, verifier, exc)
                 refused.append(verifier)
-        tracked = TrackedSession(plan, wanted.prompt)
         try:
             # Durable before anyone depends on it: a session no router could find again would run
             # unattended (no failover, no cancel).
             await self.store.save(tracked)
+            self.sessions[session] = tracked
         except Exception:
             self._tasks.spawn(self._cancel_abandoned(plan))
             raise
-        self.sessions[session] = tracked
+        finally:
+            self._opened(session)
         log.info("%s: session %s opened at %s (request %s)", self.uri, session.hex(), verifier, wanted.request or "-")
         self.metrics.opened()
         async with tracked.lock:
@@ -341,7 +355,10 @@ class RouterEngine:
                         tracked, Policy(session=session, from_round=1, sampling=wanted.sampling)
                     )
                 try:
-                    await self.assignments.assign_drafter(tracked)
+                    if opened.state == Action.SELF_DECODE:
+                        self.assignments.decoding_alone(tracked)
+                    else:
+                        await self.assignments.assign_drafter(tracked)
                 except (ProtocolError, Unanswered) as exc:
                     log.warning("%s: session %s opened without a drafter: %s", self.uri, session.hex(), exc)
             finally:
@@ -349,17 +366,35 @@ class RouterEngine:
         self.metrics.routed(time.perf_counter() - started - at_verifiers)
         return tracked
 
-    async def _open_at_verifier(self, verifier: str, plan: RouterSession, gone: asyncio.Event) -> None:
+    async def _open_at_verifier(
+        self, verifier: str, plan: RouterSession, gone: asyncio.Event, *, self_decode: bool
+    ) -> SessionState:
         """The session-open at ``verifier``, withdrawn (its request reset) if the front end goes
         away first: RequesterGone then, and the session, if the verifier opened it all the same,
-        is cancelled."""
-        with self.placement.prefill_at(verifier, len(plan.prompt)) as deadline:
-            opened = await cancelled_if(
-                self.link.open_session(verifier, plan.open_message(), timeout=deadline), gone.wait()
-            )
+        is cancelled. With ``self_decode``, the session's events wait for the open to finish
+        (``contact``) until ``_opened``."""
+        if self_decode:
+            self._opening[plan.session] = asyncio.get_running_loop().create_future()
+        try:
+            with self.placement.prefill_at(verifier, len(plan.prompt)) as deadline:
+                opened = await cancelled_if(
+                    self.link.open_session(verifier, plan.open_message(self_decode=self_decode), timeout=deadline),
+                    gone.wait(),
+                )
+        except BaseException:
+            self._opened(plan.session)
+            raise
         if opened is None:
+            self._opened(plan.session)
             self._tasks.spawn(self._cancel_abandoned(plan))
             raise RequesterGone(f"session {plan.session.hex()}: its front end went away during the session-open")
+        return opened[0]
+
+    def _opened(self, session: bytes) -> None:
+        """The open of ``session`` is over, held by this router or failed: its events go on."""
+        opening = self._opening.pop(session, None)
+        if opening is not None:
+            opening.set_result(None)
 
     async def event(self, tracked: TrackedSession, event: Event) -> None:
         """An event from the session's verifier (SDCP 6.5.2): switch reassigns the drafter; finish

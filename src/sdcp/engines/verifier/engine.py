@@ -421,7 +421,21 @@ class VerifierEngine:
             message.epoch,
             message.request or "-",
         )
+        if message.self_decode:
+            self._self_decode_from_open(live)
         return machine.state()
+
+    def _self_decode_from_open(self, live: LiveSession) -> None:
+        """The router's self-decode request made with the open (extension, docs/interpretations.md,
+        "Self-decoding from the open"): the period starts now, with no round trip between the
+        prefill and the first pass. A load above self_load leaves the session waiting for the
+        router, which reads the state the open answers and assigns as after any open."""
+        try:
+            live.machine.self_decode_instead(live.machine.epoch, self.load)
+        except ProtocolError as exc:
+            log.info("%s: session %s not self-decoded from its open: %s", self.uri, live.machine.session.hex(), exc)
+            return
+        self._self_decoding.start(live)
 
     async def assign(self, assignment: Assignment) -> SessionState:
         """PUT sessions/{id}/drafter (SDCP 6.1): the latest assignment names the drafter."""
