@@ -233,6 +233,7 @@ def _status() -> str:
             for rows, us in ((1, 6600), (2, 13500), (4, 18800), (8, 28100), (16, 47600), (32, 89500))
         ),
         pass_sessions=3,
+        pass_apart=True,
     )
     drafter = Status(
         instance=DRAFTER,

@@ -66,7 +66,7 @@ async def test_the_pass_cost_curve_is_measured_before_the_verifier_serves(target
         assert exposed == {str(rows): ms / 1000 for rows, ms in zip(PASS_ROWS, measured, strict=True)}
         # The router reads the same curve from the status report, and the sessions sharing passes.
         status = engine.status()
-        assert status.pass_us is not None and status.pass_sessions == 0
+        assert status.pass_us is not None and status.pass_sessions == 0 and status.pass_apart is False
         assert [(point.rows, point.us) for point in status.pass_us] == [
             (rows, round(1000 * ms)) for rows, ms in zip(PASS_ROWS, measured, strict=True)
         ]

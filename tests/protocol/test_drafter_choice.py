@@ -238,7 +238,7 @@ def test_equal_rates_go_to_the_shorter_queue_then_the_lower_load() -> None:
         assert choice is not None and choice.drafter == "https://b"
 
 
-def _verifier(sessions: int, curve: list[float] | None = None) -> InstanceView:
+def _verifier(sessions: int, curve: list[float] | None = None, *, apart: bool | None = None) -> InstanceView:
     points = curve if curve is not None else list(FIRST_CURVE_MS)
     status = Status(
         instance="https://verifier",
@@ -249,6 +249,7 @@ def _verifier(sessions: int, curve: list[float] | None = None) -> InstanceView:
         self_us=50_000,
         pass_us=tuple(PassCost(rows=rows, us=round(1000 * ms)) for rows, ms in zip(PASS_ROWS, points, strict=True)),
         pass_sessions=sessions,
+        pass_apart=apart,
     )
     return InstanceView(status, expires_at=10.0)
 
@@ -266,6 +267,17 @@ def test_with_the_verifiers_pass_costs_a_drafter_is_chosen_where_its_rows_pay() 
     assert choose([copying], passes=verifier_passes(_verifier(1))).drafter == copying.uri  # type: ignore[union-attr]
     # Where the verifier may not decode alone, a drafter serves whatever the costs.
     assert choose([ngram], self_decode_s=None, passes=crowded).drafter == ngram.uri  # type: ignore[union-attr]
+
+
+def test_a_verifier_that_runs_rows_apart_gets_a_drafter_only_where_they_pay_as_a_pass() -> None:
+    # At 4 sessions a drafter accepted 95 % of the time beats decoding alone where its rows share
+    # the pass; where the verifier reports pass_apart (llama.cpp), they cost a pass of their own.
+    copying = DrafterCosts("https://copying", alpha=0.95, draft_s=0.0001, verify_s=0.015)
+    shared = verifier_passes(_verifier(4))
+    apart = verifier_passes(_verifier(4, apart=True))
+    assert shared is not None and not shared.apart and apart is not None and apart.apart
+    assert choose([copying], passes=shared).drafter == copying.uri  # type: ignore[union-attr]
+    assert choose([copying], passes=apart).drafter is None  # type: ignore[union-attr]
 
 
 def test_pass_costs_that_are_not_a_curve_are_not_used() -> None:

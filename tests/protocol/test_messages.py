@@ -558,6 +558,8 @@ def test_a_verifiers_pass_costs_are_read_as_absent_in_another_form() -> None:
     for other in (5, [], [{"rows": 0, "us": 1}], [[1, 6600]], [{"rows": 1}], [{"rows": 1, "us": 1}] * 17):
         assert Status.from_obj({**STATUS, "pass_us": other}).pass_us is None
     assert Status.from_obj({**STATUS, "pass_sessions": -1}).pass_sessions is None
+    assert Status.from_obj({**STATUS, "pass_apart": True}).pass_apart is True
+    assert Status.from_obj({**STATUS, "pass_apart": 1}).pass_apart is None
 
 
 def test_a_parsed_message_is_checked_once_and_one_made_in_code_still_is() -> None:

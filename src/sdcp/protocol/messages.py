@@ -754,6 +754,9 @@ class Status(_Message):
         _Ignorable(_Array(_Nested(PassCost), non_empty=True, max_items=MAX_PASS_POINTS))
     )
     pass_sessions: int | None = _optional(_Ignorable(_UINT))
+    # Extension member (same entry): true where a pass that other sessions share runs a session's
+    # rows after its first as a pass of their own (llama.cpp with a cache per sequence).
+    pass_apart: bool | None = _optional(_Ignorable(_Bool()))
 
 
 @dataclass(frozen=True, kw_only=True)

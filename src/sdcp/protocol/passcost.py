@@ -123,10 +123,9 @@ def speculation_length(
     base_ms = curve.ms(sessions)
     share_ms = base_ms / sessions
     best, best_gain, saved = 0, 0.0, 0.0
-    alone = apart and sessions > 1
     for length in range(1, most + 1):
         saved += acceptance**length * share_ms
-        gain = saved - (curve.ms(length) if alone else curve.ms(sessions + length) - base_ms)
+        gain = saved - _rows_ms(curve, sessions, length, apart)
         if gain > best_gain:
             best, best_gain = length, gain
     return best
@@ -139,7 +138,15 @@ def self_decoded_rate(sessions: int, curve: PassCurve) -> float:
     return 1000 * sessions / max(_LEAST_MS, curve.ms(sessions))
 
 
-def drafted_rate(acceptance: float, sessions: int, m_limit: int, curve: PassCurve, draft_ms: float = 0.0) -> float:
+def drafted_rate(
+    acceptance: float,
+    sessions: int,
+    m_limit: int,
+    curve: PassCurve,
+    draft_ms: float = 0.0,
+    *,
+    apart: bool = False,
+) -> float:
     """Tokens per second of the verifier's time that a drafted session commits at its best
     proposal length (1 to ``m_limit``, within its share of rows): expected_tokens(acceptance, M)
     (SDCP 6.2) a round, against its share of the pass plus what its M rows add to it, plus
@@ -147,7 +154,8 @@ def drafted_rate(acceptance: float, sessions: int, m_limit: int, curve: PassCurv
     of `self_decoded_rate`, so that a drafter is chosen only where its proposals save the verifier
     more than their rows cost it, as `speculation_length` judges them. 0 where the session has no
     share of rows (PassCurve.rows_share): the verifier scores no proposal's row after the first
-    there, and a drafter is only for a session the verifier may not decode alone."""
+    there, and a drafter is only for a session the verifier may not decode alone. ``apart``: the M
+    rows cost a pass of M rows where other sessions share the pass (as in `speculation_length`)."""
     sessions = max(1, sessions)
     longest = min(m_limit, curve.rows_share(sessions))
     if longest < 1:
@@ -157,6 +165,15 @@ def drafted_rate(acceptance: float, sessions: int, m_limit: int, curve: PassCurv
     return max(
         1000
         * expected_tokens(acceptance, m)
-        / max(_LEAST_MS, share_ms + curve.ms(sessions + m) - base_ms + m * draft_ms)
+        / max(_LEAST_MS, share_ms + _rows_ms(curve, sessions, m, apart) + m * draft_ms)
         for m in range(1, longest + 1)
     )
+
+
+def _rows_ms(curve: PassCurve, sessions: int, rows: int, apart: bool) -> float:
+    """What ``rows`` rows after a session's first add to a pass of ``sessions`` sessions: a pass of
+    their own where the target runs them apart and other sessions share the pass, else the curve's
+    step from ``sessions`` rows."""
+    if apart and sessions > 1:
+        return curve.ms(rows)
+    return curve.ms(sessions + rows) - curve.ms(sessions)

@@ -188,6 +188,9 @@ class VerifierPasses:
 
     curve: PassCurve
     sessions: int
+    # Status ``pass_apart``: a session's rows after its first cost a pass of their own where other
+    # sessions share the pass (passcost.speculation_length).
+    apart: bool = False
 
 
 def verifier_passes(verifier: InstanceView | None) -> VerifierPasses | None:
@@ -209,7 +212,7 @@ def verifier_passes(verifier: InstanceView | None) -> VerifierPasses | None:
         curve = PassCurve(costs_ms, tuple(point.rows for point in points))
     except ValueError:
         return None
-    return VerifierPasses(curve, max(1, status.pass_sessions))
+    return VerifierPasses(curve, max(1, status.pass_sessions), apart=bool(status.pass_apart))
 
 
 def drafter_rate(
@@ -232,7 +235,9 @@ def drafter_rate(
     if used_alpha is None:
         raise ValueError(f"the acceptance of {costs.uri} is not measured")
     if passes is not None:
-        return drafted_rate(used_alpha, passes.sessions, m_limit, passes.curve, draft_ms=1000 * draft_s)
+        return drafted_rate(
+            used_alpha, passes.sessions, m_limit, passes.curve, draft_ms=1000 * draft_s, apart=passes.apart
+        )
     return expected_rate(used_alpha, draft_s, costs.verify_s or verify_s, m_limit)[1]
 
 

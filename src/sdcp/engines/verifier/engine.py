@@ -295,6 +295,7 @@ class VerifierEngine:
                 for rows, ms in zip(self.pass_curves.base.rows, self.pass_curves.base.points_ms, strict=True)
             ),
             pass_sessions=self._active_sessions(),
+            pass_apart=self.target.extra_rows_apart,
         )
 
     def _reported_prefixes(self) -> tuple[bytes, ...] | None:
