@@ -3,6 +3,9 @@ only, the longest prefix found, LRU eviction by bytes, and tokens compared on ev
 
 from __future__ import annotations
 
+import sys
+import threading
+
 from sdcp.cache.prefix import BLOCK_TOKENS, SHARE_TOKENS, PrefixIndex, block_hashes, shared_hashes
 from sdcp.protocol.messages import MAX_REPORTED_PREFIXES, Role, Status
 
@@ -78,3 +81,41 @@ def test_the_reported_prefixes_are_the_shared_names_of_held_entries_newest_first
     assert Status.from_obj(status.to_obj()).prefixes == status.prefixes
     too_many = {**status.to_obj(), "prefixes": [bytes(32)] * (MAX_REPORTED_PREFIXES + 1)}
     assert Status.from_obj(too_many).prefixes is None
+
+
+def test_what_a_prompt_would_restore_is_asked_from_another_thread_while_entries_come_and_go() -> None:
+    """The verifier's event loop asks ``covered`` while the model's thread stores and evicts
+    (the cache's own lock): every answer is one the index could give at some moment, never an
+    error from an entry evicted between finding its block and reading it."""
+    cache = index(capacity=40)
+    stored = list(range(12))
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def churn() -> None:
+        try:
+            for round_ in range(2000):
+                cache.insert(stored, b"x" * 8)
+                cache.insert([100 + round_ % 7, 1, 2, 3, 4, 5, 6, 7], b"y" * 16)
+                if round_ % 3 == 0:
+                    found = cache.lookup(stored)
+                    if found is not None:
+                        cache.discard(found[0])
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failures.append(exc)
+        finally:
+            stop.set()
+
+    # Threads take turns every microsecond, so that the race has its chances.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        worker = threading.Thread(target=churn)
+        worker.start()
+        answers: set[int] = set()
+        while not stop.is_set():
+            answers.add(cache.covered(stored))
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == [] and answers <= {0, 12}

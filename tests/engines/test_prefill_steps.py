@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -20,8 +20,11 @@ from sdcp.config import VerifierConfig
 from sdcp.engines.errors import RequesterGone
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.engines.verifier.admission import SHORT_PROMPT_TOKENS
+from sdcp.engines.verifier.prefills import GROUP_TOKENS
 from sdcp.frontend.client import build_contract
 from sdcp.home import sdcp_home
+from sdcp.models.backend import Opening
+from sdcp.models.errors import ModelError
 from sdcp.models.llamacpp.target import PREFILL_STEP_TOKENS, LlamaCppTarget
 from sdcp.models.registry import load_target, load_tokenizer
 from sdcp.models.weights.fetch import fetch_smollm2
@@ -157,3 +160,43 @@ async def test_running_sessions_wait_while_a_short_prompt_prefills(
     await asyncio.wait_for(waiting[0], HANG_GUARD_S)
     await eventually(lambda: machine.committed > held_at)
     assert not admissions.first and engine.status().prefill_tokens == 0
+
+
+async def test_short_prompts_are_grouped_by_the_tokens_they_compute(
+    text: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Short prompts that wait together are prefilled in one group up to GROUP_TOKENS tokens to
+    compute, their starts that the prefix cache holds left out: three prompts of 240 tokens (720 in
+    all) that share a cached 224-token start are one group, not two."""
+    mlc = MLC.from_config(authority=AUTHORITY)
+    target = load_target(
+        "smollm2", backend="llamacpp", kv_slots=4, kv_capacity=CAPACITY, threads=2, prefix_cache_bytes=1 << 28
+    )
+    engine = VerifierEngine(uri="https://verifier.test", settings=VerifierConfig(), target=target, mlc=mlc, ttl_ms=1000)
+    await engine.start()
+    try:
+        start = text[:224]
+        await engine.scorer.run_async(target.open_session, b"c" * 16, [*start, text[300]])
+        await engine.scorer.run_async(target.close_session, b"c" * 16)
+        prompts = [[*start, *text[400 + 16 * n : 416 + 16 * n]] for n in range(3)]
+        assert 3 * len(prompts[0]) > GROUP_TOKENS and all(len(p) <= SHORT_PROMPT_TOKENS for p in prompts)
+        groups: list[int] = []
+        opened = target.open_sessions
+
+        def recorded(openings: Sequence[Opening]) -> list[ModelError | None]:
+            groups.append(len(openings))
+            return opened(openings)
+
+        monkeypatch.setattr(target, "open_sessions", recorded)
+        # The three wait together for the prefill turn, which the test holds.
+        async with engine._prefill_turn:
+            opens = [
+                asyncio.ensure_future(engine.open_session(open_message(engine, bytes([n]) * 16, prompt)))
+                for n, prompt in enumerate(prompts)
+            ]
+            await eventually(lambda: engine.status().prefill_tokens == sum(map(len, prompts)))
+        await asyncio.gather(*opens)
+        assert groups == [3]
+    finally:
+        await engine.stop()
+        await mlc.close()

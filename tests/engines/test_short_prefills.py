@@ -63,6 +63,23 @@ async def test_prompts_that_wait_together_are_prefilled_in_one_group() -> None:
     assert not turn.locked() and model.closed == []
 
 
+async def test_a_group_is_bounded_by_the_tokens_its_prefill_computes() -> None:
+    """A prompt whose start the prefix cache holds costs its group only the rest (ShortPrefills'
+    ``cost``): four prompts of 10 tokens, 6 of them cached, are one group within 30 tokens."""
+    model = Model()
+    turn = asyncio.Lock()
+    prefills = ShortPrefills(
+        turn=turn, prefill=model.prefill, close=model.close, group_tokens=30, cost=lambda o: len(o.tokens) - 6
+    )
+    first = asyncio.create_task(prefills.prefill(opening("a")))
+    await eventually(lambda: model.groups == [[b"a"]])
+    rest = [asyncio.create_task(prefills.prefill(opening(name))) for name in "bcde"]
+    await asyncio.sleep(0)
+    model.release.set()
+    await asyncio.gather(first, *rest)
+    assert model.groups == [[b"a"], [b"b", b"c", b"d", b"e"]]
+
+
 async def test_an_opener_whose_group_ran_returns_while_a_long_prefill_holds_the_turn() -> None:
     model = Model()
     turn = asyncio.Lock()

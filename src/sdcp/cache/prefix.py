@@ -16,12 +16,14 @@ cannot. The index holds entries up to ``capacity_bytes`` in all, the least recen
 first. A lookup compares the entry's tokens with the prompt's, so a hash collision can never serve
 another prefix's KV.
 
-Pure and thread-unsafe: its owner (a target, on its lock) serialises calls.
+Safe from any thread: its own lock serialises calls, so that a verifier's event loop can ask what a
+prompt would restore (``covered``) while the model's thread prefills and stores.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -112,8 +114,9 @@ class PrefixIndex:
         # vLLM's counters, in tokens: prompt tokens looked up, and those served from the cache.
         self.queries = 0
         self.hits = 0
-        # Told of each new entry (the verifier shares it through the MLC), on the owner's thread.
+        # Told of each new entry (the verifier shares it through the MLC), on the inserting thread.
         self.on_insert = on_insert
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -130,23 +133,27 @@ class PrefixIndex:
         tokens of ``tokens`` it holds the KV of: those whole blocks, and as many of the tokens after
         them as the entry has too (the KV of a position depends on the tokens up to it alone).
         None where no whole block is held. Counts the query and the hit."""
-        self.queries += len(tokens)
-        found = self._find(tokens, scope)
-        if found is None:
-            return None
-        entry, length = found
-        self._entries.move_to_end(entry.hashes[-1])
-        self.hits += length
-        return entry, length
+        hashes = self.hashes(tokens, scope)
+        with self._lock:
+            self.queries += len(tokens)
+            found = self._find(tokens, hashes)
+            if found is None:
+                return None
+            entry, length = found
+            self._entries.move_to_end(entry.hashes[-1])
+            self.hits += length
+            return entry, length
 
     def covered(self, tokens: Sequence[int], scope: bytes = b"") -> int:
         """How many leading tokens of ``tokens`` `lookup` would serve, without counting a query."""
-        found = self._find(tokens, scope)
+        hashes = self.hashes(tokens, scope)
+        with self._lock:
+            found = self._find(tokens, hashes)
         return 0 if found is None else found[1]
 
-    def _find(self, tokens: Sequence[int], scope: bytes) -> tuple[PrefixEntry, int] | None:
+    def _find(self, tokens: Sequence[int], hashes: Sequence[bytes]) -> tuple[PrefixEntry, int] | None:
         found: tuple[bytes, int] | None = None
-        for index, digest in enumerate(self.hashes(tokens, scope)):
+        for index, digest in enumerate(hashes):
             key = self._covering.get(digest)
             if key is None:
                 break
@@ -169,29 +176,32 @@ class PrefixIndex:
         if not hashes or len(data) > self.capacity_bytes:
             return False
         key = hashes[-1]
-        held = self._entries.get(key)
-        if held is not None:
-            if len(held.tokens) >= len(tokens):
-                self._entries.move_to_end(key)
-                return True
-            # The same whole blocks, and more tokens after them: the newer entry replaces it.
-            self.discard(held)
-        while self._entries and self.held_bytes + len(data) > self.capacity_bytes:
-            self._evict()
         entry = PrefixEntry(tuple(tokens), data, tuple(hashes), scope)
-        self._entries[key] = entry
-        self.held_bytes += len(data)
-        for digest in hashes:
-            self._covering[digest] = key
+        with self._lock:
+            held = self._entries.get(key)
+            if held is not None:
+                if len(held.tokens) >= len(tokens):
+                    self._entries.move_to_end(key)
+                    return True
+                # The same whole blocks, and more tokens after them: the newer entry replaces it.
+                self.discard(held)
+            while self._entries and self.held_bytes + len(data) > self.capacity_bytes:
+                self._evict()
+            self._entries[key] = entry
+            self.held_bytes += len(data)
+            for digest in hashes:
+                self._covering[digest] = key
         if told and self.on_insert is not None:
             self.on_insert(entry)
         return True
 
     def reported(self, limit: int) -> list[bytes]:
         """The hashes at multiples of SHARE_TOKENS of the entries held, newest entry first, at most
-        ``limit`` (what a verifier tells the router it holds). Safe from any thread: it reads a copy."""
+        ``limit`` (what a verifier tells the router it holds)."""
         found: list[bytes] = []
-        for entry in reversed(list(self._entries.values())):
+        with self._lock:
+            entries = list(self._entries.values())
+        for entry in reversed(entries):
             for _, digest in reversed(share_points(entry.hashes, self.block)):
                 if len(found) == limit:
                     return found
@@ -202,9 +212,10 @@ class PrefixIndex:
     def discard(self, entry: PrefixEntry) -> None:
         """Forget ``entry`` (its blob would not restore)."""
         key = entry.hashes[-1]
-        if self._entries.get(key) is entry:
-            self._entries.move_to_end(key, last=False)
-            self._evict()
+        with self._lock:
+            if self._entries.get(key) is entry:
+                self._entries.move_to_end(key, last=False)
+                self._evict()
 
     def _evict(self) -> None:
         key, entry = self._entries.popitem(last=False)

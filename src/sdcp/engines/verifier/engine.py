@@ -198,7 +198,9 @@ class VerifierEngine:
         )
         self._long_polls = 0
         self._prefill_turn = asyncio.Lock()
-        self._short_prefills = ShortPrefills(turn=self._prefill_turn, prefill=self._prefill_group, close=self._forget)
+        self._short_prefills = ShortPrefills(
+            turn=self._prefill_turn, prefill=self._prefill_group, close=self._forget, cost=self._prefill_cost
+        )
         # Seconds per self-decoded token, for the router's choice between drafters and this
         # verifier alone (status self_us); timed before serving (_time_passes).
         self.self_decode_time = TokenTimer(initial=FIRST_CURVE_MS[0] / 1000)
@@ -696,6 +698,14 @@ class VerifierEngine:
             tokens = sum(len(opening.tokens) for opening in openings)
             log.info("%s: %d short prompts prefilled together (%d tokens)", self.uri, len(openings), tokens)
         return failures
+
+    def _prefill_cost(self, opening: Opening) -> int:
+        """The tokens a prefill of ``opening`` computes: its prompt past the prefix the prefix cache
+        holds of it now (the prefill restores all but the last token's KV; ShortPrefills groups by
+        this, and the cache may change before the group runs)."""
+        prefixes = self.target.prefixes
+        held = 0 if prefixes is None else prefixes.covered(opening.tokens[:-1], opening.prefix_scope)
+        return len(opening.tokens) - held
 
     def _forget(self, session: bytes) -> None:
         """Close a session opened in the target for an opener that went away."""

@@ -6,9 +6,12 @@ sessions already prefilled between them: on 2 cores about 1.6 s before the strea
 again, where llama-server, which puts every waiting prompt in one batch, took 0.7 s. So when the
 verifier's prefill turn (one prefill at a time) comes to a short prompt (Admissions.short_tokens),
 the short prompts waiting then are prefilled with it in one model call (`Target.open_sessions`), in
-arrival order up to GROUP_TOKENS prompt tokens: a short prompt that arrived after a long one may go
-before it, as short prompts go first for the running sessions too (Admissions). A prompt whose
-opener went away before or during its group's prefill is not opened (or is closed again).
+arrival order up to GROUP_TOKENS tokens to compute: a prompt's tokens past the prefix the target's
+prefix cache holds of it when it arrives (sixteen chat questions of 40 tokens, 24 of them the
+template's cached start, are one group, where counting whole prompts made two, the second a whole
+prefill later). A short prompt that arrived after a long one may go before it, as short prompts go
+first for the running sessions too (Admissions). A prompt whose opener went away before or during
+its group's prefill is not opened (or is closed again).
 """
 
 from __future__ import annotations
@@ -27,17 +30,24 @@ from sdcp.models.errors import ModelError
 
 __all__ = ["GROUP_TOKENS", "ShortPrefills"]
 
-# The prompt tokens of one group at most: one llama.cpp call's batch (BATCH_TOKENS), about 1.5 s of
+# The tokens one group computes at most: one llama.cpp call's batch (BATCH_TOKENS), about 1.5 s of
 # prefill on 2 cores, within which the running sessions wait (Admissions.hold_s bounds each wait).
 GROUP_TOKENS = 512
 
 Prefill = Callable[[Sequence[Opening]], Awaitable[list[ModelError | None]]]
+# The tokens an opening's prefill computes, as far as can be told when it arrives.
+Cost = Callable[[Opening], int]
+
+
+def _whole_prompt(opening: Opening) -> int:
+    return len(opening.tokens)
 
 
 @dataclass(eq=False)
 class _Waiting:
     opening: Opening
     requester_gone: asyncio.Event | None
+    cost: int
     done: asyncio.Future[float] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     # In a group under way: its outcome comes with the group's.
     taken: bool = False
@@ -47,7 +57,8 @@ class _Waiting:
 
 class ShortPrefills:
     """Groups of short prompts prefilled by ``prefill`` (one model call each), one group per turn
-    of ``turn``; ``close`` forgets a session opened for an opener that went away."""
+    of ``turn``, of at most ``group_tokens`` by ``cost``; ``close`` forgets a session opened for an
+    opener that went away."""
 
     def __init__(
         self,
@@ -56,6 +67,7 @@ class ShortPrefills:
         prefill: Prefill,
         close: Callable[[SessionId], None],
         group_tokens: int = GROUP_TOKENS,
+        cost: Cost = _whole_prompt,
     ) -> None:
         if group_tokens < 1:
             raise ValueError(f"a group holds at least one token, got {group_tokens}")
@@ -63,13 +75,14 @@ class ShortPrefills:
         self._prefill = prefill
         self._close = close
         self._group_tokens = group_tokens
+        self._cost = cost
         self._queue: deque[_Waiting] = deque()
 
     async def prefill(self, opening: Opening, requester_gone: asyncio.Event | None = None) -> float:
         """Open ``opening``'s session, prefilled with the short prompts waiting beside it; returns
         when (time.perf_counter) its group's prefill began. Raises its failure (ModelError), or
         RequesterGone where its opener went away before its session was open."""
-        waiting = _Waiting(opening, requester_gone)
+        waiting = _Waiting(opening, requester_gone, self._cost(opening))
         self._queue.append(waiting)
         try:
             while not waiting.done.done():
@@ -114,10 +127,10 @@ class ShortPrefills:
     def _take_group(self) -> list[_Waiting]:
         group: list[_Waiting] = []
         tokens = 0
-        while self._queue and (not group or tokens + len(self._queue[0].opening.tokens) <= self._group_tokens):
+        while self._queue and (not group or tokens + self._queue[0].cost <= self._group_tokens):
             waiting = self._queue.popleft()
             waiting.taken = True
-            tokens += len(waiting.opening.tokens)
+            tokens += waiting.cost
             group.append(waiting)
         return group
 
