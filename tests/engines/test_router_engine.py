@@ -513,12 +513,22 @@ async def test_a_session_decoded_alone_starts_decoding_with_its_open(
         asked.append(request.session)
         return await self_decode(verifier, request)
 
+    written: list[str] = []
+    put = router.store._mlc.put
+
+    async def counted_put(uri: str, data: bytes, **kwargs: object) -> ObjectInfo:
+        written.append(uri)
+        return await put(uri, data, **kwargs)  # type: ignore[arg-type]
+
     monkeypatch.setattr(router.link, "open_session", open_session)
     monkeypatch.setattr(router.link, "self_decode", asked_alone)
+    monkeypatch.setattr(router.store._mlc, "put", counted_put)
     request = SessionRequest(prompt=PROMPT, contract=alone_contract(world), self_decode_only=True)
     tracked = await router.open_session(FRONT_END, request)
     assert [message.self_decode for message in opens] == [True]
-    assert tracked.plan.drafter is None
+    assert tracked.plan.drafter is None and tracked.self_decoding
+    # The session's facts were written once, already saying that the verifier decodes it alone.
+    assert written == [router.store.uri(tracked.session)]
     machine = world.verifiers[V1].sessions[tracked.session].machine
     await eventually(lambda: machine.ended)
     assert await committed(world, tracked) == greedy(tiny_loaded, MAX_NEW)

@@ -335,6 +335,10 @@ class RouterEngine:
                     raise
                 log.info("%s: verifier %s, which reports no model, refused the contract: %s", self.uri, verifier, exc)
                 refused.append(verifier)
+        alone = opened.state == Action.SELF_DECODE
+        if alone:
+            # In the facts' first write: one write of them per open (each is an fsync'd transaction).
+            self.assignments.decoding_alone(tracked)
         try:
             # Durable before anyone depends on it: a session no router could find again would run
             # unattended (no failover, no cancel).
@@ -355,9 +359,7 @@ class RouterEngine:
                         tracked, Policy(session=session, from_round=1, sampling=wanted.sampling)
                     )
                 try:
-                    if opened.state == Action.SELF_DECODE:
-                        self.assignments.decoding_alone(tracked)
-                    else:
+                    if not alone:
                         await self.assignments.assign_drafter(tracked)
                 except (ProtocolError, Unanswered) as exc:
                     log.warning("%s: session %s opened without a drafter: %s", self.uri, session.hex(), exc)
