@@ -88,8 +88,9 @@ def test_runs_again_are_reported_as_medians_with_each_runs_ratio(tmp_path: Path)
         return Level(streams, seconds, [Turn(f"question {n}", 20.0, 1.0, "text", 10, 96) for n in range(1, 5)])
 
     runs = [{"sdcp": [level(1, seconds)], "llama_server": [level(1, 2.0)]} for seconds in (4.0, 2.5, 2.0)]
-    results = serving_results(ServingConfig(tmp_path, repeats=3), runs, [])
-    assert results["repeats"] == 3
+    cold = {"sdcp": [240.0, 180.0, 200.0], "llama_server": [120.0, 110.0, 130.0]}
+    results = serving_results(ServingConfig(tmp_path, repeats=3), runs, [], cold)
+    assert results["repeats"] == 3 and results["cold_first_token_ms"] == cold
     ours = results["systems"]["sdcp"]
     assert ours["levels"][0]["aggregate_tokens_per_s"] == 4 * 96 / 2.5 and ours["levels"][0]["streams"] == 1
     assert [run[0]["aggregate_tokens_per_s"] for run in ours["runs"]] == [96.0, 4 * 96 / 2.5, 192.0]
@@ -98,3 +99,5 @@ def test_runs_again_are_reported_as_medians_with_each_runs_ratio(tmp_path: Path)
     text = serving_markdown(results)
     assert "the median of 3 runs" in text
     assert "tokens per s over llama server 0.80 (runs 0.50, 0.80, 1.00)" in text
+    # Each server's warm-up, not in the levels, is the cold first request.
+    assert "first token ms: sdcp 200 (runs 240, 180, 200); llama_server 120 (runs 120, 110, 130)" in text

@@ -15,6 +15,11 @@ rotated once more; each figure is the median over the runs, and each ratio the m
 own ratios (a machine whose speed drifts by a quarter within an hour moved one run's ratios by as
 much as what was left to gain: docs/performance.md, session 32).
 
+Before its levels each server started for a run answers one warm-up request, not measured in them
+(a question of no level): what a server does once after it starts (the first prefill's cold caches,
+the router's first measurement of a drafter) is not what its users meet while it runs. Its first
+token's time is reported apart, as the cold first request.
+
 Figures per system and level: a cluster's first-token latency by part (sdcp.latency: mean ms over the
 level, from its roles' metrics), time to first token p50 and p99 (from sending the request to the
 first chunk with text), aggregate tokens/s (completion tokens over the level's wall time) and tokens/s
@@ -76,6 +81,9 @@ PER_STREAM = {1: 8, 4: 4, 16: 2}
 _DEFAULT_PER_STREAM = 2
 _SLOTS = 16
 _SLOT_CONTEXT = 1024
+# The warm-up request each server answers before a run's levels (module doc).
+WARM_UP_QUESTION = "Hello! Who are you, in two sentences?"
+WARM_UP_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -221,11 +229,12 @@ def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict
     binary = llama_server_binary(config.llama_server, log) if LLAMA_SERVER in config.systems else None
     runs: list[dict[str, list[Level]]] = []
     agreement: list[dict[str, Any]] = []
+    cold: dict[str, list[float]] = {}
     for repeat in range(config.repeats):
         if config.repeats > 1:
             log(f"run {repeat + 1} of {config.repeats}")
-        runs.append(_serving_run(config, asked, binary, repeat, log, agreement if repeat == 0 else None))
-    results = serving_results(config, runs, agreement)
+        runs.append(_serving_run(config, asked, binary, repeat, log, cold, agreement if repeat == 0 else None))
+    results = serving_results(config, runs, agreement, cold)
     (config.out / "serving.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (config.out / "serving.md").write_text(serving_markdown(results), encoding="utf-8")
     return results
@@ -237,11 +246,13 @@ def _serving_run(
     binary: Path | None,
     repeat: int,
     log: Callable[[str], None],
+    cold: dict[str, list[float]],
     agreement: list[dict[str, Any]] | None,
 ) -> dict[str, list[Level]]:
-    """One run of every system at every level, on clusters and a llama-server started for it; where
-    ``agreement`` is given, each one-stream answer of the default cluster is compared with
-    llama-server's greedy output into it."""
+    """One run of every system at every level, on clusters and a llama-server started for it, each
+    after its warm-up request (its first token's ms appended to ``cold``); where ``agreement`` is
+    given, each one-stream answer of the default cluster is compared with llama-server's greedy
+    output into it."""
     clusters: dict[str, LocalCluster] = {}
     server: LlamaServer | None = None
     urls: dict[str, str] = {}
@@ -258,6 +269,13 @@ def _serving_run(
             server = start_bench_llama_server(binary, config.out, slots=_SLOTS, context=_SLOT_CONTEXT)
             urls[LLAMA_SERVER] = server.url
         names = list(urls)
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            warm_up = stream_chat(
+                urls[name], BENCH_MODEL, [{"role": "user", "content": WARM_UP_QUESTION}], WARM_UP_TOKENS
+            )
+            if warm_up.first_token_ms is not None:
+                cold.setdefault(name, []).append(warm_up.first_token_ms)
+            log(f"{name:>14} warm-up: first token {warm_up.first_token_ms or 0:7.0f} ms")
         for number, (streams, questions) in enumerate(zip(config.streams, asked, strict=True)):
             first_system = (number + repeat) % len(names)
             for name in names[first_system:] + names[:first_system]:
@@ -284,10 +302,14 @@ def _serving_run(
 
 
 def serving_results(
-    config: ServingConfig, runs: list[dict[str, list[Level]]], agreement: list[dict[str, Any]]
+    config: ServingConfig,
+    runs: list[dict[str, list[Level]]],
+    agreement: list[dict[str, Any]],
+    cold: dict[str, list[float]] | None = None,
 ) -> dict[str, Any]:
     """Each system's figures by level, the median over ``runs`` (each run's own beside them where
-    there are several), and each sdcp system over llama-server, the median of the runs' ratios."""
+    there are several), each sdcp system over llama-server, the median of the runs' ratios, and
+    each system's cold first request (its warm-up's first token, ms, run by run)."""
     names = list(runs[0])
     # Each system's figures, run by run and level by level.
     figures = {name: [[serving_figures(level) for level in run[name]] for run in runs] for name in names}
@@ -329,6 +351,7 @@ def serving_results(
         "ratios": ratios,
         "same_as_llama_server": agreement,
         "systems": systems,
+        "cold_first_token_ms": cold or {},
     }
     if len(runs) > 1:
         results["ratios_by_run"] = by_run_ratios
@@ -390,6 +413,14 @@ def serving_markdown(results: dict[str, Any]) -> str:
                 for key, value in pair.items()
             )
             lines.append(f"- {system}, {streams} streams: {ratios}")
+    cold = results.get("cold_first_token_ms") or {}
+    if cold:
+        firsts = "; ".join(
+            f"{name} {statistics.median(values):.0f}" + _runs_shown(values, "{:.0f}")
+            for name, values in cold.items()
+            if values
+        )
+        lines.append(f"- cold first request (each server's warm-up, not in the levels), first token ms: {firsts}")
     for name, system in results["systems"].items():
         for figures in system["levels"]:
             parts = figures.get("first_token_parts_ms")
@@ -411,8 +442,8 @@ def serving_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _runs_shown(values: list[float] | None) -> str:
+def _runs_shown(values: list[float] | None, form: str = "{:.2f}") -> str:
     """Each run's value after a median of several, as " (runs 0.86, 0.92, 0.88)"."""
     if not values or len(values) < 2:
         return ""
-    return " (runs " + ", ".join(f"{value:.2f}" for value in values) + ")"
+    return " (runs " + ", ".join(form.format(value) for value in values) + ")"
