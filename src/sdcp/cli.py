@@ -1045,7 +1045,8 @@ def bench(
     llama-server, streamed chat requests with a long shared system prompt (agent.md);
     `--workloads serving` runs short streamed chat questions at 1, 4 and 16 streams (`--concurrency`;
     `--per-workload`: questions per stream; `--repeats`: runs of it all, each on servers started
-    afresh, figures their medians) against llama-server with 16 slots (serving.md). Both run the
+    afresh, each after one warm-up request reported apart, figures their medians) against
+    llama-server with 16 slots (serving.md). Both run the
     bundled model on questions of their own: --quick, --model and --prompts (for agent, --repeats
     and --concurrency too) are refused there."""
     from sdcp.bench import BenchConfig, BenchInputError, run_bench
