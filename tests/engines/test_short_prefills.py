@@ -80,6 +80,27 @@ async def test_a_group_is_bounded_by_the_tokens_its_prefill_computes() -> None:
     assert model.groups == [[b"a"], [b"b", b"c", b"d", b"e"]]
 
 
+async def test_a_group_is_taken_once_the_model_is_ready_for_it() -> None:
+    """The prompts that arrive while the model ends the pass under way (``ready``) are in the group
+    of the one whose turn it is, not in the next."""
+    model = Model()
+    model.release.set()
+    ready = asyncio.Event()
+
+    async def model_ready() -> None:
+        await ready.wait()
+
+    prefills = ShortPrefills(turn=asyncio.Lock(), prefill=model.prefill, close=model.close, ready=model_ready)
+    first = asyncio.create_task(prefills.prefill(opening("a")))
+    await asyncio.sleep(0)
+    rest = [asyncio.create_task(prefills.prefill(opening(name))) for name in "bc"]
+    await asyncio.sleep(0)
+    assert model.groups == []
+    ready.set()
+    await asyncio.gather(first, *rest)
+    assert model.groups == [[b"a", b"b", b"c"]]
+
+
 async def test_an_opener_whose_group_ran_returns_while_a_long_prefill_holds_the_turn() -> None:
     model = Model()
     turn = asyncio.Lock()

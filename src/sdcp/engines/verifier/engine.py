@@ -87,6 +87,10 @@ _RETRY_AFTER_S = 5
 OUTPUT_LINGER_TOKENS = 16
 
 
+def _nothing() -> None:
+    """A call the scorer's thread runs once the work queued before it has: the pass under way."""
+
+
 def _read(live: LiveSession, start: int) -> Output | ProtocolError:
     try:
         return live.machine.output(start)
@@ -199,7 +203,11 @@ class VerifierEngine:
         self._long_polls = 0
         self._prefill_turn = asyncio.Lock()
         self._short_prefills = ShortPrefills(
-            turn=self._prefill_turn, prefill=self._prefill_group, close=self._forget, cost=self._prefill_cost
+            turn=self._prefill_turn,
+            prefill=self._prefill_group,
+            close=self._forget,
+            cost=self._prefill_cost,
+            ready=lambda: self.scorer.run_async(_nothing),
         )
         # Seconds per self-decoded token, for the router's choice between drafters and this
         # verifier alone (status self_us); timed before serving (_time_passes).

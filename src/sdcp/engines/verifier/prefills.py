@@ -11,7 +11,9 @@ prefix cache holds of it when it arrives (sixteen chat questions of 40 tokens, 2
 template's cached start, are one group, where counting whole prompts made two, the second a whole
 prefill later). A short prompt that arrived after a long one may go before it, as short prompts go
 first for the running sessions too (Admissions). A prompt whose opener went away before or during
-its group's prefill is not opened (or is closed again).
+its group's prefill is not opened (or is closed again). A group is taken once the model is ready for
+it (``ready``: the pass under way, if any, has ended), so that the prompts that arrive meanwhile are
+in it: the streams of a wave end over a few passes, and their next questions come in bursts.
 """
 
 from __future__ import annotations
@@ -37,10 +39,16 @@ GROUP_TOKENS = 512
 Prefill = Callable[[Sequence[Opening]], Awaitable[list[ModelError | None]]]
 # The tokens an opening's prefill computes, as far as can be told when it arrives.
 Cost = Callable[[Opening], int]
+# Returns once the model could start a group's prefill now.
+Ready = Callable[[], Awaitable[object]]
 
 
 def _whole_prompt(opening: Opening) -> int:
     return len(opening.tokens)
+
+
+async def _at_once() -> None:
+    return None
 
 
 @dataclass(eq=False)
@@ -57,8 +65,8 @@ class _Waiting:
 
 class ShortPrefills:
     """Groups of short prompts prefilled by ``prefill`` (one model call each), one group per turn
-    of ``turn``, of at most ``group_tokens`` by ``cost``; ``close`` forgets a session opened for an
-    opener that went away."""
+    of ``turn``, of at most ``group_tokens`` by ``cost``, taken once ``ready``; ``close`` forgets a
+    session opened for an opener that went away."""
 
     def __init__(
         self,
@@ -68,6 +76,7 @@ class ShortPrefills:
         close: Callable[[SessionId], None],
         group_tokens: int = GROUP_TOKENS,
         cost: Cost = _whole_prompt,
+        ready: Ready = _at_once,
     ) -> None:
         if group_tokens < 1:
             raise ValueError(f"a group holds at least one token, got {group_tokens}")
@@ -76,6 +85,7 @@ class ShortPrefills:
         self._close = close
         self._group_tokens = group_tokens
         self._cost = cost
+        self._ready = ready
         self._queue: deque[_Waiting] = deque()
 
     async def prefill(self, opening: Opening, requester_gone: asyncio.Event | None = None) -> float:
@@ -113,9 +123,16 @@ class ShortPrefills:
         if not acquire.done() or waiting.done.done():
             self._give_up(acquire)
             return
-        group = asyncio.ensure_future(self._run(self._take_group()))
+        group = asyncio.ensure_future(self._run_when_ready())
         group.add_done_callback(lambda _: self._turn.release())
         await asyncio.shield(group)
+
+    async def _run_when_ready(self) -> None:
+        """Take the group at the head of the queue once the model is ready for it, and run it. A
+        model that cannot say (its thread closed) fails the group's prefill instead."""
+        with contextlib.suppress(Exception):
+            await self._ready()
+        await self._run(self._take_group())
 
     def _give_up(self, acquire: asyncio.Future[bool]) -> None:
         """Stop waiting for the turn; one granted meanwhile is handed on."""
