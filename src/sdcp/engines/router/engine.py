@@ -316,11 +316,11 @@ class RouterEngine:
             tracked = TrackedSession(plan, wanted.prompt)
             # Asked with the open where it is the router's choice: no round trip between the
             # prefill and the first pass. A policy must reach the verifier before the first round.
-            alone = wanted.sampling is None and self.assignments.alone_from_open(tracked)
+            ask_alone = wanted.sampling is None and self.assignments.alone_from_open(tracked)
             asked = time.perf_counter()
             try:
                 # SDCP 6.1: session-open with epoch 1 and a commit_log reference in the MLC.
-                opened = await self._open_at_verifier(verifier, plan, gone, self_decode=alone)
+                opened = await self._open_at_verifier(verifier, plan, gone, self_decode=ask_alone)
                 at_verifiers += time.perf_counter() - asked
                 break
             except Unanswered as exc:
