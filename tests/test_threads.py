@@ -236,9 +236,15 @@ def test_a_neighbour_still_runnable_when_the_work_starts_keeps_the_team_small_re
     assert len(reads) == _RUNNABLE_READS  # at the work's start, none at its later calls
 
 
-def test_runnable_others_are_the_machines_runnable_threads_but_the_caller(tmp_path: Path) -> None:
+def test_runnable_others_are_the_machines_runnable_threads_but_this_process_own(tmp_path: Path) -> None:
     (tmp_path / "loadavg").write_text("0.52 0.58 0.59 3/345 12345\n")
+    # Without this process's threads to read, the caller alone is its own.
     assert runnable_others(tmp_path) == 2
+    tasks = tmp_path / "self" / "task"
+    for tid, state in ((101, "R"), (102, "S"), (103, "R")):
+        (tasks / str(tid)).mkdir(parents=True)
+        (tasks / str(tid) / "stat").write_text(f"{tid} (sdcp) worker) {state} 1 2 3\n")
+    assert runnable_others(tmp_path) == 1
     assert runnable_others(tmp_path / "missing") is None
 
 

@@ -189,13 +189,28 @@ class _Reader:
 
 
 def runnable_others(proc: Path = Path("/proc")) -> int | None:
-    """Threads runnable on the machine now besides the calling one (``/proc/loadavg``), None
-    where that cannot be read."""
+    """Threads of other processes runnable on the machine now: ``/proc/loadavg``'s runnable
+    threads less this process's own (the calling one, and its event loop answering the request
+    whose work begins: taken for a neighbour, they kept the team at one thread for the first
+    work's whole probe after every wait beside a busy neighbour). None where it cannot be read."""
     try:
         runnable = int((proc / "loadavg").read_text(encoding="ascii").split()[3].split("/", 1)[0])
     except (OSError, ValueError, IndexError):
         return None
-    return max(0, runnable - 1)
+    return max(0, runnable - max(1, _own_runnable(proc)))
+
+
+def _own_runnable(proc: Path) -> int:
+    """This process's threads in state R (``/proc/self/task/*/stat``); 0 where none can be read."""
+    count = 0
+    for stat in (proc / "self" / "task").glob("*/stat"):
+        try:
+            # The state follows the command name, which is in parentheses and may hold spaces.
+            state = stat.read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        count += state == "R"
+    return count
 
 
 class Meter(Protocol):
