@@ -144,9 +144,10 @@ class PrefixIndex:
             self.hits += length
             return entry, length
 
-    def covered(self, tokens: Sequence[int], scope: bytes = b"") -> int:
-        """How many leading tokens of ``tokens`` `lookup` would serve, without counting a query."""
-        hashes = self.hashes(tokens, scope)
+    def covered(self, tokens: Sequence[int], scope: bytes = b"", *, hashes: Sequence[bytes] | None = None) -> int:
+        """How many leading tokens of ``tokens`` `lookup` would serve, without counting a query;
+        ``hashes``: theirs (`hashes`), where the caller has them already."""
+        hashes = self.hashes(tokens, scope) if hashes is None else hashes
         with self._lock:
             found = self._find(tokens, hashes)
         return 0 if found is None else found[1]

@@ -170,14 +170,10 @@ class PrefixSharing:
         reaches past the local cache into it; does nothing where none is usable."""
         index = self._target.prefixes
         if index is None or self._authority is None or len(prefix) < SHARE_TOKENS:
-            # A prefix shorter than SHARE_TOKENS has no shared name: no question for the scorer.
+            # A prefix shorter than SHARE_TOKENS has no shared name.
             return
         hashes = index.hashes(prefix, scope)
-        try:
-            # On the scorer's thread, which changes the index.
-            held = await self._thread.run_async(index.covered, prefix, scope)
-        except ModelThreadClosed:
-            return
+        held = index.covered(prefix, scope, hashes=hashes)
         longer = [(length, name) for length, name in reversed(share_points(hashes, index.block)) if length > held]
         for length, name in longer[:MAX_PROBES]:
             uri = prefix_object_uri(self._mlc.authority, name)
