@@ -442,10 +442,14 @@ class VerifierEngine:
         prefill and the first pass. A load above self_load leaves the session waiting for the
         router, which reads the state the open answers and assigns as after any open."""
         try:
-            live.machine.self_decode_instead(live.machine.epoch, self.load)
+            self._decode_alone(live, live.machine.epoch)
         except ProtocolError as exc:
             log.info("%s: session %s not self-decoded from its open: %s", self.uri, live.machine.session.hex(), exc)
-            return
+
+    def _decode_alone(self, live: LiveSession, epoch: int) -> None:
+        """A self-decoding period at the router's request starts now, if it is permitted (raises
+        its ProtocolError where not)."""
+        live.machine.self_decode_instead(epoch, self.load)
         self._self_decoding.start(live)
 
     async def assign(self, assignment: Assignment) -> SessionState:
@@ -470,8 +474,7 @@ class VerifierEngine:
         live = self._driven(message.session)
         await self._between_rounds(live)
         if not live.machine.self_decoding:
-            live.machine.self_decode_instead(message.epoch, self.load)
-            self._self_decoding.start(live)
+            self._decode_alone(live, message.epoch)
         return live.machine.state()
 
     async def cancel(self, message: CancelRequest) -> SessionState:
