@@ -9,8 +9,11 @@ import pytest
 
 from sdcp.bench.serving import (
     Level,
+    LevelTurn,
     ServingConfig,
+    joined,
     level_questions,
+    level_turns,
     load_questions,
     parting,
     serving_figures,
@@ -47,6 +50,32 @@ def test_each_level_asks_questions_of_its_own() -> None:
     assert [len(asked) for asked in level_questions(questions, (2, 3), per_stream=5)] == [10, 15]
     with pytest.raises(BenchInputError, match="need 64"):
         level_questions(questions, (16, 16), per_stream=2)
+
+
+def test_at_one_stream_the_systems_take_turns_question_by_question() -> None:
+    """The drift of the machine over a level must not fall on one system's questions: at one stream
+    the systems alternate at every question, the order rotating; with more streams each runs the
+    whole level in turn."""
+    systems, questions = ["sdcp", "llama_server"], ("q1", "q2", "q3")
+    assert level_turns(systems, questions, 1, 0) == [
+        LevelTurn("sdcp", 0, ("q1",)),
+        LevelTurn("llama_server", 0, ("q1",)),
+        LevelTurn("llama_server", 1, ("q2",)),
+        LevelTurn("sdcp", 1, ("q2",)),
+        LevelTurn("sdcp", 2, ("q3",)),
+        LevelTurn("llama_server", 2, ("q3",)),
+    ]
+    assert level_turns(systems, questions, 4, 1) == [
+        LevelTurn("llama_server", 0, questions),
+        LevelTurn("sdcp", 0, questions),
+    ]
+    # A system's turns make its level: every answer, in the level's order, and their time.
+    parts = [
+        Level(1, seconds, [Turn(f"question {n}", 20.0, seconds, "text", 10, 96)]) for n, seconds in ((1, 1.0), (2, 3.0))
+    ]
+    level = joined(1, parts)
+    assert level.seconds == 4.0 and [turn.label for turn in level.turns] == ["question 1", "question 2"]
+    assert serving_figures(level)["aggregate_tokens_per_s"] == 2 * 96 / 4.0
 
 
 def test_parting_names_the_reference_token_and_its_margin() -> None:

@@ -8,7 +8,9 @@ once (``STREAMS``): at a level of N streams, N clients each send ``PER_STREAM[N]
 another. Each level has questions of its own, the same for every system, so that no system answers
 from a prompt it cached at an earlier level (llama-server's slots keep whole prompts; asked again, it
 evaluates one token). The systems take turns level by level, the order rotating, so that none always
-runs on a warmer or cooler machine. llama-server runs with 16 slots (``--parallel 16``), as a user
+runs on a warmer or cooler machine; at one stream they take turns question by question (``level_turns``),
+so that the machine's drift over a level's minute (a tenth and more here) does not fall on one system's
+questions. llama-server runs with 16 slots (``--parallel 16``), as a user
 serving up to 16 streams starts it. With ``repeats``, the whole workload runs again on clusters and a
 llama-server started afresh (the same questions asked of servers that never saw them), the order
 rotated once more; each figure is the median over the runs, and each ratio the median of the runs'
@@ -63,7 +65,10 @@ __all__ = [
     "SDCP",
     "STREAMS",
     "ServingConfig",
+    "LevelTurn",
+    "joined",
     "level_questions",
+    "level_turns",
     "Parting",
     "parting",
     "run_serving_bench",
@@ -133,15 +138,48 @@ def level_questions(
     return sets
 
 
-def run_level(url: str, questions: tuple[str, ...], streams: int, max_tokens: int) -> Level:
-    """``streams`` clients at once, each asking every ``streams``-th question in turn."""
+@dataclass(frozen=True)
+class LevelTurn:
+    """A part of a level one system runs at once: its questions, the first the level's ``first``-th."""
+
+    system: str
+    first: int
+    questions: tuple[str, ...]
+
+
+def level_turns(systems: list[str], questions: tuple[str, ...], streams: int, first_system: int) -> list[LevelTurn]:
+    """The order in which ``systems`` run a level, ``first_system`` first: each the whole level in
+    turn, but at one stream question by question, the order rotating at each, so that each system's
+    answers and the other's interleave within seconds."""
+
+    def rotated(start: int) -> list[str]:
+        start %= len(systems)
+        return systems[start:] + systems[:start]
+
+    if streams > 1:
+        return [LevelTurn(system, 0, questions) for system in rotated(first_system)]
+    return [
+        LevelTurn(system, index, (question,))
+        for index, question in enumerate(questions)
+        for system in rotated(first_system + index)
+    ]
+
+
+def joined(streams: int, parts: list[Level]) -> Level:
+    """One level of a system's ``parts`` (its turns of it): their turns, and the time they took."""
+    return Level(streams, sum(part.seconds for part in parts), [turn for part in parts for turn in part.turns])
+
+
+def run_level(url: str, questions: tuple[str, ...], streams: int, max_tokens: int, *, first: int = 0) -> Level:
+    """``streams`` clients at once, each asking every ``streams``-th question in turn; ``first``: the
+    level's index of the first question (its turn's label)."""
 
     turns: list[Turn | None] = [None] * len(questions)
 
     def client(offset: int) -> None:
         for index in range(offset, len(questions), streams):
             turn = stream_chat(url, BENCH_MODEL, [{"role": "user", "content": questions[index]}], max_tokens)
-            turn.label = f"question {index + 1}"
+            turn.label = f"question {first + index + 1}"
             turns[index] = turn
 
     started = time.perf_counter()
@@ -277,13 +315,18 @@ def _serving_run(
                 cold.setdefault(name, []).append(warm_up.first_token_ms)
             log(f"{name:>14} warm-up: first token {warm_up.first_token_ms or 0:7.0f} ms")
         for number, (streams, questions) in enumerate(zip(config.streams, asked, strict=True)):
-            first_system = (number + repeat) % len(names)
-            for name in names[first_system:] + names[:first_system]:
+            # Each cluster's metrics count its own requests alone: read around the whole level.
+            before = {name: first_token_parts(cluster) for name, cluster in clusters.items()}
+            parts: dict[str, list[Level]] = {name: [] for name in names}
+            for part in level_turns(names, questions, streams, number + repeat):
+                parts[part.system].append(
+                    run_level(urls[part.system], part.questions, streams, config.max_tokens, first=part.first)
+                )
+            for name in names:
+                level = joined(streams, parts[name])
                 cluster = clusters.get(name)
-                before = first_token_parts(cluster) if cluster is not None else {}
-                level = run_level(urls[name], questions, streams, config.max_tokens)
                 if cluster is not None:
-                    level.first_token_parts_ms = part_means_ms(before, first_token_parts(cluster))
+                    level.first_token_parts_ms = part_means_ms(before[name], first_token_parts(cluster))
                 levels.setdefault(name, []).append(level)
                 figures = serving_figures(level)
                 log(f"{name:>14} {streams:>2} streams: first token p50 {figures['first_token_ms_p50'] or 0:7.0f} ms, "
