@@ -1,9 +1,12 @@
 """Run every system on every prompt, alternating systems, and collect what the report needs.
 
-Within one repeat the systems take turns on each prompt (the order rotates between repeats), so
-that load from other work on the machine spreads over all of them. Ratios are computed within each
-repeat and the report gives their median. The workloads where history matters run in the first
-repeat only: a second would send each cluster requests whose answers its drafters have already seen.
+Within one repeat the systems take turns on each prompt, the order rotating from prompt to prompt
+and between repeats (``turn_order``), so that load from other work on the machine spreads over all
+of them and no system always runs right after the same other one (with one order for a whole repeat,
+every request of the default cluster came right after target-only decoding on both cores in the
+bench's own process). Ratios are computed within each repeat and the report gives their median.
+The workloads where history matters run in the first repeat only: a second would send each cluster
+requests whose answers its drafters have already seen.
 The structured workload (JSON schema prompts) runs on SDCP's target alone with the grammar on, its
 baseline, on SDCP's engines in process, on the n-gram-only cluster and on the default cluster
 through the gateway, whose request carries the schema as a user's does (``STRUCTURED_SYSTEMS``).
@@ -26,7 +29,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sdcp.bench.cluster import ClusterSystem, GatewaySystem
 from sdcp.bench.inprocess import InProcessSDCPSystem
@@ -65,7 +68,9 @@ from sdcp.models.weights.paths import TINY_DRAFT_NAME, TINY_NAME
 from sdcp.models.worker import ModelThread
 from sdcp.threads import usable_cores
 
-__all__ = ["ALL_SYSTEMS", "ALL_WORKLOADS", "BenchConfig", "Measurement", "run_bench"]
+__all__ = ["ALL_SYSTEMS", "ALL_WORKLOADS", "BenchConfig", "Measurement", "run_bench", "turn_order"]
+
+_T = TypeVar("_T")
 
 # Time for the model threads to notice a neighbour before the busy measurement starts.
 _NEIGHBOUR_SETTLE_S = 2.0
@@ -370,12 +375,13 @@ async def _measure(
                 await run(structured[0], min(8, max_new))
         measurements: list[Measurement] = []
         for repeat in range(config.effective_repeats):
-            order = runners[repeat % len(runners) :] + runners[: repeat % len(runners)]
+            turn = 0
             for workload, workload_prompts in prompts.items():
                 if workload in HISTORY_WORKLOADS and repeat > 0:
                     continue
                 conversations = Conversations(tokenizer, by_name[workload])
                 for index, prompt in enumerate(workload_prompts):
+                    order, turn = turn_order(runners, repeat, turn), turn + 1
                     for name, run in order:
                         if workload in USER_WORKLOADS and name not in CHAT_SYSTEMS:
                             continue
@@ -409,6 +415,13 @@ async def _measure(
             await system.aclose()
         if own_thread is not None:
             own_thread.close()
+
+
+def turn_order(systems: list[_T], repeat: int, turn: int) -> list[_T]:
+    """The order in which ``systems`` run the ``turn``-th prompt of repeat ``repeat``: rotated by
+    one at each prompt, and the repeat's first prompt by one more each repeat."""
+    start = (repeat + turn) % len(systems)
+    return systems[start:] + systems[:start]
 
 
 def _engines(system: InProcessSDCPSystem) -> Callable[[Prompt, int], Any]:
