@@ -63,11 +63,20 @@ class GreedyPicker(Protocol):
         ...
 
 
+def _most_probable(rows: np.ndarray) -> list[int]:
+    """Each row's most probable token, ties to the smallest id (SDCP 6.4 rule 1). A run's step has
+    one row: its argmax alone, without numpy's reduction along an axis (on the scorer's thread,
+    between two passes)."""
+    if len(rows) == 1:
+        return [int(np.argmax(rows[0]))]
+    return [int(token) for token in np.argmax(rows, axis=-1)]
+
+
 class MostProbable:
     """The target's most probable token, ties to the smallest id (SDCP 6.4 rule 1)."""
 
     def follow(self, rows: np.ndarray, proposed: Sequence[int]) -> int | None:
-        greedy = [int(token) for token in np.argmax(rows, axis=-1)]
+        greedy = _most_probable(rows)
         return greedy[-1] if list(proposed) == greedy[: len(proposed)] else None
 
 
@@ -91,7 +100,7 @@ class TargetMostProbable:
         except DeadEnd:
             # No token may follow: the round that decides here ends the session; the run stops.
             return None
-        greedy = [int(token) for token in np.argmax(shaped, axis=-1)]
+        greedy = _most_probable(shaped)
         if list(proposed) != greedy[: len(proposed)]:
             return None
         token = greedy[-1]

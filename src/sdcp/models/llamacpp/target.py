@@ -31,7 +31,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import Counter
-from collections.abc import Collection, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -86,6 +86,9 @@ SPLIT_FREE_POSITIONS = 256
 # (_companion), on every thread: at 2,400 positions 35 ms against 45 on one thread; at 1,200 both
 # about 23 ms, below it the extra token costs more than the thread gains (docs/models.md, item 3).
 COMPANION_POSITIONS = 1536
+# Views of the logits buffer kept (_copy_rows): a call reads 1 to BATCH_TOKENS rows, and the
+# buffer moves only as it grows.
+_LOGITS_VIEWS = 64
 # What one more ubatch of a call costs beyond its rows, in rows (_pads): a pass of 14 sessions on
 # 2 threads took 95 ms in three ubatches and 73 in one (docs/performance.md, session 34).
 UBATCH_ROWS = 4
@@ -197,6 +200,9 @@ class LlamaCppTarget:
         self._context = native.context
         self._memory = native.memory
         self._batch = native.batch
+        # numpy's views of llama.cpp's logits buffer, by its address and the rows a call read
+        # (_copy_rows).
+        self._logits_views: dict[tuple[int, int], np.ndarray] = {}
         self._kv_slots = kv_slots
         # llama.cpp's state of a sequence is laid out by its build and its cache's sequence count
         # (one cache each): only a cache of the same layout reads it back.
@@ -674,14 +680,22 @@ class LlamaCppTarget:
         index, its first row in ``out``, how many). llama.cpp keeps them contiguous in the order of
         the batch (`llama_get_logits`): one view of its buffer and a copy per feed. The view is made
         from the address alone (numpy's conversion of a ctypes pointer builds an array type at
-        every call, in caches the pass's weights have just swept: docs/performance.md, session 34)."""
+        every call, in caches the pass's weights have just swept: docs/performance.md, session 34)
+        and kept for the next call that reads as many rows there: the buffer moves only as it grows.
+        With the address read as an integer, not cast from a pointer (and a step's greedy pick
+        without numpy's reduction along an axis), the scorer's Python between two one-token passes
+        went from 0.35 to 0.32 ms (docs/performance.md, session 36)."""
         if not copies:
             return
-        pointer = llama_cpp.llama_get_logits(self._context)
-        if not pointer:
+        address = _logits_address(self._context)
+        if not address:
             raise ModelError("llama.cpp has no logits for the pass")
-        rows = sum(count for _, _, count in copies)
-        logits = np.asarray(_RowsAt(ctypes.cast(pointer, ctypes.c_void_p).value or 0, rows, self._vocab_size))
+        where = (address, sum(count for _, _, count in copies))
+        logits = self._logits_views.get(where)
+        if logits is None:
+            if len(self._logits_views) >= _LOGITS_VIEWS:
+                self._logits_views.clear()
+            logits = self._logits_views[where] = np.asarray(_RowsAt(*where, self._vocab_size))
         row = 0
         for index, first, count in copies:
             out[index][first : first + count] = logits[row : row + count]
@@ -697,6 +711,19 @@ class LlamaCppTarget:
         if len(checked) > self._capacity:
             raise BadTokens(f"{len(checked)} tokens exceed the {self._capacity} positions of a session")
         return checked
+
+
+def _logits_address_function() -> Callable[[object], int | None]:
+    """`llama_get_logits` answering the buffer's address as an integer: llama-cpp-python's binding
+    answers a float pointer, which takes a cast to give its address."""
+    entry = ctypes.cast(llama_cpp.llama_get_logits, ctypes.c_void_p).value
+    if entry is None:
+        raise ImportError("llama-cpp-python's library has no llama_get_logits")
+    function: Callable[[object], int | None] = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(entry)
+    return function
+
+
+_logits_address = _logits_address_function()
 
 
 class _RowsAt:
