@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from sdcp.bench.report import markdown, summarise
-from sdcp.bench.runner import BenchConfig, BenchData, ConcurrencyLevel, Measurement, turn_order
+from sdcp.bench.runner import BenchConfig, BenchData, ConcurrencyLevel, Measurement
 from sdcp.bench.systems import RunResult
-from sdcp.bench.workloads import BenchInputError, Workload, load_workloads, parse_prompts
+from sdcp.bench.workloads import BenchInputError, Workload, load_workloads, parse_prompts, rotated
 from sdcp.cli import app
 
 REQUIRED_RATIOS = (
@@ -135,14 +135,14 @@ def _data(
 
 
 def test_the_order_of_the_systems_rotates_from_prompt_to_prompt() -> None:
-    """No system always runs right after the same other one, even in a single repeat: each goes
-    first as often as the others over a run of prompts, and a repeat starts one further on."""
+    """No system always runs right after the same other one, even in a single repeat: the runner
+    rotates the order by one at each prompt (and each repeat's first prompt by one more), so each
+    goes first as often as the others."""
     systems = ["target", "default", "e2e"]
-    firsts = [turn_order(systems, 0, turn)[0] for turn in range(6)]
-    assert firsts == ["target", "default", "e2e", "target", "default", "e2e"]
-    assert turn_order(systems, 0, 1) == ["default", "e2e", "target"]
-    assert turn_order(systems, 1, 0) == turn_order(systems, 0, 1)
-    assert turn_order(["alone"], 3, 5) == ["alone"]
+    assert [rotated(systems, turn)[0] for turn in range(6)] == ["target", "default", "e2e"] * 2
+    assert rotated(systems, 1) == ["default", "e2e", "target"]
+    assert rotated(systems, -1) == ["e2e", "target", "default"]
+    assert rotated(["alone"], 5) == ["alone"]
 
 
 def test_identical_outputs_is_false_when_one_token_differs() -> None:

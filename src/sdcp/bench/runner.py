@@ -1,7 +1,7 @@
 """Run every system on every prompt, alternating systems, and collect what the report needs.
 
 Within one repeat the systems take turns on each prompt, the order rotating from prompt to prompt
-and between repeats (``turn_order``), so that load from other work on the machine spreads over all
+and between repeats (``workloads.rotated``), so that load from other work on the machine spreads over all
 of them and no system always runs right after the same other one (with one order for a whole repeat,
 every request of the default cluster came right after target-only decoding on both cores in the
 bench's own process). Ratios are computed within each repeat and the report gives their median.
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from sdcp.bench.cluster import ClusterSystem, GatewaySystem
 from sdcp.bench.inprocess import InProcessSDCPSystem
@@ -57,6 +57,7 @@ from sdcp.bench.workloads import (
     load_history_workloads,
     load_structured_workload,
     load_workloads,
+    rotated,
     tokenize_prompt,
 )
 from sdcp.models.backend import Target
@@ -68,9 +69,7 @@ from sdcp.models.weights.paths import TINY_DRAFT_NAME, TINY_NAME
 from sdcp.models.worker import ModelThread
 from sdcp.threads import usable_cores
 
-__all__ = ["ALL_SYSTEMS", "ALL_WORKLOADS", "BenchConfig", "Measurement", "run_bench", "turn_order"]
-
-_T = TypeVar("_T")
+__all__ = ["ALL_SYSTEMS", "ALL_WORKLOADS", "BenchConfig", "Measurement", "run_bench"]
 
 # Time for the model threads to notice a neighbour before the busy measurement starts.
 _NEIGHBOUR_SETTLE_S = 2.0
@@ -381,7 +380,8 @@ async def _measure(
                     continue
                 conversations = Conversations(tokenizer, by_name[workload])
                 for index, prompt in enumerate(workload_prompts):
-                    order, turn = turn_order(runners, repeat, turn), turn + 1
+                    # One further at each prompt, and each repeat's first prompt one further again.
+                    order, turn = rotated(runners, repeat + turn), turn + 1
                     for name, run in order:
                         if workload in USER_WORKLOADS and name not in CHAT_SYSTEMS:
                             continue
@@ -415,13 +415,6 @@ async def _measure(
             await system.aclose()
         if own_thread is not None:
             own_thread.close()
-
-
-def turn_order(systems: list[_T], repeat: int, turn: int) -> list[_T]:
-    """The order in which ``systems`` run the ``turn``-th prompt of repeat ``repeat``: rotated by
-    one at each prompt, and the repeat's first prompt by one more each repeat."""
-    start = (repeat + turn) % len(systems)
-    return systems[start:] + systems[:start]
 
 
 def _engines(system: InProcessSDCPSystem) -> Callable[[Prompt, int], Any]:

@@ -55,7 +55,7 @@ from sdcp.bench.streamed import (
     start_default_cluster,
     stream_chat,
 )
-from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError, parse_prompts
+from sdcp.bench.workloads import DEFAULT_PROMPTS_DIR, BenchInputError, parse_prompts, rotated
 from sdcp.cluster import LocalCluster
 from sdcp.models.weights.fetch import fetch_smollm2
 from sdcp.threads import usable_cores
@@ -152,16 +152,12 @@ def level_turns(systems: list[str], questions: tuple[str, ...], streams: int, fi
     turn, but at one stream question by question, the order rotating at each, so that each system's
     answers and the other's interleave within seconds."""
 
-    def rotated(start: int) -> list[str]:
-        start %= len(systems)
-        return systems[start:] + systems[:start]
-
     if streams > 1:
-        return [LevelTurn(system, 0, questions) for system in rotated(first_system)]
+        return [LevelTurn(system, 0, questions) for system in rotated(systems, first_system)]
     return [
         LevelTurn(system, index, (question,))
         for index, question in enumerate(questions)
-        for system in rotated(first_system + index)
+        for system in rotated(systems, first_system + index)
     ]
 
 

@@ -19,9 +19,10 @@ the session's constraint (structured output), with the grammar on in every syste
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sdcp.protocol.messages import Constraint
 
@@ -43,8 +44,11 @@ __all__ = [
     "load_structured_workload",
     "load_workloads",
     "plain_text",
+    "rotated",
     "tokenize_prompt",
 ]
+
+_T = TypeVar("_T")
 
 # The protocol workloads every system runs, and the chat tasks a user of the gateway sends
 # (copy/edit tasks and open questions), which the systems a user compares run (runner.CHAT_SYSTEMS).
@@ -62,6 +66,14 @@ DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 ANSWER_PLACEHOLDER = "{answer}"
 _SEPARATOR = "---"
 _TURN_SEPARATOR = "+++"
+
+
+def rotated(systems: Sequence[_T], start: int) -> list[_T]:
+    """The order in which ``systems`` take a turn, the ``start``-th (modulo their number) first: the
+    benchmarks rotate it from turn to turn, so that no system always runs right after the same other
+    one, on a machine warmed or cooled by it."""
+    start %= len(systems)
+    return [*systems[start:], *systems[:start]]
 
 
 class BenchInputError(ValueError):
