@@ -162,7 +162,6 @@ class VerifierEngine:
             uri=uri,
             metrics=self.metrics,
             target=target,
-            thread=self.scorer,
             mlc=mlc,
             tasks=self._tasks,
             sign=sign,

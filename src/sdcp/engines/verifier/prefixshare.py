@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -39,7 +38,6 @@ from sdcp.engines.tasks import BackgroundTasks
 from sdcp.engines.verifier.observe import VerifierMetrics
 from sdcp.engines.verifier.rounds import RecordSign
 from sdcp.models.backend import Target
-from sdcp.models.worker import ModelThread, ModelThreadClosed
 from sdcp.protocol import codec
 from sdcp.protocol.problems import BadMessage
 from sdcp.protocol.records import CERT_MEMBER, RecordAuthority, UntrustedRecord
@@ -74,7 +72,6 @@ class PrefixSharing:
         uri: str,
         metrics: VerifierMetrics,
         target: Target,
-        thread: ModelThread,
         mlc: MLC,
         tasks: BackgroundTasks,
         sign: RecordSign | None,
@@ -86,7 +83,6 @@ class PrefixSharing:
         self._idle = idle
         self._metrics = metrics
         self._target = target
-        self._thread = thread
         self._mlc = mlc
         self._tasks = tasks
         self._sign = sign
@@ -190,10 +186,9 @@ class PrefixSharing:
                 self._metrics.prefix_shared("refused")
                 log.warning("%s: prefix KV %s refused: %s", self._uri, uri, exc)
                 continue
-            try:
-                await self._thread.run_async(functools.partial(index.insert, tokens, kv, scope, told=False))
-            except ModelThreadClosed:
-                return
+            # The index has a lock of its own: no turn on the scorer's thread, behind the pass under
+            # way, for the prefill that waits for this; its hashing stays off the event loop.
+            await asyncio.to_thread(index.insert, tokens, kv, scope, told=False)
             self._metrics.prefix_shared("used")
             return
 
