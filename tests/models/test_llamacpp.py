@@ -7,6 +7,7 @@ target runs its passes of two tokens or more on two threads.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import sys
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ import pytest
 from tests.llama_greedy import llama_cpp_greedy
 
 from sdcp.bench.workloads import load_workloads, tokenize_prompt
-from sdcp.models import LoadedModel
+from sdcp.models import BatchingScorer, LoadedModel
 from sdcp.models.errors import (
     BadTokens,
     DigestMismatch,
@@ -540,3 +541,27 @@ def test_greedy_runs_extending_the_proposal_equal_llama_cpp_greedy(
             target.score([(session, ((following + 1) % target.vocab_size,))], extending={session})
         target.close_session(session)
         assert decoded == expected
+
+
+async def test_a_joining_sessions_kept_row_needs_no_pass_and_its_run_joins_the_pass_under_way(
+    target: LlamaCppTarget, prompts: list[list[int]], reference: list[list[int]], sessions: Iterator[bytes]
+) -> None:
+    """A session's first request after its prefill is answered with the row the prefill kept, not
+    with the pass it shares with a running session's request; its greedy run's first step is
+    computed in that very pass (a step a pass sooner than after a pass of its own), and the run
+    still follows llama.cpp's greedy decoding."""
+    running, joining = next(sessions), next(sessions)
+    target.open_session(running, prompts[0])
+    target.score([(running, ())])
+    target.open_session(joining, prompts[1])
+    with BatchingScorer(target, window_s=5.0, max_batch=2) as scorer:
+        run = scorer.score_ahead_async(joining, (), 3, frozenset(), deliver_every=1)
+        passing = scorer.score_async(running, (7,))
+        kept = await asyncio.wait_for(run.rows, timeout=60)
+        first_step = await asyncio.wait_for(run.steps[0], timeout=60)
+        assert scorer.batches_run == 1 and passing.done()
+        assert first_step is not None
+        steps = [await asyncio.wait_for(step, timeout=60) for step in run.steps[1:]]
+    picked = [int(rows[-1].argmax()) for rows in (kept, first_step, *steps) if rows is not None]
+    assert picked == reference[1][: len(picked)] and len(picked) == 4
+    assert run.fed == reference[1][:3]

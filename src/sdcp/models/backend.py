@@ -163,6 +163,11 @@ class Target(Protocol):
     def check_request(self, session: SessionId, tokens: Sequence[int], *, extending: bool = False) -> None:
         """Raise the error `score` would raise for this request, without running the model."""
 
+    def answers_without_pass(self, session: SessionId, tokens: Sequence[int]) -> bool:
+        """Whether `score` answers this request (not extending) without running the model: the
+        row a prefill kept and no proposal (llama.cpp; see `open_session`)."""
+        ...
+
     def score(self, requests: Sequence[ScoreRequest], *, extending: Collection[SessionId] = ()) -> list[np.ndarray]:
         """One pass over every request: per request float32 logits (M_i + 1, V), row j after the
         committed prefix and x[1..j]. A scored proposal left uncommitted is dropped first.

@@ -388,6 +388,8 @@ class BatchingScorer(ModelThread):
         # Where the pass fails, whatever the runs hold goes out with it.
         deliver_now = True
         try:
+            # In place: where the pass fails, the scorer fails what ``batch`` holds then.
+            self._answer_without_pass(batch, stopping=stopping)
             for request, rows in self._score_into(batch, outcomes):
                 step = None if request.run is None or stopping else self._next_step(request, rows)
                 if step is not None:
@@ -406,6 +408,37 @@ class BatchingScorer(ModelThread):
                     outcomes.hand_over(run)
             outcomes.deliver()
         return steps
+
+    def _answer_without_pass(self, batch: list[_Request], *, stopping: bool) -> None:
+        """Answer now the requests of ``batch`` that the target answers without a pass (a session's
+        first request after its prefill, which kept its row: Target.answers_without_pass), rather
+        than with the pass's other rows; a greedy run's next step takes such a request's place in
+        ``batch``, so that it is computed in this pass rather than the next. A session that joins
+        running ones thus gets its first token a pass sooner, and every later one too."""
+        answered = _Outcomes()
+        try:
+            for index, request in enumerate(batch):
+                if request.extends or not self.target.answers_without_pass(request.session, request.tokens):
+                    continue
+                withdrawn = request.waiter is not None and request.waiter[1].cancelled()
+                if withdrawn or not request.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    (rows,) = self.target.score([(request.session, request.tokens)])
+                except Exception as exc:  # noqa: BLE001 - its caller learns why, the pass goes on
+                    answered.exception(request, exc)
+                    continue
+                answered.result(request, rows)
+                step = None if request.run is None or stopping else self._next_step(request, rows)
+                if step is not None:
+                    batch[index] = step
+        finally:
+            for request in batch:
+                if request.run is not None and request.future.done() and not request.extends:
+                    # Answered here, or withdrawn: its run went on in ``batch`` or stops now.
+                    answered.end_run(request.run)
+            batch[:] = [request for request in batch if not request.future.done() or request.extends]
+            answered.deliver()
 
     def _score_into(self, batch: list[_Request], outcomes: _Outcomes) -> list[tuple[_Request, np.ndarray]]:
         runnable: list[_Request] = []

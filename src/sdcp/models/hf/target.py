@@ -308,6 +308,10 @@ class TargetModel:
                 extended_proposal(session, state.tokens, state.pending, tuple(tokens))
         self._checked_tokens(tokens)
 
+    def answers_without_pass(self, session: SessionId, tokens: Sequence[int]) -> bool:
+        # A prefill here keeps no row: every request is a pass.
+        return False
+
     def score(self, requests: Sequence[ScoreRequest], *, extending: Collection[SessionId] = ()) -> list[np.ndarray]:
         """Score proposals of many sessions in one padded forward pass.
 

@@ -401,6 +401,11 @@ class LlamaCppTarget:
             self._check_room(state, len(proposal))
         checked_tokens(tokens, self._vocab_size)
 
+    def answers_without_pass(self, session: SessionId, tokens: Sequence[int]) -> bool:
+        with self._lock:
+            state = self._sessions.get(session)
+            return not tokens and state is not None and state.first_row is not None
+
     def score(self, requests: Sequence[ScoreRequest], *, extending: Collection[SessionId] = ()) -> list[np.ndarray]:
         """Every request's [last committed token] + proposal in one batch; per request float32
         logits (M_i + 1, V), row j after the committed prefix and x[1..j]. A session in
