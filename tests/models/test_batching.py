@@ -12,6 +12,7 @@ import pytest
 from sdcp.futures import settle_soon
 from sdcp.models import BatchingScorer, ScorerClosed, TargetModel, UnknownSession, batching
 from sdcp.models.batching import RUN_DELIVERY_STEPS
+from sdcp.models.errors import ModelError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -262,3 +263,60 @@ async def test_a_closing_scorer_leaves_no_step_of_a_run_waiting(tiny_target: Tar
         scorer.close()
     outcomes = await asyncio.wait_for(asyncio.gather(*run.steps, return_exceptions=True), timeout=30)
     assert all(outcome is None or isinstance(outcome, (np.ndarray, ScorerClosed)) for outcome in outcomes)
+
+
+class _KeptRows:
+    """The tiny target, as if the prefill of each session in ``kept`` had kept its row (llama.cpp):
+    that session's first request is answered without a pass (Target.answers_without_pass); a
+    session in ``failing`` makes `score` fail."""
+
+    def __init__(self, target: TargetModel, kept: set[bytes], failing: frozenset[bytes] = frozenset()) -> None:
+        self._target = target
+        self.kept = kept
+        self.failing = failing
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._target, name)
+
+    def answers_without_pass(self, session: bytes, tokens: tuple[int, ...]) -> bool:
+        return session in self.kept and not tokens
+
+    def score(self, requests, *, extending=()):  # noqa: ANN001, ANN201 - Target.score's
+        for session, _ in requests:
+            if session in self.failing:
+                raise ModelError(f"session {session.hex()} cannot be scored")
+            self.kept.discard(session)
+        return self._target.score(requests, extending=extending)
+
+
+async def test_a_request_answered_without_a_pass_lets_its_run_join_the_pass(
+    tiny_target: TargetModel, session_ids
+) -> None:
+    running, joining = _open(tiny_target, session_ids, 2)
+    with BatchingScorer(_KeptRows(tiny_target, {joining}), window_s=5.0, max_batch=2) as scorer:
+        run = scorer.score_ahead_async(joining, (), 2, frozenset(), deliver_every=1)
+        other = scorer.score_async(running, (7,))
+        first_step = await asyncio.wait_for(run.steps[0], timeout=30)
+        # Its first step came with the pass it was gathered with, the only one run so far.
+        assert scorer.batches_run == 1 and other.done() and run.rows.done()
+        assert first_step is not None
+        assert await asyncio.wait_for(run.steps[1], timeout=30) is not None
+
+
+async def test_a_request_answered_without_a_pass_fails_or_is_withdrawn_alone(
+    tiny_target: TargetModel, session_ids
+) -> None:
+    """Its caller learns the failure, its run stops, and the pass of the others goes on; one
+    withdrawn before the pass stops its run too."""
+    running, failing, withdrawn = _open(tiny_target, session_ids, 3)
+    target = _KeptRows(tiny_target, {failing, withdrawn}, failing=frozenset({failing}))
+    with BatchingScorer(target, window_s=5.0, max_batch=3) as scorer:
+        fails = scorer.score_ahead_async(failing, (), 2, frozenset())
+        gone = scorer.score_ahead_async(withdrawn, (), 2, frozenset())
+        gone.rows.cancel()
+        other = scorer.score_async(running, (7,))
+        assert (await asyncio.wait_for(other, timeout=30)).shape == (2, tiny_target.vocab_size)
+        with pytest.raises(ModelError, match="cannot be scored"):
+            await asyncio.wait_for(fails.rows, timeout=30)
+        assert [await asyncio.wait_for(step, timeout=30) for step in (*fails.steps, *gone.steps)] == [None] * 4
+        assert scorer.batches_run == 1
