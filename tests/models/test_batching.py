@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from sdcp.futures import settle_soon
 from sdcp.models import BatchingScorer, ScorerClosed, TargetModel, UnknownSession, batching
-from sdcp.models.batching import RUN_DELIVERY_STEPS
+from sdcp.models.batching import RUN_DELIVERY_STEPS, ScoredRun
 from sdcp.models.errors import ModelError
 
 pytestmark = pytest.mark.timeout(60)
@@ -293,8 +294,15 @@ async def test_a_request_answered_without_a_pass_lets_its_run_join_the_pass(
     tiny_target: TargetModel, session_ids
 ) -> None:
     running, joining = _open(tiny_target, session_ids, 2)
-    with BatchingScorer(_KeptRows(tiny_target, {joining}), window_s=5.0, max_batch=2) as scorer:
+    # The first pass waits for both requests; the later ones, the run's alone (it has fed a token), for nobody.
+    runs: list[ScoredRun] = []
+
+    def active() -> int:
+        return 1 if runs and runs[0].fed else 2
+
+    with BatchingScorer(_KeptRows(tiny_target, {joining}), window_s=5.0, max_batch=2, active_sessions=active) as scorer:
         run = scorer.score_ahead_async(joining, (), 2, frozenset(), deliver_every=1)
+        runs.append(run)
         other = scorer.score_async(running, (7,))
         first_step = await asyncio.wait_for(run.steps[0], timeout=30)
         # Its first step came with the pass it was gathered with, the only one run so far.
@@ -320,3 +328,30 @@ async def test_a_request_answered_without_a_pass_fails_or_is_withdrawn_alone(
             await asyncio.wait_for(fails.rows, timeout=30)
         assert [await asyncio.wait_for(step, timeout=30) for step in (*fails.steps, *gone.steps)] == [None] * 4
         assert scorer.batches_run == 1
+
+
+class _CancelledWhileLookedAt(Future[np.ndarray]):
+    """A request its caller withdraws just after the scorer first asks whether it is done."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    def done(self) -> bool:
+        self.asked += 1
+        return self.asked > 1
+
+
+async def test_a_request_leaves_the_pass_only_with_its_run_ended(tiny_target: TargetModel, session_ids) -> None:
+    """A caller may withdraw its request at any moment while the scorer answers those that need no
+    pass: a request that leaves the batch there has its run ended (its steps get None), else it
+    stays for the pass, which ends the run of one withdrawn."""
+    (session,) = _open(tiny_target, session_ids, 1)
+    loop = asyncio.get_running_loop()
+    run = batching._Run(loop, deque(loop.create_future() for _ in range(2)), frozenset(), batching.MostProbable(), [])
+    request = batching._Request(session, (7,), _CancelledWhileLookedAt(), (loop, loop.create_future()), run)
+    batch = [request]
+    with BatchingScorer(tiny_target, window_s=0.0) as scorer:
+        scorer._answer_without_pass(batch, stopping=False)
+    await asyncio.sleep(0)
+    assert batch == [request] or all(step.done() for step in run.steps)

@@ -20,6 +20,7 @@ from tests.llama_greedy import llama_cpp_greedy
 
 from sdcp.bench.workloads import load_workloads, tokenize_prompt
 from sdcp.models import BatchingScorer, LoadedModel
+from sdcp.models.batching import ScoredRun
 from sdcp.models.errors import (
     BadTokens,
     DigestMismatch,
@@ -554,8 +555,15 @@ async def test_a_joining_sessions_kept_row_needs_no_pass_and_its_run_joins_the_p
     target.open_session(running, prompts[0])
     target.score([(running, ())])
     target.open_session(joining, prompts[1])
-    with BatchingScorer(target, window_s=5.0, max_batch=2) as scorer:
+    # The first pass waits for both requests; the later ones, the run's alone (it has fed a token), for nobody.
+    runs: list[ScoredRun] = []
+
+    def active() -> int:
+        return 1 if runs and runs[0].fed else 2
+
+    with BatchingScorer(target, window_s=5.0, max_batch=2, active_sessions=active) as scorer:
         run = scorer.score_ahead_async(joining, (), 3, frozenset(), deliver_every=1)
+        runs.append(run)
         passing = scorer.score_async(running, (7,))
         kept = await asyncio.wait_for(run.rows, timeout=60)
         first_step = await asyncio.wait_for(run.steps[0], timeout=60)

@@ -433,11 +433,15 @@ class BatchingScorer(ModelThread):
                 if step is not None:
                     batch[index] = step
         finally:
+            # A request answered here, or withdrawn (its caller may cancel it at any moment: done()
+            # is read once), leaves the batch; its run went on in it or stops now.
+            going_on: list[_Request] = []
             for request in batch:
-                if request.run is not None and request.future.done() and not request.extends:
-                    # Answered here, or withdrawn: its run went on in ``batch`` or stops now.
+                if request.extends or not request.future.done():
+                    going_on.append(request)
+                elif request.run is not None:
                     answered.end_run(request.run)
-            batch[:] = [request for request in batch if not request.future.done() or request.extends]
+            batch[:] = going_on
             answered.deliver()
 
     def _score_into(self, batch: list[_Request], outcomes: _Outcomes) -> list[tuple[_Request, np.ndarray]]:
