@@ -159,6 +159,13 @@ class _Request:
     reach: int = 0
 
 
+def _taken(request: _Request) -> bool:
+    """Whether ``request`` is still wanted (its caller withdrew neither its waiter nor its future),
+    marking it running: a pass is about to answer it."""
+    withdrawn = request.waiter is not None and request.waiter[1].cancelled()
+    return not withdrawn and request.future.set_running_or_notify_cancel()
+
+
 class _Outcomes:
     """Completes requests; what goes to asyncio waiters is handed to each loop in one callback."""
 
@@ -420,8 +427,7 @@ class BatchingScorer(ModelThread):
             for index, request in enumerate(batch):
                 if request.extends or not self.target.answers_without_pass(request.session, request.tokens):
                     continue
-                withdrawn = request.waiter is not None and request.waiter[1].cancelled()
-                if withdrawn or not request.future.set_running_or_notify_cancel():
+                if not _taken(request):
                     continue
                 try:
                     (rows,) = self.target.score([(request.session, request.tokens)])
@@ -447,8 +453,7 @@ class BatchingScorer(ModelThread):
     def _score_into(self, batch: list[_Request], outcomes: _Outcomes) -> list[tuple[_Request, np.ndarray]]:
         runnable: list[_Request] = []
         for request in batch:
-            withdrawn = request.waiter is not None and request.waiter[1].cancelled()
-            if withdrawn or not request.future.set_running_or_notify_cancel():
+            if not _taken(request):
                 continue
             try:
                 self.target.check_request(request.session, request.tokens, extending=request.extends)
