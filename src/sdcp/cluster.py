@@ -94,6 +94,16 @@ def check_up_options(
         )
 
 
+def one_process_by_default(device: str | None) -> bool:
+    """Whether `sdcp up` runs every instance in one process when not told (`--one-process` or
+    `--processes`): where the verifier runs on the CPU. Its model's threads take every core there,
+    so the services' Python runs on the cores the passes use and costs them about its own time; in
+    one process the gateway reads output by a call instead of over HTTP/2 and TLS, which saved a
+    third of the services' CPU a token (docs/performance.md, session 38). On a GPU the passes leave
+    the host's cores free, and a process each lets the roles' Python run on several of them at once."""
+    return device in (None, "cpu")
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -244,16 +254,15 @@ class LocalCluster:
         role_settings: Mapping[str, Mapping[str, int]] | None = None,
         one_process: bool | None = None,
     ) -> list[Instance]:
-        """Start router, verifier, drafters and the gateway as separate processes (with
-        ``one_process``, in one: `sdcp together`); wait until they serve. A cluster of which some
-        instances stopped gets those restarted, the others untouched,
-        with the options it was started with (its API key among them); options given that differ
-        from those are a ClusterError. ``device``, ``dtype``: the verifier's and the ``hf:``
-        drafters' torch device and precision; ``host``: where the gateway listens (loopback by
-        default; another address needs ``api_key`` and gets TLS); ``served_model_name``: the model
-        name the API reports and accepts; ``api_key``: required on every /v1 request;
-        ``role_settings``: further settings of the `[verifier]` and `[router]` sections, by role
-        (the benchmark turns the prefix cache off, tests shorten deadlines)."""
+        """Start router, verifier, drafters and the gateway in one process (`sdcp together`) or a process each,
+        as ``one_process`` says (by default one_process_by_default); wait until they serve. A cluster of which
+        some instances stopped gets those restarted (in one process: the process), the others untouched, with
+        the options it was started with (its API key among them); options given that differ from those are a
+        ClusterError. ``device``, ``dtype``: the verifier's and the ``hf:`` drafters' torch device and
+        precision; ``host``: where the gateway listens (loopback by default; another address needs ``api_key``
+        and gets TLS); ``served_model_name``: the model name the API reports and accepts; ``api_key``: required
+        on every /v1 request; ``role_settings``: further settings of the `[verifier]` and `[router]` sections,
+        by role (the benchmark turns the prefix cache off, tests shorten deadlines)."""
         given = UpOptions(device, dtype, host, served_model_name, None if api_key is None else True, one_process)
         if self.instances():
             self._check_same(given, api_key)
@@ -261,6 +270,8 @@ class LocalCluster:
                 return self.instances()
             return self.restart_stopped(timeout_s)
         check_up_options(backend, device=device, dtype=dtype, host=host, api_key=api_key)
+        if one_process is None:
+            one_process = one_process_by_default(device)
         if gateway_port and accepts(gateway_port):
             raise ClusterError(
                 f"port {gateway_port} is busy; start the cluster with `sdcp up --gateway-port N` (0 picks a free one)"
@@ -358,12 +369,14 @@ class LocalCluster:
                     runs = "with another API key" if stored else "without an API key"
                     raise ClusterError(f"the cluster runs {runs}; `sdcp down` first to start it with --api-key")
                 continue
-            if getattr(current, name) != value:
-                option = "--" + name.replace("_", "-")
-                raise ClusterError(
-                    f"the cluster runs with {option} {getattr(current, name)}, not {value}; "
-                    "`sdcp down` first to start it with other options"
-                )
+            running = getattr(current, name)
+            if running != value:
+                if name == "one_process":
+                    flags = {True: "--one-process", False: "--processes"}
+                    differs = f"{flags[bool(running)]}, not {flags[bool(value)]}"
+                else:
+                    differs = f"--{name.replace('_', '-')} {running}, not {value}"
+                raise ClusterError(f"the cluster runs with {differs}; `sdcp down` first to start it with other options")
 
     def stopped(self) -> list[Instance]:
         return [instance for instance in self.instances() if not instance.alive()]

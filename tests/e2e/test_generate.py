@@ -1,4 +1,5 @@
-"""End to end: `sdcp generate` on a local cluster of separate processes with the bundled SmolLM2.
+"""End to end: `sdcp generate` on a local cluster of separate processes (`sdcp up --processes`) with
+the bundled SmolLM2; the default, one process on the CPU, is every other module's cluster.
 
 Rule 1 must reproduce transformers' greedy decoding token for token (SDCP 6.4), through the router,
 the verifier, the drafters, the MLC and HTTP/2 + mTLS between processes.
@@ -13,13 +14,14 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from tests.e2e.homes import fresh_home
-from tests.e2e.support import MAX_NEW, PROMPTS, sdcp, stats_when_ended
+from tests.e2e.support import MAX_NEW, PROMPTS, cluster_up, sdcp, stats_when_ended
 from tests.waiting import HANG_GUARD_S, wait_until
 
 from sdcp.cluster import LocalCluster
@@ -28,6 +30,16 @@ from sdcp.protocol.messages import Action
 from sdcp.transport.client import SDCPClient
 
 pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A local cluster of a process per instance, running for the tests of this module: one of
+    them is killed below, and only it starts again."""
+    root = fresh_home(tmp_path_factory.mktemp("sdcp-home"))
+    with cluster_up(root, "--gateway-port", "0", "--processes") as started:
+        assert started.returncode == 0, started.stderr
+        yield root
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

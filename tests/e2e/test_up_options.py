@@ -98,6 +98,8 @@ def test_the_key_is_kept_in_a_0600_file_and_nowhere_else(home: Path) -> None:
 
 def test_a_restart_keeps_the_key_and_other_options_are_one_line_errors(home: Path) -> None:
     cluster = LocalCluster(home)
+    # On the CPU, `sdcp up` runs every instance in one process: the gateway's is the verifier's.
+    assert len({instance.pid for instance in cluster.instances()}) == 1
     gateway = next(instance for instance in cluster.instances() if instance.role == "gateway")
     os.kill(gateway.pid, signal.SIGKILL)
     wait_until(lambda: not gateway.alive(), what="the gateway gone")
@@ -113,6 +115,7 @@ def test_a_restart_keeps_the_key_and_other_options_are_one_line_errors(home: Pat
         (["--dtype", "bfloat16"], "the cluster runs with --dtype float32, not bfloat16"),
         (["--host", "127.0.0.1"], "the cluster runs with --host 0.0.0.0, not 127.0.0.1"),
         (["--served-model-name", "other"], f"the cluster runs with --served-model-name {SERVED}, not other"),
+        (["--processes"], "the cluster runs with --one-process, not --processes"),
     ]:
         refused = sdcp(home, "up", *options)
         assert refused.returncode == 1 and message in refused.stderr, refused.stderr

@@ -1,21 +1,22 @@
 """The ``serving`` workload (issue #38): what a chat user sends an OpenAI endpoint, against
 llama-server on the same GGUF and threads.
 
-Systems: ``sdcp`` (the default `sdcp up` cluster), ``sdcp_one_process`` (`sdcp up --one-process`)
-and ``llama_server``. Short everyday questions (``prompts/serving.txt``, held out: nothing is tuned
-on them), each a streamed greedy chat completion of ``max_tokens`` tokens, at 1, 4 and 16 streams at
-once (``STREAMS``): at a level of N streams, N clients each send ``PER_STREAM[N]`` questions one after
-another. Each level has questions of its own, the same for every system, so that no system answers
-from a prompt it cached at an earlier level (llama-server's slots keep whole prompts; asked again, it
-evaluates one token). The systems take turns level by level, the order rotating, so that none always
-runs on a warmer or cooler machine; at one stream they take turns question by question (``level_turns``),
-so that the machine's drift over a level's minute (a tenth and more here) does not fall on one system's
-questions. llama-server runs with 16 slots (``--parallel 16``), as a user
-serving up to 16 streams starts it. With ``repeats``, the whole workload runs again on clusters and a
-llama-server started afresh (the same questions asked of servers that never saw them), the order
-rotated once more; each figure is the median over the runs, and each ratio the median of the runs'
-own ratios (a machine whose speed drifts by a quarter within an hour moved one run's ratios by as
-much as what was left to gain: docs/performance.md, session 32).
+Systems: ``sdcp`` (the default `sdcp up` cluster: one process on the CPU), ``sdcp_processes`` (`sdcp
+up --processes`, a process each) and ``llama_server``. Short everyday questions
+(``prompts/serving.txt``, held out: nothing is tuned on them), each a streamed greedy chat
+completion of ``max_tokens`` tokens, at 1, 4 and 16 streams at once (``STREAMS``): at a level of N
+streams, N clients each send ``PER_STREAM[N]`` questions one after another. Each level has questions
+of its own, the same for every system, so that no system answers from a prompt it cached at an
+earlier level (llama-server's slots keep whole prompts; asked again, it evaluates one token). The
+systems take turns level by level, the order rotating, so that none always runs on a warmer or
+cooler machine; at one stream they take turns question by question (``level_turns``), so that the
+machine's drift over a level's minute (a tenth and more here) does not fall on one system's
+questions. llama-server runs with 16 slots (``--parallel 16``), as a user serving up to 16 streams
+starts it. With ``repeats``, the whole workload runs again on clusters and a llama-server started
+afresh (the same questions asked of servers that never saw them), the order rotated once more; each
+figure is the median over the runs, and each ratio the median of the runs' own ratios (a machine
+whose speed drifts by a quarter within an hour moved one run's ratios by as much as what was left to
+gain: docs/performance.md, session 32).
 
 Before its levels each server started for a run answers one warm-up request, not measured in them
 (a question of no level): what a server does once after it starts (the first prefill's cold caches,
@@ -78,7 +79,7 @@ __all__ = [
 
 SERVING_FILE = "serving.txt"
 SDCP = "sdcp"
-SDCP_ONE_PROCESS = "sdcp_one_process"
+SDCP_PROCESSES = "sdcp_processes"
 LLAMA_SERVER = "llama_server"
 STREAMS = (1, 4, 16)
 # Questions each stream asks one after another, by level: a level takes 8 to 32 questions.
@@ -98,7 +99,7 @@ class ServingConfig:
     per_stream: int | None = None
     streams: tuple[int, ...] = STREAMS
     llama_server: Path | None = None
-    systems: tuple[str, ...] = (SDCP, SDCP_ONE_PROCESS, LLAMA_SERVER)
+    systems: tuple[str, ...] = (SDCP, SDCP_PROCESSES, LLAMA_SERVER)
     repeats: int = 1
 
 
@@ -250,7 +251,7 @@ def _reference(url: str, question: str, max_tokens: int) -> list[dict[str, Any]]
 def run_serving_bench(config: ServingConfig, log: Callable[[str], None]) -> dict[str, Any]:
     """Run every system at every level, ``config.repeats`` times; write serving.json and serving.md
     under ``config.out``."""
-    unknown = set(config.systems) - {SDCP, SDCP_ONE_PROCESS, LLAMA_SERVER}
+    unknown = set(config.systems) - {SDCP, SDCP_PROCESSES, LLAMA_SERVER}
     if unknown:
         raise BenchInputError(f"serving workload: unknown systems {sorted(unknown)}")
     if any(streams < 1 for streams in config.streams):
@@ -292,10 +293,11 @@ def _serving_run(
     urls: dict[str, str] = {}
     levels: dict[str, list[Level]] = {}
     try:
-        for name in (SDCP, SDCP_ONE_PROCESS):
+        for name in (SDCP, SDCP_PROCESSES):
             if name in config.systems:
                 log(f"starting {name}")
-                started = start_default_cluster(config.out / name, one_process=name == SDCP_ONE_PROCESS)
+                one_process = False if name == SDCP_PROCESSES else None
+                started = start_default_cluster(config.out / name, one_process=one_process)
                 clusters[name], urls[name] = started.cluster, started.gateway
 
         if binary is not None:
@@ -364,7 +366,7 @@ def serving_results(
         systems[name] = system
     ratios: dict[str, dict[str, dict[str, float]]] = {}
     by_run_ratios: dict[str, dict[str, dict[str, list[float]]]] = {}
-    for ours_name in (SDCP, SDCP_ONE_PROCESS):
+    for ours_name in (SDCP, SDCP_PROCESSES):
         if ours_name not in names or LLAMA_SERVER not in names:
             continue
         for ours_run, theirs_run in zip(figures[ours_name], figures[LLAMA_SERVER], strict=True):

@@ -114,10 +114,11 @@ def fresh_cluster(home: Path) -> LocalCluster:
 
 
 def start_default_cluster(
-    home: Path, role_settings: dict[str, dict[str, Any]] | None = None, *, one_process: bool = False
+    home: Path, role_settings: dict[str, dict[str, Any]] | None = None, *, one_process: bool | None = None
 ) -> ClusterRun:
     """`sdcp up` under ``home`` on the bundled model (the fetched one, linked), gateway on a free port
-    (with ``one_process``, `sdcp up --one-process`), nothing kept of an earlier run (fresh_cluster).
+    (``one_process``: `sdcp up --one-process` or `--processes`; None: its default), nothing kept of
+    an earlier run (fresh_cluster).
     The caller takes the cluster down."""
     home.mkdir(parents=True, exist_ok=True)
     models = home / "models"
