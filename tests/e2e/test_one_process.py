@@ -1,9 +1,12 @@
-"""`sdcp up --one-process` (sdcp.together): the whole local cluster in one process, its
-output rule 1's through the real `openai` client, streamed and not; a process killed -9 and started
-again by `sdcp up`; and the gateway's direct output read answering as the verifier's HTTP does."""
+"""`sdcp up --one-process` (sdcp.together; the default on the CPU): the whole local cluster in one
+process, its output rule 1's through the real `openai` client, streamed and not, with no connection
+from the process to its own listeners (its instances ask each other by calls); a process killed -9
+and started again by `sdcp up`; and the gateway's direct output read answering as the verifier's
+HTTP does."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
@@ -59,6 +62,31 @@ def test_output_is_rule_1s_streamed_and_not(one_process_home: Path, reference: d
             if chunk.choices
         ]
         assert "".join(pieces) == expected
+
+
+def test_the_instances_ask_each_other_by_calls_not_connections(one_process_home: Path) -> None:
+    instances = LocalCluster(one_process_home).instances()
+    client_of(one_process_home).completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    listeners = {instance.port for instance in instances if instance.role != "gateway"}
+    assert not _connected_ports(instances[0].pid) & listeners
+
+
+def _connected_ports(pid: int) -> set[int]:
+    """The remote ports of the established TCP connections of the process ``pid``."""
+    sockets = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                sockets.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            established = fields[3] == "01"
+            if established and fields[9] in sockets:
+                ports.add(int(fields[2].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def test_a_killed_process_is_started_again_by_sdcp_up(one_process_home: Path, reference: dict[str, list[int]]) -> None:

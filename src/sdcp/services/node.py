@@ -119,6 +119,7 @@ class Node(ABC):
         instance = config.instance
         self.peers = PeerClients(instance.cert, instance.key, instance.ca)
         self._server: Server | None = None
+        self._served_app: Starlette | None = None
         self._admin: AdminServer | None = None
         self._tasks = BackgroundTasks(self.uri, log)
         # When a router last took this instance's status report (time.monotonic).
@@ -193,6 +194,14 @@ class Node(ABC):
             exception_handlers={**exception_handlers(), **_ENGINE_ERROR_HANDLERS},
         )
 
+    @property
+    def served_app(self) -> Starlette:
+        """The app its listener serves, made once: the instances of its process call it too
+        (sdcp.together)."""
+        if self._served_app is None:
+            self._served_app = self.app()
+        return self._served_app
+
     def _guarded_metrics(self) -> Route:
         serve = metrics_route().endpoint
 
@@ -214,7 +223,7 @@ class Node(ABC):
             ca=instance.ca,
             max_body_bytes=self.max_body_bytes,
         )
-        self._server = MTLSServer(self.app(), listener)
+        self._server = MTLSServer(self.served_app, listener)
         await self._server.start()
         loop = asyncio.get_running_loop()
 

@@ -437,9 +437,24 @@ class PeerClients:
         self._options = client_options
         self._clients: dict[str, SDCPClient] = {}
 
+    @property
+    def credentials(self) -> tuple[PathLike, PathLike, PathLike]:
+        """Our certificate, key and CA (cert, key, ca)."""
+        return self._credentials
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        """What every client is made with besides the credentials (SDCPClient's options)."""
+        return self._options
+
     def holds(self, base_uri: str) -> bool:
         """Whether a client of that peer exists (it has been asked, or connected ahead)."""
         return base_uri in self._clients
+
+    def add(self, client: SDCPClient) -> None:
+        """Ask ``client``'s peer through ``client`` from now on (a peer this process serves:
+        sdcp.transport.local)."""
+        self._clients[client.base_uri] = client
 
     def get(self, base_uri: str) -> SDCPClient:
         client = self._clients.get(base_uri)

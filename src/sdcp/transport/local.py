@@ -1,0 +1,185 @@
+"""A peer that this very process serves (`sdcp together`): its requests go to the peer's ASGI app
+by a call, not over HTTP/2 and TLS.
+
+Everything else is the exchange a remote peer gives: the same app answers (routes, authorization by
+the caller's identity, problem details), and the caller reads the answer as ``SDCPClient`` reads one
+(statuses, problems, CBOR, size limits, timeouts). The identity the app sees is the one the caller's
+certificate would carry over mTLS (its URI SAN), so that authorization is the deployment's. What goes
+is TLS's encryption both ways, HTTP/2's framing and the socket: in one process on two cores, the
+opens, assignments, events and status reports of the other roles came out of the target's passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlencode, urlsplit
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from starlette.types import ASGIApp, Message
+
+from sdcp.transport.certs import uri_sans
+from sdcp.transport.client import Params, PathLike, PeerClients, SDCPClient
+from sdcp.transport.errors import ConnectionLost, PeerTimeout, UnexpectedResponse
+from sdcp.transport.h2conn import H2Response
+from sdcp.transport.peer import PeerTLS
+
+__all__ = ["LocalPeer", "serve_locally"]
+
+log = logging.getLogger(__name__)
+
+_ASGI = {"version": "3.0", "spec_version": "2.3"}
+
+
+def serve_locally(peers: PeerClients, base_uri: str, app: ASGIApp) -> None:
+    """From now on, ``peers`` ask the peer ``base_uri`` through ``app``, its ASGI app in this process,
+    as the identity our certificate carries."""
+    cert, key, ca = peers.credentials
+    peers.add(LocalPeer(base_uri, app, _caller_tls(cert), cert, key, ca, **peers.options))
+
+
+def _caller_tls(cert_path: PathLike) -> PeerTLS:
+    """What the peer's listener learns of us from our certificate over mTLS (TLS 1.3, h2)."""
+    cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+    uris = uri_sans(cert)
+    # As PeerTLS.from_ssl_object: a certificate of several URI SANs names nobody.
+    return PeerTLS("TLSv1.3", "h2", cert.public_bytes(serialization.Encoding.DER), uris[0] if len(uris) == 1 else None)
+
+
+class LocalPeer(SDCPClient):
+    """``SDCPClient`` of a peer served by ``app`` in this process, the caller known to it as
+    ``tls`` (the caller's certificate and identity, as its mTLS connection would tell them)."""
+
+    def __init__(self, base_uri: str, app: ASGIApp, tls: PeerTLS, *credentials: Any, **options: Any) -> None:
+        super().__init__(base_uri, *credentials, **options)
+        self._app = app
+        self._tls = tls.asgi_extension()
+        parts = urlsplit(base_uri)
+        self._authority = parts.netloc.encode("ascii")
+        self._server = (parts.hostname or "", parts.port or 443)
+
+    @property
+    def connected(self) -> bool:
+        return not self._closed
+
+    async def connect(self) -> None:
+        """Nothing to open: the peer is in this process."""
+
+    async def aclose(self) -> None:
+        self._closed = True
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None,
+        params: Params | None,
+        headers: dict[str, str],
+        idempotent: bool,
+        timeout: float | None,
+        content_type: str | None,
+        max_size: int,
+    ) -> H2Response:
+        if self._closed:
+            raise ConnectionLost(f"the client of {self.base_uri} is closed")
+        if body is not None and content_type is not None:
+            headers["content-type"] = content_type
+        raw_path = (self._path_prefix + path.lstrip("/")).encode("ascii")
+        query = urlencode({name: str(value) for name, value in params.items()}).encode("ascii") if params else b""
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": _ASGI,
+            "http_version": "2",
+            "method": method,
+            "scheme": "https",
+            "path": unquote(raw_path.decode("ascii")),
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": [
+                (b"host", self._authority),
+                *((name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()),
+            ],
+            "client": None,
+            "server": self._server,
+            "extensions": {"tls": self._tls},
+            "state": {},
+        }
+        exchange = _Exchange(body or b"", max_size)
+        answering = asyncio.ensure_future(self._app(scope, exchange.receive, exchange.send))
+        answering.add_done_callback(exchange.app_returned)
+        try:
+            async with asyncio.timeout(self._timeout if timeout is None else timeout):
+                response = await exchange.answer
+        except TimeoutError as error:
+            raise PeerTimeout(f"{method} {path} to {self.base_uri} timed out") from error
+        except _TooLarge as error:
+            raise UnexpectedResponse(f"{method} {path} to {self.base_uri}: {error}") from error
+        finally:
+            # As a stream the client resets: a handler that still waits hears that its caller left.
+            exchange.leave()
+            if not answering.done():
+                answering.cancel()
+        return response
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Exchange:
+    """One request's body for the app, and the answer it sends back."""
+
+    def __init__(self, body: bytes, max_size: int) -> None:
+        self._body: bytes | None = body
+        self._max_size = max_size
+        self._left = asyncio.Event()
+        self._status: int | None = None
+        self._headers: dict[str, str] = {}
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self.answer: asyncio.Future[H2Response] = asyncio.get_running_loop().create_future()
+
+    async def receive(self) -> Message:
+        if self._body is not None:
+            body, self._body = self._body, None
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self._left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Message) -> None:
+        if self.answer.done():
+            return
+        if message["type"] == "http.response.start":
+            self._status = int(message["status"])
+            self._headers = {
+                bytes(name).decode("latin-1").lower(): bytes(value).decode("latin-1")
+                for name, value in message.get("headers", [])
+            }
+            return
+        if message["type"] != "http.response.body" or self._status is None:
+            return
+        chunk = bytes(message.get("body", b""))
+        self._size += len(chunk)
+        if self._size > self._max_size:
+            self.answer.set_exception(_TooLarge(f"response body exceeds {self._max_size} bytes"))
+            return
+        self._chunks.append(chunk)
+        if not message.get("more_body", False):
+            self.answer.set_result(H2Response(self._status, self._headers, b"".join(self._chunks)))
+
+    def app_returned(self, answering: asyncio.Future[None]) -> None:
+        """An app that returned or failed without completing its answer answers 500, as the
+        server's listener does for it; a failure is logged as the listener logs it."""
+        failure = None if answering.cancelled() else answering.exception()
+        if failure is not None:
+            log.error("unhandled error answering a request of this process", exc_info=failure)
+        if not self.answer.done():
+            self.answer.set_result(H2Response(500, {}, b""))
+
+    def leave(self) -> None:
+        self._left.set()
