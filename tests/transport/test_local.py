@@ -4,6 +4,7 @@ over HTTP/2 + mTLS, to the identity the caller's certificate carries."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 
 import pytest
 from starlette.applications import Starlette
@@ -29,6 +30,9 @@ from .tls_harness import PKI, Identity, client_for, mtls_listener, serving
 
 pytestmark = pytest.mark.timeout(60)
 
+
+# A context variable of the caller: the peer's handlers, as a listener's, do not see it.
+CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("caller", default=None)
 
 # Where the peer's listener would be; it is asked by a call.
 LOCAL_URI = "https://127.0.0.1:9443/"
@@ -68,6 +72,9 @@ def peer_app(*, pki: PKI, watch: Watch | None = None) -> Starlette:
             watching.gone.set()
         return Response(status_code=204)
 
+    async def context(_request: Request) -> Response:
+        return cbor_response({"caller": CALLER.get() or "unset"})
+
     async def big(_request: Request) -> Response:
         return Response(b"x" * 65536, media_type="application/octet-stream")
 
@@ -78,6 +85,7 @@ def peer_app(*, pki: PKI, watch: Watch | None = None) -> Starlette:
             Route("/assigned", assigned, methods=["PUT"]),
             Route("/never", never),
             Route("/big", big),
+            Route("/context", context),
         ],
         exception_handlers=exception_handlers(),
     )
@@ -120,6 +128,12 @@ async def test_a_local_peer_answers_what_it_answers_over_mtls(pki: PKI) -> None:
         assert called[1] == (201, {"body": {"tokens": [1, 2, 3]}, "n": "7"})
         expected = (204, None) if identity is pki.drafter_a else (ProtocolError, ProblemType.NOT_ASSIGNED, 403)
         assert called[2] == expected
+
+
+async def test_the_peer_runs_in_a_context_of_its_own(pki: PKI) -> None:
+    CALLER.set("the caller's")
+    client = local_peer(pki, pki.drafter_a, peer_app(pki=pki))
+    assert await client.get_cbor("context") == (200, {"caller": "unset"})
 
 
 async def test_a_caller_that_times_out_leaves_the_handler(pki: PKI) -> None:

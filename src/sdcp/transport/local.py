@@ -12,6 +12,7 @@ opens, assignments, events and status reports of the other roles came out of the
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,11 @@ class LocalPeer(SDCPClient):
             "state": {},
         }
         exchange = _Exchange(body or b"", max_size)
-        answering = asyncio.ensure_future(self._app(scope, exchange.receive, exchange.send))
+        # In a context of its own, as a task of the peer's listener would run: nothing of the
+        # caller's context variables reaches the peer's handlers.
+        answering = asyncio.get_running_loop().create_task(
+            _answer(self._app, scope, exchange), context=contextvars.Context()
+        )
         answering.add_done_callback(exchange.app_returned)
         try:
             async with asyncio.timeout(self._timeout if timeout is None else timeout):
@@ -125,6 +130,10 @@ class LocalPeer(SDCPClient):
             if not answering.done():
                 answering.cancel()
         return response
+
+
+async def _answer(app: ASGIApp, scope: dict[str, Any], exchange: _Exchange) -> None:
+    await app(scope, exchange.receive, exchange.send)
 
 
 class _TooLarge(Exception):
