@@ -368,8 +368,9 @@ def up(
         None,
         "--one-process/--processes",
         help="Run every instance in one process (`sdcp together`; the gateway reads output without HTTP) "
-        "or each in its own. Default: one process where the verifier runs on the cpu (its model's threads "
-        "take every core, and the services' work costs the passes less so), a process each on a GPU.",
+        "or each in its own. Default: one process where the verifier runs on the cpu and no drafter runs a "
+        "model (the verifier's threads take every core, and the services' work costs the passes less so), "
+        "else a process each.",
     ),
 ) -> None:
     """Start a local cluster in the background: router, verifier, drafters, embedded MLC, and the

@@ -20,12 +20,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from sdcp.config import SUFFIX_DRAFTER
+from sdcp.config import NGRAM_DRAFTER, SUFFIX_DRAFTER
 from sdcp.home import sdcp_home
 from sdcp.localhost import accepts, free_port
 from sdcp.threads import usable_cores
@@ -94,14 +94,16 @@ def check_up_options(
         )
 
 
-def one_process_by_default(device: str | None) -> bool:
+def one_process_by_default(device: str | None, drafters: Sequence[str]) -> bool:
     """Whether `sdcp up` runs every instance in one process when not told (`--one-process` or
-    `--processes`): where the verifier runs on the CPU. Its model's threads take every core there,
-    so the services' Python runs on the cores the passes use and costs them about its own time; in
-    one process the gateway reads output by a call instead of over HTTP/2 and TLS, which saved a
-    third of the services' CPU a token (docs/performance.md, session 38). On a GPU the passes leave
-    the host's cores free, and a process each lets the roles' Python run on several of them at once."""
-    return device in (None, "cpu")
+    `--processes`): where the verifier runs on the CPU and no drafter runs a model. The verifier's
+    threads take every core there, so the services' Python runs on the cores the passes use and
+    costs them about its own time; in one process the instances ask each other by calls instead of
+    over HTTP/2 and TLS, which saved a third of the services' CPU a token (docs/performance.md,
+    session 38). On a GPU the passes leave the host's cores free, and a process each lets the roles'
+    Python run on several of them at once; a model drafter (`hf:`, `llamacpp:`) keeps its model's
+    threads and their settings (torch's are the process's) in a process of its own."""
+    return device in (None, "cpu") and all(spec in (NGRAM_DRAFTER, SUFFIX_DRAFTER) for spec in drafters)
 
 
 def is_loopback(host: str) -> bool:
@@ -271,7 +273,7 @@ class LocalCluster:
             return self.restart_stopped(timeout_s)
         check_up_options(backend, device=device, dtype=dtype, host=host, api_key=api_key)
         if one_process is None:
-            one_process = one_process_by_default(device)
+            one_process = one_process_by_default(device, drafters)
         if gateway_port and accepts(gateway_port):
             raise ClusterError(
                 f"port {gateway_port} is busy; start the cluster with `sdcp up --gateway-port N` (0 picks a free one)"
