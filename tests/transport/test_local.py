@@ -8,6 +8,7 @@ import contextvars
 
 import pytest
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -72,6 +73,14 @@ def peer_app(*, pki: PKI, watch: Watch | None = None) -> Starlette:
             watching.gone.set()
         return Response(status_code=204)
 
+    async def after_answering() -> None:
+        await asyncio.sleep(0)
+        watching.left.append("after its answer")
+        watching.gone.set()
+
+    async def later(_request: Request) -> Response:
+        return Response(status_code=204, background=BackgroundTask(after_answering))
+
     async def context(_request: Request) -> Response:
         return cbor_response({"caller": CALLER.get() or "unset"})
 
@@ -86,6 +95,7 @@ def peer_app(*, pki: PKI, watch: Watch | None = None) -> Starlette:
             Route("/never", never),
             Route("/big", big),
             Route("/context", context),
+            Route("/later", later),
         ],
         exception_handlers=exception_handlers(),
     )
@@ -134,6 +144,14 @@ async def test_the_peer_runs_in_a_context_of_its_own(pki: PKI) -> None:
     CALLER.set("the caller's")
     client = local_peer(pki, pki.drafter_a, peer_app(pki=pki))
     assert await client.get_cbor("context") == (200, {"caller": "unset"})
+
+
+async def test_a_handler_runs_on_after_its_answer(pki: PKI) -> None:
+    watch = Watch()
+    client = local_peer(pki, pki.drafter_a, peer_app(pki=pki, watch=watch))
+    assert await client.get_cbor("later") == (204, None)
+    await watch.gone.wait()
+    assert watch.left == ["after its answer"]
 
 
 async def test_a_caller_that_times_out_leaves_the_handler(pki: PKI) -> None:

@@ -125,9 +125,11 @@ class LocalPeer(SDCPClient):
         except _TooLarge as error:
             raise UnexpectedResponse(f"{method} {path} to {self.base_uri}: {error}") from error
         finally:
-            # As a stream the client resets: a handler that still waits hears that its caller left.
+            # The exchange is over: a handler that still waits for the body's end hears so. One
+            # whose caller left before the whole answer came is cancelled, as a reset stream's is;
+            # one that answered runs on (work it does after its answer, as behind a listener).
             exchange.leave()
-            if not answering.done():
+            if not exchange.answered:
                 answering.cancel()
         return response
 
@@ -189,6 +191,11 @@ class _Exchange:
             log.error("unhandled error answering a request of this process", exc_info=failure)
         if not self.answer.done():
             self.answer.set_result(H2Response(500, {}, b""))
+
+    @property
+    def answered(self) -> bool:
+        """Whether the whole answer came (not cut by its size)."""
+        return self.answer.done() and not self.answer.cancelled() and self.answer.exception() is None
 
     def leave(self) -> None:
         self._left.set()
