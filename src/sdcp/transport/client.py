@@ -291,6 +291,21 @@ class SDCPClient:
         if params:
             target += "?" + urlencode({name: str(value) for name, value in params.items()})
         encoded = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+        return await self._deliver(method, path, target, encoded, body, idempotent, timeout, max_size)
+
+    async def _deliver(
+        self,
+        method: str,
+        path: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | None,
+        idempotent: bool,
+        timeout: float | None,
+        max_size: int,
+    ) -> H2Response:
+        """Send the request for ``target`` (path and query) on the peer's connection, retrying where
+        that is safe; ``path`` names it in errors."""
         attempt = 0
         while True:
             attempt += 1
@@ -299,7 +314,7 @@ class SDCPClient:
                 response = await connection.request(
                     method,
                     target,
-                    encoded,
+                    headers,
                     body,
                     timeout=self._timeout if timeout is None else timeout,
                     max_size=max_size,

@@ -16,14 +16,14 @@ import contextvars
 import logging
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlencode, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from starlette.types import ASGIApp, Message
 
 from sdcp.transport.certs import uri_sans
-from sdcp.transport.client import Params, PathLike, PeerClients, SDCPClient
+from sdcp.transport.client import PathLike, PeerClients, SDCPClient
 from sdcp.transport.errors import ConnectionLost, PeerTimeout, UnexpectedResponse
 from sdcp.transport.h2conn import H2Response
 from sdcp.transport.peer import PeerTLS
@@ -72,25 +72,20 @@ class LocalPeer(SDCPClient):
     async def aclose(self) -> None:
         self._closed = True
 
-    async def _send(
+    async def _deliver(
         self,
         method: str,
         path: str,
-        *,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
         body: bytes | None,
-        params: Params | None,
-        headers: dict[str, str],
         idempotent: bool,
         timeout: float | None,
-        content_type: str | None,
         max_size: int,
     ) -> H2Response:
         if self._closed:
             raise ConnectionLost(f"the client of {self.base_uri} is closed")
-        if body is not None and content_type is not None:
-            headers["content-type"] = content_type
-        raw_path = (self._path_prefix + path.lstrip("/")).encode("ascii")
-        query = urlencode({name: str(value) for name, value in params.items()}).encode("ascii") if params else b""
+        raw_path, _, query = target.encode("ascii").partition(b"?")
         scope: dict[str, Any] = {
             "type": "http",
             "asgi": _ASGI,
@@ -101,10 +96,7 @@ class LocalPeer(SDCPClient):
             "raw_path": raw_path,
             "query_string": query,
             "root_path": "",
-            "headers": [
-                (b"host", self._authority),
-                *((name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()),
-            ],
+            "headers": [(b"host", self._authority), *headers],
             "client": None,
             "server": self._server,
             "extensions": {"tls": self._tls},
