@@ -269,8 +269,8 @@ def together(
     log_json: bool = typer.Option(False, "--log-json", help=_JSON_HELP),
 ) -> None:
     """Run several instances in one process until SIGINT or SIGTERM: each is the service it is alone
-    (its own listener, identity and metrics), and a gateway reads the output of a verifier of this
-    process by a call instead of over HTTP (`sdcp up --one-process` runs its cluster so)."""
+    (its own listener, identity and metrics), and they ask each other by calls instead of over HTTP
+    (`sdcp up` runs its cluster so on the CPU)."""
     from sdcp.config import load_config, thread_budget
     from sdcp.logs import configure_logging
     from sdcp.threads import limit_native_threads
@@ -367,7 +367,7 @@ def up(
     one_process: bool = typer.Option(
         None,
         "--one-process/--processes",
-        help="Run every instance in one process (`sdcp together`; the gateway reads output without HTTP) "
+        help="Run every instance in one process (`sdcp together`; they ask each other without HTTP) "
         "or each in its own. Default: one process where the verifier runs on the cpu and no drafter runs a "
         "model (the verifier's threads take every core, and the services' work costs the passes less so), "
         "else a process each.",

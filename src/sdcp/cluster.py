@@ -374,6 +374,9 @@ class LocalCluster:
             running = getattr(current, name)
             if running != value:
                 if name == "one_process":
+                    # A cluster whose options predate the choice ran a process each.
+                    if bool(running) == value:
+                        continue
                     flags = {True: "--one-process", False: "--processes"}
                     differs = f"{flags[bool(running)]}, not {flags[bool(value)]}"
                 else:
@@ -532,6 +535,9 @@ class LocalCluster:
 
     def _start_process(self, arguments: list[str], log_path: Path) -> int:
         """`sdcp ARGUMENTS` in the background, its output appended to ``log_path``; its pid."""
+        if log_path.is_symlink():
+            # The instance ran in one process before (`_spawn_together`): its log is its own again.
+            log_path.unlink()
         with log_path.open("ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "sdcp", *arguments],

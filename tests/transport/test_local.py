@@ -57,7 +57,9 @@ def peer_app(*, pki: PKI, watch: Watch | None = None) -> Starlette:
         return cbor_response({"peer": peer_uri(request), "host": request.headers.get("host")})
 
     async def echo(request: Request) -> Response:
-        return cbor_response({"body": await read_cbor_body(request), "n": request.query_params.get("n")}, 201)
+        body = await read_cbor_body(request)
+        length = request.headers.get("content-length")
+        return cbor_response({"body": body, "n": request.query_params.get("n"), "length": length}, 201)
 
     async def assigned(request: Request) -> Response:
         if peer_uri(request) != pki.drafter_a.uri:
@@ -119,6 +121,8 @@ async def outcomes(client: SDCPClient) -> list[object]:
             answers.append(await request)
         except ProtocolError as error:
             answers.append((type(error), error.problem, error.status))
+    head = await client.head("big")
+    answers.append((head.status, head.content))
     return answers
 
 
@@ -135,7 +139,7 @@ async def test_a_local_peer_answers_what_it_answers_over_mtls(pki: PKI) -> None:
             answers[0] = (answers[0][0], {"peer": answers[0][1]["peer"]})  # type: ignore[index]
         assert called == over_tls
         assert called[0] == (200, {"peer": identity.uri})
-        assert called[1] == (201, {"body": {"tokens": [1, 2, 3]}, "n": "7"})
+        assert called[1] == (201, {"body": {"tokens": [1, 2, 3]}, "n": "7", "length": "12"})
         expected = (204, None) if identity is pki.drafter_a else (ProtocolError, ProblemType.NOT_ASSIGNED, 403)
         assert called[2] == expected
 
@@ -188,7 +192,7 @@ async def test_an_answer_past_the_limit_and_an_app_that_answers_nothing_fail_as_
     mute = local_peer(pki, pki.drafter_a, silent)  # type: ignore[arg-type]
     with pytest.raises(PeerServerError) as failed:
         await mute.get_cbor("anything")
-    assert failed.value.status == 500
+    assert failed.value.status == 500 and failed.value.problem is not None
 
 
 async def test_a_closed_local_peer_asks_nothing(pki: PKI) -> None:

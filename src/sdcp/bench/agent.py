@@ -202,7 +202,8 @@ def run_agent_bench(config: AgentConfig, log: Callable[[str], None]) -> dict[str
 def _restarted_verifier_turn(
     cluster: LocalCluster, run: SystemRun, workload: AgentWorkload, config: AgentConfig, log: Callable[[str], None]
 ) -> dict[str, Any]:
-    """The verifier killed and started again: its first turn finds the prefix in the shared tier."""
+    """The verifier killed and started again (in one process, `sdcp up`'s default on the CPU, with
+    every other instance): its first turn finds the prefix in the shared tier."""
     verifier = next(instance for instance in cluster.instances() if instance.role == "verifier")
     log("restarting sdcp's verifier")
     subprocess.run(["kill", "-9", str(verifier.pid)], check=True)  # noqa: S607 - the cluster's own process

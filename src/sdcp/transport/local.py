@@ -22,9 +22,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from starlette.types import ASGIApp, Message
 
+from sdcp.protocol.problems import PROBLEM_MEDIA_TYPE
+from sdcp.transport.asgi import problem_body
 from sdcp.transport.certs import uri_sans
 from sdcp.transport.client import PathLike, PeerClients, SDCPClient
-from sdcp.transport.errors import ConnectionLost, PeerTimeout, UnexpectedResponse
+from sdcp.transport.errors import ConnectionLost, InternalServerError, PeerTimeout, UnexpectedResponse
 from sdcp.transport.h2conn import H2Response
 from sdcp.transport.peer import PeerTLS
 
@@ -61,6 +63,7 @@ class LocalPeer(SDCPClient):
         parts = urlsplit(base_uri)
         self._authority = parts.netloc.encode("ascii")
         self._server = (parts.hostname or "", parts.port or 443)
+        self._answering: set[asyncio.Task[None]] = set()
 
     @property
     def connected(self) -> bool:
@@ -96,18 +99,27 @@ class LocalPeer(SDCPClient):
             "raw_path": raw_path,
             "query_string": query,
             "root_path": "",
-            "headers": [(b"host", self._authority), *headers],
+            "headers": [
+                (b"host", self._authority),
+                *headers,
+                # As the HTTP/2 client declares a body's length (h2conn).
+                *([(b"content-length", str(len(body)).encode("ascii"))] if body is not None else []),
+            ],
             "client": None,
             "server": self._server,
             "extensions": {"tls": self._tls},
             "state": {},
         }
-        exchange = _Exchange(body or b"", max_size)
+        exchange = _Exchange(body or b"", max_size, bodiless=method == "HEAD")
         # In a context of its own, as a task of the peer's listener would run: nothing of the
         # caller's context variables reaches the peer's handlers.
         answering = asyncio.get_running_loop().create_task(
             _answer(self._app, scope, exchange), context=contextvars.Context()
         )
+        # Held until it ends, as the listener holds a stream's task: one that runs on after its
+        # answer is not collected midway.
+        self._answering.add(answering)
+        answering.add_done_callback(self._answering.discard)
         answering.add_done_callback(exchange.app_returned)
         try:
             async with asyncio.timeout(self._timeout if timeout is None else timeout):
@@ -137,9 +149,11 @@ class _TooLarge(Exception):
 class _Exchange:
     """One request's body for the app, and the answer it sends back."""
 
-    def __init__(self, body: bytes, max_size: int) -> None:
+    def __init__(self, body: bytes, max_size: int, *, bodiless: bool) -> None:
         self._body: bytes | None = body
         self._max_size = max_size
+        # An answer to HEAD carries no content (RFC 9110 9.3.2), nor does a 204 or 304 (6.4.1).
+        self._bodiless = bodiless
         self._left = asyncio.Event()
         self._status: int | None = None
         self._headers: dict[str, str] = {}
@@ -166,7 +180,7 @@ class _Exchange:
             return
         if message["type"] != "http.response.body" or self._status is None:
             return
-        chunk = bytes(message.get("body", b""))
+        chunk = b"" if self._bodiless or self._status in (204, 304) else bytes(message.get("body", b""))
         self._size += len(chunk)
         if self._size > self._max_size:
             self.answer.set_exception(_TooLarge(f"response body exceeds {self._max_size} bytes"))
@@ -176,13 +190,14 @@ class _Exchange:
             self.answer.set_result(H2Response(self._status, self._headers, b"".join(self._chunks)))
 
     def app_returned(self, answering: asyncio.Future[None]) -> None:
-        """An app that returned or failed without completing its answer answers 500, as the
-        server's listener does for it; a failure is logged as the listener logs it."""
+        """An app that returned or failed without completing its answer answers 500 with its
+        problem body, as the server's listener does for it; a failure is logged as it logs one."""
         failure = None if answering.cancelled() else answering.exception()
         if failure is not None:
             log.error("unhandled error answering a request of this process", exc_info=failure)
         if not self.answer.done():
-            self.answer.set_result(H2Response(500, {}, b""))
+            headers = {"content-type": PROBLEM_MEDIA_TYPE}
+            self.answer.set_result(H2Response(500, headers, problem_body(InternalServerError())))
 
     @property
     def answered(self) -> bool:
