@@ -22,6 +22,7 @@ from selenium.webdriver.common.by import By
 from tests.e2e.support import sdcp, stats_when_ended
 from tests.waiting import wait_until
 
+from sdcp.bench.streamed import first_token_parts
 from sdcp.cluster import LocalCluster
 from sdcp.latency import GATEWAY_PARTS, ROUTER_PARTS, VERIFIER_PARTS
 from sdcp.protocol.messages import session_path_id
@@ -244,9 +245,15 @@ def test_the_dashboard_shows_a_running_session_grow(home: Path, browser: webdriv
 def test_the_first_tokens_latency_is_split_into_its_parts(home: Path) -> None:
     roles = {"gateway": GATEWAY_PARTS, "router": ROUTER_PARTS, "verifier": VERIFIER_PARTS}
     before = {role: scrape(home, role) for role in roles}
+    bench_before = first_token_parts(LocalCluster(home))
     session, _ = generate(home, "Name three rivers.", 8)
     stats = session_stats(home, session)
     after = {role: scrape(home, role) for role in roles}
+    # The bench's reading of every instance counts each part once, also where one process serves
+    # every instance's series on each admin listener.
+    bench_after = first_token_parts(LocalCluster(home))
+    for name in (*GATEWAY_PARTS, *ROUTER_PARTS, *VERIFIER_PARTS):
+        assert bench_after[name][1] - bench_before.get(name, (0.0, 0.0))[1] == 1, name
 
     def part(role: str, name: str, suffix: str) -> float:
         metric = f"sdcp_first_token_part_seconds_{suffix}"

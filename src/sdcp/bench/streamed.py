@@ -147,10 +147,10 @@ def metric_samples(metrics_url: str) -> list[Sample]:
 def first_token_parts(cluster: LocalCluster) -> dict[str, tuple[float, float]]:
     """Every instance's first-token latency parts so far (sdcp.latency): part -> (seconds, count)."""
     totals: dict[str, list[float]] = {}
-    for instance in cluster.instances():
-        if instance.admin is None:
-            continue
-        for sample in metric_samples(f"{instance.admin}/metrics"):
+    # A process's metrics once: in one process every admin listener serves every instance's series.
+    admins = {instance.pid: instance.admin for instance in cluster.instances() if instance.admin is not None}
+    for admin in admins.values():
+        for sample in metric_samples(f"{admin}/metrics"):
             for suffix, index in (("_sum", 0), ("_count", 1)):
                 if sample.name == f"sdcp_first_token_part_seconds{suffix}":
                     totals.setdefault(sample.labels["part"], [0.0, 0.0])[index] += sample.value
