@@ -55,7 +55,7 @@ async def run_together(nodes: Sequence[Node], shutdown: asyncio.Event) -> None:
     served = [node for node in nodes if isinstance(node, Node)]
     for peers in [*(node.peers for node in served), *(gateway.client.peers for gateway in gateways)]:
         for node in served:
-            serve_locally(peers, node.uri, node.served_app)
+            serve_locally(peers, node.uri, node.served_app, node.local_gate)
     running = [asyncio.ensure_future(node.run_until(shutdown)) for node in nodes]
     try:
         await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)

@@ -15,6 +15,7 @@ from starlette.routing import Route
 
 from sdcp.protocol.problems import ProblemType, ProtocolError
 from sdcp.transport import (
+    ConnectionLost,
     PeerClients,
     PeerServerError,
     PeerTimeout,
@@ -25,7 +26,7 @@ from sdcp.transport import (
     peer_uri,
     read_cbor_body,
 )
-from sdcp.transport.local import LocalPeer, serve_locally
+from sdcp.transport.local import LocalGate, LocalPeer, serve_locally
 
 from .tls_harness import PKI, Identity, client_for, mtls_listener, serving
 
@@ -44,6 +45,8 @@ class Watch:
 
     def __init__(self) -> None:
         self.started = asyncio.Event()
+        # Never set but by a test that lets the handler that never answers answer after all.
+        self.released = asyncio.Event()
         self.gone = asyncio.Event()
         self.left: list[str] = []
 
@@ -69,7 +72,7 @@ def peer_app(*, pki: PKI, watch: Watch | None = None) -> Starlette:
     async def never(request: Request) -> Response:
         watching.started.set()
         try:
-            await asyncio.Event().wait()
+            await watching.released.wait()
         finally:
             watching.left.append(request.url.path)
             watching.gone.set()
@@ -103,9 +106,11 @@ def peer_app(*, pki: PKI, watch: Watch | None = None) -> Starlette:
     )
 
 
-def local_peer(pki: PKI, identity: Identity, app: Starlette, **options: object) -> SDCPClient:
+def local_peer(
+    pki: PKI, identity: Identity, app: Starlette, gate: LocalGate | None = None, **options: object
+) -> SDCPClient:
     peers = PeerClients(identity.cert, identity.key, pki.ca, **options)
-    serve_locally(peers, LOCAL_URI, app)
+    serve_locally(peers, LOCAL_URI, app, gate if gate is not None else LocalGate())
     return peers.get(LOCAL_URI)
 
 
@@ -193,6 +198,23 @@ async def test_an_answer_past_the_limit_and_an_app_that_answers_nothing_fail_as_
     with pytest.raises(PeerServerError) as failed:
         await mute.get_cbor("anything")
     assert failed.value.status == 500 and failed.value.problem is not None
+
+
+async def test_a_stopping_peer_takes_no_new_call_and_lets_those_in_flight_finish(pki: PKI) -> None:
+    watch, gate = Watch(), LocalGate()
+    client = local_peer(pki, pki.drafter_a, peer_app(pki=pki, watch=watch), gate)
+    waiting = asyncio.ensure_future(client.get_cbor("never"))
+    await watch.started.wait()
+    gate.close()
+    closing = asyncio.ensure_future(gate.drained(timeout_s=60))
+    with pytest.raises(ConnectionLost, match="is stopping"):
+        await client.get_cbor("whoami")
+    # The call in flight holds the stop until its handler has answered.
+    await asyncio.sleep(0)
+    assert not closing.done()
+    watch.released.set()
+    assert await waiting == (204, None)
+    await closing
 
 
 async def test_a_closed_local_peer_asks_nothing(pki: PKI) -> None:

@@ -29,8 +29,9 @@ from sdcp.services.mlc_client import RemoteStore
 from sdcp.transport.asgi import exception_handlers, problem_response
 from sdcp.transport.client import PeerClients
 from sdcp.transport.errors import NotFound, ServiceUnavailable, TooManyRequests
+from sdcp.transport.local import LocalGate
 from sdcp.transport.metrics import metrics_route
-from sdcp.transport.server import Listener, MTLSServer, Server
+from sdcp.transport.server import DEFAULT_GRACEFUL_TIMEOUT_S, Listener, MTLSServer, Server
 
 __all__ = ["ModelThreadDied", "Node", "build_mlc"]
 
@@ -120,6 +121,8 @@ class Node(ABC):
         self.peers = PeerClients(instance.cert, instance.key, instance.ca)
         self._server: Server | None = None
         self._served_app: Starlette | None = None
+        # The calls of instances of this process (sdcp.together), which its listener never sees.
+        self.local_gate = LocalGate()
         self._admin: AdminServer | None = None
         self._tasks = BackgroundTasks(self.uri, log)
         # When a router last took this instance's status report (time.monotonic).
@@ -248,8 +251,11 @@ class Node(ABC):
         await self._tasks.cancel_all()
         if self._admin is not None:
             await self._admin.stop()
+        # The process's own calls stop as the listener stops taking connections, and drain after it.
+        self.local_gate.close()
         if self._server is not None:
             await self._server.stop()
+        await self.local_gate.drained(DEFAULT_GRACEFUL_TIMEOUT_S)
         await self.on_stop()
         await self.peers.aclose()
         await self.mlc.close()

@@ -30,18 +30,47 @@ from sdcp.transport.errors import ConnectionLost, InternalServerError, PeerTimeo
 from sdcp.transport.h2conn import H2Response
 from sdcp.transport.peer import PeerTLS
 
-__all__ = ["LocalPeer", "serve_locally"]
+__all__ = ["LocalGate", "LocalPeer", "serve_locally"]
 
 log = logging.getLogger(__name__)
 
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 
 
-def serve_locally(peers: PeerClients, base_uri: str, app: ASGIApp) -> None:
+class LocalGate:
+    """What a peer's listener does for its streams, done for the calls of its own process: once the
+    peer stops, a new call is refused (as a closed listener refuses a connection), and those in
+    flight may finish before the peer stops its engine (as the listener drains its streams)."""
+
+    def __init__(self) -> None:
+        self._closed = False
+        self._in_flight: set[asyncio.Task[None]] = set()
+
+    def admit(self, base_uri: str) -> None:
+        if self._closed:
+            raise ConnectionLost(f"{base_uri} is stopping: the call was not made")
+
+    def track(self, answering: asyncio.Task[None]) -> None:
+        # Held until it ends, as the listener holds a stream's task: one that runs on after its
+        # answer is not collected midway.
+        self._in_flight.add(answering)
+        answering.add_done_callback(self._in_flight.discard)
+
+    def close(self) -> None:
+        """Refuse new calls."""
+        self._closed = True
+
+    async def drained(self, timeout_s: float) -> None:
+        """Once the calls in flight have ended, or ``timeout_s`` has passed."""
+        if self._in_flight:
+            await asyncio.wait(set(self._in_flight), timeout=timeout_s)
+
+
+def serve_locally(peers: PeerClients, base_uri: str, app: ASGIApp, gate: LocalGate) -> None:
     """From now on, ``peers`` ask the peer ``base_uri`` through ``app``, its ASGI app in this process,
-    as the identity our certificate carries."""
+    as the identity our certificate carries; ``gate`` is the peer's (it stops taking calls)."""
     cert, key, ca = peers.credentials
-    peers.add(LocalPeer(base_uri, app, _caller_tls(cert), cert, key, ca, **peers.options))
+    peers.add(LocalPeer(base_uri, app, gate, _caller_tls(cert), cert, key, ca, **peers.options))
 
 
 def _caller_tls(cert_path: PathLike) -> PeerTLS:
@@ -53,17 +82,19 @@ def _caller_tls(cert_path: PathLike) -> PeerTLS:
 
 
 class LocalPeer(SDCPClient):
-    """``SDCPClient`` of a peer served by ``app`` in this process, the caller known to it as
-    ``tls`` (the caller's certificate and identity, as its mTLS connection would tell them)."""
+    """``SDCPClient`` of a peer served by ``app`` in this process behind ``gate``, the caller known
+    to it as ``tls`` (the caller's certificate and identity, as its mTLS connection would tell them)."""
 
-    def __init__(self, base_uri: str, app: ASGIApp, tls: PeerTLS, *credentials: Any, **options: Any) -> None:
+    def __init__(
+        self, base_uri: str, app: ASGIApp, gate: LocalGate, tls: PeerTLS, *credentials: Any, **options: Any
+    ) -> None:
         super().__init__(base_uri, *credentials, **options)
         self._app = app
+        self._gate = gate
         self._tls = tls.asgi_extension()
         parts = urlsplit(base_uri)
         self._authority = parts.netloc.encode("ascii")
         self._server = (parts.hostname or "", parts.port or 443)
-        self._answering: set[asyncio.Task[None]] = set()
 
     @property
     def connected(self) -> bool:
@@ -88,6 +119,7 @@ class LocalPeer(SDCPClient):
     ) -> H2Response:
         if self._closed:
             raise ConnectionLost(f"the client of {self.base_uri} is closed")
+        self._gate.admit(self.base_uri)
         raw_path, _, query = target.encode("ascii").partition(b"?")
         scope: dict[str, Any] = {
             "type": "http",
@@ -116,10 +148,7 @@ class LocalPeer(SDCPClient):
         answering = asyncio.get_running_loop().create_task(
             _answer(self._app, scope, exchange), context=contextvars.Context()
         )
-        # Held until it ends, as the listener holds a stream's task: one that runs on after its
-        # answer is not collected midway.
-        self._answering.add(answering)
-        answering.add_done_callback(self._answering.discard)
+        self._gate.track(answering)
         answering.add_done_callback(exchange.app_returned)
         try:
             async with asyncio.timeout(self._timeout if timeout is None else timeout):
