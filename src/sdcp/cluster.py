@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from sdcp.config import NGRAM_DRAFTER, SUFFIX_DRAFTER
+from sdcp.config import MODEL_FREE_DRAFTERS, SUFFIX_DRAFTER
 from sdcp.home import sdcp_home
 from sdcp.localhost import accepts, free_port
 from sdcp.threads import usable_cores
@@ -103,7 +103,7 @@ def one_process_by_default(device: str | None, drafters: Sequence[str]) -> bool:
     session 38). On a GPU the passes leave the host's cores free, and a process each lets the roles'
     Python run on several of them at once; a model drafter (`hf:`, `llamacpp:`) keeps its model's
     threads and their settings (torch's are the process's) in a process of its own."""
-    return device in (None, "cpu") and all(spec in (NGRAM_DRAFTER, SUFFIX_DRAFTER) for spec in drafters)
+    return device in (None, "cpu") and all(spec in MODEL_FREE_DRAFTERS for spec in drafters)
 
 
 def is_loopback(host: str) -> bool:

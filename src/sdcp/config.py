@@ -338,6 +338,8 @@ class VerifierConfig:
 
 NGRAM_DRAFTER = "ngram"
 SUFFIX_DRAFTER = "suffix"
+# Drafters that run no model: prompt lookup and the suffix drafter (every other is sdcp.models.registry's).
+MODEL_FREE_DRAFTERS = (NGRAM_DRAFTER, SUFFIX_DRAFTER)
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -369,7 +371,7 @@ class DrafterConfig:
     def runs_model(self) -> bool:
         """Every drafter but prompt lookup and the suffix drafter runs a model
         (sdcp.models.registry.load_drafter)."""
-        return self.model not in (NGRAM_DRAFTER, SUFFIX_DRAFTER)
+        return self.model not in MODEL_FREE_DRAFTERS
 
 
 @dataclass(frozen=True, config=_SECTION)
