@@ -53,9 +53,9 @@ async def run_together(nodes: Sequence[Node], shutdown: asyncio.Event) -> None:
         for verifier in verifiers:
             gateway.client.local_outputs[verifier.uri] = local_output_reader(verifier.engine)
     served = [node for node in nodes if isinstance(node, Node)]
+    apps = {node.uri: (node.served_app, node.local_gate) for node in served}
     for peers in [*(node.peers for node in served), *(gateway.client.peers for gateway in gateways)]:
-        for node in served:
-            serve_locally(peers, node.uri, node.served_app, node.local_gate)
+        serve_locally(peers, apps)
     running = [asyncio.ensure_future(node.run_until(shutdown)) for node in nodes]
     try:
         await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)

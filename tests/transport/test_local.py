@@ -110,7 +110,7 @@ def local_peer(
     pki: PKI, identity: Identity, app: Starlette, gate: LocalGate | None = None, **options: object
 ) -> SDCPClient:
     peers = PeerClients(identity.cert, identity.key, pki.ca, **options)
-    serve_locally(peers, LOCAL_URI, app, gate if gate is not None else LocalGate())
+    serve_locally(peers, {LOCAL_URI: (app, gate if gate is not None else LocalGate())})
     return peers.get(LOCAL_URI)
 
 

@@ -7,6 +7,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine, Sequence
+from functools import cached_property
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -120,7 +121,6 @@ class Node(ABC):
         instance = config.instance
         self.peers = PeerClients(instance.cert, instance.key, instance.ca)
         self._server: Server | None = None
-        self._served_app: Starlette | None = None
         # The calls of instances of this process (sdcp.together), which its listener never sees.
         self.local_gate = LocalGate()
         self._admin: AdminServer | None = None
@@ -197,13 +197,11 @@ class Node(ABC):
             exception_handlers={**exception_handlers(), **_ENGINE_ERROR_HANDLERS},
         )
 
-    @property
+    @cached_property
     def served_app(self) -> Starlette:
         """The app its listener serves, made once: the instances of its process call it too
         (sdcp.together)."""
-        if self._served_app is None:
-            self._served_app = self.app()
-        return self._served_app
+        return self.app()
 
     def _guarded_metrics(self) -> Route:
         serve = metrics_route().endpoint

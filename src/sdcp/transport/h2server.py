@@ -56,7 +56,7 @@ from sdcp.transport.errors import HTTPProblem, HTTPVersionNotSupported, Internal
 from sdcp.transport.h2conn import send_within_windows
 from sdcp.transport.peer import PeerTLS
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "H2Listener", "H2ServerProtocol", "H2ServerState", "run_lifespan"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "H2Listener", "H2ServerProtocol", "H2ServerState", "http_scope", "run_lifespan"]
 
 _log = logging.getLogger("sdcp.transport.h2server")
 
@@ -87,6 +87,36 @@ _LAST_POSSIBLE_STREAM = 2**31 - 1
 _ALPN_H2 = "h2"
 _ABORT_WAIT_S = 1.0
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
+
+
+def http_scope(
+    method: str,
+    scheme: str,
+    target: bytes,
+    headers: list[tuple[bytes, bytes]],
+    client: tuple[str, int] | None,
+    server: tuple[str, int] | None,
+    tls: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The ASGI scope of an HTTP/2 request for ``target`` (its path and query), with the ASGI TLS
+    extension ``tls`` of its connection: the listener's, and a local peer's (sdcp.transport.local)."""
+    raw_path, _, query = target.partition(b"?")
+    return {
+        "type": "http",
+        "asgi": _ASGI,
+        "http_version": "2",
+        "method": method,
+        "scheme": scheme,
+        "path": unquote(raw_path.decode("ascii", errors="replace")),
+        "raw_path": raw_path,
+        "query_string": query,
+        "root_path": "",
+        "headers": headers,
+        "client": client,
+        "server": server,
+        "extensions": {"tls": tls} if tls is not None else {},
+        "state": {},
+    }
 
 
 @dataclass
@@ -349,23 +379,15 @@ class H2ServerProtocol(asyncio.Protocol):
                 headers.append((name, value))
         if b":authority" in pseudo:
             headers.insert(0, (b"host", pseudo[b":authority"]))
-        raw_path, _, query = pseudo.get(b":path", b"/").partition(b"?")
-        scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": _ASGI,
-            "http_version": "2",
-            "method": pseudo.get(b":method", b"GET").decode("ascii"),
-            "scheme": pseudo.get(b":scheme", b"https").decode("ascii"),
-            "path": unquote(raw_path.decode("ascii", errors="replace")),
-            "raw_path": raw_path,
-            "query_string": query,
-            "root_path": "",
-            "headers": headers,
-            "client": self._client,
-            "server": self._server,
-            "extensions": {"tls": self._tls} if self._tls is not None else {},
-            "state": {},
-        }
+        scope = http_scope(
+            pseudo.get(b":method", b"GET").decode("ascii"),
+            pseudo.get(b":scheme", b"https").decode("ascii"),
+            pseudo.get(b":path", b"/"),
+            headers,
+            self._client,
+            self._server,
+            self._tls,
+        )
         stream = _Stream(stream_id, bodiless=scope["method"] == "HEAD")
         declared = _content_length(headers)
         if declared is not None and declared > self._state.max_body_bytes:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -24,17 +25,15 @@ from starlette.types import ASGIApp, Message
 
 from sdcp.protocol.problems import PROBLEM_MEDIA_TYPE
 from sdcp.transport.asgi import problem_body
-from sdcp.transport.certs import uri_sans
-from sdcp.transport.client import PathLike, PeerClients, SDCPClient
+from sdcp.transport.client import PeerClients, SDCPClient
 from sdcp.transport.errors import ConnectionLost, InternalServerError, PeerTimeout, UnexpectedResponse
 from sdcp.transport.h2conn import H2Response
+from sdcp.transport.h2server import http_scope
 from sdcp.transport.peer import PeerTLS
 
 __all__ = ["LocalGate", "LocalPeer", "serve_locally"]
 
 log = logging.getLogger(__name__)
-
-_ASGI = {"version": "3.0", "spec_version": "2.3"}
 
 
 class LocalGate:
@@ -66,19 +65,15 @@ class LocalGate:
             await asyncio.wait(set(self._in_flight), timeout=timeout_s)
 
 
-def serve_locally(peers: PeerClients, base_uri: str, app: ASGIApp, gate: LocalGate) -> None:
-    """From now on, ``peers`` ask the peer ``base_uri`` through ``app``, its ASGI app in this process,
-    as the identity our certificate carries; ``gate`` is the peer's (it stops taking calls)."""
+def serve_locally(peers: PeerClients, served: Mapping[str, tuple[ASGIApp, LocalGate]]) -> None:
+    """From now on, ``peers`` ask each peer of ``served`` (base URI -> its ASGI app in this process
+    and its gate, which stops taking calls) through its app, as the identity our certificate carries."""
     cert, key, ca = peers.credentials
-    peers.add(LocalPeer(base_uri, app, gate, _caller_tls(cert), cert, key, ca, **peers.options))
-
-
-def _caller_tls(cert_path: PathLike) -> PeerTLS:
-    """What the peer's listener learns of us from our certificate over mTLS (TLS 1.3, h2)."""
-    cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
-    uris = uri_sans(cert)
-    # As PeerTLS.from_ssl_object: a certificate of several URI SANs names nobody.
-    return PeerTLS("TLSv1.3", "h2", cert.public_bytes(serialization.Encoding.DER), uris[0] if len(uris) == 1 else None)
+    # What the peer's listener would learn of us over mTLS (TLS 1.3, h2).
+    pem = x509.load_pem_x509_certificate(Path(cert).read_bytes())
+    tls = PeerTLS.from_certificate(pem.public_bytes(serialization.Encoding.DER), "TLSv1.3", "h2")
+    for base_uri, (app, gate) in served.items():
+        peers.add(LocalPeer(base_uri, app, gate, tls, cert, key, ca, **peers.options))
 
 
 class LocalPeer(SDCPClient):
@@ -120,28 +115,20 @@ class LocalPeer(SDCPClient):
         if self._closed:
             raise ConnectionLost(f"the client of {self.base_uri} is closed")
         self._gate.admit(self.base_uri)
-        raw_path, _, query = target.encode("ascii").partition(b"?")
-        scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": _ASGI,
-            "http_version": "2",
-            "method": method,
-            "scheme": "https",
-            "path": unquote(raw_path.decode("ascii")),
-            "raw_path": raw_path,
-            "query_string": query,
-            "root_path": "",
-            "headers": [
+        scope = http_scope(
+            method,
+            "https",
+            target.encode("ascii"),
+            [
                 (b"host", self._authority),
                 *headers,
                 # As the HTTP/2 client declares a body's length (h2conn).
                 *([(b"content-length", str(len(body)).encode("ascii"))] if body is not None else []),
             ],
-            "client": None,
-            "server": self._server,
-            "extensions": {"tls": self._tls},
-            "state": {},
-        }
+            None,
+            self._server,
+            self._tls,
+        )
         exchange = _Exchange(body or b"", max_size, bodiless=method == "HEAD")
         # In a context of its own, as a task of the peer's listener would run: nothing of the
         # caller's context variables reaches the peer's handlers.

@@ -40,12 +40,17 @@ class PeerTLS:
         # getpeercert(binary_form=True) returns a certificate only when the handshake verified it
         # (CERT_REQUIRED) or one was offered (CERT_OPTIONAL); on CERT_NONE listeners it is None.
         der = ssl_object.getpeercert(binary_form=True)
-        uri: str | None = None
-        if der is not None and ssl_object.context.verify_mode != ssl.CERT_NONE:
-            uris = uri_sans(x509.load_der_x509_certificate(der))
-            # An identity must be unambiguous: a certificate with several URI SANs names nobody.
-            uri = uris[0] if len(uris) == 1 else None
-        return cls(ssl_object.version(), ssl_object.selected_alpn_protocol(), der, uri)
+        version, alpn = ssl_object.version(), ssl_object.selected_alpn_protocol()
+        if der is None or ssl_object.context.verify_mode == ssl.CERT_NONE:
+            return cls(version, alpn, der, None)
+        return cls.from_certificate(der, version, alpn)
+
+    @classmethod
+    def from_certificate(cls, der: bytes, tls_version: str | None, alpn_protocol: str | None) -> PeerTLS:
+        """A connection whose peer verifiably holds the certificate ``der``."""
+        uris = uri_sans(x509.load_der_x509_certificate(der))
+        # An identity must be unambiguous: a certificate with several URI SANs names nobody.
+        return cls(tls_version, alpn_protocol, der, uris[0] if len(uris) == 1 else None)
 
     def asgi_extension(self) -> dict[str, Any]:
         chain = [ssl.DER_cert_to_PEM_cert(self.client_cert_der)] if self.client_cert_der else []
