@@ -205,6 +205,20 @@ def test_self_decoding_without_self_max_continues_while_load_permits() -> None:
     assert {control.after_self_decode_token(IDLE) for _ in range(50)} == {Action.SELF_DECODE}
 
 
+def test_self_decode_room_counts_down_to_self_max_and_is_none_without_it() -> None:
+    control = SpeculationControl(make_contract((Action.SELF_DECODE,), self_load=50, self_max=3), m_init=8)
+    low_rounds(control, 2)
+    assert control.self_decode_room() == 3
+    control.after_self_decode_token(IDLE)
+    assert control.self_decode_room() == 2
+    control.after_self_decode_token(IDLE)
+    assert control.after_self_decode_token(IDLE) is Action.SWITCH
+    assert control.self_decode_room() == 0
+    unbounded = SpeculationControl(make_contract((Action.SELF_DECODE,), self_load=50), m_init=8)
+    low_rounds(unbounded, 2)
+    assert unbounded.self_decode_room() is None
+
+
 def test_proposal_rounds_and_self_decoded_tokens_do_not_mix() -> None:
     control = SpeculationControl(make_contract((Action.SELF_DECODE,), self_load=50), m_init=8)
     with pytest.raises(ValueError):

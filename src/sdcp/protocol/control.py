@@ -158,6 +158,12 @@ class SpeculationControl:
             return Action.SWITCH
         return Action.SELF_DECODE
 
+    def self_decode_room(self) -> int | None:
+        """Tokens the current self-decoding period may still commit by self_max (SDCP 6.5.2); None
+        where the contract sets no self_max (the load alone may end the period)."""
+        self_max = self._contract.self_max
+        return None if self_max is None else max(0, self_max - self.self_decoded)
+
     def finish(self) -> ControlDecision:
         """Generation ended on a stop token or max_new (SDCP 6.3): the session is over."""
         return self._end(Action.FINISH)

@@ -29,7 +29,6 @@ from sdcp.protocol.verifier import PendingCommit, VerifierSession
 
 __all__ = [
     "SELF_DECODE_LOOKAHEAD",
-    "SELF_DECODE_RUN_AHEAD",
     "SelfDecoding",
 ]
 
@@ -37,10 +36,6 @@ log = logging.getLogger("sdcp.verifier")
 
 # Self-decoding scores up to this many predicted tokens per pass (VerifierLookahead's prediction).
 SELF_DECODE_LOOKAHEAD = 16
-# Under rule 1 the scorer goes on with the target's most probable tokens for up to this many passes
-# after a self-decoding pass, without waiting for the rounds to be decided: the model is never idle
-# while the event loop appends and releases them (docs/design.md, "A verifier round").
-SELF_DECODE_RUN_AHEAD = 32
 
 
 @dataclass(frozen=True)
@@ -258,12 +253,22 @@ class SelfDecoding:
         return isinstance(machine.rule, GreedyRule) and self._active_sessions() <= self._scoring.max_batch
 
     def _run_ahead(self, machine: VerifierSession, context: tuple[int, ...], guess: tuple[int, ...]) -> int:
-        """Greedy steps the scorer takes after a pass: under rule 1 the drawn token is the most
-        probable one, which the scorer can feed itself; never past max_new."""
+        """Greedy steps the scorer takes after a pass, without waiting for the rounds to be decided
+        (docs/design.md, "A verifier round"): under rule 1 the drawn token is the most probable one,
+        which the scorer can feed itself. The run lasts until max_new or the period's self_max,
+        unless a stop token, a guess or the loop ends it sooner: a run that stopped every 32 steps
+        left the model idle while the loop decided the last group and queued the next pass, a
+        restart every 33 tokens (docs/performance.md, session 39)."""
         if not self._runs(machine):
             return 0
         decided = len(context) - len(machine.prompt)
-        return max(0, min(SELF_DECODE_RUN_AHEAD, machine.contract.max_new - decided - len(guess) - 1))
+        # The pass itself decides one token, and the guess's tokens may be decided before the run.
+        ahead = machine.contract.max_new - decided - len(guess) - 1
+        period_room = machine.control.self_decode_room()
+        if period_room is not None:
+            undecided = decided - machine.committed
+            ahead = min(ahead, period_room - undecided - len(guess) - 1)
+        return max(0, ahead)
 
     async def _self_decode_pass(self, live: LiveSession, scoring: _Pass) -> _Pass | _Held | None:
         """Commit the rounds of one pass, and of the steps of its greedy run that have come with it:
