@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -221,6 +222,37 @@ async def test_a_greedy_run_hands_its_steps_over_a_few_at_a_time_and_all_where_i
     assert all(row is not None and row.shape == (1, tiny_target.vocab_size) for row in rows)
     assert len(run.fed) == steps
     assert handed == [[run.rows], list(run.steps[:RUN_DELIVERY_STEPS]), list(run.steps[RUN_DELIVERY_STEPS:])]
+
+
+async def test_a_greedy_runs_caller_changes_how_many_steps_it_hears_of_at_a_time(
+    tiny_target: TargetModel, session_ids, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that started with hand-overs of two steps hands them over four at a time once its
+    caller says so (ScoredRun.deliver_every: a long run's caller learns on the way whether it may
+    cut the run for a guess); the picker, on the scorer's thread, says it after the second step."""
+    handed = _record_hand_overs(monkeypatch)
+    (session,) = _open(tiny_target, session_ids, 1)
+    greedy = batching.MostProbable()
+    known = threading.Event()
+    runs: list[ScoredRun] = []
+    follows = [0]
+
+    class ChangesTheDelivery:
+        def follow(self, rows: np.ndarray, proposed: tuple[int, ...]) -> int | None:
+            follows[0] += 1
+            if follows[0] == 1:
+                assert known.wait(timeout=30)
+            if follows[0] == 3:
+                runs[0].deliver_every(4)
+            return greedy.follow(rows, proposed)
+
+    with BatchingScorer(tiny_target, window_s=0.0) as scorer:
+        run = scorer.score_ahead_async(session, (), 8, frozenset(), ChangesTheDelivery(), deliver_every=2)
+        runs.append(run)
+        known.set()
+        rows = await asyncio.wait_for(asyncio.gather(*run.steps), timeout=30)
+    assert all(row is not None for row in rows)
+    assert handed == [[run.rows], list(run.steps[:4]), list(run.steps[4:])]
 
 
 async def test_a_greedy_run_hands_its_steps_over_after_each_pass_while_its_caller_wants_them(

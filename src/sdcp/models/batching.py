@@ -121,12 +121,26 @@ class ScoredRun:
     steps: tuple[asyncio.Future[np.ndarray | None], ...]
     # Appended on the scorer's thread before the rows it follows reach the caller's loop.
     fed: list[int] = field(default_factory=list)
+    delivery: _Delivery = field(default_factory=lambda: _Delivery(RUN_DELIVERY_STEPS))
 
     def cancel(self, *, after: int = -1) -> None:
         """Withdraw the steps after step ``after`` (all by default) not computed yet: the run stops
         at the first of them."""
         for step in self.steps[after + 1 :]:
             step.cancel()
+
+    def deliver_every(self, steps: int) -> None:
+        """Hand the steps' rows over ``steps`` at a time from now on: a caller learns during a
+        long run whether it may cut it for tokens worth scoring together (RUN_DELIVERY_STEPS_FEW)."""
+        self.delivery.every = max(1, steps)
+
+
+@dataclass
+class _Delivery:
+    """How many steps' rows a run hands to its loop at a time, set by the loop, read by the scorer
+    (an int attribute: each read and write is whole)."""
+
+    every: int
 
 
 @dataclass
@@ -140,7 +154,7 @@ class _Run:
     stop_tokens: frozenset[int]
     picker: GreedyPicker
     fed: list[int]
-    deliver_every: int = RUN_DELIVERY_STEPS
+    delivery: _Delivery = field(default_factory=lambda: _Delivery(RUN_DELIVERY_STEPS))
     held: list[Outcome] = field(default_factory=list)
 
 
@@ -290,15 +304,17 @@ class BatchingScorer(ModelThread):
         ``stop_tokens``: the scorer feeds each next token itself, in the session's next pass,
         without waiting for the caller to decide it. Whoever decides otherwise cancels the run; a
         later `score` of the session drops the steps' tokens with the rest of its proposal
-        (Target.score). The steps' rows reach the loop ``deliver_every`` at a time."""
+        (Target.score). The steps' rows reach the loop ``deliver_every`` at a time (until the caller
+        says otherwise, ScoredRun.deliver_every)."""
         loop = asyncio.get_running_loop()
         fed: list[int] = []
         futures = deque(loop.create_future() for _ in range(steps))
-        run = _Run(loop, futures, stop_tokens, picker or MostProbable(), fed, max(1, deliver_every))
+        delivery = _Delivery(max(1, deliver_every))
+        run = _Run(loop, futures, stop_tokens, picker or MostProbable(), fed, delivery)
         rows: asyncio.Future[np.ndarray] = loop.create_future()
         future = self._queue(session, tokens, (loop, rows), run, reach=reach)
         rows.add_done_callback(lambda done: future.cancel() if done.cancelled() else None)
-        return ScoredRun(rows, tuple(run.steps), fed)
+        return ScoredRun(rows, tuple(run.steps), fed, delivery)
 
     def _queue(
         self,
@@ -411,7 +427,7 @@ class BatchingScorer(ModelThread):
                     continue
                 if id(run) not in going_on:
                     outcomes.end_run(run)
-                elif len(run.held) >= run.deliver_every or not request.extends or deliver_now:
+                elif len(run.held) >= run.delivery.every or not request.extends or deliver_now:
                     outcomes.hand_over(run)
             outcomes.deliver()
         return steps

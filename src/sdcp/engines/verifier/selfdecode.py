@@ -84,6 +84,12 @@ class _Predicted:
     forced: int
     may_guess: bool
 
+    @property
+    def delivery_steps(self) -> int:
+        """How many steps of a greedy run the loop hears of at a time: a few where it may cut the
+        run for tokens worth scoring together, else larger groups (RUN_DELIVERY_STEPS)."""
+        return RUN_DELIVERY_STEPS_FEW if self.may_guess else RUN_DELIVERY_STEPS
+
 
 def _undecided(machine: VerifierSession, context: tuple[int, ...]) -> tuple[int, ...]:
     """The tokens of ``context`` decided after the session's committed ones (not yet released)."""
@@ -190,10 +196,7 @@ class SelfDecoding:
         logits = machine.target_logits.fork()
         logits.commit(_undecided(machine, context))
         picker = TargetMostProbable(logits, machine.sampling_for(machine.round + 1))
-        # The loop hears of the run's steps a few at a time where it may cut the run for tokens
-        # worth scoring together, else in larger groups (RUN_DELIVERY_STEPS).
-        deliver_every = RUN_DELIVERY_STEPS_FEW if predicted.may_guess else RUN_DELIVERY_STEPS
-        run = self._scoring.submit_ahead(live, guess, steps, picker, deliver_every)
+        run = self._scoring.submit_ahead(live, guess, steps, picker, predicted.delivery_steps)
         return _Pass(context, prediction, guess, run.rows, run, forced=forced)
 
     def _follow(self, live: LiveSession, scoring: _Pass, context: tuple[int, ...], greedy: bool) -> _Pass:
@@ -206,6 +209,9 @@ class SelfDecoding:
         if run is not None and greedy and scoring.step < len(run.steps) and not run.steps[scoring.step].cancelled():
             if predicted.guess:
                 run.cancel(after=scoring.step)
+            else:
+                # A run lasts its period: what the lookahead may guess changes along it.
+                run.deliver_every(predicted.delivery_steps)
             step = run.steps[scoring.step]
             return _Pass(context, predicted.prediction, (), step, run, scoring.step + 1, predicted.forced)
         if run is not None:
