@@ -1,7 +1,8 @@
 """A long prompt's prefill runs in steps between other sessions' passes (chunked prefill, issue #37):
 running sessions keep decoding meanwhile, opens wait their turn one prefill at a time, and a prefill
 whose opener went away stops at its next step, its sequence freed. A short prompt goes first: running
-sessions wait for its prefill (issue #38)."""
+sessions wait for its prefill (issue #38). The first token comes from the row the prefill kept, with
+no pass: the lookahead's guess waits for the pass after it (issue #38)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from sdcp.engines.errors import RequesterGone
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.engines.verifier.admission import SHORT_PROMPT_TOKENS
 from sdcp.engines.verifier.prefills import GROUP_TOKENS
+from sdcp.engines.verifier.rounds import Scoring
 from sdcp.frontend.client import build_contract
 from sdcp.home import sdcp_home
 from sdcp.models.backend import Opening
@@ -200,3 +203,32 @@ async def test_short_prompts_are_grouped_by_the_tokens_they_compute(
     finally:
         await engine.stop()
         await mlc.close()
+
+
+async def test_the_first_token_takes_the_kept_row_and_a_guess_waits_for_the_next_pass(
+    engine: VerifierEngine, text: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt asked again: the lookahead predicts the earlier answer from the first token on, but
+    the first request after the prefill scores no guess (the row the prefill kept answers it, no
+    pass: a guess would make the first token wait for one); the guess goes with a later pass, and
+    the answer is the earlier one."""
+    asked: dict[bytes, list[tuple[int, ...]]] = {}
+    submit_ahead = Scoring.submit_ahead
+
+    def recorded(self: Scoring, live: Any, tokens: tuple[int, ...], *args: Any) -> Any:
+        asked.setdefault(live.machine.session, []).append(tokens)
+        return submit_ahead(self, live, tokens, *args)
+
+    monkeypatch.setattr(Scoring, "submit_ahead", recorded)
+    prompt = text[:40]
+    outputs = []
+    for session in (b"a" * 16, b"b" * 16):
+        await engine.open_session(open_message(engine, session, prompt, max_new=32))
+        await engine.self_decode(SelfDecodeRequest(session=session, epoch=1))
+        machine = engine.sessions[session].machine
+        await eventually(lambda machine=machine: machine.ended)
+        outputs.append(machine.tokens)
+    assert outputs[1] == outputs[0]
+    again = asked[b"b" * 16]
+    assert again[0] == ()
+    assert any(again[1:])

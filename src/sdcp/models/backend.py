@@ -96,6 +96,12 @@ class Target(Protocol):
         ...
 
     @property
+    def keeps_prefill_row(self) -> bool:
+        """Whether a session's first request after its prefill, without tokens, is answered from
+        the row the prefill kept, with no pass (answers_without_pass; llama.cpp)."""
+        ...
+
+    @property
     def on_host_cores(self) -> bool:
         """Whether a pass runs on the host's cores (llama.cpp, torch on the CPU), where Python work
         beside it slows it down (BatchingScorer lets the event loops settle before each pass)."""

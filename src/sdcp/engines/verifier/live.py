@@ -77,6 +77,9 @@ class LiveSession:
     kv_too_large: bool = False
     kv_retired: bool = False
     kv_imported: int = 0
+    # Whether no scoring request of the session has gone to the scorer since its prefill, whose last
+    # row the target may keep for the first (Target.keeps_prefill_row).
+    prefill_row_kept: bool = True
     # The session's own tokens as the lookahead indexes them (VerifierLookahead), built at its first guess.
     suffix_index: SuffixIndex | None = None
     # When the open answered (time.perf_counter): the first_round part of the first token's latency

@@ -80,6 +80,11 @@ class Scoring:
         return self._scorer.target.extra_rows_apart
 
     @property
+    def keeps_prefill_row(self) -> bool:
+        """Whether a session's first request after its prefill needs no pass (Target.keeps_prefill_row)."""
+        return self._scorer.target.keeps_prefill_row
+
+    @property
     def load(self) -> int:
         """Percent of one full batch that is being scored now."""
         return min(100, round(100 * self.waiting / self._scorer.max_batch))
@@ -88,6 +93,7 @@ class Scoring:
         """Queue a scoring request now (the scorer may be gathering a pass); its rows come with the
         future, and the pass's time is counted when they do."""
         rows = self._scorer.score_async(live.machine.session, tokens, reach=_reach(live, tokens))
+        live.prefill_row_kept = False
         self.waiting += 1
 
         def scored(done: asyncio.Future[np.ndarray]) -> None:
@@ -120,6 +126,7 @@ class Scoring:
             reach=_reach(live, tokens),
             deliver_every=deliver_every,
         )
+        live.prefill_row_kept = False
         self.waiting += 1
         futures: tuple[asyncio.Future[np.ndarray] | asyncio.Future[np.ndarray | None], ...] = (run.rows, *run.steps)
         unsettled = [len(futures)]

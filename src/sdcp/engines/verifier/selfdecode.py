@@ -184,6 +184,11 @@ class SelfDecoding:
         """Queue the self-decoding pass that follows ``context`` (prompt and decided tokens), under
         rule 1 with the greedy run after it; ``predicted``: `_predict`'s answer, where known."""
         predicted = predicted if predicted is not None else self._predict(live, context)
+        if live.prefill_row_kept and self._scoring.keeps_prefill_row and not predicted.forced:
+            # The first token's row is the one the prefill kept: a guess with it would make a pass
+            # of that request, and the first token wait for the pass. The guess is looked for again
+            # after the first token, as at every delivery (_follow).
+            predicted = dataclasses.replace(predicted, guess=())
         prediction, guess, forced = predicted.prediction, predicted.guess, predicted.forced
         machine = live.machine
         steps = self._run_ahead(machine, context, guess)

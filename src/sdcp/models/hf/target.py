@@ -113,6 +113,11 @@ class TargetModel:
         return False
 
     @property
+    def keeps_prefill_row(self) -> bool:
+        # A prefill here keeps no row: every request is a pass (answers_without_pass).
+        return False
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 

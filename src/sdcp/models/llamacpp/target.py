@@ -220,6 +220,7 @@ class LlamaCppTarget:
     backend: TargetBackend = "llamacpp"
     on_host_cores = True
     extra_rows_apart = True
+    keeps_prefill_row = True
 
     def set_threads(self, threads: int) -> None:
         """Threads of the ubatches of two tokens or more; a one-token ubatch keeps one (__init__)."""
