@@ -119,9 +119,10 @@ class ScoredRun:
 
     rows: asyncio.Future[np.ndarray]
     steps: tuple[asyncio.Future[np.ndarray | None], ...]
+    # Shared with the scorer's run: what deliver_every sets, the scorer reads.
+    delivery: _Delivery
     # Appended on the scorer's thread before the rows it follows reach the caller's loop.
     fed: list[int] = field(default_factory=list)
-    delivery: _Delivery = field(default_factory=lambda: _Delivery(RUN_DELIVERY_STEPS))
 
     def cancel(self, *, after: int = -1) -> None:
         """Withdraw the steps after step ``after`` (all by default) not computed yet: the run stops
@@ -314,7 +315,7 @@ class BatchingScorer(ModelThread):
         rows: asyncio.Future[np.ndarray] = loop.create_future()
         future = self._queue(session, tokens, (loop, rows), run, reach=reach)
         rows.add_done_callback(lambda done: future.cancel() if done.cancelled() else None)
-        return ScoredRun(rows, tuple(run.steps), fed, delivery)
+        return ScoredRun(rows, tuple(run.steps), delivery, fed)
 
     def _queue(
         self,

@@ -273,13 +273,12 @@ class SelfDecoding:
         if not self._runs(machine):
             return 0
         decided = len(context) - len(machine.prompt)
-        # The pass itself decides one token, and the guess's tokens may be decided before the run.
-        ahead = machine.contract.max_new - decided - len(guess) - 1
+        room = machine.contract.max_new - decided
         period_room = machine.control.self_decode_room()
         if period_room is not None:
-            undecided = decided - machine.committed
-            ahead = min(ahead, period_room - undecided - len(guess) - 1)
-        return max(0, ahead)
+            room = min(room, period_room - (decided - machine.committed))
+        # The pass itself decides one token, and the guess's tokens may be decided before the run.
+        return max(0, room - len(guess) - 1)
 
     async def _self_decode_pass(self, live: LiveSession, scoring: _Pass) -> _Pass | _Held | None:
         """Commit the rounds of one pass, and of the steps of its greedy run that have come with it:
