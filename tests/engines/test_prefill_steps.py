@@ -22,8 +22,10 @@ from sdcp.config import VerifierConfig
 from sdcp.engines.errors import RequesterGone
 from sdcp.engines.verifier import VerifierEngine
 from sdcp.engines.verifier.admission import SHORT_PROMPT_TOKENS
+from sdcp.engines.verifier.lookahead import VerifierLookahead
 from sdcp.engines.verifier.prefills import GROUP_TOKENS
 from sdcp.engines.verifier.rounds import Scoring
+from sdcp.engines.verifier.selfdecode import SelfDecoding
 from sdcp.frontend.client import build_contract
 from sdcp.home import sdcp_home
 from sdcp.models.backend import Opening
@@ -208,18 +210,33 @@ async def test_short_prompts_are_grouped_by_the_tokens_they_compute(
 async def test_the_first_token_takes_the_kept_row_and_a_guess_waits_for_the_next_pass(
     engine: VerifierEngine, text: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prompt asked again: the lookahead predicts the earlier answer from the first token on, but
-    the first request after the prefill scores no guess (the row the prefill kept answers it, no
-    pass: a guess would make the first token wait for one); the guess goes with a later pass, and
-    the answer is the earlier one."""
+    """A prompt asked again, its earlier answer in the lookahead's history and every class of
+    match counted as always right (so that a guess pays whatever the hit rates learned so far): the
+    lookahead predicts the earlier answer from the first token on, but the first request after the
+    prefill scores no guess (the row the prefill kept answers it, no pass: a guess would make the
+    first token wait for one); the guess goes with a later pass, and the answer is the earlier one."""
     asked: dict[bytes, list[tuple[int, ...]]] = {}
-    submit_ahead = Scoring.submit_ahead
+    predicted: dict[bytes, list[tuple[int, ...]]] = {}
+    learned = asyncio.Event()
+    submit_ahead, predict, learn = Scoring.submit_ahead, SelfDecoding._predict, VerifierLookahead.learn
 
     def recorded(self: Scoring, live: Any, tokens: tuple[int, ...], *args: Any) -> Any:
         asked.setdefault(live.machine.session, []).append(tokens)
         return submit_ahead(self, live, tokens, *args)
 
+    def recorded_prediction(self: SelfDecoding, live: Any, context: tuple[int, ...]) -> Any:
+        answer = predict(self, live, context)
+        predicted.setdefault(live.machine.session, []).append(answer.guess)
+        return answer
+
+    def learned_once(self: VerifierLookahead, live: Any) -> None:
+        learn(self, live)
+        learned.set()
+
     monkeypatch.setattr(Scoring, "submit_ahead", recorded)
+    monkeypatch.setattr(SelfDecoding, "_predict", recorded_prediction)
+    monkeypatch.setattr(VerifierLookahead, "learn", learned_once)
+    monkeypatch.setattr(VerifierLookahead, "_rate", lambda self, scope, match: 1.0)
     prompt = text[:40]
     outputs = []
     for session in (b"a" * 16, b"b" * 16):
@@ -228,7 +245,9 @@ async def test_the_first_token_takes_the_kept_row_and_a_guess_waits_for_the_next
         machine = engine.sessions[session].machine
         await eventually(lambda machine=machine: machine.ended)
         outputs.append(machine.tokens)
+        await asyncio.wait_for(learned.wait(), HANG_GUARD_S)
     assert outputs[1] == outputs[0]
     again = asked[b"b" * 16]
+    assert predicted[b"b" * 16][0]
     assert again[0] == ()
     assert any(again[1:])
