@@ -334,6 +334,19 @@ def test_direct_construction_is_validated_and_normalised() -> None:
     assert status.role is Role.VERIFIER
 
 
+def test_a_message_its_maker_computed_is_built_unjudged_and_equals_the_judged_one() -> None:
+    members = {"session": SESSION, "epoch": 1, "kind": Action.FINISH, "committed": 3, "digest": DIGEST}
+    assert Event.computed(**members) == Event(**members)
+    # Unjudged: what is given stays as it is (a verifier builds only what it decided itself) ...
+    assert Event.computed(**{**members, "epoch": True}).epoch is True
+    # ... and the judged construction still refuses it, also after a computed one.
+    with pytest.raises(BadMessage, match="unsigned integer"):
+        Event(**{**members, "epoch": True})
+    # A contract keeps its encoding when built: it cannot be built unjudged.
+    with pytest.raises(TypeError, match="Contract"):
+        Contract.computed(**dataclasses.asdict(Contract.from_obj(CONTRACT)))
+
+
 @pytest.mark.parametrize(
     ("value", "action"),
     [(0, Action.CONTINUE), (3, Action.SELF_DECODE), (5, Action.FAIL), (6, Action.FAIL), (2**64 - 1, Action.FAIL)],

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sdcp.protocol.passcost import (
     FIRST_CURVE_MS,
@@ -67,3 +69,37 @@ def test_rows_run_apart_cost_a_pass_of_their_own_where_sessions_share_it() -> No
     cpu = PassCurve(list(FIRST_CURVE_MS))
     assert drafted_rate(0.95, 4, 16, cpu) > self_decoded_rate(4, cpu) > drafted_rate(0.95, 4, 16, cpu, apart=True)
     assert drafted_rate(0.9, 1, 16, cpu, apart=True) == drafted_rate(0.9, 1, 16, cpu)
+
+
+def _length_walking_every_length(acceptance: float, sessions: int, most: int, curve: PassCurve, apart: bool) -> int:
+    """speculation_length as its docstring says it, each length up to the limit compared."""
+    sessions = max(1, sessions)
+    share_ms = curve.ms(sessions) / sessions
+    gains = [0.0]
+    for length in range(1, min(most, curve.rows_share(sessions)) + 1):
+        saved = sum(acceptance**j * share_ms for j in range(1, length + 1))
+        extra = curve.ms(length) if apart and sessions > 1 else curve.ms(sessions + length) - curve.ms(sessions)
+        gains.append(saved - extra)
+    best = max(gains)
+    return 0 if best <= 0 else gains.index(best)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    acceptance=st.floats(0, 1),
+    sessions=st.integers(1, 20),
+    most=st.integers(0, 40),
+    steps=st.lists(st.floats(-3, 40), min_size=6, max_size=6),
+    apart=st.booleans(),
+)
+def test_the_length_that_stops_early_is_the_one_every_length_compared_gives(
+    acceptance: float, sessions: int, most: int, steps: list[float], apart: bool
+) -> None:
+    # Curves that rise and, by noise, fall: the walk stops early only on those that never fall.
+    points, cost = [], 0.5
+    for step in steps:
+        cost = max(0.1, cost + step)
+        points.append(cost)
+    curve = PassCurve(points)
+    expected = _length_walking_every_length(acceptance, sessions, most, curve, apart)
+    assert speculation_length(acceptance, sessions, most, curve, apart=apart) == expected

@@ -63,6 +63,11 @@ class PassCurve:
         slope = (self.points_ms[-1] - self.points_ms[-2]) / (points[-1] - points[-2])
         return self.points_ms[-1] + slope * (rows - points[-1])
 
+    def never_falls(self) -> bool:
+        """Whether a pass of more rows never costs less (measured points can fall, by noise)."""
+        points = self.points_ms
+        return all(low <= high for low, high in zip(points, points[1:]))
+
     def measured(self, rows: int, seconds: float) -> None:
         """A probe's pass of exactly ``rows`` (one of the curve's): that point is the measurement."""
         self.points_ms[self.rows.index(rows)] = 1000 * seconds
@@ -122,12 +127,21 @@ def speculation_length(
     most = min(most, curve.rows_share(sessions))
     base_ms = curve.ms(sessions)
     share_ms = base_ms / sessions
+    # The walk stops where no longer length can gain more: rows never get cheaper on a curve that
+    # does not fall, and what the tokens past this one could save is at most a geometric tail. The
+    # verifier asks this at every delivery of a run, where the whole walk was a tenth of the loop's
+    # work for the run's tokens.
+    bounded = 0 <= acceptance < 1 and curve.never_falls()
     best, best_gain, saved = 0, 0.0, 0.0
     for length in range(1, most + 1):
-        saved += acceptance**length * share_ms
-        gain = saved - _rows_ms(curve, sessions, length, apart)
+        used = acceptance**length
+        saved += used * share_ms
+        rows_ms = _rows_ms(curve, sessions, length, apart)
+        gain = saved - rows_ms
         if gain > best_gain:
             best, best_gain = length, gain
+        if bounded and saved + share_ms * used * acceptance / (1 - acceptance) - rows_ms <= best_gain:
+            break
     return best
 
 

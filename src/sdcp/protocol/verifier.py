@@ -529,7 +529,7 @@ class VerifierSession:
         except DeadEnd:
             return self._dead_end(ticket, verifier_load, control_before, committed, digest)
         if isinstance(self.rule, GreedyRule):
-            token = int(np.argmax(row))
+            token = int(row.argmax())
         else:
             p = target_distribution(row, ticket.sampling)
             # The self-decoded token is the additional token at position 1 of its round.
@@ -652,7 +652,8 @@ class VerifierSession:
         committed = (self.committed if committed_before is None else committed_before) + len(emitted)
         digest = extend_digest(self.digest if digest_before is None else digest_before, emitted)
         record = CommitRecord(self.epoch, ticket.round, emitted, committed, digest)
-        verdict = Verdict(
+        # Every member is the session's own state or was decided from it just now.
+        verdict = Verdict.computed(
             session=self.session,
             epoch=self.epoch,
             round=ticket.round,
@@ -667,7 +668,9 @@ class VerifierSession:
         )
         event = None
         if action in (Action.SWITCH, Action.FINISH, Action.FAIL):
-            event = Event(session=self.session, epoch=self.epoch, kind=action, committed=committed, digest=digest)
+            event = Event.computed(
+                session=self.session, epoch=self.epoch, kind=action, committed=committed, digest=digest
+            )
         return PendingCommit(ticket, record, verdict, event, control)
 
     def _require_ticket(self, ticket: RoundTicket) -> Proposal | None:
