@@ -10,6 +10,7 @@ the same functions (sdcp.protocol.router), so that neither speculates where the 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -66,7 +67,7 @@ class PassCurve:
     def never_falls(self) -> bool:
         """Whether a pass of more rows never costs less (measured points can fall, by noise)."""
         points = self.points_ms
-        return all(low <= high for low, high in zip(points, points[1:]))
+        return all(low <= high for low, high in itertools.pairwise(points))
 
     def measured(self, rows: int, seconds: float) -> None:
         """A probe's pass of exactly ``rows`` (one of the curve's): that point is the measurement."""
