@@ -103,6 +103,35 @@ async def test_a_pass_on_the_host_cores_starts_once_the_loop_ran_what_was_ready(
     assert loop_work_seen_by_pass == [["released"]]
 
 
+async def test_a_pass_on_the_host_cores_also_waits_for_what_the_ready_work_made_ready(
+    tiny_target: TargetModel, session_ids, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (session,) = _open(tiny_target, session_ids, 1)
+    loop = asyncio.get_running_loop()
+    loop_work: list[str] = []
+    loop_work_seen_by_pass: list[list[str]] = []
+    score = tiny_target.score
+
+    def observed_score(requests, **kwargs):
+        loop_work_seen_by_pass.append(list(loop_work))
+        return score(requests, **kwargs)
+
+    def decide() -> None:
+        # The session's task deciding a handed-over group of rounds: long enough that a pass
+        # which started as soon as the hand-over's own callback ran would not see it.
+        time.sleep(0.2)
+        loop_work.append("decided")
+
+    monkeypatch.setattr(tiny_target, "score", observed_score)
+    with BatchingScorer(tiny_target, window_s=30.0, active_sessions=lambda: 1) as scorer:
+        rows = scorer.score_async(session, [7])
+        # The hand-over's callback: it wakes the task, whose step runs at the loop's next turn.
+        loop.call_soon(loop.call_soon, decide)
+        time.sleep(0.2)
+        await asyncio.wait_for(rows, timeout=30)
+    assert loop_work_seen_by_pass == [["decided"]]
+
+
 async def test_a_cancelled_async_request_is_not_scored(tiny_target: TargetModel, session_ids) -> None:
     first, second = _open(tiny_target, session_ids, 2)
     with BatchingScorer(tiny_target, window_s=0.2, max_batch=2) as scorer:

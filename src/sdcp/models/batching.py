@@ -508,17 +508,20 @@ class BatchingScorer(ModelThread):
         return list(zip(runnable, rows, strict=True))
 
     def _let_loops_settle(self, requests: list[_Request]) -> None:
-        """Wait until each event loop that awaits the pass has run what was ready on it (the rounds
-        of the last pass: deciding, appending, releasing, streaming). On the host's cores the
-        model's threads wait for each other at every step of a pass, so Python work beside a pass
-        lengthens it by more than the work costs before it (docs/performance.md, "Passes that wait
-        for the event loop"). The wait is bounded by the last pass's time: a loop kept busy longer
-        (a grammar compiled) delays a pass by no more than that."""
+        """Wait until each event loop that awaits the pass has run what was ready on it, and what
+        that made ready (the rounds of the last pass: deciding, appending, releasing, streaming).
+        On the host's cores the model's threads wait for each other at every step of a pass, so
+        Python work beside a pass lengthens it by more than the work costs before it
+        (docs/performance.md, "Passes that wait for the event loop"). A hand-over's rows reach
+        the loop as one callback that wakes the session's task, which decides and signs the rounds
+        at the loop's next turn: waiting for that turn too moved that work from beside the next
+        pass to before it (docs/performance.md, session 40). The wait is bounded by the last pass's
+        time: a loop kept busy longer (a grammar compiled) delays a pass by no more than that."""
         limit_s = max(self.window_s, self._last_pass_s)
         for loop in {request.waiter[0] for request in requests if request.waiter is not None}:
             settled = threading.Event()
             try:
-                loop.call_soon_threadsafe(settled.set)
+                loop.call_soon_threadsafe(loop.call_soon, settled.set)
             except RuntimeError:  # the loop is closed: nothing runs on it
                 continue
             settled.wait(limit_s)
