@@ -19,6 +19,7 @@ from sdcp.protocol.messages import (
     Role,
     Sampling,
     Status,
+    Verdict,
 )
 from sdcp.protocol.problems import BadMessage, ProblemType, ProtocolError
 from sdcp.protocol.records import CommitRecord
@@ -605,3 +606,12 @@ def test_rounds_decided_together_under_a_constraint_follow_the_tokens_before_the
     row = np.array([0, 0, 0, 4, 0, 0, 0, 5], dtype=np.float32)
     decided = session.decide_self_decoded(np.stack([row, row, row]), [3, 3], 0)
     assert [p.record.emitted for p in decided] == [(3,), (3,), (7,)]
+
+
+def test_a_verdict_built_unjudged_still_refuses_a_load_outside_a_percentage() -> None:
+    session = self_decoding_session()
+    row = np.array([[0, 0, 0, 4, 0, 0, 0, 5]], dtype=np.float32)
+    with pytest.raises(ValueError, match="percentage"):
+        session.decide_self_decoded(row, (), 101)
+    (pending,) = session.decide_self_decoded(row, (), 100)
+    assert pending.verdict.load == 100 and Verdict.from_obj(pending.verdict.to_obj()) == pending.verdict

@@ -652,7 +652,10 @@ class VerifierSession:
         committed = (self.committed if committed_before is None else committed_before) + len(emitted)
         digest = extend_digest(self.digest if digest_before is None else digest_before, emitted)
         record = CommitRecord(self.epoch, ticket.round, emitted, committed, digest)
-        # Every member is the session's own state or was decided from it just now.
+        # Every member is the session's own state or was decided from it just now; the load is
+        # the caller's, the one member the verdict is not built unjudged without checking.
+        if not 0 <= verifier_load <= 100:
+            raise ValueError(f"a verifier's load is a percentage, not {verifier_load}")
         verdict = Verdict.computed(
             session=self.session,
             epoch=self.epoch,
