@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -78,58 +79,56 @@ async def test_callers_of_one_pass_continue_together(tiny_target: TargetModel, s
     assert seen_done == [6]
 
 
-async def test_a_pass_on_the_host_cores_starts_once_the_loop_ran_what_was_ready(
-    tiny_target: TargetModel, session_ids, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    (session,) = _open(tiny_target, session_ids, 1)
-    assert tiny_target.on_host_cores
+async def _loop_work_seen_by_the_pass(
+    target: TargetModel, session_ids, monkeypatch: pytest.MonkeyPatch, schedule: Callable[[list[str]], None]
+) -> list[list[str]]:
+    """What the event loop had done when the scorer's pass began: ``schedule`` queues the loop's
+    work (appending to the list it is given) before the loop stays busy while the scorer holds the
+    request (a round being decided): a pass that did not wait would run then, before that work."""
+    (session,) = _open(target, session_ids, 1)
+    assert target.on_host_cores
     loop_work: list[str] = []
     loop_work_seen_by_pass: list[list[str]] = []
-    score = tiny_target.score
+    score = target.score
 
     def observed_score(requests, **kwargs):
         loop_work_seen_by_pass.append(list(loop_work))
         return score(requests, **kwargs)
 
-    monkeypatch.setattr(tiny_target, "score", observed_score)
+    monkeypatch.setattr(target, "score", observed_score)
     # A long window: the wait for the loop is bounded by it, never reached here.
-    with BatchingScorer(tiny_target, window_s=30.0, active_sessions=lambda: 1) as scorer:
+    with BatchingScorer(target, window_s=30.0, active_sessions=lambda: 1) as scorer:
         rows = scorer.score_async(session, [7])
-        asyncio.get_running_loop().call_soon(loop_work.append, "released")
-        # The loop stays busy (a round being decided) while the scorer holds the request: a pass
-        # that did not wait would run now, before the release.
+        schedule(loop_work)
         time.sleep(0.2)
         await asyncio.wait_for(rows, timeout=30)
-    assert loop_work_seen_by_pass == [["released"]]
+    return loop_work_seen_by_pass
+
+
+async def test_a_pass_on_the_host_cores_starts_once_the_loop_ran_what_was_ready(
+    tiny_target: TargetModel, session_ids, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def release(loop_work: list[str]) -> None:
+        asyncio.get_running_loop().call_soon(loop_work.append, "released")
+
+    assert await _loop_work_seen_by_the_pass(tiny_target, session_ids, monkeypatch, release) == [["released"]]
 
 
 async def test_a_pass_on_the_host_cores_also_waits_for_what_the_ready_work_made_ready(
     tiny_target: TargetModel, session_ids, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (session,) = _open(tiny_target, session_ids, 1)
-    loop = asyncio.get_running_loop()
-    loop_work: list[str] = []
-    loop_work_seen_by_pass: list[list[str]] = []
-    score = tiny_target.score
+    def hand_over(loop_work: list[str]) -> None:
+        def decide() -> None:
+            # The session's task deciding a handed-over group of rounds: long enough that a pass
+            # which started as soon as the hand-over's own callback ran would not see it.
+            time.sleep(0.2)
+            loop_work.append("decided")
 
-    def observed_score(requests, **kwargs):
-        loop_work_seen_by_pass.append(list(loop_work))
-        return score(requests, **kwargs)
-
-    def decide() -> None:
-        # The session's task deciding a handed-over group of rounds: long enough that a pass
-        # which started as soon as the hand-over's own callback ran would not see it.
-        time.sleep(0.2)
-        loop_work.append("decided")
-
-    monkeypatch.setattr(tiny_target, "score", observed_score)
-    with BatchingScorer(tiny_target, window_s=30.0, active_sessions=lambda: 1) as scorer:
-        rows = scorer.score_async(session, [7])
         # The hand-over's callback: it wakes the task, whose step runs at the loop's next turn.
+        loop = asyncio.get_running_loop()
         loop.call_soon(loop.call_soon, decide)
-        time.sleep(0.2)
-        await asyncio.wait_for(rows, timeout=30)
-    assert loop_work_seen_by_pass == [["decided"]]
+
+    assert await _loop_work_seen_by_the_pass(tiny_target, session_ids, monkeypatch, hand_over) == [["decided"]]
 
 
 async def test_a_cancelled_async_request_is_not_scored(tiny_target: TargetModel, session_ids) -> None:
