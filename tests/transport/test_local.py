@@ -224,3 +224,51 @@ async def test_a_closed_local_peer_asks_nothing(pki: PKI) -> None:
     assert not client.connected
     with pytest.raises(Exception, match="closed"):
         await client.get_cbor("whoami")
+
+
+async def test_a_body_past_the_listeners_limit_is_refused_before_the_app_as_over_mtls(pki: PKI) -> None:
+    asked: list[str] = []
+
+    async def echo(request: Request) -> Response:
+        asked.append(request.url.path)
+        return cbor_response(await read_cbor_body(request))
+
+    app = Starlette(routes=[Route("/echo", echo, methods=["POST"])], exception_handlers=exception_handlers())
+    body = {"tokens": list(range(100))}
+    local = local_peer(pki, pki.drafter_a, app, LocalGate(max_body_bytes=64))
+    async with (
+        serving(app, mtls_listener(pki, max_body_bytes=64)) as server,
+        client_for(server, pki, pki.drafter_a) as remote,
+    ):
+        refusals = []
+        for client in (remote, local):
+            with pytest.raises(ProtocolError) as refused:
+                await client.post_cbor("echo", body)
+            refusals.append((refused.value.status, refused.value.problem))
+    assert refusals[0] == refusals[1] and refusals[0][0] == 413
+    assert asked == []
+    # Within the limit, the app answers.
+    small = LocalGate(max_body_bytes=1024)
+    assert await local_peer(pki, pki.drafter_a, app, small).post_cbor("echo", body) == (200, body)
+
+
+async def test_a_caller_past_the_listeners_stream_limit_waits_for_a_stream_to_end(pki: PKI) -> None:
+    watch = Watch()
+    started: list[str] = []
+    app = peer_app(pki=pki, watch=watch)
+
+    async def counted(scope: dict[str, object], receive: object, send: object) -> None:
+        started.append(str(scope["path"]))
+        await app(scope, receive, send)  # type: ignore[arg-type]
+
+    client = local_peer(pki, pki.drafter_a, counted, LocalGate(max_concurrent_streams=2))  # type: ignore[arg-type]
+    calls = [asyncio.ensure_future(client.get_cbor("never")) for _ in range(3)]
+    await watch.started.wait()
+    # The handlers of the first two run; the third call waits for one of their streams.
+    # Turns of the loop enough for an ungated third call to have reached its handler too.
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert started == ["/never", "/never"]
+    watch.released.set()
+    assert await asyncio.gather(*calls) == [(204, None)] * 3
+    assert started == ["/never"] * 3

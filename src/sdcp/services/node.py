@@ -122,7 +122,7 @@ class Node(ABC):
         self.peers = PeerClients(instance.cert, instance.key, instance.ca)
         self._server: Server | None = None
         # The calls of instances of this process (sdcp.together), which its listener never sees.
-        self.local_gate = LocalGate()
+        self.local_gate = LocalGate(max_body_bytes=self.max_body_bytes)
         self._admin: AdminServer | None = None
         self._tasks = BackgroundTasks(self.uri, log)
         # When a router last took this instance's status report (time.monotonic).

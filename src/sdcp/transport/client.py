@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 from urllib.parse import urlencode, urlsplit
 
 from sdcp.protocol.codec import DEFAULT_MAX_SIZE, MEDIA_TYPE, decode, encode
@@ -92,6 +92,10 @@ class SDCPClient:
     instance with a certificate from the same CA cannot answer in the peer's place (docs/security.md).
     """
 
+    # Whether it opens connections: a peer served in this process (sdcp.transport.local) is asked
+    # by a call, and builds no TLS context it would never use.
+    CONNECTS: ClassVar[bool] = True
+
     def __init__(
         self,
         base_uri: str,
@@ -112,7 +116,7 @@ class SDCPClient:
         self._host = parts.hostname
         self._port = parts.port or 443
         self._path_prefix = parts.path.rstrip("/") + "/"
-        self._ssl_context = client_context(cert, key, ca)
+        self._ssl_context = client_context(cert, key, ca) if self.CONNECTS else None
         self._timeout = timeout
         self._retry = retry
         self._max_response_size = max_response_size
@@ -377,7 +381,11 @@ class SDCPClient:
                 return connection
             try:
                 connection = await H2Connection.open(
-                    self._host, self._port, self._ssl_context, timeout=CONNECT_TIMEOUT_S, identity=self._server_identity
+                    self._host,
+                    self._port,
+                    self._tls_context(),
+                    timeout=CONNECT_TIMEOUT_S,
+                    identity=self._server_identity,
                 )
             except WrongServer as error:
                 raise TLSFailure(f"{self.base_uri}: {error}; nothing was sent") from error
@@ -390,6 +398,11 @@ class SDCPClient:
             self._connection = connection
             return connection
 
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._ssl_context is None:
+            raise TypeError(f"{type(self).__name__} opens no connection")
+        return self._ssl_context
+
     async def _client_certificate_refused(self) -> bool:
         """Whether the peer completes TLS and then closes without its HTTP/2 preface.
 
@@ -398,7 +411,7 @@ class SDCPClient:
         """
         try:
             async with asyncio.timeout(_PROBE_TIMEOUT_S):
-                reader, writer = await asyncio.open_connection(self._host, self._port, ssl=self._ssl_context)
+                reader, writer = await asyncio.open_connection(self._host, self._port, ssl=self._tls_context())
         except (OSError, TimeoutError):
             return False
         try:

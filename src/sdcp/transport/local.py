@@ -2,8 +2,9 @@
 by a call, not over HTTP/2 and TLS.
 
 Everything else is the exchange a remote peer gives: the same app answers (routes, authorization by
-the caller's identity, problem details), and the caller reads the answer as ``SDCPClient`` reads one
-(statuses, problems, CBOR, size limits, timeouts). The identity the app sees is the one the caller's
+the caller's identity, problem details) behind its listener's limits (the request body's size, the
+streams a caller has in flight: ``LocalGate``), and the caller reads the answer as ``SDCPClient``
+reads one (statuses, problems, CBOR, size limits, timeouts). The identity the app sees is the one the caller's
 certificate would carry over mTLS (its URI SAN), so that authorization is the deployment's. What goes
 is TLS's encryption both ways, HTTP/2's framing and the socket: in one process on two cores, the
 opens, assignments, events and status reports of the other roles came out of the target's passes.
@@ -26,10 +27,18 @@ from starlette.types import ASGIApp, Message
 from sdcp.protocol.problems import PROBLEM_MEDIA_TYPE
 from sdcp.transport.asgi import problem_body
 from sdcp.transport.client import PeerClients, SDCPClient
-from sdcp.transport.errors import ConnectionLost, InternalServerError, PeerTimeout, UnexpectedResponse
+from sdcp.transport.errors import (
+    ConnectionLost,
+    HTTPProblem,
+    InternalServerError,
+    PayloadTooLarge,
+    PeerTimeout,
+    UnexpectedResponse,
+)
 from sdcp.transport.h2conn import H2Response
-from sdcp.transport.h2server import http_scope
+from sdcp.transport.h2server import DEFAULT_MAX_BODY_BYTES, http_scope
 from sdcp.transport.peer import PeerTLS
+from sdcp.transport.server import DEFAULT_MAX_CONCURRENT_STREAMS
 
 __all__ = ["LocalGate", "LocalPeer", "serve_locally"]
 
@@ -39,9 +48,19 @@ log = logging.getLogger(__name__)
 class LocalGate:
     """What a peer's listener does for its streams, done for the calls of its own process: once the
     peer stops, a new call is refused (as a closed listener refuses a connection), and those in
-    flight may finish before the peer stops its engine (as the listener drains its streams)."""
+    flight may finish before the peer stops its engine (as the listener drains its streams). A
+    request body past ``max_body_bytes`` is answered 413 without reaching the app, and a caller has
+    at most ``max_concurrent_streams`` calls in flight at once, the next waiting for one to end, as
+    over its connection to the listener (sdcp.transport.h2server)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS,
+    ) -> None:
+        self.max_body_bytes = max_body_bytes
+        self.max_concurrent_streams = max_concurrent_streams
         self._closed = False
         self._in_flight: set[asyncio.Task[None]] = set()
 
@@ -80,12 +99,16 @@ class LocalPeer(SDCPClient):
     """``SDCPClient`` of a peer served by ``app`` in this process behind ``gate``, the caller known
     to it as ``tls`` (the caller's certificate and identity, as its mTLS connection would tell them)."""
 
+    CONNECTS = False
+
     def __init__(
         self, base_uri: str, app: ASGIApp, gate: LocalGate, tls: PeerTLS, *credentials: Any, **options: Any
     ) -> None:
         super().__init__(base_uri, *credentials, **options)
         self._app = app
         self._gate = gate
+        # This caller's streams to the peer, as on its one connection to the listener.
+        self._streams = asyncio.Semaphore(gate.max_concurrent_streams)
         self._tls = tls.asgi_extension()
         parts = urlsplit(base_uri)
         self._authority = parts.netloc.encode("ascii")
@@ -129,16 +152,22 @@ class LocalPeer(SDCPClient):
             self._server,
             self._tls,
         )
+        if body is not None and len(body) > self._gate.max_body_bytes:
+            return _refused(PayloadTooLarge(f"request body of {len(body)} bytes exceeds {self._gate.max_body_bytes}"))
         exchange = _Exchange(body or b"", max_size, bodiless=method == "HEAD")
-        # In a context of its own, as a task of the peer's listener would run: nothing of the
-        # caller's context variables reaches the peer's handlers.
-        answering = asyncio.get_running_loop().create_task(
-            _answer(self._app, scope, exchange), context=contextvars.Context()
-        )
-        self._gate.track(answering)
-        answering.add_done_callback(exchange.app_returned)
+        answering: asyncio.Task[None] | None = None
         try:
             async with asyncio.timeout(self._timeout if timeout is None else timeout):
+                await self._streams.acquire()
+                # In a context of its own, as a task of the peer's listener would run: nothing of
+                # the caller's context variables reaches the peer's handlers. The stream is held
+                # until the handler returns, as the listener counts a stream's task.
+                answering = asyncio.get_running_loop().create_task(
+                    _answer(self._app, scope, exchange), context=contextvars.Context()
+                )
+                answering.add_done_callback(lambda _: self._streams.release())
+                self._gate.track(answering)
+                answering.add_done_callback(exchange.app_returned)
                 response = await exchange.answer
         except TimeoutError as error:
             raise PeerTimeout(f"{method} {path} to {self.base_uri} timed out") from error
@@ -149,9 +178,14 @@ class LocalPeer(SDCPClient):
             # whose caller left before the whole answer came is cancelled, as a reset stream's is;
             # one that answered runs on (work it does after its answer, as behind a listener).
             exchange.leave()
-            if not exchange.answered:
+            if not exchange.answered and answering is not None:
                 answering.cancel()
         return response
+
+
+def _refused(problem: HTTPProblem) -> H2Response:
+    """What the listener answers in the app's place (a refusal before the request reaches it)."""
+    return H2Response(problem.status, {"content-type": PROBLEM_MEDIA_TYPE}, problem_body(problem))
 
 
 async def _answer(app: ASGIApp, scope: dict[str, Any], exchange: _Exchange) -> None:
