@@ -4,10 +4,11 @@ by a call, not over HTTP/2 and TLS.
 Everything else is the exchange a remote peer gives: the same app answers (routes, authorization by
 the caller's identity, problem details) behind its listener's limits (the request body's size, the
 streams a caller has in flight: ``LocalGate``), and the caller reads the answer as ``SDCPClient``
-reads one (statuses, problems, CBOR, size limits, timeouts). The identity the app sees is the one the caller's
-certificate would carry over mTLS (its URI SAN), so that authorization is the deployment's. What goes
-is TLS's encryption both ways, HTTP/2's framing and the socket: in one process on two cores, the
-opens, assignments, events and status reports of the other roles came out of the target's passes.
+reads one (statuses, problems, CBOR, size limits, timeouts). The identity the app sees is the one
+the caller's certificate would carry over mTLS (its URI SAN), so that authorization is the
+deployment's. What goes is TLS's encryption both ways, HTTP/2's framing and the socket: in one process
+on two cores, the opens, assignments, events and status reports of the other roles came out of the
+target's passes.
 """
 
 from __future__ import annotations
