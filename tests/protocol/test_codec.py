@@ -230,3 +230,42 @@ def test_random_bytes_decode_or_raise_bad_message(data: bytes) -> None:
         codec.encode(value)
     except ValueError as refused:  # outside SDCP's data model: never sent
         assert "cannot encode" in str(refused)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(st.text(max_size=12), _SDCP_VALUES, max_size=30),
+    st.text(max_size=12),
+    st.binary(max_size=300),
+)
+def test_a_member_added_to_an_encoded_map_gives_the_maps_own_encoding(
+    body: dict[str, object], key: str, value: bytes
+) -> None:
+    """``with_member`` reuses the body's encoding where the new key comes first (a signature's
+    ``sig`` before a record's members) and encodes the whole map otherwise (a key that sorts
+    later, one the body holds already, a body of 23 members or more): the bytes are always the
+    map's deterministic encoding, and ``encode`` hands them back."""
+    added = codec.with_member(body, codec.encode(body), key, value)
+    assert added == {**body, key: value}
+    assert added.cbor == codec.encode(dict(added)) == codec.encode(added)
+    assert codec.decode_deterministic(added.cbor) == {**body, key: value}
+
+
+def test_an_encoded_map_refuses_every_change_and_its_copy_takes_them() -> None:
+    record = {"epoch": 1, "round": 2, "emitted": [7], "committed": 1, "digest": bytes(32)}
+    signed = codec.with_member(record, codec.encode(record), "sig", b"s")
+    for change in (
+        lambda: signed.__setitem__("round", 3),
+        lambda: signed.update(round=3),
+        lambda: signed.pop("round"),
+        lambda: signed.setdefault("other", 1),
+        lambda: signed.clear(),
+        lambda: signed.popitem(),
+        lambda: signed.__delitem__("round"),
+    ):
+        with pytest.raises(TypeError):
+            change()
+    assert codec.encode(signed) == codec.encode({**record, "sig": b"s"})
+    copy = dict(signed)
+    copy["round"] = 3
+    assert codec.encode(copy) == codec.encode({**record, "sig": b"s", "round": 3})

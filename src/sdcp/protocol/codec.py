@@ -13,6 +13,7 @@ import binascii
 import io
 import re
 from collections.abc import Sequence
+from typing import NoReturn
 
 import cbor2
 
@@ -22,12 +23,14 @@ __all__ = [
     "DEFAULT_MAX_DEPTH",
     "DEFAULT_MAX_SIZE",
     "MEDIA_TYPE",
+    "EncodedMap",
     "b64url_decode",
     "b64url_encode",
     "decode",
     "decode_deterministic",
     "encode",
     "integers_within",
+    "with_member",
 ]
 
 MEDIA_TYPE = "application/sdcp+cbor"
@@ -122,12 +125,52 @@ def _innermost_bad_message(exc: BaseException) -> BadMessage | None:
     return None
 
 
+class EncodedMap(dict[str, object]):
+    """A map that carries its deterministic encoding (``with_member``): ``encode`` returns it rather
+    than check and encode the map again. It refuses every change, which would leave the encoding
+    stale (a copy, ``dict(m)``, may be changed)."""
+
+    __slots__ = ("cbor",)
+
+    def __init__(self, members: dict[str, object], cbor: bytes) -> None:
+        super().__init__(members)
+        self.cbor = cbor
+
+    def _refuse(self, *_: object, **__: object) -> NoReturn:
+        raise TypeError("an EncodedMap is not changed: change a copy (dict(m))")
+
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _refuse
+
+
+# A map of up to 23 members has its count in its first byte (RFC 8949 3.1: major type 5).
+_SHORT_MAP = 0xA0
+_SHORT_MAP_MOST = 23
+
+
+def with_member(body: dict[str, object], encoded_body: bytes, key: str, value: bytes) -> EncodedMap:
+    """``body`` with ``key``: ``value`` added, and its deterministic encoding made from
+    ``encoded_body`` (``encode(body)``) without encoding ``body`` again where ``key`` comes first in
+    the 4.2.1 order (the bytewise order of the encoded keys): the map's count, then ``key`` and
+    ``value``, then ``body``'s members as they are. A verifier signs every commit record and the log
+    stores it: the log encoded each signed record again, on the event loop, while the next pass
+    waited for the group's hand-over (docs/performance.md, session 41)."""
+    members: dict[str, object] = {key: value}
+    members.update((other, member) for other, member in body.items() if other != key)
+    first = cbor2.dumps(key)
+    leads = all(first < cbor2.dumps(other) for other in body)
+    if key in body or not leads or len(body) >= _SHORT_MAP_MOST or encoded_body[:1] != bytes([_SHORT_MAP + len(body)]):
+        return EncodedMap(members, encode(members))
+    return EncodedMap(members, bytes([_SHORT_MAP + len(members)]) + first + cbor2.dumps(value) + encoded_body[1:])
+
+
 def encode(obj: object) -> bytes:
     """RFC 8949 4.2.1 core deterministic encoding of `obj`.
 
     cbor2's canonical mode sorts map keys length-first; for text keys that order equals the
     bytewise order of the encoded keys that 4.2.1 requires, which is why keys must be text.
     """
+    if type(obj) is EncodedMap:
+        return obj.cbor
     problem = _outside_data_model(obj)
     if problem is not None:
         raise ValueError(f"cannot encode: {problem}")

@@ -65,7 +65,8 @@ class RecordSigner:
         return cls(key, cert.public_bytes(serialization.Encoding.DER))
 
     def sign(self, record: dict[str, Any], with_cert: bool = False) -> dict[str, Any]:
-        """``record`` with ``sig`` (and ``cert`` when asked) added."""
+        """``record`` with ``sig`` (and ``cert`` when asked) added, carrying its deterministic
+        encoding (``codec.with_member``: the log stores it without encoding it again)."""
         body = {**record, CERT_MEMBER: self.cert_der} if with_cert else dict(record)
         body.pop(SIG_MEMBER, None)
         data = codec.encode(body)
@@ -76,7 +77,7 @@ class RecordSigner:
             signature = key.sign(data)
         else:
             signature = key.sign(data, _PSS, hashes.SHA256())
-        return {**body, SIG_MEMBER: signature}
+        return codec.with_member(body, data, SIG_MEMBER, signature)
 
 
 class RecordCheck:
