@@ -23,6 +23,7 @@ from sdcp.protocol.problems import BadContract, BadMessage, ProtocolError
 __all__ = [
     "CancelRequest",
     "LADDER_ACTIONS",
+    "LOAD_MAX",
     "TOKEN_MAX",
     "UINT_MAX",
     "MAX_LOGIT_BIAS",
@@ -60,6 +61,8 @@ __all__ = [
 ]
 
 UINT_MAX = 2**64 - 1
+# A load (a status's, a verdict's, a contract's self_load) is a percentage (SDCP 5.2).
+LOAD_MAX = 100
 # Token ids enter the digest chain as uint32 (SDCP 4.2).
 TOKEN_MAX = 2**32 - 1
 HASH_SIZE = 32
@@ -546,7 +549,7 @@ class Contract(_Message):
     low_rounds: int = _required(_UInt(low=1))
     low_ratio: int | None = _optional(_UInt(high=100))
     fallback: tuple[Action | int, ...] = _required(_Array(_LadderEntry(), non_empty=True))
-    self_load: int | None = _optional(_UInt(high=100))
+    self_load: int | None = _optional(_UInt(high=LOAD_MAX))
     self_max: int | None = _optional(_UINT)
     scope: bytes | None = _optional(_Bytes(SCOPE_SIZE))
     _encoded: bytes = field(init=False, repr=False, compare=False, default=b"")
@@ -714,7 +717,7 @@ class PassCost(_Message):
 class Status(_Message):
     instance: str = _required(_TEXT)
     role: Role = _required(_IntEnumKind(Role))
-    load: int = _required(_UInt(high=100))
+    load: int = _required(_UInt(high=LOAD_MAX))
     queue: int = _required(_UINT)
     accept_milli: int | None = _optional(_UInt(high=1000))
     cache_mbps: int | None = _optional(_UINT)
@@ -798,7 +801,7 @@ class Verdict(_Message):
     action: Action = _required(_ACTION)
     m_cap: int = _required(_UINT)
     low: int = _required(_UINT)
-    load: int = _required(_UInt(high=100))
+    load: int = _required(_UInt(high=LOAD_MAX))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,6 +31,7 @@ from sdcp.protocol.control import SpeculationControl
 from sdcp.protocol.digest import extend_digest, prefix_digest
 from sdcp.protocol.logprobs import token_logprobs
 from sdcp.protocol.messages import (
+    LOAD_MAX,
     Action,
     Assignment,
     Contract,
@@ -654,7 +655,7 @@ class VerifierSession:
         record = CommitRecord(self.epoch, ticket.round, emitted, committed, digest)
         # Every member is the session's own state or was decided from it just now; the load is
         # the caller's, the one member the verdict is not built unjudged without checking.
-        if not 0 <= verifier_load <= 100:
+        if not 0 <= verifier_load <= LOAD_MAX:
             raise ValueError(f"a verifier's load is a percentage, not {verifier_load}")
         verdict = Verdict.computed(
             session=self.session,

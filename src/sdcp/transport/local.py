@@ -154,7 +154,8 @@ class LocalPeer(SDCPClient):
             self._tls,
         )
         if body is not None and len(body) > self._gate.max_body_bytes:
-            return _refused(PayloadTooLarge(f"request body of {len(body)} bytes exceeds {self._gate.max_body_bytes}"))
+            limit = self._gate.max_body_bytes
+            return _listener_answer(PayloadTooLarge(f"request body of {len(body)} bytes exceeds {limit}"))
         exchange = _Exchange(body or b"", max_size, bodiless=method == "HEAD")
         answering: asyncio.Task[None] | None = None
         try:
@@ -184,8 +185,9 @@ class LocalPeer(SDCPClient):
         return response
 
 
-def _refused(problem: HTTPProblem) -> H2Response:
-    """What the listener answers in the app's place (a refusal before the request reaches it)."""
+def _listener_answer(problem: HTTPProblem) -> H2Response:
+    """What the listener answers in the app's place: a refusal before the request reaches it, or
+    the 500 for an app that failed without answering."""
     return H2Response(problem.status, {"content-type": PROBLEM_MEDIA_TYPE}, problem_body(problem))
 
 
@@ -247,8 +249,7 @@ class _Exchange:
         if failure is not None:
             log.error("unhandled error answering a request of this process", exc_info=failure)
         if not self.answer.done():
-            headers = {"content-type": PROBLEM_MEDIA_TYPE}
-            self.answer.set_result(H2Response(500, headers, problem_body(InternalServerError())))
+            self.answer.set_result(_listener_answer(InternalServerError()))
 
     @property
     def answered(self) -> bool:
