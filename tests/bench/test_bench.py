@@ -11,8 +11,21 @@ from typer.testing import CliRunner
 from sdcp.bench.report import markdown, summarise
 from sdcp.bench.runner import BenchConfig, BenchData, ConcurrencyLevel, Measurement
 from sdcp.bench.systems import RunResult
-from sdcp.bench.workloads import BenchInputError, Workload, load_workloads, parse_prompts, rotated
+from sdcp.bench.workloads import (
+    BenchInputError,
+    Prompt,
+    Workload,
+    load_history_workloads,
+    load_structured_workload,
+    load_workloads,
+    parse_prompts,
+    rotated,
+    tokenize_prompt,
+    warm_up_prompts,
+)
 from sdcp.cli import app
+from sdcp.models.registry import load_model
+from sdcp.models.weights.paths import TINY_NAME
 
 REQUIRED_RATIOS = (
     "repetitive_vs_target",
@@ -212,6 +225,25 @@ def test_prompt_files_parse_and_bad_inputs_are_typed_errors(tmp_path: Path) -> N
         load_workloads(tmp_path / "absent")
     with pytest.raises(BenchInputError, match="at least 1"):
         load_workloads(tmp_path / "p", per_workload=0)
+
+
+def test_the_warm_up_asks_no_measured_prompt() -> None:
+    """A cluster learns what it answers: a measured prompt in the warm-up would be measured with the
+    first tokens of its answer already in the lookahead's history."""
+    tokenizer = load_model(TINY_NAME).tokenizer
+    workload = load_structured_workload()
+    assert workload is not None
+    structured = [
+        Prompt(text, tuple(tokenize_prompt(tokenizer, text)), constraint=workload.constraint_at(index))
+        for index, text in enumerate(workload.prompts)
+    ]
+    warm, structured_warm = warm_up_prompts(tokenizer, structured)
+    shipped = {p for w in [*load_workloads(), *load_history_workloads(), workload] for p in w.prompts}
+    assert warm.text not in shipped
+    assert warm.tokens and warm.constraint is None
+    assert structured_warm is not None and structured_warm.text == warm.text
+    assert structured_warm.constraint == structured[0].constraint is not None
+    assert warm_up_prompts(tokenizer, []) == (warm, None)
 
 
 def test_the_shipped_prompt_set_has_eight_prompts_per_chat_workload() -> None:

@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ from sdcp.bench.workloads import (
     load_workloads,
     rotated,
     tokenize_prompt,
+    warm_up_prompts,
 )
 from sdcp.models.backend import Target
 from sdcp.models.choice import choose_backend
@@ -363,15 +364,12 @@ async def _measure(
                 runners.append((system.name, _on_model_thread(model_thread, system.generate)))
         for cluster in clusters:
             runners.append((cluster.name, _bound(cluster, stop)))
-        # Every system warms up without a constraint; those of the structured workload also with
-        # one (the grammar engine's view of the tokenizer is built once per process).
-        warm_prompt = replace(next(iter(prompts.values()))[0], constraint=None)
-        structured = prompts.get(STRUCTURED_WORKLOAD, [])
+        warm, structured_warm = warm_up_prompts(tokenizer, prompts.get(STRUCTURED_WORKLOAD, []))
         for name, run in runners:
             log(f"warming up {name}")
-            await run(warm_prompt, min(8, max_new))
-            if structured and name in STRUCTURED_SYSTEMS:
-                await run(structured[0], min(8, max_new))
+            await run(warm, min(8, max_new))
+            if structured_warm is not None and name in STRUCTURED_SYSTEMS:
+                await run(structured_warm, min(8, max_new))
         measurements: list[Measurement] = []
         for repeat in range(config.effective_repeats):
             turn = 0

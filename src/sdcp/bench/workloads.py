@@ -46,6 +46,7 @@ __all__ = [
     "plain_text",
     "rotated",
     "tokenize_prompt",
+    "warm_up_prompts",
 ]
 
 _T = TypeVar("_T")
@@ -66,6 +67,8 @@ DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 ANSWER_PLACEHOLDER = "{answer}"
 _SEPARATOR = "---"
 _TURN_SEPARATOR = "+++"
+# What every system answers before the measured prompts (warm_up_prompts): a request of no workload.
+WARM_UP_TEXT = "Say hello."
 
 
 def rotated(systems: Sequence[_T], start: int) -> list[_T]:
@@ -224,6 +227,19 @@ def tokenize_prompt(tokenizer: Any, prompt: str, history: tuple[tuple[str, str],
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         return [int(token) for token in ids]
     return [int(token) for token in tokenizer(plain_text(prompt, history))["input_ids"]]
+
+
+def warm_up_prompts(tokenizer: Any, structured: Sequence[Prompt]) -> tuple[Prompt, Prompt | None]:
+    """The request each system answers before the measured ones, and the one the systems of the
+    structured workload answer too, under its first prompt's constraint (the grammar engine's view
+    of the tokenizer is built once per process), or None without that workload. Both ask
+    WARM_UP_TEXT, a prompt of no workload: a cluster learns what it answers (the lookahead's and the
+    drafters' history), and a measured prompt answered in the warm-up would start the measured run
+    with the first tokens of its own answer already known."""
+    warm = Prompt(WARM_UP_TEXT, tuple(tokenize_prompt(tokenizer, WARM_UP_TEXT)))
+    if not structured:
+        return warm, None
+    return warm, Prompt(warm.text, warm.tokens, constraint=structured[0].constraint)
 
 
 class Conversations:
