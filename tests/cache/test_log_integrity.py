@@ -48,6 +48,17 @@ async def test_torn_tail_is_ignored_by_readers_and_cut_by_the_next_append(tmp_pa
     assert path.stat().st_size > intact
 
 
+async def test_a_log_whose_directory_is_missing_makes_it_and_one_removed_starts_afresh(tmp_path: Path) -> None:
+    path = tmp_path / "not" / "yet" / "log"
+    log, etag = await two_record_log(path)
+    assert [r["round"] for r in (await FileCommitLog(LOG, path).read()).records] == [1, 2]
+    path.unlink()
+    path.parent.rmdir()
+    with pytest.raises(PreconditionFailed):
+        await log.append({"epoch": 1, "round": 3}, if_match=etag)
+    assert (await log.read()).records == [] and path.is_file()
+
+
 @pytest.mark.parametrize(
     "damage",
     [

@@ -33,7 +33,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import cbor2
 
@@ -255,42 +255,53 @@ class FileCommitLog(CommitLog):
         return await asyncio.to_thread(self._fence_sync, payload, epoch)
 
     def _read_sync(self, start: int) -> LogSnapshot:
-        with self._mutex, self._locked(fcntl.LOCK_SH) as handle:
-            self._catch_up(handle, repair=False)
+        with self._mutex, self._locked(fcntl.LOCK_SH) as fd:
+            self._catch_up(fd, repair=False)
             return LogSnapshot(self._state.records[start:], self._state.etag)
 
     def _append_sync(self, encoded: Sequence[tuple[bytes, int, bool]], if_match: str) -> str:
-        with self._mutex, self._locked(fcntl.LOCK_EX) as handle:
-            self._catch_up(handle, repair=True)
+        with self._mutex, self._locked(fcntl.LOCK_EX) as fd:
+            self._catch_up(fd, repair=True)
             self._state.check_appends([(epoch, fence_shaped) for _, epoch, fence_shaped in encoded], if_match)
-            self._write_frames(handle, [payload for payload, _, _ in encoded])
+            self._write_frames(fd, [payload for payload, _, _ in encoded])
             return self._state.etag
 
     def _fence_sync(self, payload: bytes, epoch: int) -> str:
-        with self._mutex, self._locked(fcntl.LOCK_EX) as handle:
-            self._catch_up(handle, repair=True)
+        with self._mutex, self._locked(fcntl.LOCK_EX) as fd:
+            self._catch_up(fd, repair=True)
             if self._state.fence_needed(epoch):
-                self._write_frames(handle, [payload])
+                self._write_frames(fd, [payload])
             return self._state.etag
 
     @contextlib.contextmanager
-    def _locked(self, mode: int) -> Iterator[IO[bytes]]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        with os.fdopen(fd, "r+b") as handle:
-            fcntl.flock(handle.fileno(), mode)
+    def _locked(self, mode: int) -> Iterator[int]:
+        """The log file's descriptor under ``flock``. An append runs on a worker thread beside the
+        model's passes, and each system call gives the GIL away and waits to take it back: the
+        file is handled through its descriptor alone, its directory made only when missing
+        (docs/performance.md, session 42). The lock is let go before the descriptor closes, so
+        that a copy of it in a process forked meanwhile cannot hold it."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, mode)
             try:
-                yield handle
+                yield fd
             finally:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
-    def _catch_up(self, handle: IO[bytes], *, repair: bool) -> None:
+    def _catch_up(self, fd: int, *, repair: bool) -> None:
         """Read frames appended since the cached offset (by this or any other process)."""
-        info = os.fstat(handle.fileno())
+        info = os.fstat(fd)
         if info.st_ino != self._inode or info.st_size < self._offset:
             self._state, self._offset, self._inode = LogState(), 0, info.st_ino
-        handle.seek(self._offset)
-        tail = handle.read(info.st_size - self._offset)
+        if info.st_size == self._offset:
+            return
+        tail = os.pread(fd, info.st_size - self._offset, self._offset)
         position = 0
         while position < len(tail):
             where = f"{self.path} record {len(self._state.records)} at offset {self._offset + position}"
@@ -307,19 +318,20 @@ class FileCommitLog(CommitLog):
             position = end
         self._offset += position
         if repair and self._offset < info.st_size:
-            handle.truncate(self._offset)
-            os.fsync(handle.fileno())
+            os.ftruncate(fd, self._offset)
+            os.fsync(fd)
 
-    def _write_frames(self, handle: IO[bytes], payloads: Sequence[bytes]) -> None:
+    def _write_frames(self, fd: int, payloads: Sequence[bytes]) -> None:
         # One write and one fsync for all of them: a crash leaves a prefix of complete frames and
         # at most one torn one, which readers ignore (none of them was acknowledged).
-        handle.seek(self._offset)
-        handle.write(b"".join(_FRAME_HEADER.pack(len(payload), zlib.crc32(payload)) + payload for payload in payloads))
-        handle.flush()
-        os.fsync(handle.fileno())
+        data = b"".join(_FRAME_HEADER.pack(len(payload), zlib.crc32(payload)) + payload for payload in payloads)
+        written = 0
+        while written < len(data):
+            written += os.pwrite(fd, memoryview(data)[written:], self._offset + written)
+        os.fsync(fd)
         for payload in payloads:
             self._state.add(payload, cbor2.loads(payload))
-        self._offset = handle.tell()
+        self._offset += len(data)
 
 
 _PendingAppend = tuple[FileCommitLog, tuple[tuple[bytes, int, bool], ...], str, "asyncio.Future[str]"]
