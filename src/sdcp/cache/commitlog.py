@@ -327,7 +327,10 @@ class FileCommitLog(CommitLog):
         data = b"".join(_FRAME_HEADER.pack(len(payload), zlib.crc32(payload)) + payload for payload in payloads)
         written = 0
         while written < len(data):
-            written += os.pwrite(fd, memoryview(data)[written:], self._offset + written)
+            count = os.pwrite(fd, memoryview(data)[written:], self._offset + written)
+            if count == 0:
+                raise OSError(f"{self.path}: nothing written at offset {self._offset + written}")
+            written += count
         os.fsync(fd)
         for payload in payloads:
             self._state.add(payload, cbor2.loads(payload))
