@@ -14,7 +14,7 @@ import pytest
 
 from sdcp.futures import settle_soon
 from sdcp.models import BatchingScorer, ScorerClosed, TargetModel, UnknownSession, batching
-from sdcp.models.batching import RUN_DELIVERY_STEPS, ScoredRun
+from sdcp.models.batching import RUN_DELIVERY_STEPS, RUN_DELIVERY_STEPS_MOST, ScoredRun
 from sdcp.models.errors import ModelError
 
 pytestmark = pytest.mark.timeout(60)
@@ -281,6 +281,64 @@ async def test_a_greedy_runs_caller_changes_how_many_steps_it_hears_of_at_a_time
         rows = await asyncio.wait_for(asyncio.gather(*run.steps), timeout=30)
     assert all(row is not None for row in rows)
     assert handed == [[run.rows], list(run.steps[:4]), list(run.steps[4:])]
+
+
+async def test_a_greedy_run_hands_its_groups_over_a_span_of_time_apart_when_its_caller_asks(
+    tiny_target: TargetModel, session_ids, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``apart_s`` (ScoredRun.deliver_every) a run holds its steps until the last hand-over is
+    that long ago, ``every`` of them at least: on a clock that moves 0.1 s a pass, two steps at a
+    time at least 0.35 s apart are four at a time, and the rest goes where the run stops."""
+    handed = _record_hand_overs(monkeypatch)
+    (session,) = _open(tiny_target, session_ids, 1)
+    greedy = batching.MostProbable()
+    known = threading.Event()
+    runs: list[ScoredRun] = []
+    passes = [0]
+
+    class CountsThePasses:
+        def follow(self, rows: np.ndarray, proposed: tuple[int, ...]) -> int | None:
+            if passes[0] == 0:
+                assert known.wait(timeout=30)
+            passes[0] += 1
+            return greedy.follow(rows, proposed)
+
+    def clock() -> float:
+        return passes[0] / 10
+
+    with BatchingScorer(tiny_target, window_s=0.0, clock=clock) as scorer:
+        run = scorer.score_ahead_async(session, (), 10, frozenset(), CountsThePasses(), deliver_every=2)
+        run.deliver_every(2, apart_s=0.35)
+        runs.append(run)
+        known.set()
+        rows = await asyncio.wait_for(asyncio.gather(*run.steps), timeout=30)
+    assert all(row is not None for row in rows)
+    assert handed == [[run.rows], list(run.steps[:4]), list(run.steps[4:8]), list(run.steps[8:])]
+
+
+async def test_a_greedy_run_hands_over_at_most_so_many_steps_at_a_time(
+    tiny_target: TargetModel, session_ids, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However far apart its caller wants the groups, a run holds at most RUN_DELIVERY_STEPS_MOST
+    steps' rows: it hands them over there (the clock never moves here)."""
+    handed = _record_hand_overs(monkeypatch)
+    (session,) = _open(tiny_target, session_ids, 1)
+    steps = RUN_DELIVERY_STEPS_MOST + 2
+    greedy = batching.MostProbable()
+    known = threading.Event()
+
+    class WaitsForTheCaller:
+        def follow(self, rows: np.ndarray, proposed: tuple[int, ...]) -> int | None:
+            assert known.wait(timeout=30)
+            return greedy.follow(rows, proposed)
+
+    with BatchingScorer(tiny_target, window_s=0.0, clock=lambda: 0.0) as scorer:
+        run = scorer.score_ahead_async(session, (), steps, frozenset(), WaitsForTheCaller())
+        run.deliver_every(RUN_DELIVERY_STEPS, apart_s=3600.0)
+        known.set()
+        rows = await asyncio.wait_for(asyncio.gather(*run.steps), timeout=60)
+    assert all(row is not None for row in rows)
+    assert handed == [[run.rows], list(run.steps[:RUN_DELIVERY_STEPS_MOST]), list(run.steps[RUN_DELIVERY_STEPS_MOST:])]
 
 
 async def test_a_greedy_run_hands_its_steps_over_after_each_pass_while_its_caller_wants_them(

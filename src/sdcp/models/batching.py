@@ -48,9 +48,13 @@ ScorerClosed = ModelThreadClosed
 # took 0.47 ms of CPU a token instead of 0.82, and the appends' worker threads a fourth of theirs, on
 # the two cores llama.cpp's threads share with them (docs/performance.md, session 29). A caller that
 # may cut the run for tokens worth scoring together (a guess, a constraint's forced tokens) asks for
-# fewer at a time: it hears of each step that much sooner.
+# fewer at a time: it hears of each step that much sooner. A caller may also ask for groups at
+# least a span of time apart (ScoredRun.deliver_every): a run then holds more than ``every`` steps
+# where its passes are quick, up to RUN_DELIVERY_STEPS_MOST, whose rows it keeps meanwhile (64 rows
+# of SmolLM2's 49,152 float32 logits: 12.6 MB).
 RUN_DELIVERY_STEPS = 16
 RUN_DELIVERY_STEPS_FEW = 4
+RUN_DELIVERY_STEPS_MOST = 64
 
 
 class GreedyPicker(Protocol):
@@ -130,18 +134,28 @@ class ScoredRun:
         for step in self.steps[after + 1 :]:
             step.cancel()
 
-    def deliver_every(self, steps: int) -> None:
-        """Hand the steps' rows over ``steps`` at a time from now on: a caller learns during a
-        long run whether it may cut it for tokens worth scoring together (RUN_DELIVERY_STEPS_FEW)."""
+    def deliver_every(self, steps: int, *, apart_s: float = 0.0) -> None:
+        """Hand the steps' rows over ``steps`` at a time from now on, or where the last hand-over
+        is less than ``apart_s`` ago, once that long has passed (at most RUN_DELIVERY_STEPS_MOST
+        at a time): a caller learns during a long run whether it may cut it for tokens worth
+        scoring together (RUN_DELIVERY_STEPS_FEW), and the groups' span bounds what each costs its
+        loop per token."""
+        self.delivery.apart_s = max(0.0, apart_s)
         self.delivery.every = max(1, steps)
 
 
 @dataclass
 class _Delivery:
-    """How many steps' rows a run hands to its loop at a time, set by the loop, read by the scorer
-    (an int attribute: each read and write is whole)."""
+    """When a run hands its steps' rows to its loop: ``every`` steps at a time, once its last
+    hand-over is ``apart_s`` ago; set by the loop, read by the scorer (each attribute's read and
+    write is whole, and a hand-over that follows one of them and not yet the other is still one)."""
 
     every: int
+    apart_s: float = 0.0
+
+    def due(self, held: int, since_s: float) -> bool:
+        """Whether ``held`` steps, the last hand-over ``since_s`` ago, go to the loop now."""
+        return held >= RUN_DELIVERY_STEPS_MOST or (held >= self.every and since_s >= self.apart_s)
 
 
 @dataclass
@@ -157,6 +171,8 @@ class _Run:
     fed: list[int]
     delivery: _Delivery = field(default_factory=lambda: _Delivery(RUN_DELIVERY_STEPS))
     held: list[Outcome] = field(default_factory=list)
+    # When the run last handed its rows over (the scorer's clock): at its pass, then at each group.
+    handed_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -249,6 +265,7 @@ class BatchingScorer(ModelThread):
         window_share: float = 0.3,
         cores: CoreGovernor | None = None,
         deliver_now: Callable[[], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if window_s < 0 or max_batch < 1 or not 0 <= window_share < 1:
             raise ValueError(
@@ -269,6 +286,8 @@ class BatchingScorer(ModelThread):
         # Whether greedy runs hand the steps they hold to their loops after each pass rather than
         # RUN_DELIVERY_STEPS at a time (read on the scorer's thread).
         self._deliver_now = deliver_now or (lambda: False)
+        # What a run's hand-overs are timed by (_Delivery.apart_s).
+        self._clock = clock
         self.batches_run = 0
         # The pass that scored each request, by the future its caller holds: written before the
         # future completes, so that its caller reads its own pass (a run's steps reach it later).
@@ -422,14 +441,16 @@ class BatchingScorer(ModelThread):
         finally:
             # Every other run of the batch stops here: its pass failed, was withdrawn or ended it.
             going_on = {id(step.run) for step in steps}
+            now = self._clock()
             for request in batch:
                 run = request.run
                 if run is None:
                     continue
                 if id(run) not in going_on:
                     outcomes.end_run(run)
-                elif len(run.held) >= run.delivery.every or not request.extends or deliver_now:
+                elif not request.extends or deliver_now or run.delivery.due(len(run.held), now - run.handed_at):
                     outcomes.hand_over(run)
+                    run.handed_at = now
             outcomes.deliver()
         return steps
 
