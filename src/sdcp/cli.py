@@ -822,7 +822,7 @@ async def _generate(cluster: Any, codec: TextCodec, request: _Request, as_json: 
     from rich.text import Text
 
     from sdcp.frontend.client import DEFAULT_M_MAX, ClusterClient, build_contract
-    from sdcp.frontend.stops import stop_token_ids
+    from sdcp.frontend.stops import stop_token_ids, stops_in_text
 
     cert, key, ca = cluster.client_credentials()
     async with ClusterClient(cluster.router, cert=cert, key=key, ca=ca) as client:
@@ -845,7 +845,12 @@ async def _generate(cluster: Any, codec: TextCodec, request: _Request, as_json: 
         started = time.monotonic()
         opened = await asyncio.gather(
             *(
-                client.open(request.prompt_ids, contract, self_decode_only=request.self_decode_only)
+                client.open(
+                    request.prompt_ids,
+                    contract,
+                    self_decode_only=request.self_decode_only,
+                    self_decode_group_ms=0 if stops_in_text(codec, request.stops) else None,
+                )
                 for _ in range(request.n)
             ),
             return_exceptions=True,

@@ -300,6 +300,12 @@ class VerifierConfig:
     # At 16 streams on 2 cores a round takes about 100 ms: at 50 ms each read got one round's token,
     # and the reads' work beside the passes made them a fifth longer (docs/performance.md).
     output_linger_ms: Seconds = 200.0
+    # A self-decoding session's greedy run hands its rounds to the event loop (decided, appended,
+    # released: the reader's next burst) 16 at a time, then, past its first 16, where no guess of
+    # the lookahead pays and its class of match has been judged, in groups at least this far apart,
+    # of up to 64 rounds: each group costs the loop a wake, a decision, an append and a release
+    # beside the model's passes (docs/performance.md, session 43); 0 = 16 at a time.
+    self_decode_group_ms: Seconds = 500.0
     # While every prompt waiting for its prefill is short (at most 256 tokens), a self-decoding
     # session that has its tokens waits for them before its next pass, at most this long at a time
     # (docs/models.md, "Prefill in steps"); 0 = never: the passes go on between the prefills.

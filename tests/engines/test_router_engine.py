@@ -390,6 +390,7 @@ def test_the_durable_facts_round_trip() -> None:
         sampling=Sampling.from_obj({"temperature_milli": 700}),
         owner=FRONT_END,
         request="req-1",
+        self_decode_group_ms=0,
     )
     tracked = TrackedSession(plan, PROMPT, first_verifier=V1, phase=RouterPhase.MOVING, failover_to=V2)
     back = TrackedSession.from_durable(codec.decode(codec.encode(tracked.durable(ROUTER_A))))
@@ -404,6 +405,31 @@ def test_the_durable_facts_round_trip() -> None:
         assert TrackedSession.from_durable(codec.decode(codec.encode(held.durable(ROUTER_A)))).phase is phase
     with pytest.raises(BadMessage):
         TrackedSession.from_durable({**tracked.durable(ROUTER_A), "v": 99})
+
+
+async def test_a_front_ends_self_decode_group_ms_goes_with_the_session_open(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The front end's bound on how far apart the session's self-decoded rounds come (an extension
+    of POST sessions) reaches the verifier in session-open; a request without it sends none."""
+    router = world.router(ROUTER_A)
+    world.events_to.append(router)
+    world.report()
+    opens: list[SessionOpen] = []
+    opening = router.link.open_session
+
+    async def recorded(verifier: str, message: SessionOpen, *, timeout: float) -> SessionState:
+        opens.append(message)
+        return await opening(verifier, message, timeout=timeout)
+
+    monkeypatch.setattr(router.link, "open_session", recorded)
+    for asked in (0, None):
+        request = SessionRequest(prompt=PROMPT, contract=world.contract, self_decode_group_ms=asked)
+        tracked = await router.open_session(FRONT_END, request)
+        assert opens[-1].self_decode_group_ms == asked and tracked.plan.self_decode_group_ms == asked
+        live = world.verifiers[tracked.plan.verifier].sessions[tracked.session]
+        assert live.self_decode_group_ms == asked
+        await router.cancel(tracked)
 
 
 async def test_a_session_opens_deadline_grows_with_its_prefill(world: World, monkeypatch: pytest.MonkeyPatch) -> None:

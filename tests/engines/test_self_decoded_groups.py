@@ -6,6 +6,8 @@ token and repeats none."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -13,7 +15,9 @@ from tests.engines.verifier_pair import PROMPT, SESSION, Pair, decode, greedy_de
 from tests.waiting import eventually
 
 from sdcp.cache.commitlog import MemoryCommitLog
-from sdcp.models.batching import RUN_DELIVERY_STEPS
+from sdcp.engines.verifier import selfdecode
+from sdcp.engines.verifier.lookahead import LOOKAHEAD_PRIOR_HIT_RATE, Prediction
+from sdcp.models.batching import RUN_DELIVERY_STEPS, RUN_DELIVERY_STEPS_MOST
 from sdcp.models.hf.target import TargetModel
 from sdcp.models.registry import LoadedModel
 from sdcp.protocol.messages import SelfDecodeRequest
@@ -65,6 +69,101 @@ async def test_rounds_decided_together_are_rounds_of_their_own(
     assert replay.tokens == output.tokens
     # The greedy run's steps came to the loop several at a time: fewer appends than rounds.
     assert sum(appends) == len(records) and max(appends) > 1 and len(appends) < len(records)
+
+
+@pytest.mark.parametrize(("group_ms", "asked_ms"), [(0.0, None), (3_600_000.0, 0), (3_600_000.0, None)])
+async def test_a_greedy_runs_groups_past_its_first_come_self_decode_group_ms_apart(
+    pair: Pair, tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, group_ms: float, asked_ms: int | None
+) -> None:
+    """Where no guess pays, a greedy run's first group is RUN_DELIVERY_STEPS rounds and the later
+    ones wait until the last is self_decode_group_ms ago (at most RUN_DELIVERY_STEPS_MOST rounds);
+    0 keeps every group at RUN_DELIVERY_STEPS, and so does a session-open that asks for 0 (a front
+    end that matches stop strings in the text). Each group is one append; the output is the same."""
+    monkeypatch.setattr(selfdecode, "speculation_length", lambda *_, **__: 0)
+    pair.first.settings = dataclasses.replace(pair.first.settings, self_decode_group_ms=group_ms)
+    appends: list[int] = []
+    append_all = MemoryCommitLog.append_all
+
+    async def counted(self: MemoryCommitLog, records: Any, if_match: str) -> str:
+        appends.append(len(records))
+        return await append_all(self, records, if_match)
+
+    monkeypatch.setattr(MemoryCommitLog, "append_all", counted)
+    await _decode_long(pair, tiny_loaded, group_ms=asked_ms)
+    assert sum(appends) == LONG_MAX_NEW
+    if group_ms and asked_ms is None:
+        assert RUN_DELIVERY_STEPS_MOST in appends and max(appends) == RUN_DELIVERY_STEPS_MOST
+    else:
+        assert max(appends) <= RUN_DELIVERY_STEPS + 1
+
+
+async def test_a_class_of_match_not_yet_judged_keeps_a_runs_groups_short(
+    pair: Pair, tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the lookahead's prediction continues a class of match whose hit rate it has not judged
+    yet, a run's groups stay at RUN_DELIVERY_STEPS, whatever self_decode_group_ms says: the class
+    learns at the next group, and where its guesses pay, the run is cut for them that much sooner."""
+    monkeypatch.setattr(selfdecode, "speculation_length", lambda *_, **__: 0)
+    pair.first.settings = dataclasses.replace(pair.first.settings, self_decode_group_ms=3_600_000.0)
+    unjudged = Prediction(tokens=(0,) * RUN_DELIVERY_STEPS, match=(True, 6), hit_rate=LOOKAHEAD_PRIOR_HIT_RATE)
+    monkeypatch.setattr(pair.first.lookahead, "predict", lambda *_, **__: unjudged)
+    monkeypatch.setattr(pair.first.lookahead, "judge", lambda *_, **__: None)
+    appends: list[int] = []
+    append_all = MemoryCommitLog.append_all
+
+    async def counted(self: MemoryCommitLog, records: Any, if_match: str) -> str:
+        appends.append(len(records))
+        return await append_all(self, records, if_match)
+
+    monkeypatch.setattr(MemoryCommitLog, "append_all", counted)
+    await _decode_long(pair, tiny_loaded)
+    assert sum(appends) == LONG_MAX_NEW and max(appends) <= RUN_DELIVERY_STEPS + 1
+
+
+async def test_a_long_group_is_judged_every_so_many_tokens(
+    pair: Pair, tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group of RUN_DELIVERY_STEPS_MOST rounds is judged as that many groups of RUN_DELIVERY_STEPS
+    were: the lookahead's prediction at its start against all its tokens, and what it predicts
+    after every RUN_DELIVERY_STEPS of them against the tokens after those, so that a class of
+    match learns its hit rate per token decided, however long the groups."""
+    monkeypatch.setattr(selfdecode, "speculation_length", lambda *_, **__: 0)
+    pair.first.settings = dataclasses.replace(pair.first.settings, self_decode_group_ms=3_600_000.0)
+    judged: list[int] = []
+    judge = pair.first.lookahead.judge
+
+    def recorded(prediction: Prediction, decided: Sequence[int]) -> None:
+        judged.append(len(decided))
+        judge(prediction, decided)
+
+    monkeypatch.setattr(pair.first.lookahead, "judge", recorded)
+    await _decode_long(pair, tiny_loaded)
+    most = RUN_DELIVERY_STEPS_MOST
+    within = list(range(most, 0, -RUN_DELIVERY_STEPS))
+    assert any(judged[start : start + len(within)] == within for start in range(len(judged)))
+
+
+LONG_MAX_NEW = 1 + RUN_DELIVERY_STEPS + RUN_DELIVERY_STEPS_MOST + 8
+
+
+async def _decode_long(pair: Pair, tiny_loaded: LoadedModel, *, group_ms: int | None = None) -> None:
+    """A session of LONG_MAX_NEW tokens, self-decoded to its end in one period under rule 1 (its
+    session-open's self_decode_group_ms ``group_ms``): its output is the target's greedy decoding."""
+    assert isinstance(pair.first.target, TargetModel)
+    plan = RouterSession(
+        session=SESSION,
+        epoch=1,
+        contract=self_decoding_contract(pair.first.target, 1, max_new=LONG_MAX_NEW, self_max=LONG_MAX_NEW),
+        prompt=PROMPT,
+        commit_log=pair.commit_log,
+        verifier=pair.first.uri,
+        self_decode_group_ms=group_ms,
+    )
+    await pair.first.open_session(plan.open_message())
+    await decode(pair.first, 1, LONG_MAX_NEW)
+    output = await pair.first.output(SESSION, 0)
+    assert output.final and output.tokens == greedy_decoding(tiny_loaded, LONG_MAX_NEW)
+    assert len(output.tokens) == LONG_MAX_NEW
 
 
 async def test_a_group_appended_in_part_releases_what_landed_and_goes_on_from_there(

@@ -212,13 +212,15 @@ class ClusterClient:
         constraint: Constraint | None = None,
         self_decode_only: bool = False,
         tenant: str | None = None,
+        self_decode_group_ms: int | None = None,
     ) -> SessionHandle:
         """Open a session; ``logprobs`` asks for log-probabilities with that many alternatives per
         output token, ``min_new`` holds the contract's stop tokens back until that many tokens are
         out, ``request`` names the front end's request in every role's log, ``constraint`` is the
         output's language, ``self_decode_only`` has the verifier decode it without drafters,
-        ``tenant`` names the front end's user, whose history alone its drafts draw on (extensions,
-        docs/interpretations.md)."""
+        ``tenant`` names the front end's user, whose history alone its drafts draw on,
+        ``self_decode_group_ms`` bounds how far apart its self-decoded rounds are released
+        (extensions, docs/interpretations.md)."""
         wanted = SessionRequest(
             prompt=tuple(prompt),
             contract=contract,
@@ -229,6 +231,7 @@ class ClusterClient:
             constraint=constraint,
             self_decode_only=self_decode_only or None,
             tenant=tenant,
+            self_decode_group_ms=self_decode_group_ms,
         )
         # A router that opened the session but whose answer was lost leaves it unread; the next
         # router opens another (docs/reliability.md, "Routers").

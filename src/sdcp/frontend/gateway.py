@@ -623,6 +623,7 @@ class GatewayNode:
                     constraint=generation.constraint,
                     self_decode_only=not generation.speculation.enabled,
                     tenant=tenant,
+                    self_decode_group_ms=0 if generation.stops_in_text else None,
                 )
                 for choice in generation.choices
             ),

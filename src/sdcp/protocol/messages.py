@@ -642,6 +642,10 @@ class SessionOpen(_Message):
     # starts as soon as the prompt is prefilled (docs/interpretations.md, "Self-decoding from the
     # open").
     self_decode: bool | None = _optional(_Bool())
+    # Extension: the most time apart, in ms, the front end takes the session's self-decoded rounds
+    # past their first group (0: in the verifier's shortest groups), where it matches stop strings
+    # in the text (docs/interpretations.md, "Self-decoded groups a front end asks for").
+    self_decode_group_ms: int | None = _optional(_UINT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -658,6 +662,7 @@ class SessionRequest(_Message):
     constraint: Constraint | None = _optional(_Nested(Constraint))
     self_decode_only: bool | None = _optional(_Bool())
     tenant: str | None = _optional(_TENANT)
+    self_decode_group_ms: int | None = _optional(_UINT)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -450,6 +450,8 @@ class RouterSession:
     self_decode_only: bool | None = None
     # The front end's user (tenant): with the owner, whose history the session's drafts draw on.
     tenant: str | None = None
+    # How far apart the front end takes the session's self-decoded rounds at most (in ms).
+    self_decode_group_ms: int | None = None
 
     def open_message(self, *, self_decode: bool = False) -> SessionOpen:
         """session-open for the current verifier; carries ``resume`` after a failover, and
@@ -470,6 +472,7 @@ class RouterSession:
             self_decode_only=self.self_decode_only,
             tenant=self.tenant,
             self_decode=self_decode or None,
+            self_decode_group_ms=self.self_decode_group_ms,
         )
 
     def assignment(

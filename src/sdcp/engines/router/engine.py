@@ -312,6 +312,7 @@ class RouterEngine:
                 constraint=wanted.constraint,
                 self_decode_only=wanted.self_decode_only,
                 tenant=wanted.tenant,
+                self_decode_group_ms=wanted.self_decode_group_ms,
             )
             tracked = TrackedSession(plan, wanted.prompt)
             # Asked with the open where it is the router's choice: no round trip between the

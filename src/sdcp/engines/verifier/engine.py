@@ -239,6 +239,7 @@ class VerifierEngine:
             active_sessions=self._active_sessions,
             lookahead=self.lookahead,
             admissions=self.admissions,
+            group_apart_s=lambda: self.settings.self_decode_group_ms / 1000,
         )
 
     # -- life and status -------------------------------------------------------------------------
@@ -418,6 +419,7 @@ class VerifierEngine:
                 session_terms(constraint=message.constraint, min_new=message.min_new),
                 owner=message.owner,
                 tenant=message.tenant,
+                self_decode_group_ms=message.self_decode_group_ms,
                 kv_uri=target_kv_uri(message.commit_log, message.session, message.epoch),
                 kv_imported=imported,
                 first_token_parts=parts,

@@ -35,6 +35,8 @@ class LiveSession:
     # the user it named (tenant): together they scope the session's history.
     owner: str | None = None
     tenant: str | None = None
+    # The most time apart the front end takes its self-decoded rounds (session-open's extension).
+    self_decode_group_ms: int | None = None
     rounds: dict[int, asyncio.Future[Verdict]] = field(default_factory=dict)
     committed: asyncio.Event = field(default_factory=asyncio.Event)
     # The events of reads of several sessions (POST outputs) that wait on this one among others.

@@ -137,6 +137,14 @@ class VerifierLookahead:
         (LOOKAHEAD_PRIOR_HIT_RATE before the first is judged; 0 for no prediction)."""
         return 0.0 if prediction.match is None else self._rate(prediction.scope, prediction.match)
 
+    def judged(self, prediction: Prediction) -> bool:
+        """Whether predictions of its class and scope have been judged (its hit rate is not the
+        prior); True for no prediction, which has nothing to learn."""
+        if prediction.match is None:
+            return True
+        rates = self._hit_rates.get(prediction.scope)
+        return rates is not None and prediction.match in rates
+
     def _rate(self, scope: bytes, match: MatchClass) -> float:
         rates = self._hit_rates.get(scope)
         estimate = None if rates is None else rates.get(match)

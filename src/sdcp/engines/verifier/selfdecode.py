@@ -114,6 +114,7 @@ class SelfDecoding:
         active_sessions: Callable[[], int],
         lookahead: VerifierLookahead,
         admissions: Admissions,
+        group_apart_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self._uri = uri
         self._rounds = rounds
@@ -126,6 +127,9 @@ class SelfDecoding:
         self._active_sessions = active_sessions
         self._lookahead = lookahead
         self._admissions = admissions
+        # How far apart a greedy run's groups of rounds reach the loop past its first group
+        # (VerifierConfig.self_decode_group_ms).
+        self._group_apart_s = group_apart_s
 
     def start(self, live: LiveSession) -> None:
         # The task of the previous period may still be releasing its last round.
@@ -215,8 +219,12 @@ class SelfDecoding:
             if predicted.guess:
                 run.cancel(after=scoring.step)
             else:
-                # A run lasts its period: what the lookahead may guess changes along it.
-                run.deliver_every(predicted.delivery_steps)
+                # A run lasts its period: what the lookahead may guess changes along it. Past its
+                # first group of steps, a run that no guess may cut hands its rounds over at most
+                # every self_decode_group_ms: each group costs the loop a wake, a decision, an
+                # append and a release beside the passes (docs/performance.md, session 43).
+                apart_s = self._groups_apart_s(live) if self._groups_apart(scoring, predicted) else 0.0
+                run.deliver_every(predicted.delivery_steps, apart_s=apart_s)
             step = run.steps[scoring.step]
             return _Pass(context, predicted.prediction, (), step, run, scoring.step + 1, predicted.forced)
         if run is not None:
@@ -254,13 +262,42 @@ class SelfDecoding:
         ]
         return _Predicted(prediction, forced + guess, len(forced), machine.constraint is not None or worth > 0)
 
+    def _groups_apart_s(self, live: LiveSession) -> float:
+        """How far apart a run's groups may come past its first: the verifier's setting, or less
+        where the front end asked for less (session-open's self_decode_group_ms: it matches stop
+        strings in the text, and takes each group's tokens as they come)."""
+        asked = live.self_decode_group_ms
+        setting_s = self._group_apart_s()
+        return setting_s if asked is None else min(setting_s, asked / 1000)
+
+    def _groups_apart(self, scoring: _Pass, predicted: _Predicted) -> bool:
+        """Whether a run's next groups may come self_decode_group_ms apart: past its first group of
+        steps, where no guess may cut it and the class of the lookahead's match has been judged
+        (an unjudged one learns its hit rate at the next group of RUN_DELIVERY_STEPS, and where it
+        pays, the run is cut for a guess that much sooner)."""
+        return scoring.step > 0 and not predicted.may_guess and self._lookahead.judged(predicted.prediction)
+
+    def _predicted_within(self, live: LiveSession, scoring: _Pass, decided: list[int]) -> list[tuple[Prediction, int]]:
+        """What the lookahead predicts after every RUN_DELIVERY_STEPS of a group's ``decided``
+        tokens, each with where it starts in them: a group longer than that (a run handed over
+        self_decode_group_ms apart) is judged at every RUN_DELIVERY_STEPS tokens as groups of that
+        many were, so that a class of match learns its hit rate as fast per token decided. None
+        where the group scored forced tokens: a constrained session's groups are short."""
+        if scoring.forced:
+            return []
+        return [
+            (self._lookahead.predict(live, (*scoring.context, *decided[:offset]), RUN_DELIVERY_STEPS), offset)
+            for offset in range(RUN_DELIVERY_STEPS, len(decided), RUN_DELIVERY_STEPS)
+        ]
+
     def _runs(self, machine: VerifierSession) -> bool:
         """Whether the session's passes go on as greedy runs (_run_ahead): under rule 1, while a
         pass holds every active session. The scorer then starts each pass without waiting for the
-        loop to decide the last one, and the loop decides a session's rounds sixteen at a time
-        (RUN_DELIVERY_STEPS): at 16 streams a pass came every 70 ms instead of every 76, its 68 ms
-        of model work unchanged (docs/performance.md, session 31). With more sessions than a pass
-        holds, runs would take every pass from the sessions that wait for their first."""
+        loop to decide the last one, and the loop decides a session's rounds in groups
+        (RUN_DELIVERY_STEPS, then self_decode_group_ms apart): at 16 streams a pass came every 70
+        ms instead of every 76, its 68 ms of model work unchanged (docs/performance.md, session
+        31). With more sessions than a pass holds, runs would take every pass from the sessions
+        that wait for their first."""
         return isinstance(machine.rule, GreedyRule) and self._active_sessions() <= self._scoring.max_batch
 
     def _run_ahead(self, machine: VerifierSession, context: tuple[int, ...], guess: tuple[int, ...]) -> int:
@@ -309,6 +346,12 @@ class SelfDecoding:
                 decided = [token for one in pending for token in one.record.emitted]
                 last = pending[-1]
                 continues = last.control.self_decoding and last.control.ended is None and not live.cancelling
+                # Judged before _follow predicts, whose hit rate then knows this group's tokens
+                # (and the lookahead's index takes the session's tokens in order). The forced
+                # tokens are the grammar's, not the lookahead's: they are always right.
+                self._lookahead.judge(scoring.prediction, decided[scoring.forced :])
+                for prediction, offset in self._predicted_within(live, scoring, decided):
+                    self._lookahead.judge(prediction, decided[offset:])
                 # The rounds before the last are released: decided = their tokens + the last one's.
                 committed = self._model_sync.sync_soon(machine, len(decided) - 1, decided)
                 if continues and self._admissions.first:
@@ -337,8 +380,6 @@ class SelfDecoding:
             for one in pending:
                 self._rounds.release(live, one)
                 released.append(one)
-            # The forced tokens are the grammar's, not the lookahead's: they are always right.
-            self._lookahead.judge(scoring.prediction, decided[scoring.forced :])
         except BaseException:
             scoring.withdraw()
             if isinstance(following, _Pass):
