@@ -29,23 +29,27 @@ pytestmark = pytest.mark.timeout(180)
 MAX_NEW = 48
 
 
-async def open_plan(pair: Pair) -> RouterSession:
+async def open_plan(
+    pair: Pair, *, max_new: int = MAX_NEW, self_max: int = 12, group_ms: int | None = None
+) -> RouterSession:
+    """The session opened at the first verifier under rule 1, its session-open's
+    self_decode_group_ms ``group_ms``."""
     assert isinstance(pair.first.target, TargetModel)
     plan = RouterSession(
         session=SESSION,
         epoch=1,
-        contract=self_decoding_contract(pair.first.target, 1, max_new=MAX_NEW, self_max=12),
+        contract=self_decoding_contract(pair.first.target, 1, max_new=max_new, self_max=self_max),
         prompt=PROMPT,
         commit_log=pair.commit_log,
         verifier=pair.first.uri,
+        self_decode_group_ms=group_ms,
     )
     await pair.first.open_session(plan.open_message())
     return plan
 
 
-async def test_rounds_decided_together_are_rounds_of_their_own(
-    pair: Pair, tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _counted_appends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The records of each append to a host-memory commit log from now on, counted in order."""
     appends: list[int] = []
     append_all = MemoryCommitLog.append_all
 
@@ -54,6 +58,13 @@ async def test_rounds_decided_together_are_rounds_of_their_own(
         return await append_all(self, records, if_match)
 
     monkeypatch.setattr(MemoryCommitLog, "append_all", counted)
+    return appends
+
+
+async def test_rounds_decided_together_are_rounds_of_their_own(
+    pair: Pair, tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    appends = _counted_appends(monkeypatch)
     plan = await open_plan(pair)
     await decode(pair.first, 1, MAX_NEW)
     output = await pair.first.output(SESSION, 0)
@@ -81,14 +92,7 @@ async def test_a_greedy_runs_groups_past_its_first_come_self_decode_group_ms_apa
     end that matches stop strings in the text). Each group is one append; the output is the same."""
     monkeypatch.setattr(selfdecode, "speculation_length", lambda *_, **__: 0)
     pair.first.settings = dataclasses.replace(pair.first.settings, self_decode_group_ms=group_ms)
-    appends: list[int] = []
-    append_all = MemoryCommitLog.append_all
-
-    async def counted(self: MemoryCommitLog, records: Any, if_match: str) -> str:
-        appends.append(len(records))
-        return await append_all(self, records, if_match)
-
-    monkeypatch.setattr(MemoryCommitLog, "append_all", counted)
+    appends = _counted_appends(monkeypatch)
     await _decode_long(pair, tiny_loaded, group_ms=asked_ms)
     assert sum(appends) == LONG_MAX_NEW
     if group_ms and asked_ms is None:
@@ -108,14 +112,7 @@ async def test_a_class_of_match_not_yet_judged_keeps_a_runs_groups_short(
     unjudged = Prediction(tokens=(0,) * RUN_DELIVERY_STEPS, match=(True, 6), hit_rate=LOOKAHEAD_PRIOR_HIT_RATE)
     monkeypatch.setattr(pair.first.lookahead, "predict", lambda *_, **__: unjudged)
     monkeypatch.setattr(pair.first.lookahead, "judge", lambda *_, **__: None)
-    appends: list[int] = []
-    append_all = MemoryCommitLog.append_all
-
-    async def counted(self: MemoryCommitLog, records: Any, if_match: str) -> str:
-        appends.append(len(records))
-        return await append_all(self, records, if_match)
-
-    monkeypatch.setattr(MemoryCommitLog, "append_all", counted)
+    appends = _counted_appends(monkeypatch)
     await _decode_long(pair, tiny_loaded)
     assert sum(appends) == LONG_MAX_NEW and max(appends) <= RUN_DELIVERY_STEPS + 1
 
@@ -149,17 +146,7 @@ LONG_MAX_NEW = 1 + RUN_DELIVERY_STEPS + RUN_DELIVERY_STEPS_MOST + 8
 async def _decode_long(pair: Pair, tiny_loaded: LoadedModel, *, group_ms: int | None = None) -> None:
     """A session of LONG_MAX_NEW tokens, self-decoded to its end in one period under rule 1 (its
     session-open's self_decode_group_ms ``group_ms``): its output is the target's greedy decoding."""
-    assert isinstance(pair.first.target, TargetModel)
-    plan = RouterSession(
-        session=SESSION,
-        epoch=1,
-        contract=self_decoding_contract(pair.first.target, 1, max_new=LONG_MAX_NEW, self_max=LONG_MAX_NEW),
-        prompt=PROMPT,
-        commit_log=pair.commit_log,
-        verifier=pair.first.uri,
-        self_decode_group_ms=group_ms,
-    )
-    await pair.first.open_session(plan.open_message())
+    await open_plan(pair, max_new=LONG_MAX_NEW, self_max=LONG_MAX_NEW, group_ms=group_ms)
     await decode(pair.first, 1, LONG_MAX_NEW)
     output = await pair.first.output(SESSION, 0)
     assert output.final and output.tokens == greedy_decoding(tiny_loaded, LONG_MAX_NEW)
