@@ -822,7 +822,7 @@ async def _generate(cluster: Any, codec: TextCodec, request: _Request, as_json: 
     from rich.text import Text
 
     from sdcp.frontend.client import DEFAULT_M_MAX, ClusterClient, build_contract
-    from sdcp.frontend.stops import stop_token_ids, stops_in_text
+    from sdcp.frontend.stops import stop_token_ids
 
     cert, key, ca = cluster.client_credentials()
     async with ClusterClient(cluster.router, cert=cert, key=key, ca=ca) as client:
@@ -849,7 +849,8 @@ async def _generate(cluster: Any, codec: TextCodec, request: _Request, as_json: 
                     request.prompt_ids,
                     contract,
                     self_decode_only=request.self_decode_only,
-                    self_decode_group_ms=0 if stops_in_text(codec, request.stops) else None,
+                    # As the gateway: stop strings are matched in the text, as soon as it comes.
+                    self_decode_group_ms=0 if request.stops else None,
                 )
                 for _ in range(request.n)
             ),

@@ -25,7 +25,6 @@ from sdcp.frontend.openai_api import (
     parse_generation,
     parse_tokenize,
 )
-from sdcp.frontend.stops import stops_in_text
 from sdcp.frontend.text import TextCodec, load_text_codec
 from sdcp.protocol.messages import Alternative, Sampling, TokenLogprob
 
@@ -449,11 +448,6 @@ def test_stop_strings_of_one_token_stop_at_the_verifier_and_longer_ones_in_the_t
     assert generation.stop_ids == tuple(sorted({one_token, *codec.end_of_text_tokens()}))
     assert completion(codec, stop="STOP").stop_texts == ("STOP",)
     assert completion(codec).stop_ids == tuple(codec.end_of_text_tokens())
-    # Only a stop string that no stop token stands for is matched in the text.
-    assert generation.stops_in_text and not completion(codec, stop="STOP").stops_in_text
-    assert not completion(codec).stops_in_text
-    # Under a constraint every stop string is matched in the text.
-    assert stops_in_text(codec, ["STOP"], constrained=True) and not stops_in_text(codec, [], constrained=True)
 
 
 def test_stop_token_ids_and_ignore_eos(codec: TextCodec) -> None:

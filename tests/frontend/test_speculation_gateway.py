@@ -111,21 +111,19 @@ async def test_a_stream_reports_the_acceptance_of_every_choice_in_its_usage_chun
     assert usage["speculative"] == reported(stats_of(cluster, answer.headers["x-sdcp-sessions"]))
 
 
-async def test_a_request_with_a_stop_string_matched_in_the_text_takes_its_tokens_as_they_come(
-    cluster: Cluster,
-) -> None:
-    """A stop string of more than one token ends a choice where the gateway matches it in the text:
-    its sessions are opened with self_decode_group_ms 0 (the verifier's shortest groups), so that
-    the stop is seen a group of 16 tokens after it at most; a request without one leaves the
-    verifier's grouping as it is."""
+async def test_a_request_with_stop_strings_takes_its_tokens_as_they_come(cluster: Cluster) -> None:
+    """The gateway matches every stop string in the text, one of one token inside a longer token
+    too: a request's sessions are opened with self_decode_group_ms 0 (the verifier's shortest
+    groups), so that its stop is seen a group of 16 tokens after it at most; a request without stop
+    strings leaves the verifier's grouping as it is."""
     gateway = await cluster.gateway()
-    asked = {}
-    for stop in ([" zzz qqq xxx"], None):
+    asked = []
+    for stop in (["\n"], [" zzz qqq xxx"], None):
         body: dict[str, Any] = {"stop": stop} if stop is not None else {}
         _, sessions = await completion(gateway, **body)
         (session,) = (bytes.fromhex(s) for s in sessions.split(","))
-        asked[bool(stop)] = cluster.verifier.engine.sessions[session].self_decode_group_ms
-    assert asked == {True: 0, False: None}
+        asked.append(cluster.verifier.engine.sessions[session].self_decode_group_ms)
+    assert asked == [0, 0, None]
 
 
 async def test_each_api_user_is_its_sessions_tenant(cluster: Cluster) -> None:

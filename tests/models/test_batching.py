@@ -293,7 +293,6 @@ async def test_a_greedy_run_hands_its_groups_over_a_span_of_time_apart_when_its_
     (session,) = _open(tiny_target, session_ids, 1)
     greedy = batching.MostProbable()
     known = threading.Event()
-    runs: list[ScoredRun] = []
     passes = [0]
 
     class CountsThePasses:
@@ -309,7 +308,6 @@ async def test_a_greedy_run_hands_its_groups_over_a_span_of_time_apart_when_its_
     with BatchingScorer(tiny_target, window_s=0.0, clock=clock) as scorer:
         run = scorer.score_ahead_async(session, (), 10, frozenset(), CountsThePasses(), deliver_every=2)
         run.deliver_every(2, apart_s=0.35)
-        runs.append(run)
         known.set()
         rows = await asyncio.wait_for(asyncio.gather(*run.steps), timeout=30)
     assert all(row is not None for row in rows)

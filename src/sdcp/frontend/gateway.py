@@ -623,7 +623,9 @@ class GatewayNode:
                     constraint=generation.constraint,
                     self_decode_only=not generation.speculation.enabled,
                     tenant=tenant,
-                    self_decode_group_ms=0 if generation.stops_in_text else None,
+                    # Every stop string is matched in the text, a one-token one inside a longer
+                    # token too (ChoiceText): the verifier's shortest groups let it be seen soon.
+                    self_decode_group_ms=0 if generation.stop_texts else None,
                 )
                 for choice in generation.choices
             ),

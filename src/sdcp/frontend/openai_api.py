@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 from sdcp.frontend.schemas import SchemaError, ascii_classes, closed_schema
-from sdcp.frontend.stops import ChoiceText, one_token_stops, stop_token_ids, stops_in_text
+from sdcp.frontend.stops import ChoiceText, one_token_stops, stop_token_ids
 from sdcp.frontend.text import ChatTemplateError, TextCodec
 from sdcp.frontend.tool_calls import (
     MAX_NESTING,
@@ -155,10 +155,6 @@ class Generation:
     tool_parser: str | None = None
     # What the request asks of speculation (its ``speculative`` member).
     speculation: Speculation = Speculation()
-    # A stop string that the sessions' stop tokens do not stand for (more than one token, or any
-    # under a constraint) ends a choice where the text matches it: the gateway then takes the
-    # sessions' tokens as they come (session-open's self_decode_group_ms 0).
-    stops_in_text: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -364,7 +360,6 @@ def parse_generation(
         sampling=sampling,
         stop_texts=stop_texts,
         stop_ids=stop_ids,
-        stops_in_text=stops_in_text(codec, stop_texts, constrained=constraint is not None),
         min_tokens=min_tokens,
         stream=stream,
         include_usage=include_usage,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from sdcp.frontend.text import IncrementalDecoder, TextCodec
 
-__all__ = ["ChoiceText", "one_token_stops", "stop_token_ids", "stops_in_text"]
+__all__ = ["ChoiceText", "one_token_stops", "stop_token_ids"]
 
 
 def stop_token_ids(
@@ -32,15 +32,6 @@ def one_token_stops(codec: TextCodec, stop_texts: Sequence[str]) -> dict[int, st
         if len(encoded) == 1:
             stops.setdefault(encoded[0], text)
     return stops
-
-
-def stops_in_text(codec: TextCodec, stop_texts: Sequence[str], *, constrained: bool = False) -> bool:
-    """Whether a stop string ends a choice where its text matches it (ChoiceText), rather than the
-    verifier at a stop token: one of more than one token, or any where the output is constrained
-    (its stop tokens are then the end-of-text ones alone). Such a front end takes the sessions'
-    tokens as they come (session-open's self_decode_group_ms 0), or a stop would be seen late."""
-    stands_for = set() if constrained else set(one_token_stops(codec, stop_texts).values())
-    return not set(stop_texts) <= stands_for
 
 
 class ChoiceText:

@@ -172,6 +172,7 @@ class _Run:
     delivery: _Delivery = field(default_factory=lambda: _Delivery(RUN_DELIVERY_STEPS))
     held: list[Outcome] = field(default_factory=list)
     # When the run last handed its rows over (the scorer's clock): at its pass, then at each group.
+    # Set before the run's first step is taken; the loop never reads it.
     handed_at: float = 0.0
 
 
@@ -286,7 +287,8 @@ class BatchingScorer(ModelThread):
         # Whether greedy runs hand the steps they hold to their loops after each pass rather than
         # RUN_DELIVERY_STEPS at a time (read on the scorer's thread).
         self._deliver_now = deliver_now or (lambda: False)
-        # What a run's hand-overs are timed by (_Delivery.apart_s).
+        # What a run's hand-overs are timed by (_Delivery.apart_s): a test's clock moves pass by
+        # pass, so that what it asserts never depends on how fast the machine is.
         self._clock = clock
         self.batches_run = 0
         # The pass that scored each request, by the future its caller holds: written before the
@@ -473,7 +475,11 @@ class BatchingScorer(ModelThread):
                     answered.exception(request, exc)
                     continue
                 answered.result(request, rows)
-                step = None if request.run is None or stopping else self._next_step(request, rows)
+                if request.run is None or stopping:
+                    continue
+                # Its row goes out now: the run's first hand-over.
+                request.run.handed_at = self._clock()
+                step = self._next_step(request, rows)
                 if step is not None:
                     batch[index] = step
         finally:

@@ -644,7 +644,8 @@ class SessionOpen(_Message):
     self_decode: bool | None = _optional(_Bool())
     # Extension: the most time apart, in ms, the front end takes the session's self-decoded rounds
     # past their first group (0: in the verifier's shortest groups), where it matches stop strings
-    # in the text (docs/interpretations.md, "Self-decoded groups a front end asks for").
+    # in the text (docs/interpretations.md, "Self-decoded groups a front end asks for"). Any uint:
+    # the verifier takes the smaller of it and its own setting.
     self_decode_group_ms: int | None = _optional(_UINT)
 
 

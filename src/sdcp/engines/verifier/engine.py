@@ -133,7 +133,7 @@ class VerifierEngine:
             active_sessions=self._active_sessions,
             cores=cores,
             # The loop hears of a greedy run's rounds after each pass while it would hold the
-            # running sessions for a prompt's prefill (Admissions), not RUN_DELIVERY_STEPS later.
+            # running sessions for a prompt's prefill (Admissions), not a group of steps later.
             deliver_now=lambda: admissions.first,
         )
         self.sessions: dict[bytes, LiveSession] = {}

@@ -68,7 +68,8 @@ class _Pass:
 
     def cut(self) -> None:
         """Withdraw the run's steps after the one this pass awaits: the scorer ends the run at its
-        next pass and hands over the steps it holds, rather than RUN_DELIVERY_STEPS later."""
+        next pass and hands over the steps it holds, rather than a group (up to
+        RUN_DELIVERY_STEPS_MOST steps, self_decode_group_ms) later."""
         if self.run is not None:
             self.run.cancel(after=self.step - 1)
 
@@ -127,7 +128,7 @@ class SelfDecoding:
         self._active_sessions = active_sessions
         self._lookahead = lookahead
         self._admissions = admissions
-        # How far apart a greedy run's groups of rounds reach the loop past its first group
+        # Read at each group, not kept: a test or an operator may change the setting meanwhile
         # (VerifierConfig.self_decode_group_ms).
         self._group_apart_s = group_apart_s
 
@@ -347,8 +348,10 @@ class SelfDecoding:
                 last = pending[-1]
                 continues = last.control.self_decoding and last.control.ended is None and not live.cancelling
                 # Judged before _follow predicts, whose hit rate then knows this group's tokens
-                # (and the lookahead's index takes the session's tokens in order). The forced
-                # tokens are the grammar's, not the lookahead's: they are always right.
+                # (and the lookahead's index takes the session's tokens in order); a group whose
+                # append then fails is decided and judged again, a skew of one group on an
+                # operational failure. The forced tokens are the grammar's, not the lookahead's:
+                # they are always right.
                 self._lookahead.judge(scoring.prediction, decided[scoring.forced :])
                 for prediction, offset in self._predicted_within(live, scoring, decided):
                     self._lookahead.judge(prediction, decided[offset:])
