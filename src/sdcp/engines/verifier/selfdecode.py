@@ -224,8 +224,7 @@ class SelfDecoding:
                 # first group of steps, a run that no guess may cut hands its rounds over at most
                 # every self_decode_group_ms: each group costs the loop a wake, a decision, an
                 # append and a release beside the passes (docs/performance.md, session 43).
-                apart_s = self._groups_apart_s(live) if self._groups_apart(scoring, predicted) else 0.0
-                run.deliver_every(predicted.delivery_steps, apart_s=apart_s)
+                run.deliver_every(predicted.delivery_steps, apart_s=self._groups_apart_s(live, scoring, predicted))
             step = run.steps[scoring.step]
             return _Pass(context, predicted.prediction, (), step, run, scoring.step + 1, predicted.forced)
         if run is not None:
@@ -263,20 +262,18 @@ class SelfDecoding:
         ]
         return _Predicted(prediction, forced + guess, len(forced), machine.constraint is not None or worth > 0)
 
-    def _groups_apart_s(self, live: LiveSession) -> float:
-        """How far apart a run's groups may come past its first: the verifier's setting, or less
-        where the front end asked for less (session-open's self_decode_group_ms: it matches stop
-        strings in the text, and takes each group's tokens as they come)."""
+    def _groups_apart_s(self, live: LiveSession, scoring: _Pass, predicted: _Predicted) -> float:
+        """How far apart a run's next groups may come: past its first group of steps, where no
+        guess may cut it and the class of the lookahead's match has been judged, the verifier's
+        self_decode_group_ms, or less where the front end asked for less (session-open's member: it
+        matches stop strings in the text); else 0, groups of ``predicted.delivery_steps``. An
+        unjudged class learns its hit rate at the next group of RUN_DELIVERY_STEPS, and where it
+        pays, the run is cut for a guess that much sooner."""
+        if not scoring.step or predicted.may_guess or not self._lookahead.judged(predicted.prediction):
+            return 0.0
         asked = live.self_decode_group_ms
         setting_s = self._group_apart_s()
         return setting_s if asked is None else min(setting_s, asked / 1000)
-
-    def _groups_apart(self, scoring: _Pass, predicted: _Predicted) -> bool:
-        """Whether a run's next groups may come self_decode_group_ms apart: past its first group of
-        steps, where no guess may cut it and the class of the lookahead's match has been judged
-        (an unjudged one learns its hit rate at the next group of RUN_DELIVERY_STEPS, and where it
-        pays, the run is cut for a guess that much sooner)."""
-        return scoring.step > 0 and not predicted.may_guess and self._lookahead.judged(predicted.prediction)
 
     def _predicted_within(self, live: LiveSession, scoring: _Pass, decided: list[int]) -> list[tuple[Prediction, int]]:
         """What the lookahead predicts after every RUN_DELIVERY_STEPS of a group's ``decided``
