@@ -86,21 +86,24 @@ async def test_rounds_decided_together_are_rounds_of_their_own(
     assert sum(appends) == len(records) and max(appends) > 1 and len(appends) < len(records)
 
 
-@pytest.mark.parametrize(("group_ms", "asked_ms"), [(0.0, None), (3_600_000.0, 0), (3_600_000.0, None)])
+@pytest.mark.parametrize(
+    ("group_ms", "asked_ms"), [(0.0, None), (3_600_000.0, 0), (3_600_000.0, None), (3_600_000.0, 2**64 - 1)]
+)
 async def test_a_greedy_runs_groups_past_its_first_come_self_decode_group_ms_apart(
     pair: Pair, tiny_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, group_ms: float, asked_ms: int | None
 ) -> None:
     """Where no guess pays, a greedy run's first group is RUN_DELIVERY_STEPS rounds and the later
     ones wait until the last is self_decode_group_ms ago (at most RUN_DELIVERY_STEPS_MOST rounds);
     0 keeps every group at RUN_DELIVERY_STEPS, and so does a session-open that asks for 0 (a front
-    end that matches stop strings in the text). The output is the same. (The groups are counted
+    end that matches stop strings in the text); the largest a session-open can carry is the
+    verifier's own setting. The output is the same. (The groups are counted
     as the scorer hands them over: a loop that lags behind may decide two of them together.)"""
     monkeypatch.setattr(selfdecode, "speculation_length", lambda *_, **__: 0)
     pair.first.settings = dataclasses.replace(pair.first.settings, self_decode_group_ms=group_ms)
     groups = _hand_overs(monkeypatch)
     await _decode_long(pair, tiny_loaded, group_ms=asked_ms)
     assert sum(groups) == LONG_MAX_NEW
-    if group_ms and asked_ms is None:
+    if group_ms and (asked_ms is None or asked_ms >= group_ms):
         assert groups[1] == RUN_DELIVERY_STEPS and max(groups) == RUN_DELIVERY_STEPS_MOST
     else:
         assert max(groups) == RUN_DELIVERY_STEPS
